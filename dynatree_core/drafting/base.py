@@ -1,0 +1,188 @@
+"""The policy protocol, its parameter registry, and the draft model session policies call.
+
+A policy turns a `DraftRequest` into a `DraftTree`. It never touches the target, caches or
+masks directly: it asks the `Drafter` for the draft distributions of a whole tree level at
+once (`drafter.expand(tree, nodes)`, one draft forward), and records for every node why it was
+pruned or not expanded. `observe(outcome)` lets adaptive policies learn from verification.
+
+Each policy declares its parameters as `Param` specs (name, type, default, range, help). The
+same registry produces the CLI's `--param` validation, `policies --json` and the app's sliders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.tree import DraftTree
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One tunable policy parameter: drives CLI validation and app widgets alike."""
+
+    name: str
+    type: type  # int, float or bool
+    default: Any
+    min: float | None = None
+    max: float | None = None
+    help: str = ""
+    log_scale: bool = False  # a hint for sliders (thresholds span decades)
+
+    def parse(self, raw: Any) -> Any:
+        """Convert and validate a value (from a CLI string, JSON, or a widget)."""
+        try:
+            if self.type is bool:
+                value = raw if isinstance(raw, bool) else _parse_bool(str(raw))
+            elif self.type is int:
+                value = float(raw) if isinstance(raw, str) else raw
+                if isinstance(value, float) and not value.is_integer():
+                    raise ValueError
+                value = int(value)
+            else:
+                value = float(raw)
+        except (TypeError, ValueError, OverflowError):
+            raise DynaTreeError(f"parameter {self.name}: {raw!r} is not a valid {self.type.__name__}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise DynaTreeError(f"parameter {self.name}: {raw!r} is not a finite number")
+        if self.type is not bool:
+            if self.min is not None and value < self.min or self.max is not None and value > self.max:
+                raise DynaTreeError(f"parameter {self.name}={value} is out of range [{self.min}, {self.max}]")
+        return value
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "type": self.type.__name__, "default": self.default,
+                "min": self.min, "max": self.max, "help": self.help, "log_scale": self.log_scale}
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+class Drafter:
+    """The draft model for one run: its own KV cache, expanded one tree level per forward.
+
+    Cache layout during an iteration: [committed tokens (root last)] [tree nodes, level by level].
+    Siblings never share mutable state: every node has its own cache slot and sees only its
+    ancestors through the mask.
+    """
+
+    def __init__(self, model: torch.nn.Module, prompt_ids: list[int], vocab_size: int):
+        self.kv = KVState(model, prompt_ids)
+        self.vocab_size = vocab_size
+        self.slots: dict[int, int] = {}  # node id -> cache index, for the current tree
+        self.committed = 0  # cache entries that are committed tokens
+
+    @property
+    def forwards(self) -> int:
+        return self.kv.forwards
+
+    def expand(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        """Draft log-probabilities for the children of `nodes`, in one forward.
+
+        `nodes` is either [0] (the root: runs the pending committed tokens, root last) or a
+        list of verified nodes whose parents were expanded earlier in this iteration.
+        Returns: (len(nodes), vocab) float32 log-probabilities.
+        """
+        kv = self.kv
+        if nodes == [0]:
+            self.slots = {}
+            chain = kv.pending
+            visible = chain_then_tree_visibility(kv.length, len(chain), torch.zeros(0, 0, dtype=torch.bool))
+            logits = kv.forward(chain, list(range(kv.length, kv.length + len(chain))), visible, 1)
+            kv.pending = []
+            self.committed = kv.length
+            self.slots[0] = kv.length - 1
+        else:
+            q = len(nodes)
+            visible = torch.zeros(q, kv.length + q, dtype=torch.bool)
+            visible[:, : self.committed] = True
+            for i, node in enumerate(nodes):
+                for anc in tree.path(node)[1:-1]:  # the root is among the committed tokens
+                    visible[i, self.slots[anc]] = True
+                visible[i, kv.length + i] = True
+            positions = [self.committed - 1 + tree.depths[n] for n in nodes]
+            start = kv.length
+            logits = kv.forward([tree.tokens[n] for n in nodes], positions, visible, q)
+            self.slots.update({n: start + i for i, n in enumerate(nodes)})
+        return torch.log_softmax(logits[:, : self.vocab_size], dim=-1)
+
+    def commit(self, tree: DraftTree, accepted: list[int], new_tokens: list[int]) -> None:
+        """Keep the accepted nodes' KV (compaction); tokens without draft KV become pending."""
+        if 0 not in self.slots:  # the draft did not run this iteration
+            self.kv.pending.extend(new_tokens)
+            return
+        cached = []
+        for node in accepted:
+            if node not in self.slots:
+                break
+            cached.append(self.slots[node])
+        self.kv.keep(list(range(self.committed)) + cached)
+        self.kv.pending = list(new_tokens[len(cached):])
+        self.slots = {}
+
+
+@dataclasses.dataclass
+class DraftRequest:
+    """What the engine hands a policy each iteration."""
+
+    root_token: int
+    max_depth: int  # deepest level that max_new_tokens and the context window allow
+    drafter: Drafter | None
+
+
+class Policy:
+    """Base class of drafting policies. Subclasses set `name`, `params`, and `draft`."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    params: ClassVar[tuple[Param, ...]] = ()
+    needs_draft_model: ClassVar[bool] = True
+
+    def __init__(self, **values: Any):
+        specs = {p.name: p for p in self.params}
+        unknown = set(values) - set(specs)
+        if unknown:
+            valid = ", ".join(specs) or "none"
+            raise DynaTreeError(
+                f"policy {self.name!r} has no parameter {', '.join(sorted(unknown))} (valid: {valid})"
+            )
+        self.config = {p.name: p.parse(values.get(p.name, p.default)) for p in self.params}
+
+    def draft(self, request: DraftRequest) -> DraftTree:
+        raise NotImplementedError
+
+    def observe(self, outcome: Any) -> None:
+        """Called after each verification; adaptive policies override it."""
+
+    @classmethod
+    def describe(cls) -> dict:
+        return {"name": cls.name, "summary": cls.summary, "needs_draft_model": cls.needs_draft_model,
+                "params": [p.to_dict() for p in cls.params]}
+
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register_policy(cls: type[Policy]) -> type[Policy]:
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def make_policy(name: str, values: dict[str, Any] | None = None) -> Policy:
+    """Instantiate a registered policy by name, validating its parameters."""
+    import dynatree_core.drafting  # noqa: F401  (registers the built-in policies)
+
+    if name not in POLICIES:
+        raise DynaTreeError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")
+    return POLICIES[name](**(values or {}))

@@ -1,0 +1,100 @@
+"""Static-shape policies: `ar` (no draft), `linear` (a chain) and `fixed_tree` (DynaTree base).
+
+fixed_tree follows DynaTree (dynatree-adaptive-pruning.md §3.3, Algorithm 1): expand the top-B
+children of every frontier node, one level per draft forward, up to depth D; prune a node whose
+cumulative draft log-probability is below log(tau) (Alg. 1 lines 17-19); stop adding nodes at
+the node budget N_max (lines 12 and 22). Two deliberate differences, both documented in the
+README: our root is the last committed token (the paper's root u0 is the draft's top-1 token,
+which equals our depth-1 with B=1), and within a level candidates are admitted in order of
+cumulative probability, so the budget keeps the most probable nodes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dynatree_core.drafting.base import DraftRequest, Param, Policy, register_policy
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.tree import DraftTree, Reason, Status
+
+
+@register_policy
+class Autoregressive(Policy):
+    name = "ar"
+    summary = "Target only, one token per forward (our own loop; the reference for speedups)"
+    needs_draft_model = False
+
+    def draft(self, request: DraftRequest) -> DraftTree:
+        tree = DraftTree.with_root(request.root_token)
+        tree.mark_leaf(0, "no_draft")
+        return tree
+
+
+def grow_topk_tree(request: DraftRequest, *, depth: int, branch: int, tau: float, budget: int) -> DraftTree:
+    """Level-by-level top-B expansion with threshold pruning and a node budget (Alg. 1)."""
+    if request.drafter is None:
+        raise DynaTreeError("this policy needs a draft model")
+    tree = DraftTree.with_root(request.root_token)
+    depth_cap = min(depth, request.max_depth)
+    if depth_cap <= 0:
+        tree.mark_leaf(0, Reason.LENGTH_LIMIT)
+        return tree
+    log_tau = math.log(tau) if tau > 0 else -math.inf
+    frontier, drafted = [0], 0
+    for level in range(depth_cap):
+        logp = request.drafter.expand(tree, frontier)  # ONE draft forward for the whole level
+        top_lp, top_tok = logp.topk(branch, dim=-1)
+        candidates = []
+        for row, node in enumerate(frontier):
+            tree.mark_expanded(node)
+            for lp, tok in zip(top_lp[row].tolist(), top_tok[row].tolist()):
+                candidates.append((tree.cum_logp[node] + lp, node, tok, lp))
+        candidates.sort(key=lambda c: -c[0])
+        frontier = []
+        for cum, parent, tok, lp in candidates:
+            if cum < log_tau:  # Alg. 1 line 17: cumulative log-probability below log(tau)
+                tree.add(parent, tok, lp, status=Status.PRUNED, reason=Reason.THRESHOLD)
+            elif drafted >= budget:  # Alg. 1 line 22: node budget reached
+                tree.add(parent, tok, lp, status=Status.PRUNED, reason=Reason.BUDGET)
+            else:
+                frontier.append(tree.add(parent, tok, lp))
+                drafted += 1
+        if not frontier:
+            break
+        if drafted >= budget and level + 1 < depth_cap:
+            for node in frontier:
+                tree.mark_leaf(node, Reason.BUDGET)
+            break
+        if level + 1 == depth_cap:
+            why = Reason.DEPTH_LIMIT if depth_cap == depth else Reason.LENGTH_LIMIT
+            for node in frontier:
+                tree.mark_leaf(node, why)
+    return tree
+
+
+@register_policy
+class Linear(Policy):
+    name = "linear"
+    summary = "A single chain of K greedy draft tokens (classic speculative decoding)"
+    params = (Param("k", int, 5, 1, 32, "Draft tokens per iteration (chain length)"),)
+
+    def draft(self, request: DraftRequest) -> DraftTree:
+        k = self.config["k"]
+        return grow_topk_tree(request, depth=k, branch=1, tau=0.0, budget=k)
+
+
+@register_policy
+class FixedTree(Policy):
+    name = "fixed_tree"
+    summary = "DynaTree base: top-B branching to depth D, threshold pruning, node budget"
+    params = (
+        Param("depth", int, 6, 1, 16, "Maximum tree depth D (draft levels per iteration)"),
+        Param("branch", int, 2, 1, 8, "Children per expanded node B (top-B of the draft)"),
+        Param("tau", float, 0.03, 0.0, 1.0,
+              "Prune a node when its cumulative draft probability is below tau", log_scale=True),
+        Param("budget", int, 32, 1, 256, "Node budget N_max: most drafted nodes sent to the target"),
+    )
+
+    def draft(self, request: DraftRequest) -> DraftTree:
+        c = self.config
+        return grow_topk_tree(request, depth=c["depth"], branch=c["branch"], tau=c["tau"], budget=c["budget"])

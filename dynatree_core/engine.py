@@ -1,0 +1,164 @@
+"""The decoding loop: draft -> verify -> commit -> observe, one record per iteration.
+
+Each iteration sends the root (the last committed token, plus any committed tokens the target
+has not seen yet, i.e. the prompt on the first iteration) and every verified draft node to the
+target in ONE forward, with an ancestor mask and position ids = root position + depth. The
+accepted path keeps the KV that forward computed (compaction); the bonus token becomes the next
+root. The draft keeps its own cache in sync the same way. Per-run state lives here, never on
+the (possibly shared) model objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable, Iterator
+
+import psutil
+import torch
+
+from dynatree_core.drafting.base import Drafter, DraftRequest, Policy
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.metrics import summarize
+from dynatree_core.trace import IterationRecord, RunResult
+from dynatree_core.verify.greedy import verify_greedy
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    max_new_tokens: int = 64
+    eos_token_ids: frozenset[int] = frozenset()
+    context_length: int | None = None  # defaults to the target's max positions
+    order: str = "bfs"  # node order sent to the target: bfs or dfs
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":  # CUDA is asynchronous: wait for queued kernels first
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    head = model.get_output_embeddings()
+    return head.weight.shape[0] if head is not None else model.config.vocab_size
+
+
+def context_length_of(model: torch.nn.Module) -> int:
+    cfg = model.config
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def cut(tokens: list[int], remaining: int, eos: Iterable[int]) -> tuple[list[int], str | None]:
+    """Truncate an iteration's tokens at the first EOS (kept) and at the token budget."""
+    eos = set(eos)
+    for i, tok in enumerate(tokens):
+        if tok in eos:
+            return tokens[: i + 1], "eos"
+    if len(tokens) >= remaining:
+        return tokens[:remaining], "max_new_tokens"
+    return tokens, None
+
+
+def decode(target: torch.nn.Module, prompt_ids: list[int], policy: Policy, *,
+           draft: torch.nn.Module | None = None, config: DecodeConfig = DecodeConfig()) -> Iterator[IterationRecord]:
+    """Run speculative decoding, yielding one IterationRecord per iteration (one target forward)."""
+    if not prompt_ids:
+        raise DynaTreeError("the prompt is empty")
+    ctx = config.context_length or context_length_of(target)
+    if len(prompt_ids) >= ctx:
+        raise DynaTreeError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {ctx}")
+    if policy.needs_draft_model and draft is None:
+        raise DynaTreeError(f"policy {policy.name!r} needs a draft model")
+    device = target.get_input_embeddings().weight.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    target_kv = KVState(target, prompt_ids)
+    drafter = None
+    if policy.needs_draft_model:
+        drafter = Drafter(draft, prompt_ids, min(vocab_size(draft), vocab_size(target)))
+    committed = list(prompt_ids)
+    with torch.inference_mode():
+        for index in range(config.max_new_tokens):  # each iteration commits >= 1 token
+            remaining = config.max_new_tokens - (len(committed) - len(prompt_ids))
+            room = ctx - len(committed)  # positions left for new tokens
+            if remaining <= 0 or room <= 0:
+                return
+            record = _iteration(index, target_kv, drafter, policy, committed, min(remaining, room), config, device)
+            committed.extend(record.committed)
+            if record.stop is None and ctx - len(committed) <= 0:
+                record.stop = "context_limit"
+            yield record
+            if record.stop is not None:
+                return
+
+
+def _iteration(index: int, target_kv: KVState, drafter: Drafter | None, policy: Policy,
+               committed: list[int], budget: int, config: DecodeConfig, device: torch.device) -> IterationRecord:
+    """One draft -> verify -> commit step. `budget`: tokens this iteration may commit."""
+    t0 = _clock(device)
+    draft_forwards = drafter.forwards if drafter else 0
+    tree = policy.draft(DraftRequest(committed[-1], budget - 1, drafter))  # bonus needs 1 slot
+    draft_forwards = (drafter.forwards if drafter else 0) - draft_forwards
+    t1 = _clock(device)
+    order = tree.order(config.order)
+    ancestors = tree.ancestor_mask(order)  # (n, n) bool, root first
+    past, chain = target_kv.length, target_kv.pending
+    visible = chain_then_tree_visibility(past, len(chain), ancestors[1:, 1:])
+    root_pos = len(committed) - 1
+    positions = list(range(past, past + len(chain))) + tree.position_ids(order[1:], root_pos)
+    tokens = chain + [tree.tokens[n] for n in order[1:]]
+    t2 = _clock(device)
+    logits = target_kv.forward(tokens, positions, visible, logits_to_keep=len(order))  # ONE forward
+    t3 = _clock(device)
+    outcome = verify_greedy(tree, order, logits)
+    new_tokens, stop = cut([tree.tokens[n] for n in outcome.accepted] + [outcome.bonus_token], budget,
+                           config.eos_token_ids)
+    _commit(target_kv, drafter, tree, outcome.accepted, order, past + len(chain) - 1, new_tokens)
+    policy.observe(outcome)
+    t4 = _clock(device)
+    record = IterationRecord(
+        index=index, tree=tree, order=order,
+        mask=["".join("1" if v else "0" for v in row) for row in ancestors.tolist()],
+        position_ids=tree.position_ids(order, root_pos), prefix_len=root_pos, chain_len=len(chain),
+        accepted=outcome.accepted[: len(new_tokens)],
+        bonus_token=outcome.bonus_token if len(new_tokens) > len(outcome.accepted) else None,
+        committed=new_tokens, target_tokens=outcome.target_tokens, draft_forwards=draft_forwards,
+        draft_ms=(t1 - t0) * 1e3, verify_ms=(t3 - t2) * 1e3, commit_ms=(t4 - t3) * 1e3,
+        overhead_ms=0.0, memory_mb=_memory_mb(device), stop=stop,
+    )
+    record.overhead_ms = (t2 - t1 + _clock(device) - t4) * 1e3
+    return record
+
+
+def _commit(target_kv: KVState, drafter: Drafter | None, tree, accepted: list[int], order: list[int],
+            root_slot: int, new_tokens: list[int]) -> None:
+    """Keep the KV of the committed prefix and accepted nodes; the last new token is the next root."""
+    row = {node: i for i, node in enumerate(order)}
+    in_cache = accepted[: len(new_tokens) - 1]
+    target_kv.keep(list(range(root_slot + 1)) + [root_slot + row[n] for n in in_cache])
+    target_kv.pending = [new_tokens[-1]]
+    if drafter is not None:
+        drafter.commit(tree, in_cache, new_tokens)
+
+
+def generate(target: torch.nn.Module, prompt_ids: list[int], policy: Policy, *,
+             draft: torch.nn.Module | None = None, config: DecodeConfig = DecodeConfig(),
+             tokenizer=None) -> RunResult:
+    """Run `decode` to the end and reduce its records to a RunResult."""
+    records = list(decode(target, prompt_ids, policy, draft=draft, config=config))
+    token_ids = [t for r in records for t in r.committed]
+    text = tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else ""
+    device = target.get_input_embeddings().weight.device
+    return summarize(records, policy=policy.name, params=policy.config, text=text, prompt_ids=prompt_ids,
+                     target_forwards=len(records), device=str(device), dtype=str(target.dtype).removeprefix("torch."))

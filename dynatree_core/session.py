@@ -1,0 +1,61 @@
+"""Glue shared by the CLI and the app: resolve a model pair and encode prompts.
+
+Keeps the rules in one place: which draft the embedded target uses, the tokenizer check, and
+how a prompt (plain or chat) becomes token ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.models import EMBEDDED, PRESETS, LoadedModel, check_tokenizers_compatible, load_model
+
+
+@dataclasses.dataclass
+class ModelPair:
+    target: LoadedModel
+    draft: LoadedModel | None
+    draft_is_stand_in: bool = False
+
+
+def default_draft_for(target_spec: str) -> str | None:
+    for preset in PRESETS.values():
+        if preset.target == target_spec:
+            return preset.draft
+    return None
+
+
+def load_pair(target_spec: str = EMBEDDED, draft_spec: str | None = None, *, device: str = "auto",
+              dtype: str = "auto", need_draft: bool = True) -> ModelPair:
+    """Load target and draft. Without a draft spec, use the preset's draft, else the target
+    itself as a stand-in (correct but never faster; a warning says so)."""
+    target = load_model(target_spec, device=device, dtype=dtype)
+    if not need_draft:
+        return ModelPair(target, None)
+    draft_spec = draft_spec or default_draft_for(target_spec)
+    if draft_spec is None or draft_spec == target_spec:
+        warnings.warn(
+            f"no draft model for {target_spec!r}: using the target itself as a stand-in draft "
+            "(outputs stay exact, but nothing gets faster)",
+            stacklevel=2,
+        )
+        return ModelPair(target, target, draft_is_stand_in=True)
+    draft = load_model(draft_spec, device=str(target.device), dtype=dtype)
+    check_tokenizers_compatible(target, draft)
+    return ModelPair(target, draft)
+
+
+def encode_prompt(tokenizer, text: str, *, chat: bool) -> list[int]:
+    """Token ids for a prompt. Chat mode applies the tokenizer's chat template."""
+    if text is None or not text.strip():
+        raise DynaTreeError("the prompt is empty")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise DynaTreeError("this model has no chat template: turn chat mode off")
+        encoded = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return list(encoded["input_ids"])
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])

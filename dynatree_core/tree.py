@@ -1,0 +1,200 @@
+"""DraftTree: the token tree one drafting step proposes, with the reason behind every node.
+
+Node 0 is the root: the last committed token (depth 0), not a draft. Every other node is a
+drafted token with its parent, depth, draft log-probability and cumulative (path) log-probability.
+Each node has a status:
+
+  kept          verified by the target and expanded by the draft (an inner node)
+  not_expanded  verified by the target, but its children were never drafted (a leaf); `reason`
+                says why (depth limit, node budget, ...)
+  pruned        proposed by the draft but not sent to the target; `reason` says why
+                (probability threshold, node budget, ...)
+
+Kept and not_expanded nodes are the *verified* nodes. Ancestors of a verified node are always
+verified, so the verified nodes form a tree rooted at node 0. This module knows nothing about
+models or caches: it holds integers and floats and builds masks and orders from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from enum import Enum
+
+import torch
+
+
+class Status(str, Enum):
+    KEPT = "kept"
+    NOT_EXPANDED = "not_expanded"
+    PRUNED = "pruned"
+
+
+class Reason(str, Enum):
+    """Why a node was pruned or not expanded. Policies may add their own strings."""
+
+    THRESHOLD = "threshold"  # cumulative draft probability below tau (DynaTree Eq. in §3.3)
+    BUDGET = "budget"  # node budget N_max reached
+    DEPTH_LIMIT = "depth_limit"  # reached the policy's maximum depth
+    LENGTH_LIMIT = "length_limit"  # max_new_tokens or the context window leaves no room
+    BRANCH_LIMIT = "branch_limit"  # not among the top-B children of its parent
+
+
+@dataclasses.dataclass
+class DraftTree:
+    """A draft token tree. Node ids are insertion order; parents always precede children."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    parents: list[int] = dataclasses.field(default_factory=list)
+    depths: list[int] = dataclasses.field(default_factory=list)
+    logp: list[float] = dataclasses.field(default_factory=list)
+    cum_logp: list[float] = dataclasses.field(default_factory=list)
+    status: list[Status] = dataclasses.field(default_factory=list)
+    reason: list[str | None] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def with_root(cls, root_token: int) -> DraftTree:
+        tree = cls()
+        tree._append(root_token, -1, 0, 0.0, 0.0, Status.NOT_EXPANDED, Reason.DEPTH_LIMIT.value)
+        return tree
+
+    def _append(self, token, parent, depth, logp, cum, status, reason) -> int:
+        self.tokens.append(int(token))
+        self.parents.append(int(parent))
+        self.depths.append(int(depth))
+        self.logp.append(float(logp))
+        self.cum_logp.append(float(cum))
+        self.status.append(Status(status))
+        self.reason.append(None if reason is None else str(getattr(reason, "value", reason)))
+        return len(self.tokens) - 1
+
+    def add(self, parent: int, token: int, logp: float, *, status: Status = Status.NOT_EXPANDED,
+            reason: str | Reason | None = Reason.DEPTH_LIMIT) -> int:
+        """Add a child of `parent`. New verified nodes start as leaves until expanded."""
+        if self.status[parent] == Status.PRUNED:
+            raise ValueError(f"cannot add a child under pruned node {parent}")
+        if status == Status.PRUNED and reason is None:
+            raise ValueError("a pruned node needs a reason")
+        return self._append(token, parent, self.depths[parent] + 1, logp,
+                            self.cum_logp[parent] + logp, status, reason)
+
+    def mark_expanded(self, node: int) -> None:
+        self.status[node] = Status.KEPT
+        self.reason[node] = None
+
+    def mark_leaf(self, node: int, reason: str | Reason) -> None:
+        """A verified node whose children will not be drafted, and why."""
+        self.status[node] = Status.NOT_EXPANDED
+        self.reason[node] = str(getattr(reason, "value", reason))
+
+    def prune(self, node: int, reason: str | Reason) -> None:
+        """Withdraw a node (and any descendants) from verification."""
+        for n in [node, *self.descendants(node)]:
+            self.status[n] = Status.PRUNED
+            self.reason[n] = str(getattr(reason, "value", reason))
+
+    # ----- queries -------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def is_verified(self, node: int) -> bool:
+        return self.status[node] != Status.PRUNED
+
+    @property
+    def num_drafted(self) -> int:
+        """Verified nodes other than the root: what the node budget counts."""
+        return sum(self.is_verified(i) for i in range(1, len(self)))
+
+    @property
+    def max_depth(self) -> int:
+        return max((d for i, d in enumerate(self.depths) if self.is_verified(i)), default=0)
+
+    def children(self, node: int, *, verified_only: bool = True) -> list[int]:
+        return [i for i, p in enumerate(self.parents)
+                if p == node and (not verified_only or self.is_verified(i))]
+
+    def descendants(self, node: int) -> list[int]:
+        out, stack = [], [node]
+        while stack:
+            kids = self.children(stack.pop(), verified_only=False)
+            out.extend(kids)
+            stack.extend(kids)
+        return out
+
+    def path(self, node: int) -> list[int]:
+        """Node ids from the root to `node`, both included."""
+        out = [node]
+        while self.parents[out[-1]] >= 0:
+            out.append(self.parents[out[-1]])
+        return out[::-1]
+
+    def frontier(self, depth: int) -> list[int]:
+        """Verified nodes at `depth`, most probable path first."""
+        nodes = [i for i, d in enumerate(self.depths) if d == depth and self.is_verified(i)]
+        return sorted(nodes, key=lambda i: -self.cum_logp[i])
+
+    # ----- orders, masks, positions ---------------------------------------------------------
+    def order(self, kind: str = "bfs") -> list[int]:
+        """Verified node ids, root first, parents before children.
+
+        bfs: by depth, then by cumulative probability (most probable first).
+        dfs: pre-order, children visited most probable first.
+        """
+        verified = [i for i in range(len(self)) if self.is_verified(i)]
+        if kind == "bfs":
+            return sorted(verified, key=lambda i: (self.depths[i], -self.cum_logp[i], i))
+        if kind == "dfs":
+            out, stack = [], [0]
+            while stack:
+                node = stack.pop()
+                out.append(node)
+                kids = sorted(self.children(node), key=lambda i: (-self.cum_logp[i], i))
+                stack.extend(reversed(kids))
+            return out
+        raise ValueError(f"unknown order {kind!r} (bfs or dfs)")
+
+    def ancestor_mask(self, order: list[int]) -> torch.Tensor:
+        """(n, n) bool: entry [i, j] is True when order[j] is order[i] or one of its ancestors."""
+        index = {node: i for i, node in enumerate(order)}
+        mask = torch.zeros(len(order), len(order), dtype=torch.bool)
+        for i, node in enumerate(order):
+            while node >= 0:
+                mask[i, index[node]] = True
+                node = self.parents[node]
+        return mask
+
+    def position_ids(self, order: list[int], root_position: int) -> list[int]:
+        """RoPE/absolute positions: the root's position plus the node's depth."""
+        return [root_position + self.depths[n] for n in order]
+
+    # ----- serialisation ----------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "tokens": self.tokens, "parents": self.parents, "depths": self.depths,
+            "logp": [_finite(x) for x in self.logp], "cum_logp": [_finite(x) for x in self.cum_logp],
+            "status": [s.value for s in self.status], "reason": self.reason,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DraftTree:
+        n = len(data["tokens"])
+        fields = ("parents", "depths", "logp", "cum_logp", "status", "reason")
+        if any(len(data[f]) != n for f in fields):
+            raise ValueError("tree fields have different lengths")
+        tree = cls(
+            tokens=[int(t) for t in data["tokens"]], parents=[int(p) for p in data["parents"]],
+            depths=[int(d) for d in data["depths"]],
+            logp=[float(x) if x is not None else -math.inf for x in data["logp"]],
+            cum_logp=[float(x) if x is not None else -math.inf for x in data["cum_logp"]],
+            status=[Status(s) for s in data["status"]],
+            reason=[None if r is None else str(r) for r in data["reason"]],
+        )
+        for i, p in enumerate(tree.parents):
+            if (i == 0) != (p == -1) or p >= i:
+                raise ValueError(f"node {i} has invalid parent {p}")
+        return tree
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no -inf: store it as null."""
+    return None if math.isinf(x) or math.isnan(x) else x
