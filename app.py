@@ -32,20 +32,27 @@ for p in cls.params:
     if p.type is int:
         values[p.name] = st.slider(p.name, int(p.min), int(p.max), int(p.default), help=p.help)
     elif p.type is float:
-        values[p.name] = st.number_input(p.name, float(p.min), float(p.max), float(p.default), help=p.help,
-                                         format="%.4f")
+        values[p.name] = st.number_input(
+            p.name, float(p.min), float(p.max), float(p.default), help=p.help, format="%.4f"
+        )
 max_new = st.slider("Max new tokens", 1, 256, 48)
 
 if st.button("Generate", type="primary"):
     try:
         pair = cached_pair("embedded", "auto", "auto")
         ids = encode_prompt(pair.target.tokenizer, prompt, chat=True)
-        config = DecodeConfig(max_new_tokens=max_new, eos_token_ids=pair.target.eos_token_ids,
-                              context_length=pair.target.context_length)
+        config = DecodeConfig(
+            max_new_tokens=max_new, eos_token_ids=pair.target.eos_token_ids, context_length=pair.target.context_length
+        )
         with st.spinner("Decoding..."):
-            result = generate(pair.target.model, ids, make_policy(policy_name, values),
-                              draft=pair.draft.model if pair.draft else None, config=config,
-                              tokenizer=pair.target.tokenizer)
+            result = generate(
+                pair.target.model,
+                ids,
+                make_policy(policy_name, values),
+                draft=pair.draft.model if pair.draft else None,
+                config=config,
+                tokenizer=pair.target.tokenizer,
+            )
     except DynaTreeError as exc:
         st.error(str(exc))
     else:
@@ -57,8 +64,18 @@ if st.button("Generate", type="primary"):
         cols[1].metric("Acceptance", f"{result.acceptance_rate:.0%}")
         cols[2].metric("Tokens / s", f"{result.throughput_tps:.1f}")
         cols[3].metric("Iterations", result.iterations)
-        st.dataframe(pd.DataFrame([
-            {"iteration": r.index, "drafted": r.drafted, "accepted": len(r.accepted),
-             "committed": len(r.committed), "draft_ms": r.draft_ms, "verify_ms": r.verify_ms}
-            for r in result.records
-        ]))
+        st.dataframe(
+            pd.DataFrame(
+                [
+                    {
+                        "iteration": r.index,
+                        "drafted": r.drafted,
+                        "accepted": len(r.accepted),
+                        "committed": len(r.committed),
+                        "draft_ms": r.draft_ms,
+                        "verify_ms": r.verify_ms,
+                    }
+                    for r in result.records
+                ]
+            )
+        )

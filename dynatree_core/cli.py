@@ -99,14 +99,23 @@ def cmd_generate(args) -> None:
         raise DynaTreeError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     policy = make_policy(args.policy, _parse_params(args.param))  # validate before loading models
     torch.manual_seed(args.seed)
-    pair = load_pair(args.target, args.draft, device=args.device, dtype=args.dtype,
-                     need_draft=policy.needs_draft_model)
+    pair = load_pair(args.target, args.draft, device=args.device, dtype=args.dtype, need_draft=policy.needs_draft_model)
     target = pair.target
     prompt_ids = encode_prompt(target.tokenizer, prompt, chat=args.chat)
-    config = DecodeConfig(max_new_tokens=args.max_new_tokens, eos_token_ids=target.eos_token_ids,
-                          context_length=target.context_length, order=args.order)
-    result = generate(target.model, prompt_ids, policy, draft=pair.draft.model if pair.draft else None,
-                      config=config, tokenizer=target.tokenizer)
+    config = DecodeConfig(
+        max_new_tokens=args.max_new_tokens,
+        eos_token_ids=target.eos_token_ids,
+        context_length=target.context_length,
+        order=args.order,
+    )
+    result = generate(
+        target.model,
+        prompt_ids,
+        policy,
+        draft=pair.draft.model if pair.draft else None,
+        config=config,
+        tokenizer=target.tokenizer,
+    )
     if args.json:
         print(result.to_json(with_records=args.trace))
         return

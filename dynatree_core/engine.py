@@ -65,13 +65,17 @@ def cut(tokens: list[int], remaining: int, eos: Iterable[int]) -> tuple[list[int
     for i, tok in enumerate(tokens):
         if tok in eos:
             return tokens[: i + 1], "eos"
-    if len(tokens) >= remaining:
-        return tokens[:remaining], "max_new_tokens"
-    return tokens, None
+    return tokens[:remaining], None
 
 
-def decode(target: torch.nn.Module, prompt_ids: list[int], policy: Policy, *,
-           draft: torch.nn.Module | None = None, config: DecodeConfig = DecodeConfig()) -> Iterator[IterationRecord]:
+def decode(
+    target: torch.nn.Module,
+    prompt_ids: list[int],
+    policy: Policy,
+    *,
+    draft: torch.nn.Module | None = None,
+    config: DecodeConfig = DecodeConfig(),
+) -> Iterator[IterationRecord]:
     """Run speculative decoding, yielding one IterationRecord per iteration (one target forward)."""
     if not prompt_ids:
         raise DynaTreeError("the prompt is empty")
@@ -96,15 +100,25 @@ def decode(target: torch.nn.Module, prompt_ids: list[int], policy: Policy, *,
                 return
             record = _iteration(index, target_kv, drafter, policy, committed, min(remaining, room), config, device)
             committed.extend(record.committed)
-            if record.stop is None and ctx - len(committed) <= 0:
+            if record.stop is None and len(committed) - len(prompt_ids) >= config.max_new_tokens:
+                record.stop = "max_new_tokens"
+            elif record.stop is None and len(committed) >= ctx:
                 record.stop = "context_limit"
             yield record
             if record.stop is not None:
                 return
 
 
-def _iteration(index: int, target_kv: KVState, drafter: Drafter | None, policy: Policy,
-               committed: list[int], budget: int, config: DecodeConfig, device: torch.device) -> IterationRecord:
+def _iteration(
+    index: int,
+    target_kv: KVState,
+    drafter: Drafter | None,
+    policy: Policy,
+    committed: list[int],
+    budget: int,
+    config: DecodeConfig,
+    device: torch.device,
+) -> IterationRecord:
     """One draft -> verify -> commit step. `budget`: tokens this iteration may commit."""
     t0 = _clock(device)
     draft_forwards = drafter.forwards if drafter else 0
@@ -122,27 +136,45 @@ def _iteration(index: int, target_kv: KVState, drafter: Drafter | None, policy: 
     logits = target_kv.forward(tokens, positions, visible, logits_to_keep=len(order))  # ONE forward
     t3 = _clock(device)
     outcome = verify_greedy(tree, order, logits)
-    new_tokens, stop = cut([tree.tokens[n] for n in outcome.accepted] + [outcome.bonus_token], budget,
-                           config.eos_token_ids)
+    new_tokens, stop = cut(
+        [tree.tokens[n] for n in outcome.accepted] + [outcome.bonus_token], budget, config.eos_token_ids
+    )
     _commit(target_kv, drafter, tree, outcome.accepted, order, past + len(chain) - 1, new_tokens)
     policy.observe(outcome)
     t4 = _clock(device)
     record = IterationRecord(
-        index=index, tree=tree, order=order,
+        index=index,
+        tree=tree,
+        order=order,
         mask=["".join("1" if v else "0" for v in row) for row in ancestors.tolist()],
-        position_ids=tree.position_ids(order, root_pos), prefix_len=root_pos, chain_len=len(chain),
+        position_ids=tree.position_ids(order, root_pos),
+        prefix_len=root_pos,
+        chain_len=len(chain),
         accepted=outcome.accepted[: len(new_tokens)],
         bonus_token=outcome.bonus_token if len(new_tokens) > len(outcome.accepted) else None,
-        committed=new_tokens, target_tokens=outcome.target_tokens, draft_forwards=draft_forwards,
-        draft_ms=(t1 - t0) * 1e3, verify_ms=(t3 - t2) * 1e3, commit_ms=(t4 - t3) * 1e3,
-        overhead_ms=0.0, memory_mb=_memory_mb(device), stop=stop,
+        committed=new_tokens,
+        target_tokens=outcome.target_tokens,
+        draft_forwards=draft_forwards,
+        draft_ms=(t1 - t0) * 1e3,
+        verify_ms=(t3 - t2) * 1e3,
+        commit_ms=(t4 - t3) * 1e3,
+        overhead_ms=0.0,
+        memory_mb=_memory_mb(device),
+        stop=stop,
     )
     record.overhead_ms = (t2 - t1 + _clock(device) - t4) * 1e3
     return record
 
 
-def _commit(target_kv: KVState, drafter: Drafter | None, tree, accepted: list[int], order: list[int],
-            root_slot: int, new_tokens: list[int]) -> None:
+def _commit(
+    target_kv: KVState,
+    drafter: Drafter | None,
+    tree,
+    accepted: list[int],
+    order: list[int],
+    root_slot: int,
+    new_tokens: list[int],
+) -> None:
     """Keep the KV of the committed prefix and accepted nodes; the last new token is the next root."""
     row = {node: i for i, node in enumerate(order)}
     in_cache = accepted[: len(new_tokens) - 1]
@@ -152,13 +184,27 @@ def _commit(target_kv: KVState, drafter: Drafter | None, tree, accepted: list[in
         drafter.commit(tree, in_cache, new_tokens)
 
 
-def generate(target: torch.nn.Module, prompt_ids: list[int], policy: Policy, *,
-             draft: torch.nn.Module | None = None, config: DecodeConfig = DecodeConfig(),
-             tokenizer=None) -> RunResult:
+def generate(
+    target: torch.nn.Module,
+    prompt_ids: list[int],
+    policy: Policy,
+    *,
+    draft: torch.nn.Module | None = None,
+    config: DecodeConfig = DecodeConfig(),
+    tokenizer=None,
+) -> RunResult:
     """Run `decode` to the end and reduce its records to a RunResult."""
     records = list(decode(target, prompt_ids, policy, draft=draft, config=config))
     token_ids = [t for r in records for t in r.committed]
     text = tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else ""
     device = target.get_input_embeddings().weight.device
-    return summarize(records, policy=policy.name, params=policy.config, text=text, prompt_ids=prompt_ids,
-                     target_forwards=len(records), device=str(device), dtype=str(target.dtype).removeprefix("torch."))
+    return summarize(
+        records,
+        policy=policy.name,
+        params=policy.config,
+        text=text,
+        prompt_ids=prompt_ids,
+        target_forwards=len(records),
+        device=str(device),
+        dtype=str(target.dtype).removeprefix("torch."),
+    )

@@ -35,8 +35,9 @@ class KVState:
     def device(self) -> torch.device:
         return self.model.get_input_embeddings().weight.device
 
-    def forward(self, token_ids: list[int], position_ids: list[int], visible: torch.Tensor,
-                logits_to_keep: int) -> torch.Tensor:
+    def forward(
+        self, token_ids: list[int], position_ids: list[int], visible: torch.Tensor, logits_to_keep: int
+    ) -> torch.Tensor:
         """One forward over `token_ids`, appended to the cache.
 
         Args:

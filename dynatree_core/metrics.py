@@ -20,9 +20,17 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den else 0.0
 
 
-def summarize(records: list[IterationRecord], *, policy: str, params: dict[str, Any], text: str,
-              prompt_ids: list[int], target_forwards: int, device: str = "cpu",
-              dtype: str = "float32") -> RunResult:
+def summarize(
+    records: list[IterationRecord],
+    *,
+    policy: str,
+    params: dict[str, Any],
+    text: str,
+    prompt_ids: list[int],
+    target_forwards: int,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> RunResult:
     token_ids = [t for r in records for t in r.committed]
     n_iter = len(records)
     accepted = sum(len(r.accepted) for r in records)

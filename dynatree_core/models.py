@@ -22,8 +22,8 @@ import os
 import shutil
 import socket
 import sys
-from urllib.parse import urlparse
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
@@ -198,9 +198,7 @@ def converted_gguf_dir(gguf: Path) -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         print(f"dynatree: converting {gguf.name} to safetensors (first use only)...", file=sys.stderr)
-        quantised = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
+        quantised = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         config = quantised.config
         if hasattr(config, "quantization_config"):  # GGUF-quantised models refuse save_pretrained
@@ -267,9 +265,7 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto") -> Loade
         )
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except torch.OutOfMemoryError as exc:
-        raise DynaTreeError(
-            f"out of memory loading {spec}: try --dtype bfloat16 or a smaller model"
-        ) from exc
+        raise DynaTreeError(f"out of memory loading {spec}: try --dtype bfloat16 or a smaller model") from exc
     except (OSError, ValueError, KeyError) as exc:
         if is_local:
             where = "local directory"

@@ -27,8 +27,14 @@ def default_draft_for(target_spec: str) -> str | None:
     return None
 
 
-def load_pair(target_spec: str = EMBEDDED, draft_spec: str | None = None, *, device: str = "auto",
-              dtype: str = "auto", need_draft: bool = True) -> ModelPair:
+def load_pair(
+    target_spec: str = EMBEDDED,
+    draft_spec: str | None = None,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    need_draft: bool = True,
+) -> ModelPair:
     """Load target and draft. Without a draft spec, use the preset's draft, else the target
     itself as a stand-in (correct but never faster; a warning says so)."""
     target = load_model(target_spec, device=device, dtype=dtype)

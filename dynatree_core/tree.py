@@ -19,18 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from enum import Enum
+from enum import StrEnum
 
 import torch
 
 
-class Status(str, Enum):
+class Status(StrEnum):
     KEPT = "kept"
     NOT_EXPANDED = "not_expanded"
     PRUNED = "pruned"
 
 
-class Reason(str, Enum):
+class Reason(StrEnum):
     """Why a node was pruned or not expanded. Policies may add their own strings."""
 
     THRESHOLD = "threshold"  # cumulative draft probability below tau (DynaTree Eq. in §3.3)
@@ -68,15 +68,21 @@ class DraftTree:
         self.reason.append(None if reason is None else str(getattr(reason, "value", reason)))
         return len(self.tokens) - 1
 
-    def add(self, parent: int, token: int, logp: float, *, status: Status = Status.NOT_EXPANDED,
-            reason: str | Reason | None = Reason.DEPTH_LIMIT) -> int:
+    def add(
+        self,
+        parent: int,
+        token: int,
+        logp: float,
+        *,
+        status: Status = Status.NOT_EXPANDED,
+        reason: str | Reason | None = Reason.DEPTH_LIMIT,
+    ) -> int:
         """Add a child of `parent`. New verified nodes start as leaves until expanded."""
         if self.status[parent] == Status.PRUNED:
             raise ValueError(f"cannot add a child under pruned node {parent}")
         if status == Status.PRUNED and reason is None:
             raise ValueError("a pruned node needs a reason")
-        return self._append(token, parent, self.depths[parent] + 1, logp,
-                            self.cum_logp[parent] + logp, status, reason)
+        return self._append(token, parent, self.depths[parent] + 1, logp, self.cum_logp[parent] + logp, status, reason)
 
     def mark_expanded(self, node: int) -> None:
         self.status[node] = Status.KEPT
@@ -110,8 +116,7 @@ class DraftTree:
         return max((d for i, d in enumerate(self.depths) if self.is_verified(i)), default=0)
 
     def children(self, node: int, *, verified_only: bool = True) -> list[int]:
-        return [i for i, p in enumerate(self.parents)
-                if p == node and (not verified_only or self.is_verified(i))]
+        return [i for i, p in enumerate(self.parents) if p == node and (not verified_only or self.is_verified(i))]
 
     def descendants(self, node: int) -> list[int]:
         out, stack = [], [node]
@@ -170,9 +175,13 @@ class DraftTree:
     # ----- serialisation ----------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {
-            "tokens": self.tokens, "parents": self.parents, "depths": self.depths,
-            "logp": [_finite(x) for x in self.logp], "cum_logp": [_finite(x) for x in self.cum_logp],
-            "status": [s.value for s in self.status], "reason": self.reason,
+            "tokens": self.tokens,
+            "parents": self.parents,
+            "depths": self.depths,
+            "logp": [_finite(x) for x in self.logp],
+            "cum_logp": [_finite(x) for x in self.cum_logp],
+            "status": [s.value for s in self.status],
+            "reason": self.reason,
         }
 
     @classmethod
@@ -182,7 +191,8 @@ class DraftTree:
         if any(len(data[f]) != n for f in fields):
             raise ValueError("tree fields have different lengths")
         tree = cls(
-            tokens=[int(t) for t in data["tokens"]], parents=[int(p) for p in data["parents"]],
+            tokens=[int(t) for t in data["tokens"]],
+            parents=[int(p) for p in data["parents"]],
             depths=[int(d) for d in data["depths"]],
             logp=[float(x) if x is not None else -math.inf for x in data["logp"]],
             cum_logp=[float(x) if x is not None else -math.inf for x in data["cum_logp"]],

@@ -50,14 +50,22 @@ class Param:
             raise DynaTreeError(f"parameter {self.name}: {raw!r} is not a valid {self.type.__name__}") from None
         if isinstance(value, float) and not math.isfinite(value):
             raise DynaTreeError(f"parameter {self.name}: {raw!r} is not a finite number")
-        if self.type is not bool:
-            if self.min is not None and value < self.min or self.max is not None and value > self.max:
-                raise DynaTreeError(f"parameter {self.name}={value} is out of range [{self.min}, {self.max}]")
+        too_low = self.min is not None and value < self.min
+        too_high = self.max is not None and value > self.max
+        if self.type is not bool and (too_low or too_high):
+            raise DynaTreeError(f"parameter {self.name}={value} is out of range [{self.min}, {self.max}]")
         return value
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "type": self.type.__name__, "default": self.default,
-                "min": self.min, "max": self.max, "help": self.help, "log_scale": self.log_scale}
+        return {
+            "name": self.name,
+            "type": self.type.__name__,
+            "default": self.default,
+            "min": self.min,
+            "max": self.max,
+            "help": self.help,
+            "log_scale": self.log_scale,
+        }
 
 
 def _parse_bool(text: str) -> bool:
@@ -128,7 +136,7 @@ class Drafter:
                 break
             cached.append(self.slots[node])
         self.kv.keep(list(range(self.committed)) + cached)
-        self.kv.pending = list(new_tokens[len(cached):])
+        self.kv.pending = list(new_tokens[len(cached) :])
         self.slots = {}
 
 
@@ -154,9 +162,7 @@ class Policy:
         unknown = set(values) - set(specs)
         if unknown:
             valid = ", ".join(specs) or "none"
-            raise DynaTreeError(
-                f"policy {self.name!r} has no parameter {', '.join(sorted(unknown))} (valid: {valid})"
-            )
+            raise DynaTreeError(f"policy {self.name!r} has no parameter {', '.join(sorted(unknown))} (valid: {valid})")
         self.config = {p.name: p.parse(values.get(p.name, p.default)) for p in self.params}
 
     def draft(self, request: DraftRequest) -> DraftTree:
@@ -167,8 +173,12 @@ class Policy:
 
     @classmethod
     def describe(cls) -> dict:
-        return {"name": cls.name, "summary": cls.summary, "needs_draft_model": cls.needs_draft_model,
-                "params": [p.to_dict() for p in cls.params]}
+        return {
+            "name": cls.name,
+            "summary": cls.summary,
+            "needs_draft_model": cls.needs_draft_model,
+            "params": [p.to_dict() for p in cls.params],
+        }
 
 
 POLICIES: dict[str, type[Policy]] = {}

@@ -47,7 +47,7 @@ def grow_topk_tree(request: DraftRequest, *, depth: int, branch: int, tau: float
         candidates = []
         for row, node in enumerate(frontier):
             tree.mark_expanded(node)
-            for lp, tok in zip(top_lp[row].tolist(), top_tok[row].tolist()):
+            for lp, tok in zip(top_lp[row].tolist(), top_tok[row].tolist(), strict=True):
                 candidates.append((tree.cum_logp[node] + lp, node, tok, lp))
         candidates.sort(key=lambda c: -c[0])
         frontier = []
@@ -90,8 +90,15 @@ class FixedTree(Policy):
     params = (
         Param("depth", int, 6, 1, 16, "Maximum tree depth D (draft levels per iteration)"),
         Param("branch", int, 2, 1, 8, "Children per expanded node B (top-B of the draft)"),
-        Param("tau", float, 0.03, 0.0, 1.0,
-              "Prune a node when its cumulative draft probability is below tau", log_scale=True),
+        Param(
+            "tau",
+            float,
+            0.03,
+            0.0,
+            1.0,
+            "Prune a node when its cumulative draft probability is below tau",
+            log_scale=True,
+        ),
         Param("budget", int, 32, 1, 256, "Node budget N_max: most drafted nodes sent to the target"),
     )
 

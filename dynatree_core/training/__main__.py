@@ -24,8 +24,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "gen-data":
         from dynatree_core.training.data import run
 
-        run(args.out, chunks=args.chunks, batch=args.batch, new_tokens=args.new_tokens,
-            temperature=args.temperature, top_p=args.top_p, dtype=args.dtype, threads=args.threads)
+        run(
+            args.out,
+            chunks=args.chunks,
+            batch=args.batch,
+            new_tokens=args.new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            dtype=args.dtype,
+            threads=args.threads,
+        )
 
 
 if __name__ == "__main__":

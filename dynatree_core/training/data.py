@@ -21,13 +21,18 @@ from dynatree_core.training.prompts import sample_prompts
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     if chat:
         msgs = [{"role": "user", "content": text}]
-        return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        return list(
+            tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                "input_ids"
+            ]
+        )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @torch.inference_mode()
-def generate_chunk(model, tokenizer, index: int, *, batch: int, new_tokens: int,
-                   temperature: float, top_p: float) -> dict[str, np.ndarray]:
+def generate_chunk(
+    model, tokenizer, index: int, *, batch: int, new_tokens: int, temperature: float, top_p: float
+) -> dict[str, np.ndarray]:
     """Sample `batch` continuations of seeded prompts; return flat uint16 ids + offsets."""
     torch.manual_seed(1_000_003 * index + 7)
     prompts = [encode_prompt(tokenizer, text, chat) for text, chat in sample_prompts(batch, seed=index)]
@@ -36,14 +41,22 @@ def generate_chunk(model, tokenizer, index: int, *, batch: int, new_tokens: int,
     ids = torch.full((batch, width), pad, dtype=torch.long)
     attn = torch.zeros((batch, width), dtype=torch.long)
     for i, p in enumerate(prompts):  # left padding for batched generation
-        ids[i, width - len(p):] = torch.tensor(p)
-        attn[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        attn[i, width - len(p) :] = 1
     out = model.generate(
-        input_ids=ids, attention_mask=attn, do_sample=True, temperature=temperature, top_p=top_p,
-        max_new_tokens=new_tokens, pad_token_id=pad,
+        input_ids=ids,
+        attention_mask=attn,
+        do_sample=True,
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=new_tokens,
+        pad_token_id=pad,
     )
-    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
-              else [model.generation_config.eos_token_id])
+    eos = set(
+        model.generation_config.eos_token_id
+        if isinstance(model.generation_config.eos_token_id, list)
+        else [model.generation_config.eos_token_id]
+    )
     seqs, prompt_lens = [], []
     for i, p in enumerate(prompts):
         gen = out[i, width:].tolist()
@@ -57,8 +70,17 @@ def generate_chunk(model, tokenizer, index: int, *, batch: int, new_tokens: int,
     return {"ids": np.concatenate(seqs), "offsets": offsets, "prompt_lens": np.asarray(prompt_lens, dtype=np.int32)}
 
 
-def run(out_dir: Path, *, chunks: int, batch: int, new_tokens: int, temperature: float,
-        top_p: float, dtype: str, threads: int | None) -> None:
+def run(
+    out_dir: Path,
+    *,
+    chunks: int,
+    batch: int,
+    new_tokens: int,
+    temperature: float,
+    top_p: float,
+    dtype: str,
+    threads: int | None,
+) -> None:
     from dynatree_core.models import load_model
 
     if threads:
@@ -71,8 +93,9 @@ def run(out_dir: Path, *, chunks: int, batch: int, new_tokens: int, temperature:
     target = load_model("embedded", device="cpu", dtype=dtype)
     for i in todo:
         t0 = time.perf_counter()
-        chunk = generate_chunk(target.model, target.tokenizer, i, batch=batch, new_tokens=new_tokens,
-                               temperature=temperature, top_p=top_p)
+        chunk = generate_chunk(
+            target.model, target.tokenizer, i, batch=batch, new_tokens=new_tokens, temperature=temperature, top_p=top_p
+        )
         tmp = out_dir / f"chunk_{i:05d}.tmp.npz"
         np.savez(tmp, **chunk)
         tmp.rename(out_dir / f"chunk_{i:05d}.npz")

@@ -1,0 +1,112 @@
+"""Shared fixtures: tiny random models of several architectures, built in code (no downloads).
+
+Models run in float64 so that a tree forward and a sequential forward agree to ~1e-15 and an
+argmax can only differ through a logic error, never through a near-tie in rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+VOCAB = 96
+ARCHS = ("llama", "gpt_neox", "qwen2", "gpt2")
+
+
+def _config(arch: str):
+    common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    if arch == "llama":
+        return LlamaForCausalLM, LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            **common,
+        )
+    if arch == "gpt_neox":
+        return GPTNeoXForCausalLM, GPTNeoXConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+            **common,
+        )
+    if arch == "qwen2":
+        return Qwen2ForCausalLM, Qwen2Config(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            **common,
+        )
+    if arch == "gpt2":
+        return GPT2LMHeadModel, GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=512, **common)
+    raise ValueError(arch)
+
+
+@functools.cache
+def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A random tiny model with sharpened logits (scaled LM head) so drafts sometimes agree."""
+    cls, cfg = _config(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.float64).eval()
+    with torch.no_grad():  # sharpen: random models are nearly uniform, real ones are not
+        _final_norm(model).weight.mul_(6.0)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _final_norm(model: torch.nn.Module) -> torch.nn.Module:
+    for path in ("model.norm", "gpt_neox.final_layer_norm", "transformer.ln_f"):
+        module = model
+        try:
+            for part in path.split("."):
+                module = getattr(module, part)
+        except AttributeError:
+            continue
+        return module
+    raise ValueError(f"no final norm found on {type(model).__name__}")
+
+
+@functools.cache
+def noisy_copy(arch: str, noise: float, seed: int = 1) -> torch.nn.Module:
+    """The target with Gaussian noise on every weight: a draft that agrees only part of the time."""
+    target = tiny_model(arch)
+    cls, cfg = _config(arch)
+    draft = cls(cfg).to(torch.float64).eval()
+    draft.load_state_dict(target.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * noise)
+    return draft
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request) -> str:
+    return request.param

@@ -1,0 +1,109 @@
+"""The command line: JSON output schema, and one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dynatree_core.cli import main
+
+RESULT_FIELDS = {
+    "text",
+    "token_ids",
+    "iterations",
+    "new_tokens",
+    "target_forwards",
+    "tokens_per_iteration",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "throughput_tps",
+    "ttft_ms",
+    "tpot_ms",
+    "peak_memory_mb",
+    "draft_ms",
+    "verify_ms",
+    "commit_ms",
+    "overhead_ms",
+    "stop_reason",
+    "policy",
+    "params",
+}
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["generate", "--prompt", ""], "prompt is empty"),
+        (["generate", "--prompt", "   \n\t"], "prompt is empty"),
+        (["generate"], "prompt is empty"),
+        (["generate", "--prompt", "hi", "--policy", "nope"], "unknown policy"),
+        (["generate", "--prompt", "hi", "--param", "depth=99"], "out of range"),
+        (["generate", "--prompt", "hi", "--param", "tau=nan"], "finite"),
+        (["generate", "--prompt", "hi", "--param", "bogus=1"], "no parameter"),
+        (["generate", "--prompt", "hi", "--param", "depth"], "key=value"),
+        (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "at least 1"),
+        (["generate", "--prompt", "hi", "--no-such-flag"], "unrecognized"),
+        (["generate", "--prompt-file", "/nonexistent/prompt.txt"], "cannot read"),
+        (["generate", "--prompt", "hi", "--target", "./no/such/dir"], "not found"),
+        (["generate", "--prompt", "hi", "--target", "someorg/not-a-model"], "cannot load"),
+        (["generate", "--prompt", "hi", "--device", "cuda:7"], "device"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_input_exits_2_with_one_error_line(capsys, argv, needle):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error:") and needle in lines[-1], err
+    assert "Traceback" not in err
+
+
+def test_policies_json_lists_the_registry(capsys):
+    code, out, _ = run_cli(capsys, "policies", "--json")
+    assert code == 0
+    policies = {p["name"]: p for p in json.loads(out)}
+    assert {"ar", "linear", "fixed_tree"} <= set(policies)
+    names = {p["name"] for p in policies["fixed_tree"]["params"]}
+    assert {"depth", "branch", "tau", "budget"} <= names
+
+
+@pytest.mark.slow
+def test_generate_json_fixed_tree_matches_ar_in_a_subprocess():
+    def run(policy: str) -> dict:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dynatree_core",
+                "generate",
+                "--prompt",
+                "Name three primary colors.",
+                "--chat",
+                "--policy",
+                policy,
+                "--max-new-tokens",
+                "24",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert "Traceback" not in proc.stderr
+        return json.loads(proc.stdout)
+
+    tree, ar = run("fixed_tree"), run("ar")
+    assert set(tree) >= RESULT_FIELDS, RESULT_FIELDS - set(tree)
+    assert tree["token_ids"] == ar["token_ids"]
+    assert tree["target_forwards"] == tree["iterations"]
+    assert ar["iterations"] == ar["new_tokens"]

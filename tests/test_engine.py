@@ -1,0 +1,186 @@
+"""Greedy exactness and the engine's structural promises, on tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCHS, hf_greedy, noisy_copy, tiny_model
+
+from dynatree_core.drafting import make_policy
+from dynatree_core.engine import DecodeConfig, decode, generate
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.tree import Status
+
+PROMPTS = ([1, 5, 7, 9, 11], [3], [42, 17, 8, 8, 8, 8, 60, 2, 90, 33, 12, 4])
+POLICIES = (
+    ("linear", {"k": 4}),
+    ("fixed_tree", {}),
+    ("fixed_tree", {"tau": 0.0, "branch": 3, "depth": 5, "budget": 24}),
+    ("fixed_tree", {"tau": 0.1, "branch": 2, "depth": 8, "budget": 6}),
+)
+DRAFTS = ("same", "noisy", "unrelated")
+
+
+def draft_for(arch: str, kind: str) -> torch.nn.Module:
+    if kind == "same":
+        return tiny_model(arch)
+    if kind == "noisy":
+        return noisy_copy(arch, 0.01)
+    return tiny_model(arch, seed=123)
+
+
+@pytest.mark.parametrize("draft_kind", DRAFTS)
+@pytest.mark.parametrize("policy_name,params", POLICIES)
+def test_greedy_output_equals_target_greedy(arch, draft_kind, policy_name, params):
+    target, draft = tiny_model(arch), draft_for(arch, draft_kind)
+    for prompt in PROMPTS:
+        reference = hf_greedy(target, prompt, 30)
+        ar = generate(target, prompt, make_policy("ar"), config=DecodeConfig(max_new_tokens=30))
+        assert ar.token_ids == reference, "our AR loop must equal HF generate(do_sample=False)"
+        result = generate(
+            target, prompt, make_policy(policy_name, params), draft=draft, config=DecodeConfig(max_new_tokens=30)
+        )
+        assert result.token_ids == reference, f"{policy_name} {params} diverged from target greedy"
+
+
+@pytest.mark.parametrize("order", ["bfs", "dfs"])
+def test_node_order_does_not_change_output(order):
+    target, draft = tiny_model("llama"), noisy_copy("llama", 0.01)
+    ref = hf_greedy(target, PROMPTS[0], 25)
+    result = generate(
+        target,
+        PROMPTS[0],
+        make_policy("fixed_tree", {"tau": 0.0}),
+        draft=draft,
+        config=DecodeConfig(max_new_tokens=25, order=order),
+    )
+    assert result.token_ids == ref
+
+
+def _count_forwards(model: torch.nn.Module) -> tuple[list[int], object]:
+    calls: list[int] = []
+    handle = model.register_forward_hook(lambda *_: calls.append(1))
+    return calls, handle
+
+
+@pytest.mark.parametrize("policy_name,params", [("ar", {}), *POLICIES])
+def test_exactly_one_target_forward_per_iteration(policy_name, params):
+    target, draft = tiny_model("qwen2"), noisy_copy("qwen2", 0.01)
+    calls, handle = _count_forwards(target)
+    try:
+        result = generate(
+            target, PROMPTS[0], make_policy(policy_name, params), draft=draft, config=DecodeConfig(max_new_tokens=30)
+        )
+    finally:
+        handle.remove()
+    assert len(calls) == result.iterations == result.target_forwards, "one target forward per iteration"
+
+
+def test_draft_expands_one_level_per_forward():
+    target, draft = tiny_model("llama"), noisy_copy("llama", 0.01)
+    calls, handle = _count_forwards(draft)
+    try:
+        records = list(
+            decode(
+                target,
+                PROMPTS[0],
+                make_policy("fixed_tree", {"tau": 0.0, "branch": 3}),
+                draft=draft,
+                config=DecodeConfig(max_new_tokens=30),
+            )
+        )
+    finally:
+        handle.remove()
+    for r in records:
+        expanded_levels = {r.tree.depths[n] for n in range(len(r.tree)) if r.tree.status[n] == Status.KEPT}
+        assert r.draft_forwards == len(expanded_levels), "one draft forward per expanded level"
+    assert len(calls) == sum(r.draft_forwards for r in records)
+
+
+def test_draft_cache_stays_in_sync_with_a_perfect_draft():
+    """With draft == target, a linear chain of k is accepted in full every iteration; a draft
+    cache out of sync (missing or stale KV) would show up as rejections."""
+    target = tiny_model("gpt_neox")
+    result = generate(
+        target, PROMPTS[2], make_policy("linear", {"k": 4}), draft=target, config=DecodeConfig(max_new_tokens=41)
+    )
+    assert [len(r.committed) for r in result.records] == [5] * 8 + [1]
+    assert result.acceptance_rate == 1.0
+
+
+def test_budget_is_never_exceeded():
+    target, draft = tiny_model("llama"), tiny_model("llama")
+    for budget in (1, 3, 7, 20):
+        policy = make_policy("fixed_tree", {"tau": 0.0, "branch": 4, "depth": 6, "budget": budget})
+        for r in decode(target, PROMPTS[0], policy, draft=draft, config=DecodeConfig(max_new_tokens=20)):
+            assert r.drafted <= budget
+            assert len(r.order) == len(r.mask) == len(r.position_ids) == len(r.target_tokens)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 13])
+def test_max_new_tokens_is_exact(n):
+    target = tiny_model("llama")
+    ref = hf_greedy(target, PROMPTS[0], n)
+    for policy_name, params in POLICIES:
+        result = generate(
+            target, PROMPTS[0], make_policy(policy_name, params), draft=target, config=DecodeConfig(max_new_tokens=n)
+        )
+        assert result.token_ids == ref and result.stop_reason == "max_new_tokens"
+
+
+@pytest.mark.parametrize("policy_name,params", POLICIES)
+def test_eos_inside_the_tree_stops_generation(policy_name, params):
+    target = tiny_model("qwen2")
+    ref = hf_greedy(target, PROMPTS[0], 30)
+    k = 9
+    eos = ref[k]
+    first = ref.index(eos)  # the first occurrence ends generation
+    result = generate(
+        target,
+        PROMPTS[0],
+        make_policy(policy_name, params),
+        draft=target,
+        config=DecodeConfig(max_new_tokens=30, eos_token_ids=frozenset({eos})),
+    )
+    assert result.token_ids == ref[: first + 1]
+    assert result.stop_reason == "eos"
+
+
+def test_context_limit_ends_cleanly():
+    target = tiny_model("llama")
+    prompt = PROMPTS[0]
+    ref = hf_greedy(target, prompt, 7)
+    result = generate(
+        target,
+        prompt,
+        make_policy("fixed_tree", {"tau": 0.0}),
+        draft=target,
+        config=DecodeConfig(max_new_tokens=50, context_length=len(prompt) + 7),
+    )
+    assert result.token_ids == ref and result.stop_reason == "context_limit"
+
+
+def test_bad_inputs_raise_clear_errors():
+    target = tiny_model("llama")
+    with pytest.raises(DynaTreeError, match="empty"):
+        list(decode(target, [], make_policy("ar")))
+    with pytest.raises(DynaTreeError, match="context"):
+        list(decode(target, list(range(20)), make_policy("ar"), config=DecodeConfig(context_length=10)))
+    with pytest.raises(DynaTreeError, match="needs a draft"):
+        list(decode(target, [1, 2], make_policy("linear")))
+
+
+@pytest.mark.parametrize("arch_name", ARCHS)
+def test_records_describe_what_the_target_saw(arch_name):
+    target, draft = tiny_model(arch_name), noisy_copy(arch_name, 0.01)
+    prompt = PROMPTS[0]
+    committed = len(prompt)
+    for r in decode(
+        target, prompt, make_policy("fixed_tree", {"tau": 0.0}), draft=draft, config=DecodeConfig(max_new_tokens=20)
+    ):
+        assert r.prefix_len == committed - 1, "the root sits at the last committed position"
+        assert r.position_ids == [r.prefix_len + r.tree.depths[n] for n in r.order]
+        assert torch.equal(r.mask_matrix(), r.tree.ancestor_mask(r.order))
+        path_tokens = [r.tree.tokens[n] for n in r.accepted]
+        assert r.committed[: len(path_tokens)] == path_tokens
+        committed += len(r.committed)
