@@ -9,7 +9,7 @@ from transformers import PreTrainedTokenizerFast
 
 from dynatree_core.cli import main
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.models import check_tokenizers_compatible, load_model, resolve_dtype, resolve_device
+from dynatree_core.models import check_tokenizers_compatible, load_model, resolve_device, resolve_dtype
 from dynatree_core.session import encode_prompt, load_pair
 
 
@@ -25,7 +25,8 @@ def word_tokenizer(shuffle: bool = False) -> PreTrainedTokenizerFast:
 def save_tiny(path, arch: str, *, shuffle: bool = False, context: int | None = None):
     model = tiny_model(arch)
     if context is not None:
-        model = type(model)(type(model.config).from_dict({**model.config.to_dict(), "max_position_embeddings": context}))
+        config = type(model.config).from_dict({**model.config.to_dict(), "max_position_embeddings": context})
+        model = type(model)(config)
     model.save_pretrained(path)
     word_tokenizer(shuffle).save_pretrained(path)
     return str(path)
@@ -44,13 +45,40 @@ def tiny_dirs(tmp_path):
 def test_local_pair_loads_and_generates_exactly(capsys, tiny_dirs):
     pair = load_pair(tiny_dirs["target"], tiny_dirs["draft"], device="cpu", dtype="float32")
     assert pair.draft is not None and not pair.draft_is_stand_in
-    code = main(["generate", "--prompt", "w1 w2 w3", "--target", tiny_dirs["target"], "--draft",
-                 tiny_dirs["draft"], "--policy", "fixed_tree", "--param", "tau=0", "--max-new-tokens", "9",
-                 "--json"])
+    code = main(
+        [
+            "generate",
+            "--prompt",
+            "w1 w2 w3",
+            "--target",
+            tiny_dirs["target"],
+            "--draft",
+            tiny_dirs["draft"],
+            "--policy",
+            "fixed_tree",
+            "--param",
+            "tau=0",
+            "--max-new-tokens",
+            "9",
+            "--json",
+        ]
+    )
     assert code == 0
     tree_out = capsys.readouterr().out
-    main(["generate", "--prompt", "w1 w2 w3", "--target", tiny_dirs["target"], "--policy", "ar",
-          "--max-new-tokens", "9", "--json"])
+    main(
+        [
+            "generate",
+            "--prompt",
+            "w1 w2 w3",
+            "--target",
+            tiny_dirs["target"],
+            "--policy",
+            "ar",
+            "--max-new-tokens",
+            "9",
+            "--json",
+        ]
+    )
     import json
 
     assert json.loads(tree_out)["token_ids"] == json.loads(capsys.readouterr().out)["token_ids"]
