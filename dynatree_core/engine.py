@@ -92,21 +92,23 @@ def decode(
     if policy.needs_draft_model:
         drafter = Drafter(draft, prompt_ids, min(vocab_size(draft), vocab_size(target)))
     committed = list(prompt_ids)
-    with torch.inference_mode():
-        for index in range(config.max_new_tokens):  # each iteration commits >= 1 token
-            remaining = config.max_new_tokens - (len(committed) - len(prompt_ids))
-            room = ctx - len(committed)  # positions left for new tokens
-            if remaining <= 0 or room <= 0:
-                return
+    for index in range(config.max_new_tokens):  # each iteration commits >= 1 token
+        remaining = config.max_new_tokens - (len(committed) - len(prompt_ids))
+        room = ctx - len(committed)  # positions left for new tokens
+        if remaining <= 0 or room <= 0:
+            return
+        # inference_mode is per thread: enter it per step, never across a yield (the app may
+        # resume this generator from another thread)
+        with torch.inference_mode():
             record = _iteration(index, target_kv, drafter, policy, committed, min(remaining, room), config, device)
-            committed.extend(record.committed)
-            if record.stop is None and len(committed) - len(prompt_ids) >= config.max_new_tokens:
-                record.stop = "max_new_tokens"
-            elif record.stop is None and len(committed) >= ctx:
-                record.stop = "context_limit"
-            yield record
-            if record.stop is not None:
-                return
+        committed.extend(record.committed)
+        if record.stop is None and len(committed) - len(prompt_ids) >= config.max_new_tokens:
+            record.stop = "max_new_tokens"
+        elif record.stop is None and len(committed) >= ctx:
+            record.stop = "context_limit"
+        yield record
+        if record.stop is not None:
+            return
 
 
 def _iteration(

@@ -68,20 +68,24 @@ class KVState:
         return out.logits[0].float()
 
     def keep(self, index: list[int]) -> None:
-        """Keep only the cache entries at `index` (in that order): compaction, no recompute."""
-        if index == list(range(len(index))):
-            if len(index) == self.length:
-                return
-            for layer in self.cache.layers:  # a prefix: slicing is enough
-                _check_layer(layer)
-                layer.keys = layer.keys[..., : len(index), :]
-                layer.values = layer.values[..., : len(index), :]
-        else:
-            idx = torch.tensor(index, device=self.device)
-            for layer in self.cache.layers:
-                _check_layer(layer)
-                layer.keys = layer.keys.index_select(-2, idx.to(layer.keys.device))
-                layer.values = layer.values.index_select(-2, idx.to(layer.values.device))
+        """Keep only the cache entries at `index` (ascending): compaction, no recompute.
+
+        `index` is a kept prefix followed by a few scattered slots (the accepted path). The
+        scattered entries are gathered in place right after the prefix, then the tail is cut,
+        so the cache is never copied as a whole.
+        """
+        prefix = 0
+        while prefix < len(index) and index[prefix] == prefix:
+            prefix += 1
+        src = torch.tensor(index[prefix:], dtype=torch.long)
+        dst = torch.arange(prefix, len(index))
+        for layer in self.cache.layers:
+            _check_layer(layer)
+            if len(src):  # sources lie at or after their destinations; RHS indexing copies first
+                layer.keys[..., dst, :] = layer.keys[..., src.to(layer.keys.device), :]
+                layer.values[..., dst, :] = layer.values[..., src.to(layer.values.device), :]
+            layer.keys = layer.keys[..., : len(index), :]
+            layer.values = layer.values[..., : len(index), :]
         self.length = len(index)
 
 

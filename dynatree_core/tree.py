@@ -118,12 +118,23 @@ class DraftTree:
     def children(self, node: int, *, verified_only: bool = True) -> list[int]:
         return [i for i, p in enumerate(self.parents) if p == node and (not verified_only or self.is_verified(i))]
 
+    def child_map(self, *, verified_only: bool = True) -> dict[int, list[int]]:
+        """Children of every node in one pass, most probable first."""
+        kids: dict[int, list[int]] = {}
+        for i in range(1, len(self)):
+            if not verified_only or self.is_verified(i):
+                kids.setdefault(self.parents[i], []).append(i)
+        for lst in kids.values():
+            lst.sort(key=lambda i: (-self.cum_logp[i], i))
+        return kids
+
     def descendants(self, node: int) -> list[int]:
+        kids = self.child_map(verified_only=False)
         out, stack = [], [node]
         while stack:
-            kids = self.children(stack.pop(), verified_only=False)
-            out.extend(kids)
-            stack.extend(kids)
+            below = kids.get(stack.pop(), [])
+            out.extend(below)
+            stack.extend(below)
         return out
 
     def path(self, node: int) -> list[int]:
@@ -149,12 +160,12 @@ class DraftTree:
         if kind == "bfs":
             return sorted(verified, key=lambda i: (self.depths[i], -self.cum_logp[i], i))
         if kind == "dfs":
+            kids = self.child_map()
             out, stack = [], [0]
             while stack:
                 node = stack.pop()
                 out.append(node)
-                kids = sorted(self.children(node), key=lambda i: (-self.cum_logp[i], i))
-                stack.extend(reversed(kids))
+                stack.extend(reversed(kids.get(node, [])))
             return out
         raise ValueError(f"unknown order {kind!r} (bfs or dfs)")
 
