@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="policy parameter")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--target", default="embedded", help="target: embedded, hub id, local dir or .gguf")
+    gen.add_argument("--preset", default=None, help="model pair preset (see `presets`); sets --target/--draft")
+    gen.add_argument("--target", default=None, help="target: embedded (default), hub id, local dir or .gguf")
     gen.add_argument("--draft", default=None, help="draft model (default: the preset's draft)")
     gen.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -79,6 +80,18 @@ def cmd_presets(args) -> None:
         print(f"{p['name']}: target {p['target']}, draft {p['draft'] or '(none yet)'} - {p['description']}")
 
 
+def _resolve_models(args) -> tuple[str, str | None]:
+    """--preset fills in --target/--draft; explicit flags win."""
+    from dynatree_core.models import EMBEDDED, PRESETS
+
+    if args.preset is None:
+        return args.target or EMBEDDED, args.draft
+    if args.preset not in PRESETS:
+        raise DynaTreeError(f"unknown preset {args.preset!r}; choose one of: {', '.join(PRESETS)}")
+    preset = PRESETS[args.preset]
+    return args.target or preset.target, args.draft or preset.draft
+
+
 def cmd_generate(args) -> None:
     import torch
 
@@ -98,8 +111,9 @@ def cmd_generate(args) -> None:
     if args.max_new_tokens < 1:
         raise DynaTreeError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     policy = make_policy(args.policy, _parse_params(args.param))  # validate before loading models
+    target_spec, draft_spec = _resolve_models(args)
     torch.manual_seed(args.seed)
-    pair = load_pair(args.target, args.draft, device=args.device, dtype=args.dtype, need_draft=policy.needs_draft_model)
+    pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype, need_draft=policy.needs_draft_model)
     target = pair.target
     prompt_ids = encode_prompt(target.tokenizer, prompt, chat=args.chat)
     config = DecodeConfig(

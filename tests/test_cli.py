@@ -57,6 +57,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
         (["generate", "--prompt", "hi", "--target", "someorg/not-a-model"], "cannot load"),
         (["generate", "--prompt", "hi", "--device", "cuda:7"], "device"),
         (["frobnicate"], "invalid choice"),
+        (["generate", "--prompt", "hi", "--preset", "nope"], "unknown preset"),
     ],
 )
 def test_bad_input_exits_2_with_one_error_line(capsys, argv, needle):
