@@ -52,6 +52,7 @@ if st.button("Generate", type="primary"):
                 draft=pair.draft.model if pair.draft else None,
                 config=config,
                 tokenizer=pair.target.tokenizer,
+                draft_token_map=pair.draft.token_map if pair.draft else None,
             )
     except DynaTreeError as exc:
         st.error(str(exc))

@@ -129,6 +129,7 @@ def cmd_generate(args) -> None:
         draft=pair.draft.model if pair.draft else None,
         config=config,
         tokenizer=target.tokenizer,
+        draft_token_map=pair.draft.token_map if pair.draft else None,
     )
     if args.json:
         print(result.to_json(with_records=args.trace))

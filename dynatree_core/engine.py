@@ -23,6 +23,7 @@ from dynatree_core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.metrics import summarize
 from dynatree_core.trace import IterationRecord, RunResult
 from dynatree_core.verify.greedy import verify_greedy
+from dynatree_core.vocab import TokenMap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,7 @@ def decode(
     *,
     draft: torch.nn.Module | None = None,
     config: DecodeConfig = DecodeConfig(),
+    draft_token_map: TokenMap | None = None,
 ) -> Iterator[IterationRecord]:
     """Run speculative decoding, yielding one IterationRecord per iteration (one target forward)."""
     if not prompt_ids:
@@ -90,7 +92,7 @@ def decode(
     target_kv = KVState(target, prompt_ids)
     drafter = None
     if policy.needs_draft_model:
-        drafter = Drafter(draft, prompt_ids, min(vocab_size(draft), vocab_size(target)))
+        drafter = Drafter(draft, prompt_ids, min(vocab_size(draft), vocab_size(target)), draft_token_map)
     committed = list(prompt_ids)
     for index in range(config.max_new_tokens):  # each iteration commits >= 1 token
         remaining = config.max_new_tokens - (len(committed) - len(prompt_ids))
@@ -194,9 +196,10 @@ def generate(
     draft: torch.nn.Module | None = None,
     config: DecodeConfig = DecodeConfig(),
     tokenizer=None,
+    draft_token_map: TokenMap | None = None,
 ) -> RunResult:
     """Run `decode` to the end and reduce its records to a RunResult."""
-    records = list(decode(target, prompt_ids, policy, draft=draft, config=config))
+    records = list(decode(target, prompt_ids, policy, draft=draft, config=config, draft_token_map=draft_token_map))
     token_ids = [t for r in records for t in r.committed]
     text = tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else ""
     device = target.get_input_embeddings().weight.device

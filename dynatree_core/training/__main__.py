@@ -20,7 +20,52 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--top-p", type=float, default=0.95)
     gen.add_argument("--dtype", default="bfloat16")
     gen.add_argument("--threads", type=int, default=None)
+    data_root = cache_dir() / "draft-data"
+    cor = sub.add_parser("corpus", help="assemble training windows (docs, fortunes, on-policy chunks)")
+    cor.add_argument("--out", type=Path, default=data_root / "corpus.npz")
+    cor.add_argument("--chunks-dir", type=Path, default=data_root / "onpolicy")
+    cor.add_argument("--max-text-windows", type=int, default=6000)
+    lab = sub.add_parser("label", help="target top-k labels for every window (resumable shards)")
+    lab.add_argument("--corpus", type=Path, default=data_root / "corpus.npz")
+    lab.add_argument("--labels", type=Path, default=data_root / "labels")
+    lab.add_argument("--shards", type=int, default=None, help="label only the first N shards")
+    tl = sub.add_parser("talf-label", help="target EAGLE-2 beam trees at sampled roots, for TALF")
+    tl.add_argument("--corpus", type=Path, default=data_root / "corpus.npz")
+    tl.add_argument("--out", type=Path, default=data_root / "talf_trees.npz")
+    tl.add_argument("--rows", type=int, default=1500)
+    tl.add_argument("--roots", type=int, default=8)
+    tr = sub.add_parser("train", help="distil the draft (resumable)")
+    tr.add_argument("--corpus", type=Path, default=data_root / "corpus.npz")
+    tr.add_argument("--labels", type=Path, default=data_root / "labels")
+    tr.add_argument("--out", type=Path, default=cache_dir() / "draft-runs" / "kd")
+    tr.add_argument("--talf-trees", type=Path, default=data_root / "talf_trees.npz")
+    tr.add_argument("--init-from", type=Path, default=None, help="start from this checkpoint.pt (weights only)")
+    from dynatree_core.training.train import TrainConfig
+
+    for field in TrainConfig.__dataclass_fields__.values():
+        tr.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
     args = parser.parse_args(argv)
+    if args.command == "corpus":
+        from dynatree_core.models import load_model
+        from dynatree_core.training.corpus import build_corpus
+
+        tok = load_model("embedded", device="cpu", dtype="float32").tokenizer
+        data = build_corpus(args.out, args.chunks_dir, tok, max_text_windows=args.max_text_windows)
+        print(f"corpus: {len(data['ids'])} windows, {int(data['lengths'].sum())} tokens -> {args.out}")
+    elif args.command == "label":
+        from dynatree_core.training.corpus import label_corpus
+
+        label_corpus(args.corpus, args.labels, shards=args.shards)
+    elif args.command == "talf-label":
+        from dynatree_core.training.talf import label_trees
+
+        label_trees(args.corpus, args.out, rows=args.rows, roots=args.roots)
+    elif args.command == "train":
+        from dynatree_core.training.train import train
+
+        cfg = TrainConfig(**{k: getattr(args, k) for k in TrainConfig.__dataclass_fields__})
+        saved = train(args.out, args.corpus, args.labels, cfg, talf_trees=args.talf_trees, init_from=args.init_from)
+        print(f"train: saved {saved}")
     if args.command == "gen-data":
         from dynatree_core.training.data import run
 

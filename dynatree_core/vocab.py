@@ -1,0 +1,57 @@
+"""Reduced-vocabulary drafts: a draft that predicts only the N most useful target tokens.
+
+A full-vocabulary LM head dominates the cost of a small draft (49k x hidden multiply-adds per
+token) and its training. A reduced draft is a stock causal LM whose vocabulary is N slots:
+slot 0 (OTHER) stands for every target token outside the set, slots 1..N-1 for chosen target
+tokens. `token_map.json` beside the weights holds `draft_to_target` (N ids, -1 for OTHER).
+The engine maps the draft's inputs target->draft (unknown tokens read as OTHER) and its
+log-probabilities draft->target (OTHER is never proposed). Greedy exactness is unaffected:
+verification only ever looks at the target.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TOKEN_MAP_FILE = "token_map.json"
+OTHER = 0
+
+
+class TokenMap:
+    def __init__(self, draft_to_target: list[int], target_vocab: int):
+        if draft_to_target[OTHER] != -1:
+            raise ValueError("slot 0 of a token map must be OTHER (-1)")
+        self.draft_to_target = torch.tensor(draft_to_target, dtype=torch.long)
+        self.target_vocab = target_vocab
+        self.target_to_draft = torch.full((target_vocab,), OTHER, dtype=torch.long)
+        self.target_to_draft[self.draft_to_target[1:]] = torch.arange(1, len(draft_to_target))
+
+    def __len__(self) -> int:
+        return len(self.draft_to_target)
+
+    def to_draft(self, target_ids: torch.Tensor) -> torch.Tensor:
+        return self.target_to_draft.to(target_ids.device)[target_ids]
+
+    def to_target_logp(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """(q, N) draft logits -> (q, target_vocab) log-probs; OTHER and unmapped ids get -inf."""
+        logits = draft_logits.clone()
+        logits[:, OTHER] = -torch.inf
+        logp = torch.log_softmax(logits, dim=-1)
+        full = torch.full((logp.shape[0], self.target_vocab), -torch.inf, device=logp.device)
+        full[:, self.draft_to_target[1:].to(logp.device)] = logp[:, 1:]
+        return full
+
+    def save(self, directory: Path) -> None:
+        data = {"draft_to_target": self.draft_to_target.tolist(), "target_vocab": self.target_vocab}
+        (Path(directory) / TOKEN_MAP_FILE).write_text(json.dumps(data))
+
+    @classmethod
+    def load(cls, directory: Path) -> TokenMap | None:
+        path = Path(directory) / TOKEN_MAP_FILE
+        if not path.is_file():
+            return None
+        data = json.loads(path.read_text())
+        return cls(data["draft_to_target"], data["target_vocab"])

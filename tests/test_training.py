@@ -1,0 +1,120 @@
+"""Draft training on a tiny synthetic setup: losses are right and training reduces them."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from conftest import VOCAB, tiny_model
+
+from dynatree_core.training.corpus import label_shard
+from dynatree_core.training.train import TrainConfig, init_draft, kd_loss
+from dynatree_core.vocab import TokenMap
+
+
+def test_kd_loss_matches_a_naive_computation():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 11)
+    topk_logp, topk_ids = torch.log_softmax(torch.randn(2, 3, 11), -1).topk(4, dim=-1)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    loss, agree = kd_loss(logits, topk_ids, topk_logp, mask, hard_weight=0.5)
+    total, count, hits = 0.0, 0, 0
+    for b in range(2):
+        for t in range(3):
+            if not mask[b, t]:
+                continue
+            logq = torch.log_softmax(logits[b, t], -1)
+            p = torch.softmax(topk_logp[b, t], -1)
+            total += -(p * logq[topk_ids[b, t]]).sum() - 0.5 * logq[topk_ids[b, t, 0]]
+            count += 1
+            top1 = int(topk_ids[b, t, 0])
+            hits += int(int(logits[b, t, 1:].argmax()) + 1 == top1 and top1 != 0)
+    assert loss.item() == pytest.approx(total.item() / count, rel=1e-5)
+    assert agree.item() == pytest.approx(hits / count)
+
+
+def test_training_steps_reduce_the_kd_loss():
+    target = copy.deepcopy(tiny_model("llama")).float()
+    gen = np.random.default_rng(0)
+    ids = gen.integers(1, 90, size=(16, 24)).astype(np.uint16)
+    lengths = np.full(16, 24, dtype=np.int16)
+    labels = label_shard(target, ids, lengths, k=8, batch=8)
+    cfg = TrainConfig(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)
+    token_map = TokenMap([-1, *range(0, 60)], VOCAB)  # a reduced vocabulary: 60 of 96 tokens
+    draft = init_draft(target, cfg, token_map)
+    opt = torch.optim.AdamW(draft.parameters(), lr=3e-3)
+    x = token_map.to_draft(torch.from_numpy(ids.astype(np.int64)))
+    tid = token_map.to_draft(torch.from_numpy(labels["topk_ids"].astype(np.int64)))
+    tlp = torch.from_numpy(labels["topk_logp"].astype(np.float32))
+    mask = torch.ones(16, 24, dtype=torch.bool)
+    losses = []
+    for _ in range(40):
+        loss, _ = kd_loss(draft(input_ids=x).logits, tid, tlp, mask, 0.5)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses[::10]
+
+
+def test_labels_are_the_targets_top_k():
+    target = copy.deepcopy(tiny_model("qwen2")).float()
+    ids = np.array([[5, 9, 3, 7, 0, 0]], dtype=np.uint16)
+    labels = label_shard(target, ids, np.array([4], dtype=np.int16), k=5, batch=1)
+    logp = torch.log_softmax(target(input_ids=torch.tensor([[5, 9, 3, 7]])).logits[0], -1)
+    top, tok = logp.topk(5, dim=-1)
+    assert (labels["topk_ids"][0, :4] == tok.numpy()).all()
+    np.testing.assert_allclose(labels["topk_logp"][0, :4], top.detach().numpy(), atol=2e-3)
+
+
+def _hand_built_trees(target, window, roots):
+    from dynatree_core.training.talf import build_target_trees
+
+    raw = build_target_trees(target, window, roots, k=2, depth=2, label_k=6)
+    return {
+        key: torch.from_numpy(v.astype(np.int64) if v.dtype != np.float16 else v.astype(np.float32))
+        for key, v in raw.items()
+    }
+
+
+def test_talf_loss_equals_the_sum_of_naive_per_node_cross_entropies():
+    from dynatree_core.training.talf import talf_node_loss
+
+    target = copy.deepcopy(tiny_model("llama")).float()
+    draft = copy.deepcopy(tiny_model("qwen2")).float()
+    window, roots = [5, 9, 3, 7, 11, 2, 8], [2, 5]
+    trees = _hand_built_trees(target, window, roots)
+    loss = talf_node_loss(draft, torch.tensor(window), torch.tensor(roots), trees)
+    naive = 0.0
+    for i, s in enumerate(roots):
+        for node in range(trees["tokens"].shape[1]):
+            path, cur = [], node
+            while cur >= 0:
+                path.append(int(trees["tokens"][i, cur]))
+                cur = int(trees["parents"][i, cur])
+            seq = window[: s + 1] + path[::-1]
+            logq = torch.log_softmax(draft(input_ids=torch.tensor([seq])).logits[0, -1], -1)
+            p = torch.softmax(trees["topk_logp"][i, node], -1)
+            naive = naive - (p * logq[trees["topk_ids"][i, node]]).sum()
+    assert loss.item() == pytest.approx(naive.item(), rel=1e-4)
+
+
+def test_target_trees_follow_eagle2_beam():
+    target = copy.deepcopy(tiny_model("llama")).float()
+    window, roots = [5, 9, 3, 7, 11, 2, 8], [3]
+    trees = _hand_built_trees(target, window, roots)
+    with torch.no_grad():
+        first = torch.log_softmax(target(input_ids=torch.tensor([window[:4]])).logits[0, -1], -1)
+    assert trees["tokens"][0, :2].tolist() == first.topk(2).indices.tolist(), "level 1 = top-k of the root"
+    assert trees["parents"][0, :2].tolist() == [-1, -1]
+    assert set(trees["parents"][0, 2:].tolist()) <= {0, 1}, "level 2 hangs under level 1"
+    for node in range(4):  # the stored labels are the target's distribution after the node's path
+        path, cur = [], node
+        while cur >= 0:
+            path.append(int(trees["tokens"][0, cur]))
+            cur = int(trees["parents"][0, cur])
+        with torch.no_grad():
+            logp = torch.log_softmax(target(input_ids=torch.tensor([window[:4] + path[::-1]])).logits[0, -1], -1)
+        assert trees["topk_ids"][0, node].tolist() == logp.topk(6).indices.tolist()
