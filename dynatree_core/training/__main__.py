@@ -44,6 +44,13 @@ def main(argv: list[str] | None = None) -> None:
 
     for field in TrainConfig.__dataclass_fields__.values():
         tr.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
+    qu = sub.add_parser("quality", help="measure a draft: agreement, tokens/iteration, step cost")
+    qu.add_argument("--draft", type=Path, required=True)
+    qu.add_argument("--corpus", type=Path, default=data_root / "corpus.npz")
+    qu.add_argument("--labels", type=Path, default=data_root / "labels")
+    qu.add_argument("--prompts", default="all")
+    qu.add_argument("--max-new-tokens", type=int, default=64)
+    qu.add_argument("--out", type=Path, default=None, help="write the numbers as JSON")
     args = parser.parse_args(argv)
     if args.command == "corpus":
         from dynatree_core.models import load_model
@@ -60,6 +67,19 @@ def main(argv: list[str] | None = None) -> None:
         from dynatree_core.training.talf import label_trees
 
         label_trees(args.corpus, args.out, rows=args.rows, roots=args.roots)
+    elif args.command == "quality":
+        import json
+
+        from dynatree_core.training.quality import decode_quality, heldout_agreement
+
+        result = {
+            "draft": str(args.draft),
+            "heldout_agreement": heldout_agreement(args.draft, args.corpus, args.labels),
+        }
+        print(f"quality: held-out agreement {result['heldout_agreement']:.3f}", flush=True)
+        result.update(decode_quality(args.draft, args.prompts, args.max_new_tokens))
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1))
     elif args.command == "train":
         from dynatree_core.training.train import train
 

@@ -1,0 +1,95 @@
+"""Measured quality of a draft against the embedded target (issue 3's goals).
+
+  agreement            top-1 agreement with the target's greedy token on held-out generations
+  tokens_per_iteration fixed_tree and linear (default parameters), greedy, bundled prompts;
+                       every run is also checked token-for-token against the target's greedy
+  step_cost            one-token forward with a warm cache at the same context length, median
+                       over repeats, target vs draft, float32 and bfloat16
+
+Numbers are printed and written as JSON; nothing here is asserted (speed lives in benchmarks).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from dynatree_core.drafting import make_policy
+from dynatree_core.engine import DecodeConfig, generate
+from dynatree_core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.models import load_model
+from dynatree_core.prompts import load_prompts
+from dynatree_core.session import encode_prompt
+
+
+def heldout_agreement(draft_dir: Path, corpus: Path, labels: Path) -> float:
+    from dynatree_core.training.train import LabelledCorpus, evaluate
+    from dynatree_core.vocab import TokenMap
+
+    draft = load_model(str(draft_dir), device="cpu", dtype="float32")
+    data = LabelledCorpus(corpus, labels, 49152)
+    data.token_map = draft.token_map or TokenMap([-1, *range(49152)], 49152)
+    return evaluate(draft.model, data)
+
+
+@torch.inference_mode()
+def step_ms(model: torch.nn.Module, context: int = 200, repeats: int = 30, token_map=None) -> float:
+    ids = torch.randint(100, 10000, (context,)).tolist()
+    if token_map is not None:
+        ids = token_map.to_draft(torch.tensor(ids)).tolist()
+    kv = KVState(model, ids)
+    empty = torch.zeros(0, 0, dtype=torch.bool)
+    kv.forward(ids, list(range(context)), chain_then_tree_visibility(0, context, empty), 1)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        kv.forward([ids[-1]], [context], chain_then_tree_visibility(context, 1, empty), 1)
+        times.append((time.perf_counter() - start) * 1e3)
+        kv.keep(list(range(context)))
+    return statistics.median(times)
+
+
+def decode_quality(draft_dir: Path, prompts: str = "all", max_new_tokens: int = 64) -> dict:
+    target = load_model("embedded", device="cpu", dtype="float32")
+    draft = load_model(str(draft_dir), device="cpu", dtype="float32")
+    out = {}
+    for name in ("fixed_tree", "linear"):
+        rows = []
+        for p in load_prompts(prompts):
+            ids = encode_prompt(target.tokenizer, p.text, chat=p.chat)
+            config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=target.eos_token_ids)
+            ar = generate(target.model, ids, make_policy("ar"), config=config)
+            run = generate(
+                target.model, ids, make_policy(name), draft=draft.model, config=config, draft_token_map=draft.token_map
+            )
+            rows.append(
+                {
+                    "domain": p.domain,
+                    "tokens_per_iteration": run.tokens_per_iteration,
+                    "acceptance_rate": run.acceptance_rate,
+                    "exact": run.token_ids == ar.token_ids,
+                }
+            )
+        out[name] = {
+            "tokens_per_iteration": statistics.mean(r["tokens_per_iteration"] for r in rows),
+            "acceptance_rate": statistics.mean(r["acceptance_rate"] for r in rows),
+            "all_exact": all(r["exact"] for r in rows),
+            "by_domain": {
+                d: statistics.mean(r["tokens_per_iteration"] for r in rows if r["domain"] == d)
+                for d in sorted({r["domain"] for r in rows})
+            },
+        }
+        print(
+            f"quality: {name} {out[name]['tokens_per_iteration']:.2f} tokens/iteration, exact={out[name]['all_exact']}",
+            flush=True,
+        )
+    for dtype in ("float32", "bfloat16"):
+        t = load_model("embedded", device="cpu", dtype=dtype).model
+        d = load_model(str(draft_dir), device="cpu", dtype=dtype)
+        t_ms, d_ms = step_ms(t), step_ms(d.model, token_map=d.token_map)
+        out[f"step_ms_{dtype}"] = {"target": t_ms, "draft": d_ms, "ratio": d_ms / t_ms}
+        print(f"quality: {dtype} step target {t_ms:.1f} ms, draft {d_ms:.1f} ms (ratio {d_ms / t_ms:.3f})", flush=True)
+    return out
