@@ -39,7 +39,12 @@ def main(argv: list[str] | None = None) -> None:
     tr.add_argument("--labels", type=Path, default=data_root / "labels")
     tr.add_argument("--out", type=Path, default=cache_dir() / "draft-runs" / "kd")
     tr.add_argument("--talf-trees", type=Path, default=data_root / "talf_trees.npz")
-    tr.add_argument("--init-from", type=Path, default=None, help="start from this checkpoint.pt (weights only)")
+    tr.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="start from a checkpoint.pt or a saved draft directory (weights only)",
+    )
     from dynatree_core.training.train import TrainConfig
 
     for field in TrainConfig.__dataclass_fields__.values():
@@ -51,6 +56,11 @@ def main(argv: list[str] | None = None) -> None:
     qu.add_argument("--prompts", default="all")
     qu.add_argument("--max-new-tokens", type=int, default=64)
     qu.add_argument("--out", type=Path, default=None, help="write the numbers as JSON")
+    ex = sub.add_parser("export", help="copy a trained draft into assets/models/ with its model card")
+    ex.add_argument("--run", type=Path, default=cache_dir() / "draft-runs" / "kd")
+    ex.add_argument("--dest", type=Path, default=None)
+    ex.add_argument("--quality", type=Path, default=None, help="JSON written by `quality --out`")
+    ex.add_argument("--command", default="make draft")
     args = parser.parse_args(argv)
     if args.command == "corpus":
         from dynatree_core.models import load_model
@@ -80,6 +90,12 @@ def main(argv: list[str] | None = None) -> None:
         result.update(decode_quality(args.draft, args.prompts, args.max_new_tokens))
         if args.out:
             args.out.write_text(json.dumps(result, indent=1))
+    elif args.command == "export":
+        from dynatree_core.models import EMBEDDED_DRAFT_DIR
+        from dynatree_core.training.export import export
+
+        export(args.run, args.dest or EMBEDDED_DRAFT_DIR, quality_json=args.quality, command=args.command)
+        print(f"export: {args.dest or EMBEDDED_DRAFT_DIR}")
     elif args.command == "train":
         from dynatree_core.training.train import train
 

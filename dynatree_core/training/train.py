@@ -203,6 +203,22 @@ def talf_step_loss(draft, data: LabelledCorpus, trees: dict[str, np.ndarray], in
     return talf_node_loss(draft, data.token_map.to_draft(window), roots, t) / t["tokens"].numel()
 
 
+def _load_start(source: Path) -> dict:
+    """A checkpoint.pt, or a saved draft directory (weights + token_map.json) to continue from."""
+    source = Path(source)
+    if source.is_dir():
+        from safetensors.torch import load_file
+
+        token_map = TokenMap.load(source)
+        if token_map is None:
+            raise SystemExit(f"{source} has no {'token_map.json'}: not a draft saved by this trainer")
+        state = {k: v.float() for k, v in load_file(str(source / "model.safetensors")).items()}
+        if "lm_head.weight" not in state:  # tied weights are saved once
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        return {"model": state, "draft_to_target": token_map.draft_to_target.tolist()}
+    return torch.load(source, weights_only=False)
+
+
 def train(
     out: Path,
     corpus: Path,
@@ -221,7 +237,7 @@ def train(
     print(f"train: {len(data.train_rows)} train / {len(data.eval_rows)} held-out windows", flush=True)
     ckpt_path = out / "checkpoint.pt"
     source = ckpt_path if ckpt_path.exists() else init_from
-    ckpt = torch.load(source, weights_only=False) if source else None
+    ckpt = _load_start(source) if source else None
     if ckpt is not None:
         draft_to_target = ckpt["draft_to_target"]
     else:
