@@ -9,8 +9,8 @@ import torch
 
 from dynatree_core.drafting import make_policy
 from dynatree_core.engine import DecodeConfig, generate
-from dynatree_core.models import load_model
-from dynatree_core.session import encode_prompt
+from dynatree_core.models import EMBEDDED_DRAFT_DIR, PRESETS, check_tokenizers_compatible, load_model
+from dynatree_core.session import encode_prompt, load_pair
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +40,18 @@ def early_exit_draft(layers: int = 6) -> torch.nn.Module:
     return draft.eval()
 
 
+@functools.cache
+def shipped_draft():
+    return load_model(str(EMBEDDED_DRAFT_DIR), device="cpu", dtype="float32")
+
+
+def test_shipped_draft_loads_offline_with_the_targets_tokenizer():
+    assert PRESETS["embedded"].draft == str(EMBEDDED_DRAFT_DIR), "the embedded preset uses the shipped draft"
+    pair = load_pair("embedded", None, device="cpu", dtype="float32")
+    assert not pair.draft_is_stand_in and pair.draft.token_map is not None
+    check_tokenizers_compatible(pair.target, pair.draft)
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_tree_policies_reproduce_target_greedy_on_smollm2(prompt):
     loaded = embedded()
@@ -49,8 +61,12 @@ def test_tree_policies_reproduce_target_greedy_on_smollm2(prompt):
     config = DecodeConfig(max_new_tokens=n, eos_token_ids=loaded.eos_token_ids)
     ar = generate(loaded.model, ids, make_policy("ar"), config=config)
     assert ar.token_ids == ref, "our AR loop equals HF generate"
-    for draft in (loaded.model, early_exit_draft()):
+    shipped = shipped_draft()
+    drafts = ((loaded.model, None), (early_exit_draft(), None), (shipped.model, shipped.token_map))
+    for draft, token_map in drafts:
         for name, params in (("linear", {"k": 5}), ("fixed_tree", {}), ("fixed_tree", {"branch": 3, "tau": 0.01})):
-            result = generate(loaded.model, ids, make_policy(name, params), draft=draft, config=config)
+            result = generate(
+                loaded.model, ids, make_policy(name, params), draft=draft, config=config, draft_token_map=token_map
+            )
             assert result.token_ids == ref, f"{name} {params} diverged"
             assert result.target_forwards == result.iterations

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     ex.add_argument("--run", type=Path, default=cache_dir() / "draft-runs" / "kd")
     ex.add_argument("--dest", type=Path, default=None)
     ex.add_argument("--quality", type=Path, default=None, help="JSON written by `quality --out`")
-    ex.add_argument("--command", default="make draft")
+    ex.add_argument("--recipe", default="make draft", help="the command that produced it (for the card)")
     args = parser.parse_args(argv)
     if args.command == "corpus":
         from dynatree_core.models import load_model
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         from dynatree_core.models import EMBEDDED_DRAFT_DIR
         from dynatree_core.training.export import export
 
-        export(args.run, args.dest or EMBEDDED_DRAFT_DIR, quality_json=args.quality, command=args.command)
+        export(args.run, args.dest or EMBEDDED_DRAFT_DIR, quality_json=args.quality, command=args.recipe)
         print(f"export: {args.dest or EMBEDDED_DRAFT_DIR}")
     elif args.command == "train":
         from dynatree_core.training.train import train
