@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 STREAMLIT_FLAGS ?= --server.address localhost
 
-.PHONY: setup run test test-fast lint format clean
+.PHONY: setup run test test-fast lint format clean draft
 
 setup: $(STAMP)
 
@@ -34,6 +34,18 @@ lint: setup
 format: setup
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
+
+# The embedded draft's whole recipe, resumable stage by stage (hours on 2 CPU cores; run it
+# in the background). Needs Debian's python3.11-doc and fortunes for the text corpus.
+DRAFT_STEPS ?= 1400
+draft: setup
+	$(PY) -m dynatree_core.training gen-data --chunks 24
+	$(PY) -m dynatree_core.training corpus
+	$(PY) -m dynatree_core.training label
+	$(PY) -m dynatree_core.training talf-label --rows 600
+	$(PY) -m dynatree_core.training train --steps $(DRAFT_STEPS) --talf-weight 0.5
+	$(PY) -m dynatree_core.training quality --draft $(HOME)/.cache/dynatree/draft-runs/kd/model --out draft-quality.json --max-new-tokens 48
+	$(PY) -m dynatree_core.training export --quality draft-quality.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -5,14 +5,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dynatree_core.models import cache_dir
+from dynatree_core.models import REPO_ROOT, cache_dir
+
+# Token ids (uint16) are small and committed, so training can continue on a fresh machine;
+# labels, target trees and checkpoints are recomputed into the cache.
+COMMITTED = REPO_ROOT / "assets" / "draft-data"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dynatree_core.training")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("gen-data", help="sample on-policy training text from the embedded target")
-    gen.add_argument("--out", type=Path, default=cache_dir() / "draft-data" / "onpolicy")
+    gen.add_argument("--out", type=Path, default=COMMITTED / "onpolicy")
     gen.add_argument("--chunks", type=int, default=100)
     gen.add_argument("--batch", type=int, default=48)
     gen.add_argument("--new-tokens", type=int, default=256)
@@ -22,20 +26,20 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--threads", type=int, default=None)
     data_root = cache_dir() / "draft-data"
     cor = sub.add_parser("corpus", help="assemble training windows (docs, fortunes, on-policy chunks)")
-    cor.add_argument("--out", type=Path, default=data_root / "corpus.npz")
-    cor.add_argument("--chunks-dir", type=Path, default=data_root / "onpolicy")
+    cor.add_argument("--out", type=Path, default=COMMITTED / "corpus.npz")
+    cor.add_argument("--chunks-dir", type=Path, default=COMMITTED / "onpolicy")
     cor.add_argument("--max-text-windows", type=int, default=6000)
     lab = sub.add_parser("label", help="target top-k labels for every window (resumable shards)")
-    lab.add_argument("--corpus", type=Path, default=data_root / "corpus.npz")
+    lab.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
     lab.add_argument("--labels", type=Path, default=data_root / "labels")
     lab.add_argument("--shards", type=int, default=None, help="label only the first N shards")
     tl = sub.add_parser("talf-label", help="target EAGLE-2 beam trees at sampled roots, for TALF")
-    tl.add_argument("--corpus", type=Path, default=data_root / "corpus.npz")
+    tl.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
     tl.add_argument("--out", type=Path, default=data_root / "talf_trees.npz")
     tl.add_argument("--rows", type=int, default=1500)
     tl.add_argument("--roots", type=int, default=8)
     tr = sub.add_parser("train", help="distil the draft (resumable)")
-    tr.add_argument("--corpus", type=Path, default=data_root / "corpus.npz")
+    tr.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
     tr.add_argument("--labels", type=Path, default=data_root / "labels")
     tr.add_argument("--out", type=Path, default=cache_dir() / "draft-runs" / "kd")
     tr.add_argument("--talf-trees", type=Path, default=data_root / "talf_trees.npz")
@@ -50,8 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     for field in TrainConfig.__dataclass_fields__.values():
         tr.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
     qu = sub.add_parser("quality", help="measure a draft: agreement, tokens/iteration, step cost")
-    qu.add_argument("--draft", type=Path, required=True)
-    qu.add_argument("--corpus", type=Path, default=data_root / "corpus.npz")
+    qu.add_argument("--draft", type=Path, nargs="+", required=True, help="one or more draft directories")
+    qu.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
     qu.add_argument("--labels", type=Path, default=data_root / "labels")
     qu.add_argument("--prompts", default="all")
     qu.add_argument("--max-new-tokens", type=int, default=64)
@@ -82,12 +86,10 @@ def main(argv: list[str] | None = None) -> None:
 
         from dynatree_core.training.quality import decode_quality, heldout_agreement
 
-        result = {
-            "draft": str(args.draft),
-            "heldout_agreement": heldout_agreement(args.draft, args.corpus, args.labels),
-        }
-        print(f"quality: held-out agreement {result['heldout_agreement']:.3f}", flush=True)
-        result.update(decode_quality(args.draft, args.prompts, args.max_new_tokens))
+        result = decode_quality(args.draft, args.prompts, args.max_new_tokens)
+        for key in result:
+            result[key]["heldout_agreement"] = heldout_agreement(Path(key), args.corpus, args.labels)
+            print(f"quality: {key} held-out agreement {result[key]['heldout_agreement']:.3f}", flush=True)
         if args.out:
             args.out.write_text(json.dumps(result, indent=1))
     elif args.command == "export":

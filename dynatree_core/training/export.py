@@ -53,5 +53,7 @@ def export(run_dir: Path, dest: Path, *, quality_json: Path | None, command: str
         shutil.rmtree(dest)
     shutil.copytree(src, dest)
     quality = json.loads(quality_json.read_text()) if quality_json and quality_json.exists() else None
+    if quality is not None:  # `quality --out` keys results by draft directory
+        quality = quality.get(str(src), next(iter(quality.values())) if len(quality) == 1 else quality)
     (dest / "README.md").write_text(model_card(dest.name, run_dir, quality, command))
     shutil.copy(run_dir / "curve.json", dest / "curve.json")

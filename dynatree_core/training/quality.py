@@ -52,44 +52,61 @@ def step_ms(model: torch.nn.Module, context: int = 200, repeats: int = 30, token
     return statistics.median(times)
 
 
-def decode_quality(draft_dir: Path, prompts: str = "all", max_new_tokens: int = 64) -> dict:
+def decode_quality(draft_dirs: list[Path], prompts: str = "all", max_new_tokens: int = 64) -> dict[str, dict]:
+    """Tokens/iteration of fixed_tree and linear (defaults) per draft, and step costs.
+
+    The target's own greedy output is computed once per prompt and every draft's output is
+    compared with it token for token.
+    """
     target = load_model("embedded", device="cpu", dtype="float32")
-    draft = load_model(str(draft_dir), device="cpu", dtype="float32")
-    out = {}
-    for name in ("fixed_tree", "linear"):
-        rows = []
-        for p in load_prompts(prompts):
-            ids = encode_prompt(target.tokenizer, p.text, chat=p.chat)
-            config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=target.eos_token_ids)
-            ar = generate(target.model, ids, make_policy("ar"), config=config)
-            run = generate(
-                target.model, ids, make_policy(name), draft=draft.model, config=config, draft_token_map=draft.token_map
-            )
-            rows.append(
-                {
-                    "domain": p.domain,
-                    "tokens_per_iteration": run.tokens_per_iteration,
-                    "acceptance_rate": run.acceptance_rate,
-                    "exact": run.token_ids == ar.token_ids,
-                }
-            )
-        out[name] = {
-            "tokens_per_iteration": statistics.mean(r["tokens_per_iteration"] for r in rows),
-            "acceptance_rate": statistics.mean(r["acceptance_rate"] for r in rows),
-            "all_exact": all(r["exact"] for r in rows),
+    drafts = {str(d): load_model(str(d), device="cpu", dtype="float32") for d in draft_dirs}
+    rows: dict[tuple[str, str], list[dict]] = {}
+    for p in load_prompts(prompts):
+        ids = encode_prompt(target.tokenizer, p.text, chat=p.chat)
+        config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=target.eos_token_ids)
+        ar = generate(target.model, ids, make_policy("ar"), config=config)
+        for key, draft in drafts.items():
+            for name in ("fixed_tree", "linear"):
+                run = generate(
+                    target.model,
+                    ids,
+                    make_policy(name),
+                    draft=draft.model,
+                    config=config,
+                    draft_token_map=draft.token_map,
+                )
+                rows.setdefault((key, name), []).append(
+                    {
+                        "domain": p.domain,
+                        "tokens_per_iteration": run.tokens_per_iteration,
+                        "acceptance_rate": run.acceptance_rate,
+                        "exact": run.token_ids == ar.token_ids,
+                    }
+                )
+    out: dict[str, dict] = {key: {} for key in drafts}
+    for (key, name), rs in rows.items():
+        out[key][name] = {
+            "tokens_per_iteration": statistics.mean(r["tokens_per_iteration"] for r in rs),
+            "acceptance_rate": statistics.mean(r["acceptance_rate"] for r in rs),
+            "all_exact": all(r["exact"] for r in rs),
             "by_domain": {
-                d: statistics.mean(r["tokens_per_iteration"] for r in rows if r["domain"] == d)
-                for d in sorted({r["domain"] for r in rows})
+                d: statistics.mean(r["tokens_per_iteration"] for r in rs if r["domain"] == d)
+                for d in sorted({r["domain"] for r in rs})
             },
         }
         print(
-            f"quality: {name} {out[name]['tokens_per_iteration']:.2f} tokens/iteration, exact={out[name]['all_exact']}",
+            f"quality: {key} {name} {out[key][name]['tokens_per_iteration']:.2f} tokens/iteration, "
+            f"exact={out[key][name]['all_exact']}",
             flush=True,
         )
     for dtype in ("float32", "bfloat16"):
-        t = load_model("embedded", device="cpu", dtype=dtype).model
-        d = load_model(str(draft_dir), device="cpu", dtype=dtype)
-        t_ms, d_ms = step_ms(t), step_ms(d.model, token_map=d.token_map)
-        out[f"step_ms_{dtype}"] = {"target": t_ms, "draft": d_ms, "ratio": d_ms / t_ms}
-        print(f"quality: {dtype} step target {t_ms:.1f} ms, draft {d_ms:.1f} ms (ratio {d_ms / t_ms:.3f})", flush=True)
+        t_ms = step_ms(load_model("embedded", device="cpu", dtype=dtype).model)
+        for key in drafts:
+            d = load_model(key, device="cpu", dtype=dtype)
+            d_ms = step_ms(d.model, token_map=d.token_map)
+            out[key][f"step_ms_{dtype}"] = {"target": t_ms, "draft": d_ms, "ratio": d_ms / t_ms}
+            print(
+                f"quality: {key} {dtype} step target {t_ms:.1f} ms, draft {d_ms:.1f} ms (ratio {d_ms / t_ms:.3f})",
+                flush=True,
+            )
     return out
