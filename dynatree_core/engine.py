@@ -21,6 +21,7 @@ from dynatree_core.drafting.base import Drafter, DraftRequest, Policy
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.metrics import summarize
+from dynatree_core.models import context_length_of
 from dynatree_core.trace import IterationRecord, RunResult
 from dynatree_core.verify.greedy import verify_greedy
 from dynatree_core.vocab import TokenMap
@@ -49,15 +50,6 @@ def _memory_mb(device: torch.device) -> float:
 def vocab_size(model: torch.nn.Module) -> int:
     head = model.get_output_embeddings()
     return head.weight.shape[0] if head is not None else model.config.vocab_size
-
-
-def context_length_of(model: torch.nn.Module) -> int:
-    cfg = model.config
-    for key in ("max_position_embeddings", "n_positions"):
-        value = getattr(cfg, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 2048
 
 
 def cut(tokens: list[int], remaining: int, eos: Iterable[int]) -> tuple[list[int], str | None]:

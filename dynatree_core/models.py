@@ -100,12 +100,7 @@ class LoadedModel:
 
     @property
     def context_length(self) -> int:
-        cfg = self.model.config
-        for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-            value = getattr(cfg, key, None)
-            if isinstance(value, int) and value > 0:
-                return value
-        return 2048
+        return context_length_of(self.model)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -114,6 +109,15 @@ class LoadedModel:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
+
+
+def context_length_of(model: torch.nn.Module) -> int:
+    """The model's maximum positions (config names differ by architecture; 2048 if none)."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(model.config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: object | None = None) -> frozenset[int]:
