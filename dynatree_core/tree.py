@@ -106,18 +106,6 @@ class DraftTree:
     def is_verified(self, node: int) -> bool:
         return self.status[node] != Status.PRUNED
 
-    @property
-    def num_drafted(self) -> int:
-        """Verified nodes other than the root: what the node budget counts."""
-        return sum(self.is_verified(i) for i in range(1, len(self)))
-
-    @property
-    def max_depth(self) -> int:
-        return max((d for i, d in enumerate(self.depths) if self.is_verified(i)), default=0)
-
-    def children(self, node: int, *, verified_only: bool = True) -> list[int]:
-        return [i for i, p in enumerate(self.parents) if p == node and (not verified_only or self.is_verified(i))]
-
     def child_map(self, *, verified_only: bool = True) -> dict[int, list[int]]:
         """Children of every node in one pass, most probable first."""
         kids: dict[int, list[int]] = {}
@@ -143,11 +131,6 @@ class DraftTree:
         while self.parents[out[-1]] >= 0:
             out.append(self.parents[out[-1]])
         return out[::-1]
-
-    def frontier(self, depth: int) -> list[int]:
-        """Verified nodes at `depth`, most probable path first."""
-        nodes = [i for i, d in enumerate(self.depths) if d == depth and self.is_verified(i)]
-        return sorted(nodes, key=lambda i: -self.cum_logp[i])
 
     # ----- orders, masks, positions ---------------------------------------------------------
     def order(self, kind: str = "bfs") -> list[int]:

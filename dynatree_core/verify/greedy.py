@@ -24,10 +24,6 @@ class Outcome:
     target_tokens: list[int]  # the target's choice at each verified node, aligned with `order`
     order: list[int]  # verified node ids in the order they were sent to the target
 
-    @property
-    def accepted_length(self) -> int:
-        return len(self.accepted)
-
 
 def verify_greedy(tree: DraftTree, order: list[int], logits: torch.Tensor) -> Outcome:
     """Args: order: verified node ids (root first); logits: (len(order), vocab) target logits.
