@@ -118,3 +118,38 @@ def test_target_trees_follow_eagle2_beam():
         with torch.no_grad():
             logp = torch.log_softmax(target(input_ids=torch.tensor([window[:4] + path[::-1]])).logits[0, -1], -1)
         assert trees["topk_ids"][0, node].tolist() == logp.topk(6).indices.tolist()
+
+
+def test_compute_ledger_sums_stages_and_reaches_the_model_card(tmp_path, monkeypatch):
+    import json
+
+    from dynatree_core.training.export import model_card
+    from dynatree_core.training.ledger import record, totals
+
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path))
+    record("label", 10.0, tokens=100, item="shard 0")
+    record("label", 5.5, tokens=50, item="shard 1")
+    record("train", 30.0, tokens=900)
+    spent = totals()
+    assert spent["label"] == {"seconds": 15.5, "items": 2, "tokens": 150}
+    assert spent["train"]["seconds"] == 30.0
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = dict(TrainConfig().__dict__)
+    (run / "curve.json").write_text(json.dumps({"config": cfg, "curve": []}))
+    card = model_card("d", run, None, "make draft")
+    assert "| label | 16 | 2 | 150 |" in card and "| total | 46 " in card
+
+
+def test_batches_can_oversample_onpolicy_windows():
+    from dynatree_core.training.train import LabelledCorpus
+
+    data = LabelledCorpus.__new__(LabelledCorpus)
+    data.train_rows = np.arange(100)
+    data.source = np.array([0] * 10 + [1] * 90, dtype=np.int8)
+    rng = np.random.default_rng(0)
+    rows = data.sample(rng, 8, onpolicy_share=0.5)
+    assert len(set(rows.tolist())) == 8
+    assert (data.source[rows] == 0).sum() == 4
+    uniform = data.sample(rng, 8)
+    assert len(set(uniform.tolist())) == 8 and set(uniform.tolist()) <= set(range(100))

@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dynatree_core.training.ledger import record
+
 WINDOW = 320
 TOPK = 20
 SHARD = 256
@@ -148,5 +150,6 @@ def label_corpus(corpus: Path, labels_dir: Path, *, dtype: str = "bfloat16", sha
         tmp = labels_dir / f"shard_{s:05d}.tmp.npz"
         np.savez(tmp, **shard)
         tmp.rename(labels_dir / f"shard_{s:05d}.npz")
-        tokens = int(lengths[sl].sum())
-        print(f"label: shard {s} {tokens} tokens in {time.perf_counter() - t0:.0f}s", flush=True)
+        tokens, dt = int(lengths[sl].sum()), time.perf_counter() - t0
+        record("label", dt, tokens=tokens, item=f"shard {s}")
+        print(f"label: shard {s} {tokens} tokens in {dt:.0f}s", flush=True)

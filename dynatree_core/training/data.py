@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dynatree_core.training.ledger import record
 from dynatree_core.training.prompts import sample_prompts
 
 
@@ -101,4 +102,5 @@ def run(
         tmp.rename(out_dir / f"chunk_{i:05d}.npz")
         n = int(chunk["offsets"][-1] - chunk["prompt_lens"].sum())
         dt = time.perf_counter() - t0
+        record("gen-data", dt, tokens=n, item=f"chunk {i}")
         print(f"data: chunk {i} {n} generated tokens in {dt:.0f}s ({n / dt:.0f} tok/s)", flush=True)

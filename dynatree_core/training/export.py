@@ -10,6 +10,8 @@ import json
 import shutil
 from pathlib import Path
 
+from dynatree_core.training.ledger import totals
+
 
 def model_card(name: str, run_dir: Path, quality: dict | None, command: str) -> str:
     info = json.loads((run_dir / "curve.json").read_text())
@@ -42,6 +44,18 @@ def model_card(name: str, run_dir: Path, quality: dict | None, command: str) -> 
     lines += [
         f"| {c['step']} | {c['windows_seen']} | {c['heldout_agreement']:.3f} | {c['wall_s']:.0f} |" for c in curve
     ]
+    spent = totals()
+    if spent:
+        lines += [
+            "",
+            "## Compute (measured, this machine's 2 CPU cores; from the recipe's ledger)",
+            "",
+            "| stage | CPU wall s | items | tokens |",
+            "|---|---|---|---|",
+        ]
+        lines += [f"| {k} | {v['seconds']:.0f} | {v['items']} | {v['tokens']} |" for k, v in spent.items()]
+        total = sum(v["seconds"] for v in spent.values())
+        lines += [f"| total | {total:.0f} ({total / 3600:.2f} h) | | |"]
     if quality:
         lines += ["", "## Measured quality", "", "```json", json.dumps(quality, indent=1), "```"]
     return "\n".join(lines) + "\n"

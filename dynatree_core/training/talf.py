@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from dynatree_core.kv import KVState
+from dynatree_core.training.ledger import record
 
 
 def tree_attention(length: int, roots: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor):
@@ -175,7 +176,7 @@ def label_trees(
     if not todo:
         return
     target = load_model("embedded", device="cpu", dtype=dtype).model
-    t0 = time.perf_counter()
+    t0 = last = time.perf_counter()
     for count, row in enumerate(todo, 1):
         length = int(data["lengths"][row])
         window = data["ids"][row, :length].astype(np.int64).tolist()
@@ -194,3 +195,5 @@ def label_trees(
             np.savez(tmp, **{key: np.stack(v) if key != "row" else np.asarray(v) for key, v in done.items()})
             tmp.rename(out_path)
             print(f"talf: {count}/{len(todo)} windows, {time.perf_counter() - t0:.0f}s", flush=True)
+            record("talf-label", time.perf_counter() - last, item=f"windows to {count}")
+            last = time.perf_counter()

@@ -24,6 +24,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dynatree_core.training.corpus import SHARD, TOPK, shard_valid
+from dynatree_core.training.ledger import record
 from dynatree_core.vocab import OTHER, TokenMap
 
 
@@ -41,6 +42,7 @@ class TrainConfig:
     warmup: int = 100
     hard_weight: float = 0.5
     talf_weight: float = 0.0  # > 0: add the TALF tree loss (mean over nodes) with this weight
+    onpolicy_share: float = 0.0  # > 0: this share of each batch comes from on-policy windows
     seed: int = 0
     eval_every: int = 250
     log_every: int = 25
@@ -156,6 +158,15 @@ class LabelledCorpus:
         self.eval_rows = np.flatnonzero(labelled & self.heldout)
         self.token_map: TokenMap | None = None
 
+    def sample(self, rng: np.random.Generator, n: int, onpolicy_share: float = 0.0) -> np.ndarray:
+        """n distinct training rows: uniform, or round(n x share) of them from on-policy windows."""
+        if onpolicy_share <= 0:
+            return rng.choice(self.train_rows, n, replace=False)
+        onp = self.train_rows[self.source[self.train_rows] == 0]
+        rest = self.train_rows[self.source[self.train_rows] != 0]
+        k = min(len(onp), round(n * onpolicy_share))
+        return np.concatenate([rng.choice(onp, k, replace=False), rng.choice(rest, n - k, replace=False)])
+
     def batch(self, rows: np.ndarray):
         """Inputs, mask and labels for these windows, in the draft's id space."""
         length = torch.from_numpy(self.lengths[rows].astype(np.int64))
@@ -259,11 +270,12 @@ def train(
         raise SystemExit(f"--talf-weight needs target trees at {talf_trees} (run talf-label first)")
     draft.train()
     t0, tokens = time.perf_counter(), 0
+    last_save, last_tokens = t0, 0
     while step < cfg.steps:
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
         for group in opt.param_groups:
             group["lr"] = lr
-        x, mask, tid, tlp = data.batch(rng.choice(data.train_rows, cfg.batch, replace=False))
+        x, mask, tid, tlp = data.batch(data.sample(rng, cfg.batch, cfg.onpolicy_share))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = draft(input_ids=x, attention_mask=mask.long()).logits
             loss, agree = kd_loss(logits, tid, tlp, mask, cfg.hard_weight)
@@ -294,6 +306,9 @@ def train(
                 }
             )
             print(f"train: step {step} held-out agreement {held:.3f}", flush=True)
+            now = time.perf_counter()
+            record("train", now - last_save, tokens=tokens - last_tokens, item=f"{out.name} steps to {step}")
+            last_save, last_tokens = now, tokens
             torch.save(
                 {
                     "model": draft.state_dict(),

@@ -1,0 +1,49 @@
+"""CPU-time ledger of the draft recipe: every stage appends what it measured.
+
+One JSON object per line in `$DYNATREE_CACHE/draft-runs/compute.jsonl`:
+`{"stage": "label", "seconds": 97.4, "tokens": 81616, "item": "shard 22", "threads": 2}`.
+The model card (export.py) sums it per stage, so the total CPU time of the shipped draft is a
+measured number, not an estimate. Stages that were skipped because their output existed add
+nothing; a stage repeated after its output went stale is counted again (it did cost the time).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def ledger_path() -> Path:
+    from dynatree_core.models import cache_dir
+
+    return cache_dir() / "draft-runs" / "compute.jsonl"
+
+
+def record(stage: str, seconds: float, path: Path | None = None, **info) -> None:
+    path = path or ledger_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entry = {"stage": stage, "seconds": round(float(seconds), 2), "threads": torch.get_num_threads()}
+    entry.update(info)
+    entry["at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    with path.open("a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def totals(path: Path | None = None) -> dict[str, dict[str, float]]:
+    """{stage: {"seconds": s, "items": n, "tokens": t}} summed over the ledger (empty if none)."""
+    path = path or ledger_path()
+    out: dict[str, dict[str, float]] = {}
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        entry = json.loads(line)
+        row = out.setdefault(entry["stage"], {"seconds": 0.0, "items": 0, "tokens": 0})
+        row["seconds"] += entry["seconds"]
+        row["items"] += 1
+        row["tokens"] += entry.get("tokens", 0)
+    return out
