@@ -15,19 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dynatree_core.session import encode_prompt
 from dynatree_core.training.ledger import record
 from dynatree_core.training.prompts import sample_prompts
-
-
-def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
-    if chat:
-        msgs = [{"role": "user", "content": text}]
-        return list(
-            tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)[
-                "input_ids"
-            ]
-        )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @torch.inference_mode()
@@ -36,7 +26,7 @@ def generate_chunk(
 ) -> dict[str, np.ndarray]:
     """Sample `batch` continuations of seeded prompts; return flat uint16 ids + offsets."""
     torch.manual_seed(1_000_003 * index + 7)
-    prompts = [encode_prompt(tokenizer, text, chat) for text, chat in sample_prompts(batch, seed=index)]
+    prompts = [encode_prompt(tokenizer, text, chat=chat) for text, chat in sample_prompts(batch, seed=index)]
     width = max(len(p) for p in prompts)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids = torch.full((batch, width), pad, dtype=torch.long)
