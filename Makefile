@@ -36,17 +36,21 @@ format: setup
 	$(PY) -m ruff check --fix .
 
 # The embedded draft's whole recipe, resumable stage by stage (hours on 2 CPU cores; run it
-# in the background). Needs Debian's python3.11-doc and fortunes for the text corpus. TALF
-# (talf-label, then train --talf-weight W) lost to plain KD at equal steps: see BENCHMARKS.md.
-# The shipped interim draft used only label shards 21-33; `label` here labels all of them.
-DRAFT_STEPS ?= 700
+# in the background and run nothing else torch-heavy meanwhile). Needs Debian's python3.11-doc
+# and fortunes for the text corpus. Each stage appends its measured time to
+# $(HOME)/.cache/dynatree/draft-runs/compute.jsonl; export sums it into the model card.
+# TALF (talf-label, then train --talf-weight W) lost to plain KD at equal steps: BENCHMARKS.md.
+DRAFT_CHUNKS ?= 44
+DRAFT_STEPS ?= 2500
+DRAFT_SHARE ?= 0.5
+DRAFT_RUN ?= $(HOME)/.cache/dynatree/draft-runs/kd
 draft: setup
-	$(PY) -m dynatree_core.training gen-data --chunks 24
+	$(PY) -m dynatree_core.training gen-data --chunks $(DRAFT_CHUNKS)
 	$(PY) -m dynatree_core.training corpus
 	$(PY) -m dynatree_core.training label
-	$(PY) -m dynatree_core.training train --steps $(DRAFT_STEPS)
-	$(PY) -m dynatree_core.training quality --draft $(HOME)/.cache/dynatree/draft-runs/kd/model --out draft-quality.json --max-new-tokens 48
-	$(PY) -m dynatree_core.training export --quality draft-quality.json
+	$(PY) -m dynatree_core.training train --steps $(DRAFT_STEPS) --onpolicy-share $(DRAFT_SHARE) --out $(DRAFT_RUN)
+	$(PY) -m dynatree_core.training quality --draft $(DRAFT_RUN)/model --out $(DRAFT_RUN)/quality.json --max-new-tokens 48
+	$(PY) -m dynatree_core.training export --run $(DRAFT_RUN) --quality $(DRAFT_RUN)/quality.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

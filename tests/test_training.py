@@ -129,10 +129,12 @@ def test_compute_ledger_sums_stages_and_reaches_the_model_card(tmp_path, monkeyp
     monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path))
     record("label", 10.0, tokens=100, item="shard 0")
     record("label", 5.5, tokens=50, item="shard 1")
-    record("train", 30.0, tokens=900)
-    spent = totals()
+    record("train", 30.0, tokens=900, run=str(tmp_path / "run"))
+    record("train", 99.0, tokens=900, run=str(tmp_path / "other-run"))
+    spent = totals(run=tmp_path / "run")
     assert spent["label"] == {"seconds": 15.5, "items": 2, "tokens": 150}
     assert spent["train"]["seconds"] == 30.0
+    assert totals()["train"]["seconds"] == 129.0
     run = tmp_path / "run"
     run.mkdir()
     cfg = dict(TrainConfig().__dict__)

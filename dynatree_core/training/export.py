@@ -31,7 +31,8 @@ def model_card(name: str, run_dir: Path, quality: dict | None, command: str) -> 
         f"- loss: soft cross-entropy to the target's top-20 + {cfg['hard_weight']} x hard CE to its argmax"
         + (f" + {cfg['talf_weight']} x TALF tree loss" if cfg.get("talf_weight") else ""),
         f"- {cfg['steps']} steps of {cfg['batch']} windows (<= 320 tokens), AdamW lr {cfg['lr']}, cosine, "
-        f"seed {cfg['seed']}",
+        f"seed {cfg['seed']}"
+        + (f"; {cfg['onpolicy_share']:.0%} of each batch from on-policy windows" if cfg.get("onpolicy_share") else ""),
         "- data: windows of the target's own sampled chat/plain generations (temperature 0.8, top-p 0.95),",
         "  Python documentation sources and fortunes (Debian packages); chunk 0 of the generations is held out",
         f"- command: `{command}`",
@@ -44,7 +45,7 @@ def model_card(name: str, run_dir: Path, quality: dict | None, command: str) -> 
     lines += [
         f"| {c['step']} | {c['windows_seen']} | {c['heldout_agreement']:.3f} | {c['wall_s']:.0f} |" for c in curve
     ]
-    spent = totals()
+    spent = totals(run=run_dir)
     if spent:
         lines += [
             "",

@@ -32,8 +32,11 @@ def record(stage: str, seconds: float, path: Path | None = None, **info) -> None
         f.write(json.dumps(entry) + "\n")
 
 
-def totals(path: Path | None = None) -> dict[str, dict[str, float]]:
-    """{stage: {"seconds": s, "items": n, "tokens": t}} summed over the ledger (empty if none)."""
+def totals(path: Path | None = None, run: Path | None = None) -> dict[str, dict[str, float]]:
+    """{stage: {"seconds": s, "items": n, "tokens": t}} summed over the ledger (empty if none).
+
+    With `run`, training entries of other runs (experiments, ablations) are left out.
+    """
     path = path or ledger_path()
     out: dict[str, dict[str, float]] = {}
     if not path.exists():
@@ -42,6 +45,8 @@ def totals(path: Path | None = None) -> dict[str, dict[str, float]]:
         if not line.strip():
             continue
         entry = json.loads(line)
+        if run is not None and "run" in entry and Path(entry["run"]) != Path(run):
+            continue
         row = out.setdefault(entry["stage"], {"seconds": 0.0, "items": 0, "tokens": 0})
         row["seconds"] += entry["seconds"]
         row["items"] += 1

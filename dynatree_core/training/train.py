@@ -307,7 +307,7 @@ def train(
             )
             print(f"train: step {step} held-out agreement {held:.3f}", flush=True)
             now = time.perf_counter()
-            record("train", now - last_save, tokens=tokens - last_tokens, item=f"{out.name} steps to {step}")
+            record("train", now - last_save, tokens=tokens - last_tokens, run=str(out), item=f"steps to {step}")
             last_save, last_tokens = now, tokens
             torch.save(
                 {
