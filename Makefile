@@ -41,7 +41,7 @@ format: setup
 # $(HOME)/.cache/dynatree/draft-runs/compute.jsonl; export sums it into the model card.
 # TALF (talf-label, then train --talf-weight W) lost to plain KD at equal steps: BENCHMARKS.md.
 DRAFT_CHUNKS ?= 44
-DRAFT_STEPS ?= 2500
+DRAFT_STEPS ?= 2000
 DRAFT_SHARE ?= 0.5
 DRAFT_RUN ?= $(HOME)/.cache/dynatree/draft-runs/kd
 draft: setup
