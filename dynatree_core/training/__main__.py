@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     ex.add_argument("--dest", type=Path, default=None)
     ex.add_argument("--quality", type=Path, default=None, help="JSON written by `quality --out`")
     ex.add_argument("--recipe", default="make draft", help="the command that produced it (for the card)")
+    ex.add_argument("--note", default="", help="extra text for the card (e.g. caveats about the compute ledger)")
     args = parser.parse_args(argv)
     if args.command == "corpus":
         from dynatree_core.models import load_model
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         from dynatree_core.models import EMBEDDED_DRAFT_DIR
         from dynatree_core.training.export import export
 
-        export(args.run, args.dest or EMBEDDED_DRAFT_DIR, quality_json=args.quality, command=args.recipe)
+        export(args.run, args.dest or EMBEDDED_DRAFT_DIR, quality_json=args.quality, command=args.recipe, note=args.note)
         print(f"export: {args.dest or EMBEDDED_DRAFT_DIR}")
     elif args.command == "train":
         from dynatree_core.training.train import train

@@ -13,7 +13,7 @@ from pathlib import Path
 from dynatree_core.training.ledger import totals
 
 
-def model_card(name: str, run_dir: Path, quality: dict | None, command: str) -> str:
+def model_card(name: str, run_dir: Path, quality: dict | None, command: str, note: str = "") -> str:
     info = json.loads((run_dir / "curve.json").read_text())
     cfg, curve = info["config"], info["curve"]
     lines = [
@@ -57,12 +57,14 @@ def model_card(name: str, run_dir: Path, quality: dict | None, command: str) -> 
         lines += [f"| {k} | {v['seconds']:.0f} | {v['items']} | {v['tokens']} |" for k, v in spent.items()]
         total = sum(v["seconds"] for v in spent.values())
         lines += [f"| total | {total:.0f} ({total / 3600:.2f} h) | | |"]
+    if note:
+        lines += ["", note]
     if quality:
         lines += ["", "## Measured quality", "", "```json", json.dumps(quality, indent=1), "```"]
     return "\n".join(lines) + "\n"
 
 
-def export(run_dir: Path, dest: Path, *, quality_json: Path | None, command: str) -> None:
+def export(run_dir: Path, dest: Path, *, quality_json: Path | None, command: str, note: str = "") -> None:
     src = run_dir / "model"
     if dest.exists():
         shutil.rmtree(dest)
@@ -70,5 +72,5 @@ def export(run_dir: Path, dest: Path, *, quality_json: Path | None, command: str
     quality = json.loads(quality_json.read_text()) if quality_json and quality_json.exists() else None
     if quality is not None:  # `quality --out` keys results by draft directory
         quality = quality.get(str(src), next(iter(quality.values())) if len(quality) == 1 else quality)
-    (dest / "README.md").write_text(model_card(dest.name, run_dir, quality, command))
+    (dest / "README.md").write_text(model_card(dest.name, run_dir, quality, command, note))
     shutil.copy(run_dir / "curve.json", dest / "curve.json")
