@@ -36,7 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text with a drafting policy")
     gen.add_argument("--prompt", help="prompt text")
     gen.add_argument("--prompt-file", type=Path, help="read the prompt from a file")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap the prompt in the model's chat template (default: on when the tokenizer has one)",
+    )
     gen.add_argument("--policy", default="fixed_tree", help="drafting policy (see `policies`)")
     gen.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="policy parameter")
     gen.add_argument("--max-new-tokens", type=int, default=64)
@@ -115,7 +120,8 @@ def cmd_generate(args) -> None:
     torch.manual_seed(args.seed)
     pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype, need_draft=policy.needs_draft_model)
     target = pair.target
-    prompt_ids = encode_prompt(target.tokenizer, prompt, chat=args.chat)
+    chat = args.chat if args.chat is not None else target.has_chat_template
+    prompt_ids = encode_prompt(target.tokenizer, prompt, chat=chat)
     config = DecodeConfig(
         max_new_tokens=args.max_new_tokens,
         eos_token_ids=target.eos_token_ids,

@@ -108,3 +108,26 @@ def test_generate_json_fixed_tree_matches_ar_in_a_subprocess():
     assert tree["token_ids"] == ar["token_ids"]
     assert tree["target_forwards"] == tree["iterations"]
     assert ar["iterations"] == ar["new_tokens"]
+
+
+@pytest.mark.slow
+def test_chat_template_is_on_by_default_for_an_instruct_target(capsys):
+    def ids(*flags: str) -> list[int]:
+        code, out, _ = run_cli(
+            capsys,
+            "generate",
+            "--prompt",
+            "Name a colour.",
+            "--policy",
+            "ar",
+            "--max-new-tokens",
+            "6",
+            "--json",
+            *flags,
+        )
+        assert code == 0
+        return json.loads(out)["token_ids"]
+
+    default = ids()
+    assert default == ids("--chat")
+    assert default != ids("--no-chat")

@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> None:
         from dynatree_core.models import EMBEDDED_DRAFT_DIR
         from dynatree_core.training.export import export
 
-        export(args.run, args.dest or EMBEDDED_DRAFT_DIR, quality_json=args.quality, command=args.recipe, note=args.note)
+        export(
+            args.run, args.dest or EMBEDDED_DRAFT_DIR, quality_json=args.quality, command=args.recipe, note=args.note
+        )
         print(f"export: {args.dest or EMBEDDED_DRAFT_DIR}")
     elif args.command == "train":
         from dynatree_core.training.train import train
