@@ -1,0 +1,237 @@
+"""Figures of one iteration, as pure functions of its IterationRecord (no Streamlit here).
+
+  tree_figure   the draft tree in a tidy layout (parents centred over their children, children
+                most probable first), nodes coloured by what happened to them
+  mask_figure   the attention mask the target received: prefix collapsed to one column, then
+                the tree block in the order sent, with token labels
+  block_count   non-zero 32x32 blocks of a mask (DySpec appendix C: BFS vs DFS order)
+
+Node categories (colour): root, accepted, bonus (the target's own token after the accepted path,
+drawn as an extra child), rejected (verified; the target chose another token at its parent),
+unreached (verified, below a rejected node: never compared), pruned (not sent to the target;
+the reason is in the hover). A node the policy did not expand is drawn as an open symbol.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import plotly.graph_objects as go
+
+from dynatree_core.trace import IterationRecord
+from dynatree_core.tree import DraftTree, Status
+
+COLOURS = {
+    "root": "#4c4c4c",
+    "accepted": "#2ca02c",
+    "bonus": "#1f77b4",
+    "rejected": "#d62728",
+    "unreached": "#b0b0b0",
+    "pruned": "#ff9f1c",
+}
+BONUS = -2  # pseudo node id of the bonus token in layouts and figures
+
+
+def visible(text: str) -> str:
+    """Token text with whitespace made visible (space, newline, tab)."""
+    return text.replace(" ", "␣").replace("\n", "⏎").replace("\t", "⇥") or "∅"
+
+
+def tidy_layout(children: dict[int, list[int]], root: int = 0) -> dict[int, tuple[float, int]]:
+    """(x, depth) per node: leaves side by side in child order, each parent centred over its
+    children's extent. `children` lists each node's children in display order."""
+    pos: dict[int, tuple[float, int]] = {}
+    next_leaf = 0.0
+    stack: list[tuple[int, int, bool]] = [(root, 0, False)]
+    while stack:  # iterative post-order: deep trees must not hit the recursion limit
+        node, depth, done = stack.pop()
+        kids = children.get(node, [])
+        if not kids:
+            pos[node] = (next_leaf, depth)
+            next_leaf += 1.0
+        elif done:
+            pos[node] = ((pos[kids[0]][0] + pos[kids[-1]][0]) / 2, depth)
+        else:
+            stack.append((node, depth, True))
+            stack.extend((kid, depth + 1, False) for kid in reversed(kids))
+    return pos
+
+
+def node_categories(record: IterationRecord) -> dict[int, str]:
+    """Category of every tree node (see the module docstring)."""
+    tree = record.tree
+    accepted = set(record.accepted)
+    on_path = {0} | accepted
+    out: dict[int, str] = {}
+    for node in range(len(tree)):  # parents precede children
+        parent = tree.parents[node]
+        if node == 0:
+            out[node] = "root"
+        elif not tree.is_verified(node):
+            out[node] = "pruned"
+        elif node in accepted:
+            out[node] = "accepted"
+        elif parent in on_path:
+            out[node] = "rejected"
+        else:
+            out[node] = "unreached"
+    return out
+
+
+def _display_children(tree: DraftTree, record: IterationRecord) -> dict[int, list[int]]:
+    kids = tree.child_map(verified_only=False)
+    if record.bonus_token is not None:
+        last = record.accepted[-1] if record.accepted else 0
+        kids = {k: list(v) for k, v in kids.items()}
+        kids.setdefault(last, []).insert(0, BONUS)  # leftmost under the last accepted node
+    return kids
+
+
+def tree_figure(
+    record: IterationRecord,
+    decode: Callable[[int], str] = str,
+    *,
+    selected: int | None = None,
+    height: int = 420,
+) -> go.Figure:
+    """The draft tree of one iteration. `decode` maps a token id to its text.
+
+    Node markers carry customdata [node id, draft p, cumulative p, depth] (the bonus has id -2).
+    """
+    tree = record.tree
+    kids = _display_children(tree, record)
+    pos = tidy_layout(kids)
+    cats = node_categories(record)
+    target_at = dict(zip(record.order, record.target_tokens, strict=True))
+    fig = go.Figure()
+    edges_x: list[float | None] = []
+    edges_y: list[float | None] = []
+    path_x: list[float | None] = []
+    path_y: list[float | None] = []
+    path_nodes = {0, *record.accepted, BONUS}
+    for parent, children in kids.items():
+        for child in children:
+            xs, ys = (path_x, path_y) if child in path_nodes and parent in path_nodes else (edges_x, edges_y)
+            xs += [pos[parent][0], pos[child][0], None]
+            ys += [-pos[parent][1], -pos[child][1], None]
+    fig.add_trace(
+        go.Scatter(
+            x=edges_x, y=edges_y, mode="lines", line=dict(color="#cccccc", width=1), hoverinfo="skip", showlegend=False
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=path_x,
+            y=path_y,
+            mode="lines",
+            line=dict(color=COLOURS["accepted"], width=4),
+            hoverinfo="skip",
+            name="accepted path",
+        )
+    )
+    groups: dict[str, list[int]] = {}
+    for node, cat in cats.items():
+        groups.setdefault(cat, []).append(node)
+    if record.bonus_token is not None:
+        groups["bonus"] = [BONUS]
+    for cat in COLOURS:
+        nodes = groups.get(cat, [])
+        if not nodes:
+            continue
+        text, hover, custom, symbols = [], [], [], []
+        for n in nodes:
+            if n == BONUS:
+                token, p, cum, depth = record.bonus_token, None, None, pos[BONUS][1]
+                detail = "the target's own next token (free with every iteration)"
+                symbols.append("star")
+            else:
+                token, depth = tree.tokens[n], tree.depths[n]
+                p, cum = math.exp(tree.logp[n]), math.exp(tree.cum_logp[n])
+                reason = tree.reason[n] or ""
+                detail = f"status {tree.status[n]}" + (
+                    f" ({reason})" if reason and tree.status[n] != Status.KEPT else ""
+                )
+                if n in target_at:
+                    detail += f"<br>target predicts next: {visible(decode(target_at[n]))}"
+                symbols.append("circle-open" if tree.status[n] == Status.NOT_EXPANDED and n else "circle")
+            label = visible(decode(token))
+            text.append(label)
+            probs = "" if p is None else f"<br>p {p:.3f} · cumulative p {cum:.3g}"
+            hover.append(f"<b>{label}</b> (id {token})<br>{cat} · depth {depth}{probs}<br>{detail}")
+            custom.append([n, p, cum, depth])
+        fig.add_trace(
+            go.Scatter(
+                x=[pos[n][0] for n in nodes],
+                y=[-pos[n][1] for n in nodes],
+                mode="markers+text",
+                text=text,
+                textposition="bottom center",
+                marker=dict(
+                    color=COLOURS[cat],
+                    size=[18 if n == selected else 12 for n in nodes],
+                    symbol=symbols,
+                    line=dict(color=COLOURS[cat], width=2),
+                ),
+                customdata=custom,
+                hovertext=hover,
+                hoverinfo="text",
+                name=cat,
+            )
+        )
+    fig.update_layout(
+        height=height,
+        margin=dict(l=10, r=10, t=30, b=10),
+        xaxis=dict(visible=False),
+        yaxis=dict(
+            title="depth",
+            tickvals=[-d for d in range(max(p[1] for p in pos.values()) + 1)],
+            ticktext=[str(d) for d in range(max(p[1] for p in pos.values()) + 1)],
+        ),
+        legend=dict(orientation="h", y=1.08),
+        uirevision="tree",
+        clickmode="event+select",
+    )
+    return fig
+
+
+def block_count(mask: list[str], block: int = 32) -> int:
+    """Non-zero block x block tiles of a 0/1 mask given as row strings."""
+    tiles = set()
+    for i, row in enumerate(mask):
+        for j, c in enumerate(row):
+            if c == "1":
+                tiles.add((i // block, j // block))
+    return len(tiles)
+
+
+def mask_figure(record: IterationRecord, decode: Callable[[int], str] = str, *, height: int = 420) -> go.Figure:
+    """The tree block of the attention mask as sent, with the committed prefix as one column."""
+    n = len(record.order)
+    labels = [visible(decode(record.tree.tokens[node])) for node in record.order]
+    z = [[1] + [int(c) for c in row] for row in record.mask]  # every node sees the whole prefix
+    x_labels = [f"prefix ({record.prefix_len})"] + labels
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=list(range(n + 1)),
+            y=list(range(n)),
+            colorscale=[[0, "#f4f4f4"], [1, "#1f4e79"]],
+            showscale=False,
+            xgap=1,
+            ygap=1,
+            hovertemplate="query %{y} attends key %{x}: %{z}<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        height=height,
+        margin=dict(l=10, r=10, t=10, b=10),
+        xaxis=dict(tickvals=list(range(n + 1)), ticktext=x_labels, side="top", tickangle=-60),
+        yaxis=dict(
+            tickvals=list(range(n)),
+            ticktext=[f"{lab} @{p}" for lab, p in zip(labels, record.position_ids, strict=True)],
+            autorange="reversed",
+        ),
+        uirevision="mask",
+    )
+    return fig

@@ -1,0 +1,108 @@
+"""viz: layout, node categories, figure contents (pure functions, no models)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dynatree_core.trace import IterationRecord
+from dynatree_core.tree import DraftTree, Reason
+from dynatree_core.viz import BONUS, COLOURS, block_count, mask_figure, node_categories, tidy_layout, tree_figure
+
+
+def sample_record() -> IterationRecord:
+    """root -> a(.6) -> c -> e ; a -> d ; root -> b(.3) -> f ; b -> g (pruned: threshold).
+    Accepted a, c; bonus token 99."""
+    t = DraftTree.with_root(10)
+    t.mark_expanded(0)
+    a = t.add(0, 11, math.log(0.6))
+    b = t.add(0, 12, math.log(0.3))
+    t.mark_expanded(a)
+    t.mark_expanded(b)
+    c = t.add(a, 13, math.log(0.7))
+    t.add(a, 14, math.log(0.2))
+    t.mark_expanded(c)
+    t.add(c, 15, math.log(0.5))
+    t.add(b, 16, math.log(0.5))
+    g = t.add(b, 17, math.log(0.01))
+    t.prune(g, Reason.THRESHOLD)
+    order = t.order("bfs")
+    mask = ["".join("1" if v else "0" for v in row) for row in t.ancestor_mask(order).tolist()]
+    return IterationRecord(
+        index=1,
+        tree=t,
+        order=order,
+        mask=mask,
+        position_ids=t.position_ids(order, 5),
+        prefix_len=5,
+        chain_len=1,
+        accepted=[a, c],
+        bonus_token=99,
+        committed=[11, 13, 99],
+        target_tokens=[11 if n == 0 else 13 if n == a else 99 if n == c else 0 for n in order],
+        draft_forwards=3,
+        draft_ms=1.0,
+        verify_ms=2.0,
+        commit_ms=0.1,
+        overhead_ms=0.1,
+        memory_mb=1.0,
+    )
+
+
+def test_layout_centres_parents_and_orders_leaves():
+    kids = {0: [1, 2], 1: [3, 4, 5], 2: [6]}
+    pos = tidy_layout(kids)
+    assert [pos[n][0] for n in (3, 4, 5, 6)] == [0, 1, 2, 3]  # leaves left to right in child order
+    for parent, children in kids.items():
+        assert pos[parent][0] == pytest.approx((pos[children[0]][0] + pos[children[-1]][0]) / 2)
+        assert all(pos[c][1] == pos[parent][1] + 1 for c in children)
+    deep = {i: [i + 1] for i in range(5000)}  # no recursion limit
+    assert tidy_layout(deep)[5000] == (0.0, 5000)
+
+
+def test_categories_follow_verification():
+    rec = sample_record()
+    cats = node_categories(rec)
+    assert cats == {
+        0: "root",
+        1: "accepted",
+        2: "rejected",  # sibling of an accepted node
+        3: "accepted",
+        4: "rejected",
+        5: "rejected",  # child of the last accepted node: the bonus won instead
+        6: "unreached",  # below a rejected node
+        7: "pruned",
+    }
+
+
+def test_tree_figure_has_every_node_once_and_colours_by_category():
+    rec = sample_record()
+    fig = tree_figure(rec, decode=lambda t: f" t{t}\n")
+    markers = [tr for tr in fig.data if tr.mode == "markers+text"]
+    ids = sorted(row[0] for tr in markers for row in tr.customdata)
+    assert ids == sorted([*range(len(rec.tree)), BONUS])
+    for tr in markers:
+        assert tr.marker.color == COLOURS[tr.name]
+    by_name = {tr.name: tr for tr in markers}
+    assert [row[0] for row in by_name["accepted"].customdata] == [1, 3]
+    assert "␣t11⏎" in by_name["accepted"].text
+    assert "threshold" in by_name["pruned"].hovertext[0]
+    path = next(tr for tr in fig.data if tr.name == "accepted path")
+    assert sum(v is None for v in path.x) == 3  # root-a, a-c, c-bonus
+    edges = fig.data[0]
+    assert sum(v is None for v in edges.x) == 5  # the other tree edges
+    assert fig.to_json()  # serialisable for st.plotly_chart
+
+
+def test_mask_figure_and_block_counts():
+    rec = sample_record()
+    fig = mask_figure(rec)
+    z = fig.data[0].z
+    assert len(z) == len(rec.order) == 7  # verified nodes only
+    assert all(row[0] == 1 for row in z)  # the collapsed prefix column
+    assert sum(map(sum, z)) == len(z) + sum(row.count("1") for row in rec.mask)
+    assert block_count(rec.mask) == 1
+    big = ["1" * 40 if i < 40 else "0" * 40 for i in range(40)]
+    assert block_count(big) == 4
+    assert block_count(["1" + "0" * 39] * 40) == 2
