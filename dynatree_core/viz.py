@@ -14,6 +14,7 @@ the reason is in the hover). A node the policy did not expand is drawn as an ope
 
 from __future__ import annotations
 
+import html
 import math
 from collections.abc import Callable
 
@@ -234,4 +235,66 @@ def mask_figure(record: IterationRecord, decode: Callable[[int], str] = str, *, 
         ),
         uirevision="mask",
     )
+    return fig
+
+
+def text_html(records: list[IterationRecord], decode: Callable[[int], str] = str) -> str:
+    """The generated text: accepted draft tokens and bonus tokens marked, iterations separated."""
+    parts = []
+    for rec in records:
+        spans = []
+        for i, tok in enumerate(rec.committed):
+            kind = "accepted" if i < len(rec.accepted) else "bonus"
+            text = html.escape(decode(tok)).replace("\n", "⏎<br>")
+            spans.append(
+                f'<span title="iteration {rec.index}: {kind}" style="background:{COLOURS[kind]}22;'
+                f'border-bottom:2px solid {COLOURS[kind]}">{text}</span>'
+            )
+        parts.append(f'<span style="border-right:1px dotted #888">{"".join(spans)}</span>')
+    return '<div style="line-height:1.9;white-space:pre-wrap">' + "".join(parts) + "</div>"
+
+
+def run_charts(records: list[IterationRecord], ar_tps: float | None = None, *, height: int = 460) -> go.Figure:
+    """Running charts: tokens/iteration, acceptance rate, throughput (engine time only; speedup
+    against an AR reference when given) and the time split of every iteration."""
+    from plotly.subplots import make_subplots
+
+    its = [r.index for r in records]
+    tokens = [len(r.committed) for r in records]
+    acc = [len(r.accepted) / r.drafted if r.drafted else 0.0 for r in records]
+    cum_tokens, cum_ms, tps = 0, 0.0, []
+    for r in records:
+        cum_tokens += len(r.committed)
+        cum_ms += r.wall_ms
+        tps.append(1000 * cum_tokens / cum_ms if cum_ms > 0 else 0.0)
+    right = "speedup vs AR" if ar_tps else "tokens / s (running)"
+    fig = make_subplots(
+        rows=2,
+        cols=2,
+        subplot_titles=(
+            "tokens committed / iteration",
+            "acceptance rate (accepted / drafted)",
+            right,
+            "time split (ms)",
+        ),
+        vertical_spacing=0.18,
+    )
+    fig.add_trace(go.Scatter(x=its, y=tokens, mode="lines+markers", name="tokens/iteration"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=its, y=acc, mode="lines+markers", name="acceptance"), row=1, col=2)
+    fig.add_trace(
+        go.Scatter(x=its, y=[t / ar_tps for t in tps] if ar_tps else tps, mode="lines", name=right), row=2, col=1
+    )
+    for part, colour in (
+        ("draft_ms", "#9467bd"),
+        ("verify_ms", "#1f77b4"),
+        ("commit_ms", "#2ca02c"),
+        ("overhead_ms", "#aaaaaa"),
+    ):
+        fig.add_trace(
+            go.Bar(x=its, y=[getattr(r, part) for r in records], name=part.removesuffix("_ms"), marker_color=colour),
+            row=2,
+            col=2,
+        )
+    fig.update_layout(barmode="stack", height=height, margin=dict(l=10, r=10, t=40, b=10), uirevision="charts")
+    fig.update_yaxes(range=[0, 1.05], row=1, col=2)
     return fig

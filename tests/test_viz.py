@@ -106,3 +106,25 @@ def test_mask_figure_and_block_counts():
     big = ["1" * 40 if i < 40 else "0" * 40 for i in range(40)]
     assert block_count(big) == 4
     assert block_count(["1" + "0" * 39] * 40) == 2
+
+
+def test_text_marks_accepted_and_bonus_tokens_and_escapes_html():
+    from dynatree_core.viz import text_html
+
+    rec = sample_record()
+    out = text_html([rec, rec], decode=lambda t: {11: "<a>", 13: " b", 99: "\n"}[t])
+    assert out.count("iteration 1: accepted") == 4 and out.count("iteration 1: bonus") == 2
+    assert "&lt;a&gt;" in out and "<a>" not in out
+    assert "⏎<br>" in out
+
+
+def test_run_charts_series():
+    from dynatree_core.viz import run_charts
+
+    rec = sample_record()
+    fig = run_charts([rec, rec])
+    assert list(fig.data[0].y) == [3, 3]  # tokens committed per iteration
+    assert list(fig.data[1].y) == pytest.approx([2 / 6, 2 / 6])  # 2 accepted of 6 drafted
+    assert fig.data[2].y[-1] == pytest.approx(1000 * 6 / (2 * rec.wall_ms))
+    assert run_charts([rec], ar_tps=fig.data[2].y[0]).data[2].y[0] == pytest.approx(1.0)
+    assert [tr.name for tr in fig.data[3:]] == ["draft", "verify", "commit", "overhead"]
