@@ -1,82 +1,251 @@
-"""DynaTree Explorer: live tree speculative decoding (placeholder page until the app issue).
+"""DynaTree Explorer: watch tree speculative decoding happen, one iteration at a time.
 
-Runs the engine on the embedded model pair for one prompt and shows the result and the per-
-iteration statistics. The full live view (tree, mask, controls, history) comes next.
+Thin by design: widgets -> settings -> LiveRun (dynatree_core.live) -> figures (dynatree_core.viz).
+Models are loaded once per process and shared by every browser session; forwards take a lock.
+Per-run state (the LiveRun) lives in st.session_state, so two tabs run independently.
 """
 
 from __future__ import annotations
 
-import pandas as pd
+import threading
+import time
+
 import streamlit as st
+import torch
 
 from dynatree_core.drafting import POLICIES, make_policy
-from dynatree_core.engine import DecodeConfig, generate
+from dynatree_core.engine import DecodeConfig
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.live import LiveRun
+from dynatree_core.models import PRESETS
+from dynatree_core.prompts import load_prompts
 from dynatree_core.session import encode_prompt, load_pair
+from dynatree_core.viz import mask_figure, order_block_counts, run_charts, text_html, tree_figure
 
 st.set_page_config(page_title="DynaTree Explorer", page_icon="🌳", layout="wide")
-st.title("🌳 DynaTree Explorer")
-st.caption("Tree-based speculative decoding, exact under greedy decoding. The live view is under construction.")
+CUSTOM = "custom (hub id or local path)"
+RENDER_INTERVAL_S = 0.25  # at most ~4 figure updates per second while running
 
 
-@st.cache_resource(max_entries=2, show_spinner="Loading models (first load converts the GGUF, ~30 s)...")
-def cached_pair(target: str, device: str, dtype: str):
-    return load_pair(target, None, device=device, dtype=dtype)
+@st.cache_resource(max_entries=2, show_spinner=False)
+def cached_pair(target: str, draft: str | None, device: str, dtype: str):
+    return load_pair(target, draft, device=device, dtype=dtype)
 
 
-prompt = st.text_area("Prompt", "Explain what speculative decoding is in two sentences.")
-policy_name = st.selectbox("Policy", list(POLICIES), index=list(POLICIES).index("fixed_tree"))
-cls = POLICIES[policy_name]
-values = {}
-for p in cls.params:
-    if p.type is int:
-        values[p.name] = st.slider(p.name, int(p.min), int(p.max), int(p.default), help=p.help)
-    elif p.type is float:
-        values[p.name] = st.number_input(
-            p.name, float(p.min), float(p.max), float(p.default), help=p.help, format="%.4f"
-        )
-max_new = st.slider("Max new tokens", 1, 256, 48)
+@st.cache_resource
+def forward_lock() -> threading.Lock:
+    return threading.Lock()
 
-if st.button("Generate", type="primary"):
-    try:
-        pair = cached_pair("embedded", "auto", "auto")
-        ids = encode_prompt(pair.target.tokenizer, prompt, chat=True)
-        config = DecodeConfig(
-            max_new_tokens=max_new, eos_token_ids=pair.target.eos_token_ids, context_length=pair.target.context_length
-        )
-        with st.spinner("Decoding..."):
-            result = generate(
-                pair.target.model,
-                ids,
-                make_policy(policy_name, values),
-                draft=pair.draft.model if pair.draft else None,
-                config=config,
-                tokenizer=pair.target.tokenizer,
-                draft_token_map=pair.draft.token_map if pair.draft else None,
+
+def param_widgets(policy_name: str) -> dict:
+    """One widget per registered parameter of the policy, with its help text."""
+    values = {}
+    for p in POLICIES[policy_name].params:
+        key = f"param_{policy_name}_{p.name}"
+        if p.type is bool:
+            values[p.name] = st.toggle(p.name, bool(p.default), help=p.help, key=key)
+        elif p.type is int:
+            values[p.name] = st.slider(p.name, int(p.min), int(p.max), int(p.default), help=p.help, key=key)
+        else:
+            values[p.name] = st.number_input(
+                p.name, float(p.min), float(p.max), float(p.default), help=p.help, format="%.4f", key=key
             )
+    return values
+
+
+# ----- inputs ------------------------------------------------------------------------------------
+st.title("🌳 DynaTree Explorer")
+st.caption("Tree speculative decoding, live: the draft proposes a token tree, the target verifies it in one forward.")
+
+with st.sidebar:
+    st.header("Models")
+    preset = st.selectbox(
+        "Model pair",
+        [*PRESETS, CUSTOM],
+        help="`embedded` runs offline: SmolLM2-135M-Instruct with the project's trained draft.",
+    )
+    if preset == CUSTOM:
+        target_spec = st.text_input("Target", help="A hub id (needs network) or a local model directory.")
+        draft_spec = st.text_input("Draft", help="Empty: the target drafts for itself (exact, never faster).") or None
+    else:
+        target_spec, draft_spec = PRESETS[preset].target, PRESETS[preset].draft
+    device = st.selectbox("Device", ["auto", "cpu", "cuda"], help="auto: CUDA when available, else CPU.")
+    dtype = st.selectbox(
+        "Dtype", ["auto", "float32", "bfloat16", "float16"], help="auto: float32 on CPU (bit-exact greedy)."
+    )
+    st.header("Drafting")
+    policy_name = st.selectbox(
+        "Policy", list(POLICIES), index=list(POLICIES).index("fixed_tree"), help="How the draft tree is grown."
+    )
+    st.caption(POLICIES[policy_name].__doc__.strip().splitlines()[0] if POLICIES[policy_name].__doc__ else "")
+    params = param_widgets(policy_name)
+    verifier = st.selectbox(
+        "Verifier", ["greedy"], help="Greedy: accept the longest path matching the target's argmax."
+    )
+    order = st.radio(
+        "Node order sent to the target",
+        ["bfs", "dfs"],
+        horizontal=True,
+        help="Changes the mask layout, not the result.",
+    )
+    max_new = st.slider("Max new tokens", 1, 512, 64, help="Stop after this many generated tokens.")
+    seed = st.number_input("Seed", 0, 2**31 - 1, 0, help="Seeds sampling (greedy runs do not depend on it).")
+    render_every = st.slider(
+        "Fast mode: render every N iterations", 1, 20, 1, help="Rendering is not counted in throughput."
+    )
+
+examples = load_prompts("all")
+example = st.selectbox(
+    "Example prompts", ["(your own)"] + [f"[{p.domain}] {p.text[:80]}" for p in examples], help="Fills the prompt box."
+)
+default_prompt = "Explain what speculative decoding is in two sentences."
+if example != "(your own)":
+    default_prompt = examples[[f"[{p.domain}] {p.text[:80]}" for p in examples].index(example)].text
+prompt = st.text_area("Prompt", default_prompt, height=90, key=f"prompt_{example}")
+chat = st.toggle("Chat template", value=True, help="Wrap the prompt as a user turn (instruct models).")
+
+settings = {
+    "target": target_spec,
+    "draft": draft_spec,
+    "device": device,
+    "dtype": dtype,
+    "policy": policy_name,
+    "params": params,
+    "verifier": verifier,
+    "order": order,
+    "max_new_tokens": max_new,
+    "seed": int(seed),
+    "prompt": prompt,
+    "chat": chat,
+}
+
+
+def start_run() -> LiveRun | None:
+    """Load models (cached), encode the prompt and start a LiveRun; errors become messages."""
+    if not target_spec:
+        st.error("Enter a target model (hub id or local directory).")
+        return None
+    try:
+        with st.spinner(f"Loading {target_spec} (first load of the embedded model converts it, ~30 s)..."):
+            pair = cached_pair(target_spec, draft_spec, device, dtype)
+        policy = make_policy(policy_name, params)
+        ids = encode_prompt(pair.target.tokenizer, prompt, chat=chat)
+        config = DecodeConfig(
+            max_new_tokens=max_new,
+            eos_token_ids=pair.target.eos_token_ids,
+            context_length=pair.target.context_length,
+            order=order,
+        )
+        torch.manual_seed(int(seed))
+        run = LiveRun.start(
+            pair.target.model,
+            ids,
+            policy,
+            settings=settings,
+            draft=pair.draft.model if pair.draft and policy.needs_draft_model else None,
+            config=config,
+            draft_token_map=pair.draft.token_map if pair.draft else None,
+        )
     except DynaTreeError as exc:
         st.error(str(exc))
-    else:
-        if pair.draft_is_stand_in:
-            st.warning("No trained draft model yet: the target is its own draft (exact, not faster).")
-        st.write(result.text)
-        cols = st.columns(4)
-        cols[0].metric("Tokens / iteration", f"{result.tokens_per_iteration:.2f}")
-        cols[1].metric("Acceptance", f"{result.acceptance_rate:.0%}")
-        cols[2].metric("Tokens / s", f"{result.throughput_tps:.1f}")
-        cols[3].metric("Iterations", result.iterations)
-        st.dataframe(
-            pd.DataFrame(
-                [
-                    {
-                        "iteration": r.index,
-                        "drafted": r.drafted,
-                        "accepted": len(r.accepted),
-                        "committed": len(r.committed),
-                        "draft_ms": r.draft_ms,
-                        "verify_ms": r.verify_ms,
-                    }
-                    for r in result.records
-                ]
-            )
+        return None
+    except Exception as exc:  # a model that cannot load: a message, never a traceback
+        st.error(f"Could not start the run: {type(exc).__name__}: {exc}")
+        return None
+    st.session_state.tokenizer_key = (target_spec, draft_spec, device, dtype)
+    if pair.draft_is_stand_in:
+        st.warning("This target has no draft model: it drafts for itself (exact, but never faster).")
+    return run
+
+
+def decode_token(tok: int) -> str:
+    key = st.session_state.get("tokenizer_key")
+    if key is None:
+        return f"<{tok}>"
+    return cached_pair(*key).target.tokenizer.decode([tok])
+
+
+# ----- controls and live view ---------------------------------------------------------------------
+state = st.session_state
+state.setdefault("run", None)
+state.setdefault("running", False)
+
+
+@st.fragment
+def live_view() -> None:
+    cols = st.columns(5)
+    run_clicked = cols[0].button("▶ Run", type="primary", help="Decode until the end, rendering as it goes.")
+    step_clicked = cols[1].button("⏭ Step", help="Run exactly one iteration (one target forward).")
+    pause_clicked = cols[2].button("⏸ Pause run", help="Pause after the current iteration.")
+    reset_clicked = cols[3].button("⟲ Reset", help="Discard this run.")
+    imported = cols[4].file_uploader("Import run JSON", type="json", label_visibility="collapsed")
+
+    if reset_clicked:
+        state.run, state.running = None, False
+    if pause_clicked:
+        state.running = False
+    if imported is not None and state.get("imported_name") != imported.name:
+        try:
+            state.run, state.running = LiveRun.from_json(imported.getvalue()), False
+            state.imported_name = imported.name
+        except ValueError as exc:
+            st.error(str(exc))
+    run: LiveRun | None = state.run
+    if run is not None and not run.done:
+        changed = run.differs(settings)
+        if changed and (run_clicked or step_clicked or state.running):
+            state.running = False
+            st.warning(f"Settings changed ({', '.join(changed)}): press Reset to start a run with them.")
+            run_clicked = step_clicked = False
+    if (run_clicked or step_clicked) and (run is None or run.done):
+        run = state.run = start_run()
+    if run is not None and (step_clicked or run_clicked or state.running):
+        state.running = bool(run_clicked or state.running) and not step_clicked
+        deadline = time.perf_counter() + RENDER_INTERVAL_S
+        done_now = 0
+        while not run.done:
+            run.step(forward_lock())
+            done_now += 1
+            if not state.running or (done_now >= render_every and time.perf_counter() >= deadline):
+                break
+        if run.done:
+            state.running = False
+    render(run)
+    if state.running:
+        st.rerun(scope="fragment")
+
+
+def render(run: LiveRun | None) -> None:
+    if run is None or not run.records:
+        st.info("Press **Run** to decode live, or **Step** for one iteration at a time.")
+        return
+    result = run.result()
+    m = st.columns(5)
+    m[0].metric("Tokens / iteration", f"{result.tokens_per_iteration:.2f}")
+    m[1].metric("Acceptance", f"{result.acceptance_rate:.0%}")
+    m[2].metric("Tokens / s (engine time)", f"{result.throughput_tps:.1f}")
+    m[3].metric("Iterations", result.iterations)
+    m[4].metric("New tokens", result.new_tokens)
+    st.caption(f"Measured on {run.device}, {run.dtype}; rendering time excluded." + (" Finished." if run.done else ""))
+    n = len(run.records)
+    pick = st.slider("Iteration", 1, n, n, key=f"scrub_{n}") if n > 1 else 1
+    rec = run.records[pick - 1]
+    left, right = st.columns([3, 2])
+    with left:
+        st.subheader(f"Draft tree — iteration {rec.index}")
+        st.plotly_chart(tree_figure(rec, decode_token), width="stretch", key="tree")
+    with right:
+        st.subheader("Attention mask sent to the target")
+        st.plotly_chart(mask_figure(rec, decode_token), width="stretch", key="mask")
+        counts = order_block_counts(rec.tree)
+        st.caption(
+            f"{len(rec.order)} nodes (root first), positions {rec.position_ids[0]}..{max(rec.position_ids)}; "
+            f"non-zero 32x32 blocks: BFS {counts['bfs']}, DFS {counts['dfs']}"
         )
+    st.subheader("Generated text")
+    st.html(text_html(run.records, decode_token))
+    st.plotly_chart(run_charts(run.records), width="stretch", key="charts")
+    st.download_button("Export run (JSON)", run.to_json(), file_name="dynatree-run.json", mime="application/json")
+
+
+live_view()

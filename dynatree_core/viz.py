@@ -206,6 +206,15 @@ def block_count(mask: list[str], block: int = 32) -> int:
     return len(tiles)
 
 
+def order_block_counts(tree: DraftTree, block: int = 32) -> dict[str, int]:
+    """Non-zero block counts of the tree mask in BFS and in DFS order (DySpec appendix C)."""
+    out = {}
+    for kind in ("bfs", "dfs"):
+        mask = tree.ancestor_mask(tree.order(kind)).tolist()
+        out[kind] = block_count(["".join("1" if v else "0" for v in row) for row in mask], block)
+    return out
+
+
 def mask_figure(record: IterationRecord, decode: Callable[[int], str] = str, *, height: int = 420) -> go.Figure:
     """The tree block of the attention mask as sent, with the committed prefix as one column."""
     n = len(record.order)

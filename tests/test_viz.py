@@ -128,3 +128,15 @@ def test_run_charts_series():
     assert fig.data[2].y[-1] == pytest.approx(1000 * 6 / (2 * rec.wall_ms))
     assert run_charts([rec], ar_tps=fig.data[2].y[0]).data[2].y[0] == pytest.approx(1.0)
     assert [tr.name for tr in fig.data[3:]] == ["draft", "verify", "commit", "overhead"]
+
+
+def test_dfs_order_packs_two_long_chains_into_fewer_blocks():
+    from dynatree_core.viz import order_block_counts
+
+    t = DraftTree.with_root(0)
+    for start in (1, 2):
+        node = 0
+        for i in range(40):
+            node = t.add(node, start * 100 + i, math.log(0.9 if start == 1 else 0.5))
+    counts = order_block_counts(t)
+    assert counts["dfs"] < counts["bfs"], counts
