@@ -7,6 +7,7 @@ argmax can only differ through a logic error, never through a near-tie in roundi
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,3 +111,37 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
 @pytest.fixture(params=ARCHS)
 def arch(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_dirs(tmp_path_factory) -> tuple[str, str]:
+    """A tiny random Llama target and a noisy copy as its draft, saved with the embedded
+    model's tokenizer (vocab 49152), so the app and CLI can load them like any local pair."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).resolve().parent.parent / "assets/models/smollm2-draft")
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(cfg).eval()
+    draft = LlamaForCausalLM(cfg).eval()
+    draft.load_state_dict(target.state_dict())
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.002)
+    dirs = []
+    for name, model in (("target", target), ("draft", draft)):
+        out = tmp_path_factory.mktemp(f"tiny-{name}")
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        dirs.append(str(out))
+    return dirs[0], dirs[1]

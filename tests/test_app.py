@@ -34,3 +34,48 @@ def test_one_step_with_the_embedded_pair_draws_a_tree_and_a_mask():
     assert nodes >= 2  # root + bonus at least; every drafted node once
     assert any(t["type"] == "heatmap" for c in charts for t in c["data"])
     assert at.metric[0].label == "Tokens / iteration"
+
+
+def _custom_pair(at: AppTest, target: str, draft: str) -> AppTest:
+    next(s for s in at.selectbox if s.label == "Model pair").set_value("custom (hub id or local path)").run()
+    next(t for t in at.text_input if t.label == "Target").set_value(target)
+    next(t for t in at.text_input if t.label == "Draft").set_value(draft)
+    return at.run()
+
+
+def _click(at: AppTest, label: str) -> AppTest:
+    return next(b for b in at.button if label in b.label).click().run()
+
+
+def test_step_with_a_tiny_local_pair_draws_every_node(tiny_pair_dirs):
+    import json
+
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    at.run()
+    _custom_pair(at, *tiny_pair_dirs)
+    _click(at, "Step")
+    assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
+    run = at.session_state["run"]
+    assert len(run.records) == 1
+    rec = run.records[0]
+    charts = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    tree = next(c for c in charts if any(t.get("name") == "root" for t in c["data"]))
+    nodes = sum(len(t["customdata"]) for t in tree["data"] if t.get("mode") == "markers+text")
+    assert nodes == len(rec.tree) + (rec.bonus_token is not None)
+    heat = next(t for c in charts for t in c["data"] if t["type"] == "heatmap")
+    assert len(heat["z"]) == len(rec.order)
+    _click(at, "Step")
+    assert len(at.session_state["run"].records) == 2
+
+
+@pytest.mark.parametrize(
+    "target,needle",
+    [("", "Enter a target model"), ("./no/such/model/dir", "not found")],
+)
+def test_bad_model_inputs_show_an_error_not_a_traceback(target, needle):
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    at.run()
+    _custom_pair(at, target, "")
+    _click(at, "Step")
+    assert not at.exception, at.exception
+    assert any(needle in e.value for e in at.error), [e.value for e in at.error]
