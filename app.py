@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import streamlit as st
 import torch
@@ -20,7 +21,7 @@ from dynatree_core.live import LiveRun
 from dynatree_core.models import PRESETS
 from dynatree_core.prompts import load_prompts
 from dynatree_core.session import encode_prompt, load_pair
-from dynatree_core.viz import mask_figure, order_block_counts, run_charts, text_html, tree_figure
+from dynatree_core.viz import mask_figure, order_block_counts, run_charts, text_html, tree_figure, visible
 
 st.set_page_config(page_title="DynaTree Explorer", page_icon="🌳", layout="wide")
 CUSTOM = "custom (hub id or local path)"
@@ -215,6 +216,35 @@ def live_view() -> None:
         st.rerun(scope="fragment")
 
 
+@st.cache_data
+def glossary() -> str:
+    """The README's glossary table: one source for the docs and the page."""
+    text = (Path(__file__).parent / "README.md").read_text(encoding="utf-8")
+    start = text.index("## Glossary")
+    return text[text.index("\n", start) : text.index("\n## ", start + 1)].strip()
+
+
+def explain(rec, decode) -> str:
+    """The iteration in words, with its own tokens as the example."""
+    levels = max(rec.tree.depths) if len(rec.tree) > 1 else 0
+    accepted = "".join(decode(rec.tree.tokens[n]) for n in rec.accepted)
+    pruned = sum(1 for n in range(len(rec.tree)) if not rec.tree.is_verified(n))
+    bonus = "none (the run stopped first)" if rec.bonus_token is None else f"`{visible(decode(rec.bonus_token))}`"
+    return (
+        f"1. **Draft.** From the root `{visible(decode(rec.tree.tokens[0]))}` the draft model grew a tree "
+        f"of {len(rec.tree) - 1} proposed tokens over {levels} levels, one draft forward per level "
+        f"({rec.draft_forwards} forwards); {pruned} were pruned before verification.\n"
+        f"2. **Verify.** The target read the {rec.drafted} remaining nodes (plus the root"
+        + (f" and {rec.chain_len - 1} committed tokens it had not seen" if rec.chain_len > 1 else "")
+        + ") in **one forward**, each node attending only to its ancestors (the mask on the right), "
+        "at position root + depth.\n"
+        f"3. **Commit.** The longest path that matches the target's own choices was accepted: "
+        f"{len(rec.accepted)} tokens (`{visible(accepted)}`), then the target's next token was added "
+        f"for free as the bonus: {bonus}. {len(rec.committed)} tokens committed; the draft's and the "
+        "target's caches keep the accepted path's entries and drop the rest."
+    )
+
+
 def render(run: LiveRun | None) -> None:
     if run is None or not run.records:
         st.info("Press **Run** to decode live, or **Step** for one iteration at a time.")
@@ -242,6 +272,10 @@ def render(run: LiveRun | None) -> None:
             f"{len(rec.order)} nodes (root first), positions {rec.position_ids[0]}..{max(rec.position_ids)}; "
             f"non-zero 32x32 blocks: BFS {counts['bfs']}, DFS {counts['dfs']}"
         )
+    with st.expander("What happened in this iteration (draft → verify → commit)"):
+        st.markdown(explain(rec, decode_token))
+    with st.expander("Glossary of tree terms"):
+        st.markdown(glossary())
     st.subheader("Generated text")
     st.html(text_html(run.records, decode_token))
     st.plotly_chart(run_charts(run.records), width="stretch", key="charts")

@@ -79,3 +79,14 @@ def test_bad_model_inputs_show_an_error_not_a_traceback(target, needle):
     _click(at, "Step")
     assert not at.exception, at.exception
     assert any(needle in e.value for e in at.error), [e.value for e in at.error]
+
+
+def test_explanation_and_glossary_follow_the_iteration(tiny_pair_dirs):
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    at.run()
+    _custom_pair(at, *tiny_pair_dirs)
+    _click(at, "Step")
+    rec = at.session_state["run"].records[0]
+    md = " ".join(m.value for m in at.markdown)
+    assert f"{len(rec.accepted)} tokens" in md and "one forward" in md
+    assert "bonus token" in md and "| accepted path |" in md  # the README glossary table
