@@ -7,6 +7,7 @@ Per-run state (the LiveRun) lives in st.session_state, so two tabs run independe
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ import streamlit as st
 import torch
 
 from dynatree_core.drafting import POLICIES, make_policy
-from dynatree_core.engine import DecodeConfig
+from dynatree_core.engine import DecodeConfig, generate
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.live import LiveRun
 from dynatree_core.models import PRESETS
@@ -245,6 +246,27 @@ def explain(rec, decode) -> str:
     )
 
 
+def ar_reference(run: LiveRun, key: str) -> None:
+    """Autoregressive decoding of the run's prompt (same length budget), for the speedup chart."""
+    key_models = st.session_state.get("tokenizer_key")
+    if key_models is None:
+        st.error("No AR reference for an imported run: start a run with its models first.")
+        return
+    try:
+        pair = cached_pair(*key_models)
+        config = DecodeConfig(
+            max_new_tokens=run.settings["max_new_tokens"],
+            eos_token_ids=pair.target.eos_token_ids,
+            context_length=pair.target.context_length,
+        )
+        with st.spinner("Running the AR reference..."), forward_lock():
+            ref = generate(pair.target.model, run.prompt_ids, make_policy("ar"), config=config)
+    except DynaTreeError as exc:
+        st.error(f"No AR reference: {exc}")
+        return
+    st.session_state.setdefault("ar_tps", {})[key] = ref.throughput_tps
+
+
 def render(run: LiveRun | None) -> None:
     if run is None or not run.records:
         st.info("Press **Run** to decode live, or **Step** for one iteration at a time.")
@@ -278,7 +300,13 @@ def render(run: LiveRun | None) -> None:
         st.markdown(glossary())
     st.subheader("Generated text")
     st.html(text_html(run.records, decode_token))
-    st.plotly_chart(run_charts(run.records), width="stretch", key="charts")
+    ref_key = json.dumps({k: v for k, v in run.settings.items() if k not in ("policy", "params", "order")})
+    if st.button("Measure AR reference", help="Decode the same prompt with the target alone, for the speedup."):
+        ar_reference(run, ref_key)
+    ar_tps = state.setdefault("ar_tps", {}).get(ref_key)
+    if ar_tps:
+        st.caption(f"AR reference: {ar_tps:.1f} tokens/s on the same prompt, device and dtype.")
+    st.plotly_chart(run_charts(run.records, ar_tps), width="stretch", key="charts")
     st.download_button("Export run (JSON)", run.to_json(), file_name="dynatree-run.json", mime="application/json")
 
 

@@ -90,3 +90,17 @@ def test_explanation_and_glossary_follow_the_iteration(tiny_pair_dirs):
     md = " ".join(m.value for m in at.markdown)
     assert f"{len(rec.accepted)} tokens" in md and "one forward" in md
     assert "bonus token" in md and "| accepted path |" in md  # the README glossary table
+
+
+def test_ar_reference_turns_throughput_into_speedup(tiny_pair_dirs):
+    import json
+
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    at.run()
+    _custom_pair(at, *tiny_pair_dirs)
+    _click(at, "Step")
+    _click(at, "Measure AR reference")
+    assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
+    charts = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    names = {t.get("name") for c in charts for t in c["data"]}
+    assert "speedup vs AR" in names, names
