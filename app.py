@@ -205,12 +205,17 @@ def live_view() -> None:
         state.running = bool(run_clicked or state.running) and not step_clicked
         deadline = time.perf_counter() + RENDER_INTERVAL_S
         done_now = 0
-        while not run.done:
-            run.step(forward_lock())
-            done_now += 1
-            if not state.running or (done_now >= render_every and time.perf_counter() >= deadline):
-                break
-        if run.done:
+        try:
+            while not run.done:
+                run.step(forward_lock())
+                done_now += 1
+                if not state.running or (done_now >= render_every and time.perf_counter() >= deadline):
+                    break
+        except DynaTreeError as exc:  # raised by the engine on its first step, e.g. prompt too long
+            st.error(str(exc))
+            run = state.run = None
+            state.running = False
+        if run is not None and run.done:
             state.running = False
     render(run)
     if state.running:

@@ -64,8 +64,12 @@ class LiveRun:
         if self.done or self._steps is None:
             self.done = True
             return None
-        with lock if lock is not None else contextlib.nullcontext():
-            record = next(self._steps, None)
+        try:
+            with lock if lock is not None else contextlib.nullcontext():
+                record = next(self._steps, None)
+        except Exception:  # e.g. the prompt does not fit the context: the run cannot go on
+            self.done, self._steps = True, None
+            raise
         if record is None or record.stop is not None:
             self.done = True
             self._steps = None  # release the KV caches

@@ -104,3 +104,16 @@ def test_ar_reference_turns_throughput_into_speedup(tiny_pair_dirs):
     charts = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
     names = {t.get("name") for c in charts for t in c["data"]}
     assert "speedup vs AR" in names, names
+
+
+def test_a_prompt_longer_than_the_context_is_an_error_and_keeps_the_inputs(tiny_pair_dirs):
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    at.run()
+    _custom_pair(at, *tiny_pair_dirs)
+    at.text_area[0].set_value("word " * 2000).run()  # the tiny target has 512 positions
+    _click(at, "Step")
+    assert not at.exception, at.exception
+    assert any("context" in e.value for e in at.error), [e.value for e in at.error]
+    assert at.session_state["run"] is None
+    assert at.text_area[0].value == "word " * 2000
+    assert next(t for t in at.text_input if t.label == "Target").value == tiny_pair_dirs[0]

@@ -59,3 +59,15 @@ def test_settings_changes_are_reported_and_replay_round_trips():
 def test_import_rejects_files_that_are_not_runs(bad):
     with pytest.raises(ValueError, match="not a DynaTree run file"):
         LiveRun.from_json(bad)
+
+
+def test_an_engine_error_ends_the_run():
+    from dynatree_core.errors import DynaTreeError
+
+    target = tiny_model("llama")
+    live = LiveRun.start(
+        target, list(range(1, 600)), make_policy("ar"), config=DecodeConfig(max_new_tokens=4), settings={}
+    )
+    with pytest.raises(DynaTreeError, match="context"):
+        live.step()
+    assert live.done and live.step() is None
