@@ -86,7 +86,7 @@ def decode(
     if policy.needs_draft_model:
         drafter = Drafter(draft, prompt_ids, min(vocab_size(draft), vocab_size(target)), draft_token_map)
     committed = list(prompt_ids)
-    for index in range(config.max_new_tokens):  # each iteration commits >= 1 token
+    for index in range(1, config.max_new_tokens + 1):  # iterations count from 1; each commits >= 1 token
         remaining = config.max_new_tokens - (len(committed) - len(prompt_ids))
         room = ctx - len(committed)  # positions left for new tokens
         if remaining <= 0 or room <= 0:

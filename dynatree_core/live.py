@@ -4,7 +4,8 @@
 forward) under a lock, because the models are shared by every session of the app process. The
 settings that define the run are frozen at start: `differs(settings)` tells the page that the
 user changed something, so it can ask to restart instead of mixing settings in one run's
-statistics. A finished or imported run replays its records without models.
+statistics. A finished or imported run replays its records without models: the export carries
+the text of every token the run drew (`token_texts`), so an imported run shows the same words.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -34,6 +35,8 @@ class LiveRun:
     device: str = "cpu"
     dtype: str = "float32"
     done: bool = False
+    token_texts: dict[int, str] = dataclasses.field(default_factory=dict)
+    _decode: Callable[[int], str] | None = dataclasses.field(default=None, repr=False)
     _steps: Iterator[IterationRecord] | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
@@ -47,7 +50,9 @@ class LiveRun:
         draft: torch.nn.Module | None = None,
         config: DecodeConfig = DecodeConfig(),
         draft_token_map: TokenMap | None = None,
+        detokenize: Callable[[int], str] | None = None,
     ) -> LiveRun:
+        """Start decoding; `detokenize` maps one token id to its text (the target's tokenizer)."""
         steps = decode(target, prompt_ids, policy, draft=draft, config=config, draft_token_map=draft_token_map)
         return cls(
             settings=dict(settings),
@@ -56,6 +61,7 @@ class LiveRun:
             params=dict(policy.config),
             device=str(target.get_input_embeddings().weight.device),
             dtype=str(target.dtype).removeprefix("torch."),
+            _decode=detokenize,
             _steps=steps,
         )
 
@@ -82,6 +88,22 @@ class LiveRun:
         keys = set(settings) | set(self.settings)
         return sorted(k for k in keys if settings.get(k) != self.settings.get(k))
 
+    def text(self, token: int) -> str:
+        """Text of one token id, decoded once and remembered (an imported run has no tokenizer)."""
+        if token not in self.token_texts:
+            if self._decode is None:
+                return f"<{token}>"
+            self.token_texts[token] = self._decode(token)
+        return self.token_texts[token]
+
+    def _all_tokens(self) -> set[int]:
+        out: set[int] = set()
+        for r in self.records:
+            out.update(r.tree.tokens, r.committed, r.target_tokens)
+            if r.bonus_token is not None:
+                out.add(r.bonus_token)
+        return out
+
     @property
     def token_ids(self) -> list[int]:
         return [t for r in self.records for t in r.committed]
@@ -102,6 +124,7 @@ class LiveRun:
         """The run as RunResult JSON (records included) plus its settings, for export."""
         out = self.result(text).to_dict(with_records=True)
         out["settings"] = self.settings
+        out["token_texts"] = {str(t): self.text(t) for t in sorted(self._all_tokens())}
         return json.dumps(out)
 
     @classmethod
@@ -112,7 +135,8 @@ class LiveRun:
             if not isinstance(raw, dict):
                 raise ValueError("expected a JSON object")
             result = RunResult.from_dict(raw)
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            texts = {int(k): str(v) for k, v in (raw.get("token_texts") or {}).items()}
+        except (json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a DynaTree run file: {exc}") from exc
         return cls(
             settings=dict(raw.get("settings") or {}),
@@ -123,4 +147,5 @@ class LiveRun:
             device=result.device,
             dtype=result.dtype,
             done=True,
+            token_texts=texts,
         )

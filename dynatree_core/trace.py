@@ -22,7 +22,7 @@ TRACE_VERSION = 1
 class IterationRecord:
     """Everything one iteration did: the tree, what the target saw, what it accepted, timings."""
 
-    index: int
+    index: int  # 1 for the first iteration (the one that also runs the prefill)
     tree: DraftTree
     order: list[int]  # verified node ids in the order sent to the target (root first)
     mask: list[str]  # tree block of the attention mask, one '0'/'1' row per node in `order`

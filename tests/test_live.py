@@ -48,6 +48,8 @@ def test_settings_changes_are_reported_and_replay_round_trips():
     assert live.differs({"policy": "linear", "k": 3, "max_new_tokens": 8}) == []
     while live.step() is not None:
         pass
+    live_decode = live.text  # no tokenizer given: placeholders, never remembered
+    assert live_decode(7) == "<7>" and live.token_texts == {}
     replay = LiveRun.from_json(live.to_json(text="abc"))
     assert replay.done and replay.step() is None
     assert replay.token_ids == live.token_ids
@@ -71,3 +73,31 @@ def test_an_engine_error_ends_the_run():
     with pytest.raises(DynaTreeError, match="context"):
         live.step()
     assert live.done and live.step() is None
+
+
+def test_export_carries_token_texts_so_an_imported_run_shows_words():
+    target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
+    calls = []
+
+    def decode(tok):
+        calls.append(tok)
+        return f"w{tok}"
+
+    live = LiveRun.start(
+        target,
+        [5, 9, 11],
+        make_policy("fixed_tree", {"depth": 2, "branch": 2}),
+        draft=draft,
+        config=DecodeConfig(max_new_tokens=6),
+        settings={},
+        detokenize=decode,
+    )
+    while live.step() is not None:
+        pass
+    rec = live.records[0]
+    assert live.text(rec.tree.tokens[1]) == f"w{rec.tree.tokens[1]}"
+    assert live.text(rec.tree.tokens[1]) and calls.count(rec.tree.tokens[1]) == 1  # decoded once
+    replay = LiveRun.from_json(live.to_json())
+    every = {t for r in live.records for t in [*r.tree.tokens, *r.committed, *r.target_tokens]}
+    assert all(replay.text(t) == f"w{t}" for t in every)
+    assert replay.text(10**6) == f"<{10**6}>"
