@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import streamlit as st
 import torch
+from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from dynatree_core.drafting import POLICIES, make_policy
 from dynatree_core.engine import DecodeConfig, generate
@@ -22,11 +24,24 @@ from dynatree_core.live import LiveRun
 from dynatree_core.models import PRESETS
 from dynatree_core.prompts import load_prompts
 from dynatree_core.session import encode_prompt, load_pair
-from dynatree_core.viz import mask_figure, order_block_counts, run_charts, text_html, tree_figure, visible
+from dynatree_core.trace import IterationRecord
+from dynatree_core.viz import (
+    clicked_node,
+    mask_figure,
+    node_details,
+    order_block_counts,
+    run_charts,
+    text_html,
+    tree_figure,
+    visible,
+)
 
 st.set_page_config(page_title="DynaTree Explorer", page_icon="🌳", layout="wide")
 CUSTOM = "custom (hub id or local path)"
-RENDER_INTERVAL_S = 0.25  # at most ~4 figure updates per second while running
+# Three figures per page update: one update every 0.6 s keeps the browser near 5 figure updates per
+# second. A browser on the same machine draws on the same CPU cores and slows the engine while it
+# draws (measured here: ~0.2 s of CPU per figure update in headless Chromium).
+RENDER_INTERVAL_S = 0.6
 
 
 @st.cache_resource(max_entries=2, show_spinner=False)
@@ -56,7 +71,7 @@ def param_widgets(policy_name: str) -> dict:
 
 
 # ----- inputs ------------------------------------------------------------------------------------
-st.title("🌳 DynaTree Explorer")
+st.title(":material/account_tree: DynaTree Explorer")
 st.caption("Tree speculative decoding, live: the draft proposes a token tree, the target verifies it in one forward.")
 
 with st.sidebar:
@@ -147,6 +162,7 @@ def start_run() -> LiveRun | None:
             draft=pair.draft.model if pair.draft and policy.needs_draft_model else None,
             config=config,
             draft_token_map=pair.draft.token_map if pair.draft else None,
+            detokenize=lambda tok: pair.target.tokenizer.decode([tok]),
         )
     except DynaTreeError as exc:
         st.error(str(exc))
@@ -160,13 +176,6 @@ def start_run() -> LiveRun | None:
     return run
 
 
-def decode_token(tok: int) -> str:
-    key = st.session_state.get("tokenizer_key")
-    if key is None:
-        return f"<{tok}>"
-    return cached_pair(*key).target.tokenizer.decode([tok])
-
-
 # ----- controls and live view ---------------------------------------------------------------------
 state = st.session_state
 state.setdefault("run", None)
@@ -176,10 +185,14 @@ state.setdefault("running", False)
 @st.fragment
 def live_view() -> None:
     cols = st.columns(5)
-    run_clicked = cols[0].button("▶ Run", type="primary", help="Decode until the end, rendering as it goes.")
-    step_clicked = cols[1].button("⏭ Step", help="Run exactly one iteration (one target forward).")
-    pause_clicked = cols[2].button("⏸ Pause run", help="Pause after the current iteration.")
-    reset_clicked = cols[3].button("⟲ Reset", help="Discard this run.")
+    run_clicked = cols[0].button(
+        "Run", icon=":material/play_arrow:", type="primary", help="Decode until the end, rendering as it goes."
+    )
+    step_clicked = cols[1].button(
+        "Step", icon=":material/skip_next:", help="Run exactly one iteration (one target forward)."
+    )
+    pause_clicked = cols[2].button("Pause run", icon=":material/pause:", help="Pause after the current iteration.")
+    reset_clicked = cols[3].button("Reset", icon=":material/restart_alt:", help="Discard this run.")
     imported = cols[4].file_uploader("Import run JSON", type="json", label_visibility="collapsed")
 
     if reset_clicked:
@@ -218,8 +231,9 @@ def live_view() -> None:
         if run is not None and run.done:
             state.running = False
     render(run)
-    if state.running:
-        st.rerun(scope="fragment")
+    if state.running:  # the fragment alone reruns, unless this is a full run (a sidebar change)
+        ctx = get_script_run_ctx()
+        st.rerun(scope="fragment" if ctx is not None and ctx.fragment_ids_this_run else "app")
 
 
 @st.cache_data
@@ -230,7 +244,7 @@ def glossary() -> str:
     return text[text.index("\n", start) : text.index("\n## ", start + 1)].strip()
 
 
-def explain(rec, decode) -> str:
+def explain(rec: IterationRecord, decode: Callable[[int], str]) -> str:
     """The iteration in words, with its own tokens as the example."""
     levels = max(rec.tree.depths) if len(rec.tree) > 1 else 0
     accepted = "".join(decode(rec.tree.tokens[n]) for n in rec.accepted)
@@ -272,6 +286,19 @@ def ar_reference(run: LiveRun, key: str) -> None:
     st.session_state.setdefault("ar_tps", {})[key] = ref.throughput_tps
 
 
+def node_panel(rec: IterationRecord, node: int | None, decode: Callable[[int], str]) -> None:
+    if node is None:
+        st.caption("Click a node for its path as text and the target's prediction there.")
+        return
+    try:
+        details = node_details(rec, node, decode)
+    except ValueError:  # a stale selection from another tree
+        return
+    st.markdown(
+        "**Selected node**\n\n" + "\n".join(f"- **{k}**: `{v.replace('`', 'ˋ')}`" for k, v in details.items()),
+    )
+
+
 def render(run: LiveRun | None) -> None:
     if run is None or not run.records:
         st.info("Press **Run** to decode live, or **Step** for one iteration at a time.")
@@ -283,28 +310,41 @@ def render(run: LiveRun | None) -> None:
     m[2].metric("Tokens / s (engine time)", f"{result.throughput_tps:.1f}")
     m[3].metric("Iterations", result.iterations)
     m[4].metric("New tokens", result.new_tokens)
-    st.caption(f"Measured on {run.device}, {run.dtype}; rendering time excluded." + (" Finished." if run.done else ""))
+    st.caption(
+        f"Measured on {run.device}, {run.dtype}, from engine time (rendering excluded). A browser on the same "
+        "machine competes for its CPU while it draws: raise *render every N* for cleaner timing."
+        + (" Finished." if run.done else "")
+    )
     n = len(run.records)
     pick = st.slider("Iteration", 1, n, n, key=f"scrub_{n}") if n > 1 else 1
     rec = run.records[pick - 1]
     left, right = st.columns([3, 2])
     with left:
         st.subheader(f"Draft tree — iteration {rec.index}")
-        st.plotly_chart(tree_figure(rec, decode_token), width="stretch", key="tree")
+        chart_key = f"tree_{rec.index}"  # one selection per iteration
+        selected = clicked_node(state.get(chart_key))
+        st.plotly_chart(
+            tree_figure(rec, run.text, selected=selected),
+            width="stretch",
+            key=chart_key,
+            on_select="rerun",
+            selection_mode="points",
+        )
+        node_panel(rec, selected, run.text)
     with right:
         st.subheader("Attention mask sent to the target")
-        st.plotly_chart(mask_figure(rec, decode_token), width="stretch", key="mask")
+        st.plotly_chart(mask_figure(rec, run.text), width="stretch", key="mask")
         counts = order_block_counts(rec.tree)
         st.caption(
             f"{len(rec.order)} nodes (root first), positions {rec.position_ids[0]}..{max(rec.position_ids)}; "
             f"non-zero 32x32 blocks: BFS {counts['bfs']}, DFS {counts['dfs']}"
         )
     with st.expander("What happened in this iteration (draft → verify → commit)"):
-        st.markdown(explain(rec, decode_token))
+        st.markdown(explain(rec, run.text))
     with st.expander("Glossary of tree terms"):
         st.markdown(glossary())
     st.subheader("Generated text")
-    st.html(text_html(run.records, decode_token))
+    st.html(text_html(run.records, run.text))
     ref_key = json.dumps({k: v for k, v in run.settings.items() if k not in ("policy", "params", "order")})
     if st.button("Measure AR reference", help="Decode the same prompt with the target alone, for the speedup."):
         ar_reference(run, ref_key)

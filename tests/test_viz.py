@@ -8,7 +8,17 @@ import pytest
 
 from dynatree_core.trace import IterationRecord
 from dynatree_core.tree import DraftTree, Reason
-from dynatree_core.viz import BONUS, COLOURS, block_count, mask_figure, node_categories, tidy_layout, tree_figure
+from dynatree_core.viz import (
+    BONUS,
+    COLOURS,
+    block_count,
+    clicked_node,
+    mask_figure,
+    node_categories,
+    node_details,
+    tidy_layout,
+    tree_figure,
+)
 
 
 def sample_record() -> IterationRecord:
@@ -140,3 +150,34 @@ def test_dfs_order_packs_two_long_chains_into_fewer_blocks():
             node = t.add(node, start * 100 + i, math.log(0.9 if start == 1 else 0.5))
     counts = order_block_counts(t)
     assert counts["dfs"] < counts["bfs"], counts
+
+
+def test_node_details_path_and_target_predictions():
+    rec = sample_record()
+    word = {10: "The", 11: " cat", 12: " dog", 13: " sat", 14: " ran", 15: " on", 17: " xyz", 99: " down"}
+
+    def decode(t):
+        return word.get(t, f"<{t}>")
+
+    rejected = node_details(rec, 5, decode)  # c -> " on" (rejected: the target chose the bonus)
+    assert rejected["path"].startswith("␣cat␣sat␣on") and "after the root The" in rejected["path"]
+    assert rejected["status"].startswith("rejected")
+    assert rejected["target at the parent"] == "␣down (not this node)"
+    accepted = node_details(rec, 1, decode)
+    assert accepted["target at the parent"] == "␣cat (same as this node)"
+    assert accepted["target after this node"] == "␣sat" and accepted["draft p"] == "0.6000"
+    pruned = node_details(rec, 7, decode)
+    assert "threshold" in pruned["status"] and "not computed" in pruned["target after this node"]
+    bonus = node_details(rec, BONUS, decode)
+    assert bonus["path"].startswith("␣cat␣sat␣down") and bonus["status"].startswith("bonus")
+    assert node_details(rec, 0, decode)["path"].startswith("(the root itself)")
+    with pytest.raises(ValueError, match="no node"):
+        node_details(rec, 42, decode)
+
+
+def test_clicked_node_reads_the_selection_event():
+    assert clicked_node(None) is None
+    assert clicked_node({"selection": {"points": []}}) is None
+    assert clicked_node({"selection": {"points": [{"x": 1.0}]}}) is None  # an edge: no customdata
+    assert clicked_node({"selection": {"points": [{"customdata": [BONUS, None, None, 2]}]}}) == BONUS
+    assert clicked_node({"selection": {"points": [{"customdata": [3, 0.5, 0.2, 2]}]}}) == 3
