@@ -1,0 +1,155 @@
+"""End to end in a real browser: `streamlit run app.py`, press Run with the embedded models, watch.
+
+Needs Debian's `chromium` and the `playwright` package (never `playwright install`: it downloads
+browsers). Without them the test is skipped, unless DYNATREE_REQUIRE_BROWSER=1 (set by .ci/run),
+where it fails instead. Screenshots go to tests/output/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+OUTPUT = ROOT / "tests" / "output"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+
+def _browser_missing() -> str | None:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the playwright package is not installed"
+    if not Path(CHROMIUM).exists():
+        return "Debian's chromium is not installed (apt-get install -y chromium)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    missing = _browser_missing()
+    if missing:
+        if os.environ.get("DYNATREE_REQUIRE_BROWSER") == "1":
+            pytest.fail(missing)
+        pytest.skip(missing)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    OUTPUT.mkdir(parents=True, exist_ok=True)
+    log = open(OUTPUT / "streamlit.log", "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "streamlit", "run", "app.py",
+            "--server.headless", "true", "--server.port", str(port), "--server.address", "127.0.0.1",
+            "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"streamlit did not start: {(OUTPUT / 'streamlit.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def _idle(page, timeout_ms: int = 120_000) -> None:
+    """Wait for the page to be drawn (the Run button) and the script to have finished."""
+    page.get_by_role("button", name="Run", exact=True).wait_for(timeout=timeout_ms)
+    page.wait_for_selector("[data-testid=stApp][data-test-script-state=notRunning]", timeout=timeout_ms)
+
+
+def _screenshot(page, name: str) -> None:
+    """The whole page: Streamlit scrolls inside its main section, so grow the viewport to fit."""
+    size = page.viewport_size
+    height = page.evaluate("document.querySelector('[data-testid=stMain]').scrollHeight")
+    page.set_viewport_size({"width": size["width"], "height": max(size["height"], height + 50)})
+    page.wait_for_timeout(1500)  # let the charts resize
+    page.screenshot(path=str(OUTPUT / name), full_page=True)
+    page.set_viewport_size(size)
+
+
+def _metric(page, label: str, timeout_ms: int = 30_000) -> str:
+    metric = page.locator("[data-testid=stMetric]").filter(has_text=label)
+    return metric.locator("[data-testid=stMetricValue]").inner_text(timeout=timeout_ms)
+
+
+def test_run_with_the_embedded_models_updates_live(app_url):
+    from playwright.sync_api import Error as PlaywrightError
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        page.goto(app_url)
+        _idle(page)
+        page.get_by_role("button", name="Run", exact=True).click()
+        # Live: the iteration count is seen growing while the run is still going.
+        page.wait_for_selector("[data-testid=stMetric]", timeout=300_000)
+        seen = set()
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            with contextlib.suppress(ValueError, PlaywrightError):  # the metric is being re-rendered
+                seen.add(int(_metric(page, "Iterations", timeout_ms=2_000)))
+            if page.get_by_text("Finished.", exact=False).count():
+                break
+            time.sleep(0.2)
+        assert page.get_by_text("Finished.", exact=False).count(), "the run did not finish in time"
+        assert len(seen) >= 3, f"iteration counter seen only at {sorted(seen)}: not updating live"
+        _idle(page)
+        final = int(_metric(page, "Iterations"))
+        assert final >= max(seen) and float(_metric(page, "Tokens / iteration")) >= 1.0
+        assert page.locator("[data-testid=stPlotlyChart]").count() >= 3  # tree, mask, running charts
+        assert page.locator("[data-testid=stMetric]").count() == 5
+        assert page.locator("[data-testid=stException]").count() == 0
+        assert re.search(r"Measured on cpu, float32", page.content())
+        _screenshot(page, "e2e-live-run-last.png")
+
+        # History: the scrubber goes back to iteration 1 (the fullest tree: nothing limits its depth).
+        scrub = page.locator('input[type=range][aria-label="Iteration"]')
+        scrub.focus()
+        page.keyboard.press("Home")
+        page.get_by_text("Draft tree — iteration 1", exact=True).wait_for(timeout=60_000)
+        _idle(page)
+        _screenshot(page, "e2e-live-run.png")
+
+        # Click the root of the tree: the details panel shows its path and the target's prediction.
+        tree = page.locator("[data-testid=stPlotlyChart]").first
+        tree.locator(".scatterlayer .trace .points path").first.click(force=True)
+        page.get_by_text("Selected node").wait_for(timeout=60_000)
+        assert page.get_by_text("target after this node").count()
+        _screenshot(page, "e2e-node-details.png")
+
+        # A second tab is a second session: it does not see (or disturb) the first tab's run.
+        other = browser.new_context().new_page()
+        other.goto(app_url)
+        _idle(other)
+        assert other.get_by_text("Press Run", exact=False).count()
+        assert other.locator("[data-testid=stMetric]").count() == 0
+        assert int(_metric(page, "Iterations")) == final
+        browser.close()
