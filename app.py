@@ -118,7 +118,9 @@ example = st.selectbox(
 default_prompt = "Explain what speculative decoding is in two sentences."
 if example != "(your own)":
     default_prompt = examples[[f"[{p.domain}] {p.text[:80]}" for p in examples].index(example)].text
-prompt = st.text_area("Prompt", default_prompt, height=90, key=f"prompt_{example}")
+prompt = st.text_area(
+    "Prompt", default_prompt, height=90, key=f"prompt_{example}", help="What the target continues (or answers)."
+)
 chat = st.toggle("Chat template", value=True, help="Wrap the prompt as a user turn (instruct models).")
 
 settings = {
@@ -193,7 +195,12 @@ def live_view() -> None:
     )
     pause_clicked = cols[2].button("Pause run", icon=":material/pause:", help="Pause after the current iteration.")
     reset_clicked = cols[3].button("Reset", icon=":material/restart_alt:", help="Discard this run.")
-    imported = cols[4].file_uploader("Import run JSON", type="json", label_visibility="collapsed")
+    imported = cols[4].file_uploader(
+        "Import run JSON",
+        type="json",
+        label_visibility="collapsed",
+        help="Replay an exported run without loading any model.",
+    )
 
     if reset_clicked:
         state.run, state.running = None, False
@@ -316,7 +323,11 @@ def render(run: LiveRun | None) -> None:
         + (" Finished." if run.done else "")
     )
     n = len(run.records)
-    pick = st.slider("Iteration", 1, n, n, key=f"scrub_{n}") if n > 1 else 1
+    pick = (
+        st.slider("Iteration", 1, n, n, key=f"scrub_{n}", help="Go back to any iteration's tree and mask.")
+        if n > 1
+        else 1
+    )
     rec = run.records[pick - 1]
     left, right = st.columns([3, 2])
     with left:
@@ -352,7 +363,13 @@ def render(run: LiveRun | None) -> None:
     if ar_tps:
         st.caption(f"AR reference: {ar_tps:.1f} tokens/s on the same prompt, device and dtype.")
     st.plotly_chart(run_charts(run.records, ar_tps), width="stretch", key="charts")
-    st.download_button("Export run (JSON)", run.to_json(), file_name="dynatree-run.json", mime="application/json")
+    st.download_button(
+        "Export run (JSON)",
+        run.to_json(),
+        file_name="dynatree-run.json",
+        mime="application/json",
+        help="Every iteration's record, settings and token texts; Import replays it here.",
+    )
 
 
 live_view()

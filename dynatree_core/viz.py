@@ -9,7 +9,8 @@
 Node categories (colour): root, accepted, bonus (the target's own token after the accepted path,
 drawn as an extra child), rejected (verified; the target chose another token at its parent),
 unreached (verified, below a rejected node: never compared), pruned (not sent to the target;
-the reason is in the hover). A node the policy did not expand is drawn as an open symbol.
+one legend entry and marker shape per reason: threshold, budget, ...). A verified node the policy
+did not expand is drawn as an open circle; its reason is in the hover.
 """
 
 from __future__ import annotations
@@ -80,6 +81,17 @@ def node_categories(record: IterationRecord) -> dict[int, str]:
     return out
 
 
+PRUNED_SYMBOLS = {"threshold": "x", "budget": "square", "branch_limit": "diamond", "depth_limit": "triangle-down"}
+
+
+def _symbol(tree: DraftTree, node: int) -> str:
+    """Marker shape: open circle for a verified leaf the policy did not expand, one shape per
+    pruning reason (so the reasons stay apart without the hover), filled circle otherwise."""
+    if tree.status[node] == Status.PRUNED:
+        return PRUNED_SYMBOLS.get(tree.reason[node] or "", "triangle-up")
+    return "circle-open" if tree.status[node] == Status.NOT_EXPANDED and node else "circle"
+
+
 def _display_children(tree: DraftTree, record: IterationRecord) -> dict[int, list[int]]:
     kids = tree.child_map(verified_only=False)
     if record.bonus_token is not None:
@@ -131,15 +143,15 @@ def tree_figure(
             name="accepted path",
         )
     )
-    groups: dict[str, list[int]] = {}
+    groups: dict[str, list[int]] = {}  # legend entry -> nodes; pruned nodes split by reason
     for node, cat in cats.items():
-        groups.setdefault(cat, []).append(node)
+        name = f"pruned: {tree.reason[node] or 'unspecified'}" if cat == "pruned" else cat
+        groups.setdefault(name, []).append(node)
     if record.bonus_token is not None:
         groups["bonus"] = [BONUS]
-    for cat in COLOURS:
-        nodes = groups.get(cat, [])
-        if not nodes:
-            continue
+    order = {cat: i for i, cat in enumerate(COLOURS)}
+    for name in sorted(groups, key=lambda g: (order[g.split(":")[0]], g)):
+        nodes, cat = groups[name], name.split(":")[0]
         text, hover, custom, symbols = [], [], [], []
         for n in nodes:
             if n == BONUS:
@@ -155,7 +167,7 @@ def tree_figure(
                 )
                 if n in target_at:
                     detail += f"<br>target predicts next: {visible(decode(target_at[n]))}"
-                symbols.append("circle-open" if tree.status[n] == Status.NOT_EXPANDED and n else "circle")
+                symbols.append(_symbol(tree, n))
             label = visible(decode(token))
             text.append(label)
             probs = "" if p is None else f"<br>p {p:.3f} · cumulative p {cum:.3g}"
@@ -177,7 +189,7 @@ def tree_figure(
                 customdata=custom,
                 hovertext=hover,
                 hoverinfo="text",
-                name=cat,
+                name=name,
             )
         )
     fig.update_layout(

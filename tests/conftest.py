@@ -26,8 +26,9 @@ VOCAB = 96
 ARCHS = ("llama", "gpt_neox", "qwen2", "gpt2")
 
 
-def _config(arch: str):
-    common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+def _config(arch: str, **overrides):
+    """(model class, config) of a tiny model; `overrides` replace the common config fields."""
+    common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=None, pad_token_id=0) | overrides
     if arch == "llama":
         return LlamaForCausalLM, LlamaConfig(
             hidden_size=32,
@@ -120,20 +121,12 @@ def tiny_pair_dirs(tmp_path_factory) -> tuple[str, str]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(Path(__file__).resolve().parent.parent / "assets/models/smollm2-draft")
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
+    cls, cfg = _config(
+        "llama", vocab_size=len(tokenizer), tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id
     )
     torch.manual_seed(0)
-    target = LlamaForCausalLM(cfg).eval()
-    draft = LlamaForCausalLM(cfg).eval()
+    target = cls(cfg).eval()
+    draft = cls(cfg).eval()
     draft.load_state_dict(target.state_dict())
     with torch.no_grad():
         for p in draft.parameters():

@@ -93,11 +93,12 @@ def test_tree_figure_has_every_node_once_and_colours_by_category():
     ids = sorted(row[0] for tr in markers for row in tr.customdata)
     assert ids == sorted([*range(len(rec.tree)), BONUS])
     for tr in markers:
-        assert tr.marker.color == COLOURS[tr.name]
+        assert tr.marker.color == COLOURS[tr.name.split(":")[0]]
     by_name = {tr.name: tr for tr in markers}
+    assert by_name["pruned: threshold"].marker.symbol == ("x",)  # one legend entry per pruning reason
     assert [row[0] for row in by_name["accepted"].customdata] == [1, 3]
     assert "␣t11⏎" in by_name["accepted"].text
-    assert "threshold" in by_name["pruned"].hovertext[0]
+    assert "threshold" in by_name["pruned: threshold"].hovertext[0]
     path = next(tr for tr in fig.data if tr.name == "accepted path")
     assert sum(v is None for v in path.x) == 3  # root-a, a-c, c-bonus
     edges = fig.data[0]
