@@ -86,6 +86,7 @@ def decode(
     if policy.needs_draft_model:
         drafter = Drafter(draft, prompt_ids, min(vocab_size(draft), vocab_size(target)), draft_token_map)
     committed = list(prompt_ids)
+    policy.reset()
     for index in range(1, config.max_new_tokens + 1):  # iterations count from 1; each commits >= 1 token
         remaining = config.max_new_tokens - (len(committed) - len(prompt_ids))
         room = ctx - len(committed)  # positions left for new tokens
@@ -118,7 +119,7 @@ def _iteration(
     """One draft -> verify -> commit step. `budget`: tokens this iteration may commit."""
     t0 = _clock(device)
     draft_forwards = drafter.forwards if drafter else 0
-    tree = policy.draft(DraftRequest(committed[-1], budget - 1, drafter))  # bonus needs 1 slot
+    tree = policy.draft(DraftRequest(committed[-1], budget - 1, drafter, committed))  # bonus needs 1 slot
     draft_forwards = (drafter.forwards if drafter else 0) - draft_forwards
     t1 = _clock(device)
     order = tree.order(config.order)

@@ -38,6 +38,11 @@ class Reason(StrEnum):
     DEPTH_LIMIT = "depth_limit"  # reached the policy's maximum depth
     LENGTH_LIMIT = "length_limit"  # max_new_tokens or the context window leaves no room
     BRANCH_LIMIT = "branch_limit"  # not among the top-B children of its parent
+    EARLY_STOP = "early_stop"  # cumulative probability below rho_stop (DynaTree depth gating)
+    DEPTH_GATE = "depth_gate"  # beyond the base depth D0 without rho_deep (DynaTree depth gating)
+    BEAM = "beam"  # not among the top-k of its level (EAGLE-2 beam search)
+    RERANK = "rerank"  # outside the global top-N after drafting (EAGLE-2 rerank)
+    SALF_STOP = "salf_stop"  # drafting stopped: the next batch's probability mass was below th
 
 
 @dataclasses.dataclass
@@ -51,6 +56,8 @@ class DraftTree:
     cum_logp: list[float] = dataclasses.field(default_factory=list)
     status: list[Status] = dataclasses.field(default_factory=list)
     reason: list[str | None] = dataclasses.field(default_factory=list)
+    # Per-tree numbers a policy wants shown (e.g. SALF's probability mass per drafting step)
+    notes: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def with_root(cls, root_token: int) -> DraftTree:
@@ -176,6 +183,7 @@ class DraftTree:
             "cum_logp": [_finite(x) for x in self.cum_logp],
             "status": [s.value for s in self.status],
             "reason": self.reason,
+            "notes": self.notes,
         }
 
     @classmethod
@@ -192,6 +200,7 @@ class DraftTree:
             cum_logp=[float(x) if x is not None else -math.inf for x in data["cum_logp"]],
             status=[Status(s) for s in data["status"]],
             reason=[None if r is None else str(r) for r in data["reason"]],
+            notes={str(k): [float(x) for x in v] for k, v in (data.get("notes") or {}).items()},
         )
         for i, p in enumerate(tree.parents):
             if (i == 0) != (p == -1) or p >= i:

@@ -17,6 +17,15 @@ POLICIES = (
     ("fixed_tree", {}),
     ("fixed_tree", {"tau": 0.0, "branch": 3, "depth": 5, "budget": 24}),
     ("fixed_tree", {"tau": 0.1, "branch": 2, "depth": 8, "budget": 6}),
+    ("dynatree", {}),
+    ("dynatree", {"adaptive_branch": False, "dynamic_depth": False, "history": False, "budget": 12}),
+    ("dyspec", {}),
+    ("dyspec", {"budget": 7, "depth": 3}),
+    ("dyspec_threshold", {"threshold": 0.01}),
+    ("eagle2", {}),
+    ("eagle2", {"total": 5, "topk": 2}),
+    ("salf", {}),
+    ("salf", {"th": 0.0, "nodes": 12, "batch": 3}),
 )
 DRAFTS = ("same", "noisy", "unrelated")
 

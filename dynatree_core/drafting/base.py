@@ -158,6 +158,7 @@ class DraftRequest:
     root_token: int
     max_depth: int  # deepest level that max_new_tokens and the context window allow
     drafter: Drafter | None
+    context: list[int] = dataclasses.field(default_factory=list)  # committed tokens, root last (read only)
 
 
 class Policy:
@@ -178,6 +179,9 @@ class Policy:
 
     def draft(self, request: DraftRequest) -> DraftTree:
         raise NotImplementedError
+
+    def reset(self) -> None:
+        """Called when a run starts: policies with state across iterations clear it here."""
 
     def observe(self, outcome: Any) -> None:
         """Called after each verification; adaptive policies override it."""

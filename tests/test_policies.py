@@ -1,0 +1,253 @@
+"""Each paper's drafting rule, on scripted draft distributions (no model): the exact tree it must
+build, its stopping rules, budgets and reasons. Greedy exactness on real models is in
+test_engine.py (every registered policy) and test_embedded.py."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import types
+
+import pytest
+import torch
+
+from dynatree_core.drafting import POLICIES, DraftRequest, make_policy
+from dynatree_core.drafting.dynamic import sibling_value
+from dynatree_core.tree import DraftTree, Status
+
+VOCAB = 12
+
+
+class ScriptedDrafter:
+    """Stands in for Drafter: the distribution after a path is looked up in `script` (keyed by
+    the path's tokens below the root) or drawn once from a seeded generator. Records batches."""
+
+    def __init__(self, script: dict[tuple[int, ...], dict[int, float]] | None = None, seed: int = 0):
+        self.script = dict(script or {})
+        self.seed = seed
+        self.batches: list[int] = []
+        self.expanded: list[list[tuple[int, ...]]] = []  # the paths run through the draft, per forward
+
+    def dist(self, path: tuple[int, ...]) -> list[float]:
+        if path in self.script:
+            probs = [1e-6] * VOCAB
+            for tok, p in self.script[path].items():
+                probs[tok] = p
+        else:
+            rng = random.Random(hash((self.seed, path)))
+            probs = [rng.random() ** 4 for _ in range(VOCAB)]  # peaked, distinct values
+        total = sum(probs)
+        return [p / total for p in probs]
+
+    def expand(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        assert nodes and len(set(nodes)) == len(nodes)
+        for n in nodes:
+            assert tree.is_verified(n), "only verified nodes are run through the draft"
+            assert all(tree.status[a] == Status.KEPT for a in tree.path(n)[:-1]), "ancestors were expanded"
+        self.batches.append(len(nodes))
+        paths = [tuple(tree.tokens[a] for a in tree.path(n)[1:]) for n in nodes]
+        self.expanded.append(paths)
+        rows = [self.dist(path) for path in paths]
+        return torch.tensor(rows, dtype=torch.float64).log()
+
+    @property
+    def forwards(self) -> int:
+        return len(self.batches)
+
+
+def draft(name: str, params: dict, drafter: ScriptedDrafter, max_depth: int = 32) -> DraftTree:
+    return make_policy(name, params).draft(DraftRequest(0, max_depth, drafter, [5, 0]))
+
+
+def check_invariants(tree: DraftTree) -> None:
+    for n in range(1, len(tree)):
+        if tree.is_verified(n):
+            assert tree.is_verified(tree.parents[n]), "verified nodes form a tree"
+        if tree.status[n] != Status.KEPT:
+            assert tree.reason[n], f"node {n} ({tree.status[n]}) has no reason"
+    if tree.status[0] != Status.KEPT:
+        assert tree.reason[0]
+
+
+def verified(tree: DraftTree) -> list[int]:
+    return [n for n in range(1, len(tree)) if tree.is_verified(n)]
+
+
+def best_paths(drafter: ScriptedDrafter, depth: int, children: int, n: int) -> set[tuple[int, ...]]:
+    """Brute force (best-first search): the n most probable paths, each node offering its top
+    `children` draws, down to `depth`. Exact because a path is never more probable than its parent."""
+    import heapq
+
+    found: list[tuple[int, ...]] = []
+    heap = [(-1.0, ())]
+    while heap and len(found) < n + 1:
+        neg, path = heapq.heappop(heap)
+        found.append(path)
+        if len(path) < depth:
+            probs = drafter.dist(path)
+            for tok in sorted(range(VOCAB), key=lambda t: -probs[t])[:children]:
+                heapq.heappush(heap, (neg * probs[tok], path + (tok,)))
+    return set(found[1 : n + 1])  # the root's empty path excluded
+
+
+def paths_of(tree: DraftTree) -> set[tuple[int, ...]]:
+    return {tuple(tree.tokens[a] for a in tree.path(n)[1:]) for n in verified(tree)}
+
+
+# ----- every policy -------------------------------------------------------------------------------
+MODEL_POLICIES = [name for name, cls in POLICIES.items() if cls.needs_draft_model]
+
+
+@pytest.mark.parametrize("name", MODEL_POLICIES)
+@pytest.mark.parametrize("seed", range(4))
+def test_budget_reasons_and_tree_shape_on_random_drafts(name, seed):
+    budget_param = {"salf": "nodes", "eagle2": "total", "linear": "k"}.get(name, "budget")
+    for budget in (1, 3, 9, 30):
+        params = {budget_param: max(budget, 2) if name == "salf" else budget}
+        drafter = ScriptedDrafter(seed=seed)
+        tree = draft(name, params, drafter)
+        check_invariants(tree)
+        limit = params[budget_param] - (name == "salf")  # SALF's N counts the root
+        assert len(verified(tree)) <= limit
+        for max_depth in (0, 1, 2):
+            tree = draft(name, params, ScriptedDrafter(seed=seed), max_depth=max_depth)
+            check_invariants(tree)
+            assert max((tree.depths[n] for n in verified(tree)), default=0) <= max_depth
+
+
+# ----- DynaTree -----------------------------------------------------------------------------------
+def test_dynatree_branches_by_confidence_and_gates_depth():
+    script = {
+        (): {1: 0.95, 2: 0.05},  # c = 0.95 >= tau_h: B_min = 1 child
+        (1,): {3: 0.6, 4: 0.3, 5: 0.1},  # tau_l <= 0.6 < tau_h: B_mid = 2
+        (1, 3): {6: 0.25, 7: 0.25, 8: 0.25, 9: 0.25},  # c < tau_l: B_max = 3
+    }
+    params = {"tau": 0.0, "rho_stop": 0.02, "rho_deep": 0.5, "d0": 2, "d_max": 6, "budget": 50, "history": False}
+    tree = draft("dynatree", params, ScriptedDrafter(script))
+    kids = tree.child_map()
+    assert [tree.tokens[n] for n in kids[0]] == [1]
+    assert [tree.tokens[n] for n in kids[kids[0][0]]] == [3, 4]
+    node_13 = next(n for n in verified(tree) if tree.tokens[n] == 3)
+    assert len(kids[node_13]) == 3
+    node_14 = next(n for n in verified(tree) if tree.tokens[n] == 4)
+    # depth 2 = d0 and p = 0.95 * 0.3 < rho_deep: gated; the depth-3 children of (1, 3) are
+    # below rho_deep as well; p(1,3,x) = 0.95*0.6*0.25 = 0.14 >= rho_stop
+    assert tree.reason[node_14] == "depth_gate"
+    assert all(tree.reason[n] == "depth_gate" for n in kids[node_13])
+
+
+def test_dynatree_early_stop_depth_limit_and_switches():
+    script = {(): {1: 0.35, 2: 0.33, 3: 0.32}}  # c = 0.35 < tau_l: three children
+    params = {"tau": 0.0, "rho_stop": 0.325, "rho_deep": 0.33, "history": False}
+    tree = draft("dynatree", params, ScriptedDrafter(script))
+    by_token = {tree.tokens[n]: n for n in verified(tree) if tree.depths[n] == 1}
+    assert tree.reason[by_token[3]] == "early_stop"  # 0.32 < rho_stop
+    assert tree.status[by_token[1]] == Status.KEPT
+    fixed = {"adaptive_branch": False, "dynamic_depth": False, "history": False, "tau": 0.0, "budget": 256}
+    tree = draft("dynatree", {**fixed, "b_mid": 2, "d0": 3}, ScriptedDrafter(seed=1))
+    assert len(verified(tree)) == 2 + 4 + 8  # a full binary tree of depth d0
+    assert {tree.reason[n] for n in verified(tree) if tree.depths[n] == 3} == {"depth_limit"}
+
+
+def test_dynatree_history_moves_d0_with_acceptance():
+    policy = make_policy("dynatree", {"window": 2, "d0": 4, "d_max": 8, "tau": 0.0})
+    request = DraftRequest(0, 32, ScriptedDrafter(seed=2), [0])
+    depth = max(policy.draft(request).depths)
+    for _ in range(2):  # everything accepted: deeper
+        policy.draft(request)
+        policy.observe(types.SimpleNamespace(accepted=list(range(depth))))
+    assert policy.d0 == 5 and policy.tau_h == pytest.approx(0.85)
+    for _ in range(2):  # nothing accepted: shallower
+        policy.draft(request)
+        policy.observe(types.SimpleNamespace(accepted=[]))
+    assert policy.d0 == 4
+    policy.reset()
+    assert policy.d0 == 4 and policy.tau_h == 0.9 and not policy.window
+
+
+def test_dynatree_rejects_inconsistent_parameters():
+    from dynatree_core.errors import DynaTreeError
+
+    with pytest.raises(DynaTreeError, match="b_min <= b_mid"):
+        make_policy("dynatree", {"b_min": 3, "b_mid": 2})
+    with pytest.raises(DynaTreeError, match="tau_l < tau_h"):
+        make_policy("dynatree", {"tau_l": 0.9, "tau_h": 0.5})
+
+
+# ----- DySpec -------------------------------------------------------------------------------------
+def test_sibling_value_telescopes_to_the_path_product():
+    probs = [0.5, 0.2, 0.15, 0.1]
+    for rank, p in enumerate(probs):
+        assert sibling_value(0.3, probs, rank) == pytest.approx(0.3 * p)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_dyspec_builds_the_optimal_tree_in_heap_order(seed):
+    drafter = ScriptedDrafter(seed=seed)
+    budget, depth, children = 20, 6, 4
+    tree = draft("dyspec", {"budget": budget, "depth": depth, "max_children": children}, drafter)
+    check_invariants(tree)
+    assert paths_of(tree) == best_paths(drafter, depth, children, budget)
+    values = [math.exp(tree.cum_logp[int(n)]) for n in tree.notes["taken"]]
+    assert sorted(tree.notes["taken"]) == verified(tree)
+    assert values == sorted(values, reverse=True), "nodes are taken by decreasing estimated value"
+    assert drafter.forwards < budget, "unexpanded nodes are batched into one forward"
+
+
+def test_dyspec_threshold_keeps_every_draw_above_threshold():
+    drafter = ScriptedDrafter(seed=7)
+    tree = draft("dyspec_threshold", {"threshold": 0.01, "budget": 256, "depth": 4, "max_children": 12}, drafter)
+    want = {p for p in best_paths(drafter, 4, 12, 2000) if math.prod(_path_probs(drafter, p)) >= 0.01}
+    assert paths_of(tree) == want
+    assert drafter.forwards <= 4  # one per level
+
+
+def _path_probs(drafter: ScriptedDrafter, path: tuple[int, ...]) -> list[float]:
+    return [drafter.dist(path[:i])[tok] for i, tok in enumerate(path)]
+
+
+# ----- EAGLE-2 ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(3))
+def test_eagle2_beam_then_rerank(seed):
+    drafter = ScriptedDrafter(seed=seed)
+    k, depth, total = 3, 4, 10
+    tree = draft("eagle2", {"topk": k, "depth": depth, "total": total}, drafter)
+    check_invariants(tree)
+    assert drafter.batches == [1] + [k] * (depth - 1), "top-k of the newest level expanded per step"
+    for level in range(1, depth):  # the expanded nodes are the k most probable of their level
+        nodes = [n for n in range(len(tree)) if tree.depths[n] == level]
+        best = sorted(nodes, key=lambda n: -tree.cum_logp[n])[:k]
+        assert set(drafter.expanded[level]) == {tuple(tree.tokens[a] for a in tree.path(n)[1:]) for n in best}
+    kept = verified(tree)
+    assert len(kept) == total
+    drafted = sorted(range(1, len(tree)), key=lambda n: -tree.cum_logp[n])
+    assert set(kept) == set(drafted[:total]), "the rerank keeps the global top-N"
+    assert all(tree.reason[n] == "rerank" for n in range(1, len(tree)) if n not in kept)
+
+
+# ----- SALF ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(5))
+def test_salf_without_stopping_finds_the_top_n_nodes(seed):
+    drafter = ScriptedDrafter(seed=seed)
+    nodes, batch = 16, 4
+    tree = draft("salf", {"nodes": nodes, "batch": batch, "th": 0.0}, drafter, max_depth=32)
+    check_invariants(tree)
+    assert paths_of(tree) == best_paths(drafter, 15, nodes, nodes - 1), "Algorithm 2 is optimal (Theorem 2)"
+    assert max(drafter.batches) <= batch
+
+
+@pytest.mark.parametrize("th", [0.05, 0.3, 0.6, 0.9])
+@pytest.mark.parametrize("seed", range(4))
+def test_salf_mass_decreases_and_stops_at_the_first_step_below_th(th, seed):
+    drafter = ScriptedDrafter(seed=seed)
+    tree = draft("salf", {"nodes": 24, "batch": 4, "th": th}, drafter)
+    masses = tree.notes["salf_mass"]
+    assert all(a >= b - 1e-12 for a, b in itertools.pairwise(masses)), f"Theorem 1: {masses}"
+    assert all(m >= th for m in masses[:-1])
+    if 0 < masses[-1] < th:
+        assert any(tree.reason[n] == "salf_stop" for n in range(len(tree)))
+    assert drafter.forwards == len(masses) - 1 or masses[-1] >= th
+
+
+# ----- delayed expansion and model-free drafting are in their own sections below --------------------
