@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from dynatree_core.drafting import make_policy
+from dynatree_core.drafting import POLICIES, make_policy
 from dynatree_core.engine import DecodeConfig, generate
 from dynatree_core.models import EMBEDDED_DRAFT_DIR, PRESETS, check_tokenizers_compatible, load_model
 from dynatree_core.session import encode_prompt, load_pair
@@ -70,3 +70,22 @@ def test_tree_policies_reproduce_target_greedy_on_smollm2(prompt):
             )
             assert result.token_ids == ref, f"{name} {params} diverged"
             assert result.target_forwards == result.iterations
+
+
+@pytest.mark.parametrize("policy_name", sorted(POLICIES))
+def test_every_policy_reproduces_target_greedy_with_the_shipped_draft(policy_name):
+    loaded, shipped = embedded(), shipped_draft()
+    for prompt in PROMPTS[:2]:
+        ids = encode_prompt(loaded.tokenizer, prompt, chat=True)
+        config = DecodeConfig(max_new_tokens=24, eos_token_ids=loaded.eos_token_ids)
+        ref = generate(loaded.model, ids, make_policy("ar"), config=config)
+        result = generate(
+            loaded.model,
+            ids,
+            make_policy(policy_name),
+            draft=shipped.model,
+            config=config,
+            draft_token_map=shipped.token_map,
+        )
+        assert result.token_ids == ref.token_ids, f"{policy_name} diverged from the target's greedy output"
+        assert result.target_forwards == result.iterations

@@ -26,6 +26,10 @@ POLICIES = (
     ("eagle2", {"total": 5, "topk": 2}),
     ("salf", {}),
     ("salf", {"th": 0.0, "nodes": 12, "batch": 3}),
+    ("delayed", {}),
+    ("delayed", {"k": 3, "l1": 0, "l2": 4}),
+    ("ngram", {}),
+    ("ngram", {"max_n": 1, "branches": 5, "depth": 3}),
 )
 DRAFTS = ("same", "noisy", "unrelated")
 

@@ -99,16 +99,23 @@ def paths_of(tree: DraftTree) -> set[tuple[int, ...]]:
 MODEL_POLICIES = [name for name, cls in POLICIES.items() if cls.needs_draft_model]
 
 
+def budget_params(name: str, budget: int) -> tuple[dict, int]:
+    """Parameters that bound the tree size, and the most drafted nodes they allow."""
+    if name == "delayed":
+        k = min(budget, 8)
+        return {"k": k, "l1": 1, "l2": 2}, 1 + 2 * k
+    if name == "salf":
+        return {"nodes": max(budget, 2)}, max(budget, 2) - 1  # N counts the root
+    return {{"eagle2": "total", "linear": "k"}.get(name, "budget"): budget}, budget
+
+
 @pytest.mark.parametrize("name", MODEL_POLICIES)
 @pytest.mark.parametrize("seed", range(4))
 def test_budget_reasons_and_tree_shape_on_random_drafts(name, seed):
-    budget_param = {"salf": "nodes", "eagle2": "total", "linear": "k"}.get(name, "budget")
     for budget in (1, 3, 9, 30):
-        params = {budget_param: max(budget, 2) if name == "salf" else budget}
-        drafter = ScriptedDrafter(seed=seed)
-        tree = draft(name, params, drafter)
+        params, limit = budget_params(name, budget)
+        tree = draft(name, params, ScriptedDrafter(seed=seed))
         check_invariants(tree)
-        limit = params[budget_param] - (name == "salf")  # SALF's N counts the root
         assert len(verified(tree)) <= limit
         for max_depth in (0, 1, 2):
             tree = draft(name, params, ScriptedDrafter(seed=seed), max_depth=max_depth)
@@ -250,4 +257,34 @@ def test_salf_mass_decreases_and_stops_at_the_first_step_below_th(th, seed):
     assert drafter.forwards == len(masses) - 1 or masses[-1] >= th
 
 
-# ----- delayed expansion and model-free drafting are in their own sections below --------------------
+# ----- delayed expansion --------------------------------------------------------------------------
+@pytest.mark.parametrize("k,l1,l2", [(1, 3, 2), (3, 0, 4), (2, 2, 3), (4, 5, 0)])
+def test_delayed_tree_has_the_k_l1_l2_shape(k, l1, l2):
+    drafter = ScriptedDrafter(seed=3)
+    tree = draft("delayed", {"k": k, "l1": l1, "l2": l2}, drafter)
+    check_invariants(tree)
+    nodes = verified(tree)
+    assert len(nodes) == l1 + (k * l2)
+    assert drafter.forwards == l1 + l2, "one draft forward per level"
+    kids = tree.child_map()
+    for n in [0, *nodes]:
+        want = (k if tree.depths[n] == l1 else 1) if tree.depths[n] < l1 + l2 else 0
+        assert len(kids.get(n, [])) == want
+    cut = draft("delayed", {"k": k, "l1": l1, "l2": l2}, ScriptedDrafter(seed=3), max_depth=2)
+    assert max((cut.depths[n] for n in verified(cut)), default=0) == min(2, l1 + l2)
+
+
+# ----- prompt lookup --------------------------------------------------------------------------------
+def test_ngram_merges_the_continuations_of_earlier_matches():
+    policy = make_policy("ngram", {"max_n": 2, "min_n": 1, "depth": 3, "branches": 3})
+    context = [7, 1, 2, 3, 4, 9, 1, 2, 3, 5, 8, 1, 2]  # suffix (1, 2) occurred twice before
+    tree = policy.draft(DraftRequest(2, 32, None, context))
+    check_invariants(tree)
+    assert paths_of(tree) == {(3,), (3, 5), (3, 5, 8), (3, 4), (3, 4, 9)}  # (1 2) -> 3 5 8 and 3 4 9
+    first = next(n for n in verified(tree) if tree.depths[n] == 1)
+    assert math.exp(tree.logp[first]) == pytest.approx(1.0)  # both continuations start with 3
+    small = make_policy("ngram", {"max_n": 2, "depth": 3, "budget": 2}).draft(DraftRequest(2, 32, None, context))
+    check_invariants(small)
+    assert len(verified(small)) == 2 and "budget" in small.reason
+    none = policy.draft(DraftRequest(6, 32, None, [1, 2, 6]))
+    assert len(none) == 1 and none.reason[0] == "no_match"

@@ -19,6 +19,7 @@ import collections
 import heapq
 import math
 
+from dynatree_core.drafting import static  # noqa: F401  (registered first: the baselines lead the list)
 from dynatree_core.drafting.base import Drafter, DraftRequest, Param, Policy, register_policy
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.tree import DraftTree, Reason, Status
