@@ -139,23 +139,29 @@ settings = {
 }
 
 
+def prepare():
+    """Models (cached), policy, prompt ids and decode config for the current inputs."""
+    with st.spinner(f"Loading {target_spec} (first load of the embedded model converts it, ~30 s)..."):
+        pair = cached_pair(target_spec, draft_spec, device, dtype)
+    policy = make_policy(policy_name, params)
+    ids = encode_prompt(pair.target.tokenizer, prompt, chat=chat)
+    config = DecodeConfig(
+        max_new_tokens=max_new,
+        eos_token_ids=pair.target.eos_token_ids,
+        context_length=pair.target.context_length,
+        order=order,
+    )
+    torch.manual_seed(int(seed))
+    return pair, policy, ids, config
+
+
 def start_run() -> LiveRun | None:
-    """Load models (cached), encode the prompt and start a LiveRun; errors become messages."""
+    """Start a LiveRun for the current inputs; errors become messages."""
     if not target_spec:
         st.error("Enter a target model (hub id or local directory).")
         return None
     try:
-        with st.spinner(f"Loading {target_spec} (first load of the embedded model converts it, ~30 s)..."):
-            pair = cached_pair(target_spec, draft_spec, device, dtype)
-        policy = make_policy(policy_name, params)
-        ids = encode_prompt(pair.target.tokenizer, prompt, chat=chat)
-        config = DecodeConfig(
-            max_new_tokens=max_new,
-            eos_token_ids=pair.target.eos_token_ids,
-            context_length=pair.target.context_length,
-            order=order,
-        )
-        torch.manual_seed(int(seed))
+        pair, policy, ids, config = prepare()
         run = LiveRun.start(
             pair.target.model,
             ids,
@@ -182,6 +188,43 @@ def start_run() -> LiveRun | None:
 state = st.session_state
 state.setdefault("run", None)
 state.setdefault("running", False)
+
+
+def baseline_view() -> None:
+    """HF baselines run inside HF generate as one call: a result, no trees."""
+    st.info(
+        f"**{policy_name}** is a baseline run inside Hugging Face `generate` as one call: it shows "
+        "what a user would get instead (same prompt, models, device and dtype), without trees."
+    )
+    if st.button("Run baseline", icon=":material/play_arrow:", type="primary", help="One timed HF generate call."):
+        try:
+            pair, policy, ids, config = prepare()
+            with st.spinner(f"Running {policy_name}..."), forward_lock():
+                result = generate(
+                    pair.target.model,
+                    ids,
+                    policy,
+                    draft=pair.draft.model if pair.draft and policy.needs_draft_model else None,
+                    config=config,
+                    tokenizer=pair.target.tokenizer,
+                    draft_token_map=pair.draft.token_map if pair.draft else None,
+                )
+            state.baseline = (json.dumps(settings, sort_keys=True), result)
+        except DynaTreeError as exc:
+            st.error(str(exc))
+        except Exception as exc:  # a model that cannot load: a message, never a traceback
+            st.error(f"Could not run the baseline: {type(exc).__name__}: {exc}")
+    key, result = state.get("baseline") or (None, None)
+    if result is None or key != json.dumps(settings, sort_keys=True):
+        return
+    m = st.columns(5)
+    m[0].metric("Tokens / iteration", f"{result.tokens_per_iteration:.2f}")
+    m[1].metric("Acceptance", f"{result.acceptance_rate:.0%}")
+    m[2].metric("Tokens / s", f"{result.throughput_tps:.1f}")
+    m[3].metric("Iterations", result.iterations)
+    m[4].metric("New tokens", result.new_tokens)
+    st.caption(f"Measured on {result.device}, {result.dtype}: wall time of the HF generate call.")
+    st.text(result.text)
 
 
 @st.fragment
@@ -372,4 +415,7 @@ def render(run: LiveRun | None) -> None:
     )
 
 
-live_view()
+if POLICIES[policy_name].black_box:
+    baseline_view()
+else:
+    live_view()

@@ -71,6 +71,8 @@ def decode(
     draft_token_map: TokenMap | None = None,
 ) -> Iterator[IterationRecord]:
     """Run speculative decoding, yielding one IterationRecord per iteration (one target forward)."""
+    if policy.black_box:
+        raise DynaTreeError(f"{policy.name} runs inside HF generate as one call: it cannot be stepped")
     if not prompt_ids:
         raise DynaTreeError("the prompt is empty")
     ctx = config.context_length or context_length_of(target)
@@ -191,7 +193,14 @@ def generate(
     tokenizer=None,
     draft_token_map: TokenMap | None = None,
 ) -> RunResult:
-    """Run `decode` to the end and reduce its records to a RunResult."""
+    """Run `decode` to the end and reduce its records to a RunResult (black-box baselines run
+    their own generate)."""
+    if policy.black_box:
+        if not prompt_ids:
+            raise DynaTreeError("the prompt is empty")
+        return policy.run(
+            target, prompt_ids, draft=draft, config=config, draft_token_map=draft_token_map, tokenizer=tokenizer
+        )
     records = list(decode(target, prompt_ids, policy, draft=draft, config=config, draft_token_map=draft_token_map))
     token_ids = [t for r in records for t in r.committed]
     text = tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else ""

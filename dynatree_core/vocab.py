@@ -44,6 +44,33 @@ class TokenMap:
         full[:, self.draft_to_target[1:].to(logp.device)] = logp[:, 1:]
         return full
 
+    def full_vocab_model(self, draft: torch.nn.Module) -> torch.nn.Module:
+        """A copy of the draft that reads and predicts target ids directly (for tools that expect
+        the target's vocabulary, such as HF assisted generation): embedding rows gathered per
+        target id (unknown ids read OTHER), an untied LM head whose rows are gathered the same way
+        with a large negative bias on ids the draft cannot propose. Cached per draft."""
+        import copy
+
+        cache = self.__dict__.setdefault("_full_models", {})
+        if id(draft) in cache:
+            return cache[id(draft)]
+        full = copy.deepcopy(draft)
+        index = self.target_to_draft
+        emb = draft.get_input_embeddings().weight.detach()
+        head = draft.get_output_embeddings().weight.detach()
+        new_emb = torch.nn.Embedding(self.target_vocab, emb.shape[1], dtype=emb.dtype)
+        new_emb.weight.data.copy_(emb[index])
+        new_head = torch.nn.Linear(head.shape[1], self.target_vocab, bias=True, dtype=head.dtype)
+        new_head.weight.data.copy_(head[index])
+        new_head.bias.data.fill_(0.0)
+        new_head.bias.data[index == OTHER] = torch.finfo(head.dtype).min / 2
+        full.config.tie_word_embeddings = False
+        full.config.vocab_size = self.target_vocab
+        full.set_input_embeddings(new_emb.to(emb.device))
+        full.set_output_embeddings(new_head.to(head.device))
+        cache[id(draft)] = full.eval()
+        return cache[id(draft)]
+
     def save(self, directory: Path) -> None:
         data = {"draft_to_target": self.draft_to_target.tolist(), "target_vocab": self.target_vocab}
         (Path(directory) / TOKEN_MAP_FILE).write_text(json.dumps(data))

@@ -117,3 +117,26 @@ def test_a_prompt_longer_than_the_context_is_an_error_and_keeps_the_inputs(tiny_
     assert at.session_state["run"] is None
     assert at.text_area[0].value == "word " * 2000
     assert next(t for t in at.text_input if t.label == "Target").value == tiny_pair_dirs[0]
+
+
+def test_every_policy_renders_its_parameters():
+    from dynatree_core.drafting import POLICIES
+
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=60)
+    at.run()
+    for name, cls in POLICIES.items():
+        next(s for s in at.selectbox if s.label == "Policy").set_value(name).run()
+        assert not at.exception, (name, at.exception)
+        labels = {w.label for w in [*at.slider, *at.number_input, *at.toggle]}
+        assert {p.name for p in cls.params} <= labels, name
+
+
+def test_a_black_box_baseline_runs_once_and_shows_its_result(tiny_pair_dirs):
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    at.run()
+    _custom_pair(at, *tiny_pair_dirs)
+    next(s for s in at.selectbox if s.label == "Policy").set_value("hf_assisted").run()
+    next(s for s in at.slider if s.label == "Max new tokens").set_value(8).run()
+    _click(at, "Run baseline")
+    assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
+    assert at.metric[4].label == "New tokens" and int(at.metric[4].value) == 8

@@ -30,6 +30,8 @@ POLICIES = (
     ("delayed", {"k": 3, "l1": 0, "l2": 4}),
     ("ngram", {}),
     ("ngram", {"max_n": 1, "branches": 5, "depth": 3}),
+    ("hf_assisted", {}),
+    ("hf_prompt_lookup", {}),
 )
 DRAFTS = ("same", "noisy", "unrelated")
 

@@ -1,6 +1,6 @@
 """Drafting policies. Importing this package registers every built-in policy."""
 
-from dynatree_core.drafting import delayed, dynamic, static  # noqa: F401
+from dynatree_core.drafting import baselines, delayed, dynamic, static  # noqa: F401
 from dynatree_core.drafting.base import POLICIES, Drafter, DraftRequest, Param, Policy, make_policy, register_policy
 
 __all__ = ["POLICIES", "DraftRequest", "Drafter", "Param", "Policy", "make_policy", "register_policy"]

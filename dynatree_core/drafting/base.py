@@ -168,6 +168,7 @@ class Policy:
     summary: ClassVar[str] = ""
     params: ClassVar[tuple[Param, ...]] = ()
     needs_draft_model: ClassVar[bool] = True
+    black_box: ClassVar[bool] = False  # runs as one call (HF baselines): no per-iteration records
 
     def __init__(self, **values: Any):
         specs = {p.name: p for p in self.params}
@@ -192,6 +193,7 @@ class Policy:
             "name": cls.name,
             "summary": cls.summary,
             "needs_draft_model": cls.needs_draft_model,
+            "black_box": cls.black_box,
             "params": [p.to_dict() for p in cls.params],
         }
 

@@ -1,0 +1,145 @@
+"""What a user would pick instead: Hugging Face's own speculative decoding, run as black boxes.
+
+  hf_assisted       target.generate(assistant_model=draft): HF's assisted generation (a chain)
+  hf_prompt_lookup  target.generate(prompt_lookup_num_tokens=n): HF's prompt lookup decoding
+
+They live in the policy registry (same parameters, CLI and app) but are not stepped by our
+engine: `run` calls HF generate once, timed on the same prompts and models, and rebuilds the
+summary from a hook on the target's forward (each target forward is one iteration; the tokens
+it reads beyond the first are the candidates it verifies). HF exposes no per-iteration trees,
+so a baseline's RunResult has no records. A reduced-vocabulary draft (the embedded one) is
+given to HF as a full-vocabulary view (`TokenMap.full_vocab_model`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import ClassVar
+
+import torch
+
+from dynatree_core.drafting.base import DraftRequest, Param, Policy, register_policy
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.metrics import _ratio
+from dynatree_core.trace import RunResult
+from dynatree_core.tree import DraftTree
+from dynatree_core.vocab import TokenMap
+
+
+class HFBaseline(Policy):
+    black_box: ClassVar[bool] = True
+
+    def draft(self, request: DraftRequest) -> DraftTree:
+        raise DynaTreeError(f"{self.name} runs inside HF generate; it has no per-iteration trees")
+
+    def generate_kwargs(self, draft: torch.nn.Module | None) -> dict:
+        raise NotImplementedError
+
+    def run(
+        self,
+        target: torch.nn.Module,
+        prompt_ids: list[int],
+        *,
+        draft: torch.nn.Module | None,
+        config,
+        draft_token_map: TokenMap | None = None,
+        tokenizer=None,
+    ) -> RunResult:
+        if self.needs_draft_model and draft is None:
+            raise DynaTreeError(f"policy {self.name!r} needs a draft model")
+        if draft is not None and draft_token_map is not None:
+            draft = draft_token_map.full_vocab_model(draft)
+        device = target.get_input_embeddings().weight.device
+        reads: list[int] = []  # tokens each target forward reads
+        handle = target.register_forward_pre_hook(
+            lambda _m, args, kwargs: reads.append(
+                (kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape[1]
+            ),
+            with_kwargs=True,
+        )
+        eos = list(config.eos_token_ids) or None
+        try:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = target.generate(
+                    torch.tensor([prompt_ids], device=device),
+                    max_new_tokens=config.max_new_tokens,
+                    do_sample=False,
+                    eos_token_id=eos,
+                    pad_token_id=eos[0] if eos else 0,
+                    **self.generate_kwargs(draft),
+                )
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            wall = time.perf_counter() - start
+        finally:
+            handle.remove()
+        tokens = out[0, len(prompt_ids) :].tolist()
+        if eos and eos[0] in tokens and tokens[-1] != eos[0]:  # HF pads after EOS
+            tokens = tokens[: tokens.index(eos[0]) + 1]
+        iterations = len(reads)
+        accepted = max(len(tokens) - iterations, 0)  # each forward commits accepted + 1 token
+        drafted = sum(n - 1 for n in reads[1:])  # after the prefill, candidates ride with 1 token
+        return RunResult(
+            policy=self.name,
+            params=dict(self.config),
+            text=tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else "",
+            prompt_ids=list(prompt_ids),
+            token_ids=tokens,
+            iterations=iterations,
+            new_tokens=len(tokens),
+            target_forwards=iterations,
+            draft_forwards=0,  # not observable from outside HF
+            tokens_per_iteration=_ratio(len(tokens), iterations),
+            acceptance_rate=_ratio(accepted, drafted),
+            mean_accepted_length=_ratio(accepted, iterations),
+            throughput_tps=_ratio(len(tokens), wall),
+            wall_s=wall,
+            ttft_ms=0.0,  # not observable from outside HF
+            tpot_ms=_ratio(wall * 1000, len(tokens)),
+            peak_memory_mb=0.0,
+            draft_ms=0.0,
+            verify_ms=0.0,
+            commit_ms=0.0,
+            overhead_ms=0.0,
+            stop_reason="eos" if eos and tokens and tokens[-1] in eos else "max_new_tokens",
+            device=str(device),
+            dtype=str(target.dtype).removeprefix("torch."),
+        )
+
+
+@register_policy
+class HFAssisted(HFBaseline):
+    """HF assisted generation: the draft proposes a chain, the target verifies it (black box)."""
+
+    name = "hf_assisted"
+    summary = "Baseline: HF generate(assistant_model=draft), timed as a black box"
+    params = (
+        Param("num_assistant_tokens", int, 5, 1, 64, "Draft tokens per step (HF's starting value)"),
+        Param("heuristic", bool, True, help="HF's heuristic schedule: +2 tokens after full acceptance, -1 otherwise"),
+    )
+
+    def generate_kwargs(self, draft: torch.nn.Module | None) -> dict:
+        gen = draft.generation_config
+        gen.num_assistant_tokens = self.config["num_assistant_tokens"]
+        gen.num_assistant_tokens_schedule = "heuristic" if self.config["heuristic"] else "constant"
+        gen.assistant_confidence_threshold = 0.0  # propose the full chain (HF's default stops early)
+        return {"assistant_model": draft}
+
+
+@register_policy
+class HFPromptLookup(HFBaseline):
+    """HF prompt lookup decoding: candidates copied from earlier n-gram matches (black box)."""
+
+    name = "hf_prompt_lookup"
+    summary = "Baseline: HF generate(prompt_lookup_num_tokens=n), timed as a black box"
+    needs_draft_model = False
+    params = (
+        Param("prompt_lookup_num_tokens", int, 10, 1, 64, "Tokens copied after a match"),
+        Param("max_matching_ngram_size", int, 2, 1, 8, "Longest n-gram matched"),
+    )
+
+    def generate_kwargs(self, draft: torch.nn.Module | None) -> dict:
+        return dict(self.config)
