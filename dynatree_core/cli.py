@@ -6,6 +6,7 @@ Errors caused by input exit with status 2 and print one line, `error: <message>`
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -56,6 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--trace", action="store_true", help="with --json: include per-iteration records")
     pol = sub.add_parser("policies", help="list drafting policies and their parameters")
     pol.add_argument("--json", action="store_true")
+    bench = sub.add_parser("bench", help="compare policies on a prompt set (ratios to ar in the same run)")
+    bench.add_argument("--policy", action="append", default=[], metavar="NAME[:K=V,...]", help="repeatable")
+    bench.add_argument("--prompts", default="all", help="bundled set name, 'all', or a .jsonl path")
+    bench.add_argument("--limit", type=int, default=8, help="first N prompts, spread over the domains")
+    bench.add_argument("--max-new-tokens", type=int, default=48)
+    bench.add_argument("--preset", default=None)
+    bench.add_argument("--target", default=None)
+    bench.add_argument("--draft", default=None)
+    bench.add_argument("--device", default="auto")
+    bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    bench.add_argument("--json", action="store_true", help="rows as JSON instead of a markdown table")
     pre = sub.add_parser("presets", help="list model pair presets")
     pre.add_argument("--json", action="store_true")
     return parser
@@ -83,6 +95,31 @@ def cmd_presets(args) -> None:
         return
     for p in rows:
         print(f"{p['name']}: target {p['target']}, draft {p['draft'] or '(none yet)'} - {p['description']}")
+
+
+def cmd_bench(args) -> None:
+    import dataclasses
+
+    from dynatree_core.bench import compare, markdown, parse_spec, stderr_progress
+    from dynatree_core.drafting import POLICIES
+    from dynatree_core.prompts import load_prompts
+    from dynatree_core.session import load_pair
+
+    specs = [parse_spec(s) for s in args.policy] or [(name, {}) for name in POLICIES]
+    prompts = load_prompts(args.prompts)
+    by_domain: dict[str, list] = {}
+    for p in prompts:
+        by_domain.setdefault(p.domain, []).append(p)
+    spread = [p for group in itertools.zip_longest(*by_domain.values()) for p in group if p is not None]
+    chosen = spread[: args.limit] if args.limit > 0 else spread
+    target_spec, draft_spec = _resolve_models(args)
+    pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype)
+    rows = compare(pair, specs, chosen, max_new_tokens=args.max_new_tokens, progress=stderr_progress)
+    print(file=sys.stderr)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
+    else:
+        print(markdown(rows))
 
 
 def _resolve_models(args) -> tuple[str, str | None]:
@@ -154,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = lambda msg, *a, **k: f"warning: {msg}\n"
     try:
         args = build_parser().parse_args(argv)
-        {"generate": cmd_generate, "policies": cmd_policies, "presets": cmd_presets}[args.command](args)
+        commands = {"generate": cmd_generate, "policies": cmd_policies, "presets": cmd_presets, "bench": cmd_bench}
+        commands[args.command](args)
     except DynaTreeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
