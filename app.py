@@ -31,6 +31,7 @@ from dynatree_core.viz import (
     node_details,
     order_block_counts,
     run_charts,
+    salf_mass_figure,
     text_html,
     tree_figure,
     visible,
@@ -393,6 +394,9 @@ def render(run: LiveRun | None) -> None:
             f"{len(rec.order)} nodes (root first), positions {rec.position_ids[0]}..{max(rec.position_ids)}; "
             f"non-zero 32x32 blocks: BFS {counts['bfs']}, DFS {counts['dfs']}"
         )
+    if rec.tree.notes.get("salf_mass"):
+        st.caption("SALF: probability mass of each drafting step's batch; drafting stops below th.")
+        st.plotly_chart(salf_mass_figure(rec.tree.notes["salf_mass"], float(run.params.get("th", 0))), key="salf")
     with st.expander("What happened in this iteration (draft → verify → commit)"):
         st.markdown(explain(rec, run.text))
     with st.expander("Glossary of tree terms"):

@@ -83,7 +83,8 @@ def cmd_policies(args) -> None:
     for d in described:
         print(f"{d['name']}: {d['summary']}")
         for p in d["params"]:
-            print(f"    {p['name']} ({p['type']}, default {p['default']}, range [{p['min']}, {p['max']}]): {p['help']}")
+            rng = f", range [{p['min']}, {p['max']}]" if p["min"] is not None else ""
+            print(f"    {p['name']} ({p['type']}, default {p['default']}{rng}): {p['help']}")
 
 
 def cmd_presets(args) -> None:

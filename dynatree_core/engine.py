@@ -140,6 +140,7 @@ def _iteration(
     )
     _commit(target_kv, drafter, tree, outcome.accepted, order, past + len(chain) - 1, new_tokens)
     policy.observe(outcome)
+    policy.observe_cost(len(tokens), (t3 - t2) * 1e3)
     t4 = _clock(device)
     record = IterationRecord(
         index=index,

@@ -371,3 +371,20 @@ def run_charts(records: list[IterationRecord], ar_tps: float | None = None, *, h
     fig.update_layout(barmode="stack", height=height, margin=dict(l=10, r=10, t=40, b=10), uirevision="charts")
     fig.update_yaxes(range=[0, 1.05], row=1, col=2)
     return fig
+
+
+def salf_mass_figure(masses: list[float], th: float, *, height: int = 260) -> go.Figure:
+    """SALF's stopping rule for one tree: the probability mass of each drafting step's batch
+    (decreasing, Theorem 1) against the threshold th; drafting stops at the first bar below it."""
+    steps = list(range(1, len(masses) + 1))
+    colours = [COLOURS["accepted"] if m >= th else COLOURS["rejected"] for m in masses]
+    fig = go.Figure(go.Bar(x=steps, y=masses, marker_color=colours, name="batch mass"))
+    fig.add_hline(y=th, line_dash="dash", annotation_text=f"th = {th:g}")
+    fig.update_layout(
+        height=height,
+        margin=dict(l=10, r=10, t=30, b=10),
+        xaxis_title="drafting step (one draft forward each)",
+        yaxis_title="probability mass",
+        uirevision="salf",
+    )
+    return fig

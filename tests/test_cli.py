@@ -72,7 +72,10 @@ def test_policies_json_lists_the_registry(capsys):
     code, out, _ = run_cli(capsys, "policies", "--json")
     assert code == 0
     policies = {p["name"]: p for p in json.loads(out)}
-    assert {"ar", "linear", "fixed_tree"} <= set(policies)
+    paper = {"dynatree", "dyspec", "dyspec_threshold", "eagle2", "salf", "delayed", "ngram"}
+    assert {"ar", "linear", "fixed_tree", "hf_assisted", "hf_prompt_lookup"} | paper <= set(policies)
+    assert policies["hf_assisted"]["black_box"] and not policies["salf"]["black_box"]
+    assert {"nodes", "batch", "th"} == {p["name"] for p in policies["salf"]["params"]}
     names = {p["name"] for p in policies["fixed_tree"]["params"]}
     assert {"depth", "branch", "tau", "budget"} <= names
 
@@ -131,3 +134,21 @@ def test_chat_template_is_on_by_default_for_an_instruct_target(capsys):
     default = ids()
     assert default == ids("--chat")
     assert default != ids("--no-chat")
+
+
+def test_bench_compares_policies_against_ar_in_one_run(capsys, tiny_pair_dirs):
+    target, draft = tiny_pair_dirs
+    code, out, err = run_cli(
+        capsys,
+        "bench",
+        "--target", target, "--draft", draft, "--dtype", "float32",
+        "--policy", "fixed_tree:depth=3,branch=2", "--policy", "ngram", "--policy", "hf_assisted",
+        "--limit", "3", "--max-new-tokens", "6", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    rows = {r["policy"]: r for r in json.loads(out)}
+    assert list(rows) == ["ar", "fixed_tree", "ngram", "hf_assisted"]
+    assert rows["ar"]["speedup_vs_ar"] == 1.0 and rows["fixed_tree"]["params"]["depth"] == 3
+    assert all(r["exact"] == r["prompts"] == 3 for r in rows.values()), rows
+    code, _, err = run_cli(capsys, "bench", "--policy", "fixed_tree:depth", "--limit", "1")
+    assert code == 2 and "key=value" in err

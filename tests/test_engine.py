@@ -28,6 +28,7 @@ POLICIES = (
     ("salf", {"th": 0.0, "nodes": 12, "batch": 3}),
     ("delayed", {}),
     ("delayed", {"k": 3, "l1": 0, "l2": 4}),
+    ("delayed_auto", {"warmup": 1}),
     ("ngram", {}),
     ("ngram", {"max_n": 1, "branches": 5, "depth": 3}),
     ("hf_assisted", {}),

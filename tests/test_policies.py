@@ -96,13 +96,13 @@ def paths_of(tree: DraftTree) -> set[tuple[int, ...]]:
 
 
 # ----- every policy -------------------------------------------------------------------------------
-MODEL_POLICIES = [name for name, cls in POLICIES.items() if cls.needs_draft_model]
+MODEL_POLICIES = [name for name, cls in POLICIES.items() if cls.needs_draft_model and not cls.black_box]
 
 
 def budget_params(name: str, budget: int) -> tuple[dict, int]:
     """Parameters that bound the tree size, and the most drafted nodes they allow."""
-    if name == "delayed":
-        k = min(budget, 8)
+    if name in ("delayed", "delayed_auto"):
+        k = min(budget, 4)
         return {"k": k, "l1": 1, "l2": 2}, 1 + 2 * k
     if name == "salf":
         return {"nodes": max(budget, 2)}, max(budget, 2) - 1  # N counts the root
@@ -288,3 +288,30 @@ def test_ngram_merges_the_continuations_of_earlier_matches():
     assert len(verified(small)) == 2 and "budget" in small.reason
     none = policy.draft(DraftRequest(6, 32, None, [1, 2, 6]))
     assert len(none) == 1 and none.reason[0] == "no_match"
+
+
+def test_delayed_auto_picks_the_shape_the_cost_model_favours():
+    policy = make_policy("delayed_auto", {"warmup": 0})
+    assert policy.choose([0.9, 0.05, 0.03, 0.01], 32) == (2, 2, 3)  # nothing measured yet: static
+    policy.target_obs = [(1, 50.0), (40, 60.0)]  # extra tokens in the target forward are cheap
+    policy.draft_obs = [(1, 5.0), (4, 6.0)]
+    policy.alpha = 0.9
+    k, l1, l2 = policy.choose([0.95, 0.03, 0.01, 0.01], 32)
+    assert k == 1 and l1 + l2 >= 5, (k, l1, l2)  # a confident draft: one long chain
+    policy.alpha = 0.2
+    k, l1, l2 = policy.choose([0.3, 0.3, 0.2, 0.15], 32)
+    assert k >= 3 and l1 == 0, (k, l1, l2)  # an uncertain root: branch at once, stay short
+    policy.target_obs = [(1, 50.0), (40, 2000.0)]  # every extra token is expensive
+    k, l1, l2 = policy.choose([0.3, 0.3, 0.2, 0.15], 32)
+    assert l1 + k * l2 <= 2, (k, l1, l2)
+    policy.target_obs = [(1, 50.0), (40, 60.0)]
+    assert policy.choose([0.95, 0.03, 0.01, 0.01], 1)[1:] in ((1, 0), (0, 1))  # max_depth respected
+
+
+def test_delayed_auto_shares_the_root_forward_with_its_tree():
+    drafter = ScriptedDrafter(seed=5)
+    policy = make_policy("delayed_auto", {"k": 3, "l1": 1, "l2": 2})
+    tree = policy.draft(DraftRequest(0, 32, drafter, [0]))
+    check_invariants(tree)
+    assert drafter.forwards == 1 + 2 and len(verified(tree)) == 1 + 3 * 2
+    assert tree.notes == {"k": [3.0], "l1": [1.0], "l2": [2.0]}

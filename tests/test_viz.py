@@ -16,6 +16,7 @@ from dynatree_core.viz import (
     mask_figure,
     node_categories,
     node_details,
+    salf_mass_figure,
     tidy_layout,
     tree_figure,
 )
@@ -182,3 +183,10 @@ def test_clicked_node_reads_the_selection_event():
     assert clicked_node({"selection": {"points": [{"x": 1.0}]}}) is None  # an edge: no customdata
     assert clicked_node({"selection": {"points": [{"customdata": [BONUS, None, None, 2]}]}}) == BONUS
     assert clicked_node({"selection": {"points": [{"customdata": [3, 0.5, 0.2, 2]}]}}) == 3
+
+
+def test_salf_mass_figure_marks_the_step_below_threshold():
+    fig = salf_mass_figure([1.0, 0.8, 0.4], th=0.6)
+    bar = fig.data[0]
+    assert list(bar.y) == [1.0, 0.8, 0.4]
+    assert list(bar.marker.color) == [COLOURS["accepted"], COLOURS["accepted"], COLOURS["rejected"]]

@@ -187,6 +187,9 @@ class Policy:
     def observe(self, outcome: Any) -> None:
         """Called after each verification; adaptive policies override it."""
 
+    def observe_cost(self, tokens: int, verify_ms: float) -> None:
+        """Called after each target forward: how many tokens it read and how long it took."""
+
     @classmethod
     def describe(cls) -> dict:
         return {

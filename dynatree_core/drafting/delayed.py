@@ -15,18 +15,22 @@ import math
 
 from dynatree_core.drafting.base import DraftRequest, Param, Policy, register_policy
 from dynatree_core.drafting.dynamic import _drafter, _leaf_reason
-from dynatree_core.tree import DraftTree, Reason
+from dynatree_core.tree import DraftTree, Reason, Status
 
 
-def grow_delayed(request: DraftRequest, k: int, l1: int, l2: int) -> DraftTree:
-    """The (K, L1, L2) delayed tree, greedy-drafted, cut at the request's max depth."""
+def grow_delayed(
+    request: DraftRequest, k: int, l1: int, l2: int, *, tree: DraftTree | None = None, root_logp=None
+) -> DraftTree:
+    """The (K, L1, L2) delayed tree, greedy-drafted, cut at the request's max depth. `tree` and
+    `root_logp` pass in a root that was already run through the draft."""
     drafter = _drafter(request)
-    tree = DraftTree.with_root(request.root_token)
+    tree = tree if tree is not None else DraftTree.with_root(request.root_token)
     cap = min(l1 + l2, request.max_depth)
     reason = _leaf_reason(cap, l1 + l2)
     frontier = [0]
     for level in range(cap):
-        logp = drafter.expand(tree, frontier)  # ONE draft forward per level
+        reuse = level == 0 and root_logp is not None
+        logp = root_logp if reuse else drafter.expand(tree, frontier)  # ONE draft forward per level
         width = k if level == l1 else 1  # the branch point is the trunk's last node
         top_lp, top_tok = logp.topk(width, dim=-1)
         new = []
@@ -55,6 +59,113 @@ class Delayed(Policy):
     def draft(self, request: DraftRequest) -> DraftTree:
         c = self.config
         return grow_delayed(request, c["k"], c["l1"], c["l2"])
+
+
+@register_policy
+class DelayedAuto(Policy):
+    """Delayed tree with (K, L1, L2) chosen every iteration by a cost model (§6, Eq. 4 and 11).
+
+    The paper's selector is a trained MLP; this one maximises the same objective, expected
+    block efficiency over expected time (Eq. 4 with a one-hot policy), from root features:
+      E[tau + 1] = 1 + c1 (1 + a + ... + a^(L1-1)) + c1 a^(L1-1) s_K (1 + a + ... + a^(L2-1)) for
+      L1 > 0, and 1 + s_K (1 + a + ... + a^(L2-1)) for L1 = 0, where c1 and s_K are the draft's
+      top-1 and top-K probability at the root (acceptance ~ draft probability, DySpec Hyp. 1) and
+      a is a running average of the draft's top-1 probability along the trunks drafted so far;
+      T = sum_{j<L1} t_q(1) + sum_{j<L2} t_q(K) + t_p(L1 + K L2 + 1)   (Eq. 11, per forward width),
+    with t_q and t_p linear fits (ms = a + b * tokens) of this run's measured draft and target
+    forwards (`observe_cost`); until enough are measured, the static (k, l1, l2) is used.
+    The root's draft forward is shared with the chosen tree: no extra forward.
+    """
+
+    name = "delayed_auto"
+    summary = "Delayed tree with (K, L1, L2) chosen per iteration by a latency + acceptance cost model"
+    params = (
+        Param("k_max", int, 4, 1, 8, "Largest K considered"),
+        Param("l1_max", int, 6, 0, 16, "Largest trunk L1 considered"),
+        Param("l2_max", int, 6, 1, 16, "Largest branch length L2 considered"),
+        Param("k", int, 2, 1, 8, "K used until the latency profile is measured"),
+        Param("l1", int, 2, 0, 16, "L1 used until the latency profile is measured"),
+        Param("l2", int, 3, 0, 16, "L2 used until the latency profile is measured"),
+        Param("warmup", int, 3, 0, 64, "Iterations with the static (k, l1, l2) before the cost model decides"),
+    )
+
+    def __init__(self, **values):
+        super().__init__(**values)
+        self.reset()
+
+    def reset(self) -> None:
+        self.target_obs: list[tuple[int, float]] = []  # (tokens read, ms)
+        self.draft_obs: list[tuple[int, float]] = []  # (nodes in the forward, ms)
+        self.alpha = 0.6  # running top-1 probability below the root
+        self.iterations = 0
+        self.choices: list[tuple[int, int, int]] = []
+
+    def observe_cost(self, tokens: int, verify_ms: float) -> None:
+        self.target_obs = [*self.target_obs[-63:], (tokens, verify_ms)]
+
+    @staticmethod
+    def _fit(obs: list[tuple[int, float]]) -> tuple[float, float]:
+        """ms = a + b * n, least squares; one distinct n gives a flat fit."""
+        n = len(obs)
+        mx, my = sum(x for x, _ in obs) / n, sum(y for _, y in obs) / n
+        var = sum((x - mx) ** 2 for x, _ in obs)
+        b = max(sum((x - mx) * (y - my) for x, y in obs) / var, 0.0) if var > 0 else 0.0
+        return max(my - b * mx, 0.0), b
+
+    def expected_tokens(self, c1: float, s_k: float, l1: int, l2: int) -> float:
+        a = self.alpha
+        chain = lambda n: sum(a**i for i in range(n))  # noqa: E731
+        if l1 == 0:
+            return 1.0 + s_k * chain(l2)
+        return 1.0 + c1 * chain(l1) + c1 * a ** (l1 - 1) * s_k * chain(l2)
+
+    def choose(self, root_probs: list[float], max_depth: int) -> tuple[int, int, int]:
+        c = self.config
+        if self.iterations < c["warmup"] or len(self.target_obs) < 2 or len(self.draft_obs) < 2:
+            return c["k"], c["l1"], c["l2"]
+        (qa, qb), (pa, pb) = self._fit(self.draft_obs), self._fit(self.target_obs)
+        best, best_rate = (c["k"], c["l1"], c["l2"]), -1.0
+        for k in range(1, c["k_max"] + 1):
+            s_k = sum(root_probs[:k])
+            for l1 in range(0, c["l1_max"] + 1):
+                for l2 in range(1 if k > 1 else 0, c["l2_max"] + 1):
+                    if l1 + l2 > max_depth or (k > 1 and l2 == 0):
+                        continue
+                    t = l1 * (qa + qb) + l2 * (qa + qb * k) + pa + pb * (l1 + k * l2 + 1)  # Eq. 11
+                    rate = self.expected_tokens(root_probs[0], s_k, l1, l2) / max(t, 1e-6)  # Eq. 4
+                    if rate > best_rate:
+                        best, best_rate = (k, l1, l2), rate
+        return best
+
+    def draft(self, request: DraftRequest) -> DraftTree:
+        import time
+
+        drafter = _drafter(request)
+        tree = DraftTree.with_root(request.root_token)
+        if request.max_depth <= 0:
+            tree.mark_leaf(0, Reason.LENGTH_LIMIT)
+            return tree
+        start = time.perf_counter()
+        root_logp = drafter.expand(tree, [0])  # the root's forward, shared with the tree
+        root_ms = (time.perf_counter() - start) * 1e3
+        probs = root_logp[0].exp().topk(self.config["k_max"]).values.tolist()
+        k, l1, l2 = self.choose(probs, request.max_depth)
+        self.choices.append((k, l1, l2))
+        tree.notes = {"k": [float(k)], "l1": [float(l1)], "l2": [float(l2)]}
+        forwards = drafter.forwards
+        start = time.perf_counter()
+        tree = grow_delayed(request, k, l1, l2, tree=tree, root_logp=root_logp)
+        more = drafter.forwards - forwards
+        if more:  # the mean cost of the later forwards, at their mean width (nodes run / forwards)
+            ran = sum(1 for n in range(1, len(tree)) if tree.status[n] == Status.KEPT)
+            self.draft_obs = [*self.draft_obs[-63:], (max(ran // more, 1), (time.perf_counter() - start) * 1e3 / more)]
+        self.draft_obs = [*self.draft_obs[-63:], (1, root_ms)]
+        trunk = [n for n in range(1, len(tree)) if tree.depths[n] <= l1]
+        if trunk:  # track the draft's confidence below the root
+            conf = math.exp(sum(tree.logp[n] for n in trunk) / len(trunk))
+            self.alpha = 0.8 * self.alpha + 0.2 * conf
+        self.iterations += 1
+        return tree
 
 
 @register_policy
