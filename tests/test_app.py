@@ -140,3 +140,20 @@ def test_a_black_box_baseline_runs_once_and_shows_its_result(tiny_pair_dirs):
     _click(at, "Run baseline")
     assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
     assert at.metric[4].label == "New tokens" and int(at.metric[4].value) == 8
+
+
+def test_every_tree_policy_steps_in_the_app_with_a_tiny_pair(tiny_pair_dirs):
+    from dynatree_core.drafting import POLICIES
+
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    at.run()
+    _custom_pair(at, *tiny_pair_dirs)
+    for name, cls in POLICIES.items():
+        if cls.black_box:
+            continue
+        next(s for s in at.selectbox if s.label == "Policy").set_value(name).run()
+        _click(at, "Reset")
+        _click(at, "Step")
+        assert not at.exception and not at.error, (name, at.exception, [e.value for e in at.error])
+        run = at.session_state["run"]
+        assert run.policy_name == name and len(run.records) == 1
