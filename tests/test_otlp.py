@@ -1,0 +1,125 @@
+"""Losslessness of the node-level verification solvers, exactly and statistically, and the
+sampling adjustment shared by target and draft."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.sampling import SamplingConfig, adjust
+from dynatree_core.verify.otlp import SOLVERS, spectr_rho
+
+IID = ("nss", "naive", "spectr", "specinfer")
+# chi-square critical values at significance 0.001, by degrees of freedom (fixed seeds: deterministic)
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
+
+
+def random_pair(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.rand(vocab, generator=gen, dtype=torch.float64) ** 3
+    q = torch.rand(vocab, generator=gen, dtype=torch.float64) ** 3
+    if seed % 3 == 0:
+        p[0] = 0.0  # the target rules a token out
+    if seed % 4 == 1:
+        q[-1] = 0.0  # the draft never proposes one
+    return p / p.sum(), q / q.sum()
+
+
+def iid_draws(q: torch.Tensor, k: int):
+    for xs in itertools.product(range(len(q)), repeat=k):
+        weight = float(torch.prod(q[list(xs)]))
+        if weight > 0:
+            yield list(xs), weight
+
+
+def draws_without_replacement(q: torch.Tensor, k: int):
+    for xs in itertools.permutations(range(len(q)), k):
+        weight, left = 1.0, 1.0
+        for x in xs:
+            weight *= float(q[x]) / left if left > 0 else 0.0
+            left -= float(q[x])
+        if weight > 0:
+            yield list(xs), weight
+
+
+@pytest.mark.parametrize("name", [*IID, "without_replacement"])
+@pytest.mark.parametrize("vocab,k", [(3, 1), (4, 2), (5, 3), (6, 2)])
+@pytest.mark.parametrize("seed", range(6))
+def test_exact_output_distribution_is_the_target(name, vocab, k, seed):
+    p, q = random_pair(vocab, seed)
+    _, distribution = SOLVERS[name]
+    draws = draws_without_replacement if name == "without_replacement" else iid_draws
+    if name == "without_replacement" and int((q > 0).sum()) < k:
+        pytest.skip("not enough tokens to draw without replacement")
+    total = torch.zeros_like(p)
+    for xs, weight in draws(q, k):
+        law = distribution(p, q, xs)
+        assert law.min() >= -1e-12 and abs(float(law.sum()) - 1) < 1e-9
+        total += weight * law
+    assert torch.allclose(total, p, atol=1e-9, rtol=0), f"{name}: {total.tolist()} != {p.tolist()}"
+
+
+def test_exactness_check_catches_a_lossy_solver():
+    """The exact test is not vacuous: accepting the first draft token outright is lossy."""
+    p, q = random_pair(4, 1)
+    total = sum(w * torch.nn.functional.one_hot(torch.tensor(xs[0]), 4).double() for xs, w in iid_draws(q, 1))
+    assert not torch.allclose(total, p, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", [*IID, "without_replacement"])
+def test_samples_follow_the_exact_law_chi_square(name):
+    sample, distribution = SOLVERS[name]
+    p, q = random_pair(5, 7)
+    xs = [1, 3] if name == "without_replacement" else [1, 3, 1]
+    law = distribution(p, q, xs)
+    gen = torch.Generator().manual_seed(1234)
+    n = 20_000
+    counts = torch.zeros(5, dtype=torch.float64)
+    for _ in range(n):
+        y, index = sample(p, q, xs, gen)
+        assert index is None or xs[index] == y
+        counts[y] += 1
+    expected = law * n
+    used = expected > 0
+    assert counts[~used].sum() == 0, "a token with probability 0 was sampled"
+    chi2 = float(((counts[used] - expected[used]) ** 2 / expected[used]).sum())
+    assert chi2 < CHI2_999[int(used.sum()) - 1], f"{name}: chi2 {chi2:.1f}"
+
+
+@pytest.mark.parametrize("name", [*IID, "without_replacement"])
+def test_same_seed_same_draws(name):
+    sample, _ = SOLVERS[name]
+    p, q = random_pair(6, 2)
+
+    def run():
+        gen = torch.Generator().manual_seed(99)
+        return [sample(p, q, [0, 2], gen) for _ in range(50)]
+
+    assert run() == run()
+
+
+def test_spectr_division_factor_solves_its_equation():
+    p, q = random_pair(6, 5)
+    for k in (2, 3, 4):
+        rho = spectr_rho(p, q, k)
+        beta = float(torch.minimum(p / rho, q).sum())
+        assert 1 <= rho <= k
+        assert abs((1 - (1 - beta) ** k) - rho * beta) < 1e-9 or rho == 1.0
+
+
+def test_sampling_adjustment_temperature_top_k_top_p():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    assert adjust(logits, SamplingConfig()).tolist() == [1.0, 0.0, 0.0, 0.0]  # greedy
+    hot = adjust(logits, SamplingConfig(temperature=1.0))
+    assert torch.allclose(hot, torch.softmax(logits.double(), -1))
+    flat = adjust(logits, SamplingConfig(temperature=100.0))
+    assert float(flat.max() - flat.min()) < 0.01
+    top2 = adjust(logits, SamplingConfig(temperature=1.0, top_k=2))
+    assert top2[2] == top2[3] == 0 and abs(float(top2.sum()) - 1) < 1e-12
+    nucleus = adjust(logits, SamplingConfig(temperature=1.0, top_p=0.7))  # p = .64 .24 .09 .03
+    assert nucleus[0] > 0 and nucleus[1] > 0 and nucleus[2] == 0 and nucleus[3] == 0
+    with pytest.raises(DynaTreeError):
+        SamplingConfig(temperature=1.0, top_p=0.0)
