@@ -123,3 +123,15 @@ def test_sampling_adjustment_temperature_top_k_top_p():
     assert nucleus[0] > 0 and nucleus[1] > 0 and nucleus[2] == 0 and nucleus[3] == 0
     with pytest.raises(DynaTreeError):
         SamplingConfig(temperature=1.0, top_p=0.0)
+
+
+@pytest.mark.parametrize("name", IID)
+@pytest.mark.parametrize("vocab,k", [(3, 1), (4, 2), (5, 3)])
+@pytest.mark.parametrize("seed", range(5))
+def test_closed_form_acceptance_matches_enumeration(name, vocab, k, seed):
+    from dynatree_core.verify.otlp import acceptance
+
+    p, q = random_pair(vocab, seed)
+    _, distribution = SOLVERS[name]
+    exact = sum(w * float(distribution(p, q, xs)[sorted(set(xs))].sum()) for xs, w in iid_draws(q, k))
+    assert acceptance(name, p, q, k) == pytest.approx(exact, abs=1e-9)

@@ -185,3 +185,32 @@ SOLVERS = {
     "specinfer": (specinfer_sample, specinfer_distribution),
     "without_replacement": (without_replacement_sample, without_replacement_distribution),
 }
+
+
+# ----- closed-form acceptance rates (App. C) ------------------------------------------------------
+def acceptance(name: str, p: torch.Tensor, q: torch.Tensor, k: int) -> float:
+    """P(the solver's output is one of the k i.i.d. draft tokens), averaged over the draws
+    (Definition 5.1): what the app shows as the expected acceptance at a node."""
+    if k <= 0:
+        return 0.0
+    if name == "nss":  # Alg. 6
+        return float((p * (1 - (1 - q) ** k)).sum())
+    if name == "naive":  # Alg. 7
+        return float(torch.minimum(p, q).sum() + ((p - q).clamp_min(0) * (1 - (1 - q) ** (k - 1))).sum())
+    if name == "spectr":  # Alg. 8
+        rho = spectr_rho(p, q, k)
+        beta = float(torch.minimum(p / rho, q).sum())
+        p_acc = 1 - (1 - beta) ** k
+        res = _spectr_residual(p, q, k, rho)
+        r = (q - p / rho).clamp_min(0) / (1 - beta) if beta < 1 - EPS else torch.zeros_like(q)
+        return p_acc + (1 - p_acc) * float((res * (1 - (1 - r) ** k)).sum())
+    if name == "specinfer":  # Alg. 9
+        p_rej, m = 1.0, torch.ones_like(p)
+        for _ in range(k):
+            r = float(torch.minimum(p, q).sum())
+            p_rej *= 1 - r
+            if 1 - r > EPS:
+                m = m * (1 - (q - p).clamp_min(0) / (1 - r))
+            p = _residual(p, q)
+        return (1 - p_rej) + p_rej * float((p * (1 - m)).sum())
+    raise ValueError(f"no closed-form acceptance for {name!r}")
