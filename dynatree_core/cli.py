@@ -46,7 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--policy", default="fixed_tree", help="drafting policy (see `policies`)")
     gen.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="policy parameter")
     gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="seeds sampling (sample i uses seed + i)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, target and draft alike")
+    gen.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off), target and draft alike")
+    gen.add_argument("--verifier", default="auto", help="see `verifiers`; auto: greedy, or specinfer / nss")
+    gen.add_argument("--num-samples", type=int, default=1, help="independent samples (models loaded once)")
     gen.add_argument("--preset", default=None, help="model pair preset (see `presets`); sets --target/--draft")
     gen.add_argument("--target", default=None, help="target: embedded (default), hub id, local dir or .gguf")
     gen.add_argument("--draft", default=None, help="draft model (default: the preset's draft)")
@@ -55,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--order", default="bfs", choices=["bfs", "dfs"], help="node order sent to the target")
     gen.add_argument("--json", action="store_true", help="print the RunResult as one JSON object")
     gen.add_argument("--trace", action="store_true", help="with --json: include per-iteration records")
+    ver = sub.add_parser("verifiers", help="list verification algorithms and the drafting each accepts")
+    ver.add_argument("--json", action="store_true")
     pol = sub.add_parser("policies", help="list drafting policies and their parameters")
     pol.add_argument("--json", action="store_true")
     bench = sub.add_parser("bench", help="compare policies on a prompt set (ratios to ar in the same run)")
@@ -85,6 +92,20 @@ def cmd_policies(args) -> None:
         for p in d["params"]:
             rng = f", range [{p['min']}, {p['max']}]" if p["min"] is not None else ""
             print(f"    {p['name']} ({p['type']}, default {p['default']}{rng}): {p['help']}")
+
+
+def cmd_verifiers(args) -> None:
+    from dynatree_core.verify.sampling import VERIFIERS
+
+    rows = [
+        {"name": v.name, "draw": v.draw, "summary": v.summary, "temperature": "0" if v.name == "greedy" else "> 0"}
+        for v in VERIFIERS.values()
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        print(f"{r['name']}: {r['summary']} (children drawn: {r['draw']}; temperature {r['temperature']})")
 
 
 def cmd_presets(args) -> None:
@@ -139,7 +160,8 @@ def cmd_generate(args) -> None:
     import torch
 
     from dynatree_core.drafting import make_policy
-    from dynatree_core.engine import DecodeConfig, generate
+    from dynatree_core.engine import DecodeConfig, generate, resolve_verifier
+    from dynatree_core.sampling import SamplingConfig
     from dynatree_core.session import encode_prompt, load_pair
 
     if args.prompt_file is not None:
@@ -154,37 +176,53 @@ def cmd_generate(args) -> None:
     if args.max_new_tokens < 1:
         raise DynaTreeError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     policy = make_policy(args.policy, _parse_params(args.param))  # validate before loading models
+    if args.num_samples < 1:
+        raise DynaTreeError(f"--num-samples must be at least 1, got {args.num_samples}")
+    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    if not policy.black_box:
+        resolve_verifier(policy, DecodeConfig(sampling=sampling, verifier=args.verifier))
     target_spec, draft_spec = _resolve_models(args)
     torch.manual_seed(args.seed)
     pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype, need_draft=policy.needs_draft_model)
     target = pair.target
     chat = args.chat if args.chat is not None else target.has_chat_template
     prompt_ids = encode_prompt(target.tokenizer, prompt, chat=chat)
-    config = DecodeConfig(
-        max_new_tokens=args.max_new_tokens,
-        eos_token_ids=target.eos_token_ids,
-        context_length=target.context_length,
-        order=args.order,
-    )
-    result = generate(
-        target.model,
-        prompt_ids,
-        policy,
-        draft=pair.draft.model if pair.draft else None,
-        config=config,
-        tokenizer=target.tokenizer,
-        draft_token_map=pair.draft.token_map if pair.draft else None,
-    )
+    results = []
+    for i in range(args.num_samples):
+        config = DecodeConfig(
+            max_new_tokens=args.max_new_tokens,
+            eos_token_ids=target.eos_token_ids,
+            context_length=target.context_length,
+            order=args.order,
+            sampling=sampling,
+            verifier=args.verifier,
+            seed=args.seed + i,
+        )
+        results.append(
+            generate(
+                target.model,
+                prompt_ids,
+                policy,
+                draft=pair.draft.model if pair.draft else None,
+                config=config,
+                tokenizer=target.tokenizer,
+                draft_token_map=pair.draft.token_map if pair.draft else None,
+            )
+        )
     if args.json:
-        print(result.to_json(with_records=args.trace))
+        if args.num_samples == 1:
+            print(results[0].to_json(with_records=args.trace))
+        else:
+            print("[" + ",".join(r.to_json(with_records=args.trace) for r in results) + "]")
         return
-    print(result.text)
-    print(
-        f"\n[{result.policy}] {result.new_tokens} tokens in {result.iterations} iterations "
-        f"({result.tokens_per_iteration:.2f} tokens/iteration, acceptance {result.acceptance_rate:.2f}), "
-        f"{result.throughput_tps:.1f} tokens/s, stop: {result.stop_reason}",
-        file=sys.stderr,
-    )
+    for result in results:
+        print(result.text)
+        print(
+            f"\n[{result.policy}] {result.new_tokens} tokens in {result.iterations} iterations "
+            f"({result.tokens_per_iteration:.2f} tokens/iteration, acceptance {result.acceptance_rate:.2f}), "
+            f"{result.throughput_tps:.1f} tokens/s, stop: {result.stop_reason}",
+            file=sys.stderr,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,7 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = lambda msg, *a, **k: f"warning: {msg}\n"
     try:
         args = build_parser().parse_args(argv)
-        commands = {"generate": cmd_generate, "policies": cmd_policies, "presets": cmd_presets, "bench": cmd_bench}
+        commands = {
+            "generate": cmd_generate,
+            "policies": cmd_policies,
+            "presets": cmd_presets,
+            "bench": cmd_bench,
+            "verifiers": cmd_verifiers,
+        }
         commands[args.command](args)
     except DynaTreeError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -22,8 +22,10 @@ from dynatree_core.errors import DynaTreeError
 from dynatree_core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.metrics import summarize
 from dynatree_core.models import context_length_of
+from dynatree_core.sampling import SamplingConfig
 from dynatree_core.trace import IterationRecord, RunResult
 from dynatree_core.verify.greedy import verify_greedy
+from dynatree_core.verify.sampling import VERIFIERS, verify_sampling
 from dynatree_core.vocab import TokenMap
 
 
@@ -33,6 +35,32 @@ class DecodeConfig:
     eos_token_ids: frozenset[int] = frozenset()
     context_length: int | None = None  # defaults to the target's max positions
     order: str = "bfs"  # node order sent to the target: bfs or dfs
+    sampling: SamplingConfig = SamplingConfig()  # temperature 0: greedy
+    verifier: str = "auto"  # greedy at temperature 0; else specinfer where the policy can draw i.i.d., nss otherwise
+    seed: int = 0  # seeds the draft's and the verifier's random draws
+
+
+def resolve_verifier(policy: Policy, config: DecodeConfig) -> tuple[str, str]:
+    """(verifier, draw mode) for this policy and config; invalid pairings are refused."""
+    if config.sampling.greedy:
+        if config.verifier not in ("auto", "greedy"):
+            raise DynaTreeError(f"verifier {config.verifier!r} needs --temperature > 0 (temperature 0 is greedy)")
+        return "greedy", "top"
+    name = config.verifier
+    if name == "auto":
+        name = "specinfer" if "iid" in policy.draws else "nss"
+    if name not in VERIFIERS or name == "greedy":
+        valid = ", ".join(v for v in VERIFIERS if v != "greedy")
+        raise DynaTreeError(f"unknown sampling verifier {name!r}; choose one of: {valid}")
+    draw = VERIFIERS[name].draw
+    if draw == "any":
+        return name, "top"
+    if draw not in policy.draws:
+        raise DynaTreeError(
+            f"verifier {name!r} needs children drawn {draw.replace('_', ' ')} from the draft; policy "
+            f"{policy.name!r} builds deterministic top-k trees, on which only 'nss' is lossless"
+        )
+    return name, draw
 
 
 def _clock(device: torch.device) -> float:
@@ -81,6 +109,8 @@ def decode(
     if policy.needs_draft_model and draft is None:
         raise DynaTreeError(f"policy {policy.name!r} needs a draft model")
     device = target.get_input_embeddings().weight.device
+    verifier, draw = resolve_verifier(policy, config)
+    gen = torch.Generator().manual_seed(config.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     target_kv = KVState(target, prompt_ids)
@@ -97,7 +127,17 @@ def decode(
         # inference_mode is per thread: enter it per step, never across a yield (the app may
         # resume this generator from another thread)
         with torch.inference_mode():
-            record = _iteration(index, target_kv, drafter, policy, committed, min(remaining, room), config, device)
+            record = _iteration(
+                index,
+                target_kv,
+                drafter,
+                policy,
+                committed,
+                min(remaining, room),
+                config,
+                device,
+                (verifier, draw, gen),
+            )
         committed.extend(record.committed)
         if record.stop is None and len(committed) - len(prompt_ids) >= config.max_new_tokens:
             record.stop = "max_new_tokens"
@@ -117,11 +157,14 @@ def _iteration(
     budget: int,
     config: DecodeConfig,
     device: torch.device,
+    sampling_state: tuple[str, str, torch.Generator],
 ) -> IterationRecord:
     """One draft -> verify -> commit step. `budget`: tokens this iteration may commit."""
+    verifier, draw, gen = sampling_state
     t0 = _clock(device)
     draft_forwards = drafter.forwards if drafter else 0
-    tree = policy.draft(DraftRequest(committed[-1], budget - 1, drafter, committed))  # bonus needs 1 slot
+    request = DraftRequest(committed[-1], budget - 1, drafter, committed, draw, config.sampling, gen)
+    tree = policy.draft(request)  # max depth budget - 1: the bonus needs 1 slot
     draft_forwards = (drafter.forwards if drafter else 0) - draft_forwards
     t1 = _clock(device)
     order = tree.order(config.order)
@@ -134,7 +177,10 @@ def _iteration(
     t2 = _clock(device)
     logits = target_kv.forward(tokens, positions, visible, logits_to_keep=len(order))  # ONE forward
     t3 = _clock(device)
-    outcome = verify_greedy(tree, order, logits)
+    if verifier == "greedy":
+        outcome = verify_greedy(tree, order, logits)
+    else:
+        outcome = verify_sampling(tree, order, logits, config.sampling, verifier, gen)
     new_tokens, stop = cut(
         [tree.tokens[n] for n in outcome.accepted] + [outcome.bonus_token], budget, config.eos_token_ids
     )

@@ -58,6 +58,10 @@ class DraftTree:
     reason: list[str | None] = dataclasses.field(default_factory=list)
     # Per-tree numbers a policy wants shown (e.g. SALF's probability mass per drafting step)
     notes: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    # Sampled drafting only (not serialised): the adjusted draft distribution each expanded node's
+    # children were drawn from, and the draws with multiplicity in drawing order
+    draft_q: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    draws: dict[int, list[int]] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def with_root(cls, root_token: int) -> DraftTree:

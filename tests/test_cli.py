@@ -152,3 +152,24 @@ def test_bench_compares_policies_against_ar_in_one_run(capsys, tiny_pair_dirs):
     assert all(r["exact"] == r["prompts"] == 3 for r in rows.values()), rows
     code, _, err = run_cli(capsys, "bench", "--policy", "fixed_tree:depth", "--limit", "1")
     assert code == 2 and "key=value" in err
+
+
+def test_verifiers_json_and_sampled_generation(capsys, tiny_pair_dirs):
+    code, out, _ = run_cli(capsys, "verifiers", "--json")
+    assert code == 0
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert {"greedy", "nss", "naive", "spectr", "specinfer", "without_replacement"} <= set(rows)
+    assert rows["nss"]["draw"] == "any" and rows["specinfer"]["draw"] == "iid"
+    target, draft = tiny_pair_dirs
+    args = ["generate", "--target", target, "--draft", draft, "--prompt", "hello", "--max-new-tokens", "6"]
+    hot = [*args, "--temperature", "0.8", "--verifier", "specinfer", "--num-samples", "3", "--seed", "4", "--json"]
+    code, out, err = run_cli(capsys, *hot)
+    assert code == 0, err
+    samples = json.loads(out)
+    assert len(samples) == 3 and all(len(s["token_ids"]) == 6 for s in samples)
+    code, again, _ = run_cli(capsys, *hot)
+    assert [s["token_ids"] for s in json.loads(again)] == [s["token_ids"] for s in samples]  # same seeds
+    code, _, err = run_cli(capsys, *args, "--policy", "eagle2", "--temperature", "0.8", "--verifier", "naive")
+    assert code == 2 and "only 'nss' is lossless" in err
+    code, _, err = run_cli(capsys, *args, "--temperature", "0.8", "--top-p", "0")
+    assert code == 2 and "top_p" in err

@@ -159,6 +159,27 @@ class DraftRequest:
     max_depth: int  # deepest level that max_new_tokens and the context window allow
     drafter: Drafter | None
     context: list[int] = dataclasses.field(default_factory=list)  # committed tokens, root last (read only)
+    # Sampled drafting: "top" (deterministic top-k), "iid" or "without_replacement", with the
+    # adjusted draft distribution (temperature / top-k / top-p, as the target's) and a generator
+    draw: str = "top"
+    sampling: Any = None
+    gen: torch.Generator | None = None
+
+
+def pick_children(request: DraftRequest, tree: DraftTree, node: int, logp: torch.Tensor, k: int) -> list[tuple]:
+    """(token, logp) of up to k children of `node`, best first for "top"; for sampled drafting the
+    k draws from the adjusted draft distribution (recorded on the tree for the verifier), their
+    distinct tokens as children in drawing order, logp = log q_adjusted(token)."""
+    if request.draw == "top":
+        top_lp, top_tok = logp.topk(k)
+        return list(zip(top_tok.tolist(), top_lp.tolist(), strict=True))
+    from dynatree_core.sampling import adjust
+
+    q = adjust(logp, request.sampling).cpu()
+    k = min(k, int((q > 0).sum())) if request.draw == "without_replacement" else k
+    draws = torch.multinomial(q, k, replacement=request.draw == "iid", generator=request.gen).tolist()
+    tree.draft_q[node], tree.draws[node] = q, draws
+    return [(tok, math.log(float(q[tok]))) for tok in dict.fromkeys(draws)]
 
 
 class Policy:
@@ -168,6 +189,7 @@ class Policy:
     summary: ClassVar[str] = ""
     params: ClassVar[tuple[Param, ...]] = ()
     needs_draft_model: ClassVar[bool] = True
+    draws: ClassVar[tuple[str, ...]] = ("top",)  # how it can draw children (sampled: "iid", ...)
     black_box: ClassVar[bool] = False  # runs as one call (HF baselines): no per-iteration records
 
     def __init__(self, **values: Any):
@@ -197,6 +219,7 @@ class Policy:
             "summary": cls.summary,
             "needs_draft_model": cls.needs_draft_model,
             "black_box": cls.black_box,
+            "draws": list(cls.draws),
             "params": [p.to_dict() for p in cls.params],
         }
 

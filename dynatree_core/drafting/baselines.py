@@ -62,11 +62,17 @@ class HFBaseline(Policy):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
+            sampling = config.sampling
+            extra = {} if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p}
+            if not sampling.greedy:
+                extra["top_k"] = sampling.top_k or None
+                torch.manual_seed(config.seed)  # HF samples from torch's global generator
             with torch.inference_mode():
                 out = target.generate(
                     torch.tensor([prompt_ids], device=device),
                     max_new_tokens=config.max_new_tokens,
-                    do_sample=False,
+                    do_sample=not sampling.greedy,
+                    **extra,
                     eos_token_id=eos,
                     pad_token_id=eos[0] if eos else 0,
                     **self.generate_kwargs(draft),

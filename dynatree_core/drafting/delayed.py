@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from dynatree_core.drafting.base import DraftRequest, Param, Policy, register_policy
+from dynatree_core.drafting.base import DraftRequest, Param, Policy, pick_children, register_policy
 from dynatree_core.drafting.dynamic import _drafter, _leaf_reason
 from dynatree_core.tree import DraftTree, Reason, Status
 
@@ -32,11 +32,10 @@ def grow_delayed(
         reuse = level == 0 and root_logp is not None
         logp = root_logp if reuse else drafter.expand(tree, frontier)  # ONE draft forward per level
         width = k if level == l1 else 1  # the branch point is the trunk's last node
-        top_lp, top_tok = logp.topk(width, dim=-1)
         new = []
         for row, node in enumerate(frontier):
             tree.mark_expanded(node)
-            for lp, tok in zip(top_lp[row].tolist(), top_tok[row].tolist(), strict=True):
+            for tok, lp in pick_children(request, tree, node, logp[row], width):  # top-K, or sampled
                 new.append(tree.add(node, tok, lp, reason=reason))
         frontier = new
     if cap <= 0:
@@ -49,6 +48,7 @@ class Delayed(Policy):
     """Static delayed tree: trunk of L1 tokens, then K branches of L2 tokens (§5, Def. 5.2)."""
 
     name = "delayed"
+    draws = ("top", "iid", "without_replacement")
     summary = "Delayed expansion: a trunk of L1 tokens, then K branches of L2 tokens"
     params = (
         Param("k", int, 2, 1, 8, "K: branches at the end of the trunk"),
@@ -78,6 +78,7 @@ class DelayedAuto(Policy):
     """
 
     name = "delayed_auto"
+    draws = ("top", "iid", "without_replacement")
     summary = "Delayed tree with (K, L1, L2) chosen per iteration by a latency + acceptance cost model"
     params = (
         Param("k_max", int, 4, 1, 8, "Largest K considered"),
@@ -176,6 +177,7 @@ class NGramLookup(Policy):
     trie. A node's p is the share of its parent's continuations that pass through it."""
 
     name = "ngram"
+    draws = ("top",)
     summary = "Prompt lookup tree: continuations of earlier matches of the last n tokens (no draft)"
     needs_draft_model = False
     params = (

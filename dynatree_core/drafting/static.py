@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from dynatree_core.drafting.base import DraftRequest, Param, Policy, register_policy
+from dynatree_core.drafting.base import DraftRequest, Param, Policy, pick_children, register_policy
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.tree import DraftTree, Reason, Status
 
@@ -43,11 +43,10 @@ def grow_topk_tree(request: DraftRequest, *, depth: int, branch: int, tau: float
     frontier, drafted = [0], 0
     for level in range(depth_cap):
         logp = request.drafter.expand(tree, frontier)  # ONE draft forward for the whole level
-        top_lp, top_tok = logp.topk(branch, dim=-1)
         candidates = []
         for row, node in enumerate(frontier):
             tree.mark_expanded(node)
-            for lp, tok in zip(top_lp[row].tolist(), top_tok[row].tolist(), strict=True):
+            for tok, lp in pick_children(request, tree, node, logp[row], branch):  # top-B, or sampled
                 candidates.append((tree.cum_logp[node] + lp, node, tok, lp))
         candidates.sort(key=lambda c: -c[0])
         frontier = []
@@ -75,6 +74,7 @@ def grow_topk_tree(request: DraftRequest, *, depth: int, branch: int, tau: float
 @register_policy
 class Linear(Policy):
     name = "linear"
+    draws = ("top", "iid", "without_replacement")
     summary = "A single chain of K greedy draft tokens (classic speculative decoding)"
     params = (Param("k", int, 5, 1, 32, "Draft tokens per iteration (chain length)"),)
 
@@ -86,6 +86,7 @@ class Linear(Policy):
 @register_policy
 class FixedTree(Policy):
     name = "fixed_tree"
+    draws = ("top", "iid", "without_replacement")
     summary = "DynaTree base: top-B branching to depth D, threshold pruning, node budget"
     params = (
         Param("depth", int, 6, 1, 16, "Maximum tree depth D (draft levels per iteration)"),

@@ -1,0 +1,111 @@
+"""Speculative sampling end to end on a tiny model: the first two generated tokens follow the
+target's own sampling distribution; same seed, same output; invalid pairings are refused."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import noisy_copy, tiny_model
+
+from dynatree_core.drafting import make_policy
+from dynatree_core.engine import DecodeConfig, generate
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.sampling import SamplingConfig, adjust
+
+PROMPT = [1, 5, 7, 9]
+SAMPLING = SamplingConfig(temperature=0.9, top_k=20)
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """Chi-square quantile at significance 0.001 (z = 3.09), Wilson-Hilferty approximation."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@torch.no_grad()
+def exact_first_two(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's law of the first token and the marginal law of the second, by enumeration."""
+    p1 = adjust(model(torch.tensor([PROMPT])).logits[0, -1], SAMPLING)
+    vocab = p1.shape[0]
+    batch = torch.tensor([PROMPT + [t] for t in range(vocab)])
+    p2_given = adjust(model(batch).logits[:, -1], SAMPLING)
+    return p1, p1 @ p2_given
+
+
+def chi2(counts: torch.Tensor, law: torch.Tensor) -> tuple[float, int]:
+    """Statistic and degrees of freedom, bins with expected count < 5 merged into one."""
+    n = float(counts.sum())
+    expected = law * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return stat, int(keep.sum()) - 1
+
+
+@pytest.mark.parametrize(
+    "policy,params,verifier",
+    [
+        ("fixed_tree", {"depth": 2, "branch": 3, "tau": 0.0}, "specinfer"),
+        ("fixed_tree", {"depth": 2, "branch": 3, "tau": 0.0}, "without_replacement"),
+        ("linear", {"k": 2}, "naive"),
+        ("delayed", {"k": 2, "l1": 0, "l2": 2}, "spectr"),
+        ("eagle2", {"depth": 2, "topk": 2, "total": 4}, "nss"),
+    ],
+)
+def test_first_two_tokens_follow_the_target(policy, params, verifier):
+    target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
+    p1, p2 = exact_first_two(target)
+    n = 1500
+    c1, c2 = torch.zeros_like(p1), torch.zeros_like(p2)
+    for seed in range(n):
+        config = DecodeConfig(max_new_tokens=2, sampling=SAMPLING, verifier=verifier, seed=seed)
+        tokens = generate(target, PROMPT, make_policy(policy, params), draft=draft, config=config).token_ids
+        c1[tokens[0]] += 1
+        c2[tokens[1]] += 1
+    for counts, law in ((c1, p1), (c2, p2)):
+        assert counts[law == 0].sum() == 0, "a token the target rules out was generated"
+        stat, df = chi2(counts, law)
+        assert stat < chi2_critical(df), f"{policy}/{verifier}: chi2 {stat:.1f} with {df} df"
+
+
+def test_same_seed_same_output_and_seeds_differ():
+    target, draft = tiny_model("qwen2"), noisy_copy("qwen2", 0.05)
+
+    def run(seed):
+        config = DecodeConfig(max_new_tokens=16, sampling=SAMPLING, verifier="specinfer", seed=seed)
+        return generate(target, PROMPT, make_policy("fixed_tree"), draft=draft, config=config).token_ids
+
+    assert run(5) == run(5)
+    assert len({tuple(run(s)) for s in range(4)}) > 1
+
+
+def test_invalid_pairings_are_refused():
+    target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
+    hot = DecodeConfig(max_new_tokens=4, sampling=SAMPLING, verifier="specinfer")
+    with pytest.raises(DynaTreeError, match="only 'nss' is lossless"):
+        generate(target, PROMPT, make_policy("eagle2"), draft=draft, config=hot)
+    with pytest.raises(DynaTreeError, match="unknown sampling verifier"):
+        bad = DecodeConfig(sampling=SAMPLING, verifier="?")
+        generate(target, PROMPT, make_policy("linear"), draft=draft, config=bad)
+    with pytest.raises(DynaTreeError, match="temperature"):
+        generate(target, PROMPT, make_policy("linear"), draft=draft, config=DecodeConfig(verifier="naive"))
+    auto = DecodeConfig(max_new_tokens=4, sampling=SAMPLING)  # auto: nss on a deterministic tree
+    assert len(generate(target, PROMPT, make_policy("eagle2"), draft=draft, config=auto).token_ids) == 4
+
+
+def test_the_check_catches_a_lossy_verifier(monkeypatch):
+    """Accepting the first drafted child outright is the classic lossy bug: the test must see it."""
+    from dynatree_core.verify import otlp
+
+    monkeypatch.setitem(otlp.SOLVERS, "naive", (lambda p, q, xs, gen=None: (xs[0], 0), otlp.naive_distribution))
+    target, draft = tiny_model("llama"), noisy_copy("llama", 0.3)
+    p1, _ = exact_first_two(target)
+    counts = torch.zeros_like(p1)
+    for seed in range(400):
+        config = DecodeConfig(max_new_tokens=2, sampling=SAMPLING, verifier="naive", seed=seed)
+        counts[generate(target, PROMPT, make_policy("linear", {"k": 1}), draft=draft, config=config).token_ids[0]] += 1
+    stat, df = chi2(counts, p1)
+    assert stat > chi2_critical(df)
