@@ -23,8 +23,10 @@ from dynatree_core.errors import DynaTreeError
 from dynatree_core.live import LiveRun
 from dynatree_core.models import PRESETS
 from dynatree_core.prompts import load_prompts
+from dynatree_core.sampling import SamplingConfig
 from dynatree_core.session import encode_prompt, load_pair
 from dynatree_core.trace import IterationRecord
+from dynatree_core.verify.sampling import VERIFIERS
 from dynatree_core.viz import (
     clicked_node,
     mask_figure,
@@ -97,8 +99,17 @@ with st.sidebar:
     )
     st.caption(POLICIES[policy_name].__doc__.strip().splitlines()[0] if POLICIES[policy_name].__doc__ else "")
     params = param_widgets(policy_name)
+    st.header("Sampling")
+    temperature = st.slider(
+        "Temperature", 0.0, 2.0, 0.0, 0.05, help="0: greedy. Above 0 the same adjustment applies to target and draft."
+    )
+    top_p = st.slider("Top-p", 0.05, 1.0, 1.0, 0.05, help="Nucleus sampling (1: off).", disabled=temperature == 0)
+    top_k = st.number_input("Top-k", 0, 1000, 0, help="0: off.", disabled=temperature == 0)
     verifier = st.selectbox(
-        "Verifier", ["greedy"], help="Greedy: accept the longest path matching the target's argmax."
+        "Verifier",
+        ["auto", *VERIFIERS],
+        help="auto: greedy at temperature 0; else specinfer when the policy can draw i.i.d. children, nss "
+        "otherwise. " + " ".join(f"**{v.name}**: {v.summary}." for v in VERIFIERS.values()),
     )
     order = st.radio(
         "Node order sent to the target",
@@ -132,6 +143,9 @@ settings = {
     "policy": policy_name,
     "params": params,
     "verifier": verifier,
+    "temperature": temperature,
+    "top_p": top_p,
+    "top_k": int(top_k),
     "order": order,
     "max_new_tokens": max_new,
     "seed": int(seed),
@@ -151,6 +165,9 @@ def prepare():
         eos_token_ids=pair.target.eos_token_ids,
         context_length=pair.target.context_length,
         order=order,
+        sampling=SamplingConfig(temperature=temperature, top_p=top_p, top_k=int(top_k)),
+        verifier=verifier,
+        seed=int(seed),
     )
     torch.manual_seed(int(seed))
     return pair, policy, ids, config

@@ -157,3 +157,19 @@ def test_every_tree_policy_steps_in_the_app_with_a_tiny_pair(tiny_pair_dirs):
         assert not at.exception and not at.error, (name, at.exception, [e.value for e in at.error])
         run = at.session_state["run"]
         assert run.policy_name == name and len(run.records) == 1
+
+
+def test_sampling_settings_reach_the_engine_and_bad_pairings_show_an_error(tiny_pair_dirs):
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    at.run()
+    _custom_pair(at, *tiny_pair_dirs)
+    next(s for s in at.slider if s.label == "Temperature").set_value(0.8).run()
+    next(s for s in at.selectbox if s.label == "Verifier").set_value("specinfer").run()
+    _click(at, "Step")
+    assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
+    assert at.session_state["run"].settings["temperature"] == 0.8
+    _click(at, "Reset")
+    next(s for s in at.selectbox if s.label == "Policy").set_value("eagle2").run()
+    _click(at, "Step")
+    assert not at.exception
+    assert any("only 'nss' is lossless" in e.value for e in at.error)
