@@ -52,6 +52,15 @@ def _admit(tree: DraftTree, candidates: list[tuple[float, int, int, float]], log
     return added
 
 
+def _start(request: DraftRequest, depth: int) -> tuple[DraftTree, int]:
+    """A new tree and its depth cap; with no room at all the root is already a leaf."""
+    tree = DraftTree.with_root(request.root_token)
+    cap = min(depth, request.max_depth)
+    if cap <= 0:
+        tree.mark_leaf(0, Reason.LENGTH_LIMIT)
+    return tree, cap
+
+
 def _leaf_reason(depth_cap: int, policy_depth: int) -> Reason:
     return Reason.DEPTH_LIMIT if depth_cap == policy_depth else Reason.LENGTH_LIMIT
 
@@ -227,10 +236,8 @@ class DySpec(Policy):
 
     def draft(self, request: DraftRequest) -> DraftTree:
         drafter, c = _drafter(request), self.config
-        tree = DraftTree.with_root(request.root_token)
-        cap = min(c["depth"], request.max_depth)
+        tree, cap = _start(request, c["depth"])
         if cap <= 0:
-            tree.mark_leaf(0, Reason.LENGTH_LIMIT)
             return tree
         value = {0: 1.0}
         children: dict[int, tuple[list[float], list[int]]] = {}  # expanded node -> (probs, tokens)
@@ -310,10 +317,8 @@ class DySpecThreshold(Policy):
 
     def draft(self, request: DraftRequest) -> DraftTree:
         drafter, c = _drafter(request), self.config
-        tree = DraftTree.with_root(request.root_token)
-        cap = min(c["depth"], request.max_depth)
+        tree, cap = _start(request, c["depth"])
         if cap <= 0:
-            tree.mark_leaf(0, Reason.LENGTH_LIMIT)
             return tree
         frontier, drafted = [0], 0
         for level in range(cap):
@@ -358,10 +363,8 @@ class Eagle2Beam(Policy):
 
     def draft(self, request: DraftRequest) -> DraftTree:
         drafter, c = _drafter(request), self.config
-        tree = DraftTree.with_root(request.root_token)
-        cap = min(c["depth"], request.max_depth)
+        tree, cap = _start(request, c["depth"])
         if cap <= 0:
-            tree.mark_leaf(0, Reason.LENGTH_LIMIT)
             return tree
         frontier = [0]
         for level in range(cap):

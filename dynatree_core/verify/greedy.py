@@ -25,6 +25,14 @@ class Outcome:
     order: list[int]  # verified node ids in the order they were sent to the target
 
 
+def verified_children(tree: DraftTree, order: list[int]) -> dict[int, dict[int, int]]:
+    """parent -> {token: child} over the verified nodes."""
+    children: dict[int, dict[int, int]] = {}
+    for node in order[1:]:
+        children.setdefault(tree.parents[node], {})[tree.tokens[node]] = node
+    return children
+
+
 def verify_greedy(tree: DraftTree, order: list[int], logits: torch.Tensor) -> Outcome:
     """Args: order: verified node ids (root first); logits: (len(order), vocab) target logits.
 
@@ -33,9 +41,7 @@ def verify_greedy(tree: DraftTree, order: list[int], logits: torch.Tensor) -> Ou
     """
     target_tokens = logits.argmax(dim=-1).tolist()
     row = {node: i for i, node in enumerate(order)}
-    children: dict[int, dict[int, int]] = {}
-    for node in order[1:]:
-        children.setdefault(tree.parents[node], {})[tree.tokens[node]] = node
+    children = verified_children(tree, order)
     accepted, node = [], 0
     while True:
         nxt = children.get(node, {}).get(target_tokens[row[node]])

@@ -16,7 +16,7 @@ import torch
 
 from dynatree_core.sampling import SamplingConfig, adjust
 from dynatree_core.tree import DraftTree
-from dynatree_core.verify.greedy import Outcome
+from dynatree_core.verify.greedy import Outcome, verified_children
 from dynatree_core.verify.otlp import SOLVERS
 
 
@@ -52,9 +52,7 @@ def verify_sampling(
     sample, _ = SOLVERS[solver]
     target_tokens = logits.argmax(dim=-1).tolist()
     row = {node: i for i, node in enumerate(order)}
-    children: dict[int, dict[int, int]] = {}
-    for node in order[1:]:
-        children.setdefault(tree.parents[node], {})[tree.tokens[node]] = node
+    children = verified_children(tree, order)
     accepted, node = [], 0
     while True:
         p = adjust(logits[row[node]], sampling).cpu()
