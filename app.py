@@ -18,7 +18,7 @@ import torch
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from dynatree_core.drafting import POLICIES, make_policy
-from dynatree_core.engine import DecodeConfig, generate
+from dynatree_core.engine import DecodeConfig, generate, resolve_verifier
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.live import LiveRun
 from dynatree_core.models import PRESETS
@@ -312,7 +312,21 @@ def glossary() -> str:
     return text[text.index("\n", start) : text.index("\n## ", start + 1)].strip()
 
 
-def explain(rec: IterationRecord, decode: Callable[[int], str]) -> str:
+def run_verifier(run: LiveRun) -> str:
+    """The verifier a run used (as the engine resolved it); greedy for runs from older files."""
+    try:
+        sampling = SamplingConfig(
+            temperature=float(run.settings.get("temperature") or 0),
+            top_p=float(run.settings.get("top_p") or 1),
+            top_k=int(run.settings.get("top_k") or 0),
+        )
+        config = DecodeConfig(sampling=sampling, verifier=run.settings.get("verifier") or "auto")
+        return resolve_verifier(make_policy(run.policy_name, run.params), config)[0]
+    except DynaTreeError:
+        return "greedy"
+
+
+def explain(rec: IterationRecord, decode: Callable[[int], str], verifier: str = "greedy") -> str:
     """The iteration in words, with its own tokens as the example."""
     levels = max(rec.tree.depths) if len(rec.tree) > 1 else 0
     accepted = "".join(decode(rec.tree.tokens[n]) for n in rec.accepted)
@@ -326,10 +340,18 @@ def explain(rec: IterationRecord, decode: Callable[[int], str]) -> str:
         + (f" and {rec.chain_len - 1} committed tokens it had not seen" if rec.chain_len > 1 else "")
         + ") in **one forward**, each node attending only to its ancestors (the mask on the right), "
         "at position root + depth.\n"
-        f"3. **Commit.** The longest path that matches the target's own choices was accepted: "
-        f"{len(rec.accepted)} tokens (`{visible(accepted)}`), then the target's next token was added "
-        f"for free as the bonus: {bonus}. {len(rec.committed)} tokens committed; the draft's and the "
-        "target's caches keep the accepted path's entries and drop the rest."
+        + (
+            f"3. **Commit.** The longest path that matches the target's own choices was accepted: "
+            f"{len(rec.accepted)} tokens (`{visible(accepted)}`), then the target's next token was added "
+            f"for free as the bonus: {bonus}. "
+            if verifier == "greedy"
+            else f"3. **Commit.** The `{verifier}` verifier walked down from the root: at each node it drew "
+            "a token from the target's distribution, steering towards the drafted children without changing "
+            f"that distribution, and moved on while the token was a verified child: {len(rec.accepted)} "
+            f"accepted (`{visible(accepted)}`), then the token it drew where the walk stopped: {bonus}. "
+        )
+        + f"{len(rec.committed)} tokens committed; the draft's and the target's caches keep the accepted "
+        "path's entries and drop the rest."
     )
 
 
@@ -415,7 +437,7 @@ def render(run: LiveRun | None) -> None:
         st.caption("SALF: probability mass of each drafting step's batch; drafting stops below th.")
         st.plotly_chart(salf_mass_figure(rec.tree.notes["salf_mass"], float(run.params.get("th", 0))), key="salf")
     with st.expander("What happened in this iteration (draft → verify → commit)"):
-        st.markdown(explain(rec, run.text))
+        st.markdown(explain(rec, run.text, run_verifier(run)))
     with st.expander("Glossary of tree terms"):
         st.markdown(glossary())
     st.subheader("Generated text")

@@ -168,6 +168,7 @@ def test_sampling_settings_reach_the_engine_and_bad_pairings_show_an_error(tiny_
     _click(at, "Step")
     assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
     assert at.session_state["run"].settings["temperature"] == 0.8
+    assert any("`specinfer` verifier walked down" in m.value for m in at.markdown)
     _click(at, "Reset")
     next(s for s in at.selectbox if s.label == "Policy").set_value("eagle2").run()
     _click(at, "Step")
