@@ -135,3 +135,35 @@ def test_closed_form_acceptance_matches_enumeration(name, vocab, k, seed):
     _, distribution = SOLVERS[name]
     exact = sum(w * float(distribution(p, q, xs)[sorted(set(xs))].sum()) for xs, w in iid_draws(q, k))
     assert acceptance(name, p, q, k) == pytest.approx(exact, abs=1e-9)
+
+
+@pytest.mark.parametrize("name", [*IID, "without_replacement"])
+@pytest.mark.parametrize("seed", range(3))
+def test_exact_over_a_depth_two_tree(name, seed):
+    """Top-down verification of a depth-2 tree (V = 3, two children drawn at the root and at each
+    drafted child, p and q chosen per node): the law of the first two committed tokens (after
+    the walk stops, the rest is sampled from the target) equals the target's joint law."""
+    vocab, k = 3, 2
+    gen = torch.Generator().manual_seed(seed)
+
+    def pair(_path):
+        p = torch.rand(vocab, generator=gen, dtype=torch.float64) ** 2
+        q = torch.rand(vocab, generator=gen, dtype=torch.float64) ** 2
+        return p / p.sum(), q / q.sum()
+
+    laws = {(): pair(())} | {(t,): pair((t,)) for t in range(vocab)}
+    _, distribution = SOLVERS[name]
+    draws = draws_without_replacement if name == "without_replacement" else iid_draws
+    joint = torch.zeros(vocab, vocab, dtype=torch.float64)
+    p_root, q_root = laws[()]
+    for xs, w in draws(q_root, k):
+        first = distribution(p_root, q_root, xs)
+        for y1 in range(vocab):
+            p1, q1 = laws[(y1,)]
+            # at a drafted child the walk verifies the child's own draws; else it stopped and the
+            # next token is sampled from the target afresh
+            drafted = sum(w2 * distribution(p1, q1, xs2) for xs2, w2 in draws(q1, k))
+            second = drafted if y1 in xs else p1
+            joint[y1] += w * first[y1] * second
+    target = torch.stack([laws[()][0][y1] * laws[(y1,)][0] for y1 in range(vocab)])
+    assert torch.allclose(joint, target, atol=1e-9, rtol=0)
