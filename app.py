@@ -208,6 +208,15 @@ state.setdefault("run", None)
 state.setdefault("running", False)
 
 
+def metrics_row(result, tps_label: str) -> None:
+    m = st.columns(5)
+    m[0].metric("Tokens / iteration", f"{result.tokens_per_iteration:.2f}")
+    m[1].metric("Acceptance", f"{result.acceptance_rate:.0%}")
+    m[2].metric(tps_label, f"{result.throughput_tps:.1f}")
+    m[3].metric("Iterations", result.iterations)
+    m[4].metric("New tokens", result.new_tokens)
+
+
 def baseline_view() -> None:
     """HF baselines run inside HF generate as one call: a result, no trees."""
     st.info(
@@ -235,12 +244,7 @@ def baseline_view() -> None:
     key, result = state.get("baseline") or (None, None)
     if result is None or key != json.dumps(settings, sort_keys=True):
         return
-    m = st.columns(5)
-    m[0].metric("Tokens / iteration", f"{result.tokens_per_iteration:.2f}")
-    m[1].metric("Acceptance", f"{result.acceptance_rate:.0%}")
-    m[2].metric("Tokens / s", f"{result.throughput_tps:.1f}")
-    m[3].metric("Iterations", result.iterations)
-    m[4].metric("New tokens", result.new_tokens)
+    metrics_row(result, "Tokens / s")
     st.caption(f"Measured on {result.device}, {result.dtype}: wall time of the HF generate call.")
     st.text(result.text)
 
@@ -394,12 +398,7 @@ def render(run: LiveRun | None) -> None:
         st.info("Press **Run** to decode live, or **Step** for one iteration at a time.")
         return
     result = run.result()
-    m = st.columns(5)
-    m[0].metric("Tokens / iteration", f"{result.tokens_per_iteration:.2f}")
-    m[1].metric("Acceptance", f"{result.acceptance_rate:.0%}")
-    m[2].metric("Tokens / s (engine time)", f"{result.throughput_tps:.1f}")
-    m[3].metric("Iterations", result.iterations)
-    m[4].metric("New tokens", result.new_tokens)
+    metrics_row(result, "Tokens / s (engine time)")
     st.caption(
         f"Measured on {run.device}, {run.dtype}, from engine time (rendering excluded). A browser on the same "
         "machine competes for its CPU while it draws: raise *render every N* for cleaner timing."
