@@ -12,6 +12,7 @@ and a model-free prompt-lookup tree.
 from __future__ import annotations
 
 import math
+import time
 
 from dynatree_core.drafting.base import DraftRequest, Param, Policy, pick_children, register_policy
 from dynatree_core.drafting.dynamic import _drafter, _leaf_reason
@@ -139,8 +140,6 @@ class DelayedAuto(Policy):
         return best
 
     def draft(self, request: DraftRequest) -> DraftTree:
-        import time
-
         drafter = _drafter(request)
         tree = DraftTree.with_root(request.root_token)
         if request.max_depth <= 0:
@@ -177,7 +176,6 @@ class NGramLookup(Policy):
     trie. A node's p is the share of its parent's continuations that pass through it."""
 
     name = "ngram"
-    draws = ("top",)
     summary = "Prompt lookup tree: continuations of earlier matches of the last n tokens (no draft)"
     needs_draft_model = False
     params = (
