@@ -97,15 +97,14 @@ def cmd_policies(args) -> None:
 def cmd_verifiers(args) -> None:
     from dynatree_core.verify.sampling import VERIFIERS
 
-    rows = [
-        {"name": v.name, "draw": v.draw, "summary": v.summary, "temperature": "0" if v.name == "greedy" else "> 0"}
-        for v in VERIFIERS.values()
-    ]
+    rows = [v.to_dict() for v in VERIFIERS.values()]
     if args.json:
         print(json.dumps(rows, indent=2))
         return
     for r in rows:
-        print(f"{r['name']}: {r['summary']} (children drawn: {r['draw']}; temperature {r['temperature']})")
+        accepts = ", ".join(a.replace("_", " ") for a in r["accepts"])
+        print(f"{r['name']} ({r['direction']}, temperature {r['temperature']}): {r['summary']}")
+        print(f"    drafting it accepts: {accepts}; {r['reference']}")
 
 
 def cmd_presets(args) -> None:

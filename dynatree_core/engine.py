@@ -25,7 +25,7 @@ from dynatree_core.models import context_length_of
 from dynatree_core.sampling import SamplingConfig
 from dynatree_core.trace import IterationRecord, RunResult
 from dynatree_core.verify.greedy import verify_greedy
-from dynatree_core.verify.sampling import VERIFIERS, verify_sampling
+from dynatree_core.verify.sampling import SINGLE_PATH, VERIFIERS, analyze, verify_sampling
 from dynatree_core.vocab import TokenMap
 
 
@@ -38,6 +38,7 @@ class DecodeConfig:
     sampling: SamplingConfig = SamplingConfig()  # temperature 0: greedy
     verifier: str = "auto"  # greedy at temperature 0; else specinfer where the policy can draw i.i.d., nss otherwise
     seed: int = 0  # seeds the draft's and the verifier's random draws
+    analyze: bool = False  # per-node expected acceptance / reach probabilities (the app's; costs time)
 
 
 def resolve_verifier(policy: Policy, config: DecodeConfig) -> tuple[str, str]:
@@ -52,13 +53,26 @@ def resolve_verifier(policy: Policy, config: DecodeConfig) -> tuple[str, str]:
     if name not in VERIFIERS or name == "greedy":
         valid = ", ".join(v for v in VERIFIERS if v != "greedy")
         raise DynaTreeError(f"unknown sampling verifier {name!r}; choose one of: {valid}")
-    draw = VERIFIERS[name].draw
-    if draw == "any":
+    spec = VERIFIERS[name]
+    if spec.draw == "top":
         return name, "top"
-    if draw not in policy.draws:
+    if spec.accepts == (SINGLE_PATH,):  # block verification: a path drawn from the draft
+        if not policy.single_path or "iid" not in policy.draws:
+            raise DynaTreeError(f"verifier {name!r} verifies one drafted path; policy {policy.name!r} drafts a tree")
+        return name, "iid"
+    if spec.direction == "bottom-up" and not policy.local_shape():
+        hint = f" (budget >= {policy.full_size()})" if hasattr(policy, "full_size") else ""
         raise DynaTreeError(
-            f"verifier {name!r} needs children drawn {draw.replace('_', ' ')} from the draft; policy "
-            f"{policy.name!r} builds deterministic top-k trees, on which only 'nss' is lossless"
+            f"verifier {name!r} walks the tree bottom-up, which is lossless only when the shape below a node "
+            f"depends on that node's own draws; policy {policy.name!r} lets subtrees compete for a node budget. "
+            f"Raise the budget so it never binds{hint}, or choose a top-down verifier (specinfer, spectr, ...)"
+        )
+    draw = next((d for d in spec.accepts if d in policy.draws), None)
+    if draw is None:
+        needs = " or ".join(d.replace("_", " ") for d in spec.accepts if d != SINGLE_PATH)
+        raise DynaTreeError(
+            f"verifier {name!r} needs children drawn {needs} from the draft; policy {policy.name!r} "
+            f"builds deterministic top-k trees, on which only 'nss' is lossless"
         )
     return name, draw
 
@@ -180,7 +194,7 @@ def _iteration(
     if verifier == "greedy":
         outcome = verify_greedy(tree, order, logits)
     else:
-        outcome = verify_sampling(tree, order, logits, config.sampling, verifier, gen)
+        outcome = verify_sampling(tree, order, logits, config.sampling, verifier, gen, draw)
     new_tokens, stop = cut(
         [tree.tokens[n] for n in outcome.accepted] + [outcome.bonus_token], budget, config.eos_token_ids
     )
@@ -207,8 +221,12 @@ def _iteration(
         overhead_ms=0.0,
         memory_mb=_memory_mb(device),
         stop=stop,
+        verifier=verifier,
+        verification=outcome.trace,
     )
     record.overhead_ms = (t2 - t1 + _clock(device) - t4) * 1e3
+    if config.analyze and verifier != "greedy":  # outside the timings: an explanation, not the work
+        record.analysis = analyze(tree, order, logits, config.sampling, verifier, draw)
     return record
 
 

@@ -40,6 +40,11 @@ class IterationRecord:
     overhead_ms: float
     memory_mb: float
     stop: str | None = None  # "eos", "max_new_tokens" or "context_limit" on the last iteration
+    verifier: str = "greedy"
+    # the verifier's steps: {"kind": "test" | "residual" | "sample" | "argmax", "node", ...}
+    verification: list[dict] = dataclasses.field(default_factory=list)
+    # per verified node (id as a string): reach probability, expected acceptance (DecodeConfig.analyze)
+    analysis: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     @property
     def wall_ms(self) -> float:
@@ -61,10 +66,13 @@ class IterationRecord:
     @classmethod
     def from_dict(cls, data: dict) -> IterationRecord:
         fields = {f.name for f in dataclasses.fields(cls)}
-        missing = fields - set(data)
+        required = {
+            f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        }
+        missing = required - set(data)
         if missing:
             raise ValueError(f"iteration record lacks {sorted(missing)}")
-        values = {k: data[k] for k in fields}
+        values = {k: data[k] for k in fields if k in data}
         values["tree"] = DraftTree.from_dict(data["tree"])
         return cls(**values)
 

@@ -158,8 +158,11 @@ def test_verifiers_json_and_sampled_generation(capsys, tiny_pair_dirs):
     code, out, _ = run_cli(capsys, "verifiers", "--json")
     assert code == 0
     rows = {r["name"]: r for r in json.loads(out)}
-    assert {"greedy", "nss", "naive", "spectr", "specinfer", "without_replacement"} <= set(rows)
-    assert rows["nss"]["draw"] == "any" and rows["specinfer"]["draw"] == "iid"
+    every = {"greedy", "nss", "naive", "block", "spectr", "specinfer", "khisti", "traversal", "without_replacement"}
+    assert set(rows) == every
+    assert "deterministic" in rows["nss"]["accepts"] and rows["specinfer"]["accepts"] == ["iid", "single_path"]
+    assert rows["block"]["accepts"] == ["single_path"] and rows["traversal"]["direction"] == "bottom-up"
+    assert set(rows["traversal"]["accepts"]) == {"iid", "without_replacement", "single_path"}
     target, draft = tiny_pair_dirs
     args = ["generate", "--target", target, "--draft", draft, "--prompt", "hello", "--max-new-tokens", "6"]
     hot = [*args, "--temperature", "0.8", "--verifier", "specinfer", "--num-samples", "3", "--seed", "4", "--json"]
@@ -169,6 +172,13 @@ def test_verifiers_json_and_sampled_generation(capsys, tiny_pair_dirs):
     assert len(samples) == 3 and all(len(s["token_ids"]) == 6 for s in samples)
     code, again, _ = run_cli(capsys, *hot)
     assert [s["token_ids"] for s in json.loads(again)] == [s["token_ids"] for s in samples]  # same seeds
+    walk = [*args, "--policy", "delayed", "--temperature", "0.8", "--verifier", "traversal", "--json", "--trace"]
+    code, out, err = run_cli(capsys, *walk)
+    assert code == 0, err
+    records = json.loads(out)["records"]
+    assert records[0]["verifier"] == "traversal" and records[0]["verification"][-1]["kind"] == "sample"
+    code, _, err = run_cli(capsys, *args, "--temperature", "0.8", "--verifier", "traversal")
+    assert code == 2 and "budget" in err  # fixed_tree's default budget can bind
     code, _, err = run_cli(capsys, *args, "--policy", "eagle2", "--temperature", "0.8", "--verifier", "naive")
     assert code == 2 and "only 'nss' is lossless" in err
     code, _, err = run_cli(capsys, *args, "--temperature", "0.8", "--top-p", "0")

@@ -53,6 +53,9 @@ def chi2(counts: torch.Tensor, law: torch.Tensor) -> tuple[float, int]:
         ("linear", {"k": 2}, "naive"),
         ("delayed", {"k": 2, "l1": 0, "l2": 2}, "spectr"),
         ("eagle2", {"depth": 2, "topk": 2, "total": 4}, "nss"),
+        ("fixed_tree", {"depth": 2, "branch": 2, "tau": 0.0, "budget": 6}, "traversal"),
+        ("linear", {"k": 2}, "block"),
+        ("fixed_tree", {"depth": 2, "branch": 3, "tau": 0.0}, "khisti"),
     ],
 )
 def test_first_two_tokens_follow_the_target(policy, params, verifier):
@@ -92,6 +95,12 @@ def test_invalid_pairings_are_refused():
         generate(target, PROMPT, make_policy("linear"), draft=draft, config=bad)
     with pytest.raises(DynaTreeError, match="temperature"):
         generate(target, PROMPT, make_policy("linear"), draft=draft, config=DecodeConfig(verifier="naive"))
+    with pytest.raises(DynaTreeError, match="single|one drafted path"):
+        block = DecodeConfig(max_new_tokens=4, sampling=SAMPLING, verifier="block")
+        generate(target, PROMPT, make_policy("fixed_tree"), draft=draft, config=block)
+    with pytest.raises(DynaTreeError, match=r"budget >= 126"):  # 2 + 4 + ... + 64: the budget can bind
+        walk = DecodeConfig(max_new_tokens=4, sampling=SAMPLING, verifier="traversal")
+        generate(target, PROMPT, make_policy("fixed_tree"), draft=draft, config=walk)
     auto = DecodeConfig(max_new_tokens=4, sampling=SAMPLING)  # auto: nss on a deterministic tree
     assert len(generate(target, PROMPT, make_policy("eagle2"), draft=draft, config=auto).token_ids) == 4
 
@@ -100,7 +109,7 @@ def test_the_check_catches_a_lossy_verifier(monkeypatch):
     """Accepting the first drafted child outright is the classic lossy bug: the test must see it."""
     from dynatree_core.verify import otlp
 
-    monkeypatch.setitem(otlp.SOLVERS, "naive", (lambda p, q, xs, gen=None: (xs[0], 0), otlp.naive_distribution))
+    monkeypatch.setitem(otlp.SOLVERS, "naive", (lambda p, q, xs, gen=None, trace=None: (xs[0], 0), otlp.naive_distribution))
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.3)
     p1, _ = exact_first_two(target)
     counts = torch.zeros_like(p1)

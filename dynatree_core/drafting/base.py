@@ -190,6 +190,7 @@ class Policy:
     params: ClassVar[tuple[Param, ...]] = ()
     needs_draft_model: ClassVar[bool] = True
     draws: ClassVar[tuple[str, ...]] = ("top",)  # how it can draw children (sampled: "iid", ...)
+    single_path: ClassVar[bool] = False  # drafts one path (block verification applies)
     black_box: ClassVar[bool] = False  # runs as one call (HF baselines): no per-iteration records
 
     def __init__(self, **values: Any):
@@ -202,6 +203,12 @@ class Policy:
 
     def draft(self, request: DraftRequest) -> DraftTree:
         raise NotImplementedError
+
+    def local_shape(self) -> bool:
+        """True when the shape below every drafted node depends only on that node's own draws
+        (and its ancestors'): what bottom-up (Traversal) verification needs to stay lossless.
+        A node budget shared across a level makes subtrees compete, so the default is False."""
+        return False
 
     def reset(self) -> None:
         """Called when a run starts: policies with state across iterations clear it here."""
@@ -220,6 +227,7 @@ class Policy:
             "needs_draft_model": cls.needs_draft_model,
             "black_box": cls.black_box,
             "draws": list(cls.draws),
+            "single_path": cls.single_path,
             "params": [p.to_dict() for p in cls.params],
         }
 

@@ -57,6 +57,9 @@ class Delayed(Policy):
         Param("l2", int, 3, 0, 16, "L2: length of each branch"),
     )
 
+    def local_shape(self) -> bool:
+        return True  # no budget: every branch grows to its length
+
     def draft(self, request: DraftRequest) -> DraftTree:
         c = self.config
         return grow_delayed(request, c["k"], c["l1"], c["l2"])
@@ -138,6 +141,9 @@ class DelayedAuto(Policy):
                     if rate > best_rate:
                         best, best_rate = (k, l1, l2), rate
         return best
+
+    def local_shape(self) -> bool:
+        return True  # (K, L1, L2) is chosen from the root's draft distribution, before any draw
 
     def draft(self, request: DraftRequest) -> DraftTree:
         drafter = _drafter(request)

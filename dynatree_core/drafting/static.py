@@ -23,6 +23,11 @@ class Autoregressive(Policy):
     name = "ar"
     summary = "Target only, one token per forward (our own loop; the reference for speedups)"
     needs_draft_model = False
+    draws = ("top", "iid", "without_replacement")  # it draws nothing: every verifier applies
+    single_path = True
+
+    def local_shape(self) -> bool:
+        return True
 
     def draft(self, request: DraftRequest) -> DraftTree:
         tree = DraftTree.with_root(request.root_token)
@@ -77,6 +82,10 @@ class Linear(Policy):
     draws = ("top", "iid", "without_replacement")
     summary = "A single chain of K greedy draft tokens (classic speculative decoding)"
     params = (Param("k", int, 5, 1, 32, "Draft tokens per iteration (chain length)"),)
+    single_path = True
+
+    def local_shape(self) -> bool:
+        return True
 
     def draft(self, request: DraftRequest) -> DraftTree:
         k = self.config["k"]
@@ -102,6 +111,13 @@ class FixedTree(Policy):
         ),
         Param("budget", int, 32, 1, 256, "Node budget N_max: most drafted nodes sent to the target"),
     )
+
+    def full_size(self) -> int:
+        c = self.config
+        return sum(c["branch"] ** d for d in range(1, c["depth"] + 1))
+
+    def local_shape(self) -> bool:
+        return self.config["budget"] >= self.full_size()  # the budget can never bind
 
     def draft(self, request: DraftRequest) -> DraftTree:
         c = self.config

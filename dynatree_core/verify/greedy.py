@@ -23,6 +23,7 @@ class Outcome:
     bonus_token: int  # the target's own token after the last accepted node
     target_tokens: list[int]  # the target's choice at each verified node, aligned with `order`
     order: list[int]  # verified node ids in the order they were sent to the target
+    trace: list[dict] = dataclasses.field(default_factory=list)  # what the verifier did, step by step
 
 
 def verified_children(tree: DraftTree, order: list[int]) -> dict[int, dict[int, int]]:
@@ -42,11 +43,14 @@ def verify_greedy(tree: DraftTree, order: list[int], logits: torch.Tensor) -> Ou
     target_tokens = logits.argmax(dim=-1).tolist()
     row = {node: i for i, node in enumerate(order)}
     children = verified_children(tree, order)
-    accepted, node = [], 0
+    accepted, node, trace = [], 0, []
     while True:
         nxt = children.get(node, {}).get(target_tokens[row[node]])
+        trace.append({"kind": "argmax", "node": node, "token": target_tokens[row[node]], "child": nxt})
         if nxt is None:
             break
         accepted.append(nxt)
         node = nxt
-    return Outcome(accepted=accepted, bonus_token=target_tokens[row[node]], target_tokens=target_tokens, order=order)
+    return Outcome(
+        accepted=accepted, bonus_token=target_tokens[row[node]], target_tokens=target_tokens, order=order, trace=trace
+    )

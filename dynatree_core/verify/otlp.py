@@ -17,6 +17,9 @@ Every solver has two forms that share their arithmetic:
   spectr               K-SEQ with the division factor rho* by bisection (App. B.3, Alg. 3)
   specinfer            recursive rejection, a uniformly chosen remaining child per round, the
                        residual updated after each rejection (App. B.4, Alg. 4)
+  khisti               importance-weighted tournament selects one draft token x whose law r is
+                       known exactly, then speculative sampling of x against r (App. B.5, Alg. 5;
+                       Khisti et al. 2025's canonical decomposition); weights p/q, truncated
   without_replacement  recursive rejection in drawing order for children drawn without
                        replacement: round i uses q renormalised over the tokens not yet drawn
                        (DySpec App. A.3 / Sequoia)
@@ -54,9 +57,32 @@ def _onehot(x: int, like: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def top_tokens(dist: torch.Tensor, n: int = 5) -> list[list]:
+    """[[token, probability], ...] of the n most likely tokens (what a trace shows of a residual)."""
+    probs, toks = dist.topk(min(n, dist.numel()))
+    return [[int(t), round(float(v), 6)] for t, v in zip(toks, probs, strict=True) if v > 0]
+
+
+def _test(trace: list | None, x: int, prob: float, gen) -> bool:
+    """Accept draft token x with probability `prob`; the trace keeps the draw and the decision."""
+    u = _uniform(gen)
+    if trace is not None:
+        trace.append({"kind": "test", "token": int(x), "prob": prob, "u": u, "accepted": u <= prob})
+    return u <= prob
+
+
+def _sample(trace: list | None, dist: torch.Tensor, source: str, gen) -> int:
+    y = _draw(dist, gen)
+    if trace is not None:
+        if source != "p":
+            trace.append({"kind": "residual", "top": top_tokens(dist)})
+        trace.append({"kind": "sample", "token": y, "source": source})
+    return y
+
+
 # ----- NSS ----------------------------------------------------------------------------------------
-def nss_sample(p, q, xs, gen=None):
-    y = _draw(p, gen)
+def nss_sample(p, q, xs, gen=None, trace=None):
+    y = _sample(trace, p, "p", gen)
     return y, (xs.index(y) if y in xs else None)
 
 
@@ -65,10 +91,10 @@ def nss_distribution(p, q, xs):
 
 
 # ----- Naive --------------------------------------------------------------------------------------
-def naive_sample(p, q, xs, gen=None):
-    if xs and _uniform(gen) <= _ratio(p, q, xs[0]):  # Alg. 2 lines 1-3
+def naive_sample(p, q, xs, gen=None, trace=None):
+    if xs and _test(trace, xs[0], _ratio(p, q, xs[0]), gen):  # Alg. 2 lines 1-3
         return xs[0], 0
-    y = _draw(_residual(p, q) if xs else p, gen)  # lines 5-6
+    y = _sample(trace, _residual(p, q), "residual", gen) if xs else _sample(trace, p, "p", gen)  # lines 5-6
     return y, (xs.index(y) if y in xs else None)
 
 
@@ -103,14 +129,14 @@ def _spectr_residual(p, q, k, rho):
     return res / res.sum() if res.sum() > EPS else p
 
 
-def spectr_sample(p, q, xs, gen=None):
+def spectr_sample(p, q, xs, gen=None, trace=None):
     if not xs:
-        return _draw(p, gen), None
+        return _sample(trace, p, "p", gen), None
     rho = spectr_rho(p, q, len(xs))
-    for i, x in enumerate(xs):  # Alg. 3 lines 5-10
-        if rho * _uniform(gen) <= (float(p[x] / q[x]) if q[x] > EPS else float("inf")):
+    for i, x in enumerate(xs):  # Alg. 3 lines 5-10: rho* U <= p/q, i.e. U <= p / (rho* q)
+        if _test(trace, x, min(1.0, float(p[x] / (rho * q[x]))) if q[x] > EPS else 1.0, gen):
             return x, i
-    y = _draw(_spectr_residual(p, q, len(xs), rho), gen)
+    y = _sample(trace, _spectr_residual(p, q, len(xs), rho), "residual", gen)
     return y, (xs.index(y) if y in xs else None)
 
 
@@ -127,15 +153,15 @@ def spectr_distribution(p, q, xs):
 
 
 # ----- SpecInfer ----------------------------------------------------------------------------------
-def specinfer_sample(p, q, xs, gen=None):
-    remaining = list(range(len(xs)))
+def specinfer_sample(p, q, xs, gen=None, trace=None):
+    remaining, source = list(range(len(xs))), "p"
     while remaining:  # Alg. 4 lines 2-9
         i = remaining[int(torch.randint(len(remaining), (), generator=gen))]
-        if _uniform(gen) <= _ratio(p, q, xs[i]):
+        if _test(trace, xs[i], _ratio(p, q, xs[i]), gen):
             return xs[i], i
-        p = _residual(p, q)
+        p, source = _residual(p, q), "residual"
         remaining.remove(i)
-    y = _draw(p, gen)
+    y = _sample(trace, p, source, gen)
     return y, (xs.index(y) if y in xs else None)
 
 
@@ -157,13 +183,14 @@ def _without(q: torch.Tensor, drawn: list[int]) -> torch.Tensor:
     return q / q.sum() if q.sum() > EPS else q
 
 
-def without_replacement_sample(p, q, xs, gen=None):
+def without_replacement_sample(p, q, xs, gen=None, trace=None):
+    source = "p"
     for i, x in enumerate(xs):
         qi = _without(q, xs[:i])
-        if _uniform(gen) <= _ratio(p, qi, x):
+        if _test(trace, x, _ratio(p, qi, x), gen):
             return x, i
-        p = _residual(p, qi)
-    y = _draw(p, gen)
+        p, source = _residual(p, qi), "residual"
+    y = _sample(trace, p, source, gen)
     return y, (xs.index(y) if y in xs else None)
 
 
@@ -178,12 +205,93 @@ def without_replacement_distribution(p, q, xs):
     return out + alive * p
 
 
+# ----- Khisti (importance-weighted selection, then single-draft speculative sampling) -------------
+KHISTI_TOP = 64  # tokens with their own importance weight; the rest share one (truncation)
+
+
+def _khisti_weights(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Importance weights w = p/q on the draft's KHISTI_TOP likeliest tokens and one shared weight
+    p(tail)/q(tail) on the others, so the selection law r costs O(top^2 + V) instead of O(V^2)."""
+    idx = q.topk(min(KHISTI_TOP, q.numel())).indices
+    tail_q, tail_p = float(1 - q[idx].sum()), float(1 - p[idx].sum())
+    w = torch.full_like(p, max(tail_p, 0.0) / tail_q if tail_q > EPS else 0.0)
+    w[idx] = p[idx] / q[idx].clamp_min(EPS)
+    return w
+
+
+def _beats(wa, wb):
+    """P(a wins a pairwise match against b): w_a / (w_a + w_b), a fair coin when both are 0."""
+    total = wa + wb
+    return torch.where(total > 0, wa / torch.where(total > 0, total, 1), 0.5)
+
+
+def _match(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Law of the winner of a match between independent players with token laws a and b."""
+    support = ((a + b) > 0).nonzero().flatten()
+    if support.numel() > KHISTI_TOP + 1:  # many tokens share the tail weight: group them
+        classes, inverse = torch.unique(w[support], return_inverse=True)
+        a_mass = torch.zeros_like(classes).index_add_(0, inverse, a[support])
+        b_mass = torch.zeros_like(classes).index_add_(0, inverse, b[support])
+        beat = _beats(classes[:, None], classes[None, :])  # (classes, classes)
+        win_vs_b, win_vs_a = (beat @ b_mass)[inverse], (beat @ a_mass)[inverse]
+    else:
+        beat = _beats(w[support][:, None], w[support][None, :])
+        win_vs_b, win_vs_a = beat @ b[support], beat @ a[support]
+    out = torch.zeros_like(a)
+    out[support] = a[support] * win_vs_b + b[support] * win_vs_a
+    return out
+
+
+def _tournament_law(players: list[torch.Tensor], w: torch.Tensor) -> torch.Tensor:
+    """Law of the winner of a knockout bracket: pairs (1,2), (3,4), ..., an odd one out waits."""
+    while len(players) > 1:
+        nxt = [_match(players[i], players[i + 1], w) for i in range(0, len(players) - 1, 2)]
+        players = nxt + players[len(nxt) * 2 :]
+    return players[0]
+
+
+def khisti_importance_sample(p: torch.Tensor, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r, w): the law r of the tournament winner among k i.i.d. draws from q (App. B.5 line 1)."""
+    w = _khisti_weights(p, q)
+    return _tournament_law([q] * k, w), w
+
+
+def khisti_sample(p, q, xs, gen=None, trace=None):
+    if not xs:
+        return _sample(trace, p, "p", gen), None
+    r, w = khisti_importance_sample(p, q, len(xs))
+    bracket = list(xs)
+    while len(bracket) > 1:  # line 2: tournament selection among the draft tokens
+        nxt = [
+            a if _uniform(gen) <= float(_beats(w[a], w[b])) else b
+            for a, b in zip(bracket[0:-1:2], bracket[1::2], strict=True)
+        ]
+        bracket = nxt + bracket[len(nxt) * 2 :]
+    x = bracket[0]
+    if _test(trace, x, _ratio(p, r, x), gen):  # line 3: speculative sampling with r as the draft
+        return x, xs.index(x)
+    y = _sample(trace, _residual(p, r), "residual", gen)
+    return y, (xs.index(y) if y in xs else None)
+
+
+def khisti_distribution(p, q, xs):
+    if not xs:
+        return p.clone()
+    r, w = khisti_importance_sample(p, q, len(xs))
+    chosen = _tournament_law([_onehot(x, p) for x in xs], w)  # Alg. 15 line 3
+    out = torch.zeros_like(p)
+    for x in chosen.nonzero().flatten().tolist():
+        out += chosen[x] * naive_distribution(p, r, [x])
+    return out
+
+
 SOLVERS = {
     "nss": (nss_sample, nss_distribution),
     "naive": (naive_sample, naive_distribution),
     "spectr": (spectr_sample, spectr_distribution),
     "specinfer": (specinfer_sample, specinfer_distribution),
     "without_replacement": (without_replacement_sample, without_replacement_distribution),
+    "khisti": (khisti_sample, khisti_distribution),
 }
 
 
@@ -213,4 +321,7 @@ def acceptance(name: str, p: torch.Tensor, q: torch.Tensor, k: int) -> float:
                 m = m * (1 - (q - p).clamp_min(0) / (1 - r))
             p = _residual(p, q)
         return (1 - p_rej) + p_rej * float((p * (1 - m)).sum())
+    if name == "khisti":  # Alg. 10: a lower bound (the residual may still land on a draft token)
+        r, _ = khisti_importance_sample(p, q, k)
+        return float(torch.minimum(p, r).sum())
     raise ValueError(f"no closed-form acceptance for {name!r}")

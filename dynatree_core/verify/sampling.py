@@ -1,11 +1,18 @@
-"""Lossless top-down verification for sampling (delayed-tree-expansion paper §3.2).
+"""Lossless verification for sampling (delayed-tree-expansion paper §3) and its registry.
 
-At each node from the root: p is the target's adjusted distribution there, q the draft's
-adjusted distribution its children were drawn from, and `draws` those children with
-multiplicity, in drawing order. The node solver (verify/otlp.py) returns Y ~ p; if Y is a
+Top-down (OT-based, §3.2): at each node from the root, p is the target's adjusted distribution,
+q the draft's adjusted distribution its children were drawn from, and `draws` those children
+with multiplicity, in drawing order. The node solver (verify/otlp.py) returns Y ~ p; if Y is a
 verified child the walk moves there, otherwise Y is committed as the correction token. At a
 node without draws (a leaf) Y is sampled from p: the bonus token. A pruned child that the solver
 returns is committed and ends the walk (its subtree was never verified), which keeps Y ~ p.
+
+Bottom-up (verify/traversal.py): Traversal verification, and block verification on a path.
+
+Every verifier leaves a trace (which child was tried at each node, its acceptance probability,
+the uniform draw, the residual after a rejection, where the walk stopped) and, on request, the
+per-node analysis the app compares with what happened: the closed-form acceptance rate of the
+OT solvers (App. C) and the branching probability of every child given the draws (App. D).
 """
 
 from __future__ import annotations
@@ -14,31 +21,60 @@ import dataclasses
 
 import torch
 
+from dynatree_core.errors import DynaTreeError
 from dynatree_core.sampling import SamplingConfig, adjust
 from dynatree_core.tree import DraftTree
 from dynatree_core.verify.greedy import Outcome, verified_children
-from dynatree_core.verify.otlp import SOLVERS
+from dynatree_core.verify.otlp import SOLVERS, acceptance
+from dynatree_core.verify.traversal import WalkSpec, walk, walk_law
+
+# drafting structures a verifier can be lossless on
+SINGLE_PATH, IID, WITHOUT_REPLACEMENT, DETERMINISTIC = "single_path", "iid", "without_replacement", "deterministic"
 
 
 @dataclasses.dataclass(frozen=True)
 class VerifierSpec:
     name: str
-    draw: str  # how the tree's children must be drawn: "iid", "without_replacement" or "any"
+    accepts: tuple[str, ...]  # drafting structures it is lossless on, preferred draw first
+    direction: str  # "top-down" or "bottom-up"
     summary: str
+    reference: str
+
+    @property
+    def draw(self) -> str:
+        """How a policy must draw children for it: "top" (any tree), "iid" or "without_replacement"."""
+        if DETERMINISTIC in self.accepts:
+            return "top"
+        return next((a for a in self.accepts if a in (IID, WITHOUT_REPLACEMENT)), IID)  # a path: one i.i.d. draw
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "temperature": "0" if self.name == "greedy" else "> 0"}
 
 
+ALL = (SINGLE_PATH, IID, WITHOUT_REPLACEMENT, DETERMINISTIC)
 VERIFIERS = {
-    "greedy": VerifierSpec("greedy", "any", "temperature 0: the longest path matching the target's argmax"),
-    "nss": VerifierSpec("nss", "any", "sample from the target, follow the tree while it matches (any tree)"),
-    "naive": VerifierSpec("naive", "iid", "speculative sampling on the first child, residual (p - q)+ otherwise"),
-    "spectr": VerifierSpec("spectr", "iid", "SpecTr K-SEQ with the division factor rho*"),
-    "specinfer": VerifierSpec("specinfer", "iid", "recursive rejection over i.i.d. children, residual updates"),
-    "without_replacement": VerifierSpec(
-        "without_replacement",
-        "without_replacement",
-        "recursive rejection for children drawn without replacement (DySpec / Sequoia)",
-    ),
+    v.name: v
+    for v in (
+        VerifierSpec("greedy", ALL, "top-down", "temperature 0: the longest path matching the target's argmax", "DynaTree Alg. 1"),
+        VerifierSpec("nss", ALL, "top-down", "sample from the target, follow the tree while it matches (any tree)", "App. B.1, Alg. 1"),
+        VerifierSpec("naive", (IID, SINGLE_PATH), "top-down", "speculative sampling on the first child, residual (p - q)+ otherwise; on a path, Leviathan / Chen", "App. B.2, Alg. 2"),
+        VerifierSpec("block", (SINGLE_PATH,), "bottom-up", "block verification: sequence-level weights, the deepest accepted draft wins", "Sun et al. 2024c; §3.1"),
+        VerifierSpec("spectr", (IID, SINGLE_PATH), "top-down", "SpecTr K-SEQ with the division factor rho*", "App. B.3, Alg. 3"),
+        VerifierSpec("specinfer", (IID, SINGLE_PATH), "top-down", "recursive rejection over i.i.d. children, residual updates", "App. B.4, Alg. 4"),
+        VerifierSpec("khisti", (IID, SINGLE_PATH), "top-down", "importance-weighted tournament picks one child, then speculative sampling", "App. B.5, Alg. 5"),
+        VerifierSpec("traversal", (IID, WITHOUT_REPLACEMENT, SINGLE_PATH), "bottom-up", "Traversal verification: post-order from the leaves, BV on each path", "Weng et al. 2025; §3.2"),
+        VerifierSpec("without_replacement", (WITHOUT_REPLACEMENT, SINGLE_PATH), "top-down", "recursive rejection for children drawn without replacement (DySpec / Sequoia)", "DySpec App. A.3"),
+    )
 }
+
+
+def target_distributions(order: list[int], logits: torch.Tensor, sampling: SamplingConfig) -> dict[int, torch.Tensor]:
+    probs = adjust(logits, sampling).cpu()
+    return {node: probs[i] for i, node in enumerate(order)}
+
+
+def walk_spec(tree: DraftTree, order: list[int], p: dict[int, torch.Tensor], draw: str) -> WalkSpec:
+    return WalkSpec(p, tree.draft_q, tree.draws, verified_children(tree, order), draw == WITHOUT_REPLACEMENT)
 
 
 def verify_sampling(
@@ -46,23 +82,67 @@ def verify_sampling(
     order: list[int],
     logits: torch.Tensor,
     sampling: SamplingConfig,
-    solver: str,
+    verifier: str,
     gen: torch.Generator | None,
+    draw: str = IID,
 ) -> Outcome:
-    sample, _ = SOLVERS[solver]
     target_tokens = logits.argmax(dim=-1).tolist()
-    row = {node: i for i, node in enumerate(order)}
+    p = target_distributions(order, logits, sampling)
+    trace: list[dict] = []
+    if VERIFIERS[verifier].direction == "bottom-up":
+        if verifier == "block" and any(len(xs) > 1 for xs in tree.draws.values()):
+            raise DynaTreeError("block verification needs a single path: every node may draw one child")
+        accepted, token = walk(walk_spec(tree, order, p, draw), gen, trace)
+        return Outcome(accepted=accepted, bonus_token=token, target_tokens=target_tokens, order=order, trace=trace)
+    sample, _ = SOLVERS[verifier]
     children = verified_children(tree, order)
     accepted, node = [], 0
     while True:
-        p = adjust(logits[row[node]], sampling).cpu()
+        start = len(trace)
         draws = tree.draws.get(node)
         if draws:
-            y, _ = sample(p, tree.draft_q[node], draws, gen)
+            y, _ = sample(p[node], tree.draft_q[node], draws, gen, trace)
         else:
-            y = int(torch.multinomial(p, 1, generator=gen))
+            y, _ = SOLVERS["nss"][0](p[node], None, [], gen, trace)
+        for event in trace[start:]:
+            event["node"] = node
+            if event["kind"] == "test":
+                event["child"] = children.get(node, {}).get(event["token"])
         nxt = children.get(node, {}).get(y)
         if nxt is None:
-            return Outcome(accepted=accepted, bonus_token=y, target_tokens=target_tokens, order=order)
+            return Outcome(accepted=accepted, bonus_token=y, target_tokens=target_tokens, order=order, trace=trace)
         accepted.append(nxt)
         node = nxt
+
+
+def analyze(
+    tree: DraftTree, order: list[int], logits: torch.Tensor, sampling: SamplingConfig, verifier: str, draw: str
+) -> dict[str, dict]:
+    """Per verified node: the probability that this verification reaches it given the drawn tree
+    ("reach"; the root's is 1) and, at nodes with draws, the expected acceptance averaged over the
+    draws (closed form, App. C; Khisti's is a lower bound) — what the app sets against what
+    happened. Keys are node ids as strings (JSON)."""
+    p = target_distributions(order, logits, sampling)
+    reach = {0: 1.0}
+    if VERIFIERS[verifier].direction == "bottom-up":
+        for prob, nodes, _ in walk_law(walk_spec(tree, order, p, draw)):
+            for n in nodes:
+                reach[n] = reach.get(n, 0.0) + prob
+    else:
+        _, distribution = SOLVERS[verifier]
+        children = verified_children(tree, order)
+        for node in order:  # BFS or DFS: a parent always comes before its children
+            draws = tree.draws.get(node)
+            if not draws or node not in reach or (verifier == "specinfer" and len(draws) > 6):
+                continue  # (SpecInfer's exact law enumerates the order of the draws: k! terms)
+            law = distribution(p[node], tree.draft_q[node], draws)
+            for token, child in children.get(node, {}).items():
+                reach[child] = reach[node] * float(law[token])
+    out = {}
+    for node in order:
+        entry = {"reach": reach.get(node, 0.0)}
+        draws = tree.draws.get(node)
+        if draws and verifier in ("nss", "naive", "spectr", "specinfer", "khisti"):
+            entry["expected_acceptance"] = acceptance(verifier, p[node], tree.draft_q[node], len(draws))
+        out[str(node)] = entry
+    return out
