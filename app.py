@@ -8,11 +8,11 @@ Per-run state (the LiveRun) lives in st.session_state, so two tabs run independe
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pandas as pd
 import streamlit as st
 import torch
 from streamlit.runtime.scriptrunner import get_script_run_ctx
@@ -24,10 +24,13 @@ from dynatree_core.live import LiveRun
 from dynatree_core.models import PRESETS
 from dynatree_core.prompts import load_prompts
 from dynatree_core.sampling import SamplingConfig
-from dynatree_core.session import encode_prompt, load_pair
+from dynatree_core.session import encode_prompt
+from dynatree_core.streamlit_cache import cached_pair, forward_lock
 from dynatree_core.trace import IterationRecord
 from dynatree_core.verify.sampling import VERIFIERS
 from dynatree_core.viz import (
+    acceptance_by_depth,
+    acceptance_figure,
     clicked_node,
     mask_figure,
     node_details,
@@ -36,6 +39,7 @@ from dynatree_core.viz import (
     salf_mass_figure,
     text_html,
     tree_figure,
+    verification_rows,
     visible,
 )
 
@@ -45,16 +49,6 @@ CUSTOM = "custom (hub id or local path)"
 # second. A browser on the same machine draws on the same CPU cores and slows the engine while it
 # draws (measured here: ~0.2 s of CPU per figure update in headless Chromium).
 RENDER_INTERVAL_S = 0.6
-
-
-@st.cache_resource(max_entries=2, show_spinner=False)
-def cached_pair(target: str, draft: str | None, device: str, dtype: str):
-    return load_pair(target, draft, device=device, dtype=dtype)
-
-
-@st.cache_resource
-def forward_lock() -> threading.Lock:
-    return threading.Lock()
 
 
 def param_widgets(policy_name: str) -> dict:
@@ -168,6 +162,7 @@ def prepare():
         sampling=SamplingConfig(temperature=temperature, top_p=top_p, top_k=int(top_k)),
         verifier=verifier,
         seed=int(seed),
+        analyze=temperature > 0,  # expected vs realised acceptance per node (outside the timings)
     )
     torch.manual_seed(int(seed))
     return pair, policy, ids, config
@@ -353,6 +348,12 @@ def explain(rec: IterationRecord, decode: Callable[[int], str], verifier: str = 
             "a token from the target's distribution, steering towards the drafted children without changing "
             f"that distribution, and moved on while the token was a verified child: {len(rec.accepted)} "
             f"accepted (`{visible(accepted)}`), then the token it drew where the walk stopped: {bonus}. "
+            if VERIFIERS.get(verifier) is None or VERIFIERS[verifier].direction == "top-down"
+            else f"3. **Commit.** The `{verifier}` verifier walked up from the leaves (post-order): it tested "
+            "each leaf against its sequence weight (the target/draft ratio of its whole path, clipped), and "
+            "after each rejection handed the leftover probability to the parent's residual, until a node was "
+            f"accepted: {len(rec.accepted)} tokens (`{visible(accepted)}`), then a token drawn from that "
+            f"node's (residual) target distribution: {bonus}. "
         )
         + f"{len(rec.committed)} tokens committed; the draft's and the target's caches keep the accepted "
         "path's entries and drop the rest."
@@ -391,6 +392,28 @@ def node_panel(rec: IterationRecord, node: int | None, decode: Callable[[int], s
     st.markdown(
         "**Selected node**\n\n" + "\n".join(f"- **{k}**: `{v.replace('`', 'ˋ')}`" for k, v in details.items()),
     )
+
+
+def verification_view(run: LiveRun, rec: IterationRecord) -> None:
+    """The verifier's steps in this iteration and, for sampled runs, expected vs realised acceptance."""
+    with st.expander(f"Verification trace ({rec.verifier}): every test, draw and residual"):
+        rows = verification_rows(rec, run.text)
+        if not rows:
+            st.caption("This record has no trace (a run exported before traces existed).")
+        else:
+            st.caption(
+                "Each test accepts the tried child when the uniform draw is at most its acceptance probability "
+                "(p/q for speculative sampling, the sequence weight for block / traversal). After a rejection the "
+                "verifier draws from the residual; the last row is the token it committed where the walk stopped."
+            )
+            st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+        by_depth = acceptance_by_depth(run.records)
+        if by_depth:
+            st.caption(
+                "Expected (from the verifier's exact branching law on each drawn tree) vs realised acceptance, "
+                f"over {by_depth[0]['iterations']} iterations. The Verification Lab page repeats one step many times."
+            )
+            st.plotly_chart(acceptance_figure(by_depth), width="stretch", key="acceptance_depth")
 
 
 def render(run: LiveRun | None) -> None:
@@ -437,6 +460,7 @@ def render(run: LiveRun | None) -> None:
         st.plotly_chart(salf_mass_figure(rec.tree.notes["salf_mass"], float(run.params.get("th", 0))), key="salf")
     with st.expander("What happened in this iteration (draft → verify → commit)"):
         st.markdown(explain(rec, run.text, run_verifier(run)))
+    verification_view(run, rec)
     with st.expander("Glossary of tree terms"):
         st.markdown(glossary())
     st.subheader("Generated text")

@@ -65,7 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     pol = sub.add_parser("policies", help="list drafting policies and their parameters")
     pol.add_argument("--json", action="store_true")
     bench = sub.add_parser("bench", help="compare policies on a prompt set (ratios to ar in the same run)")
-    bench.add_argument("--policy", action="append", default=[], metavar="NAME[:K=V,...]", help="repeatable")
+    bench.add_argument("--policy", action="append", default=[], metavar="NAME[:K=V,...][@VERIFIER]", help="repeatable")
+    bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled, seed = prompt index")
+    bench.add_argument("--top-p", type=float, default=1.0)
+    bench.add_argument("--top-k", type=int, default=0)
     bench.add_argument("--prompts", default="all", help="bundled set name, 'all', or a .jsonl path")
     bench.add_argument("--limit", type=int, default=8, help="first N prompts, spread over the domains")
     bench.add_argument("--max-new-tokens", type=int, default=48)
@@ -124,9 +127,11 @@ def cmd_bench(args) -> None:
     from dynatree_core.bench import compare, markdown, parse_spec, stderr_progress
     from dynatree_core.drafting import POLICIES
     from dynatree_core.prompts import load_prompts
+    from dynatree_core.sampling import SamplingConfig
     from dynatree_core.session import load_pair
 
-    specs = [parse_spec(s) for s in args.policy] or [(name, {}) for name in POLICIES]
+    specs = [parse_spec(s) for s in args.policy] or [(name, {}, "auto") for name in POLICIES]
+    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     prompts = load_prompts(args.prompts)
     by_domain: dict[str, list] = {}
     for p in prompts:
@@ -135,7 +140,7 @@ def cmd_bench(args) -> None:
     chosen = spread[: args.limit] if args.limit > 0 else spread
     target_spec, draft_spec = _resolve_models(args)
     pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype)
-    rows = compare(pair, specs, chosen, max_new_tokens=args.max_new_tokens, progress=stderr_progress)
+    rows = compare(pair, specs, chosen, max_new_tokens=args.max_new_tokens, sampling=sampling, progress=stderr_progress)
     print(file=sys.stderr)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))

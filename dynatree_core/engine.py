@@ -36,7 +36,7 @@ class DecodeConfig:
     context_length: int | None = None  # defaults to the target's max positions
     order: str = "bfs"  # node order sent to the target: bfs or dfs
     sampling: SamplingConfig = SamplingConfig()  # temperature 0: greedy
-    verifier: str = "auto"  # greedy at temperature 0; else specinfer where the policy can draw i.i.d., nss otherwise
+    verifier: str = "auto"  # greedy at T=0; else specinfer (i.i.d. draws), without_replacement, or nss
     seed: int = 0  # seeds the draft's and the verifier's random draws
     analyze: bool = False  # per-node expected acceptance / reach probabilities (the app's; costs time)
 
@@ -48,8 +48,14 @@ def resolve_verifier(policy: Policy, config: DecodeConfig) -> tuple[str, str]:
             raise DynaTreeError(f"verifier {config.verifier!r} needs --temperature > 0 (temperature 0 is greedy)")
         return "greedy", "top"
     name = config.verifier
-    if name == "auto":
-        name = "specinfer" if "iid" in policy.draws else "nss"
+    if name == "auto":  # the best general top-down choice the policy's drafting allows
+        name = (
+            "specinfer"
+            if "iid" in policy.draws
+            else "without_replacement"
+            if "without_replacement" in policy.draws
+            else "nss"
+        )
     if name not in VERIFIERS or name == "greedy":
         valid = ", ".join(v for v in VERIFIERS if v != "greedy")
         raise DynaTreeError(f"unknown sampling verifier {name!r}; choose one of: {valid}")

@@ -67,7 +67,9 @@ class IterationRecord:
     def from_dict(cls, data: dict) -> IterationRecord:
         fields = {f.name for f in dataclasses.fields(cls)}
         required = {
-            f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         }
         missing = required - set(data)
         if missing:

@@ -388,3 +388,76 @@ def salf_mass_figure(masses: list[float], th: float, *, height: int = 260) -> go
         uirevision="salf",
     )
     return fig
+
+
+# ----- verification ---------------------------------------------------------------------------------
+def verification_rows(record: IterationRecord, decode: Callable[[int], str] = str) -> list[dict]:
+    """The verifier's steps as table rows: where it was, which child it tried with what
+    acceptance probability, the uniform draw, the residual after a rejection, what it drew last."""
+    tree, rows = record.tree, []
+
+    def where(node: int | None) -> str:
+        if node is None:
+            return ""
+        return visible("".join(decode(tree.tokens[n]) for n in tree.path(node)[1:])) or "(root)"
+
+    for step, ev in enumerate(record.verification, 1):
+        row = {"step": step, "at node": where(ev.get("node")), "event": ev["kind"]}
+        if ev["kind"] == "test":
+            target = ev.get("child")
+            row["token"] = visible(decode(ev["token"])) if ev.get("token") is not None else f"(stop at {where(target)})"
+            row["accept prob"] = round(ev["prob"], 4)
+            row["uniform draw"] = round(ev["u"], 4)
+            row["outcome"] = "accepted" if ev["accepted"] else "rejected"
+        elif ev["kind"] == "residual":
+            row["token"] = ", ".join(f"{visible(decode(t))} {p:.2f}" for t, p in ev["top"])
+            row["outcome"] = "residual after a rejection" + (f" (weight {ev['weight']:.3f})" if "weight" in ev else "")
+        elif ev["kind"] == "sample":
+            row["token"] = visible(decode(ev["token"]))
+            row["outcome"] = f"drawn from {'the target p' if ev['source'] == 'p' else 'the residual'}"
+        else:  # greedy
+            row["token"] = visible(decode(ev["token"]))
+            row["outcome"] = "matches a child: accepted" if ev.get("child") is not None else "no child: bonus, stop"
+        rows.append(row)
+    return rows
+
+
+def acceptance_by_depth(records: list[IterationRecord]) -> list[dict]:
+    """Per depth d: expected P(the walk accepts >= d drafts) from the per-node analysis (the sum
+    of the reach probabilities of depth-d nodes), against the realised fraction of iterations."""
+    expected: dict[int, list[float]] = {}
+    realised: dict[int, list[float]] = {}
+    for rec in records:
+        if not rec.analysis:
+            continue
+        deepest = max(rec.tree.depths[n] for n in rec.order)
+        for d in range(1, deepest + 1):
+            reach = sum(v["reach"] for k, v in rec.analysis.items() if rec.tree.depths[int(k)] == d)
+            expected.setdefault(d, []).append(reach)
+            realised.setdefault(d, []).append(float(len(rec.accepted) >= d))
+    return [
+        {
+            "depth": d,
+            "expected": sum(expected[d]) / len(expected[d]),
+            "realised": sum(realised[d]) / len(realised[d]),
+            "iterations": len(expected[d]),
+        }
+        for d in sorted(expected)
+    ]
+
+
+def acceptance_figure(rows: list[dict], *, height: int = 300) -> go.Figure:
+    fig = go.Figure()
+    depths = [r["depth"] for r in rows]
+    fig.add_bar(x=depths, y=[r["expected"] for r in rows], name="expected (verifier's exact law)")
+    fig.add_bar(x=depths, y=[r["realised"] for r in rows], name="realised")
+    fig.update_layout(
+        barmode="group",
+        height=height,
+        margin=dict(l=10, r=10, t=30, b=10),
+        xaxis_title="depth d",
+        yaxis_title="P(accepted length >= d)",
+        yaxis_range=[0, 1],
+        legend=dict(orientation="h"),
+    )
+    return fig

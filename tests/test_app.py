@@ -174,3 +174,43 @@ def test_sampling_settings_reach_the_engine_and_bad_pairings_show_an_error(tiny_
     _click(at, "Step")
     assert not at.exception
     assert any("only 'nss' is lossless" in e.value for e in at.error)
+
+
+def test_traversal_trace_expected_acceptance_and_the_verification_lab(tiny_pair_dirs):
+    """A sampled run shows its verification trace and expected vs realised acceptance; the lab page
+    repeats the step on the run's context and compares the histogram with the target."""
+    import json
+
+    root = Path(__file__).resolve().parent.parent
+    at = AppTest.from_file(str(root / "app.py"), default_timeout=120)
+    at.run()
+    _custom_pair(at, *tiny_pair_dirs)
+    next(s for s in at.selectbox if s.label == "Policy").set_value("delayed").run()
+    next(s for s in at.slider if s.label == "Temperature").set_value(0.8).run()
+    next(s for s in at.selectbox if s.label == "Verifier").set_value("traversal").run()
+    _click(at, "Step")
+    _click(at, "Step")
+    assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
+    run = at.session_state["run"]
+    rec = run.records[-1]
+    assert rec.verifier == "traversal" and rec.analysis["0"]["reach"] == 1.0
+    assert any("walked up from the leaves" in m.value for m in at.markdown)
+    table = at.dataframe[0].value
+    assert len(table) == len(rec.verification) and "uniform draw" in table.columns
+    specs = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    assert any(s["layout"].get("yaxis", {}).get("title", {}).get("text") == "P(accepted length >= d)" for s in specs)
+
+    lab = AppTest.from_file(str(root / "pages" / "1_Verification_Lab.py"), default_timeout=300)
+    lab.run()
+    assert any("Start a run" in i.value for i in lab.info)  # no run in this session yet
+    lab.session_state["run"] = run
+    lab.run()
+    next(s for s in lab.slider if s.label == "Repetitions").set_value(40).run()
+    next(b for b in lab.button if "Run the lab" in b.label).click().run()
+    assert not lab.exception and not lab.error, (lab.exception, [e.value for e in lab.error])
+    verifier, result = lab.session_state["lab"]
+    assert verifier == "traversal" and len(result.first_tokens) == 40
+    assert lab.metric[0].value == "40" and len(lab.get("plotly_chart")) == 2
+    next(s for s in lab.selectbox if s.label == "Verifier").set_value("block").run()
+    next(b for b in lab.button if "Run the lab" in b.label).click().run()
+    assert any("one drafted path" in e.value for e in lab.error)  # refused before any work

@@ -55,6 +55,7 @@ def chi2(counts: torch.Tensor, law: torch.Tensor) -> tuple[float, int]:
         ("eagle2", {"depth": 2, "topk": 2, "total": 4}, "nss"),
         ("fixed_tree", {"depth": 2, "branch": 2, "tau": 0.0, "budget": 6}, "traversal"),
         ("linear", {"k": 2}, "block"),
+        ("dyspec", {"budget": 4, "depth": 2, "max_children": 3, "batch": 2}, "without_replacement"),
         ("fixed_tree", {"depth": 2, "branch": 3, "tau": 0.0}, "khisti"),
     ],
 )
@@ -109,7 +110,9 @@ def test_the_check_catches_a_lossy_verifier(monkeypatch):
     """Accepting the first drafted child outright is the classic lossy bug: the test must see it."""
     from dynatree_core.verify import otlp
 
-    monkeypatch.setitem(otlp.SOLVERS, "naive", (lambda p, q, xs, gen=None, trace=None: (xs[0], 0), otlp.naive_distribution))
+    monkeypatch.setitem(
+        otlp.SOLVERS, "naive", (lambda p, q, xs, gen=None, trace=None: (xs[0], 0), otlp.naive_distribution)
+    )
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.3)
     p1, _ = exact_first_two(target)
     counts = torch.zeros_like(p1)
@@ -118,3 +121,43 @@ def test_the_check_catches_a_lossy_verifier(monkeypatch):
         counts[generate(target, PROMPT, make_policy("linear", {"k": 1}), draft=draft, config=config).token_ids[0]] += 1
     stat, df = chi2(counts, p1)
     assert stat > chi2_critical(df)
+
+
+def test_lab_repeats_one_step_and_its_histogram_matches_the_target():
+    from dynatree_core.lab import chi_square_critical, run_lab
+
+    target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
+    config = DecodeConfig(max_new_tokens=8, sampling=SAMPLING, verifier="traversal")
+    seen = []
+    result = run_lab(target, PROMPT, make_policy("delayed"), config, 300, draft=draft, progress=seen.append)
+    assert seen[-1] == 300 and len(result.first_tokens) == 300 and len(result.records) == 300
+    p1, _ = exact_first_two(target)
+    assert torch.allclose(result.target_law, p1)
+    stat, dof = result.chi_square()
+    assert stat < chi_square_critical(dof)
+    rows = result.table()
+    assert abs(sum(r["observed"] for r in rows) - 1) < 1e-9 and rows[0]["target p"] == float(p1.max())
+    assert all(rec.analysis for rec in result.records)  # the lab always computes the analysis
+    from dynatree_core.viz import acceptance_by_depth
+
+    for row in acceptance_by_depth(result.records):  # the exact per-tree law predicts what happened
+        n = row["iterations"]
+        assert abs(row["expected"] - row["realised"]) < 4 * (0.25 / n) ** 0.5, row
+
+
+@pytest.mark.parametrize("verifier", ["specinfer", "spectr", "khisti", "naive", "nss"])
+def test_reach_probabilities_of_top_down_verifiers_are_consistent(verifier):
+    """Root reach 1; children's reach sums to at most their parent's (the rest stops there)."""
+    target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
+    config = DecodeConfig(max_new_tokens=6, sampling=SAMPLING, verifier=verifier, analyze=True, seed=3)
+    policy = make_policy("fixed_tree", {"depth": 3, "branch": 2, "tau": 0.0})
+    from dynatree_core.engine import decode
+
+    for rec in decode(target, PROMPT, policy, draft=draft, config=config):
+        reach = {int(k): v["reach"] for k, v in rec.analysis.items()}
+        assert reach[0] == 1.0
+        for node in rec.order:
+            kids = [c for c in rec.order if c and rec.tree.parents[c] == node]
+            assert sum(reach[c] for c in kids) <= reach[node] + 1e-9
+        if verifier != "nss" and rec.tree.draws.get(0):
+            assert 0 <= rec.analysis["0"]["expected_acceptance"] <= 1

@@ -222,7 +222,9 @@ def test_one_traversal_step_is_lossless_200k_runs(without_replacement):
         counts = torch.zeros(VOCAB, dtype=torch.float64)
         q_root = laws(())[1]
         for _ in range(runs // pairs):
-            xs = torch.multinomial(q_root, 3 if not without_replacement else 2, replacement=not without_replacement, generator=gen).tolist()
+            xs = torch.multinomial(
+                q_root, 3 if not without_replacement else 2, replacement=not without_replacement, generator=gen
+            ).tolist()
             spec = WalkSpec({0: p}, {0: q_root}, {0: xs}, {}, without_replacement)
             for x in dict.fromkeys(xs):
                 child = len(spec.p)

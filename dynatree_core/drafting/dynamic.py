@@ -19,9 +19,12 @@ import collections
 import heapq
 import math
 
+import torch
+
 from dynatree_core.drafting import static  # noqa: F401  (registered first: the baselines lead the list)
 from dynatree_core.drafting.base import Drafter, DraftRequest, Param, Policy, register_policy
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.sampling import adjust
 from dynatree_core.tree import DraftTree, Reason, Status
 
 NEG_INF = -math.inf
@@ -211,6 +214,19 @@ def sibling_value(parent_value: float, probs: list[float], rank: int) -> float:
     return parent_value * rejected * r_i
 
 
+def _ranked_children(request: DraftRequest, tree: DraftTree, node: int, logp, m: int) -> tuple[list[float], list[int]]:
+    """(probabilities, tokens) of a node's candidate children in rank order: the draft's top m,
+    or, for sampled drafting, m draws without replacement from the adjusted draft distribution
+    (DySpec's sampled tree; the draw order is the rank)."""
+    if request.draw == "top":
+        top_lp, top_tok = logp.topk(min(m, logp.shape[-1]))
+        return top_lp.exp().tolist(), top_tok.tolist()
+    q = adjust(logp, request.sampling).cpu()
+    toks = torch.multinomial(q, min(m, int((q > 0).sum())), replacement=False, generator=request.gen).tolist()
+    tree.draft_q[node] = q
+    return [float(q[t]) for t in toks], toks
+
+
 @register_policy
 class DySpec(Policy):
     """DySpec greedy expansion: a heap of expandable draws ordered by estimated value (§4.2).
@@ -226,6 +242,7 @@ class DySpec(Policy):
     """
 
     name = "dyspec"
+    draws = ("top", "without_replacement")  # sampled: each node's children are draws without replacement
     summary = "DySpec: greedy heap expansion by estimated acceptance, up to a node budget"
     params = (
         Param("budget", int, 32, 1, 256, "Drafted nodes in the tree (the speculative budget)"),
@@ -263,10 +280,9 @@ class DySpec(Policy):
                         ahead[(parent, rank)] = tree.add(parent, toks[rank], math.log(probs[rank]))
                         run.append(ahead[(parent, rank)])
                 logp = drafter.expand(tree, run)  # ONE forward: needed nodes + draws run ahead
-                top_lp, top_tok = logp.topk(min(c["max_children"], logp.shape[-1]), dim=-1)
                 for row, node in enumerate(run):
                     tree.mark_expanded(node)
-                    children[node] = (top_lp[row].exp().tolist(), top_tok[row].tolist())
+                    children[node] = _ranked_children(request, tree, node, logp[row], c["max_children"])
                 for node in pending:
                     take_children(node)
                 pending = []
@@ -292,10 +308,18 @@ class DySpec(Policy):
             tree.mark_leaf(node, Reason.BUDGET)
         for node in ahead.values():  # run ahead, never taken
             tree.prune(node, Reason.BUDGET)
-        left = [(n, p, r) for n, p, r in sorted(heap) if (p, r) not in ahead][: c["max_children"]]
+        left = [(n, p, r) for n, p, r in sorted(heap) if (p, r) not in ahead]
+        if request.draw == "top":
+            left = left[: c["max_children"]]
         for _neg, parent, rank in left:  # the best draws left out
             probs, toks = children[parent]
             tree.add(parent, toks[rank], math.log(probs[rank]), status=Status.PRUNED, reason=Reason.BUDGET)
+        if request.draw != "top":
+            # each node's draws are its children in rank (= drawing) order: the taken ones and the
+            # next draw, always kept (pruned) so that whether a draw is listed never depends on
+            # its own value, which keeps the without-replacement verifier lossless
+            for child in range(1, len(tree)):  # node ids grow in rank order under each parent
+                tree.draws.setdefault(tree.parents[child], []).append(tree.tokens[child])
         return tree
 
 

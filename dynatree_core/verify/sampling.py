@@ -55,15 +55,61 @@ ALL = (SINGLE_PATH, IID, WITHOUT_REPLACEMENT, DETERMINISTIC)
 VERIFIERS = {
     v.name: v
     for v in (
-        VerifierSpec("greedy", ALL, "top-down", "temperature 0: the longest path matching the target's argmax", "DynaTree Alg. 1"),
-        VerifierSpec("nss", ALL, "top-down", "sample from the target, follow the tree while it matches (any tree)", "App. B.1, Alg. 1"),
-        VerifierSpec("naive", (IID, SINGLE_PATH), "top-down", "speculative sampling on the first child, residual (p - q)+ otherwise; on a path, Leviathan / Chen", "App. B.2, Alg. 2"),
-        VerifierSpec("block", (SINGLE_PATH,), "bottom-up", "block verification: sequence-level weights, the deepest accepted draft wins", "Sun et al. 2024c; §3.1"),
-        VerifierSpec("spectr", (IID, SINGLE_PATH), "top-down", "SpecTr K-SEQ with the division factor rho*", "App. B.3, Alg. 3"),
-        VerifierSpec("specinfer", (IID, SINGLE_PATH), "top-down", "recursive rejection over i.i.d. children, residual updates", "App. B.4, Alg. 4"),
-        VerifierSpec("khisti", (IID, SINGLE_PATH), "top-down", "importance-weighted tournament picks one child, then speculative sampling", "App. B.5, Alg. 5"),
-        VerifierSpec("traversal", (IID, WITHOUT_REPLACEMENT, SINGLE_PATH), "bottom-up", "Traversal verification: post-order from the leaves, BV on each path", "Weng et al. 2025; §3.2"),
-        VerifierSpec("without_replacement", (WITHOUT_REPLACEMENT, SINGLE_PATH), "top-down", "recursive rejection for children drawn without replacement (DySpec / Sequoia)", "DySpec App. A.3"),
+        VerifierSpec(
+            "greedy", ALL, "top-down", "temperature 0: the longest path matching the target's argmax", "DynaTree Alg. 1"
+        ),
+        VerifierSpec(
+            "nss",
+            ALL,
+            "top-down",
+            "sample from the target, follow the tree while it matches (any tree)",
+            "App. B.1, Alg. 1",
+        ),
+        VerifierSpec(
+            "naive",
+            (IID, SINGLE_PATH),
+            "top-down",
+            "speculative sampling on the first child, residual (p - q)+ otherwise; on a path, Leviathan / Chen",
+            "App. B.2, Alg. 2",
+        ),
+        VerifierSpec(
+            "block",
+            (SINGLE_PATH,),
+            "bottom-up",
+            "block verification: sequence-level weights, the deepest accepted draft wins",
+            "Sun et al. 2024c; §3.1",
+        ),
+        VerifierSpec(
+            "spectr", (IID, SINGLE_PATH), "top-down", "SpecTr K-SEQ with the division factor rho*", "App. B.3, Alg. 3"
+        ),
+        VerifierSpec(
+            "specinfer",
+            (IID, SINGLE_PATH),
+            "top-down",
+            "recursive rejection over i.i.d. children, residual updates",
+            "App. B.4, Alg. 4",
+        ),
+        VerifierSpec(
+            "khisti",
+            (IID, SINGLE_PATH),
+            "top-down",
+            "importance-weighted tournament picks one child, then speculative sampling",
+            "App. B.5, Alg. 5",
+        ),
+        VerifierSpec(
+            "traversal",
+            (IID, WITHOUT_REPLACEMENT, SINGLE_PATH),
+            "bottom-up",
+            "Traversal verification: post-order from the leaves, BV on each path",
+            "Weng et al. 2025; §3.2",
+        ),
+        VerifierSpec(
+            "without_replacement",
+            (WITHOUT_REPLACEMENT, SINGLE_PATH),
+            "top-down",
+            "recursive rejection for children drawn without replacement (DySpec / Sequoia)",
+            "DySpec App. A.3",
+        ),
     )
 }
 

@@ -55,7 +55,15 @@ class _Decider:
         u = _uniform(self.gen)
         if self.trace is not None:
             self.trace.append(
-                {"kind": "test", "node": node, "child": child, "token": token, "prob": prob, "u": u, "accepted": u <= prob}
+                {
+                    "kind": "test",
+                    "node": node,
+                    "child": child,
+                    "token": token,
+                    "prob": prob,
+                    "u": u,
+                    "accepted": u <= prob,
+                }
             )
         return u <= prob
 

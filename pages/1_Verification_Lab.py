@@ -1,0 +1,102 @@
+"""Verification Lab: run one verifier many times on the current run's context and compare the
+empirical next-token histogram with the target's distribution (dynatree_core.lab)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+
+from dynatree_core.drafting import make_policy
+from dynatree_core.engine import DecodeConfig, resolve_verifier
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.lab import chi_square_critical, run_lab
+from dynatree_core.sampling import SamplingConfig
+from dynatree_core.streamlit_cache import cached_pair, forward_lock
+from dynatree_core.verify.sampling import VERIFIERS
+from dynatree_core.viz import acceptance_by_depth, acceptance_figure, visible
+
+st.set_page_config(page_title="Verification Lab", page_icon="🧪", layout="wide")
+st.title("Verification Lab")
+st.caption(
+    "Speculative sampling promises that its output is distributed exactly as the target's. Here one "
+    "draft → verify step is repeated many times on a fixed context, each with a freshly drawn tree: the "
+    "first committed token's histogram should match the target's next-token distribution."
+)
+
+run = st.session_state.get("run")
+if run is None or not run.records or not run.settings.get("target"):
+    st.info("Start a run on the main page first: the lab uses that run's models, policy and text as its context.")
+    st.stop()
+settings = run.settings
+n = len(run.records)
+upto = st.slider("Context: the prompt plus the text committed before iteration", 1, n, n) if n > 1 else 1
+context = list(run.prompt_ids) + [t for rec in run.records[: upto - 1] for t in rec.committed]
+sampled = [v for v in VERIFIERS if v != "greedy"]
+c1, c2, c3, c4 = st.columns(4)
+default = settings.get("verifier") if settings.get("verifier") in sampled else "specinfer"
+verifier = c1.selectbox("Verifier", sampled, index=sampled.index(default), help=VERIFIERS[default].summary)
+temperature = c2.slider("Temperature", 0.1, 2.0, float(settings.get("temperature") or 0.8) or 0.8, 0.1)
+top_p = c3.slider("Top-p", 0.05, 1.0, float(settings.get("top_p") or 1.0), 0.05)
+trials = c4.slider("Repetitions", 20, 2000, 200, 20, help="Each costs one draft tree and one target forward.")
+st.caption(
+    f"Policy **{settings['policy']}** {settings['params']}, context of {len(context)} tokens ending in "
+    f"`{visible(''.join(run.text(t) for t in context[-12:]))}`."
+)
+
+if st.button("Run the lab", type="primary", icon=":material/science:"):
+    try:
+        pair = cached_pair(settings["target"], settings.get("draft"), settings["device"], settings["dtype"])
+        policy = make_policy(settings["policy"], settings["params"])
+        config = DecodeConfig(
+            max_new_tokens=int(settings["max_new_tokens"]),
+            eos_token_ids=pair.target.eos_token_ids,
+            context_length=pair.target.context_length,
+            sampling=SamplingConfig(temperature=temperature, top_p=top_p, top_k=int(settings.get("top_k") or 0)),
+            verifier=verifier,
+        )
+        resolve_verifier(policy, config)  # refuse an invalid pairing before any work
+        bar = st.progress(0.0, text="Repeating the step...")
+        with forward_lock():
+            result = run_lab(
+                pair.target.model,
+                context,
+                policy,
+                config,
+                trials,
+                draft=pair.draft.model if pair.draft and policy.needs_draft_model else None,
+                draft_token_map=pair.draft.token_map if pair.draft else None,
+                progress=lambda i: bar.progress(i / trials, text=f"Step {i}/{trials}"),
+            )
+        bar.empty()
+        st.session_state["lab"] = (verifier, result)
+    except DynaTreeError as exc:
+        st.error(str(exc))
+    except Exception as exc:  # a model that cannot load: a message, never a traceback
+        st.error(f"The lab could not run: {type(exc).__name__}: {exc}")
+
+if "lab" in st.session_state:
+    name, result = st.session_state["lab"]
+    stat, dof = result.chi_square()
+    critical = chi_square_critical(dof)
+    m = st.columns(3)
+    m[0].metric("Repetitions", len(result.first_tokens))
+    m[1].metric("Chi-square vs target", f"{stat:.1f}", help=f"{dof} degrees of freedom")
+    m[2].metric("Critical value at 0.001", f"{critical:.1f}")
+    (st.success if stat < critical else st.warning)(
+        f"{name}: the histogram is {'consistent' if stat < critical else 'NOT consistent'} with the target's "
+        "distribution at significance 0.001."
+    )
+    rows = result.table(lambda t: visible(run.text(t)))
+    fig = go.Figure()
+    labels = [f"{r['token']} ({r['id']})" for r in rows]
+    fig.add_bar(x=labels, y=[r["target p"] for r in rows], name="target p")
+    fig.add_bar(x=labels, y=[r["observed"] for r in rows], name="observed frequency")
+    fig.update_layout(barmode="group", height=360, margin=dict(l=10, r=10, t=30, b=10), legend=dict(orientation="h"))
+    st.subheader("First committed token: observed vs the target's distribution")
+    st.plotly_chart(fig, width="stretch", key="lab_hist")
+    by_depth = acceptance_by_depth(result.records)
+    if by_depth:
+        st.subheader("Expected vs realised acceptance by depth")
+        st.plotly_chart(acceptance_figure(by_depth), width="stretch", key="lab_depth")
+    st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
