@@ -49,13 +49,10 @@ def resolve_verifier(policy: Policy, config: DecodeConfig) -> tuple[str, str]:
         return "greedy", "top"
     name = config.verifier
     if name == "auto":  # the best general top-down choice the policy's drafting allows
-        name = (
-            "specinfer"
-            if "iid" in policy.draws
-            else "without_replacement"
-            if "without_replacement" in policy.draws
-            else "nss"
-        )
+        if not policy.needs_draft_model or "iid" not in policy.draws and "without_replacement" not in policy.draws:
+            name = "nss"  # nothing drawn from a draft model (ar, ngram) or a deterministic tree
+        else:
+            name = "specinfer" if "iid" in policy.draws else "without_replacement"
     if name not in VERIFIERS or name == "greedy":
         valid = ", ".join(v for v in VERIFIERS if v != "greedy")
         raise DynaTreeError(f"unknown sampling verifier {name!r}; choose one of: {valid}")

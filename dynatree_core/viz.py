@@ -249,6 +249,11 @@ def node_details(record: IterationRecord, node: int, decode: Callable[[int], str
         out["target after this node"] = visible(decode(target_at[node]))
     else:
         out["target after this node"] = "not computed (the node was not sent to the target)"
+    info = record.analysis.get(str(node))
+    if info is not None:  # sampled runs: the verifier's exact law on this drawn tree
+        out["reach probability"] = f"{info['reach']:.4f} (P(the {record.verifier} verifier accepts it), this tree)"
+        if "expected_acceptance" in info:
+            out["expected acceptance here"] = f"{info['expected_acceptance']:.4f} (closed form over the draws, App. C)"
     return out
 
 

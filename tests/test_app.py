@@ -194,6 +194,9 @@ def test_traversal_trace_expected_acceptance_and_the_verification_lab(tiny_pair_
     run = at.session_state["run"]
     rec = run.records[-1]
     assert rec.verifier == "traversal" and rec.analysis["0"]["reach"] == 1.0
+    from dynatree_core.viz import node_details
+
+    assert "reach probability" in node_details(rec, rec.order[-1], run.text)
     assert any("walked up from the leaves" in m.value for m in at.markdown)
     table = at.dataframe[0].value
     assert len(table) == len(rec.verification) and "uniform draw" in table.columns

@@ -66,3 +66,27 @@ def test_every_default_is_within_its_range():
     for cls in POLICIES.values():
         for p in cls.params:
             assert p.parse(p.default) == p.default
+
+
+def test_sampled_records_round_trip_and_older_records_still_load():
+    """Traces and the analysis survive JSON; records saved before they existed load with defaults;
+    a record missing a required field is refused by name."""
+    from dynatree_core.sampling import SamplingConfig
+    from dynatree_core.trace import IterationRecord
+
+    target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
+    config = DecodeConfig(
+        max_new_tokens=6, sampling=SamplingConfig(temperature=0.8), verifier="traversal", analyze=True
+    )
+    result = generate(target, [1, 2, 3], make_policy("delayed"), draft=draft, config=config)
+    back = RunResult.from_dict(json.loads(result.to_json()))
+    assert [r.verification for r in back.records] == [r.verification for r in result.records]
+    assert back.records[0].analysis == result.records[0].analysis and back.records[0].verifier == "traversal"
+    old = result.records[0].to_dict()
+    for key in ("verifier", "verification", "analysis"):
+        del old[key]
+    loaded = IterationRecord.from_dict(old)
+    assert loaded.verifier == "greedy" and loaded.verification == [] and loaded.analysis == {}
+    del old["committed"]
+    with pytest.raises(ValueError, match="committed"):
+        IterationRecord.from_dict(old)

@@ -166,13 +166,40 @@ def specinfer_sample(p, q, xs, gen=None, trace=None):
 
 
 def specinfer_distribution(p, q, xs):
+    """Exact law by Alg. 14's recursion over the children not yet tried. The residual after i
+    rejections is the same whichever children were rejected, so the law is a mix of the draft
+    tokens and of the round-i residuals, with coefficients memoised per remaining multiset:
+    O(2^k k) scalar work instead of k! vector work."""
     if not xs:
         return p.clone()
-    out = torch.zeros_like(p)
-    for i, x in enumerate(xs):  # each remaining child is tried first with probability 1/|S|
-        a = _ratio(p, q, x)
-        rest = xs[:i] + xs[i + 1 :]
-        out += (a * _onehot(x, p) + (1 - a) * specinfer_distribution(_residual(p, q), q, rest)) / len(xs)
+    rounds = [p]
+    for _ in xs:
+        rounds.append(_residual(rounds[-1], q))
+    accept = [{x: _ratio(rounds[i], q, x) for x in set(xs)} for i in range(len(xs))]
+    memo: dict[tuple[int, ...], tuple[dict[int, float], list[float]]] = {}
+
+    def law(left: tuple[int, ...]) -> tuple[dict[int, float], list[float]]:
+        """(mass on each draft token, mass on each round's residual) with `left` still to try."""
+        if left not in memo:
+            i = len(xs) - len(left)
+            tokens, residuals = {}, [0.0] * (len(xs) + 1)
+            if not left:
+                residuals[i] = 1.0
+            for j, t in enumerate(left):  # each remaining child is tried next with prob 1/|left|
+                a = accept[i][t] / len(left)
+                tokens[t] = tokens.get(t, 0.0) + a
+                sub_tokens, sub_res = law(left[:j] + left[j + 1 :])
+                scale = (1 - accept[i][t]) / len(left)
+                for u, m in sub_tokens.items():
+                    tokens[u] = tokens.get(u, 0.0) + scale * m
+                residuals = [r + scale * s for r, s in zip(residuals, sub_res, strict=True)]
+            memo[left] = tokens, residuals
+        return memo[left]
+
+    tokens, residuals = law(tuple(sorted(xs)))
+    out = sum(w * r for w, r in zip(residuals, rounds, strict=True))
+    for t, m in tokens.items():
+        out[t] += m
     return out
 
 
