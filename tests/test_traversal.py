@@ -209,10 +209,13 @@ def test_same_seed_same_walk_and_a_trace():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("without_replacement", [False, True], ids=["iid", "without_replacement"])
-def test_one_traversal_step_is_lossless_200k_runs(without_replacement):
+@pytest.mark.parametrize(
+    "without_replacement,k", [(False, 3), (True, 2), (False, 1)], ids=["iid", "without_replacement", "block"]
+)
+def test_one_traversal_step_is_lossless_200k_runs(without_replacement, k):
     """The issue's statistical check for the bottom-up verifier: 200k seeded runs of one step
-    (root draws 3 children from q, each child drafted one level further) on 4 random p/q pairs;
+    (root draws k children from q, each child drafted one level further; k = 1 is block
+    verification on a depth-2 path) on 4 random p/q pairs;
     chi-square of the first committed token against p at 0.001. Fixed seeds: deterministic."""
     runs, pairs = 200_000, 4
     gen = torch.Generator().manual_seed(2025)
@@ -222,9 +225,7 @@ def test_one_traversal_step_is_lossless_200k_runs(without_replacement):
         counts = torch.zeros(VOCAB, dtype=torch.float64)
         q_root = laws(())[1]
         for _ in range(runs // pairs):
-            xs = torch.multinomial(
-                q_root, 3 if not without_replacement else 2, replacement=not without_replacement, generator=gen
-            ).tolist()
+            xs = torch.multinomial(q_root, k, replacement=not without_replacement, generator=gen).tolist()
             spec = WalkSpec({0: p}, {0: q_root}, {0: xs}, {}, without_replacement)
             for x in dict.fromkeys(xs):
                 child = len(spec.p)
