@@ -25,8 +25,8 @@ from dynatree_core.models import PRESETS
 from dynatree_core.prompts import load_prompts
 from dynatree_core.sampling import SamplingConfig
 from dynatree_core.session import encode_prompt
-from dynatree_core.streamlit_cache import cached_pair, forward_lock
 from dynatree_core.trace import IterationRecord
+from dynatree_core.ui import cached_pair, forward_lock, param_widgets
 from dynatree_core.verify.sampling import VERIFIERS
 from dynatree_core.viz import (
     acceptance_by_depth,
@@ -49,22 +49,6 @@ CUSTOM = "custom (hub id or local path)"
 # second. A browser on the same machine draws on the same CPU cores and slows the engine while it
 # draws (measured here: ~0.2 s of CPU per figure update in headless Chromium).
 RENDER_INTERVAL_S = 0.6
-
-
-def param_widgets(policy_name: str) -> dict:
-    """One widget per registered parameter of the policy, with its help text."""
-    values = {}
-    for p in POLICIES[policy_name].params:
-        key = f"param_{policy_name}_{p.name}"
-        if p.type is bool:
-            values[p.name] = st.toggle(p.name, bool(p.default), help=p.help, key=key)
-        elif p.type is int:
-            values[p.name] = st.slider(p.name, int(p.min), int(p.max), int(p.default), help=p.help, key=key)
-        else:
-            values[p.name] = st.number_input(
-                p.name, float(p.min), float(p.max), float(p.default), help=p.help, format="%.4f", key=key
-            )
-    return values
 
 
 # ----- inputs ------------------------------------------------------------------------------------

@@ -31,35 +31,65 @@ def _parse_params(items: list[str]) -> dict[str, str]:
     return params
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m dynatree_core", description="Tree-based speculative decoding.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    gen = sub.add_parser("generate", help="generate text with a drafting policy")
-    gen.add_argument("--prompt", help="prompt text")
-    gen.add_argument("--prompt-file", type=Path, help="read the prompt from a file")
-    gen.add_argument(
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    """What `generate` and `compare` share: prompt, models, length, sampling."""
+    p.add_argument("--prompt", help="prompt text")
+    p.add_argument("--prompt-file", type=Path, help="read the prompt from a file")
+    p.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="wrap the prompt in the model's chat template (default: on when the tokenizer has one)",
     )
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0, help="seeds sampling (sample / repetition i uses seed + i)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, target and draft alike")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off), target and draft alike")
+    p.add_argument("--verifier", default="auto", help="see `verifiers`; auto: greedy, or specinfer / nss")
+    p.add_argument("--preset", default=None, help="model pair preset (see `presets`); sets --target/--draft")
+    p.add_argument("--target", default=None, help="target: embedded (default), hub id, local dir or .gguf")
+    p.add_argument("--draft", default=None, help="draft model (default: the preset's draft)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+
+
+def _read_prompt(args) -> str:
+    """The prompt from --prompt or --prompt-file, refused when empty (with --max-new-tokens < 1)."""
+    if args.prompt_file is not None:
+        try:
+            prompt = args.prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DynaTreeError(f"cannot read prompt file {args.prompt_file}: {exc}") from exc
+    else:
+        prompt = args.prompt
+    if prompt is None or not prompt.strip():
+        raise DynaTreeError("the prompt is empty (use --prompt TEXT or --prompt-file FILE)")
+    if args.max_new_tokens < 1:
+        raise DynaTreeError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    return prompt
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m dynatree_core", description="Tree-based speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    gen = sub.add_parser("generate", help="generate text with a drafting policy")
+    _run_arguments(gen)
     gen.add_argument("--policy", default="fixed_tree", help="drafting policy (see `policies`)")
     gen.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="policy parameter")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--seed", type=int, default=0, help="seeds sampling (sample i uses seed + i)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, target and draft alike")
-    gen.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off), target and draft alike")
-    gen.add_argument("--verifier", default="auto", help="see `verifiers`; auto: greedy, or specinfer / nss")
     gen.add_argument("--num-samples", type=int, default=1, help="independent samples (models loaded once)")
-    gen.add_argument("--preset", default=None, help="model pair preset (see `presets`); sets --target/--draft")
-    gen.add_argument("--target", default=None, help="target: embedded (default), hub id, local dir or .gguf")
-    gen.add_argument("--draft", default=None, help="draft model (default: the preset's draft)")
-    gen.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--order", default="bfs", choices=["bfs", "dfs"], help="node order sent to the target")
     gen.add_argument("--json", action="store_true", help="print the RunResult as one JSON object")
     gen.add_argument("--trace", action="store_true", help="with --json: include per-iteration records")
+    cmp = sub.add_parser("compare", help="compare 1-6 policies on one prompt (ar and HF generate as references)")
+    _run_arguments(cmp)
+    cmp.add_argument(
+        "--policy", action="append", default=[], metavar="NAME[:K=V,...]", help="repeatable; the same policy may repeat"
+    )
+    cmp.add_argument("--repetitions", type=int, default=3, help="measured runs per policy (after one warm-up)")
+    cmp.add_argument("--no-hf", action="store_true", help="skip the HF generate reference")
+    cmp.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    cmp.add_argument("--csv", type=Path, default=None, help="also write the table as CSV here")
     ver = sub.add_parser("verifiers", help="list verification algorithms and the drafting each accepts")
     ver.add_argument("--json", action="store_true")
     pol = sub.add_parser("policies", help="list drafting policies and their parameters")
@@ -168,17 +198,7 @@ def cmd_generate(args) -> None:
     from dynatree_core.sampling import SamplingConfig
     from dynatree_core.session import encode_prompt, load_pair
 
-    if args.prompt_file is not None:
-        try:
-            prompt = args.prompt_file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise DynaTreeError(f"cannot read prompt file {args.prompt_file}: {exc}") from exc
-    else:
-        prompt = args.prompt
-    if prompt is None or not prompt.strip():
-        raise DynaTreeError("the prompt is empty (use --prompt TEXT or --prompt-file FILE)")
-    if args.max_new_tokens < 1:
-        raise DynaTreeError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    prompt = _read_prompt(args)
     policy = make_policy(args.policy, _parse_params(args.param))  # validate before loading models
     if args.num_samples < 1:
         raise DynaTreeError(f"--num-samples must be at least 1, got {args.num_samples}")
@@ -229,6 +249,50 @@ def cmd_generate(args) -> None:
         )
 
 
+def cmd_compare(args) -> None:
+    from dynatree_core.compare import compare, parse_entries
+    from dynatree_core.engine import DecodeConfig
+    from dynatree_core.sampling import SamplingConfig
+    from dynatree_core.session import encode_prompt, load_pair
+
+    prompt = _read_prompt(args)
+    entries = parse_entries(args.policy or ["linear", "fixed_tree", "dynatree", "salf"])
+    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    target_spec, draft_spec = _resolve_models(args)
+    pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype)
+    target = pair.target
+    chat = args.chat if args.chat is not None else target.has_chat_template
+    config = DecodeConfig(
+        max_new_tokens=args.max_new_tokens,
+        eos_token_ids=target.eos_token_ids,
+        context_length=target.context_length,
+        sampling=sampling,
+        verifier=args.verifier,
+        seed=args.seed,
+    )
+    result = compare(
+        pair,
+        entries,
+        encode_prompt(target.tokenizer, prompt, chat=chat),
+        config=config,
+        repetitions=args.repetitions,
+        include_hf=not args.no_hf,
+        prompt=prompt,
+        models={"target": target_spec, "draft": draft_spec or "", "device": args.device, "dtype": args.dtype},
+        on_progress=lambda done, total, label: print(f"\r[{done}/{total}] {label:<50}", end="", file=sys.stderr),
+        tokenizer=target.tokenizer,
+    )
+    print(file=sys.stderr)
+    if args.csv is not None:
+        args.csv.write_text(result.csv(), encoding="utf-8")
+    if args.json:
+        print(result.to_json(indent=2))
+        return
+    print(result.markdown())
+    mark = {True: "OK", False: "DIFFERS", None: "not checked"}[result.correctness["ok"]]
+    print(f"\ncorrectness: {mark}: {result.correctness['message']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.formatwarning = lambda msg, *a, **k: f"warning: {msg}\n"
@@ -236,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         commands = {
             "generate": cmd_generate,
+            "compare": cmd_compare,
             "policies": cmd_policies,
             "presets": cmd_presets,
             "bench": cmd_bench,

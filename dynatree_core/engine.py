@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import psutil
 import torch
@@ -260,16 +260,22 @@ def generate(
     config: DecodeConfig = DecodeConfig(),
     tokenizer=None,
     draft_token_map: TokenMap | None = None,
+    on_record: Callable[[IterationRecord], None] | None = None,
 ) -> RunResult:
     """Run `decode` to the end and reduce its records to a RunResult (black-box baselines run
-    their own generate)."""
+    their own generate). on_record sees each iteration as it ends (time spent in it is not
+    counted: throughput comes from the records' own timings)."""
     if policy.black_box:
         if not prompt_ids:
             raise DynaTreeError("the prompt is empty")
         return policy.run(
             target, prompt_ids, draft=draft, config=config, draft_token_map=draft_token_map, tokenizer=tokenizer
         )
-    records = list(decode(target, prompt_ids, policy, draft=draft, config=config, draft_token_map=draft_token_map))
+    records = []
+    for record in decode(target, prompt_ids, policy, draft=draft, config=config, draft_token_map=draft_token_map):
+        records.append(record)
+        if on_record is not None:
+            on_record(record)
     token_ids = [t for r in records for t in r.committed]
     text = tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else ""
     device = target.get_input_embeddings().weight.device

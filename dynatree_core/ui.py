@@ -1,5 +1,6 @@
-"""Process-wide Streamlit resources shared by the app and its pages: loaded model pairs and the
-lock that keeps two sessions from running forwards on the same model at once."""
+"""Streamlit pieces shared by the app and its pages: process-wide resources (loaded model pairs,
+the lock that keeps two sessions from running forwards on the same model at once) and the
+policy parameter widgets built from the registry. The only core module importing Streamlit."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import threading
 
 import streamlit as st
 
+from dynatree_core.drafting import POLICIES
 from dynatree_core.session import load_pair
 
 
@@ -18,3 +20,19 @@ def cached_pair(target: str, draft: str | None, device: str, dtype: str):
 @st.cache_resource
 def forward_lock() -> threading.Lock:
     return threading.Lock()
+
+
+def param_widgets(policy_name: str, key_prefix: str = "param") -> dict:
+    """One widget per registered parameter of the policy, with its help text."""
+    values = {}
+    for p in POLICIES[policy_name].params:
+        key = f"{key_prefix}_{policy_name}_{p.name}"
+        if p.type is bool:
+            values[p.name] = st.toggle(p.name, bool(p.default), help=p.help, key=key)
+        elif p.type is int:
+            values[p.name] = st.slider(p.name, int(p.min), int(p.max), int(p.default), help=p.help, key=key)
+        else:
+            values[p.name] = st.number_input(
+                p.name, float(p.min), float(p.max), float(p.default), help=p.help, format="%.4f", key=key
+            )
+    return values

@@ -12,7 +12,7 @@ from dynatree_core.engine import DecodeConfig, resolve_verifier
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.lab import chi_square_critical, run_lab
 from dynatree_core.sampling import SamplingConfig
-from dynatree_core.streamlit_cache import cached_pair, forward_lock
+from dynatree_core.ui import cached_pair, forward_lock
 from dynatree_core.verify.sampling import VERIFIERS
 from dynatree_core.viz import acceptance_by_depth, acceptance_figure, visible
 

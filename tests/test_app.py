@@ -203,7 +203,7 @@ def test_traversal_trace_expected_acceptance_and_the_verification_lab(tiny_pair_
     specs = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
     assert any(s["layout"].get("yaxis", {}).get("title", {}).get("text") == "P(accepted length >= d)" for s in specs)
 
-    lab = AppTest.from_file(str(root / "pages" / "1_Verification_Lab.py"), default_timeout=300)
+    lab = AppTest.from_file(str(root / "pages" / "2_Verification_Lab.py"), default_timeout=300)
     lab.run()
     assert any("Start a run" in i.value for i in lab.info)  # no run in this session yet
     lab.session_state["run"] = run

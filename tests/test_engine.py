@@ -33,6 +33,7 @@ POLICIES = (
     ("ngram", {"max_n": 1, "branches": 5, "depth": 3}),
     ("hf_assisted", {}),
     ("hf_prompt_lookup", {}),
+    ("hf_generate", {}),
 )
 DRAFTS = ("same", "noisy", "unrelated")
 

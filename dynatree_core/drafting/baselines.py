@@ -2,6 +2,7 @@
 
   hf_assisted       target.generate(assistant_model=draft): HF's assisted generation (a chain)
   hf_prompt_lookup  target.generate(prompt_lookup_num_tokens=n): HF's prompt lookup decoding
+  hf_generate       target.generate(): plain decoding, the reference a user would time against
 
 They live in the policy registry (same parameters, CLI and app) but are not stepped by our
 engine: `run` calls HF generate once, timed on the same prompts and models, and rebuilds the
@@ -149,3 +150,15 @@ class HFPromptLookup(HFBaseline):
 
     def generate_kwargs(self, draft: torch.nn.Module | None) -> dict:
         return dict(self.config)
+
+
+@register_policy
+class HFGenerate(HFBaseline):
+    """Plain HF generate: one target forward per token, no drafting (the reference to beat)."""
+
+    name = "hf_generate"
+    summary = "Reference: HF generate() without speculation, timed as a black box"
+    needs_draft_model = False
+
+    def generate_kwargs(self, draft: torch.nn.Module | None) -> dict:
+        return {}

@@ -1,0 +1,353 @@
+"""Side-by-side comparison of drafting policies on one prompt and one model pair.
+
+Fairness protocol (what `schedule` encodes and the tests check): the same loaded models for every
+run; one warm-up run per entry, discarded; then `repetitions` rounds in which every entry runs
+once, the order rotated each round so that no entry always runs first (or right after a given
+other one). Two references run in the same rounds: `ar` (our loop, one target forward per token)
+and `hf_generate` (Hugging Face's plain generate). Throughput is engine time (RunResult), so a
+live view that draws between iterations does not slow the numbers it shows.
+
+Under greedy decoding every output must equal `ar`'s token for token: `correctness` names the
+first entry and position that differ. Sampled outputs differ by design (losslessness is what the
+Verification Lab and the test suite check).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from dynatree_core.drafting import POLICIES, make_policy
+from dynatree_core.engine import DecodeConfig, generate, resolve_verifier
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.trace import IterationRecord, RunResult
+
+REFERENCES = ("ar", "hf_generate")
+COMPARE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One contestant: a registered policy with its parameters and a unique label."""
+
+    policy: str
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    label: str = ""
+
+
+def labelled(entries: list[Entry]) -> list[Entry]:
+    """Give every entry a unique label: the policy name, plus the parameters that differ from the
+    registry defaults when the same policy appears more than once (then #2, #3 if still equal)."""
+    names = [e.policy for e in entries]
+    out, seen = [], {}
+    for e in entries:
+        label = e.label or e.policy
+        if not e.label and names.count(e.policy) > 1:
+            config = make_policy(e.policy, e.params).config
+            defaults = make_policy(e.policy).config
+            changed = [f"{k}={v}" for k, v in config.items() if v != defaults[k]]
+            label = f"{e.policy} ({', '.join(changed)})" if changed else e.policy
+        seen[label] = seen.get(label, 0) + 1
+        out.append(dataclasses.replace(e, label=label if seen[label] == 1 else f"{label} #{seen[label]}"))
+    return out
+
+
+def schedule(n_entries: int, repetitions: int) -> list[tuple[int, int]]:
+    """(round, entry index) in run order; round -1 is the discarded warm-up."""
+    plan = [(-1, j) for j in range(n_entries)]
+    for r in range(repetitions):
+        plan += [(r, (j + r) % n_entries) for j in range(n_entries)]
+    return plan
+
+
+@dataclasses.dataclass
+class EntryStats:
+    """One entry's numbers over its measured runs (means unless named otherwise)."""
+
+    label: str
+    policy: str
+    params: dict[str, Any]
+    verifier: str
+    reference: bool
+    runs: int
+    throughput_tps: float
+    throughput_std: float
+    speedup: float  # mean throughput over the best reference's
+    tokens_per_iteration: float
+    acceptance_rate: float
+    mean_accepted_length: float
+    iterations: float
+    ttft_ms: float
+    tpot_ms: float
+    draft_ms_per_iteration: float
+    verify_ms_per_iteration: float
+    overhead_ms_per_iteration: float  # commit + bookkeeping
+    peak_memory_mb: float
+    tree_size_mean: float | None  # drafted nodes sent to the target per iteration (None: black box)
+    tree_size_max: int | None
+    accepted_lengths: list[int]  # every iteration of every measured run
+    committed_per_iteration: list[int]  # the first measured run, iteration by iteration
+    acceptance_by_depth: list[float]  # d = 1, 2, ...: P(accepted >= d | the tree reached depth d)
+    token_ids: list[list[int]]  # every measured run's output
+    text: str  # the first measured run's output text
+
+
+@dataclasses.dataclass
+class Comparison:
+    prompt: str
+    prompt_ids: list[int]
+    models: dict[str, str]  # target, draft, device, dtype
+    settings: dict[str, Any]  # max_new_tokens, temperature, top_p, top_k, verifier, seed, repetitions
+    entries: list[EntryStats]
+    correctness: dict[str, Any]
+
+    def to_dict(self) -> dict:
+        return {"version": COMPARE_VERSION, **dataclasses.asdict(self)}
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Comparison:
+        if not isinstance(data, dict) or "entries" not in data or "correctness" not in data:
+            raise DynaTreeError("not a DynaTree comparison file (no entries / correctness)")
+        try:
+            entries = [EntryStats(**e) for e in data["entries"]]
+            return cls(
+                prompt=data["prompt"],
+                prompt_ids=data["prompt_ids"],
+                models=data["models"],
+                settings=data["settings"],
+                entries=entries,
+                correctness=data["correctness"],
+            )
+        except (KeyError, TypeError) as exc:
+            raise DynaTreeError(f"comparison file is incomplete or from another version: {exc}") from exc
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Comparison:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DynaTreeError(f"not a JSON file: {exc}") from exc
+        return cls.from_dict(data)
+
+    def table(self) -> list[dict[str, Any]]:
+        """One row per entry: what the page's table, the CLI and the CSV show."""
+        rows = []
+        for e in self.entries:
+            rows.append(
+                {
+                    "policy": e.label,
+                    "verifier": e.verifier,
+                    "tokens/s": round(e.throughput_tps, 2),
+                    "± std": round(e.throughput_std, 2),
+                    "speedup": round(e.speedup, 3),
+                    "tokens/iter": round(e.tokens_per_iteration, 3),
+                    "acceptance": round(e.acceptance_rate, 3),
+                    "accepted len": round(e.mean_accepted_length, 3),
+                    "iterations": round(e.iterations, 1),
+                    "TTFT ms": round(e.ttft_ms, 1),
+                    "TPOT ms": round(e.tpot_ms, 1),
+                    "draft ms/iter": round(e.draft_ms_per_iteration, 2),
+                    "verify ms/iter": round(e.verify_ms_per_iteration, 2),
+                    "overhead ms/iter": round(e.overhead_ms_per_iteration, 2),
+                    "peak MB": round(e.peak_memory_mb, 1),
+                    "tree mean": None if e.tree_size_mean is None else round(e.tree_size_mean, 1),
+                    "tree max": e.tree_size_max,
+                    "runs": e.runs,
+                }
+            )
+        return rows
+
+    def csv(self) -> str:
+        rows = self.table()
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+        return buf.getvalue()
+
+    def markdown(self) -> str:
+        rows = self.table()
+        keys = ["policy", "verifier", "tokens/s", "± std", "speedup", "tokens/iter", "acceptance", "tree mean"]
+        out = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        out += ["| " + " | ".join("" if r[k] is None else str(r[k]) for k in keys) + " |" for r in rows]
+        return "\n".join(out)
+
+
+def _depth_acceptance(records: list[IterationRecord]) -> list[float]:
+    reached: dict[int, int] = {}
+    accepted: dict[int, int] = {}
+    for rec in records:
+        deepest = max((rec.tree.depths[n] for n in rec.order), default=0)
+        for d in range(1, deepest + 1):
+            reached[d] = reached.get(d, 0) + 1
+            accepted[d] = accepted.get(d, 0) + (len(rec.accepted) >= d)
+    return [accepted[d] / reached[d] for d in sorted(reached)]
+
+
+def entry_stats(entry: Entry, verifier: str, runs: list[RunResult], best_reference_tps: float) -> EntryStats:
+    tps = [r.throughput_tps for r in runs]
+    records = [rec for r in runs for rec in r.records]
+    iterations = sum(r.iterations for r in runs)
+
+    def per_iter(total: Callable[[RunResult], float]) -> float:
+        return sum(total(r) for r in runs) / iterations if iterations else 0.0
+
+    black_box = not records
+    return EntryStats(
+        label=entry.label,
+        policy=entry.policy,
+        params=dict(runs[0].params),
+        verifier=verifier,
+        reference=entry.policy in REFERENCES,
+        runs=len(runs),
+        throughput_tps=statistics.fmean(tps),
+        throughput_std=statistics.stdev(tps) if len(tps) > 1 else 0.0,
+        speedup=statistics.fmean(tps) / best_reference_tps if best_reference_tps else 0.0,
+        tokens_per_iteration=sum(r.new_tokens for r in runs) / iterations if iterations else 0.0,
+        acceptance_rate=statistics.fmean(r.acceptance_rate for r in runs),
+        mean_accepted_length=statistics.fmean(r.mean_accepted_length for r in runs),
+        iterations=iterations / len(runs),
+        ttft_ms=statistics.fmean(r.ttft_ms for r in runs),
+        tpot_ms=statistics.fmean(r.tpot_ms for r in runs),
+        draft_ms_per_iteration=per_iter(lambda r: r.draft_ms),
+        verify_ms_per_iteration=per_iter(lambda r: r.verify_ms),
+        overhead_ms_per_iteration=per_iter(lambda r: r.commit_ms + r.overhead_ms),
+        peak_memory_mb=max(r.peak_memory_mb for r in runs),
+        tree_size_mean=None if black_box else statistics.fmean(rec.drafted for rec in records),
+        tree_size_max=None if black_box else max(rec.drafted for rec in records),
+        accepted_lengths=[len(rec.accepted) for rec in records],
+        committed_per_iteration=[len(rec.committed) for rec in runs[0].records],
+        acceptance_by_depth=_depth_acceptance(records),
+        token_ids=[list(r.token_ids) for r in runs],
+        text=runs[0].text,
+    )
+
+
+def check_outputs(stats: list[EntryStats], greedy: bool) -> dict[str, Any]:
+    """Greedy: every run of every entry equals ar's first output; else the first difference."""
+    if not greedy:
+        return {
+            "checked": False,
+            "ok": None,
+            "message": "sampling: outputs differ by design (losslessness is checked in the Verification Lab)",
+        }
+    reference = next(s for s in stats if s.policy == "ar").token_ids[0]
+    for s in stats:
+        for tokens in s.token_ids:
+            if tokens != reference:
+                position = next(
+                    (i for i, (a, b) in enumerate(zip(tokens, reference, strict=False)) if a != b),
+                    min(len(tokens), len(reference)),
+                )
+                return {
+                    "checked": True,
+                    "ok": False,
+                    "policy": s.label,
+                    "position": position,
+                    "message": f"{s.label} differs from ar at generated token {position}",
+                }
+    return {"checked": True, "ok": True, "message": f"all {len(stats)} outputs equal ar's, token for token"}
+
+
+def compare(
+    pair,
+    entries: list[Entry],
+    prompt_ids: list[int],
+    *,
+    config: DecodeConfig,
+    repetitions: int = 3,
+    include_hf: bool = True,
+    prompt: str = "",
+    models: dict[str, str] | None = None,
+    on_progress: Callable[[int, int, str], None] | None = None,
+    on_record: Callable[[str, IterationRecord, RunResult | None], None] | None = None,
+    tokenizer=None,
+) -> Comparison:
+    """Run the protocol (module docstring) and summarise. on_progress(done, total, label) after
+    each run; on_record(label, record, None) after each iteration of a stepped policy."""
+    if not 1 <= len(entries) <= 6:
+        raise DynaTreeError(f"compare 1 to 6 policies, got {len(entries)}")
+    if repetitions < 1:
+        raise DynaTreeError("repetitions must be at least 1")
+    refs = [Entry("ar", label="ar (our loop)")] + ([Entry("hf_generate", label="hf_generate")] if include_hf else [])
+    all_entries = labelled(refs + [e for e in entries if e.policy not in REFERENCES])
+    policies = [make_policy(e.policy, e.params) for e in all_entries]  # validate before any run
+    verifiers = ["hf" if p.black_box else resolve_verifier(p, config)[0] for p in policies]
+    target = pair.target
+
+    def run_one(j: int, seed: int) -> RunResult:
+        policy, entry = policies[j], all_entries[j]
+        hook = None if on_record is None or policy.black_box else (lambda rec: on_record(entry.label, rec, None))
+        return generate(
+            target.model,
+            prompt_ids,
+            policy,
+            draft=pair.draft.model if pair.draft and policy.needs_draft_model else None,
+            config=dataclasses.replace(config, seed=seed),
+            tokenizer=tokenizer,
+            draft_token_map=pair.draft.token_map if pair.draft else None,
+            on_record=hook,
+        )
+
+    results = run_schedule(all_entries, repetitions, run_one, config.seed, on_progress)
+    best = max(statistics.fmean(r.throughput_tps for r in results[j]) for j in range(len(refs)))
+    stats = [entry_stats(e, v, runs, best) for e, v, runs in zip(all_entries, verifiers, results, strict=True)]
+    return Comparison(
+        prompt=prompt,
+        prompt_ids=list(prompt_ids),
+        models=models or {},
+        settings={
+            "max_new_tokens": config.max_new_tokens,
+            "temperature": config.sampling.temperature,
+            "top_p": config.sampling.top_p,
+            "top_k": config.sampling.top_k,
+            "verifier": config.verifier,
+            "seed": config.seed,
+            "repetitions": repetitions,
+        },
+        entries=stats,
+        correctness=check_outputs(stats, config.sampling.greedy),
+    )
+
+
+def run_schedule(
+    entries: list[Entry],
+    repetitions: int,
+    run_one: Callable[[int, int], RunResult],
+    seed: int = 0,
+    on_progress: Callable[[int, int, str], None] | None = None,
+) -> list[list[RunResult]]:
+    """Run `schedule` with run_one(entry index, seed); warm-up results are dropped. Round r uses
+    seed + r for every entry (the warm-up uses seed), so sampled entries see the same seeds."""
+    plan = schedule(len(entries), repetitions)
+    results: list[list[RunResult]] = [[] for _ in entries]
+    for done, (rnd, j) in enumerate(plan, 1):
+        result = run_one(j, seed + max(rnd, 0))
+        if rnd >= 0:
+            results[j].append(result)
+        if on_progress:
+            on_progress(done, len(plan), entries[j].label + (" (warm-up)" if rnd < 0 else ""))
+    return results
+
+
+def parse_entries(specs: list[str]) -> list[Entry]:
+    """CLI specs 'name' or 'name:key=value,...' -> entries (unknown policies named)."""
+    from dynatree_core.bench import parse_spec
+
+    out = []
+    for spec in specs:
+        name, params, verifier = parse_spec(spec)
+        if verifier != "auto":
+            raise DynaTreeError("compare uses one verifier for every policy: pass --verifier, not NAME@VERIFIER")
+        if name not in POLICIES:
+            raise DynaTreeError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")
+        out.append(Entry(name, params))
+    return out

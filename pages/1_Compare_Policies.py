@@ -1,0 +1,173 @@
+"""Compare drafting policies side by side on one prompt and one model pair (dynatree_core.compare):
+fair timing (same models, warm-up discarded, interleaved rounds, ar and HF generate as references),
+a live view while it runs, a results table and charts, a correctness badge, CSV/JSON export."""
+
+from __future__ import annotations
+
+import time
+
+import pandas as pd
+import streamlit as st
+
+from dynatree_core.compare import Comparison, Entry, compare, labelled, schedule
+from dynatree_core.drafting import POLICIES
+from dynatree_core.engine import DecodeConfig
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.models import PRESETS
+from dynatree_core.prompts import load_prompts
+from dynatree_core.sampling import SamplingConfig
+from dynatree_core.session import encode_prompt
+from dynatree_core.ui import cached_pair, forward_lock, param_widgets
+from dynatree_core.verify.sampling import VERIFIERS
+from dynatree_core.viz import compare_figures, tree_figure
+
+st.set_page_config(page_title="Compare policies", page_icon="⚖️", layout="wide")
+st.title("Compare drafting policies")
+st.caption(
+    "Which policy wins on *your* prompt and models? Every policy runs on the same loaded models, after a "
+    "discarded warm-up, interleaved round by round; `ar` (our loop) and HF `generate` run in the same rounds "
+    "as references. Throughput is engine time."
+)
+CUSTOM = "custom (hub id or local path)"
+CHOICES = [name for name in POLICIES if name not in ("ar", "hf_generate")]
+DEFAULTS = ["linear", "fixed_tree", "dynatree", "salf", "dyspec", "eagle2"]
+
+with st.sidebar:
+    st.header("Models")
+    preset = st.selectbox("Model pair", [*PRESETS, CUSTOM], key="cmp_preset")
+    if preset == CUSTOM:
+        target_spec = st.text_input("Target", key="cmp_target", help="A hub id (needs network) or a local directory.")
+        draft_spec = st.text_input("Draft", key="cmp_draft") or None
+    else:
+        target_spec, draft_spec = PRESETS[preset].target, PRESETS[preset].draft
+    device = st.selectbox("Device", ["auto", "cpu", "cuda"], key="cmp_device")
+    dtype = st.selectbox("Dtype", ["auto", "float32", "bfloat16", "float16"], key="cmp_dtype")
+    st.header("Decoding")
+    temperature = st.slider("Temperature", 0.0, 2.0, 0.0, 0.05, key="cmp_temperature", help="0: greedy")
+    verifier = st.selectbox(
+        "Verifier", ["auto", *VERIFIERS], key="cmp_verifier", help="One verifier for every policy (auto per policy)."
+    )
+    max_new = st.slider("Max new tokens", 4, 256, 48, key="cmp_max_new")
+    repetitions = st.slider("Repetitions", 1, 10, 3, key="cmp_reps", help="Measured runs per policy, after a warm-up.")
+    seed = st.number_input("Seed", 0, 2**31 - 1, 0, key="cmp_seed")
+    include_hf = st.toggle("HF generate reference", True, key="cmp_hf", help="Time HF's plain generate as well.")
+
+prompts = load_prompts("all")
+example = st.selectbox("Example prompt", ["(your own)", *[p.text for p in prompts[:12]]], key="cmp_example")
+prompt = st.text_area("Prompt", "" if example == "(your own)" else example, height=80, key=f"cmp_prompt_{example}")
+chat = st.toggle("Chat template", value=True, key="cmp_chat")
+
+count = st.number_input("Policies to compare", 2, 6, 4, key="cmp_count")
+entries = []
+columns = st.columns(int(count))
+for i, col in enumerate(columns):
+    with col:
+        name = st.selectbox(f"Policy {i + 1}", CHOICES, index=CHOICES.index(DEFAULTS[i]), key=f"cmp_policy_{i}")
+        with st.expander("Parameters"):
+            params = param_widgets(name, key_prefix=f"cmp{i}")
+        entries.append(Entry(name, params))
+entries = labelled(entries)  # unique labels when a policy appears twice
+
+
+def live_view(labels: list[str], decode):
+    """One column per compared policy: its latest tree and running tokens/s (black boxes: none)."""
+    slots, stats = {}, {}
+    cols = st.columns(len(labels))
+    for label, col in zip(labels, cols, strict=True):
+        with col:
+            st.markdown(f"**{label}**")
+            slots[label] = (st.empty(), st.empty())
+    last = {"t": 0.0}
+
+    def on_record(label, rec, _):
+        tokens, ms = stats.get(label, (0, 0.0))
+        stats[label] = (tokens + len(rec.committed), ms + rec.wall_ms)
+        if label not in slots or time.monotonic() - last["t"] < 0.5:  # at most 2 redraws per second
+            return
+        last["t"] = time.monotonic()
+        figure, text = slots[label]
+        figure.plotly_chart(tree_figure(rec, decode, height=220), width="stretch", key=f"live_{label}_{time.time_ns()}")
+        tokens, ms = stats[label]
+        text.caption(f"iteration {rec.index}: {tokens / ms * 1000:.1f} tokens/s so far")
+
+    return on_record
+
+
+if st.button("Compare", type="primary", icon=":material/compare_arrows:"):
+    if not target_spec:
+        st.error("Enter a target model.")
+    elif not prompt.strip():
+        st.error("Enter a prompt.")
+    else:
+        try:
+            with st.spinner("Loading models..."):
+                pair = cached_pair(target_spec, draft_spec, device, dtype)
+            ids = encode_prompt(pair.target.tokenizer, prompt, chat=chat)
+            config = DecodeConfig(
+                max_new_tokens=max_new,
+                eos_token_ids=pair.target.eos_token_ids,
+                context_length=pair.target.context_length,
+                sampling=SamplingConfig(temperature=temperature),
+                verifier=verifier,
+                seed=int(seed),
+            )
+            total = len(schedule(len(entries) + 1 + include_hf, repetitions))
+            bar = st.progress(0.0, text=f"0/{total} runs")
+            on_record = live_view([e.label for e in entries], lambda t: pair.target.tokenizer.decode([t]))
+            with forward_lock():
+                result = compare(
+                    pair,
+                    entries,
+                    ids,
+                    config=config,
+                    repetitions=repetitions,
+                    include_hf=include_hf,
+                    prompt=prompt,
+                    models={"target": target_spec, "draft": draft_spec or "", "device": device, "dtype": dtype},
+                    on_progress=lambda done, n, label: bar.progress(done / n, text=f"{done}/{n} runs: {label}"),
+                    on_record=on_record,
+                    tokenizer=pair.target.tokenizer,
+                )
+            st.session_state["comparison"] = result
+            st.rerun()
+        except DynaTreeError as exc:
+            st.error(str(exc))
+        except Exception as exc:  # a model that cannot load: a message, never a traceback
+            st.error(f"The comparison could not run: {type(exc).__name__}: {exc}")
+
+uploaded = st.file_uploader("Import a saved comparison (JSON)", type=["json"], key="cmp_import")
+if uploaded is not None:
+    try:
+        st.session_state["comparison"] = Comparison.from_json(uploaded.getvalue())
+    except DynaTreeError as exc:
+        st.error(str(exc))
+
+result: Comparison | None = st.session_state.get("comparison")
+if result is not None:
+    st.header("Results")
+    ok = result.correctness["ok"]
+    if ok is True:
+        st.success(f"✓ Exact: {result.correctness['message']}", icon=":material/verified:")
+    elif ok is False:
+        st.error(f"✗ {result.correctness['message']}", icon=":material/error:")
+    else:
+        st.info(result.correctness["message"])
+    s = result.settings
+    st.caption(
+        f"{result.models.get('target', '')} on {result.models.get('device', '')}, {s['max_new_tokens']} new tokens, "
+        f"temperature {s['temperature']}, {s['repetitions']} repetitions each; speedup is over the faster reference."
+    )
+    st.dataframe(pd.DataFrame(result.table()), hide_index=True, width="stretch")
+    figures = compare_figures(result.entries)
+    left, right = st.columns(2)
+    left.plotly_chart(figures["throughput"], width="stretch", key="cmp_throughput")
+    right.plotly_chart(figures["committed"], width="stretch", key="cmp_committed")
+    left.plotly_chart(figures["accepted"], width="stretch", key="cmp_accepted")
+    right.plotly_chart(figures["depth"], width="stretch", key="cmp_depth")
+    with st.expander("Outputs"):
+        for e in result.entries:
+            st.markdown(f"**{e.label}**")
+            st.text(e.text or "(token ids only: " + " ".join(map(str, e.token_ids[0][:40])) + ")")
+    a, b = st.columns(2)
+    a.download_button("Export CSV", result.csv(), file_name="dynatree-compare.csv", mime="text/csv")
+    b.download_button("Export JSON", result.to_json(), file_name="dynatree-compare.json", mime="application/json")
