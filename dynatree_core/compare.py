@@ -82,8 +82,8 @@ class EntryStats:
     acceptance_rate: float
     mean_accepted_length: float
     iterations: float
-    ttft_ms: float
-    tpot_ms: float
+    ttft_ms: float | None  # None for black boxes: HF generate exposes no per-step timings
+    tpot_ms: float | None
     draft_ms_per_iteration: float
     verify_ms_per_iteration: float
     overhead_ms_per_iteration: float  # commit + bookkeeping
@@ -152,13 +152,13 @@ class Comparison:
                     "acceptance": round(e.acceptance_rate, 3),
                     "accepted len": round(e.mean_accepted_length, 3),
                     "iterations": round(e.iterations, 1),
-                    "TTFT ms": round(e.ttft_ms, 1),
-                    "TPOT ms": round(e.tpot_ms, 1),
-                    "draft ms/iter": round(e.draft_ms_per_iteration, 2),
-                    "verify ms/iter": round(e.verify_ms_per_iteration, 2),
-                    "overhead ms/iter": round(e.overhead_ms_per_iteration, 2),
+                    "TTFT ms": _round(e.ttft_ms, 1),
+                    "TPOT ms": _round(e.tpot_ms, 1),
+                    "draft ms/iter": _round(None if e.tree_size_mean is None else e.draft_ms_per_iteration, 2),
+                    "verify ms/iter": _round(None if e.tree_size_mean is None else e.verify_ms_per_iteration, 2),
+                    "overhead ms/iter": _round(None if e.tree_size_mean is None else e.overhead_ms_per_iteration, 2),
                     "peak MB": round(e.peak_memory_mb, 1),
-                    "tree mean": None if e.tree_size_mean is None else round(e.tree_size_mean, 1),
+                    "tree mean": _round(e.tree_size_mean, 1),
                     "tree max": e.tree_size_max,
                     "runs": e.runs,
                 }
@@ -179,6 +179,10 @@ class Comparison:
         out = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
         out += ["| " + " | ".join("" if r[k] is None else str(r[k]) for k in keys) + " |" for r in rows]
         return "\n".join(out)
+
+
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
 
 
 def _depth_acceptance(records: list[IterationRecord]) -> list[float]:
@@ -215,8 +219,8 @@ def entry_stats(entry: Entry, verifier: str, runs: list[RunResult], best_referen
         acceptance_rate=statistics.fmean(r.acceptance_rate for r in runs),
         mean_accepted_length=statistics.fmean(r.mean_accepted_length for r in runs),
         iterations=iterations / len(runs),
-        ttft_ms=statistics.fmean(r.ttft_ms for r in runs),
-        tpot_ms=statistics.fmean(r.tpot_ms for r in runs),
+        ttft_ms=None if black_box else statistics.fmean(r.ttft_ms for r in runs),
+        tpot_ms=None if black_box else statistics.fmean(r.tpot_ms for r in runs),
         draft_ms_per_iteration=per_iter(lambda r: r.draft_ms),
         verify_ms_per_iteration=per_iter(lambda r: r.verify_ms),
         overhead_ms_per_iteration=per_iter(lambda r: r.commit_ms + r.overhead_ms),

@@ -514,6 +514,11 @@ def compare_figures(entries: list, *, height: int = 320) -> dict[str, go.Figure]
         yaxis_range=[0, 1],
     )
     figures = {"throughput": throughput, "committed": committed, "accepted": histogram, "depth": depth}
-    for fig in figures.values():
-        fig.update_layout(height=height, margin=dict(l=10, r=10, t=40, b=10), legend=dict(orientation="h"))
+    for fig in figures.values():  # legend above the plot: below it, it covers the x-axis title
+        fig.update_layout(
+            height=height,
+            margin=dict(l=10, r=10, t=70, b=10),
+            legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1),
+        )
+    throughput.update_yaxes(range=[0, 1.2 * max((e.throughput_tps + e.throughput_std for e in entries), default=1)])
     return figures

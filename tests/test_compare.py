@@ -81,10 +81,11 @@ def test_comparison_numbers_agree_with_running_each_policy_alone():
     best = max(e.throughput_tps for e in result.entries[:2])
     assert result.entries[2].speedup == pytest.approx(result.entries[2].throughput_tps / best)
     hf = result.entries[1]
-    assert hf.tree_size_mean is None and hf.verifier == "hf"
+    assert hf.tree_size_mean is None and hf.verifier == "hf" and hf.ttft_ms is None
     again = Comparison.from_json(result.to_json())
     assert again.to_dict() == result.to_dict()
     rows = result.table()
+    assert rows[1]["TTFT ms"] is None and rows[2]["TTFT ms"] > 0
     assert result.csv().splitlines()[0].startswith("policy,verifier,tokens/s") and len(rows) == 4
     assert "| linear |" in result.markdown()
 

@@ -153,3 +153,44 @@ def test_run_with_the_embedded_models_updates_live(app_url):
         assert other.locator("[data-testid=stMetric]").count() == 0
         assert int(_metric(page, "Iterations")) == final
         browser.close()
+
+
+def test_compare_page_shows_progress_live_trees_and_results(app_url):
+    """The comparison page in a real browser: four policies (the page's defaults) on the embedded
+    pair; the progress text is seen advancing and live trees are drawn while it runs; the results
+    carry the exactness badge, the table and the charts."""
+    from playwright.sync_api import Error as PlaywrightError
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        page.goto(f"{app_url}/Compare_Policies")
+        page.get_by_role("button", name="Compare").wait_for(timeout=120_000)
+        prompt = page.get_by_label("Prompt", exact=True)
+        prompt.fill("Why is the sky blue? Answer in one sentence.")
+        prompt.press("Control+Enter")
+        page.wait_for_selector("[data-testid=stApp][data-test-script-state=notRunning]", timeout=60_000)
+        page.get_by_role("button", name="Compare").click()
+        done, live_trees = set(), 0
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            with contextlib.suppress(PlaywrightError):
+                text = page.locator("[data-testid=stProgress]").inner_text(timeout=1_000)
+                match = re.search(r"(\d+)/(\d+) runs", text)
+                if match:
+                    done.add(int(match.group(1)))
+                live_trees = max(live_trees, page.locator("[data-testid=stPlotlyChart]").count())
+            if page.get_by_text("Results", exact=True).count():
+                break
+            time.sleep(0.3)
+        assert page.get_by_text("Results", exact=True).count(), "the comparison did not finish in time"
+        assert len(done) >= 3, f"progress seen only at {sorted(done)}"
+        assert live_trees >= 1, "no live tree was drawn while the comparison ran"
+        page.wait_for_selector("[data-testid=stApp][data-test-script-state=notRunning]", timeout=60_000)
+        assert page.get_by_text("Exact:", exact=False).count()
+        assert page.locator("[data-testid=stDataFrame]").count() == 1
+        assert page.locator("[data-testid=stPlotlyChart]").count() >= 4
+        assert page.locator("[data-testid=stException]").count() == 0
+        _screenshot(page, "e2e-compare.png")
+        browser.close()
