@@ -1,37 +1,37 @@
-"""Compare drafting policies on a prompt set, in one process: `python -m dynatree_core bench`.
+"""Benchmarks: drafting policies over a prompt set, the DynaTree protocol (§4.1): N prompts, the
+first W runs discarded as warm-up, prompts truncated to L_max tokens, T new tokens, R repeats.
 
-Every policy runs on every prompt with the same models, interleaved prompt by prompt (so drift
-in machine speed hits all policies alike), after one untimed warm-up run. Speed is reported as
-a ratio to `ar` measured in the same run; every run's tokens are checked against `ar`'s.
+Runs follow `compare.measure` (same loaded models, rotated interleaved rounds, ar and HF
+generate as references in the same run); speed is reported as mean ± std over the rounds and as
+a ratio to the faster reference. Every report records the environment it was measured in.
+Output: a markdown table, or JSON ({"environment", "settings", "results": per-policy rows,
+"prompts": per-prompt rows}) with a CSV of the per-policy rows beside it.
 """
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import io
+import json
+import os
+import platform
 import statistics
 import sys
 from typing import Any
 
-from dynatree_core.drafting import make_policy
-from dynatree_core.engine import DecodeConfig, generate, resolve_verifier
+from dynatree_core.compare import Entry, EntryStats, measure
+from dynatree_core.engine import DecodeConfig
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.prompts import Prompt
-from dynatree_core.sampling import SamplingConfig
-from dynatree_core.session import ModelPair, encode_prompt
+from dynatree_core.session import encode_prompt
 
-
-@dataclasses.dataclass
-class PolicyRow:
-    policy: str
-    params: dict[str, Any]
-    verifier: str  # as resolved (greedy at temperature 0)
-    tokens_per_iteration: float
-    acceptance_rate: float
-    throughput_tps: float
-    speedup_vs_ar: float  # total tokens / total wall, over ar's in the same run
-    draft_forwards_per_iteration: float
-    exact: int | None  # prompts whose tokens equal ar's (greedy only: sampled runs differ by design)
-    prompts: int
+SUMMARY_FIELDS = (
+    "label", "policy", "verifier", "params", "throughput_tps", "throughput_std", "speedup", "tokens_per_iteration",
+    "acceptance_rate", "mean_accepted_length", "iterations", "ttft_ms", "tpot_ms", "draft_ms_per_iteration",
+    "verify_ms_per_iteration", "overhead_ms_per_iteration", "peak_memory_mb", "memory_overhead", "tree_size_mean",
+    "tree_size_max", "exact", "runs",
+)  # fmt: skip
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str], str]:
@@ -47,99 +47,168 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str], str]:
     return name.strip(), params, verifier.strip() or "auto"
 
 
-def compare(
-    pair: ModelPair,
-    specs: list[tuple[str, dict, str]],
+def environment(device: str, dtype: str) -> dict[str, Any]:
+    """What a result was measured on: hardware, library versions, threads, device and dtype."""
+    import torch
+    import transformers
+
+    cpu, flags = platform.processor() or "unknown", ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            info = f.read()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), cpu)
+        flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "amx_bf16": "amx_bf16" in flags.split(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+        "dtype": dtype,
+        "platform": platform.platform(),
+    }
+
+
+def encode_prompts(tokenizer, prompts: list[Prompt], max_prompt_tokens: int | None) -> list[list[int]]:
+    """Token ids per prompt; the prompt's own text is cut to its first L_max tokens before the chat
+    template (if any) is applied, so a chat prompt keeps its template."""
+    out = []
+    for p in prompts:
+        text = p.text
+        if max_prompt_tokens:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) > max_prompt_tokens:
+                text = tokenizer.decode(ids[:max_prompt_tokens])
+        out.append(encode_prompt(tokenizer, text, chat=p.chat))
+    return out
+
+
+@dataclasses.dataclass
+class BenchReport:
+    environment: dict[str, Any]
+    settings: dict[str, Any]
+    results: list[EntryStats]
+    prompts: list[dict[str, Any]]  # one row per (policy, prompt)
+
+    def summary_rows(self) -> list[dict[str, Any]]:
+        return [{k: getattr(e, k) for k in SUMMARY_FIELDS} for e in self.results]
+
+    def to_dict(self) -> dict:
+        return {
+            "environment": self.environment,
+            "settings": self.settings,
+            "results": self.summary_rows(),
+            "prompts": self.prompts,
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def csv(self) -> str:
+        rows = self.summary_rows()
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=list(SUMMARY_FIELDS))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: json.dumps(v) if isinstance(v, dict) else v for k, v in row.items()})
+        return buf.getvalue()
+
+    def markdown(self) -> str:
+        out = [
+            "| policy | verifier | tokens / s | speedup | tokens / iteration | acceptance | accepted length "
+            "| TTFT ms | TPOT ms | draft / verify / other ms per iteration | peak MB | exact |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for e in self.results:
+            split = (
+                "-"
+                if e.tree_size_mean is None
+                else f"{e.draft_ms_per_iteration:.1f} / {e.verify_ms_per_iteration:.1f} / "
+                f"{e.overhead_ms_per_iteration:.1f}"
+            )
+            exact = f"{e.exact}/{e.runs}" if e.exact is not None else "n/a (sampled)"
+            ttft = "-" if e.ttft_ms is None else f"{e.ttft_ms:.0f}"
+            tpot = "-" if e.tpot_ms is None else f"{e.tpot_ms:.1f}"
+            out.append(
+                f"| {e.label} | {e.verifier} | {e.throughput_tps:.1f} ± {e.throughput_std:.1f} | {e.speedup:.2f} | "
+                f"{e.tokens_per_iteration:.2f} | {e.acceptance_rate:.2f} | {e.mean_accepted_length:.2f} | {ttft} | "
+                f"{tpot} | {split} | {e.peak_memory_mb:.0f} | {exact} |"
+            )
+        return "\n".join(out)
+
+
+def run_bench(
+    pair,
+    entries: list[Entry],
     prompts: list[Prompt],
     *,
-    max_new_tokens: int,
-    sampling: SamplingConfig = SamplingConfig(),
+    config: DecodeConfig,
+    repeats: int = 1,
+    warmup: int = 1,
+    include_hf: bool = True,
+    max_prompt_tokens: int | None = None,
     progress=None,
-) -> list[PolicyRow]:
-    """Interleaved runs (prompt by prompt, every spec) after one warm-up each; ratios to ar.
-    Sampled runs use seed = prompt index for every spec."""
-    target = pair.target
-    base = DecodeConfig(
-        max_new_tokens=max_new_tokens,
-        eos_token_ids=target.eos_token_ids,
-        context_length=target.context_length,
-        sampling=sampling,
+    device: str = "",
+    dtype: str = "",
+) -> BenchReport:
+    tokenizer = pair.target.tokenizer
+    ids = encode_prompts(tokenizer, prompts, max_prompt_tokens)
+    stats, results = measure(
+        pair,
+        entries,
+        ids,
+        config=config,
+        repetitions=repeats,
+        warmup=warmup,
+        include_hf=include_hf,
+        on_progress=progress,
     )
-    specs = [("ar", {}, "auto"), *[s for s in specs if s[0] != "ar"]]
-    policies = [make_policy(name, params) for name, params, _ in specs]  # validate before running
-    configs = [dataclasses.replace(base, verifier=verifier) for _, _, verifier in specs]
-    verifiers = [resolve_verifier(p, c)[0] for p, c in zip(policies, configs, strict=True)]
-    encoded = [encode_prompt(target.tokenizer, p.text, chat=p.chat) for p in prompts]  # as each prompt says
-
-    def run(j, ids, seed=0):
-        policy = policies[j]
-        return generate(
-            target.model,
-            ids,
-            policy,
-            draft=pair.draft.model if pair.draft and policy.needs_draft_model else None,
-            config=dataclasses.replace(configs[j], seed=seed),
-            draft_token_map=pair.draft.token_map if pair.draft else None,
-        )
-
-    for j in range(len(policies)):  # warm-up: first calls pay for allocation and kernel selection
-        run(j, encoded[0])
-    results: list[list] = [[] for _ in policies]
-    for i, ids in enumerate(encoded):
-        for j, policy in enumerate(policies):
-            results[j].append(run(j, ids, seed=i))
-            if progress:
-                progress(f"prompt {i + 1}/{len(encoded)} {policy.name}@{verifiers[j]}")
-    ar = results[0]
-    ar_tps = sum(r.new_tokens for r in ar) / sum(r.wall_s for r in ar)
     rows = []
-    for policy, verifier, runs in zip(policies, verifiers, results, strict=True):
-        tokens, wall = sum(r.new_tokens for r in runs), sum(r.wall_s for r in runs)
-        iters = sum(r.iterations for r in runs)
-        accepted = sum(r.mean_accepted_length * r.iterations for r in runs)
-        drafted = sum(_drafted(r) for r in runs)
-        rows.append(
-            PolicyRow(
-                policy=policy.name,
-                params=dict(policy.config),
-                verifier=verifier,
-                tokens_per_iteration=tokens / iters,
-                acceptance_rate=accepted / drafted if drafted else 0.0,
-                throughput_tps=tokens / wall,
-                speedup_vs_ar=(tokens / wall) / ar_tps,
-                draft_forwards_per_iteration=statistics.fmean(r.draft_forwards / r.iterations for r in runs),
-                exact=sum(r.token_ids == a.token_ids for r, a in zip(runs, ar, strict=True))
-                if sampling.greedy
-                else None,
-                prompts=len(runs),
+    for s, rounds in zip(stats, results, strict=True):
+        for i, prompt in enumerate(prompts):
+            runs = [rnd[i] for rnd in rounds]
+            iterations = sum(r.iterations for r in runs)
+            rows.append(
+                {
+                    "label": s.label,
+                    "policy": s.policy,
+                    "prompt": i,
+                    "domain": prompt.domain,
+                    "prompt_tokens": len(ids[i]),
+                    "new_tokens": statistics.fmean(r.new_tokens for r in runs),
+                    "throughput_tps": statistics.fmean(r.throughput_tps for r in runs),
+                    "tokens_per_iteration": sum(r.new_tokens for r in runs) / iterations if iterations else 0.0,
+                    "acceptance_rate": statistics.fmean(r.acceptance_rate for r in runs),
+                    "exact": None
+                    if not config.sampling.greedy
+                    else all(r.token_ids == results[0][0][i].token_ids for r in runs),
+                }
             )
-        )
-    return rows
+    device = device or str(pair.target.model.device)
+    dtype = dtype or str(pair.target.model.dtype).removeprefix("torch.")
+    settings = {
+        "prompts": len(prompts),
+        "domains": sorted({p.domain for p in prompts}),
+        "max_new_tokens": config.max_new_tokens,
+        "max_prompt_tokens": max_prompt_tokens,
+        "repeats": repeats,
+        "warmup": warmup,
+        "temperature": config.sampling.temperature,
+        "top_p": config.sampling.top_p,
+        "top_k": config.sampling.top_k,
+        "verifier": config.verifier,
+        "seed": config.seed,
+    }
+    return BenchReport(environment(device, dtype), settings, stats, rows)
 
 
-def _drafted(result) -> float:
-    """Draft tokens the target verified (from the records; a black box's from its rate)."""
-    if result.records:
-        return sum(rec.drafted for rec in result.records)
-    accepted = result.mean_accepted_length * result.iterations
-    return accepted / result.acceptance_rate if result.acceptance_rate else 0.0
-
-
-def markdown(rows: list[PolicyRow]) -> str:
-    out = [
-        "| policy | verifier | tokens / iteration | acceptance | draft forwards / iteration | tokens / s "
-        "| speedup vs ar | exact |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        exact = f"{r.exact}/{r.prompts}" if r.exact is not None else "n/a (sampled)"
-        out.append(
-            f"| {r.policy} | {r.verifier} | {r.tokens_per_iteration:.2f} | {r.acceptance_rate:.2f} | "
-            f"{r.draft_forwards_per_iteration:.1f} | {r.throughput_tps:.1f} | {r.speedup_vs_ar:.2f} | "
-            f"{exact} |"
-        )
-    return "\n".join(out)
-
-
-def stderr_progress(message: str) -> None:
-    print(f"\r{message:<60}", end="", file=sys.stderr, flush=True)
+def stderr_progress(done: int, total: int, label: str) -> None:
+    width = 30
+    filled = int(width * done / total)
+    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<48}", end="", file=sys.stderr, flush=True)

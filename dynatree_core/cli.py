@@ -9,6 +9,7 @@ import argparse
 import itertools
 import json
 import os
+import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -94,20 +95,33 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--json", action="store_true")
     pol = sub.add_parser("policies", help="list drafting policies and their parameters")
     pol.add_argument("--json", action="store_true")
-    bench = sub.add_parser("bench", help="compare policies on a prompt set (ratios to ar in the same run)")
-    bench.add_argument("--policy", action="append", default=[], metavar="NAME[:K=V,...][@VERIFIER]", help="repeatable")
-    bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled, seed = prompt index")
+    bench = sub.add_parser(
+        "bench", help="policies over a prompt set (DynaTree protocol), ratios to the best AR reference in the same run"
+    )
+    bench.add_argument("--policies", default="", help="comma-separated policy names, e.g. ar,linear,fixed_tree")
+    bench.add_argument(
+        "--policy", action="append", default=[], metavar="NAME[:K=V,...][@VERIFIER]", help="repeatable, with parameters"
+    )
+    bench.add_argument("--prompts", default="all", help="bundled set name, 'all', or a .jsonl / .txt path")
+    bench.add_argument("--limit", type=int, default=8, help="N: first N prompts, spread over the domains (0: all)")
+    bench.add_argument(
+        "--max-prompt-tokens", type=int, default=None, help="L_max: cut each prompt to its first L tokens"
+    )
+    bench.add_argument("--max-new-tokens", type=int, default=48, help="T: new tokens per run")
+    bench.add_argument("--repeats", type=int, default=1, help="R: measured rounds over all prompts")
+    bench.add_argument("--warmup", type=int, default=1, help="W: discarded warm-up runs per policy")
+    bench.add_argument("--no-hf", action="store_true", help="skip the HF generate reference")
+    bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled, round r uses seed r")
     bench.add_argument("--top-p", type=float, default=1.0)
     bench.add_argument("--top-k", type=int, default=0)
-    bench.add_argument("--prompts", default="all", help="bundled set name, 'all', or a .jsonl path")
-    bench.add_argument("--limit", type=int, default=8, help="first N prompts, spread over the domains")
-    bench.add_argument("--max-new-tokens", type=int, default=48)
+    bench.add_argument("--verifier", default="auto", help="for every policy without its own @VERIFIER")
     bench.add_argument("--preset", default=None)
     bench.add_argument("--target", default=None)
     bench.add_argument("--draft", default=None)
     bench.add_argument("--device", default="auto")
     bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    bench.add_argument("--json", action="store_true", help="rows as JSON instead of a markdown table")
+    bench.add_argument("--out", type=Path, default=None, help="write the report as JSON here (and CSV beside it)")
+    bench.add_argument("--json", action="store_true", help="print the JSON report instead of a markdown table")
     pre = sub.add_parser("presets", help="list model pair presets")
     pre.add_argument("--json", action="store_true")
     return parser
@@ -152,15 +166,25 @@ def cmd_presets(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    import dataclasses
-
-    from dynatree_core.bench import compare, markdown, parse_spec, stderr_progress
-    from dynatree_core.drafting import POLICIES
+    from dynatree_core.bench import parse_spec, run_bench, stderr_progress
+    from dynatree_core.compare import Entry
+    from dynatree_core.drafting import POLICIES, make_policy
+    from dynatree_core.engine import DecodeConfig
     from dynatree_core.prompts import load_prompts
     from dynatree_core.sampling import SamplingConfig
     from dynatree_core.session import load_pair
 
-    specs = [parse_spec(s) for s in args.policy] or [(name, {}, "auto") for name in POLICIES]
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    specs = [(n, {}, "auto") for n in names] + [parse_spec(s) for s in args.policy]
+    specs = specs or [(n, {}, "auto") for n in POLICIES if n not in ("ar", "hf_generate")]
+    entries = [Entry(n, p, verifier="" if v == "auto" else v) for n, p, v in specs if n not in ("ar", "hf_generate")]
+    for e in entries:
+        make_policy(e.policy, e.params)  # validate before loading models
+    for name, value in (("--repeats", args.repeats), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            raise DynaTreeError(f"{name} must be at least 1, got {value}")
+    if args.warmup < 0:
+        raise DynaTreeError(f"--warmup must be >= 0, got {args.warmup}")
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     prompts = load_prompts(args.prompts)
     by_domain: dict[str, list] = {}
@@ -170,12 +194,34 @@ def cmd_bench(args) -> None:
     chosen = spread[: args.limit] if args.limit > 0 else spread
     target_spec, draft_spec = _resolve_models(args)
     pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype)
-    rows = compare(pair, specs, chosen, max_new_tokens=args.max_new_tokens, sampling=sampling, progress=stderr_progress)
+    config = DecodeConfig(
+        max_new_tokens=args.max_new_tokens,
+        eos_token_ids=pair.target.eos_token_ids,
+        context_length=pair.target.context_length,
+        sampling=sampling,
+        verifier=args.verifier,
+    )
+    report = run_bench(
+        pair,
+        entries,
+        chosen,
+        config=config,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        include_hf=not args.no_hf,
+        max_prompt_tokens=args.max_prompt_tokens,
+        progress=stderr_progress,
+    )
     print(file=sys.stderr)
+    report.settings["command"] = "python -m dynatree_core " + shlex.join(args.argv)
+    report.settings["models"] = {"target": target_spec, "draft": draft_spec}
+    if args.out is not None:
+        args.out.write_text(report.to_json(), encoding="utf-8")
+        args.out.with_suffix(".csv").write_text(report.csv(), encoding="utf-8")
     if args.json:
-        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
+        print(report.to_json())
     else:
-        print(markdown(rows))
+        print(report.markdown())
 
 
 def _resolve_models(args) -> tuple[str, str | None]:
@@ -298,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = lambda msg, *a, **k: f"warning: {msg}\n"
     try:
         args = build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in reports
         commands = {
             "generate": cmd_generate,
             "compare": cmd_compare,

@@ -38,30 +38,35 @@ class Entry:
     policy: str
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     label: str = ""
+    verifier: str = ""  # "" : the run's verifier (DecodeConfig.verifier)
 
 
 def labelled(entries: list[Entry]) -> list[Entry]:
-    """Give every entry a unique label: the policy name, plus the parameters that differ from the
-    registry defaults when the same policy appears more than once (then #2, #3 if still equal)."""
-    names = [e.policy for e in entries]
+    """Give every entry a unique label: the policy name (with @verifier when it has its own), plus
+    the parameters that differ from the registry defaults when the same name appears more than
+    once (then #2, #3 if still equal)."""
+    bases = [e.policy + (f"@{e.verifier}" if e.verifier else "") for e in entries]
     out, seen = [], {}
-    for e in entries:
-        label = e.label or e.policy
-        if not e.label and names.count(e.policy) > 1:
+    for e, base in zip(entries, bases, strict=True):
+        label = e.label or base
+        if not e.label and bases.count(base) > 1:
             config = make_policy(e.policy, e.params).config
             defaults = make_policy(e.policy).config
             changed = [f"{k}={v}" for k, v in config.items() if v != defaults[k]]
-            label = f"{e.policy} ({', '.join(changed)})" if changed else e.policy
+            label = f"{base} ({', '.join(changed)})" if changed else base
         seen[label] = seen.get(label, 0) + 1
         out.append(dataclasses.replace(e, label=label if seen[label] == 1 else f"{label} #{seen[label]}"))
     return out
 
 
-def schedule(n_entries: int, repetitions: int) -> list[tuple[int, int]]:
-    """(round, entry index) in run order; round -1 is the discarded warm-up."""
-    plan = [(-1, j) for j in range(n_entries)]
+def schedule(n_entries: int, repetitions: int, n_prompts: int = 1, warmup: int = 1) -> list[tuple[int, int, int]]:
+    """(round, prompt index, entry index) in run order. Rounds -warmup..-1 are discarded warm-ups
+    on the first prompt; in round r every entry runs each prompt once, prompt by prompt, the
+    entries' order rotated by r so that no entry always runs first."""
+    plan = [(r, 0, j) for r in range(-warmup, 0) for j in range(n_entries)]
     for r in range(repetitions):
-        plan += [(r, (j + r) % n_entries) for j in range(n_entries)]
+        for i in range(n_prompts):
+            plan += [(r, i, (j + r) % n_entries) for j in range(n_entries)]
     return plan
 
 
@@ -74,9 +79,9 @@ class EntryStats:
     params: dict[str, Any]
     verifier: str
     reference: bool
-    runs: int
-    throughput_tps: float
-    throughput_std: float
+    runs: int  # measured runs: rounds x prompts
+    throughput_tps: float  # per round: its tokens over its wall time (all prompts); mean over rounds
+    throughput_std: float  # std over rounds
     speedup: float  # mean throughput over the best reference's
     tokens_per_iteration: float
     acceptance_rate: float
@@ -93,8 +98,10 @@ class EntryStats:
     accepted_lengths: list[int]  # every iteration of every measured run
     committed_per_iteration: list[int]  # the first measured run, iteration by iteration
     acceptance_by_depth: list[float]  # d = 1, 2, ...: P(accepted >= d | the tree reached depth d)
-    token_ids: list[list[int]]  # every measured run's output
+    token_ids: list[list[int]]  # every measured run's output (round by round, prompt by prompt)
     text: str  # the first measured run's output text
+    exact: int | None = None  # greedy: runs whose output equals ar's on the same prompt
+    memory_overhead: float | None = None  # peak memory over ar's, minus 1
 
 
 @dataclasses.dataclass
@@ -196,8 +203,10 @@ def _depth_acceptance(records: list[IterationRecord]) -> list[float]:
     return [accepted[d] / reached[d] for d in sorted(reached)]
 
 
-def entry_stats(entry: Entry, verifier: str, runs: list[RunResult], best_reference_tps: float) -> EntryStats:
-    tps = [r.throughput_tps for r in runs]
+def entry_stats(entry: Entry, verifier: str, rounds: list[list[RunResult]], best_reference_tps: float) -> EntryStats:
+    """Summarise an entry's measured runs, given round by round (each round: one run per prompt)."""
+    runs = [r for rnd in rounds for r in rnd]
+    tps = [sum(r.new_tokens for r in rnd) / max(sum(r.wall_s for r in rnd), 1e-9) for rnd in rounds]
     records = [rec for r in runs for rec in r.records]
     iterations = sum(r.iterations for r in runs)
 
@@ -261,6 +270,63 @@ def check_outputs(stats: list[EntryStats], greedy: bool) -> dict[str, Any]:
     return {"checked": True, "ok": True, "message": f"all {len(stats)} outputs equal ar's, token for token"}
 
 
+def measure(
+    pair,
+    entries: list[Entry],
+    prompts: list[list[int]],
+    *,
+    config: DecodeConfig,
+    repetitions: int,
+    warmup: int = 1,
+    include_hf: bool = True,
+    on_progress: Callable[[int, int, str], None] | None = None,
+    on_record: Callable[[str, IterationRecord, RunResult | None], None] | None = None,
+    tokenizer=None,
+) -> tuple[list[EntryStats], list[list[list[RunResult]]]]:
+    """The protocol of the module docstring over one or more prompts: references first, then the
+    entries, each summarised over its measured runs (ratios to the faster reference). Also
+    returns the runs themselves, results[entry][round][prompt]."""
+    if repetitions < 1:
+        raise DynaTreeError("repetitions must be at least 1")
+    if not prompts:
+        raise DynaTreeError("no prompts to run")
+    refs = [Entry("ar", label="ar (our loop)")] + ([Entry("hf_generate", label="hf_generate")] if include_hf else [])
+    all_entries = labelled(refs + [e for e in entries if e.policy not in REFERENCES])
+    policies = [make_policy(e.policy, e.params) for e in all_entries]  # validate before any run
+    configs = [dataclasses.replace(config, verifier=e.verifier or config.verifier) for e in all_entries]
+    verifiers = ["hf" if p.black_box else resolve_verifier(p, c)[0] for p, c in zip(policies, configs, strict=True)]
+    target = pair.target
+
+    def run_one(j: int, prompt: int, seed: int) -> RunResult:
+        policy, entry = policies[j], all_entries[j]
+        hook = None if on_record is None or policy.black_box else (lambda rec: on_record(entry.label, rec, None))
+        return generate(
+            target.model,
+            prompts[prompt],
+            policy,
+            draft=pair.draft.model if pair.draft and policy.needs_draft_model else None,
+            config=dataclasses.replace(configs[j], seed=seed),
+            tokenizer=tokenizer,
+            draft_token_map=pair.draft.token_map if pair.draft else None,
+            on_record=hook,
+        )
+
+    results = run_schedule(
+        all_entries, repetitions, run_one, config.seed, on_progress, n_prompts=len(prompts), warmup=warmup
+    )
+    best = max(
+        statistics.fmean(sum(r.new_tokens for r in rnd) / max(sum(r.wall_s for r in rnd), 1e-9) for rnd in results[j])
+        for j in range(len(refs))
+    )
+    stats = [entry_stats(e, v, rounds, best) for e, v, rounds in zip(all_entries, verifiers, results, strict=True)]
+    ar = results[0]
+    for s, rounds in zip(stats, results, strict=True):
+        s.memory_overhead = s.peak_memory_mb / stats[0].peak_memory_mb - 1 if stats[0].peak_memory_mb else None
+        if config.sampling.greedy:
+            s.exact = sum(run.token_ids == ar[0][i].token_ids for rnd in rounds for i, run in enumerate(rnd))
+    return stats, results
+
+
 def compare(
     pair,
     entries: list[Entry],
@@ -275,35 +341,21 @@ def compare(
     on_record: Callable[[str, IterationRecord, RunResult | None], None] | None = None,
     tokenizer=None,
 ) -> Comparison:
-    """Run the protocol (module docstring) and summarise. on_progress(done, total, label) after
-    each run; on_record(label, record, None) after each iteration of a stepped policy."""
+    """One prompt, 1-6 policies (the page and `compare` CLI). on_progress(done, total, label)
+    after each run; on_record(label, record, None) after each iteration of a stepped policy."""
     if not 1 <= len(entries) <= 6:
         raise DynaTreeError(f"compare 1 to 6 policies, got {len(entries)}")
-    if repetitions < 1:
-        raise DynaTreeError("repetitions must be at least 1")
-    refs = [Entry("ar", label="ar (our loop)")] + ([Entry("hf_generate", label="hf_generate")] if include_hf else [])
-    all_entries = labelled(refs + [e for e in entries if e.policy not in REFERENCES])
-    policies = [make_policy(e.policy, e.params) for e in all_entries]  # validate before any run
-    verifiers = ["hf" if p.black_box else resolve_verifier(p, config)[0] for p in policies]
-    target = pair.target
-
-    def run_one(j: int, seed: int) -> RunResult:
-        policy, entry = policies[j], all_entries[j]
-        hook = None if on_record is None or policy.black_box else (lambda rec: on_record(entry.label, rec, None))
-        return generate(
-            target.model,
-            prompt_ids,
-            policy,
-            draft=pair.draft.model if pair.draft and policy.needs_draft_model else None,
-            config=dataclasses.replace(config, seed=seed),
-            tokenizer=tokenizer,
-            draft_token_map=pair.draft.token_map if pair.draft else None,
-            on_record=hook,
-        )
-
-    results = run_schedule(all_entries, repetitions, run_one, config.seed, on_progress)
-    best = max(statistics.fmean(r.throughput_tps for r in results[j]) for j in range(len(refs)))
-    stats = [entry_stats(e, v, runs, best) for e, v, runs in zip(all_entries, verifiers, results, strict=True)]
+    stats, _ = measure(
+        pair,
+        entries,
+        [prompt_ids],
+        config=config,
+        repetitions=repetitions,
+        include_hf=include_hf,
+        on_progress=on_progress,
+        on_record=on_record,
+        tokenizer=tokenizer,
+    )
     return Comparison(
         prompt=prompt,
         prompt_ids=list(prompt_ids),
@@ -325,20 +377,25 @@ def compare(
 def run_schedule(
     entries: list[Entry],
     repetitions: int,
-    run_one: Callable[[int, int], RunResult],
+    run_one: Callable[[int, int, int], RunResult],
     seed: int = 0,
     on_progress: Callable[[int, int, str], None] | None = None,
-) -> list[list[RunResult]]:
-    """Run `schedule` with run_one(entry index, seed); warm-up results are dropped. Round r uses
-    seed + r for every entry (the warm-up uses seed), so sampled entries see the same seeds."""
-    plan = schedule(len(entries), repetitions)
-    results: list[list[RunResult]] = [[] for _ in entries]
-    for done, (rnd, j) in enumerate(plan, 1):
-        result = run_one(j, seed + max(rnd, 0))
+    *,
+    n_prompts: int = 1,
+    warmup: int = 1,
+) -> list[list[list[RunResult]]]:
+    """Run `schedule` with run_one(entry index, prompt index, seed); warm-ups are dropped.
+    Returns results[entry][round][prompt]. Round r uses seed + r for every entry and prompt (the
+    warm-ups use seed), so sampled entries see the same seeds."""
+    plan = schedule(len(entries), repetitions, n_prompts, warmup)
+    results: list[list[list[RunResult]]] = [[[] for _ in range(repetitions)] for _ in entries]
+    for done, (rnd, prompt, j) in enumerate(plan, 1):
+        result = run_one(j, prompt, seed + max(rnd, 0))
         if rnd >= 0:
-            results[j].append(result)
+            results[j][rnd].append(result)
         if on_progress:
-            on_progress(done, len(plan), entries[j].label + (" (warm-up)" if rnd < 0 else ""))
+            where = " (warm-up)" if rnd < 0 else (f", prompt {prompt + 1}/{n_prompts}" if n_prompts > 1 else "")
+            on_progress(done, len(plan), entries[j].label + where)
     return results
 
 

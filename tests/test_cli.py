@@ -136,22 +136,37 @@ def test_chat_template_is_on_by_default_for_an_instruct_target(capsys):
     assert default != ids("--no-chat")
 
 
-def test_bench_compares_policies_against_ar_in_one_run(capsys, tiny_pair_dirs):
+def test_bench_reports_policies_against_the_best_reference(capsys, tiny_pair_dirs, tmp_path):
     target, draft = tiny_pair_dirs
-    code, out, err = run_cli(
+    out = tmp_path / "results.json"
+    code, printed, err = run_cli(
         capsys,
         "bench",
         "--target", target, "--draft", draft, "--dtype", "float32",
-        "--policy", "fixed_tree:depth=3,branch=2", "--policy", "ngram", "--policy", "hf_assisted",
-        "--limit", "3", "--max-new-tokens", "6", "--json",
+        "--policies", "ar,linear", "--policy", "fixed_tree:depth=3,branch=2", "--policy", "hf_assisted",
+        "--limit", "3", "--max-new-tokens", "6", "--repeats", "2", "--max-prompt-tokens", "8", "--out", str(out),
     )  # fmt: skip
     assert code == 0, err
-    rows = {r["policy"]: r for r in json.loads(out)}
-    assert list(rows) == ["ar", "fixed_tree", "ngram", "hf_assisted"]
-    assert rows["ar"]["speedup_vs_ar"] == 1.0 and rows["fixed_tree"]["params"]["depth"] == 3
-    assert all(r["exact"] == r["prompts"] == 3 for r in rows.values()), rows
+    assert "| linear | greedy |" in printed and "35/35" in err  # markdown table; a progress bar on stderr
+    report = json.loads(out.read_text())
+    rows = {r["label"]: r for r in report["results"]}
+    assert list(rows) == ["ar (our loop)", "hf_generate", "linear", "fixed_tree", "hf_assisted"]
+    for r in rows.values():
+        assert {"policy", "throughput_tps", "speedup", "tokens_per_iteration", "acceptance_rate"} <= set(r)
+        assert r["exact"] == r["runs"] == 6  # 3 prompts x 2 rounds, all equal to ar's output
+    assert max(rows["ar (our loop)"]["speedup"], rows["hf_generate"]["speedup"]) == 1.0
+    assert rows["fixed_tree"]["params"]["depth"] == 3 and rows["ar (our loop)"]["memory_overhead"] == 0.0
+    assert len(report["prompts"]) == 5 * 3 and all(p["prompt_tokens"] > 0 for p in report["prompts"])
+    env = report["environment"]
+    assert {"cpu", "torch", "transformers", "torch_threads", "device", "dtype"} <= set(env)
+    assert report["settings"]["repeats"] == 2 and report["settings"]["command"].startswith(
+        "python -m dynatree_core bench"
+    )
+    assert out.with_suffix(".csv").read_text().startswith("label,policy,verifier")
     code, _, err = run_cli(capsys, "bench", "--policy", "fixed_tree:depth", "--limit", "1")
     assert code == 2 and "key=value" in err
+    code, _, err = run_cli(capsys, "bench", "--policies", "nope", "--limit", "1")
+    assert code == 2 and "unknown policy" in err
 
 
 def test_verifiers_json_and_sampled_generation(capsys, tiny_pair_dirs):

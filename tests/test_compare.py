@@ -26,35 +26,41 @@ def tiny_pair():
     return SimpleNamespace(target=model, draft=draft)
 
 
-def test_schedule_warms_up_once_then_interleaves_rotated_rounds():
+def test_schedule_warms_up_then_interleaves_rotated_rounds():
     plan = schedule(3, 4)
-    assert plan[:3] == [(-1, 0), (-1, 1), (-1, 2)]  # one warm-up per entry, first
-    rounds = [[j for r, j in plan if r == k] for k in range(4)]
+    assert plan[:3] == [(-1, 0, 0), (-1, 0, 1), (-1, 0, 2)]  # one warm-up per entry, first
+    rounds = [[j for r, _, j in plan if r == k] for k in range(4)]
     assert all(sorted(r) == [0, 1, 2] for r in rounds)  # every entry once per round
     assert [r[0] for r in rounds] == [0, 1, 2, 0]  # no entry always runs first
     assert len(plan) == 3 + 3 * 4
+    multi = schedule(2, 2, n_prompts=3, warmup=2)
+    assert multi[:4] == [(-2, 0, 0), (-2, 0, 1), (-1, 0, 0), (-1, 0, 1)]
+    assert [(r, i) for r, i, _ in multi[4:]] == [(r, i) for r in range(2) for i in range(3) for _ in range(2)]
 
 
 def test_warm_up_results_are_discarded_and_rounds_share_seeds():
     calls = []
 
-    def run_one(j, seed):
-        calls.append((j, seed))
-        return SimpleNamespace(j=j, seed=seed, warm=len(calls) <= 2)
+    def run_one(j, prompt, seed):
+        calls.append((j, prompt, seed))
+        return SimpleNamespace(j=j, prompt=prompt, seed=seed, warm=len(calls) <= 2)
 
     progress = []
-    results = run_schedule(
-        [Entry("a", label="a"), Entry("b", label="b")], 3, run_one, 10, lambda *a: progress.append(a)
-    )
-    assert calls[:2] == [(0, 10), (1, 10)]
-    assert [[r.seed for r in runs] for runs in results] == [[10, 11, 12], [10, 11, 12]]
-    assert not any(r.warm for runs in results for r in runs)  # the warm-up runs were dropped
-    assert progress[0] == (1, 8, "a (warm-up)") and progress[-1][:2] == (8, 8)
+    entries = [Entry("a", label="a"), Entry("b", label="b")]
+    results = run_schedule(entries, 3, run_one, 10, lambda *a: progress.append(a), n_prompts=2)
+    assert calls[:2] == [(0, 0, 10), (1, 0, 10)]
+    assert [[[r.seed for r in rnd] for rnd in runs] for runs in results] == [[[10, 10], [11, 11], [12, 12]]] * 2
+    assert [[r.prompt for r in rnd] for rnd in results[0]] == [[0, 1]] * 3
+    assert not any(r.warm for runs in results for rnd in runs for r in rnd)  # the warm-up runs were dropped
+    assert progress[0] == (1, 14, "a (warm-up)") and progress[-1][:2] == (14, 14)
+    assert progress[2][2] == "a, prompt 1/2"
 
 
 def test_labels_are_unique_and_name_what_differs():
     entries = labelled([Entry("fixed_tree"), Entry("fixed_tree", {"depth": 3}), Entry("fixed_tree"), Entry("salf")])
     assert [e.label for e in entries] == ["fixed_tree", "fixed_tree (depth=3)", "fixed_tree #2", "salf"]
+    by_verifier = labelled([Entry("delayed", verifier="nss"), Entry("delayed", verifier="naive")])
+    assert [e.label for e in by_verifier] == ["delayed@nss", "delayed@naive"]
 
 
 def test_comparison_numbers_agree_with_running_each_policy_alone():
@@ -66,6 +72,7 @@ def test_comparison_numbers_agree_with_running_each_policy_alone():
     labels = [e.label for e in result.entries]
     assert labels == ["ar (our loop)", "hf_generate", "linear", "fixed_tree"]
     assert result.correctness["ok"] is True and result.correctness["checked"]
+    assert all(s.exact == s.runs == 2 for s in result.entries) and result.entries[0].memory_overhead == 0.0
     assert {"linear", "fixed_tree", "ar (our loop)"} <= set(seen) and "hf_generate" not in seen
     for stats, entry in zip(result.entries[2:], entries, strict=True):
         alone = generate(
