@@ -122,6 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     bench.add_argument("--out", type=Path, default=None, help="write the report as JSON here (and CSV beside it)")
     bench.add_argument("--json", action="store_true", help="print the JSON report instead of a markdown table")
+    lat = sub.add_parser("latency", help="forward time vs new tokens and context, target and draft (this device)")
+    lat.add_argument("--tokens", default=",".join(map(str, (1, 2, 4, 8, 16, 32, 64, 128, 256))))
+    lat.add_argument("--contexts", default="128,512", help="cached context lengths")
+    lat.add_argument("--repeats", type=int, default=5, help="timed forwards per point (median)")
+    lat.add_argument("--preset", default=None)
+    lat.add_argument("--target", default=None)
+    lat.add_argument("--draft", default=None)
+    lat.add_argument("--device", default="auto")
+    lat.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    lat.add_argument("--out", type=Path, default=None, help="JSON points here, plot beside it (.html)")
+    lat.add_argument("--json", action="store_true")
     pre = sub.add_parser("presets", help="list model pair presets")
     pre.add_argument("--json", action="store_true")
     return parser
@@ -222,6 +233,47 @@ def cmd_bench(args) -> None:
         print(report.to_json())
     else:
         print(report.markdown())
+
+
+def cmd_latency(args) -> None:
+    import dataclasses
+
+    from dynatree_core.bench import environment, stderr_progress
+    from dynatree_core.latency import latency_figure, profile
+    from dynatree_core.session import load_pair
+
+    try:
+        tokens = tuple(int(t) for t in args.tokens.split(","))
+        contexts = tuple(int(t) for t in args.contexts.split(","))
+    except ValueError as exc:
+        raise DynaTreeError(f"--tokens / --contexts take comma-separated integers: {exc}") from exc
+    if min(tokens) < 1 or min(contexts) < 1 or args.repeats < 1:
+        raise DynaTreeError("--tokens, --contexts and --repeats must be positive")
+    target_spec, draft_spec = _resolve_models(args)
+    pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype)
+    models = {"target": pair.target.model}
+    if pair.draft is not None and not pair.draft_is_stand_in:
+        models["draft"] = pair.draft.model
+    points = profile(models, tokens, contexts, args.repeats, progress=stderr_progress)
+    print(file=sys.stderr)
+    model = pair.target.model
+    report = {
+        "environment": environment(str(model.device), str(model.dtype).removeprefix("torch.")),
+        "command": "python -m dynatree_core " + shlex.join(args.argv),
+        "points": [dataclasses.asdict(p) for p in points],
+    }
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=2), encoding="utf-8")
+        latency_figure(points).write_html(args.out.with_suffix(".html"))
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print("| model | context | " + " | ".join(str(n) for n in tokens) + " |")
+    print("|---|---|" + "---|" * len(tokens))
+    for name in models:
+        for context in contexts:
+            row = [p.ms for p in points if p.model == name and p.context == context]
+            print(f"| {name} | {context} | " + " | ".join(f"{ms:.1f}" for ms in row) + " |")
 
 
 def _resolve_models(args) -> tuple[str, str | None]:
@@ -348,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         commands = {
             "generate": cmd_generate,
             "compare": cmd_compare,
+            "latency": cmd_latency,
             "policies": cmd_policies,
             "presets": cmd_presets,
             "bench": cmd_bench,
