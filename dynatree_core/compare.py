@@ -101,6 +101,7 @@ class EntryStats:
     token_ids: list[list[int]]  # every measured run's output (round by round, prompt by prompt)
     text: str  # the first measured run's output text
     exact: int | None = None  # greedy: runs whose output equals ar's on the same prompt
+    outside_forwards_share: float | None = None  # wall time outside model forwards / wall (None: black box)
     memory_overhead: float | None = None  # peak memory over ar's, minus 1
 
 
@@ -165,6 +166,7 @@ class Comparison:
                     "verify ms/iter": _round(None if e.tree_size_mean is None else e.verify_ms_per_iteration, 2),
                     "overhead ms/iter": _round(None if e.tree_size_mean is None else e.overhead_ms_per_iteration, 2),
                     "peak MB": round(e.peak_memory_mb, 1),
+                    "outside forwards": _round(e.outside_forwards_share, 3),
                     "tree mean": _round(e.tree_size_mean, 1),
                     "tree max": e.tree_size_max,
                     "runs": e.runs,
@@ -241,6 +243,9 @@ def entry_stats(entry: Entry, verifier: str, rounds: list[list[RunResult]], best
         acceptance_by_depth=_depth_acceptance(records),
         token_ids=[list(r.token_ids) for r in runs],
         text=runs[0].text,
+        outside_forwards_share=None
+        if black_box
+        else sum(rec.outside_forwards_ms for rec in records) / max(sum(rec.wall_ms for rec in records), 1e-9),
     )
 
 

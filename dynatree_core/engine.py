@@ -180,10 +180,12 @@ def _iteration(
     verifier, draw, gen = sampling_state
     t0 = _clock(device)
     draft_forwards = drafter.forwards if drafter else 0
+    draft_forward_ms = drafter.kv.forward_ms if drafter else 0.0
     request = DraftRequest(committed[-1], budget - 1, drafter, committed, draw, config.sampling, gen)
     tree = policy.draft(request)  # max depth budget - 1: the bonus needs 1 slot
     draft_forwards = (drafter.forwards if drafter else 0) - draft_forwards
     t1 = _clock(device)
+    draft_forward_ms = (drafter.kv.forward_ms if drafter else 0.0) - draft_forward_ms
     order = tree.order(config.order)
     ancestors = tree.ancestor_mask(order)  # (n, n) bool, root first
     past, chain = target_kv.length, target_kv.pending
@@ -226,6 +228,7 @@ def _iteration(
         stop=stop,
         verifier=verifier,
         verification=outcome.trace,
+        draft_forward_ms=draft_forward_ms,
     )
     record.overhead_ms = (t2 - t1 + _clock(device) - t4) * 1e3
     if config.analyze and verifier != "greedy":  # outside the timings: an explanation, not the work

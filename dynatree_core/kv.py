@@ -14,6 +14,8 @@ tokens keep the KV the verification forward computed, nothing is recomputed.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from dynatree_core.errors import DynaTreeError
@@ -30,6 +32,7 @@ class KVState:
         self.length = 0  # tokens whose KV is in the cache
         self.pending: list[int] = list(prompt_ids)  # committed, not yet in the cache
         self.forwards = 0
+        self.forward_ms = 0.0  # time inside model forwards (what "outside the forwards" is measured against)
 
     @property
     def device(self) -> torch.device:
@@ -55,6 +58,9 @@ class KVState:
         dtype = self.model.dtype
         mask = torch.zeros(visible.shape, dtype=dtype, device=device)
         mask.masked_fill_(~visible.to(device), torch.finfo(dtype).min)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
         out = self.model(
             input_ids=torch.tensor([token_ids], device=device),
             position_ids=torch.tensor([position_ids], device=device),
@@ -63,9 +69,13 @@ class KVState:
             use_cache=True,
             logits_to_keep=logits_to_keep,
         )
+        logits = out.logits[0].float()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.forward_ms += (time.perf_counter() - t0) * 1e3
         self.length += q
         self.forwards += 1
-        return out.logits[0].float()
+        return logits
 
     def keep(self, index: list[int]) -> None:
         """Keep only the cache entries at `index` (ascending): compaction, no recompute.

@@ -41,6 +41,7 @@ class IterationRecord:
     memory_mb: float
     stop: str | None = None  # "eos", "max_new_tokens" or "context_limit" on the last iteration
     verifier: str = "greedy"
+    draft_forward_ms: float = 0.0  # part of draft_ms spent inside draft model forwards
     # the verifier's steps: {"kind": "test" | "residual" | "sample" | "argmax", "node", ...}
     verification: list[dict] = dataclasses.field(default_factory=list)
     # per verified node (id as a string): reach probability, expected acceptance (DecodeConfig.analyze)
@@ -49,6 +50,11 @@ class IterationRecord:
     @property
     def wall_ms(self) -> float:
         return self.draft_ms + self.verify_ms + self.commit_ms + self.overhead_ms
+
+    @property
+    def outside_forwards_ms(self) -> float:
+        """Wall time outside model forwards: tree building, masks, verification, compaction."""
+        return self.wall_ms - self.verify_ms - self.draft_forward_ms
 
     @property
     def drafted(self) -> int:

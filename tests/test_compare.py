@@ -85,6 +85,9 @@ def test_comparison_numbers_agree_with_running_each_policy_alone():
         assert stats.committed_per_iteration == [len(r.committed) for r in alone.records]
         assert stats.tree_size_max >= stats.tree_size_mean > 0
         assert all(0 <= a <= 1 for a in stats.acceptance_by_depth)
+        assert 0 < stats.outside_forwards_share < 1
+        assert all(0 <= r.draft_forward_ms <= r.draft_ms for r in alone.records)
+        assert any(r.draft_forward_ms > 0 for r in alone.records)
     best = max(e.throughput_tps for e in result.entries[:2])
     assert result.entries[2].speedup == pytest.approx(result.entries[2].throughput_tps / best)
     hf = result.entries[1]
