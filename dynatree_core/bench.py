@@ -213,3 +213,70 @@ def stderr_progress(done: int, total: int, label: str) -> None:
     width = 30
     filled = int(width * done / total)
     print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<48}", end="", file=sys.stderr, flush=True)
+
+
+def parse_sweep(spec: str) -> tuple[str, list[str]]:
+    """'depth=3..8' (integer range, inclusive) or 'tau=0.01,0.03,0.1' -> (name, values)."""
+    name, eq, values = spec.partition("=")
+    if not eq or not name.strip() or not values.strip():
+        raise DynaTreeError(f"--sweep expects NAME=A..B or NAME=V1,V2,..., got {spec!r}")
+    if ".." in values:
+        lo, _, hi = values.partition("..")
+        try:
+            start, stop = int(lo), int(hi)
+        except ValueError as exc:
+            raise DynaTreeError(f"--sweep {spec!r}: a range takes integers (A..B)") from exc
+        if stop < start:
+            raise DynaTreeError(f"--sweep {spec!r}: empty range")
+        return name.strip(), [str(v) for v in range(start, stop + 1)]
+    return name.strip(), [v.strip() for v in values.split(",") if v.strip()]
+
+
+def sweep_entries(policy: str, sweeps: list[tuple[str, list[str]]], base: dict[str, str] | None = None) -> list[Entry]:
+    """One parameter at a time around the registry defaults (plus `base`), as the DynaTree papers'
+    figures vary it; each entry is labelled 'name=value'."""
+    from dynatree_core.drafting import make_policy
+
+    base = dict(base or {})
+    entries = []
+    for name, values in sweeps:
+        for value in values:
+            params = {**base, name: value}
+            make_policy(policy, params)  # unknown names and out-of-range values fail here, before any run
+            entries.append(Entry(policy, params, label=f"{policy} {name}={value}"))
+    return entries
+
+
+def sweep_figures(report: BenchReport, sweeps: list[tuple[str, list[str]]]):
+    """Throughput (± std over rounds) and tokens per iteration against each swept parameter, with
+    the best reference's throughput as a dashed line (one figure per parameter)."""
+    from plotly.subplots import make_subplots
+
+    refs = [e for e in report.results if e.reference]
+    best_ref = max(refs, key=lambda e: e.throughput_tps) if refs else None
+    figures = {}
+    for name, values in sweeps:
+        rows = [
+            e for e in report.results if not e.reference and e.label.endswith(tuple(f" {name}={v}" for v in values))
+        ]
+        xs = [e.label.rsplit("=", 1)[1] for e in rows]
+        fig = make_subplots(specs=[[{"secondary_y": True}]])
+        fig.add_scatter(
+            x=xs,
+            y=[e.throughput_tps for e in rows],
+            error_y=dict(type="data", array=[e.throughput_std for e in rows]),
+            mode="lines+markers",
+            name="tokens / s",
+        )
+        fig.add_scatter(
+            x=xs, y=[e.tokens_per_iteration for e in rows], mode="lines+markers", name="tokens / iteration",
+            secondary_y=True,
+        )  # fmt: skip
+        if best_ref is not None:
+            fig.add_hline(y=best_ref.throughput_tps, line_dash="dash", annotation_text=best_ref.label)
+        policy = rows[0].policy if rows else ""
+        fig.update_layout(title=f"{policy}: throughput vs {name}", xaxis_title=name, height=380, xaxis_type="category")
+        fig.update_yaxes(title_text="tokens / s", secondary_y=False)
+        fig.update_yaxes(title_text="tokens / iteration", secondary_y=True)
+        figures[name] = fig
+    return figures

@@ -120,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft", default=None)
     bench.add_argument("--device", default="auto")
     bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    bench.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="NAME=A..B|NAME=V1,V2",
+        help="vary one registry parameter of --sweep-policy at a time (repeatable); figures go beside --out",
+    )
+    bench.add_argument("--sweep-policy", default="fixed_tree", help="the policy whose parameters --sweep varies")
     bench.add_argument("--out", type=Path, default=None, help="write the report as JSON here (and CSV beside it)")
     bench.add_argument("--json", action="store_true", help="print the JSON report instead of a markdown table")
     lat = sub.add_parser("latency", help="forward time vs new tokens and context, target and draft (this device)")
@@ -177,7 +185,7 @@ def cmd_presets(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from dynatree_core.bench import parse_spec, run_bench, stderr_progress
+    from dynatree_core.bench import parse_spec, parse_sweep, run_bench, stderr_progress, sweep_entries, sweep_figures
     from dynatree_core.compare import Entry
     from dynatree_core.drafting import POLICIES, make_policy
     from dynatree_core.engine import DecodeConfig
@@ -187,8 +195,11 @@ def cmd_bench(args) -> None:
 
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     specs = [(n, {}, "auto") for n in names] + [parse_spec(s) for s in args.policy]
-    specs = specs or [(n, {}, "auto") for n in POLICIES if n not in ("ar", "hf_generate")]
-    entries = [Entry(n, p, verifier="" if v == "auto" else v) for n, p, v in specs if n not in ("ar", "hf_generate")]
+    if not specs and not args.sweep:
+        specs = [(n, {}, "auto") for n in POLICIES if n not in ("ar", "hf_generate")]
+    sweeps = [parse_sweep(s) for s in args.sweep]
+    entries = sweep_entries(args.sweep_policy, sweeps) if sweeps else []  # then any policies listed too
+    entries += [Entry(n, p, verifier="" if v == "auto" else v) for n, p, v in specs if n not in ("ar", "hf_generate")]
     for e in entries:
         make_policy(e.policy, e.params)  # validate before loading models
     for name, value in (("--repeats", args.repeats), ("--max-new-tokens", args.max_new_tokens)):
@@ -229,6 +240,8 @@ def cmd_bench(args) -> None:
     if args.out is not None:
         args.out.write_text(report.to_json(), encoding="utf-8")
         args.out.with_suffix(".csv").write_text(report.csv(), encoding="utf-8")
+        for name, fig in sweep_figures(report, sweeps).items():
+            fig.write_html(args.out.with_name(f"{args.out.stem}.sweep-{name}.html"))
     if args.json:
         print(report.to_json())
     else:

@@ -169,6 +169,25 @@ def test_bench_reports_policies_against_the_best_reference(capsys, tiny_pair_dir
     assert code == 2 and "unknown policy" in err
 
 
+def test_bench_sweep_varies_one_parameter_at_a_time_and_plots(capsys, tiny_pair_dirs, tmp_path):
+    target, draft = tiny_pair_dirs
+    out = tmp_path / "sweep.json"
+    code, printed, err = run_cli(
+        capsys,
+        "bench", "--target", target, "--draft", draft, "--limit", "1", "--max-new-tokens", "4", "--no-hf",
+        "--sweep", "depth=2..3", "--sweep", "tau=0.01,0.1", "--policies", "linear", "--out", str(out),
+    )  # fmt: skip
+    assert code == 0, err
+    labels = [r["label"] for r in json.loads(out.read_text())["results"]]
+    swept = ["fixed_tree depth=2", "fixed_tree depth=3", "fixed_tree tau=0.01", "fixed_tree tau=0.1"]
+    assert labels == ["ar (our loop)", *swept, "linear"]
+    for name in ("depth", "tau"):
+        assert (tmp_path / f"sweep.sweep-{name}.html").stat().st_size > 1000
+    for bad, needle in (("depth=9..3", "empty range"), ("depth", "NAME=A..B"), ("nope=1,2", "no parameter")):
+        code, _, err = run_cli(capsys, "bench", "--limit", "1", "--sweep", bad)
+        assert code == 2 and needle in err, err
+
+
 def test_verifiers_json_and_sampled_generation(capsys, tiny_pair_dirs):
     code, out, _ = run_cli(capsys, "verifiers", "--json")
     assert code == 0
