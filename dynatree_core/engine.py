@@ -14,13 +14,12 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-import psutil
 import torch
 
 from dynatree_core.drafting.base import Drafter, DraftRequest, Policy
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.kv import KVState, chain_then_tree_visibility
-from dynatree_core.metrics import summarize
+from dynatree_core.metrics import memory_mb, summarize
 from dynatree_core.models import context_length_of
 from dynatree_core.sampling import SamplingConfig
 from dynatree_core.trace import IterationRecord, RunResult
@@ -84,12 +83,6 @@ def _clock(device: torch.device) -> float:
     if device.type == "cuda":  # CUDA is asynchronous: wait for queued kernels first
         torch.cuda.synchronize(device)
     return time.perf_counter()
-
-
-def _memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return psutil.Process().memory_info().rss / 2**20
 
 
 def vocab_size(model: torch.nn.Module) -> int:
@@ -224,7 +217,7 @@ def _iteration(
         verify_ms=(t3 - t2) * 1e3,
         commit_ms=(t4 - t3) * 1e3,
         overhead_ms=0.0,
-        memory_mb=_memory_mb(device),
+        memory_mb=memory_mb(device),
         stop=stop,
         verifier=verifier,
         verification=outcome.trace,

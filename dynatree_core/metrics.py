@@ -16,6 +16,17 @@ from typing import Any
 from dynatree_core.trace import IterationRecord, RunResult
 
 
+def memory_mb(device) -> float:
+    """Peak CUDA memory allocated on a GPU; the process's resident memory on CPU."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
 def _ratio(num: float, den: float) -> float:
     return num / den if den else 0.0
 

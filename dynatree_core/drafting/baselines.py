@@ -21,7 +21,7 @@ import torch
 
 from dynatree_core.drafting.base import DraftRequest, Param, Policy, register_policy
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.metrics import _ratio
+from dynatree_core.metrics import _ratio, memory_mb
 from dynatree_core.trace import RunResult
 from dynatree_core.tree import DraftTree
 from dynatree_core.vocab import TokenMap
@@ -62,6 +62,7 @@ class HFBaseline(Policy):
         try:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
             sampling = config.sampling
             extra = {} if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p}
@@ -106,7 +107,7 @@ class HFBaseline(Policy):
             wall_s=wall,
             ttft_ms=0.0,  # not observable from outside HF
             tpot_ms=_ratio(wall * 1000, len(tokens)),
-            peak_memory_mb=0.0,
+            peak_memory_mb=memory_mb(device),  # CUDA peak; process RSS after the run on CPU
             draft_ms=0.0,
             verify_ms=0.0,
             commit_ms=0.0,
