@@ -64,6 +64,7 @@ def environment(device: str, dtype: str) -> dict[str, Any]:
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "amx_bf16": "amx_bf16" in flags.split(),
+        "avx512_bf16": "avx512_bf16" in flags.split(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -174,3 +174,26 @@ def test_compare_page_runs_two_policies_and_shows_results(tiny_pair_dirs):
     assert len(at.dataframe[0].value) == 4
     assert any("Exact" in s.value for s in at.success)
     assert len(at.get("plotly_chart")) >= 4
+
+
+def test_benchmark_page_runs_a_sweep_and_shows_its_figure(tiny_pair_dirs):
+    from streamlit.testing.v1 import AppTest
+
+    page = Path(__file__).resolve().parent.parent / "pages" / "3_Benchmark.py"
+    at = AppTest.from_file(str(page), default_timeout=300)
+    at.run()
+    assert not at.exception, at.exception
+    next(s for s in at.selectbox if s.label == "Model pair").set_value("custom (hub id or local path)").run()
+    next(t for t in at.text_input if t.label == "Target").set_value(tiny_pair_dirs[0])
+    next(t for t in at.text_input if t.label == "Draft").set_value(tiny_pair_dirs[1])
+    at.radio[0].set_value("Sweep one policy's parameters").run()
+    next(t for t in at.text_input if t.label == "Sweep").set_value("depth=2..3")
+    next(s for s in at.slider if s.label == "Prompts (N)").set_value(1)
+    next(s for s in at.slider if s.label == "New tokens (T)").set_value(8)
+    at.run()
+    next(b for b in at.button if "Run benchmark" in b.label).click().run()
+    assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
+    report, sweeps = at.session_state["bench_report"]
+    assert [e.label for e in report.results][-2:] == ["fixed_tree depth=2", "fixed_tree depth=3"]
+    assert sweeps == [("depth", ["2", "3"])] and len(at.get("plotly_chart")) == 1
+    assert any("fixed_tree depth=3" in m.value for m in at.markdown)

@@ -1,0 +1,128 @@
+"""Benchmark: run a small benchmark or parameter sweep from the browser (dynatree_core.bench, the
+same protocol as `python -m dynatree_core bench`), and view or compare saved result files."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+
+from dynatree_core.bench import parse_sweep, run_bench, sweep_entries, sweep_figures
+from dynatree_core.compare import Entry
+from dynatree_core.drafting import POLICIES
+from dynatree_core.engine import DecodeConfig
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.models import PRESETS
+from dynatree_core.prompts import bundled_sets, load_prompts
+from dynatree_core.ui import cached_pair, forward_lock
+
+st.set_page_config(page_title="Benchmark", page_icon="⏱️", layout="wide")
+st.title("Benchmark")
+st.caption(
+    "The DynaTree protocol on the bundled prompts: one discarded warm-up per policy, then R rounds over "
+    "N prompts with the policies interleaved; `ar` and HF `generate` as references in the same run. "
+    "For long runs use the CLI (`python -m dynatree_core bench ...`) and load its JSON below."
+)
+STEPPED = [n for n, cls in POLICIES.items() if n not in ("ar", "hf_generate")]
+
+CUSTOM = "custom (hub id or local path)"
+with st.sidebar:
+    preset = st.selectbox("Model pair", [*PRESETS, CUSTOM], key="bench_preset")
+    if preset == CUSTOM:
+        target_spec = st.text_input("Target", key="bench_target")
+        draft_spec = st.text_input("Draft", key="bench_draft") or None
+    else:
+        target_spec, draft_spec = PRESETS[preset].target, PRESETS[preset].draft
+    device = st.selectbox("Device", ["auto", "cpu", "cuda"], key="bench_device")
+    dtype = st.selectbox("Dtype", ["auto", "float32", "bfloat16", "float16"], key="bench_dtype")
+
+mode = st.radio("What to run", ["Policies", "Sweep one policy's parameters"], horizontal=True, key="bench_mode")
+sweeps, entries = [], []
+if mode == "Policies":
+    chosen = st.multiselect("Policies", STEPPED, ["linear", "fixed_tree", "dynatree", "salf"], key="bench_policies")
+    entries = [Entry(name) for name in chosen]
+else:
+    c1, c2 = st.columns(2)
+    tunable = [n for n in STEPPED if POLICIES[n].params]
+    sweep_policy = c1.selectbox("Policy", tunable, index=tunable.index("fixed_tree"), key="bench_sweep_policy")
+    spec = c2.text_input(
+        "Sweep", "depth=3..6", key="bench_sweep", help="NAME=A..B (integers) or NAME=V1,V2; ';' separates several"
+    )
+a, b, c, d, e = st.columns(5)
+prompt_set = a.selectbox("Prompts", ["all", *bundled_sets()], key="bench_prompts")
+limit = b.slider("Prompts (N)", 1, 20, 3, key="bench_limit")
+max_new = c.slider("New tokens (T)", 8, 256, 32, key="bench_tokens")
+repeats = d.slider("Rounds (R)", 1, 5, 1, key="bench_repeats")
+include_hf = e.toggle("HF generate reference", True, key="bench_hf")
+
+if st.button("Run benchmark", type="primary", icon=":material/timer:"):
+    try:
+        if mode != "Policies":
+            sweeps = [parse_sweep(s) for s in spec.split(";") if s.strip()]
+            entries = sweep_entries(sweep_policy, sweeps)
+        if not entries:
+            raise DynaTreeError("pick at least one policy")
+        if not target_spec:
+            raise DynaTreeError("enter a target model")
+        prompts = load_prompts(prompt_set)[:limit]
+        with st.spinner("Loading models..."):
+            pair = cached_pair(target_spec, draft_spec, device, dtype)
+        config = DecodeConfig(
+            max_new_tokens=max_new, eos_token_ids=pair.target.eos_token_ids, context_length=pair.target.context_length
+        )
+        bar = st.progress(0.0, text="Starting...")
+        with forward_lock():
+            report = run_bench(
+                pair,
+                entries,
+                prompts,
+                config=config,
+                repeats=repeats,
+                include_hf=include_hf,
+                progress=lambda done, total, label: bar.progress(done / total, text=f"{done}/{total}: {label}"),
+            )
+        bar.empty()
+        report.settings["models"] = {"target": target_spec, "draft": draft_spec}
+        st.session_state["bench_report"] = (report, sweeps)
+    except DynaTreeError as exc:
+        st.error(str(exc))
+    except Exception as exc:  # a model that cannot load: a message, never a traceback
+        st.error(f"The benchmark could not run: {type(exc).__name__}: {exc}")
+
+if "bench_report" in st.session_state:
+    report, sweeps = st.session_state["bench_report"]
+    env = report.environment
+    st.subheader("This run")
+    st.caption(
+        f"{env['cpu']} ({env['cpu_count']} cores, {env['torch_threads']} torch threads), {env['device']}, "
+        f"{env['dtype']}; torch {env['torch']}, transformers {env['transformers']}."
+    )
+    st.markdown(report.markdown())
+    for name, fig in sweep_figures(report, sweeps).items():
+        st.plotly_chart(fig, width="stretch", key=f"bench_sweep_{name}")
+    x, y = st.columns(2)
+    x.download_button("Download JSON", report.to_json(), file_name="bench.json", mime="application/json")
+    y.download_button("Download CSV", report.csv(), file_name="bench.csv", mime="text/csv")
+
+st.subheader("Saved results")
+files = st.file_uploader(
+    "Load one or more JSON reports (from this page or `bench --out`)", type=["json"], accept_multiple_files=True
+)
+rows = []
+for f in files or []:
+    try:
+        data = json.loads(f.getvalue())
+        rows += [{"file": f.name, **r} for r in data["results"]]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        st.error(f"{f.name}: not a benchmark report (no 'results' list)")
+if rows:
+    table = pd.DataFrame(rows)
+    keep = ["file", "label", "verifier", "throughput_tps", "throughput_std", "speedup", "tokens_per_iteration"]
+    st.dataframe(table[[k for k in keep if k in table.columns]], hide_index=True, width="stretch")
+    fig = go.Figure()
+    for name, group in table.groupby("file", sort=False):
+        fig.add_bar(x=group["label"], y=group["throughput_tps"], name=name)
+    fig.update_layout(barmode="group", yaxis_title="tokens / s", height=380, legend=dict(orientation="h"))
+    st.plotly_chart(fig, width="stretch", key="bench_saved")
