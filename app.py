@@ -21,12 +21,11 @@ from dynatree_core.drafting import POLICIES, make_policy
 from dynatree_core.engine import DecodeConfig, generate, resolve_verifier
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.live import LiveRun
-from dynatree_core.models import PRESETS
 from dynatree_core.prompts import load_prompts
 from dynatree_core.sampling import SamplingConfig
 from dynatree_core.session import encode_prompt
 from dynatree_core.trace import IterationRecord
-from dynatree_core.ui import cached_pair, forward_lock, param_widgets
+from dynatree_core.ui import cached_pair, forward_lock, model_picker, param_widgets
 from dynatree_core.verify.sampling import VERIFIERS
 from dynatree_core.viz import (
     acceptance_by_depth,
@@ -44,7 +43,6 @@ from dynatree_core.viz import (
 )
 
 st.set_page_config(page_title="DynaTree Explorer", page_icon="🌳", layout="wide")
-CUSTOM = "custom (hub id or local path)"
 # Three figures per page update: one update every 0.6 s keeps the browser near 5 figure updates per
 # second. A browser on the same machine draws on the same CPU cores and slows the engine while it
 # draws (measured here: ~0.2 s of CPU per figure update in headless Chromium).
@@ -57,20 +55,7 @@ st.caption("Tree speculative decoding, live: the draft proposes a token tree, th
 
 with st.sidebar:
     st.header("Models")
-    preset = st.selectbox(
-        "Model pair",
-        [*PRESETS, CUSTOM],
-        help="`embedded` runs offline: SmolLM2-135M-Instruct with the project's trained draft.",
-    )
-    if preset == CUSTOM:
-        target_spec = st.text_input("Target", help="A hub id (needs network) or a local model directory.")
-        draft_spec = st.text_input("Draft", help="Empty: the target drafts for itself (exact, never faster).") or None
-    else:
-        target_spec, draft_spec = PRESETS[preset].target, PRESETS[preset].draft
-    device = st.selectbox("Device", ["auto", "cpu", "cuda"], help="auto: CUDA when available, else CPU.")
-    dtype = st.selectbox(
-        "Dtype", ["auto", "float32", "bfloat16", "float16"], help="auto: float32 on CPU (bit-exact greedy)."
-    )
+    target_spec, draft_spec, device, dtype = model_picker()
     st.header("Drafting")
     policy_name = st.selectbox(
         "Policy", list(POLICIES), index=list(POLICIES).index("fixed_tree"), help="How the draft tree is grown."

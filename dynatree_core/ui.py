@@ -9,6 +9,7 @@ import threading
 import streamlit as st
 
 from dynatree_core.drafting import POLICIES
+from dynatree_core.models import PRESETS
 from dynatree_core.session import load_pair
 
 
@@ -36,3 +37,36 @@ def param_widgets(policy_name: str, key_prefix: str = "param") -> dict:
                 p.name, float(p.min), float(p.max), float(p.default), help=p.help, format="%.4f", key=key
             )
     return values
+
+
+CUSTOM = "custom (hub id or local path)"
+
+
+def model_picker(key_prefix: str = "") -> tuple[str, str | None, str, str]:
+    """Sidebar widgets for the model pair, device and dtype: (target, draft, device, dtype).
+    A preset fills in both models; "custom" asks for a hub id or local directory."""
+    k = (lambda name: f"{key_prefix}_{name}") if key_prefix else (lambda name: None)
+    preset = st.selectbox(
+        "Model pair",
+        [*PRESETS, CUSTOM],
+        key=k("preset"),
+        help="`embedded` runs offline: SmolLM2-135M-Instruct with the project's trained draft.",
+    )
+    if preset == CUSTOM:
+        target = st.text_input("Target", key=k("target"), help="A hub id (needs network) or a local model directory.")
+        draft = (
+            st.text_input("Draft", key=k("draft"), help="Empty: the target drafts for itself (exact, never faster).")
+            or None
+        )
+    else:
+        target, draft = PRESETS[preset].target, PRESETS[preset].draft
+    device = st.selectbox(
+        "Device", ["auto", "cpu", "cuda"], key=k("device"), help="auto: CUDA when available, else CPU."
+    )
+    dtype = st.selectbox(
+        "Dtype",
+        ["auto", "float32", "bfloat16", "float16"],
+        key=k("dtype"),
+        help="auto: float32 on CPU (bit-exact greedy).",
+    )
+    return target, draft, device, dtype

@@ -13,11 +13,10 @@ from dynatree_core.compare import Comparison, Entry, compare, labelled, schedule
 from dynatree_core.drafting import POLICIES
 from dynatree_core.engine import DecodeConfig
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.models import PRESETS
 from dynatree_core.prompts import load_prompts
 from dynatree_core.sampling import SamplingConfig
 from dynatree_core.session import encode_prompt
-from dynatree_core.ui import cached_pair, forward_lock, param_widgets
+from dynatree_core.ui import cached_pair, forward_lock, model_picker, param_widgets
 from dynatree_core.verify.sampling import VERIFIERS
 from dynatree_core.viz import compare_figures, tree_figure
 
@@ -28,20 +27,12 @@ st.caption(
     "discarded warm-up, interleaved round by round; `ar` (our loop) and HF `generate` run in the same rounds "
     "as references. Throughput is engine time."
 )
-CUSTOM = "custom (hub id or local path)"
 CHOICES = [name for name in POLICIES if name not in ("ar", "hf_generate")]
 DEFAULTS = ["linear", "fixed_tree", "dynatree", "salf", "dyspec", "eagle2"]
 
 with st.sidebar:
     st.header("Models")
-    preset = st.selectbox("Model pair", [*PRESETS, CUSTOM], key="cmp_preset")
-    if preset == CUSTOM:
-        target_spec = st.text_input("Target", key="cmp_target", help="A hub id (needs network) or a local directory.")
-        draft_spec = st.text_input("Draft", key="cmp_draft") or None
-    else:
-        target_spec, draft_spec = PRESETS[preset].target, PRESETS[preset].draft
-    device = st.selectbox("Device", ["auto", "cpu", "cuda"], key="cmp_device")
-    dtype = st.selectbox("Dtype", ["auto", "float32", "bfloat16", "float16"], key="cmp_dtype")
+    target_spec, draft_spec, device, dtype = model_picker("cmp")
     st.header("Decoding")
     temperature = st.slider("Temperature", 0.0, 2.0, 0.0, 0.05, key="cmp_temperature", help="0: greedy")
     verifier = st.selectbox(

@@ -14,9 +14,8 @@ from dynatree_core.compare import Entry
 from dynatree_core.drafting import POLICIES
 from dynatree_core.engine import DecodeConfig
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.models import PRESETS
 from dynatree_core.prompts import bundled_sets, load_prompts
-from dynatree_core.ui import cached_pair, forward_lock
+from dynatree_core.ui import cached_pair, forward_lock, model_picker
 
 st.set_page_config(page_title="Benchmark", page_icon="⏱️", layout="wide")
 st.title("Benchmark")
@@ -27,16 +26,8 @@ st.caption(
 )
 STEPPED = [n for n, cls in POLICIES.items() if n not in ("ar", "hf_generate")]
 
-CUSTOM = "custom (hub id or local path)"
 with st.sidebar:
-    preset = st.selectbox("Model pair", [*PRESETS, CUSTOM], key="bench_preset")
-    if preset == CUSTOM:
-        target_spec = st.text_input("Target", key="bench_target")
-        draft_spec = st.text_input("Draft", key="bench_draft") or None
-    else:
-        target_spec, draft_spec = PRESETS[preset].target, PRESETS[preset].draft
-    device = st.selectbox("Device", ["auto", "cpu", "cuda"], key="bench_device")
-    dtype = st.selectbox("Dtype", ["auto", "float32", "bfloat16", "float16"], key="bench_dtype")
+    target_spec, draft_spec, device, dtype = model_picker("bench")
 
 mode = st.radio("What to run", ["Policies", "Sweep one policy's parameters"], horizontal=True, key="bench_mode")
 sweeps, entries = [], []

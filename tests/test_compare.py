@@ -152,6 +152,13 @@ def test_cli_compare_json_schema_and_csv(tmp_path, capsys, tiny_pair_dirs):
     assert code == 2 and "--verifier" in capsys.readouterr().err
 
 
+def _custom_pair(at, dirs) -> None:
+    """Pick the page's custom model pair: the tiny local target and draft."""
+    next(s for s in at.selectbox if s.label == "Model pair").set_value("custom (hub id or local path)").run()
+    next(t for t in at.text_input if t.label == "Target").set_value(dirs[0])
+    next(t for t in at.text_input if t.label == "Draft").set_value(dirs[1])
+
+
 def test_compare_page_runs_two_policies_and_shows_results(tiny_pair_dirs):
     from streamlit.testing.v1 import AppTest
 
@@ -159,9 +166,7 @@ def test_compare_page_runs_two_policies_and_shows_results(tiny_pair_dirs):
     at = AppTest.from_file(str(page), default_timeout=300)
     at.run()
     assert not at.exception, at.exception
-    next(s for s in at.selectbox if s.label == "Model pair").set_value("custom (hub id or local path)").run()
-    next(t for t in at.text_input if t.label == "Target").set_value(tiny_pair_dirs[0])
-    next(t for t in at.text_input if t.label == "Draft").set_value(tiny_pair_dirs[1])
+    _custom_pair(at, tiny_pair_dirs)
     next(n for n in at.number_input if n.label == "Policies to compare").set_value(2)
     next(s for s in at.slider if s.label == "Max new tokens").set_value(6)
     next(s for s in at.slider if s.label == "Repetitions").set_value(1)
@@ -183,9 +188,7 @@ def test_benchmark_page_runs_a_sweep_and_shows_its_figure(tiny_pair_dirs):
     at = AppTest.from_file(str(page), default_timeout=300)
     at.run()
     assert not at.exception, at.exception
-    next(s for s in at.selectbox if s.label == "Model pair").set_value("custom (hub id or local path)").run()
-    next(t for t in at.text_input if t.label == "Target").set_value(tiny_pair_dirs[0])
-    next(t for t in at.text_input if t.label == "Draft").set_value(tiny_pair_dirs[1])
+    _custom_pair(at, tiny_pair_dirs)
     at.radio[0].set_value("Sweep one policy's parameters").run()
     next(t for t in at.text_input if t.label == "Sweep").set_value("depth=2..3")
     next(s for s in at.slider if s.label == "Prompts (N)").set_value(1)

@@ -21,7 +21,7 @@ def test_profile_has_every_point_and_positive_times():
     assert len(latency_figure(points).data) == 4  # one line per model and context
 
 
-def test_timed_forwards_start_from_the_same_cache():
+def test_timed_forwards_start_from_the_same_cache(monkeypatch):
     """Each repeat must see `context` cached tokens: the cache is cut back after every forward
     (else the later repeats would attend over a growing context)."""
     model = tiny_model("llama")
@@ -29,11 +29,10 @@ def test_timed_forwards_start_from_the_same_cache():
     original = model.forward
 
     def spy(*args, **kwargs):
-        cache = kwargs["past_key_values"]
-        calls.append(cache.get_seq_length())
+        calls.append(kwargs["past_key_values"].get_seq_length())
         return original(*args, **kwargs)
 
-    model.forward = spy
+    monkeypatch.setattr(model, "forward", spy)  # the tiny models are shared between tests: undo after
     forward_ms(model, context=10, new_tokens=3, repeats=3)
     assert calls == [0, 10, 10, 10, 10]  # prefill, warm-up, 3 timed
 
