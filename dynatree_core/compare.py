@@ -190,6 +190,11 @@ class Comparison:
         return "\n".join(out)
 
 
+def _round_tps(runs: list[RunResult]) -> float:
+    """A round's throughput: its tokens over its wall time, all prompts together."""
+    return sum(r.new_tokens for r in runs) / max(sum(r.wall_s for r in runs), 1e-9)
+
+
 def _round(x: float | None, digits: int) -> float | None:
     return None if x is None else round(x, digits)
 
@@ -208,7 +213,7 @@ def _depth_acceptance(records: list[IterationRecord]) -> list[float]:
 def entry_stats(entry: Entry, verifier: str, rounds: list[list[RunResult]], best_reference_tps: float) -> EntryStats:
     """Summarise an entry's measured runs, given round by round (each round: one run per prompt)."""
     runs = [r for rnd in rounds for r in rnd]
-    tps = [sum(r.new_tokens for r in rnd) / max(sum(r.wall_s for r in rnd), 1e-9) for rnd in rounds]
+    tps = [_round_tps(rnd) for rnd in rounds]
     records = [rec for r in runs for rec in r.records]
     iterations = sum(r.iterations for r in runs)
 
@@ -319,10 +324,7 @@ def measure(
     results = run_schedule(
         all_entries, repetitions, run_one, config.seed, on_progress, n_prompts=len(prompts), warmup=warmup
     )
-    best = max(
-        statistics.fmean(sum(r.new_tokens for r in rnd) / max(sum(r.wall_s for r in rnd), 1e-9) for rnd in results[j])
-        for j in range(len(refs))
-    )
+    best = max(statistics.fmean(_round_tps(rnd) for rnd in results[j]) for j in range(len(refs)))
     stats = [entry_stats(e, v, rounds, best) for e, v, rounds in zip(all_entries, verifiers, results, strict=True)]
     ar = results[0]
     for s, rounds in zip(stats, results, strict=True):

@@ -133,23 +133,25 @@ def verify_sampling(
     draw: str = IID,
 ) -> Outcome:
     target_tokens = logits.argmax(dim=-1).tolist()
-    p = target_distributions(order, logits, sampling)
     trace: list[dict] = []
     if VERIFIERS[verifier].direction == "bottom-up":
         if verifier == "block" and any(len(xs) > 1 for xs in tree.draws.values()):
             raise DynaTreeError("block verification needs a single path: every node may draw one child")
+        p = target_distributions(order, logits, sampling)  # the walk may visit every node
         accepted, token = walk(walk_spec(tree, order, p, draw), gen, trace)
         return Outcome(accepted=accepted, bonus_token=token, target_tokens=target_tokens, order=order, trace=trace)
     sample, _ = SOLVERS[verifier]
     children = verified_children(tree, order)
+    row = {n: i for i, n in enumerate(order)}
     accepted, node = [], 0
     while True:
         start = len(trace)
         draws = tree.draws.get(node)
+        p = adjust(logits[row[node]], sampling).cpu()  # only the nodes the walk reaches
         if draws:
-            y, _ = sample(p[node], tree.draft_q[node], draws, gen, trace)
+            y, _ = sample(p, tree.draft_q[node], draws, gen, trace)
         else:
-            y, _ = SOLVERS["nss"][0](p[node], None, [], gen, trace)
+            y, _ = SOLVERS["nss"][0](p, None, [], gen, trace)
         for event in trace[start:]:
             event["node"] = node
             if event["kind"] == "test":
