@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+import itertools
 import json
 import os
 import platform
@@ -23,6 +24,7 @@ from typing import Any
 from dynatree_core.compare import Entry, EntryStats, measure
 from dynatree_core.engine import DecodeConfig
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.packing import is_packed
 from dynatree_core.prompts import Prompt
 from dynatree_core.session import encode_prompt
 
@@ -47,8 +49,9 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str], str]:
     return name.strip(), params, verifier.strip() or "auto"
 
 
-def environment(device: str, dtype: str) -> dict[str, Any]:
-    """What a result was measured on: hardware, library versions, threads, device and dtype."""
+def environment(device: str, dtype: str, packed: bool = False) -> dict[str, Any]:
+    """What a result was measured on: hardware, library versions, threads, device, dtype and
+    whether the linear layers ran pre-packed for oneDNN (packing.py)."""
     import torch
     import transformers
 
@@ -72,6 +75,7 @@ def environment(device: str, dtype: str) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "device": device,
         "dtype": dtype,
+        "packed_linears": packed,
         "platform": platform.platform(),
     }
 
@@ -207,7 +211,7 @@ def run_bench(
         "verifier": config.verifier,
         "seed": config.seed,
     }
-    return BenchReport(environment(device, dtype), settings, stats, rows)
+    return BenchReport(environment(device, dtype, is_packed(pair.target.model)), settings, stats, rows)
 
 
 def stderr_progress(done: int, total: int, label: str) -> None:
@@ -233,6 +237,32 @@ def parse_sweep(spec: str) -> tuple[str, list[str]]:
     return name.strip(), [v.strip() for v in values.split(",") if v.strip()]
 
 
+# run settings a sweep may vary (the papers' sequence-length and prompt-length figures), by alias
+SETTINGS = {"T": "max_new_tokens", "max_new_tokens": "max_new_tokens", "L_max": "max_prompt_tokens",
+            "max_prompt_tokens": "max_prompt_tokens"}  # fmt: skip
+
+
+def split_sweeps(
+    sweeps: list[tuple[str, list[str]]],
+) -> tuple[tuple[str, list[int]] | None, list[tuple[str, list[str]]]]:
+    """Separate a sweep over a run setting (T or L_max: at most one, integer values) from the
+    sweeps over policy parameters."""
+    settings = [(name, values) for name, values in sweeps if name in SETTINGS]
+    if len(settings) > 1:
+        raise DynaTreeError("sweep one run setting (T or L_max) at a time")
+    setting = None
+    if settings:
+        name, values = settings[0]
+        try:
+            ints = [int(v) for v in values]
+        except ValueError as exc:
+            raise DynaTreeError(f"--sweep {name}: values must be integers") from exc
+        if min(ints) < 1:
+            raise DynaTreeError(f"--sweep {name}: values must be at least 1")
+        setting = (name, ints)
+    return setting, [(n, v) for n, v in sweeps if n not in SETTINGS]
+
+
 def sweep_entries(policy: str, sweeps: list[tuple[str, list[str]]], base: dict[str, str] | None = None) -> list[Entry]:
     """One parameter at a time around the registry defaults (plus `base`), as the DynaTree papers'
     figures vary it; each entry is labelled 'name=value'."""
@@ -246,6 +276,106 @@ def sweep_entries(policy: str, sweeps: list[tuple[str, list[str]]], base: dict[s
             make_policy(policy, params)  # unknown names and out-of-range values fail here, before any run
             entries.append(Entry(policy, params, label=f"{policy} {name}={value}"))
     return entries
+
+
+def grid_entries(policy: str, sweeps: list[tuple[str, list[str]]], base: dict[str, str] | None = None) -> list[Entry]:
+    """Every combination of the swept values (the papers' sparse tau_h / tau_l scatter uses two);
+    each entry is labelled 'policy a=1,b=2'. Combinations the policy rejects are skipped."""
+    from dynatree_core.drafting import POLICIES, make_policy
+
+    names = [name for name, _ in sweeps]
+    known = {p.name for p in POLICIES[policy].params} if policy in POLICIES else set()
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise DynaTreeError(f"policy {policy!r} has no parameter {', '.join(unknown)} (valid: {', '.join(known)})")
+    entries = []
+    for combo in itertools.product(*(values for _, values in sweeps)):
+        params = {**(base or {}), **dict(zip(names, combo, strict=True))}
+        try:
+            make_policy(policy, params)
+        except DynaTreeError:
+            continue  # a combination the policy rejects, e.g. tau_l above tau_h
+        label = f"{policy} " + ",".join(f"{n}={v}" for n, v in zip(names, combo, strict=True))
+        entries.append(Entry(policy, params, label=label))
+    if not entries:
+        raise DynaTreeError("no combination of the swept values is valid for " + policy)
+    return entries
+
+
+def grid_figure(report: BenchReport, sweeps: list[tuple[str, list[str]]]):
+    """Throughput over two swept parameters as a scatter coloured by tokens/s (DynaTree, Fig. 6a)."""
+    import plotly.graph_objects as go
+
+    (xname, _), (yname, _) = sweeps[:2]
+    rows = [e for e in report.results if not e.reference and xname in e.params and yname in e.params]
+    fig = go.Figure(
+        go.Scatter(
+            x=[float(e.params[xname]) for e in rows],
+            y=[float(e.params[yname]) for e in rows],
+            mode="markers+text",
+            text=[f"{e.throughput_tps:.1f}" for e in rows],
+            textposition="top center",
+            marker=dict(size=16, color=[e.throughput_tps for e in rows], colorscale="Viridis", showscale=True,
+                        colorbar=dict(title="tokens / s")),
+            hovertext=[f"{e.label}: {e.throughput_tps:.1f} tok/s, {e.speedup:.2f}x" for e in rows],
+        )
+    )  # fmt: skip
+    policy = rows[0].policy if rows else ""
+    fig.update_layout(title=f"{policy}: throughput over ({xname}, {yname})", xaxis_title=xname, yaxis_title=yname,
+                      height=420)  # fmt: skip
+    return fig
+
+
+def run_setting_sweep(pair, entries: list[Entry], prompts: list[Prompt], *, config: DecodeConfig, setting: str,
+                      values: list[int], progress=None, **kwargs) -> BenchReport:  # fmt: skip
+    """One benchmark per value of a run setting (T or L_max), merged into one report: every row
+    is labelled 'label T=128' and keeps its speedup over the references of its own value."""
+    field = SETTINGS[setting]
+    merged: BenchReport | None = None
+    for i, value in enumerate(values):
+        cfg = dataclasses.replace(config, max_new_tokens=value) if field == "max_new_tokens" else config
+        if field == "max_prompt_tokens":
+            kwargs["max_prompt_tokens"] = value
+
+        def step(done, total, label, i=i, value=value):
+            if progress:
+                progress(i * total + done, len(values) * total, f"{setting}={value}: {label}")
+
+        report = run_bench(pair, entries, prompts, config=cfg, progress=step, **kwargs)
+        for e in report.results:
+            e.label = f"{e.label} {setting}={value}"
+            e.params = {**e.params, setting: value}
+        for row in report.prompts:
+            row["label"] = f"{row['label']} {setting}={value}"
+            row[setting] = value
+        if merged is None:
+            merged = report
+            merged.settings[field] = values
+        else:
+            merged.results += report.results
+            merged.prompts += report.prompts
+    assert merged is not None
+    return merged
+
+
+def setting_figure(report: BenchReport, setting: str, values: list[int]):
+    """Throughput and speedup against T or L_max, one line per policy (DynaTree, Figs. 4-6/5-8)."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens / s", "speedup over the best AR reference"))
+    suffix = [f" {setting}={v}" for v in values]
+    bases = dict.fromkeys(e.label.removesuffix(s) for e in report.results for s in suffix if e.label.endswith(s))
+    for base in bases:
+        rows = [e for v in values for e in report.results if e.label == f"{base} {setting}={v}"]
+        xs = [e.params[setting] for e in rows]
+        fig.add_scatter(x=xs, y=[e.throughput_tps for e in rows], mode="lines+markers", name=base, legendgroup=base,
+                        error_y=dict(type="data", array=[e.throughput_std for e in rows]), row=1, col=1)  # fmt: skip
+        fig.add_scatter(x=xs, y=[e.speedup for e in rows], mode="lines+markers", name=base, legendgroup=base,
+                        showlegend=False, row=1, col=2)  # fmt: skip
+    title = {"T": "new tokens T", "max_new_tokens": "new tokens T"}.get(setting, "prompt cut L_max (tokens)")
+    fig.update_xaxes(title_text=title)
+    fig.update_layout(title=f"Scaling over {title}", height=420)
+    return fig
 
 
 def sweep_figures(report: BenchReport, sweeps: list[tuple[str, list[str]]]):
@@ -281,3 +411,18 @@ def sweep_figures(report: BenchReport, sweeps: list[tuple[str, list[str]]]):
         fig.update_yaxes(title_text="tokens / iteration", secondary_y=True)
         figures[name] = fig
     return figures
+
+
+def write_figure(fig, path, png: bool = False) -> list[str]:
+    """Write a figure as HTML, and as PNG too when asked (needs the optional `kaleido` package and a
+    Chrome/Chromium). Returns the paths written."""
+    html, image = path.with_name(path.name + ".html"), path.with_name(path.name + ".png")
+    fig.write_html(html)
+    written = [str(html)]
+    if png:
+        try:
+            fig.write_image(image, width=1000, height=fig.layout.height or 420)
+        except (ImportError, ValueError, RuntimeError) as exc:
+            raise DynaTreeError(f"--png needs `pip install kaleido` and Chrome or Chromium: {exc}") from exc
+        written.append(str(image))
+    return written

@@ -53,6 +53,7 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="draft model (default: the preset's draft)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--no-pack", action="store_true", help="CPU: plain nn.Linear (no oneDNN pre-packing)")
 
 
 def _read_prompt(args) -> str:
@@ -120,14 +121,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft", default=None)
     bench.add_argument("--device", default="auto")
     bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    bench.add_argument("--no-pack", action="store_true", help="CPU: plain nn.Linear (no oneDNN pre-packing)")
     bench.add_argument(
         "--sweep",
         action="append",
         default=[],
         metavar="NAME=A..B|NAME=V1,V2",
-        help="vary one registry parameter of --sweep-policy at a time (repeatable); figures go beside --out",
+        help="vary one registry parameter of --sweep-policy at a time (repeatable), or the run setting T or L_max "
+        "for every policy listed; figures go beside --out",
     )
     bench.add_argument("--sweep-policy", default="fixed_tree", help="the policy whose parameters --sweep varies")
+    bench.add_argument(
+        "--grid", action="store_true", help="run every combination of the parameter sweeps (a scatter for two)"
+    )
+    bench.add_argument("--png", action="store_true", help="figures as PNG too (needs kaleido and Chromium)")
     bench.add_argument("--out", type=Path, default=None, help="write the report as JSON here (and CSV beside it)")
     bench.add_argument("--json", action="store_true", help="print the JSON report instead of a markdown table")
     lat = sub.add_parser("latency", help="forward time vs new tokens and context, target and draft (this device)")
@@ -139,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--draft", default=None)
     lat.add_argument("--device", default="auto")
     lat.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    lat.add_argument("--no-pack", action="store_true", help="CPU: plain nn.Linear (no oneDNN pre-packing)")
     lat.add_argument("--out", type=Path, default=None, help="JSON points here, plot beside it (.html)")
     lat.add_argument("--json", action="store_true")
     pre = sub.add_parser("presets", help="list model pair presets")
@@ -185,7 +193,7 @@ def cmd_presets(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from dynatree_core.bench import parse_spec, parse_sweep, run_bench, stderr_progress, sweep_entries, sweep_figures
+    from dynatree_core import bench as B
     from dynatree_core.compare import Entry
     from dynatree_core.drafting import POLICIES, make_policy
     from dynatree_core.engine import DecodeConfig
@@ -194,11 +202,21 @@ def cmd_bench(args) -> None:
     from dynatree_core.session import load_pair
 
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    specs = [(n, {}, "auto") for n in names] + [parse_spec(s) for s in args.policy]
-    if not specs and not args.sweep:
+    specs = [(n, {}, "auto") for n in names] + [B.parse_spec(s) for s in args.policy]
+    sweeps = [B.parse_sweep(s) for s in args.sweep]
+    setting, param_sweeps = B.split_sweeps(sweeps)
+    if not specs and not param_sweeps:
         specs = [(n, {}, "auto") for n in POLICIES if n not in ("ar", "hf_generate")]
-    sweeps = [parse_sweep(s) for s in args.sweep]
-    entries = sweep_entries(args.sweep_policy, sweeps) if sweeps else []  # then any policies listed too
+    if args.grid and len(param_sweeps) < 2:
+        raise DynaTreeError(
+            "--grid needs two or more parameter sweeps, e.g. --sweep tau_h=0.6,0.8 --sweep tau_l=0.2,0.4"
+        )
+    if not param_sweeps:
+        entries = []
+    elif args.grid:
+        entries = B.grid_entries(args.sweep_policy, param_sweeps)
+    else:
+        entries = B.sweep_entries(args.sweep_policy, param_sweeps)
     entries += [Entry(n, p, verifier="" if v == "auto" else v) for n, p, v in specs if n not in ("ar", "hf_generate")]
     for e in entries:
         make_policy(e.policy, e.params)  # validate before loading models
@@ -208,14 +226,14 @@ def cmd_bench(args) -> None:
     if args.warmup < 0:
         raise DynaTreeError(f"--warmup must be >= 0, got {args.warmup}")
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    prompts = load_prompts(args.prompts)
+    prompts = load_prompts(args.prompts, limit=args.limit or None)
     by_domain: dict[str, list] = {}
     for p in prompts:
         by_domain.setdefault(p.domain, []).append(p)
     spread = [p for group in itertools.zip_longest(*by_domain.values()) for p in group if p is not None]
     chosen = spread[: args.limit] if args.limit > 0 else spread
     target_spec, draft_spec = _resolve_models(args)
-    pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype)
+    pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype, pack=not args.no_pack)
     config = DecodeConfig(
         max_new_tokens=args.max_new_tokens,
         eos_token_ids=pair.target.eos_token_ids,
@@ -223,25 +241,32 @@ def cmd_bench(args) -> None:
         sampling=sampling,
         verifier=args.verifier,
     )
-    report = run_bench(
-        pair,
-        entries,
-        chosen,
+    common = dict(
         config=config,
         repeats=args.repeats,
         warmup=args.warmup,
         include_hf=not args.no_hf,
         max_prompt_tokens=args.max_prompt_tokens,
-        progress=stderr_progress,
+        progress=B.stderr_progress,
     )
+    if setting is None:
+        report = B.run_bench(pair, entries, chosen, **common)
+    else:
+        report = B.run_setting_sweep(pair, entries, chosen, setting=setting[0], values=setting[1], **common)
     print(file=sys.stderr)
     report.settings["command"] = "python -m dynatree_core " + shlex.join(args.argv)
     report.settings["models"] = {"target": target_spec, "draft": draft_spec}
     if args.out is not None:
         args.out.write_text(report.to_json(), encoding="utf-8")
         args.out.with_suffix(".csv").write_text(report.csv(), encoding="utf-8")
-        for name, fig in sweep_figures(report, sweeps).items():
-            fig.write_html(args.out.with_name(f"{args.out.stem}.sweep-{name}.html"))
+        figures = {} if args.grid else B.sweep_figures(report, param_sweeps)
+        if args.grid:
+            figures["-".join(n for n, _ in param_sweeps[:2])] = B.grid_figure(report, param_sweeps)
+        if setting is not None:
+            figures[setting[0]] = B.setting_figure(report, *setting)
+        for name, fig in figures.items():
+            for path in B.write_figure(fig, args.out.with_name(f"{args.out.stem}.sweep-{name}"), png=args.png):
+                print(f"wrote {path}", file=sys.stderr)
     if args.json:
         print(report.to_json())
     else:
@@ -253,6 +278,7 @@ def cmd_latency(args) -> None:
 
     from dynatree_core.bench import environment, stderr_progress
     from dynatree_core.latency import latency_figure, profile
+    from dynatree_core.packing import is_packed
     from dynatree_core.session import load_pair
 
     try:
@@ -263,7 +289,7 @@ def cmd_latency(args) -> None:
     if min(tokens) < 1 or min(contexts) < 1 or args.repeats < 1:
         raise DynaTreeError("--tokens, --contexts and --repeats must be positive")
     target_spec, draft_spec = _resolve_models(args)
-    pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype)
+    pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype, pack=not args.no_pack)
     models = {"target": pair.target.model}
     if pair.draft is not None and not pair.draft_is_stand_in:
         models["draft"] = pair.draft.model
@@ -271,7 +297,7 @@ def cmd_latency(args) -> None:
     print(file=sys.stderr)
     model = pair.target.model
     report = {
-        "environment": environment(str(model.device), str(model.dtype).removeprefix("torch.")),
+        "environment": environment(str(model.device), str(model.dtype).removeprefix("torch."), is_packed(model)),
         "command": "python -m dynatree_core " + shlex.join(args.argv),
         "points": [dataclasses.asdict(p) for p in points],
     }
@@ -318,7 +344,14 @@ def cmd_generate(args) -> None:
         resolve_verifier(policy, DecodeConfig(sampling=sampling, verifier=args.verifier))
     target_spec, draft_spec = _resolve_models(args)
     torch.manual_seed(args.seed)
-    pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype, need_draft=policy.needs_draft_model)
+    pair = load_pair(
+        target_spec,
+        draft_spec,
+        device=args.device,
+        dtype=args.dtype,
+        need_draft=policy.needs_draft_model,
+        pack=not args.no_pack,
+    )
     target = pair.target
     chat = args.chat if args.chat is not None else target.has_chat_template
     prompt_ids = encode_prompt(target.tokenizer, prompt, chat=chat)
@@ -370,7 +403,7 @@ def cmd_compare(args) -> None:
     entries = parse_entries(args.policy or ["linear", "fixed_tree", "dynatree", "salf"])
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     target_spec, draft_spec = _resolve_models(args)
-    pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype)
+    pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype, pack=not args.no_pack)
     target = pair.target
     chat = args.chat if args.chat is not None else target.has_chat_template
     config = DecodeConfig(

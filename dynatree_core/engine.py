@@ -19,7 +19,7 @@ import torch
 from dynatree_core.drafting.base import Drafter, DraftRequest, Policy
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.kv import KVState, chain_then_tree_visibility
-from dynatree_core.metrics import memory_mb, summarize
+from dynatree_core.metrics import memory_mb, summarize, weight_bytes
 from dynatree_core.models import context_length_of
 from dynatree_core.sampling import SamplingConfig
 from dynatree_core.trace import IterationRecord, RunResult
@@ -87,7 +87,9 @@ def _clock(device: torch.device) -> float:
 
 def vocab_size(model: torch.nn.Module) -> int:
     head = model.get_output_embeddings()
-    return head.weight.shape[0] if head is not None else model.config.vocab_size
+    if head is None:
+        return model.config.vocab_size
+    return getattr(head, "out_features", None) or head.weight.shape[0]  # a packed head has no dense weight
 
 
 def cut(tokens: list[int], remaining: int, eos: Iterable[int]) -> tuple[list[int], str | None]:
@@ -125,8 +127,10 @@ def decode(
         torch.cuda.reset_peak_memory_stats(device)
     target_kv = KVState(target, prompt_ids)
     drafter = None
+    weights = weight_bytes(target)  # CPU memory accounting (metrics.memory_mb)
     if policy.needs_draft_model:
         drafter = Drafter(draft, prompt_ids, min(vocab_size(draft), vocab_size(target)), draft_token_map)
+        weights += weight_bytes(draft)
     committed = list(prompt_ids)
     policy.reset()
     for index in range(1, config.max_new_tokens + 1):  # iterations count from 1; each commits >= 1 token
@@ -147,6 +151,7 @@ def decode(
                 config,
                 device,
                 (verifier, draw, gen),
+                weights,
             )
         committed.extend(record.committed)
         if record.stop is None and len(committed) - len(prompt_ids) >= config.max_new_tokens:
@@ -168,6 +173,7 @@ def _iteration(
     config: DecodeConfig,
     device: torch.device,
     sampling_state: tuple[str, str, torch.Generator],
+    weights: int = 0,
 ) -> IterationRecord:
     """One draft -> verify -> commit step. `budget`: tokens this iteration may commit."""
     verifier, draw, gen = sampling_state
@@ -217,7 +223,7 @@ def _iteration(
         verify_ms=(t3 - t2) * 1e3,
         commit_ms=(t4 - t3) * 1e3,
         overhead_ms=0.0,
-        memory_mb=memory_mb(device),
+        memory_mb=memory_mb(device, weights + target_kv.peak_bytes + (drafter.kv.peak_bytes if drafter else 0)),
         stop=stop,
         verifier=verifier,
         verification=outcome.trace,

@@ -33,6 +33,7 @@ class KVState:
         self.pending: list[int] = list(prompt_ids)  # committed, not yet in the cache
         self.forwards = 0
         self.forward_ms = 0.0  # time inside model forwards (what "outside the forwards" is measured against)
+        self.peak_bytes = 0  # the cache's largest size so far (right after a forward, before compaction)
 
     @property
     def device(self) -> torch.device:
@@ -75,7 +76,11 @@ class KVState:
         self.forward_ms += (time.perf_counter() - t0) * 1e3
         self.length += q
         self.forwards += 1
+        self.peak_bytes = max(self.peak_bytes, self.nbytes())
         return logits
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.cache.layers for t in (layer.keys, layer.values))
 
     def keep(self, index: list[int]) -> None:
         """Keep only the cache entries at `index` (ascending): compaction, no recompute.

@@ -16,15 +16,35 @@ from typing import Any
 from dynatree_core.trace import IterationRecord, RunResult
 
 
-def memory_mb(device) -> float:
-    """Peak CUDA memory allocated on a GPU; the process's resident memory on CPU."""
+def memory_mb(device, resident_bytes: int = 0) -> float:
+    """Peak memory of a run. On a GPU: the allocator's peak (weights, caches and activations). On
+    CPU torch keeps no allocator statistics, so the caller passes what it holds: the weights of
+    the models it uses plus its KV caches at their largest (after a verification forward, before
+    compaction); activations are not counted there."""
     import torch
 
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    import psutil
+    return resident_bytes / 2**20
 
-    return psutil.Process().memory_info().rss / 2**20
+
+def weight_bytes(model) -> int:
+    """Bytes of a model's parameters and buffers (oneDNN-packed weights included)."""
+    if model is None:
+        return 0
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def kv_bytes_per_token(model) -> int:
+    """K and V of one token over all layers, from the config (for runs whose cache we cannot see)."""
+    cfg = model.config
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    element = model.get_input_embeddings().weight.element_size()
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * element
 
 
 def _ratio(num: float, den: float) -> float:

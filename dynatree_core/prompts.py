@@ -1,14 +1,23 @@
-"""Bundled prompt sets (assets/prompts/*.jsonl) and user prompt files.
+"""Prompt sets: bundled files, user files, and the DynaTree papers' corpora.
 
-A prompt set is a list of `Prompt(text, chat)`. `load_prompts("all")` gives every bundled
-domain; a name loads one bundled file; a path loads a user's .jsonl (objects with "prompt" and
-optional "chat") or .txt (one prompt per non-empty line, chat off).
+A prompt set is a list of `Prompt(text, chat)`. Specs `load_prompts` understands:
+  all | chat | code | ...       the bundled sets (assets/prompts/*.jsonl); "all" is every domain
+  path.jsonl                    objects with "prompt" and optional "chat"
+  path.txt                      one prompt per non-empty line (chat off)
+  wikitext2 | pg19              the corpora of the DynaTree papers, through `datasets` (online)
+  wikitext2:FILE  pg19:FILE|DIR the same corpora from local copies, with the same preprocessing:
+                                WikiText-2's raw test file (wiki.test.raw) cut into articles at
+                                its " = Title = " headings; PG-19 books as .txt files, one each
+A corpus gives one document per prompt, in order (the first N with `limit`); the benchmark then
+cuts each to L_max tokens (bench.encode_prompts), as the papers' protocol does.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from dynatree_core.errors import DynaTreeError
@@ -40,14 +49,108 @@ def _read_jsonl(path: Path, domain: str) -> list[Prompt]:
     return out
 
 
-def load_prompts(spec: str) -> list[Prompt]:
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """Where a paper's corpus lives on the hub and how one row becomes text."""
+
+    hub_id: str
+    config: str | None
+    split: str
+    streaming: bool  # PG-19 is ~11 GB: stream only the books asked for
+
+
+CORPORA = {
+    "wikitext2": Corpus("Salesforce/wikitext", "wikitext-2-raw-v1", "test", streaming=False),
+    "pg19": Corpus("emozilla/pg19", None, "test", streaming=True),
+}
+MIN_DOCUMENT_CHARS = 400  # WikiText-2 has stub articles; too short to fill L_max
+MAX_DOCUMENT_CHARS = 40_000  # a PG-19 book is ~400k characters; L_max <= 2048 tokens needs far less
+_WIKI_TITLE = re.compile(r"^ = [^=].* = $")
+
+
+def wikitext_articles(lines: Iterable[str]) -> Iterator[str]:
+    """WikiText-2's raw lines (one paragraph per line, " = Title = " starting an article, " = = Section
+    = = " inside one) grouped into articles, title line dropped, short stubs skipped."""
+    article: list[str] = []
+
+    def flush() -> Iterator[str]:
+        text = "".join(article).strip()
+        if len(text) >= MIN_DOCUMENT_CHARS:
+            yield text
+
+    for line in lines:
+        if _WIKI_TITLE.match(line.rstrip("\n")):
+            yield from flush()
+            article = []
+        else:
+            article.append(line if line.endswith("\n") else line + "\n")
+    yield from flush()
+
+
+def _documents(name: str, texts: Iterable[str], limit: int | None) -> list[Prompt]:
+    out = []
+    for text in texts:
+        text = text.strip()[:MAX_DOCUMENT_CHARS]
+        if len(text) < MIN_DOCUMENT_CHARS:
+            continue
+        out.append(Prompt(text, False, name))
+        if limit and len(out) >= limit:
+            break
+    return out
+
+
+def _hub_corpus(name: str, limit: int | None) -> list[Prompt]:
+    corpus = CORPORA[name]
+    try:
+        import datasets
+    except ImportError as exc:
+        raise DynaTreeError(
+            f"the {name} prompt set needs the `datasets` package (pip install datasets) and network access; "
+            f"offline, pass a local copy: --prompts {name}:PATH"
+        ) from exc
+    try:
+        rows = datasets.load_dataset(corpus.hub_id, corpus.config, split=corpus.split, streaming=corpus.streaming)
+        texts = (row["text"] for row in rows)
+        if name == "wikitext2":
+            texts = wikitext_articles(texts)
+        return _documents(name, texts, limit)
+    except Exception as exc:  # network, hub and format errors all end the same way for the user
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DynaTreeError(
+            f"cannot load {name} ({corpus.hub_id}) from the hub: {first}; offline, pass a local copy: "
+            f"--prompts {name}:PATH"
+        ) from exc
+
+
+def _local_corpus(name: str, location: str, limit: int | None) -> list[Prompt]:
+    path = Path(location).expanduser()
+    if name == "pg19" and path.is_dir():
+        files = sorted(path.glob("*.txt"))
+        if not files:
+            raise DynaTreeError(f"{location}: no .txt books in this directory")
+        return _documents(name, (f.read_text(encoding="utf-8", errors="replace") for f in files), limit)
+    if not path.is_file():
+        raise DynaTreeError(f"{name}: local copy {location!r} not found")
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        if name == "wikitext2":
+            return _documents(name, wikitext_articles(handle), limit)
+        return _documents(name, [handle.read(MAX_DOCUMENT_CHARS)], limit)
+
+
+def load_prompts(spec: str, limit: int | None = None) -> list[Prompt]:
+    """The prompts of `spec` (see the module docstring). `limit` only bounds what a corpus loader
+    reads (the first N documents); bundled and user files are returned whole."""
+    name, colon, location = spec.partition(":")
+    if name in CORPORA:
+        return _local_corpus(name, location, limit) if colon else _hub_corpus(name, limit)
     if spec == "all":
         return [p for name in bundled_sets() for p in load_prompts(name)]
     if spec in bundled_sets():
         return _read_jsonl(PROMPTS_DIR / f"{spec}.jsonl", spec)
     path = Path(spec).expanduser()
     if not path.is_file():
-        raise DynaTreeError(f"unknown prompt set {spec!r}: use all, {', '.join(bundled_sets())} or a file path")
+        choices = ", ".join([*bundled_sets(), *CORPORA])
+        raise DynaTreeError(f"unknown prompt set {spec!r}: use all, {choices}, a corpus:PATH or a file path")
     if path.suffix == ".jsonl":
         return _read_jsonl(path, path.stem)
     lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

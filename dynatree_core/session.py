@@ -11,6 +11,7 @@ import warnings
 
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.models import EMBEDDED, PRESETS, LoadedModel, check_tokenizers_compatible, load_model
+from dynatree_core.packing import pack_linears, packing_enabled
 
 
 @dataclasses.dataclass
@@ -34,10 +35,14 @@ def load_pair(
     device: str = "auto",
     dtype: str = "auto",
     need_draft: bool = True,
+    pack: bool = True,
 ) -> ModelPair:
     """Load target and draft. Without a draft spec, use the preset's draft, else the target
-    itself as a stand-in (correct but never faster; a warning says so)."""
+    itself as a stand-in (correct but never faster; a warning says so). On CPU the linear
+    layers are pre-packed for oneDNN unless `pack` is False or DYNATREE_PACK=0 (packing.py)."""
     target = load_model(target_spec, device=device, dtype=dtype)
+    if pack and packing_enabled(target.device, target.dtype):
+        pack_linears(target.model)
     if not need_draft:
         return ModelPair(target, None)
     draft_spec = draft_spec or default_draft_for(target_spec)
@@ -50,6 +55,8 @@ def load_pair(
         return ModelPair(target, target, draft_is_stand_in=True)
     draft = load_model(draft_spec, device=str(target.device), dtype=dtype)
     check_tokenizers_compatible(target, draft)
+    if pack and packing_enabled(draft.device, draft.dtype):
+        pack_linears(draft.model)
     return ModelPair(target, draft)
 
 

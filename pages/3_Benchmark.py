@@ -14,7 +14,7 @@ from dynatree_core.compare import Entry
 from dynatree_core.drafting import POLICIES
 from dynatree_core.engine import DecodeConfig
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.prompts import bundled_sets, load_prompts
+from dynatree_core.prompts import CORPORA, bundled_sets, load_prompts
 from dynatree_core.ui import cached_pair, forward_lock, model_picker
 
 st.set_page_config(page_title="Benchmark", page_icon="⏱️", layout="wide")
@@ -25,6 +25,7 @@ st.caption(
     "For long runs use the CLI (`python -m dynatree_core bench ...`) and load its JSON below."
 )
 STEPPED = [n for n, cls in POLICIES.items() if n not in ("ar", "hf_generate")]
+A_FILE = "a file (.jsonl / .txt)"
 
 with st.sidebar:
     target_spec, draft_spec, device, dtype = model_picker("bench")
@@ -41,12 +42,21 @@ else:
     spec = c2.text_input(
         "Sweep", "depth=3..6", key="bench_sweep", help="NAME=A..B (integers) or NAME=V1,V2; ';' separates several"
     )
-a, b, c, d, e = st.columns(5)
-prompt_set = a.selectbox("Prompts", ["all", *bundled_sets()], key="bench_prompts")
+a, b, c, d, e, f = st.columns(6)
+prompt_set = a.selectbox("Prompts", ["all", *bundled_sets(), *CORPORA, A_FILE], key="bench_prompts")
 limit = b.slider("Prompts (N)", 1, 20, 3, key="bench_limit")
 max_new = c.slider("New tokens (T)", 8, 256, 32, key="bench_tokens")
-repeats = d.slider("Rounds (R)", 1, 5, 1, key="bench_repeats")
-include_hf = e.toggle("HF generate reference", True, key="bench_hf")
+max_prompt = d.number_input("Prompt cut (L_max)", 0, 8192, 0, step=64, key="bench_lmax", help="0: whole prompts")
+repeats = e.slider("Rounds (R)", 1, 5, 1, key="bench_repeats")
+include_hf = f.toggle("HF generate reference", True, key="bench_hf")
+prompt_spec = prompt_set
+if prompt_set in CORPORA or prompt_set == A_FILE:
+    where = st.text_input(
+        "Path on the server" + (" (empty: download with `datasets`)" if prompt_set in CORPORA else ""),
+        key="bench_prompt_path",
+        help="WikiText-2: its raw test file (wiki.test.raw); PG-19: a book .txt or a folder of them",
+    ).strip()
+    prompt_spec = where if prompt_set == A_FILE else (f"{prompt_set}:{where}" if where else prompt_set)
 
 if st.button("Run benchmark", type="primary", icon=":material/timer:"):
     try:
@@ -57,7 +67,10 @@ if st.button("Run benchmark", type="primary", icon=":material/timer:"):
             raise DynaTreeError("pick at least one policy")
         if not target_spec:
             raise DynaTreeError("enter a target model")
-        prompts = load_prompts(prompt_set)[:limit]
+        if not prompt_spec:
+            raise DynaTreeError("enter the prompt file's path")
+        with st.spinner("Loading prompts..."):
+            prompts = load_prompts(prompt_spec, limit=limit)[:limit]
         with st.spinner("Loading models..."):
             pair = cached_pair(target_spec, draft_spec, device, dtype)
         config = DecodeConfig(
@@ -72,6 +85,7 @@ if st.button("Run benchmark", type="primary", icon=":material/timer:"):
                 config=config,
                 repeats=repeats,
                 include_hf=include_hf,
+                max_prompt_tokens=int(max_prompt) or None,
                 progress=lambda done, total, label: bar.progress(done / total, text=f"{done}/{total}: {label}"),
             )
         bar.empty()

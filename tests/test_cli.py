@@ -188,6 +188,59 @@ def test_bench_sweep_varies_one_parameter_at_a_time_and_plots(capsys, tiny_pair_
         assert code == 2 and needle in err, err
 
 
+def test_bench_sweeps_run_settings_and_grids(capsys, tiny_pair_dirs, tmp_path):
+    target, draft = tiny_pair_dirs
+    out = tmp_path / "scale.json"
+    code, _, err = run_cli(
+        capsys,
+        "bench", "--target", target, "--draft", draft, "--limit", "2", "--no-hf", "--warmup", "0",
+        "--policies", "linear", "--sweep", "T=3,5", "--out", str(out),
+    )  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    rows = {r["label"]: r for r in report["results"]}
+    assert list(rows) == ["ar (our loop) T=3", "linear T=3", "ar (our loop) T=5", "linear T=5"]
+    assert rows["ar (our loop) T=5"]["speedup"] == 1.0 == rows["ar (our loop) T=3"]["speedup"]  # per value
+    by_label = {}
+    for row in report["prompts"]:
+        by_label.setdefault(row["label"], []).append(row["new_tokens"])
+    assert by_label["linear T=3"] == [3, 3] and by_label["linear T=5"] == [5, 5]  # T really changed
+    assert report["settings"]["max_new_tokens"] == [3, 5]
+    assert (tmp_path / "scale.sweep-T.html").stat().st_size > 1000
+
+    out = tmp_path / "lmax.json"
+    code, _, err = run_cli(
+        capsys,
+        "bench", "--target", target, "--draft", draft, "--limit", "1", "--no-hf", "--warmup", "0",
+        "--max-new-tokens", "2", "--sweep", "L_max=2,6", "--out", str(out),
+    )  # fmt: skip
+    assert code == 0, err
+    tokens = {r["label"]: r["prompt_tokens"] for r in json.loads(out.read_text())["prompts"]}
+    assert tokens["ar (our loop) L_max=2"] < tokens["ar (our loop) L_max=6"]  # the prompt was cut
+
+    out = tmp_path / "grid.json"
+    code, _, err = run_cli(
+        capsys,
+        "bench", "--target", target, "--draft", draft, "--limit", "1", "--no-hf", "--warmup", "0",
+        "--max-new-tokens", "3", "--sweep-policy", "dynatree", "--grid",
+        "--sweep", "tau_h=0.5,0.9", "--sweep", "tau_l=0.3,0.6", "--out", str(out),
+    )  # fmt: skip
+    assert code == 0, err
+    labels = [r["label"] for r in json.loads(out.read_text())["results"]]
+    # tau_l=0.6 with tau_h=0.5 is rejected by dynatree (tau_l < tau_h) and skipped
+    assert labels == ["ar (our loop)", "dynatree tau_h=0.5,tau_l=0.3", "dynatree tau_h=0.9,tau_l=0.3",
+                      "dynatree tau_h=0.9,tau_l=0.6"]  # fmt: skip
+    assert (tmp_path / "grid.sweep-tau_h-tau_l.html").stat().st_size > 1000
+    for args, needle in (
+        (["--sweep", "T=4", "--sweep", "L_max=8"], "one run setting"),
+        (["--sweep", "T=a,b"], "integers"),
+        (["--grid", "--sweep", "depth=2..3"], "two or more"),
+        (["--grid", "--sweep", "depth=2..3", "--sweep", "nope=1"], "no parameter nope"),
+    ):
+        code, _, err = run_cli(capsys, "bench", "--limit", "1", *args)
+        assert code == 2 and needle in err, err
+
+
 def test_verifiers_json_and_sampled_generation(capsys, tiny_pair_dirs):
     code, out, _ = run_cli(capsys, "verifiers", "--json")
     assert code == 0

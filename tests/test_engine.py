@@ -232,3 +232,21 @@ def test_reduced_vocabulary_draft_stays_exact_and_agrees():
         for r in result.records:
             assert all(r.tree.tokens[n] in set(subset) for n in range(1, len(r.tree))), "only subset tokens drafted"
     assert result.mean_accepted_length > 0.3, "the restricted target should often agree with itself"
+
+
+def test_cpu_memory_counts_weights_and_the_largest_caches():
+    from dynatree_core.metrics import kv_bytes_per_token, weight_bytes
+
+    target, draft = tiny_model("llama"), noisy_copy("llama", 0.01)
+    prompt, n = PROMPTS[0], 20
+    config = DecodeConfig(max_new_tokens=n)
+    ar = generate(target, prompt, make_policy("ar"), config=config)
+    per_token = kv_bytes_per_token(target)
+    # AR's cache peaks at prompt + n - 1 tokens (the last token is never fed back)
+    assert ar.peak_memory_mb == pytest.approx((weight_bytes(target) + per_token * (len(prompt) + n - 1)) / 2**20)
+    hf = generate(target, prompt, make_policy("hf_generate"), config=config)
+    assert hf.peak_memory_mb == pytest.approx(ar.peak_memory_mb)  # the config-sized estimate agrees
+    tree = generate(target, prompt, make_policy("fixed_tree", {"tau": 0.0}), draft=draft, config=config)
+    biggest = max(len(r.order) - 1 + r.chain_len for r in tree.records)  # nodes + pending in one forward
+    assert tree.peak_memory_mb >= (weight_bytes(target) + weight_bytes(draft) + per_token * biggest) / 2**20
+    assert tree.peak_memory_mb > ar.peak_memory_mb

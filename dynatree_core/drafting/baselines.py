@@ -21,7 +21,7 @@ import torch
 
 from dynatree_core.drafting.base import DraftRequest, Param, Policy, register_policy
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.metrics import _ratio, memory_mb
+from dynatree_core.metrics import _ratio, kv_bytes_per_token, memory_mb, weight_bytes
 from dynatree_core.trace import RunResult
 from dynatree_core.tree import DraftTree
 from dynatree_core.vocab import TokenMap
@@ -51,6 +51,8 @@ class HFBaseline(Policy):
         if draft is not None and draft_token_map is not None:
             draft = draft_token_map.full_vocab_model(draft)
         device = target.get_input_embeddings().weight.device
+        uses_draft = self.needs_draft_model and draft is not None
+        resident = weight_bytes(target) + (weight_bytes(draft) if uses_draft else 0)
         reads: list[int] = []  # tokens each target forward reads
         handle = target.register_forward_pre_hook(
             lambda _m, args, kwargs: reads.append(
@@ -85,6 +87,9 @@ class HFBaseline(Policy):
         finally:
             handle.remove()
         tokens = out[0, len(prompt_ids) :].tolist()
+        resident += kv_bytes_per_token(target) * (len(prompt_ids) + sum(reads[1:]))
+        if uses_draft:
+            resident += kv_bytes_per_token(draft) * (len(prompt_ids) + len(tokens))
         if eos and eos[0] in tokens and tokens[-1] != eos[0]:  # HF pads after EOS
             tokens = tokens[: tokens.index(eos[0]) + 1]
         iterations = len(reads)
@@ -107,7 +112,9 @@ class HFBaseline(Policy):
             wall_s=wall,
             ttft_ms=0.0,  # not observable from outside HF
             tpot_ms=_ratio(wall * 1000, len(tokens)),
-            peak_memory_mb=memory_mb(device),  # CUDA peak; process RSS after the run on CPU
+            # CUDA: the allocator's peak. CPU: the weights used and caches sized from the config for
+            # every token read (HF's own cache is out of sight)
+            peak_memory_mb=memory_mb(device, resident),
             draft_ms=0.0,
             verify_ms=0.0,
             commit_ms=0.0,

@@ -1,0 +1,84 @@
+"""Pre-packed linear layers for CPU inference (profiled in BENCHMARKS.md, issue 8).
+
+On CPU, `F.linear` hands each call to a GEMM that re-packs the weight into its blocked layout
+every time. For one token that is a cheap GEMV, but a forward over 2-16 tokens (a tree
+verification, a draft level) paid up to 2x the one-token time for it. oneDNN can pack a weight
+once (`Tensor.to_mkldnn`) and reuse it: measured on the embedded pair (float32, 2 cores), the
+target's 2-token forward fell from 87 to 62 ms and DynaTree's end-to-end speed rose 17% (AR 4%).
+
+`PackedLinear` keeps only the packed copy (no extra memory, except where a weight was tied: the
+input embedding keeps its own dense copy). Code that reads `.weight` gets a dense copy on demand.
+Outputs differ from `nn.Linear` only by float rounding (the accumulation order changes); greedy
+exactness is always judged against AR decoding with the same (packed) model.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+class PackedLinear(torch.nn.Module):
+    """An `nn.Linear` whose weight lives in oneDNN's packed layout (CPU, float32 / bfloat16)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        weight = linear.weight.detach()
+        self.register_buffer("packed", weight.to_mkldnn(), persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
+        self.dense_dtype = weight.dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A dense copy (for code that reads the weight, e.g. building a full-vocabulary head)."""
+        return self.packed.to_dense(self.dense_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1]).contiguous().to_mkldnn()
+        out = torch._C._nn.mkldnn_linear(flat, self.packed, self.bias)
+        return out.to_dense(self.dense_dtype).reshape(*shape[:-1], self.out_features)
+
+    def __deepcopy__(self, memo):  # oneDNN tensors have no storage to copy
+        linear = torch.nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        linear = linear.to(self.dense_dtype)
+        with torch.no_grad():
+            linear.weight.copy_(self.weight)
+            if self.bias is not None:
+                linear.bias.copy_(self.bias)
+        return PackedLinear(linear)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+
+
+def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """CPU, float32 or bfloat16, oneDNN present, and not switched off with DYNATREE_PACK=0."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+        and os.environ.get("DYNATREE_PACK", "1") != "0"
+    )
+
+
+@torch.no_grad()
+def pack_linears(model: torch.nn.Module) -> int:
+    """Replace every `nn.Linear` of an inference model by a `PackedLinear`; return how many."""
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(module, name, PackedLinear(child))
+                count += 1
+    if count and getattr(model.config, "tie_word_embeddings", False):
+        model.config.tie_word_embeddings = False  # the head is its own (packed) copy now: never re-tie
+    model._dynatree_packed = count
+    return count
+
+
+def is_packed(model: torch.nn.Module) -> bool:
+    return bool(getattr(model, "_dynatree_packed", 0))

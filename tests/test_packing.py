@@ -1,0 +1,66 @@
+"""oneDNN pre-packed linears (packing.py): same numbers as nn.Linear up to rounding, exact greedy
+decoding through them, and load_pair packs on CPU unless told not to."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import ARCHS, noisy_copy, tiny_model
+
+from dynatree_core.drafting import make_policy
+from dynatree_core.engine import DecodeConfig, generate
+from dynatree_core.packing import PackedLinear, is_packed, pack_linears
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_linear(dtype, tol, bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(24, 40, bias=bias).to(dtype)
+    packed = PackedLinear(linear)
+    x = torch.randn(1, 9, 24, dtype=dtype)
+    for inp in (x, x[:, 4:, :], x[0, :1]):  # 3-D, a non-contiguous slice (logits_to_keep), 2-D
+        want = linear(inp)
+        got = packed(inp)
+        assert got.shape == want.shape and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert torch.equal(packed.weight, linear.weight.detach())  # the dense view reads back the weight
+    clone = copy.deepcopy(packed)  # oneDNN tensors have no storage: __deepcopy__ rebuilds
+    torch.testing.assert_close(clone(x), packed(x))
+
+
+def _packed_f32(arch: str, model: torch.nn.Module) -> torch.nn.Module:
+    model = copy.deepcopy(model).to(torch.float32)  # never mutate the shared tiny models
+    assert pack_linears(model) > 0  # GPT-2's Conv1D blocks stay as they are; its head is packed
+    return model
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("policy_name,params", [("dynatree", {}), ("fixed_tree", {"tau": 0.0}), ("linear", {"k": 4})])
+def test_greedy_decoding_through_packed_models_is_exact(arch, policy_name, params):
+    target = _packed_f32(arch, tiny_model(arch))
+    draft = _packed_f32(arch, noisy_copy(arch, 0.01))
+    plain = copy.deepcopy(tiny_model(arch)).to(torch.float32)
+    config = DecodeConfig(max_new_tokens=24)
+    for prompt in ([1, 5, 7, 9, 11], [42, 17, 8, 8, 8, 8, 60, 2]):
+        ar = generate(target, prompt, make_policy("ar"), config=config).token_ids
+        assert ar == generate(plain, prompt, make_policy("ar"), config=config).token_ids
+        tree = generate(target, prompt, make_policy(policy_name, params), draft=draft, config=config)
+        assert tree.token_ids == ar, f"{policy_name} through packed linears diverged from AR"
+
+
+def test_load_pair_packs_on_cpu_unless_switched_off(tiny_pair_dirs, monkeypatch):
+    from dynatree_core.bench import environment
+    from dynatree_core.session import load_pair
+
+    pair = load_pair(*tiny_pair_dirs, device="cpu", dtype="float32")
+    assert is_packed(pair.target.model) and is_packed(pair.draft.model)
+    assert isinstance(pair.target.model.lm_head, PackedLinear)
+    assert environment("cpu", "float32", is_packed(pair.target.model))["packed_linears"] is True
+    assert not is_packed(load_pair(*tiny_pair_dirs, device="cpu", dtype="float32", pack=False).target.model)
+    monkeypatch.setenv("DYNATREE_PACK", "0")
+    assert not is_packed(load_pair(*tiny_pair_dirs, device="cpu", dtype="float32").target.model)
