@@ -2,9 +2,11 @@
 
 On CPU, `F.linear` hands each call to a GEMM that re-packs the weight into its blocked layout
 every time. For one token that is a cheap GEMV, but a forward over 2-16 tokens (a tree
-verification, a draft level) paid up to 2x the one-token time for it. oneDNN can pack a weight
-once (`Tensor.to_mkldnn`) and reuse it: measured on the embedded pair (float32, 2 cores), the
-target's 2-token forward fell from 87 to 62 ms and DynaTree's end-to-end speed rose 17% (AR 4%).
+verification, a draft level) paid up to 2x the one-token time for it. oneDNN can reorder a weight
+once and reuse it: `torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise` (the pair
+torch.compile's CPU freezing pass uses) take and return dense activations, so nothing is
+converted per call. Measured per layer (576 -> 1536, 2 tokens) 0.16 -> 0.05 ms; the target's
+LM head (576 -> 49152, 16 tokens) 19 -> 5 ms. Whole-model numbers are in BENCHMARKS.md.
 
 `PackedLinear` keeps only the packed copy (no extra memory, except where a weight was tied: the
 input embedding keeps its own dense copy). Code that reads `.weight` gets a dense copy on demand.
@@ -27,7 +29,7 @@ class PackedLinear(torch.nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
-        self.register_buffer("packed", weight.to_mkldnn(), persistent=False)
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, None), persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
         self.dense_dtype = weight.dtype
 
@@ -37,10 +39,7 @@ class PackedLinear(torch.nn.Module):
         return self.packed.to_dense(self.dense_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1]).contiguous().to_mkldnn()
-        out = torch._C._nn.mkldnn_linear(flat, self.packed, self.bias)
-        return out.to_dense(self.dense_dtype).reshape(*shape[:-1], self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def __deepcopy__(self, memo):  # oneDNN tensors have no storage to copy
         linear = torch.nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
@@ -61,6 +60,7 @@ def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
         device.type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and os.environ.get("DYNATREE_PACK", "1") != "0"
     )
 
