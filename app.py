@@ -25,7 +25,7 @@ from dynatree_core.prompts import load_prompts
 from dynatree_core.sampling import SamplingConfig
 from dynatree_core.session import encode_prompt
 from dynatree_core.trace import IterationRecord
-from dynatree_core.ui import cached_pair, forward_lock, model_picker, param_widgets
+from dynatree_core.ui import cached_pair, forward_lock, latency_points, model_picker, param_widgets
 from dynatree_core.verify.sampling import VERIFIERS
 from dynatree_core.viz import (
     acceptance_by_depth,
@@ -36,10 +36,13 @@ from dynatree_core.viz import (
     order_block_counts,
     run_charts,
     salf_mass_figure,
+    speed_breakdown,
     text_html,
     tree_figure,
     verification_rows,
     visible,
+    why_figure,
+    why_text,
 )
 
 st.set_page_config(page_title="DynaTree Explorer", page_icon="🌳", layout="wide")
@@ -385,6 +388,36 @@ def verification_view(run: LiveRun, rec: IterationRecord) -> None:
             st.plotly_chart(acceptance_figure(by_depth), width="stretch", key="acceptance_depth")
 
 
+def why_view(run: LiveRun, ar_tps: float | None) -> None:
+    """Why this run is (not) faster than plain decoding: its time split against the device's
+    latency profile (measured on request, once per model pair)."""
+    with st.expander("Why is it (not) faster?"):
+        key_models = st.session_state.get("tokenizer_key")
+        profiles = state.setdefault("latency_profiles", {})
+        points = profiles.get(str(key_models))
+        if (
+            key_models is not None
+            and points is None
+            and st.button(
+                "Measure this device's latency profile",
+                help="Times target and draft forwards over 1-64 tokens (a few seconds on CPU), once per model pair.",
+            )
+        ):
+            try:
+                with st.spinner("Timing forwards..."):
+                    points = profiles[str(key_models)] = latency_points(*key_models)
+            except DynaTreeError as exc:
+                st.error(str(exc))
+        step_ms = None
+        if points:
+            step_ms = min((p.ms for p in points if p.model == "target" and p.new_tokens == 1), default=None)
+        elif ar_tps:
+            step_ms = 1000.0 / ar_tps
+        st.markdown(why_text(speed_breakdown(run.records, step_ms)))
+        if points:
+            st.plotly_chart(why_figure(points, run.records), width="stretch", key="why")
+
+
 def render(run: LiveRun | None) -> None:
     if run is None or not run.records:
         st.info("Press **Run** to decode live, or **Step** for one iteration at a time.")
@@ -441,6 +474,7 @@ def render(run: LiveRun | None) -> None:
     if ar_tps:
         st.caption(f"AR reference: {ar_tps:.1f} tokens/s on the same prompt, device and dtype.")
     st.plotly_chart(run_charts(run.records, ar_tps), width="stretch", key="charts")
+    why_view(run, ar_tps)
     st.download_button(
         "Export run (JSON)",
         run.to_json(),

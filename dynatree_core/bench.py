@@ -49,7 +49,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str], str]:
     return name.strip(), params, verifier.strip() or "auto"
 
 
-def environment(device: str, dtype: str, packed: bool = False) -> dict[str, Any]:
+def environment(device: str, dtype: str, packed: bool = False, dtype_source: str = "") -> dict[str, Any]:
     """What a result was measured on: hardware, library versions, threads, device, dtype and
     whether the linear layers ran pre-packed for oneDNN (packing.py)."""
     import torch
@@ -75,6 +75,7 @@ def environment(device: str, dtype: str, packed: bool = False) -> dict[str, Any]
         "torch_threads": torch.get_num_threads(),
         "device": device,
         "dtype": dtype,
+        "dtype_source": dtype_source,  # asked / probe (a saved `dtype` probe) / rule (auto's static rule)
         "packed_linears": packed,
         "platform": platform.platform(),
     }
@@ -211,7 +212,8 @@ def run_bench(
         "verifier": config.verifier,
         "seed": config.seed,
     }
-    return BenchReport(environment(device, dtype, is_packed(pair.target.model)), settings, stats, rows)
+    env = environment(device, dtype, is_packed(pair.target.model), getattr(pair, "dtype_source", ""))
+    return BenchReport(env, settings, stats, rows)
 
 
 def stderr_progress(done: int, total: int, label: str) -> None:

@@ -149,6 +149,19 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--no-pack", action="store_true", help="CPU: plain nn.Linear (no oneDNN pre-packing)")
     lat.add_argument("--out", type=Path, default=None, help="JSON points here, plot beside it (.html)")
     lat.add_argument("--json", action="store_true")
+    dt = sub.add_parser(
+        "dtype", help="measure which dtype is fastest and still exact on this device; `--dtype auto` then uses it"
+    )
+    dt.add_argument("--preset", default=None)
+    dt.add_argument("--target", default=None)
+    dt.add_argument("--draft", default=None)
+    dt.add_argument("--device", default="auto")
+    dt.add_argument("--dtypes", default="", help="comma-separated candidates (default: this device's)")
+    dt.add_argument("--policy", default="dynatree", help="the tree policy timed against AR")
+    dt.add_argument("--max-new-tokens", type=int, default=48)
+    dt.add_argument("--limit", type=int, default=4, help="bundled prompts, spread over the domains")
+    dt.add_argument("--no-save", action="store_true", help="measure and print, keep auto as it was")
+    dt.add_argument("--json", action="store_true")
     pre = sub.add_parser("presets", help="list model pair presets")
     pre.add_argument("--json", action="store_true")
     return parser
@@ -259,7 +272,7 @@ def cmd_bench(args) -> None:
     if args.out is not None:
         args.out.write_text(report.to_json(), encoding="utf-8")
         args.out.with_suffix(".csv").write_text(report.csv(), encoding="utf-8")
-        figures = {} if args.grid else B.sweep_figures(report, param_sweeps)
+        figures = B.sweep_figures(report, param_sweeps) if param_sweeps and not args.grid else {}
         if args.grid:
             figures["-".join(n for n, _ in param_sweeps[:2])] = B.grid_figure(report, param_sweeps)
         if setting is not None:
@@ -297,7 +310,9 @@ def cmd_latency(args) -> None:
     print(file=sys.stderr)
     model = pair.target.model
     report = {
-        "environment": environment(str(model.device), str(model.dtype).removeprefix("torch."), is_packed(model)),
+        "environment": environment(
+            str(model.device), str(model.dtype).removeprefix("torch."), is_packed(model), pair.dtype_source
+        ),
         "command": "python -m dynatree_core " + shlex.join(args.argv),
         "points": [dataclasses.asdict(p) for p in points],
     }
@@ -325,6 +340,38 @@ def _resolve_models(args) -> tuple[str, str | None]:
         raise DynaTreeError(f"unknown preset {args.preset!r}; choose one of: {', '.join(PRESETS)}")
     preset = PRESETS[args.preset]
     return args.target or preset.target, args.draft or preset.draft
+
+
+def cmd_dtype(args) -> None:
+    import dataclasses
+
+    from dynatree_core.bench import stderr_progress
+    from dynatree_core.dtypes import choose, probe, save_choice
+    from dynatree_core.models import resolve_device
+    from dynatree_core.prompts import load_prompts
+
+    if args.max_new_tokens < 1 or args.limit < 1:
+        raise DynaTreeError("--max-new-tokens and --limit must be at least 1")
+    target_spec, draft_spec = _resolve_models(args)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()] or None
+    prompts = load_prompts("all")[:: max(1, 32 // args.limit)][: args.limit]
+    rows = probe(target_spec, draft_spec, device=args.device, prompts=prompts, max_new_tokens=args.max_new_tokens,
+                 policy=args.policy, dtypes=dtypes, progress=stderr_progress)  # fmt: skip
+    print(file=sys.stderr)
+    best = choose(rows)
+    if not args.no_save:
+        from dynatree_core.session import default_draft_for
+
+        save_choice(resolve_device(args.device), target_spec, draft_spec or default_draft_for(target_spec), best, rows)
+    if args.json:
+        print(json.dumps({"chosen": best.dtype, "rows": [dataclasses.asdict(r) for r in rows]}, indent=2))
+        return
+    print(f"| dtype | AR tokens/s | {args.policy} tokens/s | exact |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r.dtype} | {r.ar_tps:.1f} | {r.tree_tps:.1f} | {r.exact}/{r.prompts} |")
+    saved = "" if args.no_save else " (saved: --dtype auto uses it for this device and pair)"
+    print(f"fastest exact dtype: {best.dtype}{saved}")
 
 
 def cmd_generate(args) -> None:
@@ -451,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
             "presets": cmd_presets,
             "bench": cmd_bench,
             "verifiers": cmd_verifiers,
+            "dtype": cmd_dtype,
         }
         commands[args.command](args)
     except DynaTreeError as exc:

@@ -70,3 +70,17 @@ def model_picker(key_prefix: str = "") -> tuple[str, str | None, str, str]:
         help="auto: float32 on CPU (bit-exact greedy).",
     )
     return target, draft, device, dtype
+
+
+@st.cache_data(show_spinner=False, max_entries=4)
+def latency_points(target: str, draft: str | None, device: str, dtype: str) -> list:
+    """The pair's forward latency profile on this device (context 128, 1-64 tokens), measured once
+    per pair and kept for every session (it takes a few seconds on CPU)."""
+    from dynatree_core.latency import profile
+
+    pair = cached_pair(target, draft, device, dtype)
+    models = {"target": pair.target.model}
+    if pair.draft is not None and not pair.draft_is_stand_in:
+        models["draft"] = pair.draft.model
+    with forward_lock():
+        return profile(models, tokens=(1, 2, 4, 8, 16, 32, 64), contexts=(128,), repeats=3)

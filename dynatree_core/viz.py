@@ -522,3 +522,98 @@ def compare_figures(entries: list, *, height: int = 320) -> dict[str, go.Figure]
         )
     throughput.update_yaxes(range=[0, 1.2 * max((e.throughput_tps + e.throughput_std for e in entries), default=1)])
     return figures
+
+
+def speed_breakdown(records: list[IterationRecord], step_ms: float | None = None) -> dict[str, float]:
+    """Where an iteration's time goes, against plain decoding's cost per token (`step_ms`: a
+    one-token target forward from the latency profile, or an AR run's time per token).
+
+    speedup ~= tokens per iteration x step_ms / iteration_ms: speculation pays only when the
+    tokens an iteration commits outweigh what drafting and the wider verification cost."""
+    n = len(records)
+    if n == 0:
+        return {}
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / n
+    out = {
+        "iterations": n,
+        "tokens_per_iteration": mean([len(r.committed) for r in records]),
+        "draft_ms": mean([r.draft_ms for r in records]),
+        "draft_forwards": mean([r.draft_forwards for r in records]),
+        "verify_ms": mean([r.verify_ms for r in records]),
+        "other_ms": mean([r.commit_ms + r.overhead_ms for r in records]),
+        "tokens_verified": mean([len(r.order) - 1 + r.chain_len for r in records]),  # one target forward's width
+    }
+    out["iteration_ms"] = out["draft_ms"] + out["verify_ms"] + out["other_ms"]
+    if step_ms:
+        out["step_ms"] = step_ms
+        out["verify_vs_step"] = out["verify_ms"] / step_ms
+        out["break_even_tokens"] = out["iteration_ms"] / step_ms
+        out["expected_speedup"] = out["tokens_per_iteration"] * step_ms / out["iteration_ms"]
+    return out
+
+
+def why_text(b: dict[str, float]) -> str:
+    """The breakdown in words, with what would change the outcome."""
+    if not b:
+        return "No iterations yet."
+    lines = [
+        f"Each iteration commits **{b['tokens_per_iteration']:.2f}** tokens and takes **{b['iteration_ms']:.0f} ms**: "
+        f"{b['draft_ms']:.0f} ms drafting ({b['draft_forwards']:.1f} draft forwards), {b['verify_ms']:.0f} ms for one "
+        f"target forward over {b['tokens_verified']:.1f} tokens, {b['other_ms']:.1f} ms outside the forwards."
+    ]
+    if "step_ms" not in b:
+        lines.append("Measure the latency profile (or the AR reference) to compare with plain decoding.")
+        return "\n\n".join(lines)
+    verdict = "faster" if b["expected_speedup"] > 1 else "slower"
+    lines.append(
+        f"Plain decoding pays **{b['step_ms']:.0f} ms** per token, so this run breaks even at "
+        f"**{b['break_even_tokens']:.2f}** tokens per iteration; it commits {b['tokens_per_iteration']:.2f}, "
+        f"so it is expected to be **{b['expected_speedup']:.2f}x** ({verdict} than plain decoding)."
+    )
+    tips = []
+    if b["verify_vs_step"] > 1.5:
+        tips.append(
+            f"verifying {b['tokens_verified']:.0f} tokens costs {b['verify_vs_step']:.1f}x a one-token step on this "
+            "device (see the curve): a smaller node budget or tree keeps the verification near the flat part"
+        )
+    if b["draft_ms"] > 0.35 * b["iteration_ms"]:
+        tips.append(
+            f"drafting is {b['draft_ms'] / b['iteration_ms']:.0%} of the iteration: fewer levels (depth) or an earlier "
+            "stop (thresholds) save draft forwards"
+        )
+    if b["tokens_per_iteration"] < b["break_even_tokens"] + 0.3:
+        tips.append("the draft's proposals are accepted too rarely: a better-matched draft model is the real lever")
+    if tips:
+        lines.append("What would help: " + "; ".join(tips) + ".")
+    return "\n\n".join(lines)
+
+
+def why_figure(points: list, records: list[IterationRecord], *, height: int = 340) -> go.Figure:
+    """The target's forward latency against tokens per forward (the device's profile) with this
+    run's verification forwards on top: where on the curve the trees land."""
+    fig = go.Figure()
+    target = sorted((p.new_tokens, p.ms) for p in points if p.model == "target")
+    draft = sorted((p.new_tokens, p.ms) for p in points if p.model == "draft")
+    for name, pts, dash in (("target forward (profile)", target, None), ("draft forward (profile)", draft, "dot")):
+        if pts:
+            fig.add_scatter(
+                x=[n for n, _ in pts], y=[ms for _, ms in pts], mode="lines+markers", name=name, line=dict(dash=dash)
+            )
+    fig.add_scatter(
+        x=[len(r.order) - 1 + r.chain_len for r in records],
+        y=[r.verify_ms for r in records],
+        mode="markers",
+        name="this run's verifications",
+        marker=dict(size=7, opacity=0.5),
+    )
+    fig.update_layout(
+        height=height,
+        xaxis_title="tokens in one forward",
+        yaxis_title="ms",
+        xaxis_type="log",
+        margin=dict(l=10, r=10, t=30, b=10),
+        legend=dict(orientation="h", y=1.12),
+    )
+    return fig

@@ -217,3 +217,22 @@ def test_traversal_trace_expected_acceptance_and_the_verification_lab(tiny_pair_
     next(s for s in lab.selectbox if s.label == "Verifier").set_value("block").run()
     next(b for b in lab.button if "Run the lab" in b.label).click().run()
     assert any("one drafted path" in e.value for e in lab.error)  # refused before any work
+
+
+def test_why_is_it_not_faster_measures_the_profile_and_explains(tiny_pair_dirs):
+    import json
+
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    at.run()
+    _custom_pair(at, *tiny_pair_dirs)
+    _click(at, "Step")
+    _click(at, "Step")
+    md = " ".join(m.value for m in at.markdown)
+    assert "Measure the latency profile" in md  # no plain-decoding cost known yet
+    _click(at, "latency profile")
+    assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
+    md = " ".join(m.value for m in at.markdown)
+    assert "breaks even at" in md and "expected to be" in md
+    charts = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    names = {t.get("name") for c in charts for t in c["data"]}
+    assert {"target forward (profile)", "draft forward (profile)", "this run's verifications"} <= names

@@ -270,3 +270,33 @@ def test_verifiers_json_and_sampled_generation(capsys, tiny_pair_dirs):
     assert code == 2 and "only 'nss' is lossless" in err
     code, _, err = run_cli(capsys, *args, "--temperature", "0.8", "--top-p", "0")
     assert code == 2 and "top_p" in err
+
+
+def test_dtype_probe_picks_the_fastest_exact_dtype_and_auto_uses_it(capsys, tiny_pair_dirs, tmp_path, monkeypatch):
+    from dynatree_core.dtypes import CHOICE_FILE, DtypeRow, choose
+    from dynatree_core.errors import DynaTreeError
+    from dynatree_core.session import load_pair
+
+    rows = [DtypeRow("float32", 10, 12, 4, 4), DtypeRow("bfloat16", 20, 25, 3, 4), DtypeRow("float16", 9, 11, 4, 4)]
+    assert choose(rows).dtype == "float32"  # bfloat16 is faster but changed one output
+    with pytest.raises(DynaTreeError, match="no dtype"):
+        choose([DtypeRow("bfloat16", 20, 25, 3, 4)])
+
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path))
+    target, draft = tiny_pair_dirs
+    assert load_pair(target, draft, device="cpu").dtype_source == "rule"
+    code, out, err = run_cli(
+        capsys, "dtype", "--target", target, "--draft", draft, "--device", "cpu", "--max-new-tokens", "6",
+        "--limit", "2", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    result = json.loads(out)
+    assert [r["dtype"] for r in result["rows"]] == ["float32", "bfloat16"]
+    exact = [r for r in result["rows"] if r["exact"] == r["prompts"] == 2]
+    assert result["chosen"] == max(exact, key=lambda r: r["tree_tps"])["dtype"]
+    pair = load_pair(target, draft, device="cpu")  # auto now follows the saved probe
+    assert pair.dtype_source == "probe"
+    assert str(pair.target.model.dtype) == str(pair.draft.model.dtype) == f"torch.{result['chosen']}"
+    assert load_pair(target, draft, device="cpu", dtype="float32").dtype_source == "asked"
+    (tmp_path / CHOICE_FILE).write_text("{broken")  # a damaged file is ignored, never fatal
+    assert load_pair(target, draft, device="cpu").dtype_source == "rule"

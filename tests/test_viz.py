@@ -190,3 +190,22 @@ def test_salf_mass_figure_marks_the_step_below_threshold():
     bar = fig.data[0]
     assert list(bar.y) == [1.0, 0.8, 0.4]
     assert list(bar.marker.color) == [COLOURS["accepted"], COLOURS["accepted"], COLOURS["rejected"]]
+
+
+def test_speed_breakdown_is_the_iteration_arithmetic():
+    from dynatree_core.viz import speed_breakdown, why_text
+
+    records = [sample_record(), sample_record()]
+    for r, (draft, verify) in zip(records, ((10.0, 30.0), (20.0, 50.0)), strict=True):
+        r.draft_ms, r.verify_ms, r.commit_ms, r.overhead_ms, r.draft_forwards = draft, verify, 1.0, 1.0, 3
+    b = speed_breakdown(records, step_ms=40.0)
+    tpi = sum(len(r.committed) for r in records) / 2
+    assert b["iteration_ms"] == 15.0 + 40.0 + 2.0 and b["draft_forwards"] == 3
+    assert b["expected_speedup"] == pytest.approx(tpi * 40.0 / 57.0)
+    assert b["break_even_tokens"] == pytest.approx(57.0 / 40.0) and b["verify_vs_step"] == 1.0
+    text = why_text(b)
+    assert f"{tpi:.2f}" in text and f"{57.0 / 40.0:.2f}" in text  # commits, break-even
+    slow = speed_breakdown(records, step_ms=10.0)  # verification 4x a step, drafting 26%: advice
+    assert "smaller node budget" in why_text(slow) and slow["expected_speedup"] < 1
+    assert "Measure the latency profile" in why_text(speed_breakdown(records))
+    assert speed_breakdown([]) == {}

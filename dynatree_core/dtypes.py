@@ -1,0 +1,141 @@
+"""Pick the fastest *correct* dtype for a model pair on this device, by measuring it.
+
+"Correct" is the engine's greedy promise: in a given dtype, tree decoding must reproduce AR
+decoding in that same dtype token for token. Lower precision is faster where the hardware has
+the units (bfloat16 with AMX or on GPUs) but rounds logits coarsely, so a tree forward (many
+tokens) and an AR forward (one token) can disagree on near-ties; whether that happens is a
+property of the model, the kernels and the device, so we measure it rather than assume it.
+
+`probe` runs AR and a tree policy on a few bundled prompts in every candidate dtype and keeps
+the fastest whose outputs all agree; the choice is saved under the cache dir, keyed by device,
+model pair and torch version, and `--dtype auto` uses it from then on (models.resolve_dtype).
+Without a saved probe, auto is the static rule: float32 on CPU, bfloat16 on GPUs that have it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import torch
+
+from dynatree_core.errors import DynaTreeError
+
+CHOICE_FILE = "dtype-choice.json"
+
+
+@dataclasses.dataclass
+class DtypeRow:
+    dtype: str
+    ar_tps: float
+    tree_tps: float
+    exact: int  # prompts whose tree output equals AR's in this dtype
+    prompts: int
+
+    @property
+    def correct(self) -> bool:
+        return self.exact == self.prompts
+
+
+def candidates(device: torch.device) -> list[str]:
+    if device.type == "cuda":
+        return ["float32", "bfloat16", "float16"] if torch.cuda.is_bf16_supported() else ["float32", "float16"]
+    return ["float32", "bfloat16"]
+
+
+def device_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    from dynatree_core.bench import environment
+
+    return f"cpu:{environment('cpu', '')['cpu']}:{torch.get_num_threads()} threads"
+
+
+def choice_key(device: torch.device, target: str, draft: str | None) -> str:
+    return f"{device_key(device)}|{target}|{draft}|torch {torch.__version__}"
+
+
+def choose(rows: list[DtypeRow]) -> DtypeRow:
+    """The fastest correct dtype (tree throughput, the number the tool is for); float32 if none."""
+    correct = [r for r in rows if r.correct]
+    if not correct:
+        raise DynaTreeError("no dtype reproduced AR decoding exactly; use --dtype float32 (or float64)")
+    return max(correct, key=lambda r: r.tree_tps)
+
+
+def saved_choice(device: torch.device, target: str, draft: str | None = None) -> str | None:
+    from dynatree_core.models import cache_dir
+
+    path = cache_dir() / CHOICE_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # a broken file is ignored, never fatal
+    key = choice_key(device, target, draft)
+    entry = data.get(key) or next((v for k, v in data.items() if k.startswith(f"{device_key(device)}|{target}|")), None)
+    return entry.get("dtype") if isinstance(entry, dict) else None
+
+
+def save_choice(device: torch.device, target: str, draft: str | None, row: DtypeRow, rows: list[DtypeRow]) -> None:
+    from dynatree_core.models import cache_dir
+
+    path = cache_dir() / CHOICE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError:
+        data = {}
+    data[choice_key(device, target, draft)] = {
+        "dtype": row.dtype,
+        "measured": [dataclasses.asdict(r) for r in rows],
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+
+
+def probe(
+    target: str,
+    draft: str | None,
+    *,
+    device: str = "auto",
+    prompts=None,
+    max_new_tokens: int = 48,
+    policy: str = "dynatree",
+    dtypes: list[str] | None = None,
+    progress=None,
+) -> list[DtypeRow]:
+    """AR and `policy` on every prompt in every candidate dtype (one process, one after another)."""
+    from dynatree_core.drafting import make_policy
+    from dynatree_core.engine import DecodeConfig, generate
+    from dynatree_core.models import resolve_device
+    from dynatree_core.prompts import load_prompts
+    from dynatree_core.session import encode_prompt, load_pair
+
+    torch_device = resolve_device(device)
+    prompts = prompts if prompts is not None else load_prompts("all")[::8][:4]
+    rows = []
+    names = dtypes or candidates(torch_device)
+    for i, name in enumerate(names):
+        pair = load_pair(target, draft, device=str(torch_device), dtype=name)
+        ids = [encode_prompt(pair.target.tokenizer, p.text, chat=p.chat) for p in prompts]
+        config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=pair.target.eos_token_ids)
+        kw = dict(draft=pair.draft.model, config=config, draft_token_map=pair.draft.token_map)
+        generate(pair.target.model, ids[0], make_policy(policy), **kw)  # warm-up
+        tps: dict[str, list[float]] = {"ar": [], policy: []}
+        exact = 0
+        for prompt in ids:
+            ar = generate(pair.target.model, prompt, make_policy("ar"), config=config)
+            tree = generate(pair.target.model, prompt, make_policy(policy), **kw)
+            tps["ar"].append(ar.throughput_tps)
+            tps[policy].append(tree.throughput_tps)
+            exact += tree.token_ids == ar.token_ids
+        rows.append(DtypeRow(name, sum(tps["ar"]) / len(ids), sum(tps[policy]) / len(ids), exact, len(ids)))
+        if progress:
+            progress(i + 1, len(names), name)
+        del pair
+    return rows
