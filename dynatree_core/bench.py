@@ -362,18 +362,20 @@ def run_setting_sweep(pair, entries: list[Entry], prompts: list[Prompt], *, conf
 
 def setting_figure(report: BenchReport, setting: str, values: list[int]):
     """Throughput and speedup against T or L_max, one line per policy (DynaTree, Figs. 4-6/5-8)."""
+    import plotly.colors
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens / s", "speedup over the best AR reference"))
     suffix = [f" {setting}={v}" for v in values]
     bases = dict.fromkeys(e.label.removesuffix(s) for e in report.results for s in suffix if e.label.endswith(s))
-    for base in bases:
+    palette = plotly.colors.qualitative.Plotly
+    for i, base in enumerate(bases):
         rows = [e for v in values for e in report.results if e.label == f"{base} {setting}={v}"]
         xs = [e.params[setting] for e in rows]
-        fig.add_scatter(x=xs, y=[e.throughput_tps for e in rows], mode="lines+markers", name=base, legendgroup=base,
-                        error_y=dict(type="data", array=[e.throughput_std for e in rows]), row=1, col=1)  # fmt: skip
-        fig.add_scatter(x=xs, y=[e.speedup for e in rows], mode="lines+markers", name=base, legendgroup=base,
-                        showlegend=False, row=1, col=2)  # fmt: skip
+        style = dict(mode="lines+markers", name=base, legendgroup=base, line=dict(color=palette[i % len(palette)]))
+        fig.add_scatter(x=xs, y=[e.throughput_tps for e in rows], row=1, col=1, **style,
+                        error_y=dict(type="data", array=[e.throughput_std for e in rows]))  # fmt: skip
+        fig.add_scatter(x=xs, y=[e.speedup for e in rows], row=1, col=2, showlegend=False, **style)
     title = {"T": "new tokens T", "max_new_tokens": "new tokens T"}.get(setting, "prompt cut L_max (tokens)")
     fig.update_xaxes(title_text=title)
     fig.update_layout(title=f"Scaling over {title}", height=420)

@@ -536,6 +536,7 @@ def speed_breakdown(records: list[IterationRecord], step_ms: float | None = None
 
     def mean(values: list[float]) -> float:
         return sum(values) / n
+
     out = {
         "iterations": n,
         "tokens_per_iteration": mean([len(r.committed) for r in records]),

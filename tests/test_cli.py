@@ -300,3 +300,21 @@ def test_dtype_probe_picks_the_fastest_exact_dtype_and_auto_uses_it(capsys, tiny
     assert load_pair(target, draft, device="cpu", dtype="float32").dtype_source == "asked"
     (tmp_path / CHOICE_FILE).write_text("{broken")  # a damaged file is ignored, never fatal
     assert load_pair(target, draft, device="cpu").dtype_source == "rule"
+
+
+def test_png_export_without_kaleido_is_a_clear_error(tmp_path, monkeypatch):
+    import plotly.graph_objects as go
+
+    from dynatree_core.bench import write_figure
+    from dynatree_core.errors import DynaTreeError
+
+    fig = go.Figure(go.Scatter(x=[1, 2], y=[3, 4]))
+    assert write_figure(fig, tmp_path / "f") == [str(tmp_path / "f.html")]
+
+    def no_kaleido(*args, **kwargs):
+        raise ValueError("Image export using the 'kaleido' engine requires the kaleido package")
+
+    monkeypatch.setattr(go.Figure, "write_image", no_kaleido)
+    with pytest.raises(DynaTreeError, match="pip install kaleido"):
+        write_figure(fig, tmp_path / "g", png=True)
+    assert (tmp_path / "g.html").is_file()  # the HTML is written first either way
