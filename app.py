@@ -37,6 +37,7 @@ from dynatree_core.viz import (
     run_charts,
     salf_mass_figure,
     speed_breakdown,
+    stop_text,
     text_html,
     tree_figure,
     verification_rows,
@@ -427,8 +428,9 @@ def render(run: LiveRun | None) -> None:
     st.caption(
         f"Measured on {run.device}, {run.dtype}, from engine time (rendering excluded). A browser on the same "
         "machine competes for its CPU while it draws: raise *render every N* for cleaner timing."
-        + (" Finished." if run.done else "")
     )
+    if run.done:
+        st.info(stop_text(run.records[-1].stop), icon=":material/flag:")
     n = len(run.records)
     pick = (
         st.slider("Iteration", 1, n, n, key=f"scrub_{n}", help="Go back to any iteration's tree and mask.")

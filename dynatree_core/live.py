@@ -22,6 +22,7 @@ from dynatree_core.drafting.base import Policy
 from dynatree_core.engine import DecodeConfig, decode
 from dynatree_core.metrics import summarize
 from dynatree_core.trace import IterationRecord, RunResult
+from dynatree_core.trace_check import check_run, check_size_and_depth
 from dynatree_core.vocab import TokenMap
 
 
@@ -131,12 +132,14 @@ class LiveRun:
     def from_json(cls, data: str | bytes) -> LiveRun:
         """A finished run to replay without models (raises ValueError on a malformed file)."""
         try:
+            check_size_and_depth(data)
             raw = json.loads(data)
             if not isinstance(raw, dict):
                 raise ValueError("expected a JSON object")
+            check_run(raw)
             result = RunResult.from_dict(raw)
             texts = {int(k): str(v) for k, v in (raw.get("token_texts") or {}).items()}
-        except (json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as exc:
+        except (json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError, RecursionError) as exc:
             raise ValueError(f"not a DynaTree run file: {exc}") from exc
         return cls(
             settings=dict(raw.get("settings") or {}),

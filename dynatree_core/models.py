@@ -132,6 +132,23 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: object | None = None) -> fr
     return frozenset(ids)
 
 
+def presets_only() -> bool:
+    """A deployer's switch (DYNATREE_PRESETS_ONLY=1): serve the preset model pairs and nothing
+    else, so a public instance cannot be pointed at arbitrary paths or hub ids."""
+    return os.environ.get("DYNATREE_PRESETS_ONLY", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_spec_allowed(spec: str) -> None:
+    if not presets_only():
+        return
+    allowed = {p.target for p in PRESETS.values()} | {p.draft for p in PRESETS.values() if p.draft}
+    if spec not in allowed:
+        raise DynaTreeError(
+            f"this instance serves only its preset models (DYNATREE_PRESETS_ONLY is set); {spec!r} is not one "
+            f"of them: pick a preset ({', '.join(PRESETS)})"
+        )
+
+
 def cache_dir() -> Path:
     """Where converted checkpoints live: $DYNATREE_CACHE or ~/.cache/dynatree."""
     return Path(os.environ.get("DYNATREE_CACHE") or Path.home() / ".cache" / "dynatree")
@@ -257,6 +274,7 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto") -> Loade
     if not spec or not spec.strip():
         raise DynaTreeError("empty model id")
     spec = spec.strip()
+    check_spec_allowed(spec)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     source, is_local = _local_dir_for(spec)

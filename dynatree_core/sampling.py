@@ -10,6 +10,7 @@ Temperature 0 means greedy (the argmax, as a one-hot distribution).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -23,8 +24,8 @@ class SamplingConfig:
     top_k: int = 0  # 0: no top-k truncation
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise DynaTreeError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise DynaTreeError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise DynaTreeError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

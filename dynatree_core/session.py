@@ -75,15 +75,47 @@ def load_pair(
     return ModelPair(target, draft, dtype_source=source)
 
 
+_SLOT = "\ue000DYNATREE_USER_TEXT\ue001"  # private-use characters: no real prompt contains this
+
+
 def encode_prompt(tokenizer, text: str, *, chat: bool) -> list[int]:
-    """Token ids for a prompt. Chat mode applies the tokenizer's chat template."""
+    """Token ids for a prompt. Chat mode applies the tokenizer's chat template.
+
+    The user's text is always tokenized as text: a prompt that contains "<|endoftext|>" or a chat
+    marker gets the characters, never the control token (HF tokenizers would otherwise turn
+    them into special ids, e.g. an EOS inside the prompt). Only the chat template's own markers
+    are special: the template is rendered around a placeholder, and the pieces before and after
+    it are tokenized normally while the user's text in between has special tokens split.
+    """
     if text is None or not text.strip():
         raise DynaTreeError("the prompt is empty")
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise DynaTreeError("this model has no chat template: turn chat mode off")
-        encoded = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
-        )
-        return list(encoded["input_ids"])
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    if "\x00" in text:
+        text = text.replace("\x00", "")  # NUL breaks some tokenizers; it carries no meaning in a prompt
+    if not chat:
+        bos = tokenizer(_SLOT, add_special_tokens=True)["input_ids"]
+        plain = tokenizer(_SLOT, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return _wrap(bos, plain, ids)
+    if not getattr(tokenizer, "chat_template", None):
+        raise DynaTreeError("this model has no chat template: turn chat mode off")
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _SLOT}], add_generation_prompt=True, tokenize=False
+    )
+    if rendered.count(_SLOT) != 1:  # a template that rewrites the content: no safe split exists
+        raise DynaTreeError("this model's chat template alters the message text: turn chat mode off")
+    before, after = rendered.split(_SLOT)
+    user = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return _template_ids(tokenizer, before) + list(user) + _template_ids(tokenizer, after)
+
+
+def _template_ids(tokenizer, piece: str) -> list[int]:
+    return list(tokenizer(piece, add_special_tokens=False)["input_ids"]) if piece else []
+
+
+def _wrap(with_specials: list[int], without: list[int], ids: list[int]) -> list[int]:
+    """Put around `ids` whatever special tokens (BOS/EOS) the tokenizer adds to any text: the
+    difference between encoding the placeholder with and without special tokens."""
+    start = next((i for i in range(len(with_specials)) if with_specials[i : i + len(without)] == without), None)
+    if start is None:
+        return list(ids)
+    return list(with_specials[:start]) + list(ids) + list(with_specials[start + len(without) :])

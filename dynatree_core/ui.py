@@ -9,7 +9,7 @@ import threading
 import streamlit as st
 
 from dynatree_core.drafting import POLICIES
-from dynatree_core.models import PRESETS
+from dynatree_core.models import PRESETS, presets_only
 from dynatree_core.session import load_pair
 
 
@@ -44,13 +44,16 @@ CUSTOM = "custom (hub id or local path)"
 
 def model_picker(key_prefix: str = "") -> tuple[str, str | None, str, str]:
     """Sidebar widgets for the model pair, device and dtype: (target, draft, device, dtype).
-    A preset fills in both models; "custom" asks for a hub id or local directory."""
+    A preset fills in both models; "custom" asks for a hub id or local directory (not offered
+    when the deployer set DYNATREE_PRESETS_ONLY)."""
     k = (lambda name: f"{key_prefix}_{name}") if key_prefix else (lambda name: None)
+    locked = presets_only()
     preset = st.selectbox(
         "Model pair",
-        [*PRESETS, CUSTOM],
+        [*PRESETS] if locked else [*PRESETS, CUSTOM],
         key=k("preset"),
-        help="`embedded` runs offline: SmolLM2-135M-Instruct with the project's trained draft.",
+        help="`embedded` runs offline: SmolLM2-135M-Instruct with the project's trained draft."
+        + (" This instance serves its presets only." if locked else ""),
     )
     if preset == CUSTOM:
         target = st.text_input("Target", key=k("target"), help="A hub id (needs network) or a local model directory.")

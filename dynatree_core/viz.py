@@ -618,3 +618,15 @@ def why_figure(points: list, records: list[IterationRecord], *, height: int = 34
         legend=dict(orientation="h", y=1.12),
     )
     return fig
+
+
+STOP_TEXT = {
+    "eos": "the model ended its answer (an end-of-sequence token)",
+    "max_new_tokens": "it reached the max new tokens setting",
+    "context_limit": "the prompt and the output filled the model's context window; it can take no more tokens",
+}
+
+
+def stop_text(stop: str | None) -> str:
+    """Why a finished run stopped, in words."""
+    return "Finished: " + STOP_TEXT.get(stop or "", f"stopped ({stop or 'no reason recorded'})") + "."

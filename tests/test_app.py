@@ -236,3 +236,13 @@ def test_why_is_it_not_faster_measures_the_profile_and_explains(tiny_pair_dirs):
     charts = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
     names = {t.get("name") for c in charts for t in c["data"]}
     assert {"target forward (profile)", "draft forward (profile)", "this run's verifications"} <= names
+
+
+def test_presets_only_hides_custom_models(monkeypatch):
+    monkeypatch.setenv("DYNATREE_PRESETS_ONLY", "1")
+    for page in ("app.py", "pages/1_Compare_Policies.py", "pages/3_Benchmark.py"):
+        at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / page), default_timeout=120)
+        at.run()
+        assert not at.exception, page
+        pickers = [s for s in at.selectbox if s.label == "Model pair"]
+        assert pickers and all("custom (hub id or local path)" not in s.options for s in pickers), page

@@ -116,10 +116,10 @@ def test_run_with_the_embedded_models_updates_live(app_url):
         while time.monotonic() < deadline:
             with contextlib.suppress(ValueError, PlaywrightError):  # the metric is being re-rendered
                 seen.add(int(_metric(page, "Iterations", timeout_ms=2_000)))
-            if page.get_by_text("Finished.", exact=False).count():
+            if page.get_by_text("Finished:", exact=False).count():
                 break
             time.sleep(0.2)
-        assert page.get_by_text("Finished.", exact=False).count(), "the run did not finish in time"
+        assert page.get_by_text("Finished:", exact=False).count(), "the run did not finish in time"
         assert len(seen) >= 3, f"iteration counter seen only at {sorted(seen)}: not updating live"
         _idle(page)
         final = int(_metric(page, "Iterations"))

@@ -123,3 +123,19 @@ def test_device_and_dtype_resolution():
         resolve_dtype("float8", resolve_device("cpu"))
     with pytest.raises(DynaTreeError):
         resolve_device("tpu:0")
+
+
+def test_presets_only_refuses_other_models_everywhere(capsys, tiny_dirs, monkeypatch):
+    from dynatree_core.models import EMBEDDED, PRESETS, check_spec_allowed
+
+    monkeypatch.setenv("DYNATREE_PRESETS_ONLY", "1")
+    for spec in (tiny_dirs["target"], "someorg/some-model", "/etc/passwd", "../model.gguf"):
+        with pytest.raises(DynaTreeError, match="serves only its preset models"):
+            load_model(spec)
+    check_spec_allowed(EMBEDDED)  # presets (targets and drafts) stay allowed
+    for preset in PRESETS.values():
+        check_spec_allowed(preset.target)
+    assert main(["generate", "--prompt", "hi", "--target", tiny_dirs["target"]]) == 2
+    assert "serves only its preset models" in capsys.readouterr().err
+    monkeypatch.setenv("DYNATREE_PRESETS_ONLY", "0")
+    check_spec_allowed(tiny_dirs["target"])

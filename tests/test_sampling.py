@@ -161,3 +161,18 @@ def test_reach_probabilities_of_top_down_verifiers_are_consistent(verifier):
             assert sum(reach[c] for c in kids) <= reach[node] + 1e-9
         if verifier != "nss" and rec.tree.draws.get(0):
             assert 0 <= rec.analysis["0"]["expected_acceptance"] <= 1
+
+
+def test_sampling_settings_at_their_edges():
+    for bad in (dict(temperature=-1.0), dict(temperature=float("nan")), dict(temperature=float("inf")),
+                dict(top_p=0.0), dict(top_p=1.5), dict(top_p=float("nan")), dict(top_k=-1)):  # fmt: skip
+        with pytest.raises(DynaTreeError):
+            SamplingConfig(**bad)
+    SamplingConfig(top_p=1.0)  # the edges that are valid
+    # a tiny positive temperature is sampling that always picks the argmax: the greedy output
+    target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
+    greedy = generate(target, PROMPT, make_policy("ar"), config=DecodeConfig(max_new_tokens=12)).token_ids
+    cold = SamplingConfig(temperature=1e-6)
+    for name in ("ar", "linear", "fixed_tree"):
+        config = DecodeConfig(max_new_tokens=12, sampling=cold, seed=3)
+        assert generate(target, PROMPT, make_policy(name), draft=draft, config=config).token_ids == greedy, name

@@ -1,0 +1,163 @@
+"""Importing run files: malformed, truncated or hostile JSON is refused with a message, and any
+file that is accepted can be drawn by the app without an error (fuzzed with hypothesis)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+
+import pytest
+from conftest import noisy_copy, tiny_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dynatree_core.drafting import make_policy
+from dynatree_core.engine import DecodeConfig
+from dynatree_core.live import LiveRun
+from dynatree_core.sampling import SamplingConfig
+from dynatree_core.viz import (
+    acceptance_by_depth,
+    mask_figure,
+    node_details,
+    run_charts,
+    speed_breakdown,
+    text_html,
+    tree_figure,
+    verification_rows,
+    why_text,
+)
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@functools.cache
+def exported(sampled: bool) -> str:
+    """A real run's export: greedy fixed_tree, or sampled traversal with analysis (every field used)."""
+    target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
+    config = DecodeConfig(max_new_tokens=8)
+    policy = make_policy("fixed_tree", {"depth": 2, "branch": 2})
+    if sampled:
+        config = DecodeConfig(
+            max_new_tokens=8, sampling=SamplingConfig(temperature=1.0), verifier="traversal", analyze=True
+        )
+        policy = make_policy("fixed_tree", {"depth": 2, "branch": 2, "budget": 6})
+    live = LiveRun.start(target, [5, 9, 11], policy, draft=draft, config=config, settings={"policy": "fixed_tree"})
+    while live.step() is not None:
+        pass
+    return live.to_json()
+
+
+def draw_everything(run: LiveRun) -> None:
+    """What the app draws from an imported run, every iteration and every node."""
+    for rec in run.records:
+        tree_figure(rec, run.text)
+        mask_figure(rec, run.text)
+        verification_rows(rec, run.text)
+        for node in range(len(rec.tree.tokens)):
+            node_details(rec, node, run.text)
+    text_html(run.records, run.text)
+    run_charts(run.records, 10.0)
+    acceptance_by_depth(run.records)
+    why_text(speed_breakdown(run.records, 40.0))
+    run.result()
+
+
+def replay_or_refuse(data: str | bytes) -> LiveRun | None:
+    try:
+        run = LiveRun.from_json(data)
+    except ValueError as exc:
+        assert str(exc).startswith("not a DynaTree run file"), exc
+        return None
+    draw_everything(run)
+    return run
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_real_exports_replay_and_draw(sampled):
+    run = replay_or_refuse(exported(sampled))
+    assert run is not None and run.records and run.done
+
+
+@pytest.mark.parametrize(
+    "data,needle",
+    [
+        (b"", "Expecting value"),
+        (b'{"records": [', "Expecting value"),  # truncated
+        (b"[" * 100_000 + b"]" * 100_000, "nests deeper"),  # would be a RecursionError in the parser
+        (b'{"policy": 7}', "policy must be a string"),
+        (b'{"prompt_ids": [1e400]}', "integer"),
+        (b'{"prompt_ids": [' + b"9" * 5000 + b"]}", "integer"),  # a 5000-digit number
+        (b'{"token_ids": [NaN]}', "integer"),
+        (b'{"records": [{"tree": "x"}]}', "tree must be an object"),
+        (b'{"params": {"k": {"__class__": "os.system"}}}', "plain values"),
+        (b'{"token_texts": {"x": 1}}', "token_texts"),
+    ],
+)
+def test_hostile_files_are_refused_with_a_message(data, needle):
+    with pytest.raises(ValueError, match="not a DynaTree run file") as info:
+        LiveRun.from_json(data)
+    assert needle in str(info.value)
+
+
+def test_files_over_the_size_limit_are_refused_before_parsing(monkeypatch):
+    import dynatree_core.trace_check as tc
+
+    monkeypatch.setattr(tc, "MAX_BYTES", 1000)
+    with pytest.raises(ValueError, match="limit is"):
+        LiveRun.from_json(exported(False))
+
+
+def test_record_inconsistencies_are_refused():
+    raw = json.loads(exported(False))
+    cases = {
+        "order must list distinct nodes": lambda r: r["order"].append(r["order"][-1]),
+        "mask rows may only hold": lambda r: r["mask"].__setitem__(0, "2" * len(r["mask"][0])),
+        "accepted nodes must be verified": lambda r: r["accepted"].append(0),
+        "tree.parents must point": lambda r: r["tree"]["parents"].__setitem__(1, 5),
+        "draft_ms must not be negative": lambda r: r.__setitem__("draft_ms", -1.0),
+        "a test step lacks": lambda r: r["verification"].append({"kind": "test"}),
+        "unknown field": lambda r: r["verification"].append({"kind": "argmax", "token": 1, "code": "x"}),
+    }
+    for needle, mutate in cases.items():
+        bad = copy.deepcopy(raw)
+        mutate(bad["records"][0])
+        with pytest.raises(ValueError, match=needle):
+            LiveRun.from_json(json.dumps(bad))
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@FUZZ
+@given(JSON)
+def test_arbitrary_json_is_refused_or_drawn(value):
+    replay_or_refuse(json.dumps(value))
+
+
+@FUZZ
+@given(st.booleans(), st.data())
+def test_mutated_exports_are_refused_or_drawn(sampled, data):
+    raw = json.loads(exported(sampled))
+    for _ in range(data.draw(st.integers(1, 3))):
+        record = data.draw(st.sampled_from(raw["records"]))
+        node, key = data.draw(st.sampled_from([raw, record, record, record["tree"]])), None
+        for _depth in range(data.draw(st.integers(1, 6))):  # walk down to a random place
+            children = list(node.keys()) if isinstance(node, dict) else list(range(len(node)))
+            if not children:
+                break
+            key = data.draw(st.sampled_from(children))
+            if not isinstance(node[key], (dict, list)):
+                break
+            node, key = node[key], None
+        if key is None:
+            continue
+        if isinstance(node, dict) and data.draw(st.booleans()):
+            del node[key]
+        else:
+            node[key] = data.draw(JSON)
+    replay_or_refuse(json.dumps(raw))
