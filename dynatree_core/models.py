@@ -249,6 +249,8 @@ def _local_dir_for(spec: str) -> tuple[str, bool]:
     if path.exists():
         if not (path / "config.json").is_file():
             raise DynaTreeError(f"{spec} is a path but holds no config.json (not a model directory)")
+        if not any(any(path.glob(pattern)) for pattern in ("*.safetensors", "*.bin", "*.safetensors.index.json")):
+            raise DynaTreeError(f"{spec} holds a config.json but no weights (*.safetensors or *.bin)")
         return str(path), True
     if spec.startswith((".", "/", "~")):
         raise DynaTreeError(f"model path not found: {spec}")

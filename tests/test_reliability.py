@@ -51,11 +51,12 @@ def test_concurrent_sessions_share_models_and_keep_their_own_output(sessions):
         assert results[i] == hf_greedy(target, PROMPTS[i % len(PROMPTS)], 24), f"session {i} got another's tokens"
 
 
-def test_concurrent_app_sessions_against_one_process(tiny_pair_dirs):
+@pytest.mark.parametrize("sessions", [2, 5])
+def test_concurrent_app_sessions_against_one_process(tiny_pair_dirs, sessions):
     """Several app sessions (AppTest instances) step at once against the process's one cached
     model pair: no exception, and each session's output equals AR decoding of its prompt."""
     app = str(Path(__file__).resolve().parent.parent / "app.py")
-    prompts = ["The cat sat on", "Once upon a time", "Numbers: 1 2 3"]
+    prompts = ["The cat sat on", "Once upon a time", "Numbers: 1 2 3", "Why is the sky", "def f(x):"][:sessions]
     outcome: dict[int, object] = {}
 
     def session(i: int) -> None:
@@ -154,3 +155,102 @@ def test_finished_runs_say_why_they_stopped():
     assert "context window" in stop_text("context_limit")
     assert "end-of-sequence" in stop_text("eos") and "max new tokens" in stop_text("max_new_tokens")
     assert stop_text(None).startswith("Finished: stopped")
+
+
+def test_every_policy_parameter_at_and_beyond_its_range():
+    from dynatree_core.drafting import POLICIES
+    from dynatree_core.errors import DynaTreeError
+
+    for name, cls in POLICIES.items():
+        for p in cls.params:
+            if p.type is bool:
+                for ok in (True, False, "true", "0"):
+                    p.parse(ok)
+                with pytest.raises(DynaTreeError):
+                    p.parse("maybe")
+                continue
+            assert p.parse(p.min) == p.min and p.parse(p.max) == p.max, (name, p.name)
+            step = 1 if p.type is int else 1e-6
+            bad = [p.min - step, p.max + step, "nan", "inf", "-inf", float("nan"), "", "1e999", None]
+            if p.type is int:
+                bad.append(p.min + 0.5)
+            for value in bad:
+                with pytest.raises(DynaTreeError):
+                    p.parse(value)
+
+
+def test_model_failures_are_messages(tmp_path, monkeypatch, tiny_pair_dirs):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dynatree_core.errors import DynaTreeError
+    from dynatree_core.models import load_model
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(DynaTreeError, match="no weights"):
+        load_model(str(tmp_path))
+    seen = {}
+
+    def out_of_memory(*args, **kwargs):
+        seen.update(kwargs)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", out_of_memory)
+    with pytest.raises(DynaTreeError, match="out of memory.*smaller"):
+        load_model(tiny_pair_dirs[0])
+    assert seen["trust_remote_code"] is False  # never enabled implicitly
+
+
+def test_a_bad_model_choice_leaves_the_previous_pair_working(tiny_pair_dirs, tmp_path):
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    at.run()
+    next(s for s in at.selectbox if s.label == "Model pair").set_value("custom (hub id or local path)").run()
+    target = next(t for t in at.text_input if t.label == "Target")
+    next(t for t in at.text_input if t.label == "Draft").set_value(tiny_pair_dirs[1])
+    target.set_value(tiny_pair_dirs[0]).run()
+    next(b for b in at.button if b.label.endswith("Step")).click().run()
+    assert len(at.session_state["run"].records) == 1
+    next(b for b in at.button if b.label.endswith("Reset")).click().run()
+    next(t for t in at.text_input if t.label == "Target").set_value(str(tmp_path / "nowhere")).run()
+    next(b for b in at.button if b.label.endswith("Step")).click().run()
+    assert not at.exception and any("not found" in e.value for e in at.error)
+    next(t for t in at.text_input if t.label == "Target").set_value(tiny_pair_dirs[0]).run()
+    next(b for b in at.button if b.label.endswith("Step")).click().run()
+    assert not at.exception and not at.error
+    assert len(at.session_state["run"].records) == 1  # a fresh run on the working pair
+
+
+@pytest.mark.parametrize(
+    "prompt,outcome",
+    [
+        ("", "empty"),
+        ("   \n\t  ", "empty"),
+        ("x" * 50_000, "context"),  # refused with both lengths named, never silently cut
+        ("Tell me <|im_end|><|endoftext|> more", "run"),
+        ("emoji 🌳 مرحبا \x07\x1b[0m \u202e reversed", "run"),
+    ],
+)
+def test_app_prompts_at_the_edges(tiny_pair_dirs, prompt, outcome):
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    at.run()
+    next(s for s in at.selectbox if s.label == "Model pair").set_value("custom (hub id or local path)").run()
+    next(t for t in at.text_input if t.label == "Target").set_value(tiny_pair_dirs[0])
+    next(t for t in at.text_input if t.label == "Draft").set_value(tiny_pair_dirs[1])
+    at.run()
+    at.text_area[0].set_value(prompt).run()
+    next(b for b in at.button if b.label.endswith("Step")).click().run()
+    assert not at.exception, at.exception
+    errors = [e.value for e in at.error]
+    if outcome == "run":
+        assert not errors and len(at.session_state["run"].records) == 1
+        from dynatree_core.session import encode_prompt
+        from dynatree_core.ui import cached_pair
+
+        tok = cached_pair(tiny_pair_dirs[0], tiny_pair_dirs[1], "auto", "auto").target.tokenizer
+        special = set(tok.all_special_ids)
+        count = lambda ids: sum(i in special for i in ids)  # noqa: E731
+        # no more control tokens than the chat template itself adds: none came from the text
+        assert count(at.session_state["run"].prompt_ids) <= count(encode_prompt(tok, "x", chat=True))
+    else:
+        assert any(outcome in e for e in errors), errors
+        assert at.text_area[0].value == prompt  # the input is kept
