@@ -139,3 +139,41 @@ def test_presets_only_refuses_other_models_everywhere(capsys, tiny_dirs, monkeyp
     assert "serves only its preset models" in capsys.readouterr().err
     monkeypatch.setenv("DYNATREE_PRESETS_ONLY", "0")
     check_spec_allowed(tiny_dirs["target"])
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--temperature", "nan"], "temperature"),
+        (["--temperature", "inf"], "temperature"),
+        (["--temperature", "-0.5"], "temperature"),
+        (["--temperature", "0.8", "--top-p", "1.5"], "top_p"),
+        (["--temperature", "0.8", "--top-k", "-3"], "top_k"),
+        (["--temperature", "0.8", "--verifier", "nope"], "verifier"),
+        (["--policy", "fixed_tree", "--temperature", "0.8", "--verifier", "block"], "block"),
+    ],
+)
+def test_sampling_flags_at_the_edges_exit_2(capsys, tiny_dirs, extra, needle):
+    pair = ["--target", tiny_dirs["target"], "--draft", tiny_dirs["target"]]
+    code = main(["generate", "--prompt", "w1 w2", *pair, *extra])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("warning:")]
+    assert code == 2 and lines[-1].startswith("error:") and needle in lines[-1], err
+
+
+def test_more_new_tokens_than_the_context_holds_ends_at_the_limit(capsys, tiny_dirs):
+    import json
+
+    code = main(["generate", "--prompt", "w1 w2 w3", "--target", tiny_dirs["short"], "--policy", "ar",
+                 "--max-new-tokens", "100000", "--json"])  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["stop_reason"] == "context_limit"
+    assert len(out["prompt_ids"]) + len(out["token_ids"]) == 16  # the tiny model's 16 positions
+
+
+def test_the_app_binds_to_localhost_by_default():
+    import tomllib
+    from pathlib import Path
+
+    config = tomllib.loads((Path(__file__).resolve().parent.parent / ".streamlit" / "config.toml").read_text())
+    assert config["server"]["address"] == "localhost"
