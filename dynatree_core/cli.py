@@ -348,14 +348,12 @@ def cmd_dtype(args) -> None:
     from dynatree_core.bench import stderr_progress
     from dynatree_core.dtypes import choose, probe, save_choice
     from dynatree_core.models import resolve_device
-    from dynatree_core.prompts import load_prompts
 
     if args.max_new_tokens < 1 or args.limit < 1:
         raise DynaTreeError("--max-new-tokens and --limit must be at least 1")
     target_spec, draft_spec = _resolve_models(args)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()] or None
-    prompts = load_prompts("all")[:: max(1, 32 // args.limit)][: args.limit]
-    rows = probe(target_spec, draft_spec, device=args.device, prompts=prompts, max_new_tokens=args.max_new_tokens,
+    rows = probe(target_spec, draft_spec, device=args.device, limit=args.limit, max_new_tokens=args.max_new_tokens,
                  policy=args.policy, dtypes=dtypes, progress=stderr_progress)  # fmt: skip
     print(file=sys.stderr)
     best = choose(rows)

@@ -57,7 +57,7 @@ def choice_key(device: torch.device, target: str, draft: str | None) -> str:
 
 
 def choose(rows: list[DtypeRow]) -> DtypeRow:
-    """The fastest correct dtype (tree throughput, the number the tool is for); float32 if none."""
+    """The fastest correct dtype (by tree throughput, the number the tool is for); an error if none is exact."""
     correct = [r for r in rows if r.correct]
     if not correct:
         raise DynaTreeError("no dtype reproduced AR decoding exactly; use --dtype float32 (or float64)")
@@ -103,7 +103,7 @@ def probe(
     draft: str | None,
     *,
     device: str = "auto",
-    prompts=None,
+    limit: int = 4,
     max_new_tokens: int = 48,
     policy: str = "dynatree",
     dtypes: list[str] | None = None,
@@ -117,7 +117,7 @@ def probe(
     from dynatree_core.session import encode_prompt, load_pair
 
     torch_device = resolve_device(device)
-    prompts = prompts if prompts is not None else load_prompts("all")[::8][:4]
+    prompts = load_prompts("all")[:: max(1, 32 // limit)][:limit]  # spread over the bundled domains
     rows = []
     names = dtypes or candidates(torch_device)
     for i, name in enumerate(names):

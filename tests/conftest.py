@@ -138,3 +138,12 @@ def tiny_pair_dirs(tmp_path_factory) -> tuple[str, str]:
         tokenizer.save_pretrained(out)
         dirs.append(str(out))
     return dirs[0], dirs[1]
+
+
+def pick_custom_pair(at, target: str, draft: str):
+    """In an AppTest of any page with the model picker: choose "custom" and fill in the target and
+    draft (the tiny local pair), then rerun."""
+    next(s for s in at.selectbox if s.label == "Model pair").set_value("custom (hub id or local path)").run()
+    next(t for t in at.text_input if t.label == "Target").set_value(target)
+    next(t for t in at.text_input if t.label == "Draft").set_value(draft)
+    return at.run()

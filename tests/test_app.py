@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import pick_custom_pair
 from streamlit.testing.v1 import AppTest
 
 
@@ -36,13 +37,6 @@ def test_one_step_with_the_embedded_pair_draws_a_tree_and_a_mask():
     assert at.metric[0].label == "Tokens / iteration"
 
 
-def _custom_pair(at: AppTest, target: str, draft: str) -> AppTest:
-    next(s for s in at.selectbox if s.label == "Model pair").set_value("custom (hub id or local path)").run()
-    next(t for t in at.text_input if t.label == "Target").set_value(target)
-    next(t for t in at.text_input if t.label == "Draft").set_value(draft)
-    return at.run()
-
-
 def _click(at: AppTest, label: str) -> AppTest:
     return next(b for b in at.button if label in b.label).click().run()
 
@@ -52,7 +46,7 @@ def test_step_with_a_tiny_local_pair_draws_every_node(tiny_pair_dirs):
 
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     at.run()
-    _custom_pair(at, *tiny_pair_dirs)
+    pick_custom_pair(at, *tiny_pair_dirs)
     _click(at, "Step")
     assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
     run = at.session_state["run"]
@@ -75,7 +69,7 @@ def test_step_with_a_tiny_local_pair_draws_every_node(tiny_pair_dirs):
 def test_bad_model_inputs_show_an_error_not_a_traceback(target, needle):
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     at.run()
-    _custom_pair(at, target, "")
+    pick_custom_pair(at, target, "")
     _click(at, "Step")
     assert not at.exception, at.exception
     assert any(needle in e.value for e in at.error), [e.value for e in at.error]
@@ -84,7 +78,7 @@ def test_bad_model_inputs_show_an_error_not_a_traceback(target, needle):
 def test_explanation_and_glossary_follow_the_iteration(tiny_pair_dirs):
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     at.run()
-    _custom_pair(at, *tiny_pair_dirs)
+    pick_custom_pair(at, *tiny_pair_dirs)
     _click(at, "Step")
     rec = at.session_state["run"].records[0]
     md = " ".join(m.value for m in at.markdown)
@@ -97,7 +91,7 @@ def test_ar_reference_turns_throughput_into_speedup(tiny_pair_dirs):
 
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     at.run()
-    _custom_pair(at, *tiny_pair_dirs)
+    pick_custom_pair(at, *tiny_pair_dirs)
     _click(at, "Step")
     _click(at, "Measure AR reference")
     assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
@@ -109,7 +103,7 @@ def test_ar_reference_turns_throughput_into_speedup(tiny_pair_dirs):
 def test_a_prompt_longer_than_the_context_is_an_error_and_keeps_the_inputs(tiny_pair_dirs):
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     at.run()
-    _custom_pair(at, *tiny_pair_dirs)
+    pick_custom_pair(at, *tiny_pair_dirs)
     at.text_area[0].set_value("word " * 2000).run()  # the tiny target has 512 positions
     _click(at, "Step")
     assert not at.exception, at.exception
@@ -134,7 +128,7 @@ def test_every_policy_renders_its_parameters():
 def test_a_black_box_baseline_runs_once_and_shows_its_result(tiny_pair_dirs):
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     at.run()
-    _custom_pair(at, *tiny_pair_dirs)
+    pick_custom_pair(at, *tiny_pair_dirs)
     next(s for s in at.selectbox if s.label == "Policy").set_value("hf_assisted").run()
     next(s for s in at.slider if s.label == "Max new tokens").set_value(8).run()
     _click(at, "Run baseline")
@@ -147,7 +141,7 @@ def test_every_tree_policy_steps_in_the_app_with_a_tiny_pair(tiny_pair_dirs):
 
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     at.run()
-    _custom_pair(at, *tiny_pair_dirs)
+    pick_custom_pair(at, *tiny_pair_dirs)
     for name, cls in POLICIES.items():
         if cls.black_box:
             continue
@@ -162,7 +156,7 @@ def test_every_tree_policy_steps_in_the_app_with_a_tiny_pair(tiny_pair_dirs):
 def test_sampling_settings_reach_the_engine_and_bad_pairings_show_an_error(tiny_pair_dirs):
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     at.run()
-    _custom_pair(at, *tiny_pair_dirs)
+    pick_custom_pair(at, *tiny_pair_dirs)
     next(s for s in at.slider if s.label == "Temperature").set_value(0.8).run()
     next(s for s in at.selectbox if s.label == "Verifier").set_value("specinfer").run()
     _click(at, "Step")
@@ -184,7 +178,7 @@ def test_traversal_trace_expected_acceptance_and_the_verification_lab(tiny_pair_
     root = Path(__file__).resolve().parent.parent
     at = AppTest.from_file(str(root / "app.py"), default_timeout=120)
     at.run()
-    _custom_pair(at, *tiny_pair_dirs)
+    pick_custom_pair(at, *tiny_pair_dirs)
     next(s for s in at.selectbox if s.label == "Policy").set_value("delayed").run()
     next(s for s in at.slider if s.label == "Temperature").set_value(0.8).run()
     next(s for s in at.selectbox if s.label == "Verifier").set_value("traversal").run()
@@ -224,7 +218,7 @@ def test_why_is_it_not_faster_measures_the_profile_and_explains(tiny_pair_dirs):
 
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     at.run()
-    _custom_pair(at, *tiny_pair_dirs)
+    pick_custom_pair(at, *tiny_pair_dirs)
     _click(at, "Step")
     _click(at, "Step")
     md = " ".join(m.value for m in at.markdown)

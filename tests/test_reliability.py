@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import hf_greedy, noisy_copy, tiny_model
+from conftest import hf_greedy, noisy_copy, pick_custom_pair, tiny_model
 from streamlit.testing.v1 import AppTest
 
 from dynatree_core.drafting import make_policy
@@ -63,10 +63,7 @@ def test_interleaved_app_sessions_against_one_process(tiny_pair_dirs, sessions):
     for prompt in prompts:
         at = AppTest.from_file(app, default_timeout=180)
         at.run()
-        next(s for s in at.selectbox if s.label == "Model pair").set_value("custom (hub id or local path)").run()
-        next(t for t in at.text_input if t.label == "Target").set_value(tiny_pair_dirs[0])
-        next(t for t in at.text_input if t.label == "Draft").set_value(tiny_pair_dirs[1])
-        at.run()
+        pick_custom_pair(at, *tiny_pair_dirs)
         at.text_area[0].set_value(prompt).run()
         apps.append(at)
     for _ in range(3):  # round-robin: every session one step, three times
@@ -197,10 +194,7 @@ def test_model_failures_are_messages(tmp_path, monkeypatch, tiny_pair_dirs):
 def test_a_bad_model_choice_leaves_the_previous_pair_working(tiny_pair_dirs, tmp_path):
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     at.run()
-    next(s for s in at.selectbox if s.label == "Model pair").set_value("custom (hub id or local path)").run()
-    target = next(t for t in at.text_input if t.label == "Target")
-    next(t for t in at.text_input if t.label == "Draft").set_value(tiny_pair_dirs[1])
-    target.set_value(tiny_pair_dirs[0]).run()
+    pick_custom_pair(at, *tiny_pair_dirs)
     next(b for b in at.button if b.label.endswith("Step")).click().run()
     assert len(at.session_state["run"].records) == 1
     next(b for b in at.button if b.label.endswith("Reset")).click().run()
@@ -226,10 +220,7 @@ def test_a_bad_model_choice_leaves_the_previous_pair_working(tiny_pair_dirs, tmp
 def test_app_prompts_at_the_edges(tiny_pair_dirs, prompt, outcome):
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     at.run()
-    next(s for s in at.selectbox if s.label == "Model pair").set_value("custom (hub id or local path)").run()
-    next(t for t in at.text_input if t.label == "Target").set_value(tiny_pair_dirs[0])
-    next(t for t in at.text_input if t.label == "Draft").set_value(tiny_pair_dirs[1])
-    at.run()
+    pick_custom_pair(at, *tiny_pair_dirs)
     at.text_area[0].set_value(prompt).run()
     next(b for b in at.button if b.label.endswith("Step")).click().run()
     assert not at.exception, at.exception
