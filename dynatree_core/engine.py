@@ -38,6 +38,9 @@ class DecodeConfig:
     verifier: str = "auto"  # greedy at T=0; else specinfer (i.i.d. draws), without_replacement, or nss
     seed: int = 0  # seeds the draft's and the verifier's random draws
     analyze: bool = False  # per-node expected acceptance / reach probabilities (the app's; costs time)
+    # How forwards run (kv.py, fastpath.py); None: on unless DYNATREE_STATIC_CACHE / DYNATREE_FAST_FORWARD=0
+    static_cache: bool | None = None  # preallocated per-run KV buffers, compacted in place
+    fast_forward: bool | None = None  # the lean forward over them (Llama-family models)
 
 
 def resolve_verifier(policy: Policy, config: DecodeConfig) -> tuple[str, str]:
@@ -125,11 +128,15 @@ def decode(
     gen = torch.Generator().manual_seed(config.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    target_kv = KVState(target, prompt_ids)
+    paths = dict(
+        capacity=min(ctx, len(prompt_ids) + config.max_new_tokens), static=config.static_cache, fast=config.fast_forward
+    )
+    target_kv = KVState(target, prompt_ids, **paths)
     drafter = None
     weights = weight_bytes(target)  # CPU memory accounting (metrics.memory_mb)
     if policy.needs_draft_model:
-        drafter = Drafter(draft, prompt_ids, min(vocab_size(draft), vocab_size(target)), draft_token_map)
+        vocab = min(vocab_size(draft), vocab_size(target))
+        drafter = Drafter(draft, prompt_ids, vocab, draft_token_map, kv=KVState(draft, prompt_ids, **paths))
         weights += weight_bytes(draft)
     committed = list(prompt_ids)
     policy.reset()

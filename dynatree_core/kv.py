@@ -8,27 +8,150 @@ given as a boolean matrix, using an additive float 4D mask and explicit position
 (transformers 5.x returns a ready 4D mask unchanged; see ENGINEERING_NOTES). A boolean mask is
 right under sdpa but silently wrong under eager, so we always pass the additive form.
 
-`KVState.keep` compacts the cache with `index_select` on the sequence axis: accepted tree
-tokens keep the KV the verification forward computed, nothing is recomputed.
+`KVState.keep` compacts the cache on the sequence axis: accepted tree tokens keep the KV the
+verification forward computed, nothing is recomputed.
+
+Static cache (the default, issue 18): each layer's keys and values live in one buffer allocated
+for the whole run (`SlotLayer`, capacity = prompt + new tokens + a tree's worth of slack). A
+forward writes its new entries at slots `length .. length + q` and attention reads a view of the
+first `length + q` slots; compaction moves the accepted entries inside the buffer and resets the
+length. Nothing is concatenated or reallocated per forward (a tree larger than the slack grows
+the buffer once, counted in `KVState.grows`). `static=False` keeps transformers' `DynamicCache`
+(concatenation per forward) as the reference path. Models whose layers are all full attention
+also get the lean forward (fastpath.py) over the same buffers unless `fast=False`.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
+from transformers.cache_utils import Cache, DynamicLayer
 
 from dynatree_core.errors import DynaTreeError
 
+SLACK = 128  # slots beyond prompt + new tokens: room for one iteration's tree before the buffer grows
+
+
+class SlotLayer(DynamicLayer):
+    """One layer's keys/values in a buffer preallocated for the run: (1, kv_heads, capacity, head_dim).
+
+    `keys` / `values` are views of the first `length` slots, so code written for transformers'
+    `DynamicLayer` (which reads `.keys`) sees the same thing. `update` writes, never concatenates.
+    """
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+        self.grows = 0
+        self.key_buf: torch.Tensor | None = None
+        self.value_buf: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        shape = lambda t: (*t.shape[:-2], self.capacity, t.shape[-1])  # noqa: E731
+        self.key_buf = torch.empty(shape(key_states), dtype=self.dtype, device=self.device)
+        self.value_buf = torch.empty(shape(value_states), dtype=self.dtype, device=self.device)
+        self.is_initialized = True
+        self._views()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write q new entries at slots length..length+q; return views of all valid slots."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            self._grow(end)
+        self.key_buf[..., self.length : end, :].copy_(key_states)
+        self.value_buf[..., self.length : end, :].copy_(value_states)
+        self.length = end
+        self._views()
+        return self.keys, self.values
+
+    def keep(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
+        """Move entries `src` to slots `dst` (sources at or after their destinations) and keep
+        the first `length` slots: the accepted path joins the committed prefix in place."""
+        if len(src) and self.is_initialized:  # RHS indexing gathers a copy before the write
+            src, dst = src.to(self.device), dst.to(self.device)
+            self.key_buf[..., dst, :] = self.key_buf[..., src, :]
+            self.value_buf[..., dst, :] = self.value_buf[..., src, :]
+        self.length = length
+        self._views()
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return (self.key_buf.numel() + self.value_buf.numel()) * self.key_buf.element_size()
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed + SLACK, self.capacity * 3 // 2)
+        for name in ("key_buf", "value_buf"):
+            old = getattr(self, name)
+            new = torch.empty((*old.shape[:-2], capacity, old.shape[-1]), dtype=old.dtype, device=old.device)
+            new[..., : self.length, :] = old[..., : self.length, :]
+            setattr(self, name, new)
+        self.capacity = capacity
+        self.grows += 1
+
+    def _views(self) -> None:
+        if self.key_buf is None:
+            return
+        self.keys = self.key_buf[..., : self.length, :]
+        self.values = self.value_buf[..., : self.length, :]
+
+
+def static_cache_enabled(static: bool | None = None) -> bool:
+    """An explicit choice wins; else on unless DYNATREE_STATIC_CACHE=0."""
+    return static if static is not None else os.environ.get("DYNATREE_STATIC_CACHE", "1") != "0"
+
+
+def _full_attention_only(model: torch.nn.Module) -> bool:
+    config = model.config.get_text_config(decoder=True)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return all(t == "full_attention" for t in types)
+    return not getattr(config, "sliding_window", None)
+
 
 class KVState:
-    """One model's cache for one run. Never shared between runs or sessions."""
+    """One model's cache for one run. Never shared between runs or sessions.
 
-    def __init__(self, model: torch.nn.Module, prompt_ids: list[int]):
-        from transformers import DynamicCache
+    Args:
+        model: a stock transformers causal LM.
+        prompt_ids: the committed tokens to start from (pending until the first forward).
+        capacity: expected final length (prompt + new tokens) for the static cache; grown if exceeded.
+        static: preallocated per-layer buffers (default: on, unless DYNATREE_STATIC_CACHE=0).
+        fast: the lean forward over those buffers where the architecture allows (fastpath.py;
+            default: on, unless DYNATREE_FAST_FORWARD=0); else the stock HF forward.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        prompt_ids: list[int],
+        *,
+        capacity: int | None = None,
+        static: bool | None = None,
+        fast: bool | None = None,
+    ):
+        from dynatree_core.fastpath import lean_forward_for
 
         self.model = model
-        self.cache = DynamicCache(config=model.config)
+        self.static = static_cache_enabled(static) and _full_attention_only(model)
+        if self.static:
+            n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+            slots = (capacity or len(prompt_ids)) + SLACK
+            self.cache = Cache(layers=[SlotLayer(slots) for _ in range(n_layers)])
+        else:
+            from transformers import DynamicCache
+
+            self.cache = DynamicCache(config=model.config)
+        self.lean = lean_forward_for(model, fast) if self.static else None
         self.length = 0  # tokens whose KV is in the cache
         self.pending: list[int] = list(prompt_ids)  # committed, not yet in the cache
         self.forwards = 0
@@ -38,6 +161,11 @@ class KVState:
     @property
     def device(self) -> torch.device:
         return self.model.get_input_embeddings().weight.device
+
+    @property
+    def grows(self) -> int:
+        """How often a static buffer had to grow (0 when the capacity was right)."""
+        return max((getattr(layer, "grows", 0) for layer in self.cache.layers), default=0)
 
     def forward(
         self, token_ids: list[int], position_ids: list[int], visible: torch.Tensor, logits_to_keep: int
@@ -59,18 +187,24 @@ class KVState:
         dtype = self.model.dtype
         mask = torch.zeros(visible.shape, dtype=dtype, device=device)
         mask.masked_fill_(~visible.to(device), torch.finfo(dtype).min)
+        ids = torch.tensor([token_ids], device=device)
+        positions = torch.tensor([position_ids], device=device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        out = self.model(
-            input_ids=torch.tensor([token_ids], device=device),
-            position_ids=torch.tensor([position_ids], device=device),
-            attention_mask=mask[None, None],  # (1, 1, q, kv): used as-is by transformers
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-        )
-        logits = out.logits[0].float()
+        if self.lean is not None:
+            logits = self.lean(ids, positions, mask[None, None], self.cache.layers, logits_to_keep)
+        else:
+            out = self.model(
+                input_ids=ids,
+                position_ids=positions,
+                attention_mask=mask[None, None],  # (1, 1, q, kv): used as-is by transformers
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
+            logits = out.logits[0]
+        logits = logits.float()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.forward_ms += (time.perf_counter() - t0) * 1e3
@@ -80,14 +214,17 @@ class KVState:
         return logits
 
     def nbytes(self) -> int:
+        """Bytes the cache holds: the allocated buffers (static) or the concatenated tensors."""
+        if self.static:
+            return sum(layer.nbytes() for layer in self.cache.layers)
         return sum(t.numel() * t.element_size() for layer in self.cache.layers for t in (layer.keys, layer.values))
 
     def keep(self, index: list[int]) -> None:
         """Keep only the cache entries at `index` (ascending): compaction, no recompute.
 
         `index` is a kept prefix followed by a few scattered slots (the accepted path). The
-        scattered entries are gathered in place right after the prefix, then the tail is cut,
-        so the cache is never copied as a whole.
+        scattered entries are gathered in place right after the prefix, then the tail is cut
+        (static: the length is reset), so the cache is never copied as a whole.
         """
         prefix = 0
         while prefix < len(index) and index[prefix] == prefix:
@@ -96,6 +233,9 @@ class KVState:
         dst = torch.arange(prefix, len(index))
         for layer in self.cache.layers:
             _check_layer(layer)
+            if isinstance(layer, SlotLayer):
+                layer.keep(src, dst, len(index))
+                continue
             if len(src):  # sources lie at or after their destinations; RHS indexing copies first
                 layer.keys[..., dst, :] = layer.keys[..., src.to(layer.keys.device), :]
                 layer.values[..., dst, :] = layer.values[..., src.to(layer.values.device), :]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import ARCHS, hf_greedy, noisy_copy, tiny_model
@@ -75,8 +77,13 @@ def test_node_order_does_not_change_output(order):
 
 
 def _count_forwards(model: torch.nn.Module) -> tuple[list[int], object]:
+    """Count the model's forwards with a hook on its rotary embedding, which both the stock HF
+    forward and the lean forward (fastpath.py) call exactly once per forward; models without
+    one are counted at the model itself (they always take the HF forward)."""
     calls: list[int] = []
-    handle = model.register_forward_hook(lambda *_: calls.append(1))
+    base = getattr(model, "model", None)
+    counted = base.rotary_emb if base is not None and hasattr(base, "rotary_emb") else model
+    handle = counted.register_forward_hook(lambda *_: calls.append(1))
     return calls, handle
 
 
@@ -237,15 +244,21 @@ def test_reduced_vocabulary_draft_stays_exact_and_agrees():
 def test_cpu_memory_counts_weights_and_the_largest_caches():
     from dynatree_core.metrics import kv_bytes_per_token, weight_bytes
 
+    from dynatree_core.kv import SLACK
+
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.01)
     prompt, n = PROMPTS[0], 20
-    config = DecodeConfig(max_new_tokens=n)
+    config = DecodeConfig(max_new_tokens=n, static_cache=False)
     ar = generate(target, prompt, make_policy("ar"), config=config)
     per_token = kv_bytes_per_token(target)
-    # AR's cache peaks at prompt + n - 1 tokens (the last token is never fed back)
+    # AR's concatenated cache peaks at prompt + n - 1 tokens (the last token is never fed back)
     assert ar.peak_memory_mb == pytest.approx((weight_bytes(target) + per_token * (len(prompt) + n - 1)) / 2**20)
     hf = generate(target, prompt, make_policy("hf_generate"), config=config)
     assert hf.peak_memory_mb == pytest.approx(ar.peak_memory_mb)  # the config-sized estimate agrees
+    # the static cache holds its whole buffer from the first forward: prompt + n + slack slots
+    static = generate(target, prompt, make_policy("ar"), config=dataclasses.replace(config, static_cache=True))
+    buffer = per_token * (len(prompt) + n + SLACK)
+    assert static.peak_memory_mb == pytest.approx((weight_bytes(target) + buffer) / 2**20)
     tree = generate(target, prompt, make_policy("fixed_tree", {"tau": 0.0}), draft=draft, config=config)
     biggest = max(len(r.order) - 1 + r.chain_len for r in tree.records)  # nodes + pending in one forward
     assert tree.peak_memory_mb >= (weight_bytes(target) + weight_bytes(draft) + per_token * biggest) / 2**20

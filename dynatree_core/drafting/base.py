@@ -87,9 +87,15 @@ class Drafter:
     """
 
     def __init__(
-        self, model: torch.nn.Module, prompt_ids: list[int], vocab_size: int, token_map: TokenMap | None = None
+        self,
+        model: torch.nn.Module,
+        prompt_ids: list[int],
+        vocab_size: int,
+        token_map: TokenMap | None = None,
+        *,
+        kv: KVState | None = None,
     ):
-        self.kv = KVState(model, prompt_ids)
+        self.kv = kv if kv is not None else KVState(model, prompt_ids)
         self.vocab_size = vocab_size
         self.token_map = token_map  # reduced-vocabulary draft: map ids in and log-probs out
         self.slots: dict[int, int] = {}  # node id -> cache index, for the current tree

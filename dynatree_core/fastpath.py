@@ -1,0 +1,203 @@
+"""The lean forward: a Llama-family causal LM's forward over the static cache, without the framework.
+
+A small model's forward on a CPU is dispatch-bound: the embedded draft (6 layers, hidden 256)
+does ~0.2 ms of arithmetic, but the stock transformers forward spent 3-7 ms per call in Python
+(mask preparation, output dataclasses, hooks, kwargs plumbing, per-module `__call__`). This
+module runs the same weights through the same operations in a straight line (gpt-fast style):
+
+    x = embed(ids)
+    for each layer:  x += o(attn(rope(q(n1(x))), rope(k(n1(x))), v(n1(x)), mask, cache))
+                     x += down(silu(gate(n2(x))) * up(n2(x)))
+    logits = head(norm(x)[-keep:])
+
+It reads the model's own modules (weights, pre-packed oneDNN linears, the rotary embedding), so
+there is no second copy of anything; the stock HF forward stays the reference path and tests
+check that both give the same logits and the same greedy decoding. Only architectures whose
+layers are exactly the Llama block (llama, qwen2, mistral without a sliding window) take this
+path; everything else keeps the HF forward over the same static cache.
+
+Contract: knows models and cache layers, never trees or policies.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+LEAN_TYPES = ("llama", "qwen2", "mistral")  # model_type values whose decoder layer is the Llama block
+
+
+def fast_forward_enabled(fast: bool | None = None) -> bool:
+    """An explicit choice wins; else on unless DYNATREE_FAST_FORWARD=0."""
+    return fast if fast is not None else os.environ.get("DYNATREE_FAST_FORWARD", "1") != "0"
+
+
+def supports_lean(model: torch.nn.Module) -> bool:
+    """True when the model is a Llama-block causal LM the lean forward reproduces exactly."""
+    config = model.config
+    base = getattr(model, "model", None)
+    rope = getattr(config, "rope_parameters", None) or {}
+    return (
+        config.model_type in LEAN_TYPES
+        and base is not None
+        and hasattr(base, "layers")
+        and hasattr(base, "rotary_emb")
+        and getattr(config, "hidden_act", "silu") == "silu"
+        and getattr(config, "pretraining_tp", 1) == 1
+        and "dynamic" not in str(rope.get("rope_type", "default"))  # positions change the frequencies
+        and not getattr(config, "mlp_bias", False)
+    )
+
+
+FUSE_MAX_BYTES = 64 << 20  # fuse q/k/v and gate/up when the fused copy costs at most this much
+
+
+def lean_forward_for(model: torch.nn.Module, fast: bool | None = None) -> LeanForward | None:
+    """The lean forward of `model`, or None (switched off, or not a supported architecture).
+
+    Built once per model and reused by every run (it holds no per-run state); rebuilt when the
+    model's modules or weights change (packing replaces modules, training bumps tensor versions).
+    A small model (the draft) also gets fused q/k/v and gate/up projections: 7 -> 4 linear calls
+    per layer, worth ~10% of a draft level here; a large one (the target) keeps separate calls,
+    since the fused copy would cost as much memory as its layers."""
+    if not fast_forward_enabled(fast) or not supports_lean(model):
+        return None
+    signature = _signature(model)
+    cached = _LEAN.get(model)
+    if cached is not None and cached[0] == signature:
+        return cached[1]
+    lean = LeanForward(model, fuse=_fused_bytes(model) <= FUSE_MAX_BYTES)
+    _LEAN[model] = (signature, lean)
+    return lean
+
+
+_LEAN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _signature(model: torch.nn.Module) -> tuple:
+    """Identity of every module and version of every weight: changes when either is replaced or updated."""
+    weights = tuple((p.data_ptr(), 0 if p.is_inference() else p._version) for p in model.parameters())
+    return tuple(id(m) for m in model.modules()) + weights  # inference tensors cannot be updated in place
+
+
+def _fused_bytes(model: torch.nn.Module) -> int:
+    size = torch.tensor([], dtype=model.dtype).element_size()
+    per_layer = 0
+    for layer in model.model.layers[:1]:
+        attn, mlp = layer.self_attn, layer.mlp
+        for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+            per_layer += m.in_features * m.out_features
+    return per_layer * len(model.model.layers) * size
+
+
+def _linear(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The cheapest call of a linear layer: the packed oneDNN op or F.linear, no `Module.__call__`."""
+    packed = getattr(module, "packed", None)
+    if packed is not None:  # packing.PackedLinear
+        bias = module.bias
+        op = torch.ops.mkldnn._linear_pointwise
+        return lambda x: op(x, packed, bias, "none", [], "")
+    weight, bias = module.weight, module.bias
+    return lambda x: F.linear(x, weight, bias)
+
+
+def _fused(modules: list[torch.nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One linear over the concatenated weights of `modules` (same input): one call instead of
+    len(modules). Costs a copy of their weights; packed for oneDNN when the originals are."""
+    weight = torch.cat([m.weight for m in modules])  # PackedLinear.weight is a dense copy
+    biases = [m.bias for m in modules]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b if b is not None else weight.new_zeros(m.out_features) for m, b in zip(modules, biases, strict=True)]
+    )
+    if getattr(modules[0], "packed", None) is not None:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        op = torch.ops.mkldnn._linear_pointwise
+        return lambda x: op(x, packed, bias, "none", [], "")
+    return lambda x: F.linear(x, weight, bias)
+
+
+def _rms_norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """RMSNorm exactly as transformers computes it (in float32, then scaled in the model's dtype)."""
+    weight, eps = module.weight, module.variance_epsilon
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype)
+
+    return norm
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as in transformers' apply_rotary_pos_emb: x * cos + rotate_half(x) * sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class _Block:
+    """One decoder layer's callables and shapes."""
+
+    def __init__(self, layer: torch.nn.Module, fuse: bool):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.norm1, self.norm2 = _rms_norm(layer.input_layernorm), _rms_norm(layer.post_attention_layernorm)
+        self.o, self.down = _linear(attn.o_proj), _linear(mlp.down_proj)
+        self.qkv_sizes = [m.out_features for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        self.mlp_size = mlp.gate_proj.out_features
+        self.qkv = _fused([attn.q_proj, attn.k_proj, attn.v_proj]) if fuse else None
+        self.gate_up = _fused([mlp.gate_proj, mlp.up_proj]) if fuse else None
+        self.q, self.k, self.v = (_linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+        self.gate, self.up = _linear(mlp.gate_proj), _linear(mlp.up_proj)
+        self.head_dim = attn.head_dim
+        self.groups = attn.num_key_value_groups
+        self.scaling = attn.scaling
+
+
+class LeanForward:
+    """Callable: (ids (1, q), positions (1, q), additive mask (1, 1, q, L + q), cache layers, keep)
+    -> logits (keep, vocab), writing the q new keys/values into the cache layers (SlotLayer.update)."""
+
+    def __init__(self, model: torch.nn.Module, fuse: bool = False):
+        base = model.model
+        self.embed = base.embed_tokens
+        self.rotary = base.rotary_emb
+        self.blocks = [_Block(layer, fuse) for layer in base.layers]
+        self.norm = _rms_norm(base.norm)
+        self.head = _linear(model.lm_head)
+
+    def __call__(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        layers: list,
+        logits_to_keep: int,
+    ) -> torch.Tensor:
+        x = F.embedding(ids, self.embed.weight)  # (1, q, hidden)
+        cos, sin = self.rotary(x, positions)  # (1, q, head_dim) each
+        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        q_len = ids.shape[1]
+        for block, cache in zip(self.blocks, layers, strict=True):
+            h = block.norm1(x)
+            if block.qkv is not None:
+                q, k, v = block.qkv(h).split(block.qkv_sizes, dim=-1)
+            else:
+                q, k, v = block.q(h), block.k(h), block.v(h)
+            q = q.view(1, q_len, -1, block.head_dim).transpose(1, 2)
+            k = k.view(1, q_len, -1, block.head_dim).transpose(1, 2)
+            v = v.view(1, q_len, -1, block.head_dim).transpose(1, 2)
+            keys, values = cache.update(_rotate(k, cos, sin), v)  # views of slots 0 .. L + q
+            attn = F.scaled_dot_product_attention(
+                _rotate(q, cos, sin), keys, values, attn_mask=mask, scale=block.scaling, enable_gqa=block.groups > 1
+            )
+            x = x + block.o(attn.transpose(1, 2).reshape(1, q_len, -1))
+            h = block.norm2(x)
+            if block.gate_up is not None:
+                gate, up = block.gate_up(h).split(block.mlp_size, dim=-1)
+            else:
+                gate, up = block.gate(h), block.up(h)
+            x = x + block.down(F.silu(gate) * up)
+        return self.head(self.norm(x[0, -logits_to_keep:]))

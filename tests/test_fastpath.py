@@ -1,0 +1,186 @@
+"""The static KV cache and the lean forward against the stock transformers reference path.
+
+Three ways a forward can run (kv.KVState): `dynamic` (transformers' DynamicCache, concatenating:
+the reference), `static` (the HF forward over preallocated SlotLayer buffers) and `lean`
+(fastpath.LeanForward over the same buffers; Llama-family models only). All three must give the
+same logits, the same compaction and the same greedy decoding for every policy.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import hf_greedy, noisy_copy, tiny_model
+
+from dynatree_core.drafting import make_policy
+from dynatree_core.engine import DecodeConfig, generate
+from dynatree_core.fastpath import FUSE_MAX_BYTES, LeanForward, lean_forward_for, supports_lean
+from dynatree_core.kv import SLACK, KVState, SlotLayer, chain_then_tree_visibility
+from dynatree_core.packing import pack_linears
+from dynatree_core.tree import DraftTree
+
+PATHS = {"dynamic": dict(static=False, fast=False), "static": dict(static=True, fast=False), "lean": {}}
+LEAN_ARCHS = ("llama", "qwen2")
+POLICIES = (
+    ("linear", {"k": 4}),
+    ("fixed_tree", {"tau": 0.0, "branch": 3, "depth": 5, "budget": 24}),
+    ("dynatree", {}),
+    ("dyspec", {"budget": 7, "depth": 3}),
+    ("dyspec_threshold", {"threshold": 0.01}),
+    ("eagle2", {"total": 5, "topk": 2}),
+    ("salf", {"th": 0.0, "nodes": 12, "batch": 3}),
+    ("delayed", {"k": 3, "l1": 0, "l2": 4}),
+    ("delayed_auto", {"warmup": 1}),
+    ("ngram", {}),
+)
+
+
+def _prefill(kv: KVState, tokens: list[int]) -> torch.Tensor:
+    visible = chain_then_tree_visibility(0, len(tokens), torch.zeros(0, 0, dtype=torch.bool))
+    out = kv.forward(tokens, list(range(len(tokens))), visible, 1)
+    kv.pending = []
+    return out
+
+
+def _branching_tree(root: int) -> DraftTree:
+    tree = DraftTree.with_root(root)
+    a, b = tree.add(0, 26, -0.1), tree.add(0, 53, -0.3)
+    tree.add(a, 58, -0.2)
+    tree.add(b, 95, -0.2)
+    tree.add(a, 93, -0.9)
+    return tree
+
+
+def _tree_forward(kv: KVState, tree: DraftTree, root_pos: int) -> tuple[torch.Tensor, list[int]]:
+    order = tree.order("bfs")
+    visible = chain_then_tree_visibility(kv.length, 1, tree.ancestor_mask(order)[1:, 1:])
+    tokens = [tree.tokens[n] for n in order]
+    return kv.forward(tokens, tree.position_ids(order, root_pos), visible, len(order)), order
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("path", ["static", "lean"])
+def test_tree_forward_logits_equal_the_reference_path(arch, path):
+    if path == "lean" and arch not in LEAN_ARCHS:
+        pytest.skip("the lean forward covers Llama-family models only")
+    model, prompt = tiny_model(arch), [3, 1, 4, 1, 5, 9]
+    ref, mine = KVState(model, prompt, **PATHS["dynamic"]), KVState(model, prompt, **PATHS[path])
+    assert (mine.lean is not None) == (path == "lean"), "the lean forward runs exactly where asked"
+    torch.testing.assert_close(_prefill(mine, prompt[:-1]), _prefill(ref, prompt[:-1]), rtol=1e-9, atol=1e-9)
+    tree = _branching_tree(prompt[-1])
+    got, _ = _tree_forward(mine, tree, len(prompt) - 1)
+    want, _ = _tree_forward(ref, tree, len(prompt) - 1)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("path", ["static", "lean"])
+@pytest.mark.parametrize("accepted", [[], [1], [1, 3], [2, 4]])
+def test_static_compaction_equals_recomputation(arch, path, accepted):
+    """Verify a branching tree, keep an accepted path inside the buffer, and compare with a fresh
+    cache over the committed tokens: same keys/values in the valid slots, same next logits."""
+    model, prompt = tiny_model(arch), [3, 1, 4, 1, 5, 9]
+    kv = KVState(model, prompt, **PATHS[path])
+    _prefill(kv, prompt[:-1])
+    tree = _branching_tree(prompt[-1])
+    _, order = _tree_forward(kv, tree, len(prompt) - 1)
+    row = {n: i for i, n in enumerate(order)}
+    root_slot = len(prompt) - 1
+    kv.keep(list(range(root_slot + 1)) + [root_slot + row[n] for n in accepted])
+    assert all(isinstance(layer, SlotLayer) and layer.length == kv.length for layer in kv.cache.layers)
+    committed = prompt + [tree.tokens[n] for n in accepted]
+    fresh = KVState(model, committed, **PATHS["dynamic"])
+    _prefill(fresh, committed)
+    for mine, ref in zip(kv.cache.layers, fresh.cache.layers, strict=True):
+        torch.testing.assert_close(mine.keys, ref.keys, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(mine.values, ref.values, rtol=1e-9, atol=1e-9)
+    nxt = chain_then_tree_visibility(kv.length, 1, torch.zeros(0, 0, dtype=torch.bool))
+    got = kv.forward([17], [len(committed)], nxt, 1)
+    torch.testing.assert_close(got, fresh.forward([17], [len(committed)], nxt, 1), rtol=1e-9, atol=1e-9)
+
+
+@torch.inference_mode()
+def test_static_buffers_are_written_in_place_and_grow_only_when_full():
+    model, prompt = tiny_model("llama"), list(range(1, 9))
+    kv = KVState(model, prompt, capacity=len(prompt))
+    _prefill(kv, prompt)
+    buffers = [layer.key_buf.data_ptr() for layer in kv.cache.layers]
+    for step in range(SLACK - 1):  # fills the slack one token at a time: no reallocation
+        visible = chain_then_tree_visibility(kv.length, 1, torch.zeros(0, 0, dtype=torch.bool))
+        kv.forward([5], [kv.length], visible, 1)
+    assert [layer.key_buf.data_ptr() for layer in kv.cache.layers] == buffers and kv.grows == 0
+    ref = KVState(model, prompt, **PATHS["dynamic"])
+    _prefill(ref, prompt)
+    for _ in range(SLACK - 1):
+        visible = chain_then_tree_visibility(ref.length, 1, torch.zeros(0, 0, dtype=torch.bool))
+        ref.forward([5], [ref.length], visible, 1)
+    wide = 40  # past the capacity: the buffer grows once and keeps every entry
+    visible = chain_then_tree_visibility(kv.length, 0, torch.ones(wide, wide, dtype=torch.bool).tril())
+    got = kv.forward([7] * wide, list(range(kv.length, kv.length + wide)), visible, wide)
+    want = ref.forward([7] * wide, list(range(ref.length, ref.length + wide)), visible, wide)
+    assert kv.grows == 1
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("policy_name,params", POLICIES)
+def test_every_policy_stays_exact_on_every_forward_path(arch, path, policy_name, params):
+    target, draft = tiny_model(arch), noisy_copy(arch, 0.01)
+    config = DecodeConfig(
+        max_new_tokens=30, static_cache=PATHS[path].get("static"), fast_forward=PATHS[path].get("fast")
+    )
+    for prompt in ([1, 5, 7, 9, 11], [42, 17, 8, 8, 8, 8, 60, 2, 90, 33, 12, 4]):
+        result = generate(target, prompt, make_policy(policy_name, params), draft=draft, config=config)
+        assert result.token_ids == hf_greedy(target, prompt, 30), f"{policy_name} on the {path} path diverged"
+
+
+@torch.inference_mode()
+def test_packed_float32_lean_forward_matches_the_packed_hf_forward():
+    model = copy.deepcopy(tiny_model("llama")).float()
+    pack_linears(model)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    ref, mine = KVState(model, prompt, **PATHS["static"]), KVState(model, prompt)
+    assert mine.lean is not None
+    torch.testing.assert_close(_prefill(mine, prompt), _prefill(ref, prompt), rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_fused_projections_give_the_same_logits():
+    model, prompt = tiny_model("qwen2"), [3, 1, 4, 1, 5, 9]  # qwen2: q/k/v carry biases
+    outs = []
+    for fuse in (False, True):
+        kv = KVState(model, prompt)
+        kv.lean = LeanForward(model, fuse=fuse)
+        outs.append(_prefill(kv, prompt))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-9, atol=1e-9)
+
+
+def test_lean_forward_is_reused_and_rebuilt_when_the_model_changes():
+    model = copy.deepcopy(tiny_model("llama"))
+    first = lean_forward_for(model)
+    assert first is lean_forward_for(model), "built once per model, shared by runs"
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.add_(0.01)  # a training step
+    second = lean_forward_for(model)
+    assert second is not first, "a weight update must not leave stale fused copies"
+    pack_linears(model.float())
+    assert lean_forward_for(model) is not second, "packing replaces modules"
+    assert first.blocks[0].qkv is not None, f"a tiny model is fused (copy under {FUSE_MAX_BYTES} bytes)"
+
+
+def test_lean_forward_switches_and_coverage(monkeypatch):
+    assert supports_lean(tiny_model("llama")) and supports_lean(tiny_model("qwen2"))
+    assert not supports_lean(tiny_model("gpt2")) and not supports_lean(tiny_model("gpt_neox"))
+    assert lean_forward_for(tiny_model("llama"), fast=False) is None
+    monkeypatch.setenv("DYNATREE_FAST_FORWARD", "0")
+    assert KVState(tiny_model("llama"), [1]).lean is None
+    monkeypatch.setenv("DYNATREE_STATIC_CACHE", "0")
+    kv = KVState(tiny_model("llama"), [1])
+    assert not kv.static and kv.lean is None, "no static buffers: the lean forward has nothing to write to"
+
+
+def test_static_cache_serves_every_architecture(arch):
+    kv = KVState(tiny_model(arch), [1, 2, 3])
+    assert kv.static and all(isinstance(layer, SlotLayer) for layer in kv.cache.layers)
