@@ -110,8 +110,12 @@ def _fused(modules: list[torch.nn.Module]) -> Callable[[torch.Tensor], torch.Ten
     len(modules). Costs a copy of their weights; packed for oneDNN when the originals are."""
     weight = torch.cat([m.weight for m in modules])  # PackedLinear.weight is a dense copy
     biases = [m.bias for m in modules]
-    bias = None if all(b is None for b in biases) else torch.cat(
-        [b if b is not None else weight.new_zeros(m.out_features) for m, b in zip(modules, biases, strict=True)]
+    bias = (
+        None
+        if all(b is None for b in biases)
+        else torch.cat(
+            [b if b is not None else weight.new_zeros(m.out_features) for m, b in zip(modules, biases, strict=True)]
+        )
     )
     if getattr(modules[0], "packed", None) is not None:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)

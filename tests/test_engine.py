@@ -242,9 +242,8 @@ def test_reduced_vocabulary_draft_stays_exact_and_agrees():
 
 
 def test_cpu_memory_counts_weights_and_the_largest_caches():
-    from dynatree_core.metrics import kv_bytes_per_token, weight_bytes
-
     from dynatree_core.kv import SLACK
+    from dynatree_core.metrics import kv_bytes_per_token, weight_bytes
 
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.01)
     prompt, n = PROMPTS[0], 20

@@ -107,7 +107,7 @@ def test_static_buffers_are_written_in_place_and_grow_only_when_full():
     kv = KVState(model, prompt, capacity=len(prompt))
     _prefill(kv, prompt)
     buffers = [layer.key_buf.data_ptr() for layer in kv.cache.layers]
-    for step in range(SLACK - 1):  # fills the slack one token at a time: no reallocation
+    for _ in range(SLACK - 1):  # fills the slack one token at a time: no reallocation
         visible = chain_then_tree_visibility(kv.length, 1, torch.zeros(0, 0, dtype=torch.bool))
         kv.forward([5], [kv.length], visible, 1)
     assert [layer.key_buf.data_ptr() for layer in kv.cache.layers] == buffers and kv.grows == 0
