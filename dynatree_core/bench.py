@@ -49,11 +49,16 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str], str]:
     return name.strip(), params, verifier.strip() or "auto"
 
 
-def environment(device: str, dtype: str, packed: bool = False, dtype_source: str = "") -> dict[str, Any]:
-    """What a result was measured on: hardware, library versions, threads, device, dtype and
-    whether the linear layers ran pre-packed for oneDNN (packing.py)."""
+def environment(
+    device: str, dtype: str, packed: bool = False, dtype_source: str = "", *, forward_path: str = ""
+) -> dict[str, Any]:
+    """What a result was measured on: hardware, library versions, threads (and where that number
+    came from), device, dtype, whether the linear layers ran pre-packed for oneDNN (packing.py)
+    and how forwards ran (kv.forward_path: lean / static / dynamic)."""
     import torch
     import transformers
+
+    from dynatree_core.threads import threads_source
 
     cpu, flags = platform.processor() or "unknown", ""
     try:
@@ -73,6 +78,8 @@ def environment(device: str, dtype: str, packed: bool = False, dtype_source: str
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(),
+        "threads_source": threads_source(),
+        "forward_path": forward_path,
         "device": device,
         "dtype": dtype,
         "dtype_source": dtype_source,  # asked / probe (a saved `dtype` probe) / rule (auto's static rule)

@@ -54,6 +54,24 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--no-pack", action="store_true", help="CPU: plain nn.Linear (no oneDNN pre-packing)")
+    _engine_arguments(p)
+
+
+def _engine_arguments(p: argparse.ArgumentParser) -> None:
+    """How forwards run: torch threads, the static cache and the lean forward (each with an off switch)."""
+    p.add_argument("--threads", default=None, help="torch CPU threads (default: $DYNATREE_THREADS, else every core)")
+    p.add_argument(
+        "--no-static-cache", action="store_true", help="transformers' DynamicCache (concatenates per forward)"
+    )
+    p.add_argument("--no-fast-forward", action="store_true", help="the stock HF forward instead of the lean one")
+
+
+def _forward_options(args) -> dict:
+    """DecodeConfig fields from the engine flags (None: the library default, on)."""
+    return {
+        "static_cache": False if args.no_static_cache else None,
+        "fast_forward": False if args.no_fast_forward else None,
+    }
 
 
 def _read_prompt(args) -> str:
@@ -122,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="auto")
     bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     bench.add_argument("--no-pack", action="store_true", help="CPU: plain nn.Linear (no oneDNN pre-packing)")
+    _engine_arguments(bench)
     bench.add_argument(
         "--sweep",
         action="append",
@@ -147,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--device", default="auto")
     lat.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     lat.add_argument("--no-pack", action="store_true", help="CPU: plain nn.Linear (no oneDNN pre-packing)")
+    _engine_arguments(lat)
     lat.add_argument("--out", type=Path, default=None, help="JSON points here, plot beside it (.html)")
     lat.add_argument("--json", action="store_true")
     dt = sub.add_parser(
@@ -162,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--limit", type=int, default=4, help="bundled prompts, spread over the domains")
     dt.add_argument("--no-save", action="store_true", help="measure and print, keep auto as it was")
     dt.add_argument("--json", action="store_true")
+    dt.add_argument("--threads", default=None, help="torch CPU threads (default: $DYNATREE_THREADS, else every core)")
     pre = sub.add_parser("presets", help="list model pair presets")
     pre.add_argument("--json", action="store_true")
     return parser
@@ -253,6 +274,7 @@ def cmd_bench(args) -> None:
         context_length=pair.target.context_length,
         sampling=sampling,
         verifier=args.verifier,
+        **_forward_options(args),
     )
     common = dict(
         config=config,
@@ -290,6 +312,7 @@ def cmd_latency(args) -> None:
     import dataclasses
 
     from dynatree_core.bench import environment, stderr_progress
+    from dynatree_core.kv import forward_path
     from dynatree_core.latency import latency_figure, profile
     from dynatree_core.packing import is_packed
     from dynatree_core.session import load_pair
@@ -306,12 +329,20 @@ def cmd_latency(args) -> None:
     models = {"target": pair.target.model}
     if pair.draft is not None and not pair.draft_is_stand_in:
         models["draft"] = pair.draft.model
-    points = profile(models, tokens, contexts, args.repeats, progress=stderr_progress)
+    options = _forward_options(args)
+    points = profile(
+        models, tokens, contexts, args.repeats, progress=stderr_progress,
+        static=options["static_cache"], fast=options["fast_forward"],
+    )  # fmt: skip
     print(file=sys.stderr)
     model = pair.target.model
     report = {
         "environment": environment(
-            str(model.device), str(model.dtype).removeprefix("torch."), is_packed(model), pair.dtype_source
+            str(model.device),
+            str(model.dtype).removeprefix("torch."),
+            is_packed(model),
+            pair.dtype_source,
+            forward_path=forward_path(model, options["static_cache"], options["fast_forward"]),
         ),
         "command": "python -m dynatree_core " + shlex.join(args.argv),
         "points": [dataclasses.asdict(p) for p in points],
@@ -410,6 +441,7 @@ def cmd_generate(args) -> None:
             sampling=sampling,
             verifier=args.verifier,
             seed=args.seed + i,
+            **_forward_options(args),
         )
         results.append(
             generate(
@@ -458,6 +490,7 @@ def cmd_compare(args) -> None:
         sampling=sampling,
         verifier=args.verifier,
         seed=args.seed,
+        **_forward_options(args),
     )
     result = compare(
         pair,
@@ -488,6 +521,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in reports
+        if hasattr(args, "threads"):  # a command that runs models: decide torch's threads first
+            from dynatree_core.threads import configure_threads
+
+            configure_threads(args.threads)
         commands = {
             "generate": cmd_generate,
             "compare": cmd_compare,

@@ -18,7 +18,7 @@ import torch
 
 from dynatree_core.drafting.base import Drafter, DraftRequest, Policy
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.kv import KVState, chain_then_tree_visibility, forward_path
 from dynatree_core.metrics import memory_mb, summarize, weight_bytes
 from dynatree_core.models import context_length_of
 from dynatree_core.sampling import SamplingConfig
@@ -297,4 +297,6 @@ def generate(
         target_forwards=len(records),
         device=str(device),
         dtype=str(target.dtype).removeprefix("torch."),
+        threads=torch.get_num_threads(),
+        forward_path=forward_path(target, config.static_cache, config.fast_forward),
     )

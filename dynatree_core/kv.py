@@ -118,6 +118,15 @@ def _full_attention_only(model: torch.nn.Module) -> bool:
     return not getattr(config, "sliding_window", None)
 
 
+def forward_path(model: torch.nn.Module, static: bool | None = None, fast: bool | None = None) -> str:
+    """How KVState runs this model's forwards: "lean", "static" (HF forward, static cache) or "dynamic"."""
+    from dynatree_core.fastpath import fast_forward_enabled, supports_lean
+
+    if not (static_cache_enabled(static) and _full_attention_only(model)):
+        return "dynamic"
+    return "lean" if fast_forward_enabled(fast) and supports_lean(model) else "static"
+
+
 class KVState:
     """One model's cache for one run. Never shared between runs or sessions.
 

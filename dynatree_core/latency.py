@@ -35,11 +35,20 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def forward_ms(model: torch.nn.Module, context: int, new_tokens: int, repeats: int = 5) -> float:
-    """Median ms of a forward over `new_tokens` tokens with `context` tokens already cached."""
+def forward_ms(
+    model: torch.nn.Module,
+    context: int,
+    new_tokens: int,
+    repeats: int = 5,
+    *,
+    static: bool | None = None,
+    fast: bool | None = None,
+) -> float:
+    """Median ms of a forward over `new_tokens` tokens with `context` tokens already cached, on
+    the forward path the engine would use (`static` / `fast`: kv.KVState's switches)."""
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = [(7 * i + 3) % vocab for i in range(context + new_tokens)]
-    kv = KVState(model, ids[:context])
+    kv = KVState(model, ids[:context], capacity=context + new_tokens, static=static, fast=fast)
     prefill = chain_then_tree_visibility(0, context, torch.zeros(0, 0, dtype=torch.bool))
     kv.forward(kv.pending, list(range(context)), prefill, logits_to_keep=1)
     kv.pending = []
@@ -64,13 +73,17 @@ def profile(
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
     repeats: int = 5,
     progress=None,
+    *,
+    static: bool | None = None,
+    fast: bool | None = None,
 ) -> list[LatencyPoint]:
     points = []
     total, done = len(models) * len(tokens) * len(contexts), 0
     for name, model in models.items():
         for context in contexts:
             for n in tokens:
-                points.append(LatencyPoint(name, context, n, forward_ms(model, context, n, repeats)))
+                ms = forward_ms(model, context, n, repeats, static=static, fast=fast)
+                points.append(LatencyPoint(name, context, n, ms))
                 done += 1
                 if progress:
                     progress(done, total, f"{name} context {context}, {n} tokens")

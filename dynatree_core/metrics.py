@@ -61,6 +61,8 @@ def summarize(
     target_forwards: int,
     device: str = "cpu",
     dtype: str = "float32",
+    threads: int = 0,
+    forward_path: str = "",
 ) -> RunResult:
     token_ids = [t for r in records for t in r.committed]
     n_iter = len(records)
@@ -92,6 +94,8 @@ def summarize(
         commit_ms=sum(r.commit_ms for r in records),
         overhead_ms=sum(r.overhead_ms for r in records),
         stop_reason=records[-1].stop if records and records[-1].stop else "none",
+        threads=threads,
+        forward_path=forward_path,
         device=device,
         dtype=dtype,
         records=list(records),

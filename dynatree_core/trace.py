@@ -113,6 +113,8 @@ class RunResult:
     stop_reason: str
     device: str = "cpu"
     dtype: str = "float32"
+    threads: int = 0  # torch intra-op threads the run used (threads.py); 0: not recorded
+    forward_path: str = ""  # lean / static / dynamic (kv.forward_path); HF baselines: "hf"
     records: list[IterationRecord] = dataclasses.field(default_factory=list)
 
     def to_dict(self, *, with_records: bool = True) -> dict:

@@ -64,9 +64,11 @@ def _show(value) -> str:
 
 def check_run(raw: dict) -> None:
     """Types, ranges and consistency of a run file's top level and of every record."""
-    for name in ("policy", "text", "stop_reason", "device", "dtype"):
+    for name in ("policy", "text", "stop_reason", "device", "dtype", "forward_path"):
         if name in raw and not isinstance(raw[name], str):
             raise ValueError(f"{name} must be a string")
+    if "threads" in raw and not (type(raw["threads"]) is int and 0 <= raw["threads"] <= 4096):
+        raise ValueError("threads must be a whole number in [0, 4096]")
     for name in ("prompt_ids", "token_ids"):
         if name in raw:
             _ints(raw[name], name)

@@ -122,6 +122,8 @@ class HFBaseline(Policy):
             stop_reason="eos" if eos and tokens and tokens[-1] in eos else "max_new_tokens",
             device=str(device),
             dtype=str(target.dtype).removeprefix("torch."),
+            threads=torch.get_num_threads(),
+            forward_path="hf",
         )
 
 
