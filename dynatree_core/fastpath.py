@@ -149,7 +149,6 @@ class _Block:
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.norm2 = _rms_norm(layer.input_layernorm), _rms_norm(layer.post_attention_layernorm)
         self.o, self.down = _linear(attn.o_proj), _linear(mlp.down_proj)
-        self.qkv_sizes = [m.out_features for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
         self.mlp_size = mlp.gate_proj.out_features
         self.qkv = _fused([attn.q_proj, attn.k_proj, attn.v_proj]) if fuse else None
         self.gate_up = _fused([mlp.gate_proj, mlp.up_proj]) if fuse else None
@@ -158,6 +157,17 @@ class _Block:
         self.head_dim = attn.head_dim
         self.groups = attn.num_key_value_groups
         self.scaling = attn.scaling
+        self.heads = attn.q_proj.out_features // attn.head_dim
+        self.qk_heads = self.heads + attn.k_proj.out_features // attn.head_dim
+
+    def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v as (1, heads, q, head_dim), RoPE applied to q and k (one rotation when fused)."""
+        heads = lambda t: t.view(1, h.shape[1], -1, self.head_dim).transpose(1, 2)  # noqa: E731
+        if self.qkv is None:
+            return _rotate(heads(self.q(h)), cos, sin), _rotate(heads(self.k(h)), cos, sin), heads(self.v(h))
+        qkv = heads(self.qkv(h))
+        qk = _rotate(qkv[:, : self.qk_heads], cos, sin)
+        return qk[:, : self.heads], qk[:, self.heads :], qkv[:, self.qk_heads :]
 
 
 class LeanForward:
@@ -183,21 +193,13 @@ class LeanForward:
         x = F.embedding(ids, self.embed.weight)  # (1, q, hidden)
         cos, sin = self.rotary(x, positions)  # (1, q, head_dim) each
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
-        q_len = ids.shape[1]
         for block, cache in zip(self.blocks, layers, strict=True):
-            h = block.norm1(x)
-            if block.qkv is not None:
-                q, k, v = block.qkv(h).split(block.qkv_sizes, dim=-1)
-            else:
-                q, k, v = block.q(h), block.k(h), block.v(h)
-            q = q.view(1, q_len, -1, block.head_dim).transpose(1, 2)
-            k = k.view(1, q_len, -1, block.head_dim).transpose(1, 2)
-            v = v.view(1, q_len, -1, block.head_dim).transpose(1, 2)
-            keys, values = cache.update(_rotate(k, cos, sin), v)  # views of slots 0 .. L + q
+            q, k, v = block.project(block.norm1(x), cos, sin)  # (1, heads, q, head_dim), q and k rotated
+            keys, values = cache.update(k, v)  # views of slots 0 .. L + q
             attn = F.scaled_dot_product_attention(
-                _rotate(q, cos, sin), keys, values, attn_mask=mask, scale=block.scaling, enable_gqa=block.groups > 1
+                q, keys, values, attn_mask=mask, scale=block.scaling, enable_gqa=block.groups > 1
             )
-            x = x + block.o(attn.transpose(1, 2).reshape(1, q_len, -1))
+            x = x + block.o(attn.transpose(1, 2).reshape(1, ids.shape[1], -1))
             h = block.norm2(x)
             if block.gate_up is not None:
                 gate, up = block.gate_up(h).split(block.mlp_size, dim=-1)

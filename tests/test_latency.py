@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import tiny_model
 
 from dynatree_core.latency import forward_ms, latency_figure, profile
@@ -21,20 +22,24 @@ def test_profile_has_every_point_and_positive_times():
     assert len(latency_figure(points).data) == 4  # one line per model and context
 
 
-def test_timed_forwards_start_from_the_same_cache(monkeypatch):
+@pytest.mark.parametrize("fast", [True, False])
+def test_timed_forwards_start_from_the_same_cache(monkeypatch, fast):
     """Each repeat must see `context` cached tokens: the cache is cut back after every forward
-    (else the later repeats would attend over a growing context)."""
-    model = tiny_model("llama")
+    (else the later repeats would attend over a growing context). Checked on the lean forward
+    and on the stock HF forward over the static cache."""
+    from dynatree_core.kv import KVState
+
     calls = []
-    original = model.forward
+    original = KVState.forward
 
-    def spy(*args, **kwargs):
-        calls.append(kwargs["past_key_values"].get_seq_length())
-        return original(*args, **kwargs)
+    def spy(self, *args, **kwargs):
+        calls.append((self.length, self.cache.get_seq_length(), self.lean is not None))
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(model, "forward", spy)  # the tiny models are shared between tests: undo after
-    forward_ms(model, context=10, new_tokens=3, repeats=3)
-    assert calls == [0, 10, 10, 10, 10]  # prefill, warm-up, 3 timed
+    monkeypatch.setattr(KVState, "forward", spy)
+    forward_ms(tiny_model("llama"), context=10, new_tokens=3, repeats=3, fast=fast)
+    assert [c[:2] for c in calls] == [(0, 0)] + [(10, 10)] * 4  # prefill, warm-up, 3 timed
+    assert all(c[2] == fast for c in calls), "the forward path asked for is the one timed"
 
 
 def test_cli_latency_writes_json_and_a_plot(tmp_path, capsys, tiny_pair_dirs):
