@@ -25,7 +25,18 @@ from dynatree_core.prompts import load_prompts
 from dynatree_core.sampling import SamplingConfig
 from dynatree_core.session import encode_prompt
 from dynatree_core.trace import IterationRecord
-from dynatree_core.ui import cached_pair, forward_lock, latency_points, model_picker, param_widgets
+from dynatree_core.ui import (
+    advance,
+    cached_pair,
+    forward_lock,
+    import_run,
+    latency_points,
+    live_buttons,
+    model_picker,
+    param_widgets,
+    show_run_error,
+    threads_caption,
+)
 from dynatree_core.verify.sampling import VERIFIERS
 from dynatree_core.viz import (
     acceptance_by_depth,
@@ -47,9 +58,10 @@ from dynatree_core.viz import (
 )
 
 st.set_page_config(page_title="DynaTree Explorer", page_icon="🌳", layout="wide")
-# Three figures per page update: one update every 0.6 s keeps the browser near 5 figure updates per
-# second. A browser on the same machine draws on the same CPU cores and slows the engine while it
-# draws (measured here: ~0.2 s of CPU per figure update in headless Chromium).
+# The engine decodes in a worker thread (LiveRun.start_worker); the page draws its latest iteration
+# at most this often. Three figures per page update: one update every 0.6 s keeps the browser near
+# 5 figure updates per second. A browser on the same machine draws on the same CPU cores (measured
+# here: ~0.2 s of CPU per figure update in headless Chromium), which is why the app leaves it a core.
 RENDER_INTERVAL_S = 0.6
 
 
@@ -86,9 +98,6 @@ with st.sidebar:
     )
     max_new = st.slider("Max new tokens", 1, 512, 64, help="Stop after this many generated tokens.")
     seed = st.number_input("Seed", 0, 2**31 - 1, 0, help="Seeds sampling (greedy runs do not depend on it).")
-    render_every = st.slider(
-        "Fast mode: render every N iterations", 1, 20, 1, help="Rendering is not counted in throughput."
-    )
 
 examples = load_prompts("all")
 example = st.selectbox(
@@ -173,7 +182,6 @@ def start_run() -> LiveRun | None:
 # ----- controls and live view ---------------------------------------------------------------------
 state = st.session_state
 state.setdefault("run", None)
-state.setdefault("running", False)
 
 
 def metrics_row(result, tps_label: str) -> None:
@@ -219,59 +227,37 @@ def baseline_view() -> None:
 
 @st.fragment
 def live_view() -> None:
-    cols = st.columns(5)
-    run_clicked = cols[0].button(
-        "Run", icon=":material/play_arrow:", type="primary", help="Decode until the end, rendering as it goes."
-    )
-    step_clicked = cols[1].button(
-        "Step", icon=":material/skip_next:", help="Run exactly one iteration (one target forward)."
-    )
-    pause_clicked = cols[2].button("Pause run", icon=":material/pause:", help="Pause after the current iteration.")
-    reset_clicked = cols[3].button("Reset", icon=":material/restart_alt:", help="Discard this run.")
-    imported = cols[4].file_uploader(
-        "Import run JSON",
-        type="json",
-        label_visibility="collapsed",
-        help="Replay an exported run without loading any model.",
-    )
-
-    if reset_clicked:
-        state.run, state.running = None, False
-    if pause_clicked:
-        state.running = False
-    if imported is not None and state.get("imported_name") != imported.name:
-        try:
-            state.run, state.running = LiveRun.from_json(imported.getvalue()), False
-            state.imported_name = imported.name
-        except ValueError as exc:
-            st.error(str(exc))
+    run_clicked, step_clicked, pause_clicked, reset_clicked, imported = live_buttons()
     run: LiveRun | None = state.run
+    if reset_clicked and run is not None:
+        run.stop()  # the worker ends after its current iteration; the run is discarded either way
+        run = state.run = None
+    if pause_clicked and run is not None:
+        run.pause()
+    if imported is not None and state.get("imported_name") != imported.name:
+        run = state.run = import_run(run, imported)
     if run is not None and not run.done:
         changed = run.differs(settings)
-        if changed and (run_clicked or step_clicked or state.running):
-            state.running = False
+        if changed and (run_clicked or step_clicked or run.worker_running):
+            run.pause()
             st.warning(f"Settings changed ({', '.join(changed)}): press Reset to start a run with them.")
             run_clicked = step_clicked = False
     if (run_clicked or step_clicked) and (run is None or run.done):
         run = state.run = start_run()
-    if run is not None and (step_clicked or run_clicked or state.running):
-        state.running = bool(run_clicked or state.running) and not step_clicked
-        deadline = time.perf_counter() + RENDER_INTERVAL_S
-        done_now = 0
-        try:
-            while not run.done:
-                run.step(forward_lock())
-                done_now += 1
-                if not state.running or (done_now >= render_every and time.perf_counter() >= deadline):
-                    break
-        except DynaTreeError as exc:  # raised by the engine on its first step, e.g. prompt too long
-            st.error(str(exc))
-            run = state.run = None
-            state.running = False
-        if run is not None and run.done:
-            state.running = False
-    render(run)
-    if state.running:  # the fragment alone reruns, unless this is a full run (a sidebar change)
+    if run is not None:
+        advance(run, run_clicked, step_clicked)
+        if run.worker_running:  # sleep until the next drawing (the first one: the first record) or the end
+            run.beat()
+            next_drawing = state.get("drawn_at", 0.0) + RENDER_INTERVAL_S - time.monotonic()
+            run.wait(next_drawing, records=None if run.records else 1)
+    alive = run is not None and run.worker_running  # read before the snapshot, so a last one is complete
+    if run is not None and run.error is not None and not alive:
+        run = state.run = show_run_error(run)
+    if run is not None and run.idle_paused and not alive:
+        st.info("Paused: this page stopped watching the run for a while. Press **Run** to go on.")
+    state.drawn_at = time.monotonic()
+    render(None if run is None else run.snapshot(), running=alive)
+    if alive:  # the fragment alone reruns, unless this is a full run (a sidebar change)
         ctx = get_script_run_ctx()
         st.rerun(scope="fragment" if ctx is not None and ctx.fragment_ids_this_run else "app")
 
@@ -419,25 +405,19 @@ def why_view(run: LiveRun, ar_tps: float | None) -> None:
             st.plotly_chart(why_figure(points, run.records), width="stretch", key="why")
 
 
-def render(run: LiveRun | None) -> None:
-    if run is None or not run.records:
-        st.info("Press **Run** to decode live, or **Step** for one iteration at a time.")
-        return
-    result = run.result()
-    metrics_row(result, "Tokens / s (engine time)")
-    st.caption(
-        f"Measured on {run.device}, {run.dtype}, from engine time (rendering excluded). A browser on the same "
-        "machine competes for its CPU while it draws: raise *render every N* for cleaner timing."
+def measured_caption(run: LiveRun) -> str:
+    """Where and how the run's throughput was measured."""
+    if run.imported:
+        threads = f", {run.threads} torch thread{'s' if run.threads != 1 else ''}" if run.threads else ""
+        return f"Measured on {run.device}, {run.dtype}, from engine time{threads}: an imported run, measured elsewhere."
+    return (
+        f"Measured on {run.device}, {run.dtype}, from engine time (drawing excluded): the engine decodes in its "
+        f"own thread and the page draws its latest iteration every {RENDER_INTERVAL_S} s; {threads_caption()}."
     )
-    if run.done:
-        st.info(stop_text(run.records[-1].stop), icon=":material/flag:")
-    n = len(run.records)
-    pick = (
-        st.slider("Iteration", 1, n, n, key=f"scrub_{n}", help="Go back to any iteration's tree and mask.")
-        if n > 1
-        else 1
-    )
-    rec = run.records[pick - 1]
+
+
+def tree_and_mask(run: LiveRun, rec: IterationRecord) -> None:
+    """One iteration's draft tree (clickable) beside the attention mask the target received."""
     left, right = st.columns([3, 2])
     with left:
         st.subheader(f"Draft tree — iteration {rec.index}")
@@ -462,6 +442,31 @@ def render(run: LiveRun | None) -> None:
     if rec.tree.notes.get("salf_mass"):
         st.caption("SALF: probability mass of each drafting step's batch; drafting stops below th.")
         st.plotly_chart(salf_mass_figure(rec.tree.notes["salf_mass"], float(run.params.get("th", 0))), key="salf")
+
+
+def render(run: LiveRun | None, running: bool = False) -> None:
+    """The run's latest (or scrubbed-to) iteration; `running`: its worker is decoding, so the export,
+    which serialises every record, waits until it pauses or finishes."""
+    if run is None or not run.records:
+        st.info(
+            "Decoding the first iteration..."
+            if running
+            else "Press **Run** to decode live, or **Step** for one iteration at a time."
+        )
+        return
+    result = run.result()
+    metrics_row(result, "Tokens / s (engine time)")
+    st.caption(measured_caption(run))
+    if run.done:
+        st.info(stop_text(run.records[-1].stop), icon=":material/flag:")
+    n = len(run.records)
+    pick = (
+        st.slider("Iteration", 1, n, n, key=f"scrub_{n}", help="Go back to any iteration's tree and mask.")
+        if n > 1
+        else 1
+    )
+    rec = run.records[pick - 1]
+    tree_and_mask(run, rec)
     with st.expander("What happened in this iteration (draft → verify → commit)"):
         st.markdown(explain(rec, run.text, run_verifier(run)))
     verification_view(run, rec)
@@ -477,6 +482,8 @@ def render(run: LiveRun | None) -> None:
         st.caption(f"AR reference: {ar_tps:.1f} tokens/s on the same prompt, device and dtype.")
     st.plotly_chart(run_charts(run.records, ar_tps), width="stretch", key="charts")
     why_view(run, ar_tps)
+    if running:
+        return
     st.download_button(
         "Export run (JSON)",
         run.to_json(),

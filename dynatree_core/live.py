@@ -1,11 +1,19 @@
 """A run that advances one iteration at a time: what the live app keeps per browser session.
 
 `LiveRun` wraps the engine's generator. Each `step()` runs exactly one iteration (one target
-forward) under a lock, because the models are shared by every session of the app process. The
-settings that define the run are frozen at start: `differs(settings)` tells the page that the
+forward) under a lock, because the models are shared by every session of the app process.
+`start_worker()` runs the same steps in a background thread, so the engine decodes at its own
+speed while the page draws the latest iteration at its own cadence (issue 18): the worker only
+appends to `records` and sets `done` after the last append, so a reader that reads `done` first
+and then copies the list (`snapshot()`) always sees a consistent run. `pause()` takes effect after
+the current iteration; a worker whose page stops calling `beat()` pauses itself, so a closed tab
+never leaves a thread decoding; an exception in the worker ends the run and is kept in `error`.
+
+The settings that define the run are frozen at start: `differs(settings)` tells the page that the
 user changed something, so it can ask to restart instead of mixing settings in one run's
 statistics. A finished or imported run replays its records without models: the export carries
 the text of every token the run drew (`token_texts`), so an imported run shows the same words.
+Knows nothing of Streamlit.
 """
 
 from __future__ import annotations
@@ -13,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +34,10 @@ from dynatree_core.metrics import summarize
 from dynatree_core.trace import IterationRecord, RunResult
 from dynatree_core.trace_check import check_run, check_size_and_depth
 from dynatree_core.vocab import TokenMap
+
+# A page polls (calls `beat()`) every render interval, well under a second; a worker that has not
+# heard from its page for this long belongs to a closed tab and pauses.
+IDLE_TIMEOUT_S = 60.0
 
 
 @dataclasses.dataclass
@@ -37,8 +51,16 @@ class LiveRun:
     dtype: str = "float32"
     done: bool = False
     token_texts: dict[int, str] = dataclasses.field(default_factory=dict)
+    threads: int = 0  # torch threads of the thread that ran the last iteration (0: not recorded)
+    imported: bool = False  # replayed from an exported file (measured elsewhere)
+    error: Exception | None = None  # what ended the run, in step() or its worker (it is then done)
+    idle_paused: bool = False  # the worker paused itself: its page stopped calling beat()
     _decode: Callable[[int], str] | None = dataclasses.field(default=None, repr=False)
     _steps: Iterator[IterationRecord] | None = dataclasses.field(default=None, repr=False)
+    _worker: threading.Thread | None = dataclasses.field(default=None, init=False, repr=False)
+    _pause: threading.Event = dataclasses.field(default_factory=threading.Event, init=False, repr=False)
+    _gate: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False)
+    _last_beat: float = dataclasses.field(default=0.0, init=False, repr=False)
 
     @classmethod
     def start(
@@ -67,22 +89,98 @@ class LiveRun:
         )
 
     def step(self, lock: contextlib.AbstractContextManager | None = None) -> IterationRecord | None:
-        """Run one iteration; None (and `done`) once the run has stopped."""
+        """Run one iteration; None (and `done`) once the run has stopped. Refused (RuntimeError)
+        while the worker is decoding: pause it first."""
+        if self.worker_running and threading.current_thread() is not self._worker:
+            raise RuntimeError("the run is decoding in its worker thread: pause it before stepping")
+        with self._gate:  # one iteration at a time, whichever thread asks
+            return self._advance(lock)
+
+    def _advance(self, lock: contextlib.AbstractContextManager | None) -> IterationRecord | None:
         if self.done or self._steps is None:
             self.done = True
             return None
+        # torch applies the process's thread count (threads.py) to a new thread lazily, at its first
+        # parallel op; until then MKL matmuls in that thread use every core (measured: a fresh
+        # thread's matmuls ran on 2 cores after set_num_threads(1)). Asking for it applies it.
+        self.threads = torch.get_num_threads()
         try:
             with lock if lock is not None else contextlib.nullcontext():
                 record = next(self._steps, None)
-        except Exception:  # e.g. the prompt does not fit the context: the run cannot go on
-            self.done, self._steps = True, None
-            raise
-        if record is None or record.stop is not None:
+        except Exception as exc:  # e.g. the prompt does not fit the context: the run cannot go on
+            self.error, self._steps = exc, None
             self.done = True
-            self._steps = None  # release the KV caches
+            raise
         if record is not None:
-            self.records.append(record)
+            self.records.append(record)  # before `done`: a reader that saw done has every record
+        if record is None or record.stop is not None:
+            self._steps = None  # release the KV caches
+            self.done = True
         return record
+
+    # ----- the background worker -----------------------------------------------------------------
+    def start_worker(
+        self, lock: contextlib.AbstractContextManager | None = None, *, idle_timeout_s: float = IDLE_TIMEOUT_S
+    ) -> bool:
+        """Decode in a daemon thread until the run is done, `pause()` is asked, or nobody has called
+        `beat()` for `idle_timeout_s` seconds. False when there is nothing to start (done, running)."""
+        if self.done:
+            return False
+        if self.worker_running and (not self._pause.is_set() or not self.wait(5.0)):
+            return False  # already decoding, or still busy with the iteration it was paused in
+        self._pause.clear()
+        self.idle_paused = False
+        self.beat()
+        self._worker = threading.Thread(
+            target=self._work, args=(lock, idle_timeout_s), name="dynatree-live-run", daemon=True
+        )
+        self._worker.start()
+        return True
+
+    def _work(self, lock: contextlib.AbstractContextManager | None, idle_timeout_s: float) -> None:
+        while not self.done and not self._pause.is_set():
+            if time.monotonic() - self._last_beat >= idle_timeout_s:
+                self.idle_paused = True  # the page went away: stop using the cores
+                return
+            try:
+                self.step(lock)
+            except Exception:  # step() has ended the run and kept the exception in `error`
+                return
+
+    @property
+    def worker_running(self) -> bool:
+        return self._worker is not None and self._worker.is_alive()
+
+    def beat(self) -> None:
+        """The page is still watching (call it on every poll)."""
+        self._last_beat = time.monotonic()
+
+    def pause(self) -> None:
+        """Ask the worker to stop after its current iteration (returns at once)."""
+        self._pause.set()
+
+    def wait(self, timeout_s: float, *, records: int | None = None) -> bool:
+        """Wait up to `timeout_s` for the worker to end or, given `records`, until the run has that
+        many records. True when no worker is running."""
+        deadline = time.monotonic() + timeout_s
+        while self.worker_running and (records is None or len(self.records) < records):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._worker.join(left if records is None else min(left, 0.02))  # records: poll every 20 ms
+        return not self.worker_running
+
+    def stop(self, timeout_s: float = 2.0) -> bool:
+        """Pause and wait a little for the current iteration to end (never forever: a forward
+        cannot be interrupted). True when the worker has ended."""
+        self.pause()
+        return self.wait(timeout_s)
+
+    def snapshot(self) -> LiveRun:
+        """A copy that no worker touches, to draw while this run decodes: `done` is read before
+        the records (the worker appends before it sets `done`), so a done snapshot is complete."""
+        done = self.done
+        return dataclasses.replace(self, records=self.records[:], done=done, _steps=None)
 
     def differs(self, settings: dict[str, Any]) -> list[str]:
         """Names of the settings that changed since the run started."""
@@ -99,7 +197,7 @@ class LiveRun:
 
     def _all_tokens(self) -> set[int]:
         out: set[int] = set()
-        for r in self.records:
+        for r in self.records[:]:
             out.update(r.tree.tokens, r.committed, r.target_tokens)
             if r.bonus_token is not None:
                 out.add(r.bonus_token)
@@ -107,18 +205,20 @@ class LiveRun:
 
     @property
     def token_ids(self) -> list[int]:
-        return [t for r in self.records for t in r.committed]
+        return [t for r in self.records[:] for t in r.committed]
 
     def result(self, text: str = "") -> RunResult:
+        records = self.records[:]  # one length, even while the worker appends
         return summarize(
-            self.records,
+            records,
             policy=self.policy_name,
             params=self.params,
             text=text,
             prompt_ids=self.prompt_ids,
-            target_forwards=len(self.records),
+            target_forwards=len(records),
             device=self.device,
             dtype=self.dtype,
+            threads=self.threads,
         )
 
     def to_json(self, text: str = "") -> str:
@@ -149,6 +249,8 @@ class LiveRun:
             records=result.records,
             device=result.device,
             dtype=result.dtype,
+            threads=result.threads,
+            imported=True,
             done=True,
             token_texts=texts,
         )

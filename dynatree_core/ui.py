@@ -1,20 +1,41 @@
 """Streamlit pieces shared by the app and its pages: process-wide resources (loaded model pairs,
-the lock that keeps two sessions from running forwards on the same model at once) and the
-policy parameter widgets built from the registry. The only core module importing Streamlit."""
+the lock that keeps two sessions from running forwards on the same model at once, torch's
+thread count) and the policy parameter widgets built from the registry. The only core module
+importing Streamlit."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import streamlit as st
+import torch
 
 from dynatree_core.drafting import POLICIES
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.live import LiveRun
 from dynatree_core.models import PRESETS, presets_only
 from dynatree_core.session import load_pair
+from dynatree_core.threads import ENV, available_cores, configure_threads
+
+
+@st.cache_resource(show_spinner=False)
+def engine_threads() -> int:
+    """torch's thread count for this app process, applied once before any model loads
+    (threads.py: DYNATREE_THREADS, else one core fewer than the machine has, left to the
+    browser and the server). Raises DynaTreeError on a bad DYNATREE_THREADS."""
+    return configure_threads(role="app")
+
+
+def threads_caption() -> str:
+    """The engine's thread count in words, for the pages' captions."""
+    n = torch.get_num_threads()
+    return f"engine: {n} torch thread{'s' if n != 1 else ''} of {available_cores()} cores ({ENV} to change)"
 
 
 @st.cache_resource(max_entries=2, show_spinner=False)
 def cached_pair(target: str, draft: str | None, device: str, dtype: str):
+    engine_threads()  # every page loads its models here (the Verification Lab has no model picker)
     return load_pair(target, draft, device=device, dtype=dtype)
 
 
@@ -44,8 +65,13 @@ CUSTOM = "custom (hub id or local path)"
 
 def model_picker(key_prefix: str = "") -> tuple[str, str | None, str, str]:
     """Sidebar widgets for the model pair, device and dtype: (target, draft, device, dtype).
-    A preset fills in both models; "custom" asks for a hub id or local directory (not offered
-    when the deployer set DYNATREE_PRESETS_ONLY)."""
+    Applies the app's torch thread count first (`engine_threads`). A preset fills in both models;
+    "custom" asks for a hub id or local directory (not offered when the deployer set
+    DYNATREE_PRESETS_ONLY)."""
+    try:
+        engine_threads()
+    except DynaTreeError as exc:
+        st.error(f"{exc}; torch keeps {torch.get_num_threads()} threads.")
     k = (lambda name: f"{key_prefix}_{name}") if key_prefix else (lambda name: None)
     locked = presets_only()
     preset = st.selectbox(
@@ -87,3 +113,58 @@ def latency_points(target: str, draft: str | None, device: str, dtype: str) -> l
         models["draft"] = pair.draft.model
     with forward_lock():
         return profile(models, tokens=(1, 2, 4, 8, 16, 32, 64), contexts=(128,), repeats=3)
+
+
+# ----- the live page's run controls (app.py) ----------------------------------------------------
+def live_buttons():
+    """The run's buttons and the import box: (run, step, pause, reset, imported file)."""
+    cols = st.columns(5)
+    run_clicked = cols[0].button(
+        "Run", icon=":material/play_arrow:", type="primary", help="Decode until the end, drawing as it goes."
+    )
+    step_clicked = cols[1].button(
+        "Step", icon=":material/skip_next:", help="Run exactly one iteration (one target forward)."
+    )
+    pause_clicked = cols[2].button("Pause run", icon=":material/pause:", help="Pause after the current iteration.")
+    reset_clicked = cols[3].button("Reset", icon=":material/restart_alt:", help="Discard this run.")
+    imported = cols[4].file_uploader(
+        "Import run JSON",
+        type="json",
+        label_visibility="collapsed",
+        help="Replay an exported run without loading any model.",
+    )
+    return run_clicked, step_clicked, pause_clicked, reset_clicked, imported
+
+
+def import_run(run: LiveRun | None, uploaded) -> LiveRun | None:
+    """The exported run in `uploaded` (the current run's worker stops), or `run` with a message
+    when the file is not a run."""
+    try:
+        loaded = LiveRun.from_json(uploaded.getvalue())
+    except ValueError as exc:
+        st.error(str(exc))
+        return run
+    if run is not None:
+        run.stop()
+    st.session_state.imported_name = uploaded.name
+    return loaded
+
+
+def advance(run: LiveRun, run_clicked: bool, step_clicked: bool) -> None:
+    """Run: the worker decodes ahead of the page. Step: one iteration in the script thread, never
+    beside the worker. An engine error ends the run and stays in `run.error` (`show_run_error`)."""
+    if run_clicked:
+        run.start_worker(forward_lock())
+    elif step_clicked and run.worker_running:
+        st.toast("The run is decoding: press **Pause run**, then **Step**.")
+    elif step_clicked:
+        with contextlib.suppress(Exception):  # kept in run.error
+            run.step(forward_lock())
+
+
+def show_run_error(run: LiveRun) -> LiveRun | None:
+    """The engine's message (e.g. the prompt does not fit the context), never a traceback. Returns
+    the run to keep: None when it produced nothing, else the run, to inspect what it did."""
+    exc = run.error
+    st.error(str(exc) if isinstance(exc, DynaTreeError) else f"The run stopped: {type(exc).__name__}: {exc}")
+    return run if run.records else None

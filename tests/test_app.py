@@ -100,12 +100,13 @@ def test_ar_reference_turns_throughput_into_speedup(tiny_pair_dirs):
     assert "speedup vs AR" in names, names
 
 
-def test_a_prompt_longer_than_the_context_is_an_error_and_keeps_the_inputs(tiny_pair_dirs):
+@pytest.mark.parametrize("button", ["Step", "Run"])  # Run: the error is raised in the worker thread
+def test_a_prompt_longer_than_the_context_is_an_error_and_keeps_the_inputs(tiny_pair_dirs, button):
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     at.run()
     pick_custom_pair(at, *tiny_pair_dirs)
     at.text_area[0].set_value("word " * 2000).run()  # the tiny target has 512 positions
-    _click(at, "Step")
+    next(b for b in at.button if b.label == button).click().run()
     assert not at.exception, at.exception
     assert any("context" in e.value for e in at.error), [e.value for e in at.error]
     assert at.session_state["run"] is None
@@ -240,3 +241,50 @@ def test_presets_only_hides_custom_models(monkeypatch):
         assert not at.exception, page
         pickers = [s for s in at.selectbox if s.label == "Model pair"]
         assert pickers and all("custom (hub id or local path)" not in s.options for s in pickers), page
+
+
+def test_run_decodes_in_a_worker_and_the_scrubber_reaches_every_iteration(tiny_pair_dirs):
+    """Run starts the worker; the page reruns until it has drawn the finished run, whose tokens are
+    engine.generate's with the same settings; the scrubber then shows every iteration's tree."""
+    from dynatree_core.drafting import make_policy
+    from dynatree_core.engine import DecodeConfig, generate
+    from dynatree_core.ui import cached_pair
+
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    at.run()
+    pick_custom_pair(at, *tiny_pair_dirs)
+    next(s for s in at.slider if s.label == "Max new tokens").set_value(24).run()
+    _click(at, "Run")
+    assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
+    run = at.session_state["run"]
+    assert run.done and not run.worker_running, "the page stopped rerunning before the worker ended"
+    assert any("Finished:" in i.value for i in at.info), "the last drawing must show the finished run"
+    assert int(at.metric[3].value) == len(run.records), "the metrics must count every iteration"
+    assert any("torch thread" in c.value for c in at.caption), "the caption names the engine's thread count"
+    pair = cached_pair(tiny_pair_dirs[0], tiny_pair_dirs[1], "auto", "auto")
+    config = DecodeConfig(max_new_tokens=24, eos_token_ids=pair.target.eos_token_ids)
+    policy = make_policy("fixed_tree", run.params)
+    full = generate(pair.target.model, run.prompt_ids, policy, draft=pair.draft.model, config=config)
+    assert run.token_ids == full.token_ids, "the worker's tokens differ from engine.generate's"
+    n = len(run.records)
+    assert n > 1, "a one-iteration run does not exercise the scrubber"
+    for i in (*range(1, n + 1), n):
+        next(s for s in at.slider if s.label == "Iteration").set_value(i).run()
+        assert any(h.value == f"Draft tree — iteration {i}" for h in at.subheader), f"iteration {i} not drawn"
+
+
+def test_reset_stops_a_running_worker(tiny_pair_dirs):
+    from dynatree_core.ui import forward_lock
+
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    at.run()
+    pick_custom_pair(at, *tiny_pair_dirs)
+    _click(at, "Step")
+    run = at.session_state["run"]
+    lock = forward_lock()  # the app process's lock: holding it keeps the worker inside its iteration
+    with lock:
+        assert run.start_worker(lock) and run.worker_running
+        _click(at, "Reset")
+        assert at.session_state["run"] is None and not at.exception
+    assert run.wait(60), "Reset must stop the worker after its current iteration"
+    assert len(run.records) <= 2 and not run.done, "the worker went on decoding after Reset"

@@ -108,6 +108,15 @@ def test_run_with_the_embedded_models_updates_live(app_url):
         page = browser.new_page(viewport={"width": 1500, "height": 1100})
         page.goto(app_url)
         _idle(page)
+        # A run long enough to watch: the engine decodes in its own thread, and the default 64-token
+        # answer takes about 2 s here, about as long as the browser's first plotly drawing.
+        prompt = page.get_by_label("Prompt", exact=True)
+        prompt.fill("Count from 1 to 100, separated by commas.")
+        prompt.press("Control+Enter")
+        _idle(page)
+        page.get_by_role("slider", name="Max new tokens").focus()
+        page.keyboard.press("End")  # 512 new tokens (the model counts on past 100): 15-20 s of decoding
+        _idle(page)
         page.get_by_role("button", name="Run", exact=True).click()
         # Live: the iteration count is seen growing while the run is still going.
         page.wait_for_selector("[data-testid=stMetric]", timeout=300_000)

@@ -101,3 +101,109 @@ def test_export_carries_token_texts_so_an_imported_run_shows_words():
     every = {t for r in live.records for t in [*r.tree.tokens, *r.committed, *r.target_tokens]}
     assert all(replay.text(t) == f"w{t}" for t in every)
     assert replay.text(10**6) == f"<{10**6}>"
+
+
+# ----- the background worker (issue 18: the engine runs ahead, the page draws at its own cadence) ---
+
+
+def _worker_run(max_new_tokens: int = 24, prompt=(5, 9, 11, 3)):
+    target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
+    policy = make_policy("fixed_tree", {"depth": 3, "branch": 2})
+    config = DecodeConfig(max_new_tokens=max_new_tokens)
+    full = generate(target, list(prompt), policy, draft=draft, config=config)
+    live = LiveRun.start(target, list(prompt), policy, draft=draft, config=config, settings={})
+    return full, live
+
+
+def test_the_worker_produces_the_records_of_a_synchronous_run():
+    full, live = _worker_run()
+    lock = threading.Lock()
+    assert live.start_worker(lock) and not live.start_worker(lock), "a second worker must not start"
+    assert live.wait(60) and not live.worker_running, "the worker did not end"
+    assert live.done and live.error is None and not lock.locked()
+    assert live.token_ids == full.token_ids, "the worker decoded other tokens than engine.generate"
+    assert [r.index for r in live.records] == list(range(1, full.iterations + 1))
+    assert [r.committed for r in live.records] == [r.committed for r in full.records]
+    assert live.records[-1].stop == "max_new_tokens"
+    assert live.threads >= 1 and live.result().threads == live.threads
+    assert not live.start_worker(lock), "a finished run has nothing to start"
+
+
+def test_pause_stops_after_the_current_iteration_and_run_resumes_to_the_same_output():
+    full, live = _worker_run()
+    gate, entered = threading.Lock(), threading.Event()
+
+    class PausingLock:  # the page presses Pause while the worker is inside its first forward
+        def __enter__(self):
+            gate.acquire()
+            if not entered.is_set():
+                entered.set()
+                live.pause()
+
+        def __exit__(self, *exc):
+            gate.release()
+
+    live.start_worker(PausingLock())
+    assert live.wait(60), "the worker did not stop after a pause"
+    assert len(live.records) == 1 and not live.done, "pause must take effect after the current iteration"
+    assert live.step() is not None and len(live.records) == 2, "Step works on a paused run"
+    live.start_worker(gate)  # Run again
+    assert live.wait(60) and live.done
+    assert live.token_ids == full.token_ids, "a paused and resumed run differs from an uninterrupted one"
+
+
+def test_step_is_refused_while_the_worker_decodes():
+    _, live = _worker_run()
+    gate = threading.Lock()
+    gate.acquire()  # the worker blocks on its first forward until released
+    live.start_worker(gate)
+    with pytest.raises(RuntimeError, match="pause it"):
+        live.step()
+    assert live.stop(timeout_s=0.05) is False, "the worker is still inside its iteration"
+    gate.release()
+    assert live.wait(60) and len(live.records) == 1 and not live.done, "stop ends the worker after one iteration"
+
+
+def test_a_snapshot_is_a_consistent_copy_the_worker_does_not_touch():
+    _, live = _worker_run()
+    live.step()
+    snap = live.snapshot()
+    live.start_worker()
+    assert live.wait(60) and live.done
+    assert len(snap.records) == 1 and not snap.done and not snap.worker_running
+    assert snap.step() is None, "a snapshot has no engine to step"
+    assert len(live.records) > 1
+
+
+def test_a_worker_exception_ends_the_run_and_is_kept():
+    from dynatree_core.errors import DynaTreeError
+
+    live = LiveRun.start(tiny_model("llama"), list(range(1, 600)), make_policy("ar"),
+                         config=DecodeConfig(max_new_tokens=4), settings={})  # fmt: skip
+    live.start_worker()
+    assert live.wait(60)
+    assert live.done and isinstance(live.error, DynaTreeError) and "context" in str(live.error)
+    assert live.records == []
+
+    class Broken:  # a failure that is not the engine's own (e.g. out of memory mid-run)
+        def __enter__(self):
+            raise RuntimeError("simulated failure")
+
+        def __exit__(self, *exc):
+            return False
+
+    _, live = _worker_run()
+    live.step()
+    live.start_worker(Broken())
+    assert live.wait(60)
+    assert live.done and isinstance(live.error, RuntimeError) and len(live.records) == 1
+
+
+def test_a_worker_whose_page_stops_polling_pauses_itself():
+    full, live = _worker_run()
+    live.start_worker(idle_timeout_s=0.0)  # the page has already been silent for too long
+    assert live.wait(60)
+    assert live.idle_paused and not live.done and live.records == [], "a worker nobody watches must stop"
+    live.start_worker()  # the page is back: Run goes on
+    assert live.wait(60) and live.done and not live.idle_paused
+    assert live.token_ids == full.token_ids

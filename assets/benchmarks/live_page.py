@@ -1,0 +1,311 @@
+"""Live page vs CLI decoding speed on this machine (issue 18), run from the repo root:
+
+    .venv/bin/python assets/benchmarks/live_page.py [--runs 3] [--max-new-tokens 64] [--policy fixed_tree]
+        [--busy] [--app-threads N] [--cli-threads N] [--out assets/benchmarks/cpu-live-page.json]
+
+1. Starts `streamlit run app.py` headless on a free port (the e2e test's flags; `--app-threads`
+   sets the server's DYNATREE_THREADS) and opens it in Debian's Chromium through Playwright.
+2. Picks the embedded pair, the policy and max new tokens in the sidebar (prompt and chat
+   template stay at the page's defaults), presses Run once as a warm-up (it loads the models),
+   then `--runs` times Reset + Run, waits for the finished run and reads the page's
+   "Tokens / s (engine time)" metric and the engine's thread count from its caption.
+3. With the browser still open on the finished page, runs the CLI as a user would
+   (`python -m dynatree_core generate --prompt <the page's prompt> --chat --policy P
+   --max-new-tokens N --json`): one process as a warm-up, then `--runs` processes, each with
+   `--num-samples 2`: the first sample is what a user's one-shot command measures (a cold
+   process), the second the same run warm, as the page's server is after its warm-up.
+4. Prints a summary and writes the report: per-run tokens/s of both sides, medians, the ratios
+   page/CLI, the thread counts each side used, and the machine.
+
+`--busy` keeps one extra process burning a core for the whole measurement (a second program on
+a teacher's laptop). Needs Debian's chromium (`apt-get install -y chromium`) and the playwright
+package; never `playwright install`. Both sides measure engine time from the same records
+(`metrics.summarize`: new tokens / summed iteration wall time, prefill included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+TPS_LABEL = "Tokens / s (engine time)"
+DEFAULT_MAX_NEW = 64  # the page's default "Max new tokens"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=3, help="measured runs per side (after one warm-up each)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--policy", default="fixed_tree", help="a tree policy the page can run live")
+    p.add_argument("--busy", action="store_true", help="one extra CPU-burning process during the measurement")
+    p.add_argument("--app-threads", type=int, default=None, help="DYNATREE_THREADS for the server")
+    p.add_argument("--cli-threads", type=int, default=None, help="--threads for the CLI (default: its own)")
+    p.add_argument("--timeout-s", type=float, default=600, help="the longest one page run may take")
+    p.add_argument("--out", type=Path, default=ROOT / "assets" / "benchmarks" / "cpu-live-page.json")
+    args = p.parse_args(argv)
+    if args.runs < 1 or not 1 <= args.max_new_tokens <= 512:
+        p.error("--runs must be at least 1 and --max-new-tokens within the page's 1-512")
+    return args
+
+
+def environment() -> dict:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "cpu": cpu,
+        "cores": cores,
+        "logical_cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "DYNATREE_THREADS": os.environ.get("DYNATREE_THREADS"),
+    }
+
+
+@contextlib.contextmanager
+def background(cmd: list[str], *, env: dict | None = None, log: Path | None = None):
+    """A process for the duration of the block, ended (by its own pid) afterwards."""
+    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if log:
+            out.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(OSError):
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                return
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"streamlit did not start:\n{log.read_text()[-2000:]}")
+        time.sleep(0.5)
+
+
+# ----- the page ---------------------------------------------------------------------------------
+def idle(page, timeout_ms: float = 120_000) -> None:
+    """The page is drawn (the Run button) and its script has finished."""
+    page.get_by_role("button", name="Run", exact=True).wait_for(timeout=timeout_ms)
+    page.wait_for_selector("[data-testid=stApp][data-test-script-state=notRunning]", timeout=timeout_ms)
+
+
+def choose(page, label: str, option: str) -> None:
+    """Pick `option` in the sidebar selectbox labelled `label` (a no-op when already chosen)."""
+    box = page.get_by_role("combobox", name=label, exact=True)
+    if box.input_value() != option:
+        box.click()
+        page.get_by_role("option", name=option, exact=True).click()
+        idle(page)
+    if box.input_value() != option:
+        raise SystemExit(f"could not choose {option!r} in {label!r}: the box shows {box.input_value()!r}")
+
+
+def set_max_new_tokens(page, n: int) -> None:
+    slider = page.get_by_role("slider", name="Max new tokens")
+    slider.focus()
+    key = "ArrowLeft" if n < DEFAULT_MAX_NEW else "ArrowRight"
+    for _ in range(abs(n - int(slider.input_value()))):  # an <input type=range>
+        page.keyboard.press(key)
+    idle(page)
+    if int(slider.input_value()) != n:
+        raise SystemExit(f"Max new tokens shows {slider.input_value()}, not {n}")
+
+
+def metric(page, label: str) -> str:
+    box = page.locator("[data-testid=stMetric]").filter(has_text=label)
+    return box.locator("[data-testid=stMetricValue]").inner_text(timeout=30_000)
+
+
+def page_run(page, timeout_s: float) -> dict:
+    """Reset, Run, wait for the finished run; what the page shows about it."""
+    page.get_by_role("button", name="Reset", exact=True).click()
+    page.get_by_text("Press Run", exact=False).wait_for(timeout=60_000)
+    idle(page)
+    start = time.monotonic()
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.get_by_text("Finished:", exact=False).first.wait_for(timeout=timeout_s * 1000)
+    seen_s = time.monotonic() - start
+    idle(page)
+    if page.locator("[data-testid=stException]").count() or page.get_by_text("The run stopped").count():
+        raise SystemExit("the page raised during the run")
+    caption = page.get_by_text(re.compile(r"Measured on .* torch thread")).first.inner_text()
+    threads = re.search(r"engine: (\d+) torch threads? of (\d+) cores", caption)
+    measured = re.search(r"Measured on (\S+), (\w+)", caption)
+    return {
+        "tokens_per_s": float(metric(page, TPS_LABEL)),
+        "new_tokens": int(metric(page, "New tokens")),
+        "iterations": int(metric(page, "Iterations")),
+        "tokens_per_iteration": float(metric(page, "Tokens / iteration")),
+        "threads": int(threads.group(1)) if threads else None,
+        "device": measured.group(1) if measured else None,
+        "dtype": measured.group(2) if measured else None,
+        "seen_finished_after_s": round(seen_s, 2),  # click to "Finished:" seen: drawing and polling included
+    }
+
+
+def measure_page(page, args: argparse.Namespace) -> tuple[str, list[dict], dict]:
+    """(the page's prompt, measured runs, the warm-up run) on an open page."""
+    idle(page)
+    choose(page, "Model pair", "embedded")
+    choose(page, "Policy", args.policy)
+    set_max_new_tokens(page, args.max_new_tokens)
+    prompt = page.get_by_label("Prompt", exact=True).input_value()
+    if not page.get_by_role("switch", name="Chat template", exact=True).is_checked():
+        raise SystemExit("the chat template toggle is off: the CLI run would not match")
+    warmup = page_run(page, args.timeout_s)  # loads (and on a fresh machine converts) the models
+    print(f"page warm-up: {warmup['tokens_per_s']} tokens/s", flush=True)
+    runs = []
+    for i in range(args.runs):
+        runs.append(page_run(page, args.timeout_s))
+        print(f"page run {i + 1}/{args.runs}: {runs[-1]['tokens_per_s']} tokens/s", flush=True)
+    return prompt, runs, warmup
+
+
+# ----- the CLI ----------------------------------------------------------------------------------
+def cli_command(prompt: str, args: argparse.Namespace) -> list[str]:
+    cmd = [sys.executable, "-m", "dynatree_core", "generate", "--prompt", prompt, "--chat"]
+    cmd += ["--policy", args.policy, "--max-new-tokens", str(args.max_new_tokens), "--json", "--num-samples", "2"]
+    return cmd + (["--threads", str(args.cli_threads)] if args.cli_threads else [])
+
+
+def cli_run(cmd: list[str]) -> dict:
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise SystemExit(f"the CLI failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    first, warm = json.loads(done.stdout)
+    return {
+        "first_tokens_per_s": first["throughput_tps"],  # what one `generate` command measures
+        "warm_tokens_per_s": warm["throughput_tps"],  # the same run again in the same process
+        "new_tokens": warm["new_tokens"],
+        "iterations": warm["iterations"],
+        "tokens_per_iteration": warm["tokens_per_iteration"],
+        "threads": warm.get("threads"),
+        "device": warm.get("device"),
+        "dtype": warm.get("dtype"),
+        "same_tokens_both_samples": first["token_ids"] == warm["token_ids"],
+    }
+
+
+def measure_cli(prompt: str, args: argparse.Namespace) -> tuple[list[dict], dict]:
+    cmd = cli_command(prompt, args)
+    warmup = cli_run(cmd)
+    print(f"CLI warm-up: {warmup['first_tokens_per_s']:.1f} / {warmup['warm_tokens_per_s']:.1f} tokens/s", flush=True)
+    runs = []
+    for i in range(args.runs):
+        runs.append(cli_run(cmd))
+        r = runs[-1]
+        print(f"CLI run {i + 1}/{args.runs}: {r['first_tokens_per_s']:.1f} (first) / "
+              f"{r['warm_tokens_per_s']:.1f} (warm) tokens/s", flush=True)  # fmt: skip
+    return runs, warmup
+
+
+# ----- the report -------------------------------------------------------------------------------
+def summary(page_runs: list[dict], cli_runs: list[dict]) -> dict:
+    page = statistics.median(r["tokens_per_s"] for r in page_runs)
+    first = statistics.median(r["first_tokens_per_s"] for r in cli_runs)
+    warm = statistics.median(r["warm_tokens_per_s"] for r in cli_runs)
+    return {
+        "page_tokens_per_s_median": page,
+        "cli_first_tokens_per_s_median": round(first, 2),
+        "cli_warm_tokens_per_s_median": round(warm, 2),
+        "ratio_page_to_cli_warm": round(page / warm, 3) if warm else None,
+        "ratio_page_to_cli_first": round(page / first, 3) if first else None,
+        "page_threads": sorted({r["threads"] for r in page_runs if r["threads"] is not None}),
+        "cli_threads": sorted({r["threads"] for r in cli_runs if r["threads"] is not None}),
+        "same_new_tokens": len({r["new_tokens"] for r in page_runs} | {r["new_tokens"] for r in cli_runs}) == 1,
+    }
+
+
+def measure(args: argparse.Namespace, machine: dict) -> dict:
+    from playwright.sync_api import sync_playwright
+
+    env = dict(os.environ)
+    if args.app_threads is not None:
+        env["DYNATREE_THREADS"] = str(args.app_threads)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = [
+        sys.executable, "-m", "streamlit", "run", "app.py",
+        "--server.headless", "true", "--server.port", str(port), "--server.address", "127.0.0.1",
+        "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
+    ]  # fmt: skip
+    busy = background([sys.executable, "-c", "while True: pass"]) if args.busy else contextlib.nullcontext()
+    log = Path(tempfile.gettempdir()) / f"dynatree-live-page-{port}.log"
+    with busy, background(server, env=env, log=log) as proc, sync_playwright() as pw:
+        wait_healthy(url, proc, log)
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        page.goto(url)
+        prompt, page_runs, page_warmup = measure_page(page, args)
+        cli_runs, cli_warmup = measure_cli(prompt, args)  # the browser stays open on the finished page
+        browser.close()
+    return {
+        "what": "live page (Chromium open on this machine) vs CLI: engine-time tokens/s, same prompt and settings",
+        "settings": {
+            "pair": "embedded",
+            "policy": args.policy,
+            "max_new_tokens": args.max_new_tokens,
+            "prompt": prompt,
+            "chat": True,
+            "runs": args.runs,
+            "busy": args.busy,
+            "app_threads": args.app_threads,
+            "cli_threads": args.cli_threads,
+            "render_interval_note": "the page draws its latest iteration every RENDER_INTERVAL_S (app.py)",
+            "cli_command": " ".join(cli_command("<prompt>", args)[1:]),
+        },
+        "environment": machine,
+        "summary": summary(page_runs, cli_runs),
+        "page": {"warmup": page_warmup, "runs": page_runs},
+        "cli": {"warmup": cli_warmup, "runs": cli_runs},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not Path(CHROMIUM).exists():
+        raise SystemExit("Debian's chromium is missing: apt-get install -y chromium")
+    report = measure(args, environment())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps(report["summary"], indent=2))
+    print(f"written: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
