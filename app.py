@@ -353,9 +353,15 @@ def node_panel(rec: IterationRecord, node: int | None, decode: Callable[[int], s
     )
 
 
-def verification_view(run: LiveRun, rec: IterationRecord) -> None:
+WHILE_DECODING = "Shown when the run pauses or finishes (drawing less keeps the CPU for the engine)."
+
+
+def verification_view(run: LiveRun, rec: IterationRecord, running: bool = False) -> None:
     """The verifier's steps in this iteration and, for sampled runs, expected vs realised acceptance."""
     with st.expander(f"Verification trace ({rec.verifier}): every test, draw and residual"):
+        if running:
+            st.caption(WHILE_DECODING)
+            return
         rows = verification_rows(rec, run.text)
         if not rows:
             st.caption("This record has no trace (a run exported before traces existed).")
@@ -375,10 +381,13 @@ def verification_view(run: LiveRun, rec: IterationRecord) -> None:
             st.plotly_chart(acceptance_figure(by_depth), width="stretch", key="acceptance_depth")
 
 
-def why_view(run: LiveRun, ar_tps: float | None) -> None:
+def why_view(run: LiveRun, ar_tps: float | None, running: bool = False) -> None:
     """Why this run is (not) faster than plain decoding: its time split against the device's
     latency profile (measured on request, once per model pair)."""
     with st.expander("Why is it (not) faster?"):
+        if running:
+            st.caption(WHILE_DECODING)
+            return
         key_models = st.session_state.get("tokenizer_key")
         profiles = state.setdefault("latency_profiles", {})
         points = profiles.get(str(key_models))
@@ -445,8 +454,10 @@ def tree_and_mask(run: LiveRun, rec: IterationRecord) -> None:
 
 
 def render(run: LiveRun | None, running: bool = False) -> None:
-    """The run's latest (or scrubbed-to) iteration; `running`: its worker is decoding, so the export,
-    which serialises every record, waits until it pauses or finishes."""
+    """The run's latest (or scrubbed-to) iteration. `running`: its worker is decoding, so the page
+    draws only what changes each iteration (metrics, tree, mask, text, charts); the verification
+    trace, the speed analysis and the export (which serialises every record) wait until the run
+    pauses or finishes: every drawing costs the engine CPU time and, in Python, the GIL."""
     if run is None or not run.records:
         st.info(
             "Decoding the first iteration..."
@@ -469,7 +480,7 @@ def render(run: LiveRun | None, running: bool = False) -> None:
     tree_and_mask(run, rec)
     with st.expander("What happened in this iteration (draft → verify → commit)"):
         st.markdown(explain(rec, run.text, run_verifier(run)))
-    verification_view(run, rec)
+    verification_view(run, rec, running)
     with st.expander("Glossary of tree terms"):
         st.markdown(glossary())
     st.subheader("Generated text")
@@ -481,7 +492,7 @@ def render(run: LiveRun | None, running: bool = False) -> None:
     if ar_tps:
         st.caption(f"AR reference: {ar_tps:.1f} tokens/s on the same prompt, device and dtype.")
     st.plotly_chart(run_charts(run.records, ar_tps), width="stretch", key="charts")
-    why_view(run, ar_tps)
+    why_view(run, ar_tps, running)
     if running:
         return
     st.download_button(

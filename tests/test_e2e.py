@@ -121,16 +121,22 @@ def test_run_with_the_embedded_models_updates_live(app_url):
         # Live: the iteration count is seen growing while the run is still going.
         page.wait_for_selector("[data-testid=stMetric]", timeout=300_000)
         seen = set()
+        export = page.get_by_role("button", name="Export run (JSON)")
+        export_while_decoding = False
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             with contextlib.suppress(ValueError, PlaywrightError):  # the metric is being re-rendered
                 seen.add(int(_metric(page, "Iterations", timeout_ms=2_000)))
+            exported = export.count()  # read before "Finished:": seen with no finish yet = drawn while decoding
             if page.get_by_text("Finished:", exact=False).count():
                 break
+            export_while_decoding |= exported > 0
             time.sleep(0.2)
         assert page.get_by_text("Finished:", exact=False).count(), "the run did not finish in time"
         assert len(seen) >= 3, f"iteration counter seen only at {sorted(seen)}: not updating live"
+        assert not export_while_decoding, "while the engine decodes the page draws only what changes each iteration"
         _idle(page)
+        assert export.count() == 1, "the finished run offers its export"
         final = int(_metric(page, "Iterations"))
         assert final >= max(seen) and float(_metric(page, "Tokens / iteration")) >= 1.0
         assert page.locator("[data-testid=stPlotlyChart]").count() >= 3  # tree, mask, running charts

@@ -7,15 +7,18 @@
    sets the server's DYNATREE_THREADS) and opens it in Debian's Chromium through Playwright.
 2. Picks the embedded pair, the policy and max new tokens in the sidebar (prompt and chat
    template stay at the page's defaults), presses Run once as a warm-up (it loads the models),
-   then `--runs` times Reset + Run, waits for the finished run and reads the page's
-   "Tokens / s (engine time)" metric and the engine's thread count from its caption.
-3. With the browser still open on the finished page, runs the CLI as a user would
-   (`python -m dynatree_core generate --prompt <the page's prompt> --chat --policy P
-   --max-new-tokens N --json`): one process as a warm-up, then `--runs` processes, each with
-   `--num-samples 2`: the first sample is what a user's one-shot command measures (a cold
-   process), the second the same run warm, as the page's server is after its warm-up.
-4. Prints a summary and writes the report: per-run tokens/s of both sides, medians, the ratios
-   page/CLI, the thread counts each side used, and the machine.
+   and one CLI process as a warm-up.
+3. Then `--runs` rounds, each one page run (Reset + Run, wait for the finished run, read the
+   page's "Tokens / s (engine time)" metric and the engine's thread count from its caption)
+   followed by one CLI process run as a user would (`python -m dynatree_core generate --prompt
+   <the page's prompt> --chat --policy P --max-new-tokens N --json --num-samples 2`) with the
+   browser still open on the finished page: the first sample is what a user's one-shot command
+   measures (a cold process), the second the same run warm, as the page's server is after its
+   warm-up. Alternating puts both sides of each ratio in the same minute: this shared host's
+   speed drifts by up to 25% between minutes.
+4. Prints a summary and writes the report: per-run tokens/s of both sides, medians, the
+   round-by-round ratios page/CLI and their median, the thread counts each side used, and the
+   machine.
 
 `--busy` keeps one extra process burning a core for the whole measurement (a second program on
 a teacher's laptop). Needs Debian's chromium (`apt-get install -y chromium`) and the playwright
@@ -178,8 +181,8 @@ def page_run(page, timeout_s: float) -> dict:
     }
 
 
-def measure_page(page, args: argparse.Namespace) -> tuple[str, list[dict], dict]:
-    """(the page's prompt, measured runs, the warm-up run) on an open page."""
+def prepare_page(page, args: argparse.Namespace) -> tuple[str, dict]:
+    """(the page's prompt, a warm-up run) on an open page set to the run's settings."""
     idle(page)
     choose(page, "Model pair", "embedded")
     choose(page, "Policy", args.policy)
@@ -189,11 +192,7 @@ def measure_page(page, args: argparse.Namespace) -> tuple[str, list[dict], dict]
         raise SystemExit("the chat template toggle is off: the CLI run would not match")
     warmup = page_run(page, args.timeout_s)  # loads (and on a fresh machine converts) the models
     print(f"page warm-up: {warmup['tokens_per_s']} tokens/s", flush=True)
-    runs = []
-    for i in range(args.runs):
-        runs.append(page_run(page, args.timeout_s))
-        print(f"page run {i + 1}/{args.runs}: {runs[-1]['tokens_per_s']} tokens/s", flush=True)
-    return prompt, runs, warmup
+    return prompt, warmup
 
 
 # ----- the CLI ----------------------------------------------------------------------------------
@@ -221,17 +220,20 @@ def cli_run(cmd: list[str]) -> dict:
     }
 
 
-def measure_cli(prompt: str, args: argparse.Namespace) -> tuple[list[dict], dict]:
+def interleaved(page, prompt: str, args: argparse.Namespace) -> tuple[list[dict], list[dict], dict]:
+    """(page runs, CLI runs, the CLI's warm-up): page and CLI alternate, run by run, so that both
+    sides of each ratio see the machine in the same minute (its speed drifts on a shared host)."""
     cmd = cli_command(prompt, args)
-    warmup = cli_run(cmd)
-    print(f"CLI warm-up: {warmup['first_tokens_per_s']:.1f} / {warmup['warm_tokens_per_s']:.1f} tokens/s", flush=True)
-    runs = []
+    cli_warmup = cli_run(cmd)
+    print(f"CLI warm-up: {cli_warmup['first_tokens_per_s']:.1f} / {cli_warmup['warm_tokens_per_s']:.1f} tokens/s")
+    page_runs, cli_runs = [], []
     for i in range(args.runs):
-        runs.append(cli_run(cmd))
-        r = runs[-1]
-        print(f"CLI run {i + 1}/{args.runs}: {r['first_tokens_per_s']:.1f} (first) / "
-              f"{r['warm_tokens_per_s']:.1f} (warm) tokens/s", flush=True)  # fmt: skip
-    return runs, warmup
+        page_runs.append(page_run(page, args.timeout_s))
+        cli_runs.append(cli_run(cmd))  # the browser stays open on the finished page
+        r = cli_runs[-1]
+        print(f"run {i + 1}/{args.runs}: page {page_runs[-1]['tokens_per_s']} tokens/s, CLI "
+              f"{r['first_tokens_per_s']:.1f} (first) / {r['warm_tokens_per_s']:.1f} (warm)", flush=True)  # fmt: skip
+    return page_runs, cli_runs, cli_warmup
 
 
 # ----- the report -------------------------------------------------------------------------------
@@ -245,6 +247,15 @@ def summary(page_runs: list[dict], cli_runs: list[dict]) -> dict:
         "cli_warm_tokens_per_s_median": round(warm, 2),
         "ratio_page_to_cli_warm": round(page / warm, 3) if warm else None,
         "ratio_page_to_cli_first": round(page / first, 3) if first else None,
+        "ratio_page_to_cli_warm_per_round": [
+            round(p["tokens_per_s"] / c["warm_tokens_per_s"], 3) for p, c in zip(page_runs, cli_runs, strict=True)
+        ],
+        "ratio_page_to_cli_warm_median_of_rounds": round(
+            statistics.median(
+                p["tokens_per_s"] / c["warm_tokens_per_s"] for p, c in zip(page_runs, cli_runs, strict=True)
+            ),
+            3,
+        ),
         "page_threads": sorted({r["threads"] for r in page_runs if r["threads"] is not None}),
         "cli_threads": sorted({r["threads"] for r in cli_runs if r["threads"] is not None}),
         "same_new_tokens": len({r["new_tokens"] for r in page_runs} | {r["new_tokens"] for r in cli_runs}) == 1,
@@ -271,8 +282,8 @@ def measure(args: argparse.Namespace, machine: dict) -> dict:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1500, "height": 1100})
         page.goto(url)
-        prompt, page_runs, page_warmup = measure_page(page, args)
-        cli_runs, cli_warmup = measure_cli(prompt, args)  # the browser stays open on the finished page
+        prompt, page_warmup = prepare_page(page, args)
+        page_runs, cli_runs, cli_warmup = interleaved(page, prompt, args)
         browser.close()
     return {
         "what": "live page (Chromium open on this machine) vs CLI: engine-time tokens/s, same prompt and settings",
