@@ -1,8 +1,10 @@
 """DynaTree Explorer: watch tree speculative decoding happen, one iteration at a time.
 
 Thin by design: widgets -> settings -> LiveRun (dynatree_core.live) -> figures (dynatree_core.viz).
-Models are loaded once per process and shared by every browser session; forwards take a lock.
-Per-run state (the LiveRun) lives in st.session_state, so two tabs run independently.
+Runs decode in an engine process per model pair (dynatree_core.engine_process), shared by every
+browser session and running one forward at a time; DYNATREE_LIVE_ENGINE=thread decodes in this
+process instead (models loaded once, forwards take a lock). Per-run state (the LiveRun) lives in
+st.session_state, so two tabs run independently.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from dynatree_core.drafting import POLICIES, make_policy
 from dynatree_core.engine import DecodeConfig, generate, resolve_verifier
+from dynatree_core.engine_process import call
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.live import LiveRun
+from dynatree_core.live import LiveRun, ProcessRun
 from dynatree_core.prompts import load_prompts
 from dynatree_core.sampling import SamplingConfig
 from dynatree_core.session import encode_prompt
@@ -28,10 +31,12 @@ from dynatree_core.trace import IterationRecord
 from dynatree_core.ui import (
     advance,
     cached_pair,
+    engine_process,
     forward_lock,
     import_run,
     latency_points,
     live_buttons,
+    live_engine_mode,
     model_picker,
     param_widgets,
     show_run_error,
@@ -58,7 +63,7 @@ from dynatree_core.viz import (
 )
 
 st.set_page_config(page_title="DynaTree Explorer", page_icon="🌳", layout="wide")
-# The engine decodes in a worker thread (LiveRun.start_worker); the page draws its latest iteration
+# The engine decodes in its own process (or a worker thread); the page draws its latest iteration
 # at most this often. Three figures per page update: one update every 0.6 s keeps the browser near
 # 5 figure updates per second. A browser on the same machine draws on the same CPU cores (measured
 # here: ~0.2 s of CPU per figure update in headless Chromium), which is why the app leaves it a core.
@@ -130,43 +135,66 @@ settings = {
 }
 
 
-def prepare():
-    """Models (cached), policy, prompt ids and decode config for the current inputs."""
-    with st.spinner(f"Loading {target_spec} (first load of the embedded model converts it, ~30 s)..."):
-        pair = cached_pair(target_spec, draft_spec, device, dtype)
-    policy = make_policy(policy_name, params)
-    ids = encode_prompt(pair.target.tokenizer, prompt, chat=chat)
-    config = DecodeConfig(
+def decode_config(eos_token_ids: frozenset[int], context_length: int) -> DecodeConfig:
+    """The run's DecodeConfig from the sidebar, for a target with these EOS ids and context."""
+    return DecodeConfig(
         max_new_tokens=max_new,
-        eos_token_ids=pair.target.eos_token_ids,
-        context_length=pair.target.context_length,
+        eos_token_ids=eos_token_ids,
+        context_length=context_length,
         order=order,
         sampling=SamplingConfig(temperature=temperature, top_p=top_p, top_k=int(top_k)),
         verifier=verifier,
         seed=int(seed),
         analyze=temperature > 0,  # expected vs realised acceptance per node (outside the timings)
     )
+
+
+def prepare():
+    """Models (cached in this process), policy, prompt ids and decode config for the current inputs."""
+    with st.spinner(f"Loading {target_spec} (first load of the embedded model converts it, ~30 s)..."):
+        pair = cached_pair(target_spec, draft_spec, device, dtype)
+    policy = make_policy(policy_name, params)
+    ids = encode_prompt(pair.target.tokenizer, prompt, chat=chat)
     torch.manual_seed(int(seed))
-    return pair, policy, ids, config
+    return pair, policy, ids, decode_config(pair.target.eos_token_ids, pair.target.context_length)
+
+
+def start_in_process() -> tuple[LiveRun, bool]:
+    """A run decoded by the pair's engine process (ui.engine_process): the models load there, this
+    process gets their tokenizer. (run, the draft is a stand-in)."""
+    policy = make_policy(policy_name, params)
+    with st.spinner(f"Starting the engine process with {target_spec} (the first load converts it, ~30 s)..."):
+        engine = engine_process(target_spec, draft_spec, device, dtype)
+    info = engine.wait_ready()
+    ids = encode_prompt(info.tokenizer, prompt, chat=chat)
+    config = decode_config(info.eos_token_ids, info.context_length)
+    run = ProcessRun.start_in(engine, ids, policy, settings=settings, config=config)
+    return run, info.draft_is_stand_in
+
+
+def start_in_thread() -> tuple[LiveRun, bool]:
+    """A run decoded in this process (its worker is a thread): the reference path."""
+    pair, policy, ids, config = prepare()
+    run = LiveRun.start(
+        pair.target.model,
+        ids,
+        policy,
+        settings=settings,
+        draft=pair.draft.model if pair.draft and policy.needs_draft_model else None,
+        config=config,
+        draft_token_map=pair.draft.token_map if pair.draft else None,
+        detokenize=lambda tok: pair.target.tokenizer.decode([tok]),
+    )
+    return run, pair.draft_is_stand_in
 
 
 def start_run() -> LiveRun | None:
-    """Start a LiveRun for the current inputs; errors become messages."""
+    """Start a LiveRun for the current inputs, where DYNATREE_LIVE_ENGINE says; errors become messages."""
     if not target_spec:
         st.error("Enter a target model (hub id or local directory).")
         return None
     try:
-        pair, policy, ids, config = prepare()
-        run = LiveRun.start(
-            pair.target.model,
-            ids,
-            policy,
-            settings=settings,
-            draft=pair.draft.model if pair.draft and policy.needs_draft_model else None,
-            config=config,
-            draft_token_map=pair.draft.token_map if pair.draft else None,
-            detokenize=lambda tok: pair.target.tokenizer.decode([tok]),
-        )
+        run, stand_in = start_in_process() if live_engine_mode() == "process" else start_in_thread()
     except DynaTreeError as exc:
         st.error(str(exc))
         return None
@@ -174,7 +202,7 @@ def start_run() -> LiveRun | None:
         st.error(f"Could not start the run: {type(exc).__name__}: {exc}")
         return None
     st.session_state.tokenizer_key = (target_spec, draft_spec, device, dtype)
-    if pair.draft_is_stand_in:
+    if stand_in:
         st.warning("This target has no draft model: it drafts for itself (exact, but never faster).")
     return run
 
@@ -230,7 +258,7 @@ def live_view() -> None:
     run_clicked, step_clicked, pause_clicked, reset_clicked, imported = live_buttons()
     run: LiveRun | None = state.run
     if reset_clicked and run is not None:
-        run.stop()  # the worker ends after its current iteration; the run is discarded either way
+        run.close()  # the worker ends after its current iteration; the run is discarded either way
         run = state.run = None
     if pause_clicked and run is not None:
         run.pause()
@@ -320,20 +348,32 @@ def explain(rec: IterationRecord, decode: Callable[[int], str], verifier: str = 
 
 
 def ar_reference(run: LiveRun, key: str) -> None:
-    """Autoregressive decoding of the run's prompt (same length budget), for the speedup chart."""
+    """Autoregressive decoding of the run's prompt (same length budget), for the speedup chart; in
+    the run's engine process when it has one (its models, its cores, one forward at a time)."""
     key_models = st.session_state.get("tokenizer_key")
     if key_models is None:
         st.error("No AR reference for an imported run: start a run with its models first.")
         return
     try:
-        pair = cached_pair(*key_models)
-        config = DecodeConfig(
-            max_new_tokens=run.settings["max_new_tokens"],
-            eos_token_ids=pair.target.eos_token_ids,
-            context_length=pair.target.context_length,
-        )
-        with st.spinner("Running the AR reference..."), forward_lock():
-            ref = generate(pair.target.model, run.prompt_ids, make_policy("ar"), config=config)
+        with st.spinner("Running the AR reference..."):
+            if isinstance(run, ProcessRun):
+                engine = engine_process(*key_models)
+                info = engine.wait_ready()
+                config = DecodeConfig(
+                    max_new_tokens=run.settings["max_new_tokens"],
+                    eos_token_ids=info.eos_token_ids,
+                    context_length=info.context_length,
+                )
+                ref = call(engine, "ar", (run.prompt_ids, config))
+            else:
+                pair = cached_pair(*key_models)
+                config = DecodeConfig(
+                    max_new_tokens=run.settings["max_new_tokens"],
+                    eos_token_ids=pair.target.eos_token_ids,
+                    context_length=pair.target.context_length,
+                )
+                with forward_lock():
+                    ref = generate(pair.target.model, run.prompt_ids, make_policy("ar"), config=config)
     except DynaTreeError as exc:
         st.error(f"No AR reference: {exc}")
         return
@@ -419,9 +459,14 @@ def measured_caption(run: LiveRun) -> str:
     if run.imported:
         threads = f", {run.threads} torch thread{'s' if run.threads != 1 else ''}" if run.threads else ""
         return f"Measured on {run.device}, {run.dtype}, from engine time{threads}: an imported run, measured elsewhere."
+    where = (
+        f"in its own process ({threads_caption(run.threads)})"
+        if isinstance(run, ProcessRun)
+        else f"in a thread of the page's process ({threads_caption()})"
+    )
     return (
-        f"Measured on {run.device}, {run.dtype}, from engine time (drawing excluded): the engine decodes in its "
-        f"own thread and the page draws its latest iteration every {RENDER_INTERVAL_S} s; {threads_caption()}."
+        f"Measured on {run.device}, {run.dtype}, from engine time (drawing excluded): the engine decodes {where} "
+        f"and the page draws its latest iteration every {RENDER_INTERVAL_S} s."
     )
 
 
@@ -486,7 +531,12 @@ def render(run: LiveRun | None, running: bool = False) -> None:
     st.subheader("Generated text")
     st.html(text_html(run.records, run.text))
     ref_key = json.dumps({k: v for k, v in run.settings.items() if k not in ("policy", "params", "order")})
-    if st.button("Measure AR reference", help="Decode the same prompt with the target alone, for the speedup."):
+    if st.button(
+        "Measure AR reference",
+        disabled=running,
+        help="Decode the same prompt with the target alone, for the speedup"
+        + (" (after the run pauses or finishes: both would share the cores)." if running else "."),
+    ):
         ar_reference(run, ref_key)
     ar_tps = state.setdefault("ar_tps", {}).get(ref_key)
     if ar_tps:

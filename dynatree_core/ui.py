@@ -6,14 +6,16 @@ importing Streamlit."""
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import streamlit as st
 import torch
 
 from dynatree_core.drafting import POLICIES
+from dynatree_core.engine_process import EngineProcess, PairSpec
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.live import LiveRun
+from dynatree_core.live import LiveRun, ProcessRun
 from dynatree_core.models import PRESETS, presets_only
 from dynatree_core.session import load_pair
 from dynatree_core.threads import ENV, available_cores, configure_threads
@@ -27,10 +29,42 @@ def engine_threads() -> int:
     return configure_threads(role="app")
 
 
-def threads_caption() -> str:
-    """The engine's thread count in words, for the pages' captions."""
-    n = torch.get_num_threads()
-    return f"engine: {n} torch thread{'s' if n != 1 else ''} of {available_cores()} cores ({ENV} to change)"
+def threads_caption(threads: int | None = None) -> str:
+    """The engine's thread count in words, for the pages' captions (default: this process's)."""
+    n = torch.get_num_threads() if threads is None else threads
+    return f"{n} torch thread{'s' if n != 1 else ''} of {available_cores()} cores ({ENV} to change)"
+
+
+LIVE_ENGINE_ENV = "DYNATREE_LIVE_ENGINE"
+LIVE_ENGINES = ("process", "thread")
+
+
+def live_engine_mode() -> str:
+    """Where the live page decodes: "process" (default; a child process per model pair,
+    engine_process.py, so drawing never takes the engine's time) or "thread" (a worker thread of
+    the app process: the reference, measured slower while the page draws). DYNATREE_LIVE_ENGINE."""
+    mode = os.environ.get(LIVE_ENGINE_ENV, "").strip().lower() or "process"
+    if mode not in LIVE_ENGINES:
+        raise DynaTreeError(f"{LIVE_ENGINE_ENV}={mode!r}; choose one of: {', '.join(LIVE_ENGINES)}")
+    return mode
+
+
+def _close_engine(engine: EngineProcess) -> None:
+    engine.close()
+
+
+@st.cache_resource(max_entries=2, show_spinner=False, validate=lambda engine: engine.alive, on_release=_close_engine)
+def engine_process(target: str, draft: str | None, device: str, dtype: str) -> EngineProcess:
+    """The child process that decodes the live page's runs on this pair, started once and shared
+    by every session (it runs one forward at a time). A dead one is started again; an evicted
+    one is closed. Raises DynaTreeError when its models cannot load."""
+    engine = EngineProcess(PairSpec(target, draft, device, dtype))
+    try:
+        engine.wait_ready()
+    except BaseException:
+        engine.close()
+        raise
+    return engine
 
 
 @st.cache_resource(max_entries=2, show_spinner=False)
@@ -145,21 +179,23 @@ def import_run(run: LiveRun | None, uploaded) -> LiveRun | None:
         st.error(str(exc))
         return run
     if run is not None:
-        run.stop()
+        run.close()
     st.session_state.imported_name = uploaded.name
     return loaded
 
 
 def advance(run: LiveRun, run_clicked: bool, step_clicked: bool) -> None:
     """Run: the worker decodes ahead of the page. Step: one iteration in the script thread, never
-    beside the worker. An engine error ends the run and stays in `run.error` (`show_run_error`)."""
+    beside the worker. An engine error ends the run and stays in `run.error` (`show_run_error`).
+    A ProcessRun needs no lock: its engine process runs one forward at a time."""
+    lock = None if isinstance(run, ProcessRun) else forward_lock()
     if run_clicked:
-        run.start_worker(forward_lock())
+        run.start_worker(lock)
     elif step_clicked and run.worker_running:
         st.toast("The run is decoding: press **Pause run**, then **Step**.")
     elif step_clicked:
         with contextlib.suppress(Exception):  # kept in run.error
-            run.step(forward_lock())
+            run.step(lock)
 
 
 def show_run_error(run: LiveRun) -> LiveRun | None:

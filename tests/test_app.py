@@ -273,9 +273,10 @@ def test_run_decodes_in_a_worker_and_the_scrubber_reaches_every_iteration(tiny_p
         assert any(h.value == f"Draft tree — iteration {i}" for h in at.subheader), f"iteration {i} not drawn"
 
 
-def test_reset_stops_a_running_worker(tiny_pair_dirs):
+def test_reset_stops_a_running_worker(tiny_pair_dirs, monkeypatch):
     from dynatree_core.ui import forward_lock
 
+    monkeypatch.setenv("DYNATREE_LIVE_ENGINE", "thread")  # the in-process worker, held by the lock
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     at.run()
     pick_custom_pair(at, *tiny_pair_dirs)
@@ -288,3 +289,34 @@ def test_reset_stops_a_running_worker(tiny_pair_dirs):
         assert at.session_state["run"] is None and not at.exception
     assert run.wait(60), "Reset must stop the worker after its current iteration"
     assert len(run.records) <= 2 and not run.done, "the worker went on decoding after Reset"
+
+
+def test_runs_decode_in_the_engine_process_and_reset_frees_them(tiny_pair_dirs):
+    """By default the page's runs live in the pair's engine process: the caption says so, and a
+    run discarded with Reset (even while decoding) is freed there."""
+    from dynatree_core.engine_process import call
+    from dynatree_core.live import ProcessRun
+    from dynatree_core.ui import engine_process
+
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    at.run()
+    pick_custom_pair(at, *tiny_pair_dirs)
+    _click(at, "Step")
+    run = at.session_state["run"]
+    assert isinstance(run, ProcessRun) and len(run.records) == 1
+    assert any("in its own process" in c.value for c in at.caption), [c.value for c in at.caption]
+    engine = engine_process(tiny_pair_dirs[0], tiny_pair_dirs[1], "auto", "auto")
+    assert run._rid in call(engine, "runs", None, 30)
+    run.start_worker()  # decoding when Reset comes
+    _click(at, "Reset")
+    assert at.session_state["run"] is None and not at.exception
+    assert run.wait(60) and run._rid not in call(engine, "runs", None, 30)
+
+
+def test_a_bad_live_engine_setting_is_a_message(tiny_pair_dirs, monkeypatch):
+    monkeypatch.setenv("DYNATREE_LIVE_ENGINE", "gpu-cluster")
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    at.run()
+    pick_custom_pair(at, *tiny_pair_dirs)
+    _click(at, "Step")
+    assert not at.exception and any("DYNATREE_LIVE_ENGINE" in e.value for e in at.error)

@@ -1,7 +1,8 @@
 """Live page vs CLI decoding speed on this machine (issue 18), run from the repo root:
 
     .venv/bin/python assets/benchmarks/live_page.py [--runs 3] [--max-new-tokens 64] [--policy fixed_tree]
-        [--busy] [--app-threads N] [--cli-threads N] [--out assets/benchmarks/cpu-live-page.json]
+        [--busy] [--app-threads N] [--live-engine process|thread] [--cli-threads N]
+        [--out assets/benchmarks/cpu-live-page.json]
 
 1. Starts `streamlit run app.py` headless on a free port (the e2e test's flags; `--app-threads`
    sets the server's DYNATREE_THREADS) and opens it in Debian's Chromium through Playwright.
@@ -57,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policy", default="fixed_tree", help="a tree policy the page can run live")
     p.add_argument("--busy", action="store_true", help="one extra CPU-burning process during the measurement")
     p.add_argument("--app-threads", type=int, default=None, help="DYNATREE_THREADS for the server")
+    p.add_argument(
+        "--live-engine", choices=("process", "thread"), default=None, help="DYNATREE_LIVE_ENGINE for the server"
+    )
     p.add_argument("--cli-threads", type=int, default=None, help="--threads for the CLI (default: its own)")
     p.add_argument("--timeout-s", type=float, default=600, help="the longest one page run may take")
     p.add_argument("--out", type=Path, default=ROOT / "assets" / "benchmarks" / "cpu-live-page.json")
@@ -167,7 +171,8 @@ def page_run(page, timeout_s: float) -> dict:
     if page.locator("[data-testid=stException]").count() or page.get_by_text("The run stopped").count():
         raise SystemExit("the page raised during the run")
     caption = page.get_by_text(re.compile(r"Measured on .* torch thread")).first.inner_text()
-    threads = re.search(r"engine: (\d+) torch threads? of (\d+) cores", caption)
+    threads = re.search(r"(\d+) torch threads? of (\d+) cores", caption)
+    where = "process" if "in its own process" in caption else "thread" if "in a thread" in caption else None
     measured = re.search(r"Measured on (\S+), (\w+)", caption)
     return {
         "tokens_per_s": float(metric(page, TPS_LABEL)),
@@ -175,6 +180,7 @@ def page_run(page, timeout_s: float) -> dict:
         "iterations": int(metric(page, "Iterations")),
         "tokens_per_iteration": float(metric(page, "Tokens / iteration")),
         "threads": int(threads.group(1)) if threads else None,
+        "engine": where,  # the engine decoded in its own process or in a thread of the server
         "device": measured.group(1) if measured else None,
         "dtype": measured.group(2) if measured else None,
         "seen_finished_after_s": round(seen_s, 2),  # click to "Finished:" seen: drawing and polling included
@@ -256,6 +262,7 @@ def summary(page_runs: list[dict], cli_runs: list[dict]) -> dict:
             ),
             3,
         ),
+        "page_engine": sorted({r.get("engine") or "?" for r in page_runs}),
         "page_threads": sorted({r["threads"] for r in page_runs if r["threads"] is not None}),
         "cli_threads": sorted({r["threads"] for r in cli_runs if r["threads"] is not None}),
         "same_new_tokens": len({r["new_tokens"] for r in page_runs} | {r["new_tokens"] for r in cli_runs}) == 1,
@@ -268,6 +275,8 @@ def measure(args: argparse.Namespace, machine: dict) -> dict:
     env = dict(os.environ)
     if args.app_threads is not None:
         env["DYNATREE_THREADS"] = str(args.app_threads)
+    if args.live_engine is not None:
+        env["DYNATREE_LIVE_ENGINE"] = args.live_engine
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = [
@@ -296,6 +305,7 @@ def measure(args: argparse.Namespace, machine: dict) -> dict:
             "runs": args.runs,
             "busy": args.busy,
             "app_threads": args.app_threads,
+            "live_engine": args.live_engine or "the app's default",
             "cli_threads": args.cli_threads,
             "render_interval_note": "the page draws its latest iteration every RENDER_INTERVAL_S (app.py)",
             "cli_command": " ".join(cli_command("<prompt>", args)[1:]),

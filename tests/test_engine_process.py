@@ -1,0 +1,164 @@
+"""The live page's engine process (engine_process.py, live.ProcessRun): the same runs as the engine
+in this process, the same controls (step, run, pause, reset), and every failure a message."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+import torch
+
+from dynatree_core.drafting import make_policy
+from dynatree_core.engine import DecodeConfig, generate
+from dynatree_core.engine_process import EngineProcess, PairSpec, call
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.live import ProcessRun
+from dynatree_core.session import load_pair
+
+PROMPT = [1, 17, 4, 99, 250, 7]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair_dirs):
+    # the child decodes with this process's thread count, so float32 sums run in the same order
+    eng = EngineProcess(PairSpec(*tiny_pair_dirs, threads=torch.get_num_threads()))
+    eng.wait_ready(300)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_pair_dirs):
+    return load_pair(*tiny_pair_dirs)
+
+
+def _config(engine: EngineProcess, max_new: int) -> DecodeConfig:
+    info = engine.wait_ready()
+    return DecodeConfig(max_new_tokens=max_new, eos_token_ids=info.eos_token_ids, context_length=info.context_length)
+
+
+def _reference(pair, policy: str, max_new: int, params=None):
+    config = DecodeConfig(max_new_tokens=max_new, eos_token_ids=pair.target.eos_token_ids)
+    return generate(pair.target.model, PROMPT, make_policy(policy, params), draft=pair.draft.model, config=config)
+
+
+def _start(engine, policy="fixed_tree", max_new=24) -> ProcessRun:
+    return ProcessRun.start_in(engine, PROMPT, make_policy(policy), settings={"p": 1}, config=_config(engine, max_new))
+
+
+def test_the_child_reports_what_it_loaded(engine):
+    info = engine.wait_ready()
+    assert info.device == "cpu" and info.dtype == "float32" and info.has_draft and not info.draft_is_stand_in
+    assert info.threads == torch.get_num_threads() and info.pid != 0 and engine.alive
+    assert info.tokenizer.decode([42]) == engine.wait_ready().tokenizer.decode([42])
+
+
+@pytest.mark.parametrize("policy", ["fixed_tree", "dynatree", "linear"])
+def test_steps_then_the_worker_reproduce_the_engine_in_this_process(engine, pair, policy):
+    run = _start(engine, policy)
+    first = run.step()
+    assert first is not None and first.index == 1 and run.records == [first] and not run.done
+    assert run.start_worker() and run.wait(120), "the run did not finish"
+    ref = _reference(pair, policy, 24)
+    assert run.done and run.error is None
+    assert run.token_ids == ref.token_ids
+    assert [r.committed for r in run.records] == [r.committed for r in ref.records]
+    assert run.step() is None and not run.start_worker(), "a finished run neither steps nor restarts"
+
+
+def test_pause_stops_after_the_current_iteration_and_run_resumes_to_the_same_output(engine, pair):
+    run = _start(engine, max_new=80)
+    assert run.start_worker()
+    run.wait(60, records=2)
+    run.pause()
+    assert run.wait(30) and not run.worker_running and not run.done
+    n = len(run.records)
+    time.sleep(0.3)
+    assert len(run.records) == n, "the child went on decoding after the pause"
+    with pytest.raises(RuntimeError, match="pause it"):
+        run.start_worker()
+        run.step()
+    assert run.wait(120) and run.done
+    assert run.token_ids == _reference(pair, "fixed_tree", 80).token_ids
+
+
+def test_a_pause_overtaken_by_run_does_not_stop_the_new_run(engine):
+    run = _start(engine, max_new=60)
+    assert run.start_worker()
+    run.pause()
+    assert run.start_worker(), "Run right after Pause goes on"
+    assert run.wait(120) and run.done, "the stale 'paused' answer stopped the new run"
+
+
+def test_a_snapshot_has_no_engine_and_keeps_its_records(engine):
+    run = _start(engine)
+    run.step()
+    snap = run.snapshot()
+    run.step()
+    assert len(snap.records) == 1 and len(run.records) == 2
+    assert not snap.worker_running and snap.step() is None, "a snapshot never drives the engine"
+    run.close()
+
+
+def test_an_engine_error_ends_the_run_and_the_engine_goes_on(engine):
+    info = engine.wait_ready()
+    config = _config(engine, 8)
+    run = ProcessRun.start_in(engine, PROMPT * 200, make_policy("fixed_tree"), settings={}, config=config)
+    assert len(PROMPT) * 200 > info.context_length
+    with pytest.raises(DynaTreeError, match="context"):
+        run.step()
+    assert run.done and isinstance(run.error, DynaTreeError) and not run.records
+    assert _start(engine, max_new=4).start_worker(), "the engine must serve the next run"
+
+
+def test_closed_and_forgotten_runs_are_freed_in_the_child(engine):
+    kept, closed, forgotten = _start(engine), _start(engine), _start(engine)
+    for run in (kept, closed, forgotten):
+        run.step()
+    del run
+    held = call(engine, "runs", None, 30)
+    assert {kept._rid, closed._rid, forgotten._rid} <= set(held)
+    rid = forgotten._rid
+    closed.close()
+    del forgotten
+    gc.collect()
+    held = call(engine, "runs", None, 30)
+    assert kept._rid in held and closed._rid not in held and rid not in held
+
+
+def test_a_run_nobody_watches_pauses_itself(engine):
+    run = _start(engine, max_new=400)
+    assert run.start_worker(idle_timeout_s=0.0)
+    assert run.wait(30), "the dispatcher did not pause an unwatched run"
+    assert run.idle_paused and not run.done
+
+
+def test_the_ar_reference_runs_in_the_child(engine, pair):
+    config = _config(engine, 16)
+    ref = call(engine, "ar", (PROMPT, config), 120)
+    assert ref.token_ids == _reference(pair, "ar", 16).token_ids and ref.throughput_tps > 0
+
+
+def test_a_pair_that_cannot_load_is_a_message():
+    eng = EngineProcess(PairSpec("/nonexistent/model-dir", None))
+    with pytest.raises(DynaTreeError) as info:
+        eng.wait_ready(300)
+    assert "/nonexistent/model-dir" in str(info.value)
+    eng.close()
+    assert not eng.alive
+
+
+def test_a_dead_engine_ends_its_runs_with_a_message(tiny_pair_dirs):
+    eng = EngineProcess(PairSpec(*tiny_pair_dirs))
+    eng.wait_ready(300)
+    run = ProcessRun.start_in(eng, PROMPT, make_policy("fixed_tree"), settings={}, config=_config(eng, 400))
+    run.step()
+    eng._process.kill()
+    deadline = time.monotonic() + 30
+    while not run.done and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert run.done and isinstance(run.error, DynaTreeError) and "engine process" in str(run.error)
+    assert not run.start_worker() and run.step() is None
+    with pytest.raises(DynaTreeError, match="gone"):
+        eng.send("go", 1, 1)
