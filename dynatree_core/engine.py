@@ -17,12 +17,14 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from dynatree_core.drafting.base import Drafter, DraftRequest, Policy
+from dynatree_core.drafting.feature import FeatureDrafter, is_feature_draft
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.kv import KVState, chain_then_tree_visibility, forward_path
 from dynatree_core.metrics import memory_mb, summarize, weight_bytes
 from dynatree_core.models import context_length_of
 from dynatree_core.sampling import SamplingConfig
 from dynatree_core.trace import IterationRecord, RunResult
+from dynatree_core.tree import DraftTree, Reason
 from dynatree_core.verify.greedy import verify_greedy
 from dynatree_core.verify.sampling import SINGLE_PATH, VERIFIERS, analyze, verify_sampling
 from dynatree_core.vocab import TokenMap
@@ -136,7 +138,10 @@ def decode(
     weights = weight_bytes(target)  # CPU memory accounting (metrics.memory_mb)
     if policy.needs_draft_model:
         vocab = min(vocab_size(draft), vocab_size(target))
-        drafter = Drafter(draft, prompt_ids, vocab, draft_token_map, kv=KVState(draft, prompt_ids, **paths))
+        if is_feature_draft(draft):  # reads the target's features; carries its own token map
+            drafter = FeatureDrafter(draft, vocab, kv=KVState(draft.lm, [], **paths))
+        else:
+            drafter = Drafter(draft, prompt_ids, vocab, draft_token_map, kv=KVState(draft, prompt_ids, **paths))
         weights += weight_bytes(draft)
     committed = list(prompt_ids)
     policy.reset()
@@ -188,7 +193,12 @@ def _iteration(
     draft_forwards = drafter.forwards if drafter else 0
     draft_forward_ms = drafter.kv.forward_ms if drafter else 0.0
     request = DraftRequest(committed[-1], budget - 1, drafter, committed, draw, config.sampling, gen)
-    tree = policy.draft(request)  # max depth budget - 1: the bonus needs 1 slot
+    drafted = drafter is None or drafter.ready
+    if drafted:
+        tree = policy.draft(request)  # max depth budget - 1: the bonus needs 1 slot
+    else:  # a feature draft before the target's first forward: this iteration is the prefill alone
+        tree = DraftTree.with_root(committed[-1])
+        tree.reason[0] = Reason.NO_FEATURES.value
     draft_forwards = (drafter.forwards if drafter else 0) - draft_forwards
     t1 = _clock(device)
     draft_forward_ms = (drafter.kv.forward_ms if drafter else 0.0) - draft_forward_ms
@@ -200,7 +210,9 @@ def _iteration(
     positions = list(range(past, past + len(chain))) + tree.position_ids(order[1:], root_pos)
     tokens = chain + [tree.tokens[n] for n in order[1:]]
     t2 = _clock(device)
-    logits = target_kv.forward(tokens, positions, visible, logits_to_keep=len(order))  # ONE forward
+    features = drafter is not None and drafter.wants_features  # the same forward also returns hidden states
+    out = target_kv.forward(tokens, positions, visible, logits_to_keep=len(order), hidden=features)  # ONE forward
+    logits, states = out if features else (out, None)
     t3 = _clock(device)
     if verifier == "greedy":
         outcome = verify_greedy(tree, order, logits)
@@ -209,8 +221,9 @@ def _iteration(
     new_tokens, stop = cut(
         [tree.tokens[n] for n in outcome.accepted] + [outcome.bonus_token], budget, config.eos_token_ids
     )
-    _commit(target_kv, drafter, tree, outcome.accepted, order, past + len(chain) - 1, new_tokens)
-    policy.observe(outcome)
+    _commit(target_kv, drafter, tree, outcome.accepted, order, past + len(chain) - 1, new_tokens, (chain, states))
+    if drafted:  # a prefill-only iteration says nothing about the policy's trees
+        policy.observe(outcome)
     policy.observe_cost(len(tokens), (t3 - t2) * 1e3)
     t4 = _clock(device)
     record = IterationRecord(
@@ -250,14 +263,23 @@ def _commit(
     order: list[int],
     root_slot: int,
     new_tokens: list[int],
+    chain_states: tuple[list[int], torch.Tensor | None] = ([], None),
 ) -> None:
-    """Keep the KV of the committed prefix and accepted nodes; the last new token is the next root."""
+    """Keep the KV of the committed prefix and accepted nodes; the last new token is the next root.
+    A feature draft also gets the target's hidden states of the chain (the committed tokens this
+    forward read, root last) and the accepted nodes, each paired with the token that followed it:
+    (f_chain[0], chain[1]), ..., (f_root, new[0]), (f_accepted[0], new[1]), ... (EAGLE's inputs)."""
     row = {node: i for i, node in enumerate(order)}
     in_cache = accepted[: len(new_tokens) - 1]
     target_kv.keep(list(range(root_slot + 1)) + [root_slot + row[n] for n in in_cache])
     target_kv.pending = [new_tokens[-1]]
-    if drafter is not None:
-        drafter.commit(tree, in_cache, new_tokens)
+    if drafter is None:
+        return
+    chain, states = chain_states
+    if states is not None:
+        rows = list(range(len(chain))) + [len(chain) - 1 + row[n] for n in in_cache]
+        drafter.add_features(states[rows], list(chain[1:]) + list(new_tokens))
+    drafter.commit(tree, in_cache, new_tokens)
 
 
 def generate(

@@ -172,14 +172,16 @@ class _Block:
 
 class LeanForward:
     """Callable: (ids (1, q), positions (1, q), additive mask (1, 1, q, L + q), cache layers, keep)
-    -> logits (keep, vocab), writing the q new keys/values into the cache layers (SlotLayer.update)."""
+    -> logits (keep, vocab) [and hidden states (q, hidden)], writing the q new keys/values into the
+    cache layers (SlotLayer.update)."""
 
     def __init__(self, model: torch.nn.Module, fuse: bool = False):
         base = model.model
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
         self.blocks = [_Block(layer, fuse) for layer in base.layers]
-        self.norm = _rms_norm(base.norm)
+        # a feature draft has no final norm of its own (its features are already post-norm)
+        self.norm = (lambda x: x) if isinstance(base.norm, torch.nn.Identity) else _rms_norm(base.norm)
         self.head = _linear(model.lm_head)
 
     def __call__(
@@ -189,8 +191,13 @@ class LeanForward:
         mask: torch.Tensor,
         layers: list,
         logits_to_keep: int,
-    ) -> torch.Tensor:
-        x = F.embedding(ids, self.embed.weight)  # (1, q, hidden)
+        *,
+        embeds: torch.Tensor | None = None,
+        hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`embeds` (1, q, hidden): inputs instead of the ids' embeddings; `hidden`: also return
+        the final (post-norm) hidden states of all q rows (see KVState.forward)."""
+        x = F.embedding(ids, self.embed.weight) if embeds is None else embeds  # (1, q, hidden)
         cos, sin = self.rotary(x, positions)  # (1, q, head_dim) each
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         for block, cache in zip(self.blocks, layers, strict=True):
@@ -206,4 +213,7 @@ class LeanForward:
             else:
                 gate, up = block.gate(h), block.up(h)
             x = x + block.down(F.silu(gate) * up)
+        if hidden:
+            states = self.norm(x[0])
+            return self.head(states[-logits_to_keep:]), states
         return self.head(self.norm(x[0, -logits_to_keep:]))

@@ -177,8 +177,15 @@ class KVState:
         return max((getattr(layer, "grows", 0) for layer in self.cache.layers), default=0)
 
     def forward(
-        self, token_ids: list[int], position_ids: list[int], visible: torch.Tensor, logits_to_keep: int
-    ) -> torch.Tensor:
+        self,
+        token_ids: list[int],
+        position_ids: list[int],
+        visible: torch.Tensor,
+        logits_to_keep: int,
+        *,
+        embeds: torch.Tensor | None = None,
+        hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One forward over `token_ids`, appended to the cache.
 
         Args:
@@ -186,8 +193,12 @@ class KVState:
             position_ids: q positions (prefix length + depth for tree nodes).
             visible: (q, length + q) bool, True where query i may attend to key j.
             logits_to_keep: return logits of the last this-many queries.
+            embeds: (q, hidden) input vectors to use instead of the tokens' embeddings (a feature
+                draft builds its own inputs from a token and a target feature).
+            hidden: also return the final hidden states of all q rows: the model's output after
+                its final norm, i.e. what its LM head reads (the features a feature draft learns).
         Returns:
-            (logits_to_keep, vocab) float32 logits.
+            (logits_to_keep, vocab) float32 logits, and with `hidden` the (q, hidden) states.
         """
         q = len(token_ids)
         if visible.shape != (q, self.length + q):
@@ -198,11 +209,27 @@ class KVState:
         mask.masked_fill_(~visible.to(device), torch.finfo(dtype).min)
         ids = torch.tensor([token_ids], device=device)
         positions = torch.tensor([position_ids], device=device)
+        inputs = None if embeds is None else embeds.to(device=device, dtype=dtype)[None]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
+        states = None
         if self.lean is not None:
-            logits = self.lean(ids, positions, mask[None, None], self.cache.layers, logits_to_keep)
+            out = self.lean(
+                ids, positions, mask[None, None], self.cache.layers, logits_to_keep, embeds=inputs, hidden=hidden
+            )
+            logits, states = out if hidden else (out, None)
+        elif hidden or inputs is not None:  # the base model, then the head: the hidden state is its output
+            base = self.model.base_model(
+                input_ids=None if inputs is not None else ids,
+                inputs_embeds=inputs,
+                position_ids=positions,
+                attention_mask=mask[None, None],
+                past_key_values=self.cache,
+                use_cache=True,
+            )
+            states = base.last_hidden_state[0]
+            logits = self.model.get_output_embeddings()(states[-logits_to_keep:])
         else:
             out = self.model(
                 input_ids=ids,
@@ -220,7 +247,7 @@ class KVState:
         self.length += q
         self.forwards += 1
         self.peak_bytes = max(self.peak_bytes, self.nbytes())
-        return logits
+        return (logits, states) if hidden else logits
 
     def nbytes(self) -> int:
         """Bytes the cache holds: the allocated buffers (static) or the concatenated tensors."""

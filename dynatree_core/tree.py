@@ -37,6 +37,7 @@ class Reason(StrEnum):
     BUDGET = "budget"  # node budget N_max reached
     DEPTH_LIMIT = "depth_limit"  # reached the policy's maximum depth
     LENGTH_LIMIT = "length_limit"  # max_new_tokens or the context window leaves no room
+    NO_FEATURES = "no_features"  # a feature draft before the target's first forward: nothing to read yet
     BRANCH_LIMIT = "branch_limit"  # not among the top-B children of its parent
     EARLY_STOP = "early_stop"  # cumulative probability below rho_stop (DynaTree depth gating)
     DEPTH_GATE = "depth_gate"  # beyond the base depth D0 without rho_deep (DynaTree depth gating)

@@ -75,6 +75,39 @@ def test_first_two_tokens_follow_the_target(policy, params, verifier):
         assert stat < chi2_critical(df), f"{policy}/{verifier}: chi2 {stat:.1f} with {df} df"
 
 
+@pytest.mark.parametrize(
+    "policy,params,verifier",
+    [
+        ("fixed_tree", {"depth": 2, "branch": 3, "tau": 0.0}, "specinfer"),
+        ("fixed_tree", {"depth": 2, "branch": 2, "tau": 0.0, "budget": 6}, "traversal"),
+        ("eagle2", {"depth": 2, "topk": 2, "total": 4}, "nss"),
+    ],
+)
+def test_a_feature_draft_keeps_the_target_law(policy, params, verifier):
+    """With a feature draft the first iteration is the prefill (the target samples token 1 alone);
+    token 2 comes through the tree drafted in the second iteration (3 tokens asked, so that tree
+    has room for a level): its marginal law must be the target's."""
+    from dynatree_core.drafting.feature import FeatureDraft
+
+    target = tiny_model("llama")
+    draft = FeatureDraft.from_target(target, seed=1)
+    p1, p2 = exact_first_two(target)
+    n = 1500
+    c1, c2 = torch.zeros_like(p1), torch.zeros_like(p2)
+    drafted = 0
+    for seed in range(n):
+        config = DecodeConfig(max_new_tokens=3, sampling=SAMPLING, verifier=verifier, seed=seed)
+        result = generate(target, PROMPT, make_policy(policy, params), draft=draft, config=config)
+        c1[result.token_ids[0]] += 1
+        c2[result.token_ids[1]] += 1
+        drafted += len(result.records[1].tree) > 1
+    assert drafted == n, "the second iteration must draft a tree"
+    for counts, law in ((c1, p1), (c2, p2)):
+        assert counts[law == 0].sum() == 0, "a token the target rules out was generated"
+        stat, df = chi2(counts, law)
+        assert stat < chi2_critical(df), f"{policy}/{verifier}: chi2 {stat:.1f} with {df} df"
+
+
 def test_same_seed_same_output_and_seeds_differ():
     target, draft = tiny_model("qwen2"), noisy_copy("qwen2", 0.05)
 

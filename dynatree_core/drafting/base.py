@@ -86,6 +86,9 @@ class Drafter:
     ancestors through the mask.
     """
 
+    wants_features = False  # a feature draft (drafting/feature.py) also reads the target's hidden states
+    ready = True  # it can draft now (a feature draft waits for the target's first forward)
+
     def __init__(
         self,
         model: torch.nn.Module,

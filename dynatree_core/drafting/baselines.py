@@ -20,6 +20,7 @@ from typing import ClassVar
 import torch
 
 from dynatree_core.drafting.base import DraftRequest, Param, Policy, register_policy
+from dynatree_core.drafting.feature import is_feature_draft
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.metrics import _ratio, kv_bytes_per_token, memory_mb, weight_bytes
 from dynatree_core.trace import RunResult
@@ -48,6 +49,11 @@ class HFBaseline(Policy):
     ) -> RunResult:
         if self.needs_draft_model and draft is None:
             raise DynaTreeError(f"policy {self.name!r} needs a draft model")
+        if self.needs_draft_model and is_feature_draft(draft):
+            raise DynaTreeError(
+                f"{self.name} runs Hugging Face's assisted generation, which needs a standalone draft LM; "
+                "this draft is a feature draft (it reads the target's hidden states): use the token draft"
+            )
         if draft is not None and draft_token_map is not None:
             draft = draft_token_map.full_vocab_model(draft)
         device = target.get_input_embeddings().weight.device

@@ -1,0 +1,277 @@
+"""The feature-level draft (EAGLE-style): a one-layer head that reads the target's own features.
+
+A token draft is a separate small LM that has to guess the target from tokens alone. A feature
+draft reads what the target already computed: at position i its input is the target's final
+hidden state f_i (post-norm, what the target's LM head reads) together with the embedding of the
+token x_{i+1} that followed, and it predicts the next feature f_{i+1}, decoded by an LM head
+(EAGLE, Li et al. 2024, sec. 4.1; the SALF & TALF paper trains TALF on exactly such drafts):
+
+    e_i = fc([embed(x_{i+1}); f_i])          (2H -> H)
+    h_i = LlamaDecoderLayer(e_<=i)[i]        (one layer, the target's width, causal/tree attention)
+    p(x_{i+2}) = softmax(head(h_i))          (head: rows of the target's LM head over a reduced vocabulary)
+
+Deeper tree levels feed the head's own predicted feature of the parent (h of the parent node)
+in place of the target's feature, which the target has not computed yet.
+
+`FeatureDraft` holds the trainable parts as a stock one-layer `LlamaForCausalLM` whose final
+norm is the identity (features are already normalised) and whose embedding table is unused
+(inputs come from `fc`), so the static cache, the lean forward and the HF reference path of
+kv.py all run it unchanged; plus `fc` and a reference to the target's (frozen) input embedding.
+
+`FeatureDrafter` is its `Drafter`: the same `expand` / `commit` contract as the token drafter,
+so every policy runs unchanged. What differs is what it is fed: the engine hands it the target's
+hidden states for the root and the accepted nodes from the verification forward it already ran
+(`add_features`), and it cannot draft before the target's first forward (`ready`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dynatree_core.drafting.base import Drafter
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.tree import DraftTree
+from dynatree_core.vocab import TokenMap
+
+CONFIG_FILE = "feature_draft.json"
+WEIGHTS_FILE = "feature_draft.safetensors"
+KIND = "feature"
+
+
+def _text_config(model: torch.nn.Module):
+    return model.config.get_text_config(decoder=True)
+
+
+def head_config(target: torch.nn.Module, vocab: int, *, intermediate_size: int | None = None):
+    """The one-layer LlamaConfig of a feature draft for `target`: its width, its attention heads
+    when they divide the width, its rotary base and norm epsilon."""
+    from transformers import LlamaConfig
+
+    cfg = _text_config(target)
+    hidden = cfg.hidden_size
+    heads = getattr(cfg, "num_attention_heads", None) or max(1, hidden // 64)
+    if hidden % heads:
+        heads = max(1, hidden // 64)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads % kv_heads:
+        kv_heads = heads
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate_size or getattr(cfg, "intermediate_size", None) or 4 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=getattr(cfg, "max_position_embeddings", None) or 2048,
+        rms_norm_eps=getattr(cfg, "rms_norm_eps", None) or 1e-5,
+        rope_theta=rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)),
+        tie_word_embeddings=False,
+    )
+
+
+class FeatureDraft(torch.nn.Module):
+    """fc + one decoder layer + LM head over a (reduced) vocabulary, reading target features.
+
+    `lm` is the one-layer LlamaForCausalLM (identity final norm, 1-row placeholder embedding);
+    `embed` is the target's input embedding, shared and frozen (not part of the saved weights).
+    `token_map` maps the head's rows to target ids (None: the head covers the target's vocabulary).
+    """
+
+    kind = KIND
+
+    def __init__(self, lm: torch.nn.Module, fc: torch.nn.Linear, embed: torch.nn.Module, token_map: TokenMap | None):
+        super().__init__()
+        self.lm = lm
+        self.fc = fc
+        self.token_map = token_map
+        object.__setattr__(self, "embed", embed)  # a reference, not a submodule: never saved or trained here
+
+    # -- shapes the engine asks of any draft --
+    @property
+    def config(self):
+        return self.lm.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm.get_output_embeddings()
+
+    def inputs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """(q, H) layer inputs for q (token, feature) pairs: fc([embed(token); feature])."""
+        emb = self.embed(tokens.to(self.embed.weight.device)).to(self.fc.weight.dtype)
+        return self.fc(torch.cat([emb, features.to(emb.dtype)], dim=-1))
+
+    # -- construction and files --
+    @classmethod
+    def from_target(
+        cls,
+        target: torch.nn.Module,
+        token_map: TokenMap | None = None,
+        *,
+        seed: int = 0,
+        intermediate_size: int | None = None,
+    ) -> FeatureDraft:
+        """A new (untrained) feature draft for `target`: random fc and layer, the LM head copied
+        from the target's head rows (the token map's rows when given), in the target's dtype."""
+        from transformers import LlamaForCausalLM
+
+        vocab = len(token_map) if token_map is not None else _text_config(target).vocab_size
+        torch.manual_seed(seed)
+        lm = LlamaForCausalLM(head_config(target, vocab, intermediate_size=intermediate_size))
+        lm.model.norm = torch.nn.Identity()
+        lm.model.embed_tokens = torch.nn.Embedding(1, lm.config.hidden_size)  # unused: inputs come from fc
+        hidden = lm.config.hidden_size
+        fc = torch.nn.Linear(2 * hidden, hidden, bias=True)
+        target_head = target.get_output_embeddings()
+        weight = getattr(target_head, "weight", None)
+        if weight is not None and weight.shape[-1] == hidden:
+            with torch.no_grad():
+                rows = weight.detach().float()
+                if token_map is not None:
+                    ids = token_map.draft_to_target.clamp(min=0)
+                    rows = rows[ids.to(rows.device)]
+                lm.lm_head.weight.copy_(rows[:vocab].to(lm.lm_head.weight.device))
+        draft = cls(lm, fc, target.get_input_embeddings(), token_map)
+        device = target.get_input_embeddings().weight.device
+        return draft.to(device=device, dtype=target.dtype).eval()
+
+    def save(self, directory: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {f"lm.{k}": v for k, v in self.lm.state_dict().items() if not k.startswith("model.embed_tokens")}
+        state |= {f"fc.{k}": v for k, v in self.fc.state_dict().items()}
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(out / WEIGHTS_FILE))
+        dtype = str(self.dtype).removeprefix("torch.")
+        config = {"kind": KIND, "llama_config": self.lm.config.to_dict(), "dtype": dtype}
+        (out / CONFIG_FILE).write_text(json.dumps(config, indent=1))
+        if self.token_map is not None:
+            self.token_map.save(out)
+
+    @classmethod
+    def load(cls, directory: str | Path, target: torch.nn.Module) -> FeatureDraft:
+        """A saved feature draft, attached to `target` (its embedding, device and dtype)."""
+        from safetensors.torch import load_file
+        from transformers import LlamaConfig
+
+        path = Path(directory)
+        try:
+            meta = json.loads((path / CONFIG_FILE).read_text())
+        except (OSError, ValueError) as exc:
+            raise DynaTreeError(f"{path} is not a feature draft ({CONFIG_FILE} missing or unreadable)") from exc
+        token_map = TokenMap.load(path)
+        config = LlamaConfig.from_dict(meta["llama_config"])
+        if config.hidden_size != _text_config(target).hidden_size:
+            raise DynaTreeError(
+                f"the feature draft in {path} reads features of width {config.hidden_size}; "
+                f"the target's are {_text_config(target).hidden_size}"
+            )
+        draft = cls.from_target(target, token_map, intermediate_size=config.intermediate_size)
+        state = load_file(str(path / WEIGHTS_FILE))
+        lm_state = {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
+        lm_state["model.embed_tokens.weight"] = draft.lm.model.embed_tokens.weight.detach()
+        draft.lm.load_state_dict(lm_state)
+        draft.fc.load_state_dict({k.removeprefix("fc."): v for k, v in state.items() if k.startswith("fc.")})
+        return draft.to(dtype=target.dtype).eval()
+
+
+def is_feature_draft(model: torch.nn.Module | None) -> bool:
+    return isinstance(model, FeatureDraft)
+
+
+class FeatureDrafter(Drafter):
+    """The feature draft's per-run session: its own KV cache (entries are (feature, token) pairs,
+    one per position from 1 on), the pairs the target has confirmed but the draft has not read
+    yet, and each tree node's predicted feature for its children's inputs.
+
+    Cache layout: entry j holds the pair (f_j, x_{j+1}) at position j + 1, so after the root's
+    forward the root's pair (f of the token before it, root) is the last committed entry. Tree
+    nodes follow level by level, as in the token drafter. Commit keeps the committed entries and
+    drops every tree entry: the accepted nodes were read with *predicted* parent features, and
+    the target has now computed the true ones, which arrive as new pending pairs (EAGLE does the
+    same; this is reading new inputs, not recomputing the same KV).
+    """
+
+    wants_features = True
+
+    def __init__(self, draft: FeatureDraft, vocab_size: int, *, kv: KVState):
+        super().__init__(draft.lm, [], vocab_size, draft.token_map, kv=kv)
+        kv.pending = []  # the cache reads pairs, never bare tokens
+        self.draft = draft
+        self.pending_features: list[torch.Tensor] = []  # (n_i, H) blocks, in order
+        self.pending_tokens: list[int] = []
+        self.out: dict[int, torch.Tensor] = {}  # node -> predicted feature (H,)
+        self.root_position = 0
+
+    @property
+    def ready(self) -> bool:
+        """False until the target's first forward has produced features (the prefill iteration)."""
+        return bool(self.pending_tokens) or self.kv.length > 0
+
+    def add_features(self, features: torch.Tensor, tokens: list[int]) -> None:
+        """Pairs the target confirmed: features[i] is its hidden state at the position before
+        tokens[i] (the engine passes the root's and the accepted nodes' rows of its forward)."""
+        if features.shape[0] != len(tokens):
+            raise ValueError(f"{features.shape[0]} features for {len(tokens)} tokens")
+        if tokens:
+            self.pending_features.append(features.detach())
+            self.pending_tokens.extend(int(t) for t in tokens)
+
+    def expand(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        kv = self.kv
+        if nodes == [0]:
+            if not self.pending_tokens:
+                raise DynaTreeError("the feature draft has no target features yet: it drafts from the second iteration")
+            self.slots, self.out = {}, {}
+            feats = torch.cat(self.pending_features).to(self.draft.dtype)
+            tokens = torch.tensor(self.pending_tokens)
+            n = len(self.pending_tokens)
+            visible = chain_then_tree_visibility(kv.length, n, torch.zeros(0, 0, dtype=torch.bool))
+            positions = list(range(kv.length + 1, kv.length + 1 + n))
+            logits, states = kv.forward(
+                self.pending_tokens, positions, visible, 1, embeds=self.draft.inputs(tokens, feats), hidden=True
+            )
+            self.pending_features, self.pending_tokens = [], []
+            self.committed = kv.length
+            self.root_position = positions[-1]
+            self.slots[0] = kv.length - 1
+            self.out[0] = states[-1]
+        else:
+            q = len(nodes)
+            visible = torch.zeros(q, kv.length + q, dtype=torch.bool)
+            visible[:, : self.committed] = True
+            for i, node in enumerate(nodes):
+                for anc in tree.path(node)[1:-1]:  # the root is the last committed entry
+                    visible[i, self.slots[anc]] = True
+                visible[i, kv.length + i] = True
+            positions = [self.root_position + tree.depths[n] for n in nodes]
+            tokens = [tree.tokens[n] for n in nodes]
+            feats = torch.stack([self.out[tree.parents[n]] for n in nodes])
+            start = kv.length
+            logits, states = kv.forward(
+                tokens, positions, visible, q, embeds=self.draft.inputs(torch.tensor(tokens), feats), hidden=True
+            )
+            for i, n in enumerate(nodes):
+                self.slots[n] = start + i
+                self.out[n] = states[i]
+        if self.token_map is not None:
+            return self.token_map.to_target_logp(logits)
+        return torch.log_softmax(logits[:, : self.vocab_size], dim=-1)
+
+    def commit(self, tree: DraftTree, accepted: list[int], new_tokens: list[int]) -> None:
+        """Keep the committed entries (through the root's pair); the new pairs come from
+        `add_features` (the target's true features for the root and the accepted nodes)."""
+        if 0 in self.slots:
+            self.kv.keep(list(range(self.committed)))
+        self.slots, self.out = {}, {}

@@ -1,0 +1,179 @@
+"""The feature-level draft (drafting/feature.py): exact with every policy, fed the target's own
+features from the verification forward, its cache equal to a recomputation, saved and loaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCHS, hf_greedy, tiny_model
+from test_engine import POLICIES, PROMPTS
+
+from dynatree_core.drafting import POLICIES as REGISTRY
+from dynatree_core.drafting import make_policy
+from dynatree_core.drafting.feature import FeatureDraft, FeatureDrafter
+from dynatree_core.engine import DecodeConfig, decode, generate
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.tree import Reason, Status
+from dynatree_core.vocab import TokenMap
+
+PATHS = {"lean": dict(), "static": dict(fast_forward=False), "dynamic": dict(static_cache=False)}
+
+
+def feature_draft(arch: str, seed: int = 0, token_map: TokenMap | None = None) -> FeatureDraft:
+    return FeatureDraft.from_target(tiny_model(arch), token_map, seed=seed)
+
+
+DRAFTED = [(n, p) for n, p in POLICIES if REGISTRY[n].needs_draft_model and not REGISTRY[n].black_box]
+
+
+@pytest.mark.parametrize("policy_name,params", DRAFTED)
+def test_greedy_output_equals_target_greedy_with_a_feature_draft(arch, policy_name, params):
+    target, draft = tiny_model(arch), feature_draft(arch)
+    for prompt in PROMPTS:
+        result = generate(
+            target, prompt, make_policy(policy_name, params), draft=draft, config=DecodeConfig(max_new_tokens=30)
+        )
+        assert result.token_ids == hf_greedy(target, prompt, 30), f"{policy_name} {params} diverged"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_reduced_vocabulary_feature_draft_is_exact_on_every_forward_path(path):
+    target = tiny_model("llama")
+    token_map = TokenMap([-1, *range(0, 96, 2)], 96)  # half the vocabulary: odd ids are never proposed
+    draft = feature_draft("llama", token_map=token_map)
+    config = DecodeConfig(max_new_tokens=30, **PATHS[path])
+    for prompt in PROMPTS:
+        result = generate(target, prompt, make_policy("fixed_tree"), draft=draft, config=config)
+        assert result.token_ids == hf_greedy(target, prompt, 30)
+        assert all(tok % 2 == 0 for r in result.records for tok in r.tree.tokens[1:]), "an unmapped id was drafted"
+
+
+def _record_pairs(monkeypatch) -> list[tuple[torch.Tensor, list[int]]]:
+    pairs: list[tuple[torch.Tensor, list[int]]] = []
+    original = FeatureDrafter.add_features
+
+    def spy(self, features, tokens):
+        pairs.append((features.clone(), list(tokens)))
+        return original(self, features, tokens)
+
+    monkeypatch.setattr(FeatureDrafter, "add_features", spy)
+    return pairs
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("arch_name", ARCHS)
+def test_the_features_handed_over_equal_a_separate_forward(arch_name, path, monkeypatch):
+    """The drafter receives, for every committed token after the first, the target's final hidden
+    state at the position before it, taken from the verification forwards: the same vectors a
+    separate forward over the whole committed sequence computes."""
+    pairs = _record_pairs(monkeypatch)
+    target, draft = tiny_model(arch_name), feature_draft(arch_name)
+    prompt = PROMPTS[2]
+    config = DecodeConfig(max_new_tokens=25, **PATHS[path])
+    result = generate(target, prompt, make_policy("fixed_tree", {"tau": 0.0, "branch": 2}), draft=draft, config=config)
+    sequence = prompt + result.token_ids
+    tokens = [t for _, toks in pairs for t in toks]
+    features = torch.cat([f for f, _ in pairs])
+    assert tokens == sequence[1 : 1 + len(tokens)] and len(tokens) == len(sequence) - 1
+    with torch.no_grad():
+        expected = target.base_model(input_ids=torch.tensor([sequence[:-1]])).last_hidden_state[0]
+    torch.testing.assert_close(features, expected, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_draft_cache_equals_a_recomputation(path, monkeypatch):
+    """Each root expansion reads the confirmed pairs through the draft's compacted cache; a fresh
+    causal forward over all the pairs so far must give the same distribution."""
+    pairs = _record_pairs(monkeypatch)
+    roots: list[tuple[int, torch.Tensor]] = []
+    original = FeatureDrafter.expand
+
+    def spy(self, tree, nodes):
+        out = original(self, tree, nodes)
+        if nodes == [0]:
+            roots.append((sum(len(t) for _, t in pairs), out.clone()))
+        return out
+
+    monkeypatch.setattr(FeatureDrafter, "expand", spy)
+    target, draft = tiny_model("llama"), feature_draft("llama", seed=3)
+    generate(
+        target,
+        PROMPTS[0],
+        make_policy("dynatree", {"budget": 10}),
+        draft=draft,
+        config=DecodeConfig(max_new_tokens=30, **PATHS[path]),
+    )
+    assert len(roots) > 3
+    tokens = torch.tensor([t for _, toks in pairs for t in toks])
+    features = torch.cat([f for f, _ in pairs])
+    for n, logp in roots:
+        with torch.no_grad():
+            embeds = draft.inputs(tokens[:n], features[:n])[None]
+            logits = draft.lm(inputs_embeds=embeds, position_ids=torch.arange(1, n + 1)[None]).logits[0, -1]
+        torch.testing.assert_close(logp[0], torch.log_softmax(logits.float(), -1), rtol=1e-7, atol=1e-7)
+
+
+def test_the_first_iteration_is_the_prefill_and_later_ones_draft():
+    target, draft = tiny_model("qwen2"), feature_draft("qwen2")
+    records = list(
+        decode(target, PROMPTS[2], make_policy("fixed_tree"), draft=draft, config=DecodeConfig(max_new_tokens=20))
+    )
+    first = records[0]
+    assert len(first.tree) == 1 and first.tree.reason[0] == Reason.NO_FEATURES.value and first.draft_forwards == 0
+    assert len(first.committed) == 1
+    assert all(r.draft_forwards >= 1 and len(r.tree) > 1 for r in records[1:-1]), "later iterations must draft"
+
+
+def test_one_target_forward_per_iteration_and_one_draft_forward_per_level():
+    """Counted on the HF path (the lean path calls no modules): the target's base model runs once
+    per iteration, hidden states included; the draft's once per expanded level."""
+    target, draft = tiny_model("llama"), feature_draft("llama")
+    target_calls, draft_calls = [], []
+    hooks = [
+        target.base_model.register_forward_hook(lambda *a: target_calls.append(1)),
+        draft.lm.model.register_forward_hook(lambda *a: draft_calls.append(1)),
+    ]
+    try:
+        records = list(
+            decode(
+                target,
+                PROMPTS[0],
+                make_policy("fixed_tree", {"tau": 0.0, "branch": 2}),
+                draft=draft,
+                config=DecodeConfig(max_new_tokens=30, static_cache=False),
+            )
+        )
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(target_calls) == len(records)
+    assert len(draft_calls) == sum(r.draft_forwards for r in records) > len(records)
+    levels = [len({r.tree.depths[n] for n in range(len(r.tree)) if r.tree.status[n] == Status.KEPT}) for r in records]
+    assert [r.draft_forwards for r in records] == levels
+
+
+def test_saved_and_loaded_draft_drafts_the_same(tmp_path):
+    target = tiny_model("llama")
+    token_map = TokenMap([-1, *range(1, 96, 3)], 96)
+    draft = feature_draft("llama", seed=5, token_map=token_map)
+    draft.save(tmp_path)
+    loaded = FeatureDraft.load(tmp_path, target)
+    config = DecodeConfig(max_new_tokens=20)
+    a = generate(target, PROMPTS[0], make_policy("dynatree"), draft=draft, config=config)
+    b = generate(target, PROMPTS[0], make_policy("dynatree"), draft=loaded, config=config)
+    assert [r.tree.tokens for r in a.records] == [r.tree.tokens for r in b.records]
+    with pytest.raises(DynaTreeError, match="feature draft"):
+        FeatureDraft.load(tmp_path / "missing", target)
+    with pytest.raises(DynaTreeError, match="width"):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        wider = LlamaForCausalLM(
+            LlamaConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=96)
+        )
+        FeatureDraft.load(tmp_path, wider)
+
+
+def test_hf_assisted_refuses_a_feature_draft():
+    target, draft = tiny_model("llama"), feature_draft("llama")
+    with pytest.raises(DynaTreeError, match="feature draft"):
+        generate(target, PROMPTS[0], make_policy("hf_assisted"), draft=draft, config=DecodeConfig(max_new_tokens=4))
