@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -155,3 +156,87 @@ def test_batches_can_oversample_onpolicy_windows():
     assert (data.source[rows] == 0).sum() == 4
     uniform = data.sample(rng, 8)
     assert len(set(uniform.tolist())) == 8 and set(uniform.tolist()) <= set(range(100))
+
+
+# ----- the feature draft's training (training/feature.py) -----------------------------------------
+def _feature_setup(tmp_path, n=24, width=48):
+    from dynatree_core.training.feature import FeatureCorpus, label_features
+
+    target = copy.deepcopy(tiny_model("llama")).float()
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, VOCAB, size=(n, width)).astype(np.uint16)
+    lengths = np.full(n, width, dtype=np.int16)
+    lengths[::5] = width // 2
+    heldout = np.zeros(n, dtype=bool)
+    heldout[-4:] = True
+    source = np.zeros(n, dtype=np.int8)
+    source[: n // 2] = 1
+    corpus = tmp_path / "corpus.npz"
+    np.savez(corpus, ids=ids, lengths=lengths, heldout=heldout, source=source)
+    computed = label_features(corpus, tmp_path / "features", target, log=lambda m: None)
+    return target, corpus, FeatureCorpus(corpus, tmp_path / "features"), computed
+
+
+def test_feature_labels_are_the_targets_hidden_states_and_resume(tmp_path):
+    from dynatree_core.training.feature import label_features
+
+    target, corpus, data, computed = _feature_setup(tmp_path)
+    assert computed == [0] and len(data.train_rows) == 20 and len(data.eval_rows) == 4
+    x, f, valid = data.batch(np.array([0, 5]), torch.device("cpu"))
+    with torch.no_grad():
+        expected = target.base_model(input_ids=x, attention_mask=valid.long()).last_hidden_state
+    torch.testing.assert_close(f[valid], expected[valid], rtol=2e-3, atol=2e-3)  # stored as float16
+    assert label_features(corpus, tmp_path / "features", target, log=lambda m: None) == [], "a present shard is redone"
+
+
+def test_feature_kd_loss_matches_a_naive_computation(tmp_path):
+    from dynatree_core.drafting.feature import FeatureDraft
+    from dynatree_core.training.feature import feature_kd_loss
+
+    target, _, data, _ = _feature_setup(tmp_path)
+    draft = FeatureDraft.from_target(target, TokenMap([-1, *range(1, VOCAB)], VOCAB), seed=2)
+    x, f, valid = data.batch(np.array([0, 1]), torch.device("cpu"))
+    loss, parts = feature_kd_loss(draft, x, f, valid, noise=0.0, ce_weight=0.1)
+    total, count = 0.0, 0
+    for b in range(2):
+        n = int(valid[b].sum())
+        embeds = draft.inputs(x[b, 1:n], f[b, : n - 1])[None]
+        pred = draft.lm.model(inputs_embeds=embeds, position_ids=torch.arange(1, n)[None]).last_hidden_state[0]
+        for j in range(n - 1):
+            reg = torch.nn.functional.smooth_l1_loss(pred[j], f[b, j + 1])
+            logq = torch.log_softmax(draft.lm.lm_head(pred[j])[1:], -1)
+            p = torch.softmax(draft.lm.lm_head(f[b, j + 1])[1:], -1)
+            total += float(reg - 0.1 * (p * logq).sum())
+            count += 1
+    assert loss.item() == pytest.approx(total / count, rel=1e-4)
+    assert 0.0 <= parts["agreement"] <= 1.0
+
+
+def test_feature_training_reduces_the_loss_resumes_and_saves(tmp_path):
+    from dynatree_core.drafting.feature import FeatureDraft
+    from dynatree_core.training.feature import (
+        FeatureTrainConfig,
+        agreement_by_depth,
+        feature_kd_loss,
+        train_feature_draft,
+    )
+
+    target, _, data, _ = _feature_setup(tmp_path)
+    token_map = TokenMap([-1, *range(1, VOCAB)], VOCAB)
+    fixed = data.batch(np.array([1, 2, 3, 4]), torch.device("cpu"))
+    before = FeatureDraft.from_target(target, token_map, seed=0)
+    with torch.no_grad():
+        start = feature_kd_loss(before, *fixed, noise=0.0, ce_weight=0.1)[1]
+    cfg = FeatureTrainConfig(steps=300, batch=4, lr=1e-2, warmup=5, eval_every=50, log_every=25, device="cpu")
+    out = tmp_path / "run"
+    logs: list[str] = []
+    train_feature_draft(target, token_map, data, out, dataclasses.replace(cfg, steps=50), log=logs.append)
+    draft = train_feature_draft(target, token_map, data, out, cfg, log=logs.append)
+    assert any("resumed at step 50" in m for m in logs)
+    with torch.no_grad():
+        end = feature_kd_loss(draft, *fixed, noise=0.0, ce_weight=0.1)[1]
+    assert end["regression"] < 0.85 * start["regression"] and end["agreement"] > start["agreement"], (start, end)
+    loaded = FeatureDraft.load(out / "draft", target)
+    by_depth = agreement_by_depth(loaded, target.get_output_embeddings(), data, data.eval_rows, depths=3)
+    assert len(by_depth) == 3 and all(0.0 <= a <= 1.0 for a in by_depth)
+    assert by_depth == agreement_by_depth(draft, target.get_output_embeddings(), data, data.eval_rows, depths=3)

@@ -53,6 +53,22 @@ def main(argv: list[str] | None = None) -> None:
 
     for field in TrainConfig.__dataclass_fields__.values():
         tr.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
+    fl = sub.add_parser("feature-label", help="the target's final hidden states for the windows (feature draft)")
+    fl.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
+    fl.add_argument("--features", type=Path, default=data_root / "features")
+    fl.add_argument("--onpolicy-only", action="store_true", help="only the shards holding on-policy windows")
+    fl.add_argument("--batch", type=int, default=8)
+    fl.add_argument("--device", default="auto")
+    fl.add_argument("--dtype", default="auto", help="the target's dtype while labelling (auto: bfloat16)")
+    tf = sub.add_parser("train-feature", help="distil the feature draft from the stored features (resumable)")
+    tf.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
+    tf.add_argument("--features", type=Path, default=data_root / "features")
+    tf.add_argument("--out", type=Path, default=cache_dir() / "draft-runs" / "feature-kd")
+    tf.add_argument("--token-map", type=Path, default=REPO_ROOT / "assets" / "models" / "smollm2-draft")
+    from dynatree_core.training.feature import FeatureTrainConfig
+
+    for field in FeatureTrainConfig.__dataclass_fields__.values():
+        tf.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
     qu = sub.add_parser("quality", help="measure a draft: agreement, tokens/iteration, step cost")
     qu.add_argument("--draft", type=Path, nargs="+", required=True, help="one or more draft directories")
     qu.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
@@ -78,6 +94,26 @@ def main(argv: list[str] | None = None) -> None:
         from dynatree_core.training.corpus import label_corpus
 
         label_corpus(args.corpus, args.labels, shards=args.shards)
+    elif args.command == "feature-label":
+        from dynatree_core.models import load_model
+        from dynatree_core.training.feature import label_features, onpolicy_shards
+
+        dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+        target = load_model("embedded", device=args.device, dtype=dtype).model
+        shards = onpolicy_shards(args.corpus) if args.onpolicy_only else None
+        label_features(args.corpus, args.features, target, shards=shards, batch=args.batch)
+    elif args.command == "train-feature":
+        from dynatree_core.models import load_model
+        from dynatree_core.training.feature import FeatureCorpus, FeatureTrainConfig, train_feature_draft
+        from dynatree_core.vocab import TokenMap
+
+        cfg = FeatureTrainConfig(**{k: getattr(args, k) for k in FeatureTrainConfig.__dataclass_fields__})
+        target = load_model("embedded", device=cfg.device, dtype="float32").model
+        data = FeatureCorpus(args.corpus, args.features)
+        print(f"train-feature: {len(data.train_rows)} training windows, {len(data.eval_rows)} held out", flush=True)
+        token_map = TokenMap.load(args.token_map) if args.token_map else None
+        train_feature_draft(target, token_map, data, args.out, cfg, log=lambda m: print(m, flush=True))
+        print(f"train-feature: saved {args.out / 'draft'}")
     elif args.command == "talf-label":
         from dynatree_core.training.talf import label_trees
 

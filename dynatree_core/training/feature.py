@@ -1,0 +1,303 @@
+"""Train the feature draft (drafting/feature.py) on the target's own features: EAGLE's KD.
+
+Stage `feature-label`: teacher-forced target forwards over the corpus windows store the target's
+final hidden states (post-norm, what its LM head reads) at every position as float16, one
+memory-mappable file per shard of windows (`features/shard_00003.npy`, [SHARD, WINDOW, H], with
+`shard_00003.sum` holding the windows' checksum, so a grown corpus relabels only what changed).
+Batched, and on CUDA when one is present. The target's soft labels are not stored: they are
+head(f), recomputed from these features in training over the draft's vocabulary.
+
+Stage `train-feature` (EAGLE, Li et al. 2024, sec. 4.2; the probe in issue 19): for each window
+position j >= 1 the draft reads (f_{j-1} + U(-noise, noise), x_j) and predicts f_j;
+
+    loss = smooth_l1(pred_j, f_j) + ce_weight * CE(softmax(head(f_j)), log_softmax(head(pred_j)))
+
+averaged over valid positions, both softmaxes over the draft's reduced vocabulary (OTHER never
+proposed, so left out of both). The target's embedding and the LM head rows are frozen; fc and
+the decoder layer train. AdamW, linear warm-up, cosine decay. Resumable (`checkpoint.pt`), and
+every stage's compute goes to the ledger (ledger.py).
+
+`agreement_by_depth` is the held-out measure issue 19 reports: top-1 agreement of the draft's
+best real token with the target's greedy token, at depth 1 (true input features) and deeper
+(the draft's own predicted features fed back in place of the target's, d - 1 times).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dynatree_core.drafting.feature import FeatureDraft
+from dynatree_core.training.corpus import SHARD, _checksum
+from dynatree_core.training.ledger import record
+from dynatree_core.vocab import OTHER, TokenMap
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+# ----- stage 1: the target's features ----------------------------------------------------------
+def feature_shard_valid(directory: Path, index: int, ids: np.ndarray) -> bool:
+    path, check = directory / f"shard_{index:05d}.npy", directory / f"shard_{index:05d}.sum"
+    return path.exists() and check.exists() and check.read_text().strip() == str(_checksum(ids))
+
+
+@torch.inference_mode()
+def target_features(target: torch.nn.Module, ids: np.ndarray, lengths: np.ndarray, *, batch: int = 8) -> np.ndarray:
+    """(n, width, H) float16 final hidden states of the target at every position of the windows."""
+    device = target.get_input_embeddings().weight.device
+    n, width = ids.shape
+    out = np.zeros((n, width, target.config.get_text_config(decoder=True).hidden_size), dtype=np.float16)
+    for start in range(0, n, batch):
+        x = torch.from_numpy(ids[start : start + batch].astype(np.int64)).to(device)
+        length = torch.from_numpy(lengths[start : start + batch].astype(np.int64)).to(device)
+        attn = (torch.arange(width, device=device)[None, :] < length[:, None]).long()
+        hidden = target.base_model(input_ids=x, attention_mask=attn).last_hidden_state
+        out[start : start + len(x)] = hidden.float().cpu().numpy().astype(np.float16)
+    return out
+
+
+def label_features(
+    corpus: Path,
+    out_dir: Path,
+    target: torch.nn.Module,
+    *,
+    shards: list[int] | None = None,
+    batch: int = 8,
+    log=print,
+) -> list[int]:
+    """Compute the missing feature shards (resumable); returns the shards computed now."""
+    data = np.load(corpus)
+    ids, lengths = data["ids"], data["lengths"]
+    n_shards = (len(ids) + SHARD - 1) // SHARD
+    out_dir.mkdir(parents=True, exist_ok=True)
+    wanted = range(n_shards) if shards is None else [s for s in shards if 0 <= s < n_shards]
+    todo = [s for s in wanted if not feature_shard_valid(out_dir, s, ids[s * SHARD : (s + 1) * SHARD])]
+    log(f"feature-label: {len(wanted) - len(todo)}/{len(wanted)} shards present")
+    for s in todo:
+        t0 = time.perf_counter()
+        sl = slice(s * SHARD, (s + 1) * SHARD)
+        feats = target_features(target, ids[sl], lengths[sl], batch=batch)
+        tmp = out_dir / f"shard_{s:05d}.tmp.npy"
+        np.save(tmp, feats)
+        tmp.rename(out_dir / f"shard_{s:05d}.npy")
+        (out_dir / f"shard_{s:05d}.sum").write_text(str(_checksum(ids[sl])))
+        tokens, dt = int(lengths[sl].sum()), time.perf_counter() - t0
+        record("feature-label", dt, tokens=tokens, item=f"shard {s}")
+        log(f"feature-label: shard {s}: {tokens} tokens in {dt:.0f} s ({tokens / dt:.0f} tokens/s)")
+    return todo
+
+
+def onpolicy_shards(corpus: Path) -> list[int]:
+    """The shards that hold on-policy windows (they sit at the corpus's end), held-out ones included."""
+    data = np.load(corpus)
+    rows = np.flatnonzero(data["source"] == 0)
+    return sorted({int(r) // SHARD for r in rows})
+
+
+class FeatureCorpus:
+    """Windows whose feature shards exist; features stay on disk (memory-mapped)."""
+
+    def __init__(self, corpus: Path, features_dir: Path):
+        data = np.load(corpus)
+        self.ids, self.lengths = data["ids"], data["lengths"]
+        self.heldout, self.source = data["heldout"], data["source"]
+        n_shards = (len(self.ids) + SHARD - 1) // SHARD
+        self.shards: dict[int, np.ndarray] = {}
+        for s in range(n_shards):
+            if feature_shard_valid(features_dir, s, self.ids[s * SHARD : (s + 1) * SHARD]):
+                self.shards[s] = np.load(features_dir / f"shard_{s:05d}.npy", mmap_mode="r")
+        have = np.zeros(len(self.ids), dtype=bool)
+        for s in self.shards:
+            have[s * SHARD : (s + 1) * SHARD] = True
+        self.train_rows = np.flatnonzero(have & ~self.heldout)
+        self.eval_rows = np.flatnonzero(have & self.heldout)
+
+    def features(self, rows: np.ndarray, width: int) -> np.ndarray:
+        return np.stack([self.shards[int(r) // SHARD][int(r) % SHARD, :width] for r in rows])
+
+    def batch(self, rows: np.ndarray, device: torch.device):
+        """x (B, W) target ids, f (B, W, H) float32 features, valid (B, W) bool."""
+        length = torch.from_numpy(self.lengths[rows].astype(np.int64))
+        width = int(length.max())
+        x = torch.from_numpy(self.ids[rows, :width].astype(np.int64))
+        f = torch.from_numpy(self.features(rows, width).astype(np.float32))
+        valid = torch.arange(width)[None, :] < length[:, None]
+        return x.to(device), f.to(device), valid.to(device)
+
+    def sample(self, rng: np.random.Generator, n: int, onpolicy_share: float) -> np.ndarray:
+        onp = self.train_rows[self.source[self.train_rows] == 0]
+        rest = self.train_rows[self.source[self.train_rows] != 0]
+        if onpolicy_share <= 0 or not len(onp):
+            return rng.choice(self.train_rows, n, replace=len(self.train_rows) < n)
+        k = round(n * onpolicy_share) if len(rest) else n
+        pick = [rng.choice(onp, k, replace=len(onp) < k)]
+        if n - k:
+            pick.append(rng.choice(rest, n - k, replace=len(rest) < n - k))
+        return np.concatenate(pick)
+
+
+# ----- stage 2: KD on features -------------------------------------------------------------------
+@dataclasses.dataclass
+class FeatureTrainConfig:
+    steps: int = 6000
+    batch: int = 32
+    lr: float = 1e-3
+    warmup: int = 100
+    weight_decay: float = 0.0
+    ce_weight: float = 0.1
+    noise: float = 0.1  # uniform noise on input features (EAGLE sec. 4.2)
+    onpolicy_share: float = 0.5
+    seed: int = 0
+    eval_every: int = 250
+    log_every: int = 25
+    device: str = "auto"
+
+
+def _reduced_logits(draft: FeatureDraft, h: torch.Tensor) -> torch.Tensor:
+    """Head logits with OTHER (never proposed) masked out."""
+    logits = draft.lm.lm_head(h).float()
+    if draft.token_map is not None:
+        logits[..., OTHER] = -torch.inf
+    return logits
+
+
+def feature_kd_loss(
+    draft: FeatureDraft, x: torch.Tensor, f: torch.Tensor, valid: torch.Tensor, *, noise: float, ce_weight: float
+) -> tuple[torch.Tensor, dict]:
+    """The KD loss over a batch of windows (module docstring); and (regression, ce, agreement)."""
+    inputs = f[:, :-1]
+    if noise > 0:
+        inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
+    tokens, goal = x[:, 1:], f[:, 1:]
+    mask = valid[:, 1:]
+    width = tokens.shape[1]
+    embeds = draft.inputs(tokens, inputs.to(draft.dtype))
+    positions = torch.arange(1, width + 1, device=x.device)[None].expand(len(x), -1)
+    pred = draft.lm.model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask.long()).last_hidden_state
+    pred = pred.float()
+    m = mask.float()
+    reg = (F.smooth_l1_loss(pred, goal, reduction="none").mean(-1) * m).sum() / m.sum().clamp(min=1)
+    logq = torch.log_softmax(_reduced_logits(draft, pred), -1)
+    with torch.no_grad():
+        p = torch.softmax(_reduced_logits(draft, goal), -1)
+    ce = (-(p * logq.nan_to_num(neginf=0.0)).sum(-1) * m).sum() / m.sum().clamp(min=1)
+    hit = ((logq.argmax(-1) == p.argmax(-1)) & mask).sum() / mask.sum().clamp(min=1)
+    parts = {"regression": float(reg.detach()), "ce": float(ce.detach()), "agreement": float(hit)}
+    return reg + ce_weight * ce, parts
+
+
+@torch.no_grad()
+def agreement_by_depth(
+    draft: FeatureDraft,
+    target_head: torch.nn.Module,
+    data: FeatureCorpus,
+    rows: np.ndarray,
+    *,
+    depths: int = 4,
+    batch: int = 8,
+    device: torch.device | None = None,
+) -> list[float]:
+    """Held-out top-1 agreement with the target's greedy token at depth 1..`depths`.
+
+    Depth 1: the draft reads true features, as right after verification. Depth d: the input
+    features at positions j-d+1..j-1 are the draft's own predictions, fed back d-1 times (a
+    causal pass per extra level; the KV a tree level would see), and the draft predicts token j+1.
+    The target's greedy token is argmax over its full vocabulary of head(f_j)."""
+    device = device or next(draft.parameters()).device
+    hits, total = np.zeros(depths), np.zeros(depths)
+    for start in range(0, len(rows), batch):
+        x, f, valid = data.batch(rows[start : start + batch], device)
+        tokens, mask = x[:, 1:], valid[:, 1:]
+        greedy = target_head(f[:, 1:].to(target_head.weight.dtype)).argmax(-1)
+        positions = torch.arange(1, tokens.shape[1] + 1, device=device)[None].expand(len(x), -1)
+        inputs = f[:, :-1]
+        for d in range(depths):
+            embeds = draft.inputs(tokens, inputs.to(draft.dtype))
+            pred = draft.lm.model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask.long())
+            pred = pred.last_hidden_state
+            logits = _reduced_logits(draft, pred)
+            pick = logits.argmax(-1)
+            if draft.token_map is not None:
+                pick = draft.token_map.draft_to_target.to(device)[pick]
+            # depth d+1 at position j: the last d inputs before j were predictions
+            ok = mask.clone()
+            ok[:, :d] = False
+            hits[d] += float(((pick == greedy) & ok).sum())
+            total[d] += float(ok.sum())
+            # next depth: every input feature becomes the prediction made one position earlier
+            # (an approximation of the tree: only the nearest ancestors are predicted)
+            inputs = torch.cat([f[:, :1], pred[:, :-1].float()], dim=1)
+    return [float(h / max(t, 1)) for h, t in zip(hits, total, strict=True)]
+
+
+def train_feature_draft(
+    target: torch.nn.Module,
+    token_map: TokenMap | None,
+    data: FeatureCorpus,
+    out: Path,
+    cfg: FeatureTrainConfig,
+    *,
+    log=print,
+) -> FeatureDraft:
+    """KD training (resumable from `out/checkpoint.pt`); saves the draft to `out/draft`."""
+    device = _device(cfg.device)
+    out.mkdir(parents=True, exist_ok=True)
+    draft = FeatureDraft.from_target(target, token_map, seed=cfg.seed).float().to(device).train()
+    draft.lm.lm_head.weight.requires_grad_(False)  # the target's rows, frozen (EAGLE)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    step, curve = 0, []
+    ckpt = out / "checkpoint.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt, map_location=device, weights_only=False)
+        draft.load_state_dict(state["model"], strict=False)
+        opt.load_state_dict(state["opt"])
+        step, curve = state["step"], state["curve"]
+        log(f"train-feature: resumed at step {step}")
+    rng = np.random.default_rng(cfg.seed + step)
+    torch.manual_seed(cfg.seed + step)
+    head = target.get_output_embeddings()
+    t_last, tokens_since = time.perf_counter(), 0
+    while step < cfg.steps:
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        x, f, valid = data.batch(data.sample(rng, cfg.batch, cfg.onpolicy_share), device)
+        loss, parts = feature_kd_loss(draft, x, f, valid, noise=cfg.noise, ce_weight=cfg.ce_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        step += 1
+        tokens_since += int(valid.sum())
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            dt = time.perf_counter() - t_last
+            record("train-feature", dt, tokens=tokens_since, item=f"steps to {step}", run=str(out))
+            log(
+                f"train-feature: step {step} loss {float(loss):.4f} reg {parts['regression']:.4f} "
+                f"ce {parts['ce']:.3f} agree {parts['agreement']:.3f} lr {lr:.2e} ({tokens_since / dt:.0f} tokens/s)"
+            )
+            t_last, tokens_since = time.perf_counter(), 0
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            draft.eval()
+            rows = data.eval_rows
+            by_depth = agreement_by_depth(draft, head, data, rows, device=device) if len(rows) else []
+            draft.train()
+            curve.append({"step": step, "loss": float(loss), "heldout_agreement_by_depth": by_depth})
+            log(f"train-feature: step {step} held-out agreement by depth {[round(a, 3) for a in by_depth]}")
+            torch.save({"model": draft.state_dict(), "opt": opt.state_dict(), "step": step, "curve": curve}, ckpt)
+            (out / "curve.json").write_text(json.dumps({"config": dataclasses.asdict(cfg), "curve": curve}, indent=1))
+    draft.eval()
+    draft.save(out / "draft")
+    return draft
