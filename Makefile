@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 STREAMLIT_FLAGS ?= --server.address localhost
 
-.PHONY: setup run test test-fast lint format clean draft
+.PHONY: setup run test test-fast lint format clean draft draft-feature
 
 setup: $(STAMP)
 
@@ -51,6 +51,18 @@ draft: setup
 	$(PY) -m dynatree_core.training train --steps $(DRAFT_STEPS) --onpolicy-share $(DRAFT_SHARE) --out $(DRAFT_RUN)
 	$(PY) -m dynatree_core.training quality --draft $(DRAFT_RUN)/model --out $(DRAFT_RUN)/quality.json --max-new-tokens 48
 	$(PY) -m dynatree_core.training export --run $(DRAFT_RUN) --quality $(DRAFT_RUN)/quality.json
+
+# The feature draft (drafting/feature.py, issue 19): the target's features for the corpus windows,
+# then KD on them (resumable). On CPU, FEATURE_LABEL_FLAGS=--onpolicy-only labels only the
+# on-policy shards (~12 min here) instead of all (~1 h); both stages use CUDA when present.
+FEATURE_STEPS ?= 6000
+FEATURE_BATCH ?= 32
+FEATURE_LABEL_FLAGS ?=
+FEATURE_RUN ?= $(HOME)/.cache/dynatree/draft-runs/feature-kd
+draft-feature: setup
+	$(PY) -m dynatree_core.training feature-label $(FEATURE_LABEL_FLAGS)
+	$(PY) -m dynatree_core.training train-feature --steps $(FEATURE_STEPS) --batch $(FEATURE_BATCH) --out $(FEATURE_RUN)
+	$(PY) -m dynatree_core.training feature-quality --draft $(FEATURE_RUN)/draft --out $(FEATURE_RUN)/quality.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -459,13 +459,14 @@ def measured_caption(run: LiveRun) -> str:
     if run.imported:
         threads = f", {run.threads} torch thread{'s' if run.threads != 1 else ''}" if run.threads else ""
         return f"Measured on {run.device}, {run.dtype}, from engine time{threads}: an imported run, measured elsewhere."
+    kind = f" with the {run.draft_kind} draft" if run.draft_kind else ""
     where = (
         f"in its own process ({threads_caption(run.threads)})"
         if isinstance(run, ProcessRun)
         else f"in a thread of the page's process ({threads_caption()})"
     )
     return (
-        f"Measured on {run.device}, {run.dtype}, from engine time (drawing excluded): the engine decodes {where} "
+        f"Measured on {run.device}, {run.dtype}, from engine time (drawing excluded): the engine decodes{kind} {where} "
         f"and the page draws its latest iteration every {RENDER_INTERVAL_S} s."
     )
 

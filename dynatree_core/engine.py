@@ -90,6 +90,13 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def draft_kind(draft: torch.nn.Module | None) -> str:
+    """ "feature" for a feature draft (drafting/feature.py), "token" for a standalone draft LM."""
+    if draft is None:
+        return ""
+    return "feature" if is_feature_draft(draft) else "token"
+
+
 def vocab_size(model: torch.nn.Module) -> int:
     head = model.get_output_embeddings()
     if head is None:
@@ -321,4 +328,5 @@ def generate(
         dtype=str(target.dtype).removeprefix("torch."),
         threads=torch.get_num_threads(),
         forward_path=forward_path(target, config.static_cache, config.fast_forward),
+        draft_kind=draft_kind(draft) if policy.needs_draft_model else "",
     )

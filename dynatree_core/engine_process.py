@@ -65,6 +65,7 @@ class EngineInfo:
     context_length: int
     has_draft: bool
     draft_is_stand_in: bool
+    draft_kind: str  # "token" / "feature" / "" (engine.draft_kind)
     pid: int
 
 
@@ -93,7 +94,7 @@ def serve(commands, out, spec: PairSpec) -> None:
     import torch
 
     from dynatree_core.drafting import make_policy
-    from dynatree_core.engine import decode, generate
+    from dynatree_core.engine import decode, draft_kind, generate
     from dynatree_core.session import load_pair
     from dynatree_core.threads import configure_threads
 
@@ -117,6 +118,7 @@ def serve(commands, out, spec: PairSpec) -> None:
                 context_length=target.context_length,
                 has_draft=pair.draft is not None,
                 draft_is_stand_in=pair.draft_is_stand_in,
+                draft_kind=draft_kind(pair.draft.model if pair.draft is not None else None),
                 pid=os.getpid(),
             ),
         )

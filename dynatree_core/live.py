@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from dynatree_core.drafting.base import Policy
-from dynatree_core.engine import DecodeConfig, decode
+from dynatree_core.engine import DecodeConfig, decode, draft_kind
 from dynatree_core.engine_process import EngineProcess, StartRun
 from dynatree_core.metrics import summarize
 from dynatree_core.trace import IterationRecord, RunResult
@@ -54,6 +54,7 @@ class LiveRun:
     done: bool = False
     token_texts: dict[int, str] = dataclasses.field(default_factory=dict)
     threads: int = 0  # torch threads of the thread that ran the last iteration (0: not recorded)
+    draft_kind: str = ""  # "token" / "feature" (engine.draft_kind); "" without a draft
     imported: bool = False  # replayed from an exported file (measured elsewhere)
     error: Exception | None = None  # what ended the run, in step() or its worker (it is then done)
     idle_paused: bool = False  # the worker paused itself: its page stopped calling beat()
@@ -86,6 +87,7 @@ class LiveRun:
             params=dict(policy.config),
             device=str(target.get_input_embeddings().weight.device),
             dtype=str(target.dtype).removeprefix("torch."),
+            draft_kind=draft_kind(draft) if policy.needs_draft_model else "",
             _decode=detokenize,
             _steps=steps,
         )
@@ -225,6 +227,7 @@ class LiveRun:
             device=self.device,
             dtype=self.dtype,
             threads=self.threads,
+            draft_kind=self.draft_kind,
         )
 
     def to_json(self, text: str = "") -> str:
@@ -256,6 +259,7 @@ class LiveRun:
             device=result.device,
             dtype=result.dtype,
             threads=result.threads,
+            draft_kind=result.draft_kind,
             imported=True,
             done=True,
             token_texts=texts,
@@ -300,6 +304,7 @@ class ProcessRun(LiveRun):
             device=info.device,
             dtype=info.dtype,
             threads=info.threads,
+            draft_kind=info.draft_kind if policy.needs_draft_model else "",
             _decode=lambda tok: tokenizer.decode([tok]),
         )
         run._engine = engine

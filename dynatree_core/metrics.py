@@ -63,6 +63,7 @@ def summarize(
     dtype: str = "float32",
     threads: int = 0,
     forward_path: str = "",
+    draft_kind: str = "",
 ) -> RunResult:
     token_ids = [t for r in records for t in r.committed]
     n_iter = len(records)
@@ -96,6 +97,7 @@ def summarize(
         stop_reason=records[-1].stop if records and records[-1].stop else "none",
         threads=threads,
         forward_path=forward_path,
+        draft_kind=draft_kind,
         device=device,
         dtype=dtype,
         records=list(records),

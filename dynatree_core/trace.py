@@ -115,6 +115,7 @@ class RunResult:
     dtype: str = "float32"
     threads: int = 0  # torch intra-op threads the run used (threads.py); 0: not recorded
     forward_path: str = ""  # lean / static / dynamic (kv.forward_path); HF baselines: "hf"
+    draft_kind: str = ""  # "token" (a standalone draft LM) or "feature" (drafting/feature.py); "" without a draft
     records: list[IterationRecord] = dataclasses.field(default_factory=list)
 
     def to_dict(self, *, with_records: bool = True) -> dict:

@@ -64,7 +64,7 @@ def _show(value) -> str:
 
 def check_run(raw: dict) -> None:
     """Types, ranges and consistency of a run file's top level and of every record."""
-    for name in ("policy", "text", "stop_reason", "device", "dtype", "forward_path"):
+    for name in ("policy", "text", "stop_reason", "device", "dtype", "forward_path", "draft_kind"):
         if name in raw and not isinstance(raw[name], str):
             raise ValueError(f"{name} must be a string")
     if "threads" in raw and not (type(raw["threads"]) is int and 0 <= raw["threads"] <= 4096):

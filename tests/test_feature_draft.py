@@ -177,3 +177,29 @@ def test_hf_assisted_refuses_a_feature_draft():
     target, draft = tiny_model("llama"), feature_draft("llama")
     with pytest.raises(DynaTreeError, match="feature draft"):
         generate(target, PROMPTS[0], make_policy("hf_assisted"), draft=draft, config=DecodeConfig(max_new_tokens=4))
+
+
+def test_a_saved_feature_draft_loads_as_a_pair_runs_exact_and_says_its_kind(tiny_pair_dirs, tmp_path):
+    """load_pair attaches a feature-draft directory to the target (packed on CPU); runs report
+    draft_kind, and the engine process (the live page) says which kind it loaded."""
+    from dynatree_core.engine_process import EngineProcess, PairSpec
+    from dynatree_core.packing import is_packed
+    from dynatree_core.session import load_pair
+
+    target_dir = tiny_pair_dirs[0]
+    base = load_pair(target_dir, need_draft=False, pack=False)
+    FeatureDraft.from_target(base.target.model, TokenMap([-1, *range(0, 4000)], 49152), seed=1).save(tmp_path)
+    pair = load_pair(target_dir, str(tmp_path))
+    assert isinstance(pair.draft.model, FeatureDraft) and is_packed(pair.draft.model)
+    config = DecodeConfig(max_new_tokens=16, eos_token_ids=pair.target.eos_token_ids)
+    prompt = [1, 17, 4, 99, 250, 7]
+    ar = generate(pair.target.model, prompt, make_policy("ar"), config=config)
+    run = generate(pair.target.model, prompt, make_policy("dynatree"), draft=pair.draft.model, config=config)
+    assert run.token_ids == ar.token_ids and run.draft_kind == "feature" and ar.draft_kind == ""
+    token_run = generate(pair.target.model, prompt, make_policy("linear"), draft=pair.target.model, config=config)
+    assert token_run.draft_kind == "token"
+    engine = EngineProcess(PairSpec(target_dir, str(tmp_path)))
+    try:
+        assert engine.wait_ready(300).draft_kind == "feature"
+    finally:
+        engine.close()

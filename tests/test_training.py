@@ -159,6 +159,12 @@ def test_batches_can_oversample_onpolicy_windows():
 
 
 # ----- the feature draft's training (training/feature.py) -----------------------------------------
+@pytest.fixture(autouse=True)
+def _private_ledger(tmp_path, monkeypatch):
+    """Training stages append to the compute ledger in the cache: tests write to their own."""
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path / "cache"))
+
+
 def _feature_setup(tmp_path, n=24, width=48):
     from dynatree_core.training.feature import FeatureCorpus, label_features
 
@@ -240,3 +246,37 @@ def test_feature_training_reduces_the_loss_resumes_and_saves(tmp_path):
     by_depth = agreement_by_depth(loaded, target.get_output_embeddings(), data, data.eval_rows, depths=3)
     assert len(by_depth) == 3 and all(0.0 <= a <= 1.0 for a in by_depth)
     assert by_depth == agreement_by_depth(draft, target.get_output_embeddings(), data, data.eval_rows, depths=3)
+
+
+def test_agreement_by_depth_equals_drafting_each_chain_separately(tmp_path):
+    """Depth 1 and 2 of agreement_by_depth against a naive loop: for every pair j, a causal
+    forward over the true pairs up to the root, then the child read with the root's predicted
+    feature, as the FeatureDrafter does."""
+    from dynatree_core.drafting.feature import FeatureDraft
+    from dynatree_core.training.feature import agreement_by_depth
+
+    target, _, data, _ = _feature_setup(tmp_path)
+    draft = FeatureDraft.from_target(target, None, seed=4)
+    rows = data.eval_rows[:2]
+    head = target.get_output_embeddings()
+    got = agreement_by_depth(draft, head, data, rows, depths=2)
+    hits, totals = [0, 0], [0, 0]
+    with torch.no_grad():
+        for r in rows:
+            x, f, valid = data.batch(np.array([r]), torch.device("cpu"))
+            n = int(valid.sum())
+            for j in range(1, n):  # pair j = (f_{j-1}, x_j) predicts x_{j+1}, the target's argmax of head(f_j)
+                greedy = int(head(f[0, j]).argmax())
+                embeds = draft.inputs(x[0, 1 : j + 1], f[0, :j])[None]
+                out = draft.lm.model(inputs_embeds=embeds, position_ids=torch.arange(1, j + 1)[None])
+                hits[0] += int(draft.lm.lm_head(out.last_hidden_state[0, -1]).argmax()) == greedy
+                totals[0] += 1
+                if j >= 2:  # the same node one level deeper: its parent (pair j-1) was the root
+                    root = draft.lm.model(inputs_embeds=embeds[:, :-1], position_ids=torch.arange(1, j)[None])
+                    parent_feature = root.last_hidden_state[0, -1]
+                    child = draft.inputs(x[0, j : j + 1], parent_feature[None])
+                    both = torch.cat([embeds[0, :-1], child])[None]
+                    out2 = draft.lm.model(inputs_embeds=both, position_ids=torch.arange(1, j + 1)[None])
+                    hits[1] += int(draft.lm.lm_head(out2.last_hidden_state[0, -1]).argmax()) == greedy
+                    totals[1] += 1
+    assert got == pytest.approx([hits[0] / totals[0], hits[1] / totals[1]])

@@ -145,16 +145,24 @@ class FeatureDraft(torch.nn.Module):
         device = target.get_input_embeddings().weight.device
         return draft.to(device=device, dtype=target.dtype).eval()
 
-    def save(self, directory: str | Path) -> None:
+    def save(self, directory: str | Path, *, with_head: bool = False) -> None:
+        """fc and the layer (and the head only when `with_head`: a frozen head is the target's rows,
+        rebuilt from the target and the token map at load, so files stay small)."""
         from safetensors.torch import save_file
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        state = {f"lm.{k}": v for k, v in self.lm.state_dict().items() if not k.startswith("model.embed_tokens")}
+        skip = ("model.embed_tokens",) if with_head else ("model.embed_tokens", "lm_head")
+        state = {f"lm.{k}": v for k, v in self.lm.state_dict().items() if not k.startswith(skip)}
         state |= {f"fc.{k}": v for k, v in self.fc.state_dict().items()}
         save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(out / WEIGHTS_FILE))
         dtype = str(self.dtype).removeprefix("torch.")
-        config = {"kind": KIND, "llama_config": self.lm.config.to_dict(), "dtype": dtype}
+        config = {
+            "kind": KIND,
+            "llama_config": self.lm.config.to_dict(),
+            "dtype": dtype,
+            "head": "saved" if with_head else "target rows",
+        }
         (out / CONFIG_FILE).write_text(json.dumps(config, indent=1))
         if self.token_map is not None:
             self.token_map.save(out)
@@ -181,6 +189,7 @@ class FeatureDraft(torch.nn.Module):
         state = load_file(str(path / WEIGHTS_FILE))
         lm_state = {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
         lm_state["model.embed_tokens.weight"] = draft.lm.model.embed_tokens.weight.detach()
+        lm_state.setdefault("lm_head.weight", draft.lm.lm_head.weight.detach())  # the target's rows
         draft.lm.load_state_dict(lm_state)
         draft.fc.load_state_dict({k.removeprefix("fc."): v for k, v in state.items() if k.startswith("fc.")})
         return draft.to(dtype=target.dtype).eval()
@@ -188,6 +197,11 @@ class FeatureDraft(torch.nn.Module):
 
 def is_feature_draft(model: torch.nn.Module | None) -> bool:
     return isinstance(model, FeatureDraft)
+
+
+def is_feature_draft_dir(spec: str | None) -> bool:
+    """True for a directory that holds a saved feature draft."""
+    return bool(spec) and (Path(spec).expanduser() / CONFIG_FILE).is_file()
 
 
 class FeatureDrafter(Drafter):

@@ -69,6 +69,12 @@ def main(argv: list[str] | None = None) -> None:
 
     for field in FeatureTrainConfig.__dataclass_fields__.values():
         tf.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
+    fq = sub.add_parser("feature-quality", help="held-out agreement by depth: feature draft(s) vs the token draft")
+    fq.add_argument("--draft", type=Path, nargs="+", required=True, help="feature draft directories")
+    fq.add_argument("--token-draft", type=Path, default=REPO_ROOT / "assets" / "models" / "smollm2-draft")
+    fq.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
+    fq.add_argument("--features", type=Path, default=data_root / "features")
+    fq.add_argument("--out", type=Path, default=None, help="write the numbers as JSON")
     qu = sub.add_parser("quality", help="measure a draft: agreement, tokens/iteration, step cost")
     qu.add_argument("--draft", type=Path, nargs="+", required=True, help="one or more draft directories")
     qu.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
@@ -114,6 +120,34 @@ def main(argv: list[str] | None = None) -> None:
         token_map = TokenMap.load(args.token_map) if args.token_map else None
         train_feature_draft(target, token_map, data, args.out, cfg, log=lambda m: print(m, flush=True))
         print(f"train-feature: saved {args.out / 'draft'}")
+    elif args.command == "feature-quality":
+        import json
+
+        from dynatree_core.drafting.feature import FeatureDraft
+        from dynatree_core.models import load_model
+        from dynatree_core.training.feature import FeatureCorpus, agreement_by_depth, token_draft_agreement
+
+        target = load_model("embedded", device="cpu", dtype="float32").model
+        data = FeatureCorpus(args.corpus, args.features)
+        head = target.get_output_embeddings()
+        token = load_model(str(args.token_draft), device="cpu", dtype="float32")
+        result = {
+            "heldout_windows": len(data.eval_rows),
+            "heldout_tokens": int(data.lengths[data.eval_rows].sum()),
+            str(args.token_draft): {
+                "kind": "token",
+                "agreement": token_draft_agreement(token.model, token.token_map, head, data, data.eval_rows),
+            },
+        }
+        for path in args.draft:
+            draft = FeatureDraft.load(path, target)
+            result[str(path)] = {
+                "kind": "feature",
+                "agreement_by_depth": agreement_by_depth(draft, head, data, data.eval_rows),
+            }
+        print(json.dumps(result, indent=1))
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1))
     elif args.command == "talf-label":
         from dynatree_core.training.talf import label_trees
 

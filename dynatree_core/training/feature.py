@@ -18,8 +18,8 @@ the decoder layer train. AdamW, linear warm-up, cosine decay. Resumable (`checkp
 every stage's compute goes to the ledger (ledger.py).
 
 `agreement_by_depth` is the held-out measure issue 19 reports: top-1 agreement of the draft's
-best real token with the target's greedy token, at depth 1 (true input features) and deeper
-(the draft's own predicted features fed back in place of the target's, d - 1 times).
+best real token with the target's greedy token at tree depth 1 (true input features) and deeper
+(the draft's own predicted features along the node's ancestors, as in a drafted tree).
 """
 
 from __future__ import annotations
@@ -197,6 +197,22 @@ def feature_kd_loss(
     return reg + ce_weight * ce, parts
 
 
+def depth_mask(levels: int, width: int, valid: torch.Tensor) -> torch.Tensor:
+    """(B, 1, L*W, L*W) additive mask for `levels` stacked copies of a window's pairs: row (k, j)
+    is a tree node at depth k whose root is pair j-k+1. It sees the committed pairs 1..j-k+1 of
+    level 1 (true features), its ancestors (level m at pair j-k+m, m = 2..k-1) and itself."""
+    k = torch.arange(levels).repeat_interleave(width)  # level of each row, 0-based
+    j = torch.arange(width).repeat(levels)  # pair index of each row
+    root = j - k  # the pair the row's chain starts from
+    committed = (k[None, :] == 0) & (j[None, :] <= root[:, None])
+    ancestor = (k[None, :] > 0) & (j[None, :] - k[None, :] == root[:, None]) & (k[None, :] <= k[:, None])
+    see = (committed | ancestor) & (root[:, None] >= 0)
+    see |= torch.eye(levels * width, dtype=torch.bool)
+    see = see[None] & valid.repeat(1, levels)[:, None, :]
+    mask = torch.zeros(see.shape, dtype=torch.float32)
+    return mask.masked_fill_(~see, torch.finfo(torch.float32).min)[:, None]
+
+
 @torch.no_grad()
 def agreement_by_depth(
     draft: FeatureDraft,
@@ -205,40 +221,64 @@ def agreement_by_depth(
     rows: np.ndarray,
     *,
     depths: int = 4,
-    batch: int = 8,
+    batch: int = 4,
     device: torch.device | None = None,
 ) -> list[float]:
-    """Held-out top-1 agreement with the target's greedy token at depth 1..`depths`.
+    """Held-out top-1 agreement with the target's greedy token at tree depth 1..`depths`, given
+    that the node's ancestors were accepted (their tokens are the true ones).
 
-    Depth 1: the draft reads true features, as right after verification. Depth d: the input
-    features at positions j-d+1..j-1 are the draft's own predictions, fed back d-1 times (a
-    causal pass per extra level; the KV a tree level would see), and the draft predicts token j+1.
-    The target's greedy token is argmax over its full vocabulary of head(f_j)."""
+    Depth 1 is the root's prediction: every input feature is the target's. A node at depth k
+    reads the predicted feature of its parent, which read its parent's, down to the root; it
+    attends to the committed pairs (true features) and its ancestors, exactly as in a drafted
+    tree (`depth_mask`). Each depth adds one stacked copy of the window and one forward. The
+    target's greedy token is argmax of head(f) over its full vocabulary."""
     device = device or next(draft.parameters()).device
     hits, total = np.zeros(depths), np.zeros(depths)
     for start in range(0, len(rows), batch):
         x, f, valid = data.batch(rows[start : start + batch], device)
-        tokens, mask = x[:, 1:], valid[:, 1:]
+        tokens, pair_valid = x[:, 1:], valid[:, 1:]  # pair j reads (f_{j-1}, x_j), predicts x_{j+1}
+        width = tokens.shape[1]
         greedy = target_head(f[:, 1:].to(target_head.weight.dtype)).argmax(-1)
-        positions = torch.arange(1, tokens.shape[1] + 1, device=device)[None].expand(len(x), -1)
-        inputs = f[:, :-1]
-        for d in range(depths):
-            embeds = draft.inputs(tokens, inputs.to(draft.dtype))
-            pred = draft.lm.model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask.long())
-            pred = pred.last_hidden_state
-            logits = _reduced_logits(draft, pred)
-            pick = logits.argmax(-1)
+        features = [f[:, :-1]]  # level 1: true features; level k: level k-1's prediction one pair earlier
+        for level in range(1, depths + 1):
+            embeds = draft.inputs(tokens.repeat(1, level), torch.cat(features, 1).to(draft.dtype))
+            positions = torch.arange(1, width + 1, device=device).repeat(level)[None].expand(len(x), -1)
+            mask = depth_mask(level, width, pair_valid.cpu()).to(device=device, dtype=draft.dtype)
+            out = draft.lm.model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask).last_hidden_state
+            pred = out[:, (level - 1) * width :]
+            pick = _reduced_logits(draft, pred).argmax(-1)
             if draft.token_map is not None:
                 pick = draft.token_map.draft_to_target.to(device)[pick]
-            # depth d+1 at position j: the last d inputs before j were predictions
-            ok = mask.clone()
-            ok[:, :d] = False
-            hits[d] += float(((pick == greedy) & ok).sum())
-            total[d] += float(ok.sum())
-            # next depth: every input feature becomes the prediction made one position earlier
-            # (an approximation of the tree: only the nearest ancestors are predicted)
-            inputs = torch.cat([f[:, :1], pred[:, :-1].float()], dim=1)
+            ok = pair_valid.clone()
+            ok[:, : level - 1] = False  # the chain's root must be a real pair
+            hits[level - 1] += float(((pick == greedy) & ok).sum())
+            total[level - 1] += float(ok.sum())
+            features.append(torch.cat([f[:, :1], pred[:, :-1].float()], 1))
     return [float(h / max(t, 1)) for h, t in zip(hits, total, strict=True)]
+
+
+@torch.no_grad()
+def token_draft_agreement(
+    draft: torch.nn.Module, token_map: TokenMap | None, target_head: torch.nn.Module, data: FeatureCorpus, rows
+) -> float:
+    """The same held-out measure for a token draft: its top-1 (best real token) against the
+    target's greedy token, teacher-forced. Given accepted ancestors a token draft reads the true
+    tokens at every depth, so this one number is its agreement at depth 1..4."""
+    device = target_head.weight.device
+    hits = total = 0.0
+    for start in range(0, len(rows), 4):
+        x, f, valid = data.batch(rows[start : start + 4], device)
+        greedy = target_head(f.to(target_head.weight.dtype)).argmax(-1)
+        ids = token_map.to_draft(x) if token_map is not None else x
+        logits = draft(input_ids=ids, attention_mask=valid.long()).logits.float()
+        if token_map is not None:
+            logits[..., OTHER] = -torch.inf
+            pick = token_map.draft_to_target.to(device)[logits.argmax(-1)]
+        else:
+            pick = logits.argmax(-1)
+        hits += float(((pick == greedy) & valid).sum())
+        total += float(valid.sum())
+    return hits / max(total, 1.0)
 
 
 def train_feature_draft(
