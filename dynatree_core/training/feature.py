@@ -162,6 +162,8 @@ class FeatureTrainConfig:
     eval_every: int = 250
     log_every: int = 25
     device: str = "auto"
+    ce_share: float = 1.0  # share of positions the CE is taken over (< 1 saves head products on a CPU)
+    autocast: str = "bfloat16"  # mixed precision for forward and loss ("" for float32)
 
 
 def _reduced_logits(draft: FeatureDraft, h: torch.Tensor) -> torch.Tensor:
@@ -173,9 +175,18 @@ def _reduced_logits(draft: FeatureDraft, h: torch.Tensor) -> torch.Tensor:
 
 
 def feature_kd_loss(
-    draft: FeatureDraft, x: torch.Tensor, f: torch.Tensor, valid: torch.Tensor, *, noise: float, ce_weight: float
+    draft: FeatureDraft,
+    x: torch.Tensor,
+    f: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    noise: float,
+    ce_weight: float,
+    ce_share: float = 1.0,
 ) -> tuple[torch.Tensor, dict]:
-    """The KD loss over a batch of windows (module docstring); and (regression, ce, agreement)."""
+    """The KD loss over a batch of windows (module docstring); and (regression, ce, agreement).
+    `ce_share` < 1 takes the cross-entropy (two LM-head products per position: most of a step's
+    arithmetic on a CPU) over that random share of the valid positions only."""
     inputs = f[:, :-1]
     if noise > 0:
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
@@ -188,11 +199,12 @@ def feature_kd_loss(
     pred = pred.float()
     m = mask.float()
     reg = (F.smooth_l1_loss(pred, goal, reduction="none").mean(-1) * m).sum() / m.sum().clamp(min=1)
-    logq = torch.log_softmax(_reduced_logits(draft, pred), -1)
+    rows = mask if ce_share >= 1 else mask & (torch.rand(mask.shape, device=mask.device) < ce_share)
+    logq = torch.log_softmax(_reduced_logits(draft, pred[rows]), -1)
     with torch.no_grad():
-        p = torch.softmax(_reduced_logits(draft, goal), -1)
-    ce = (-(p * logq.nan_to_num(neginf=0.0)).sum(-1) * m).sum() / m.sum().clamp(min=1)
-    hit = ((logq.argmax(-1) == p.argmax(-1)) & mask).sum() / mask.sum().clamp(min=1)
+        p = torch.softmax(_reduced_logits(draft, goal[rows]), -1)
+    ce = -(p * logq.nan_to_num(neginf=0.0)).sum(-1).sum() / max(int(rows.sum()), 1)
+    hit = (logq.argmax(-1) == p.argmax(-1)).float().mean() if len(p) else torch.tensor(0.0)
     parts = {"regression": float(reg.detach()), "ce": float(ce.detach()), "agreement": float(hit)}
     return reg + ce_weight * ce, parts
 
@@ -281,6 +293,14 @@ def token_draft_agreement(
     return hits / max(total, 1.0)
 
 
+def _autocast(device: torch.device, dtype: str):
+    import contextlib
+
+    if not dtype:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))
+
+
 def train_feature_draft(
     target: torch.nn.Module,
     token_map: TokenMap | None,
@@ -314,7 +334,10 @@ def train_feature_draft(
         for group in opt.param_groups:
             group["lr"] = lr
         x, f, valid = data.batch(data.sample(rng, cfg.batch, cfg.onpolicy_share), device)
-        loss, parts = feature_kd_loss(draft, x, f, valid, noise=cfg.noise, ce_weight=cfg.ce_weight)
+        with _autocast(device, cfg.autocast):
+            loss, parts = feature_kd_loss(
+                draft, x, f, valid, noise=cfg.noise, ce_weight=cfg.ce_weight, ce_share=cfg.ce_share
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -325,7 +348,7 @@ def train_feature_draft(
             dt = time.perf_counter() - t_last
             record("train-feature", dt, tokens=tokens_since, item=f"steps to {step}", run=str(out))
             log(
-                f"train-feature: step {step} loss {float(loss):.4f} reg {parts['regression']:.4f} "
+                f"train-feature: step {step} loss {loss.item():.4f} reg {parts['regression']:.4f} "
                 f"ce {parts['ce']:.3f} agree {parts['agreement']:.3f} lr {lr:.2e} ({tokens_since / dt:.0f} tokens/s)"
             )
             t_last, tokens_since = time.perf_counter(), 0
@@ -334,7 +357,7 @@ def train_feature_draft(
             rows = data.eval_rows
             by_depth = agreement_by_depth(draft, head, data, rows, device=device) if len(rows) else []
             draft.train()
-            curve.append({"step": step, "loss": float(loss), "heldout_agreement_by_depth": by_depth})
+            curve.append({"step": step, "loss": loss.item(), "heldout_agreement_by_depth": by_depth})
             log(f"train-feature: step {step} held-out agreement by depth {[round(a, 3) for a in by_depth]}")
             torch.save({"model": draft.state_dict(), "opt": opt.state_dict(), "step": step, "curve": curve}, ckpt)
             (out / "curve.json").write_text(json.dumps({"config": dataclasses.asdict(cfg), "curve": curve}, indent=1))
