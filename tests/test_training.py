@@ -246,6 +246,16 @@ def test_feature_training_reduces_the_loss_resumes_and_saves(tmp_path):
     by_depth = agreement_by_depth(loaded, target.get_output_embeddings(), data, data.eval_rows, depths=3)
     assert len(by_depth) == 3 and all(0.0 <= a <= 1.0 for a in by_depth)
     assert by_depth == agreement_by_depth(draft, target.get_output_embeddings(), data, data.eval_rows, depths=3)
+    from dynatree_core.training.feature import export_feature_draft
+
+    export_feature_draft(out, tmp_path / "shipped", target, quality={"agreement": 0.5}, command="make draft-feature")
+    card = (tmp_path / "shipped" / "README.md").read_text()
+    assert "| 150 |" in card and "make draft-feature" in card and '"agreement": 0.5' in card
+    shipped = FeatureDraft.load(tmp_path / "shipped", target)  # bfloat16 on disk, float32 again here
+    assert shipped.dtype == torch.float32
+    from safetensors.torch import load_file
+
+    assert "lm.lm_head.weight" not in load_file(tmp_path / "shipped" / "feature_draft.safetensors"), "head rows saved"
 
 
 def test_agreement_by_depth_equals_drafting_each_chain_separately(tmp_path):

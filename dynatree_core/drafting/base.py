@@ -125,17 +125,31 @@ class Drafter:
             self.committed = kv.length
             self.slots[0] = kv.length - 1
         else:
-            q = len(nodes)
-            visible = torch.zeros(q, kv.length + q, dtype=torch.bool)
-            visible[:, : self.committed] = True
-            for i, node in enumerate(nodes):
-                for anc in tree.path(node)[1:-1]:  # the root is among the committed tokens
-                    visible[i, self.slots[anc]] = True
-                visible[i, kv.length + i] = True
             positions = [self.committed - 1 + tree.depths[n] for n in nodes]
             start = kv.length
-            logits = kv.forward(self._draft_ids([tree.tokens[n] for n in nodes]), positions, visible, q)
+            logits = kv.forward(
+                self._draft_ids([tree.tokens[n] for n in nodes]),
+                positions,
+                self._level_visibility(tree, nodes),
+                len(nodes),
+            )
             self.slots.update({n: start + i for i, n in enumerate(nodes)})
+        return self._logp(logits)
+
+    def _level_visibility(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        """(q, length + q) visibility of one tree level: the committed entries (the root's
+        included), each node's ancestors' slots, and itself."""
+        q, length = len(nodes), self.kv.length
+        visible = torch.zeros(q, length + q, dtype=torch.bool)
+        visible[:, : self.committed] = True
+        for i, node in enumerate(nodes):
+            for anc in tree.path(node)[1:-1]:  # the root is among the committed entries
+                visible[i, self.slots[anc]] = True
+            visible[i, length + i] = True
+        return visible
+
+    def _logp(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits -> (q, target vocab) log-probabilities (through the token map if any)."""
         if self.token_map is not None:
             return self.token_map.to_target_logp(logits)
         return torch.log_softmax(logits[:, : self.vocab_size], dim=-1)

@@ -145,7 +145,7 @@ class FeatureDraft(torch.nn.Module):
         device = target.get_input_embeddings().weight.device
         return draft.to(device=device, dtype=target.dtype).eval()
 
-    def save(self, directory: str | Path, *, with_head: bool = False) -> None:
+    def save(self, directory: str | Path, *, with_head: bool = False, dtype: torch.dtype | None = None) -> None:
         """fc and the layer (and the head only when `with_head`: a frozen head is the target's rows,
         rebuilt from the target and the token map at load, so files stay small)."""
         from safetensors.torch import save_file
@@ -155,12 +155,12 @@ class FeatureDraft(torch.nn.Module):
         skip = ("model.embed_tokens",) if with_head else ("model.embed_tokens", "lm_head")
         state = {f"lm.{k}": v for k, v in self.lm.state_dict().items() if not k.startswith(skip)}
         state |= {f"fc.{k}": v for k, v in self.fc.state_dict().items()}
-        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(out / WEIGHTS_FILE))
-        dtype = str(self.dtype).removeprefix("torch.")
+        dtype = dtype or self.dtype  # a shipped draft may be stored smaller (load casts to the target's dtype)
+        save_file({k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}, str(out / WEIGHTS_FILE))
         config = {
             "kind": KIND,
             "llama_config": self.lm.config.to_dict(),
-            "dtype": dtype,
+            "dtype": str(dtype).removeprefix("torch."),
             "head": "saved" if with_head else "target rows",
         }
         (out / CONFIG_FILE).write_text(json.dumps(config, indent=1))
@@ -263,12 +263,7 @@ class FeatureDrafter(Drafter):
             self.out[0] = states[-1]
         else:
             q = len(nodes)
-            visible = torch.zeros(q, kv.length + q, dtype=torch.bool)
-            visible[:, : self.committed] = True
-            for i, node in enumerate(nodes):
-                for anc in tree.path(node)[1:-1]:  # the root is the last committed entry
-                    visible[i, self.slots[anc]] = True
-                visible[i, kv.length + i] = True
+            visible = self._level_visibility(tree, nodes)  # the root's pair is the last committed entry
             positions = [self.root_position + tree.depths[n] for n in nodes]
             tokens = [tree.tokens[n] for n in nodes]
             feats = torch.stack([self.out[tree.parents[n]] for n in nodes])
@@ -279,9 +274,7 @@ class FeatureDrafter(Drafter):
             for i, n in enumerate(nodes):
                 self.slots[n] = start + i
                 self.out[n] = states[i]
-        if self.token_map is not None:
-            return self.token_map.to_target_logp(logits)
-        return torch.log_softmax(logits[:, : self.vocab_size], dim=-1)
+        return self._logp(logits)
 
     def commit(self, tree: DraftTree, accepted: list[int], new_tokens: list[int]) -> None:
         """Keep the committed entries (through the root's pair); the new pairs come from

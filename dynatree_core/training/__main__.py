@@ -75,6 +75,12 @@ def main(argv: list[str] | None = None) -> None:
     fq.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
     fq.add_argument("--features", type=Path, default=data_root / "features")
     fq.add_argument("--out", type=Path, default=None, help="write the numbers as JSON")
+    xf = sub.add_parser("export-feature", help="ship a trained feature draft into assets/models/ with its card")
+    xf.add_argument("--run", type=Path, default=cache_dir() / "draft-runs" / "feature-kd")
+    xf.add_argument("--dest", type=Path, default=None)
+    xf.add_argument("--quality", type=Path, default=None, help="JSON written by `feature-quality --out`")
+    xf.add_argument("--recipe", default="make draft-feature", help="the command that produced it (for the card)")
+    xf.add_argument("--note", default="")
     qu = sub.add_parser("quality", help="measure a draft: agreement, tokens/iteration, step cost")
     qu.add_argument("--draft", type=Path, nargs="+", required=True, help="one or more draft directories")
     qu.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
@@ -148,6 +154,17 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result, indent=1))
         if args.out:
             args.out.write_text(json.dumps(result, indent=1))
+    elif args.command == "export-feature":
+        import json
+
+        from dynatree_core.models import EMBEDDED_FEATURE_DRAFT_DIR, load_model
+        from dynatree_core.training.feature import export_feature_draft
+
+        target = load_model("embedded", device="cpu", dtype="float32").model
+        quality = json.loads(args.quality.read_text()) if args.quality and args.quality.exists() else None
+        dest = args.dest or EMBEDDED_FEATURE_DRAFT_DIR
+        export_feature_draft(args.run, dest, target, quality=quality, command=args.recipe, note=args.note)
+        print(f"export-feature: {dest}")
     elif args.command == "talf-label":
         from dynatree_core.training.talf import label_trees
 

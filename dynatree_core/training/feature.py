@@ -364,3 +364,59 @@ def train_feature_draft(
     draft.eval()
     draft.save(out / "draft")
     return draft
+
+
+def model_card(run_dir: Path, quality: dict | None, command: str, note: str = "") -> str:
+    """The shipped feature draft's README: recipe, data, compute (the ledger), curve, quality."""
+    from dynatree_core.training.ledger import totals
+
+    info = json.loads((run_dir / "curve.json").read_text())
+    cfg, curve = info["config"], info["curve"]
+    lines = [
+        "# smollm2-feature-draft: the embedded target's feature-level (EAGLE-style) draft",
+        "",
+        "A one-layer head over SmolLM2-135M-Instruct's own final hidden states (dynatree_core/drafting/feature.py):",
+        "fc([embedding(next token); target feature]) -> one Llama decoder layer (hidden 576) -> predicted feature",
+        "-> the target's LM head rows for the 16,384-token map (frozen; rebuilt from the target at load).",
+        "Saved: fc and the layer (bfloat16); load attaches them to the loaded target.",
+        "",
+        "## How it was trained",
+        "",
+        "- loss: smooth L1 to the target's next feature + "
+        f"{cfg['ce_weight']} x soft cross-entropy to head(next feature) over the reduced vocabulary"
+        + (f", taken over a random {cfg['ce_share']:.0%} of positions" if cfg.get("ce_share", 1) < 1 else ""),
+        f"- input-feature noise U(-{cfg['noise']}, {cfg['noise']}); AdamW lr {cfg['lr']}, warm-up {cfg['warmup']}, "
+        f"cosine; {cfg['steps']} steps of {cfg['batch']} windows (<= 320 tokens); "
+        f"autocast {cfg.get('autocast') or 'off'}; seed {cfg['seed']}",
+        f"- data: the committed corpus's windows whose target features were labelled; {cfg['onpolicy_share']:.0%} "
+        "of each batch from the target's own sampled generations; chunk 0 held out",
+        f"- command: `{command}`",
+        "",
+        "## Learning curve (held-out top-1 agreement with the target's greedy token, by tree depth)",
+        "",
+        "| step | depth 1 | depth 2 | depth 3 | depth 4 |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {c['step']} | " + " | ".join(f"{a:.3f}" for a in c["heldout_agreement_by_depth"]) + " |" for c in curve
+    ]
+    spent = {k: v for k, v in totals().items() if k in ("feature-label", "train-feature")}
+    if spent:
+        lines += ["", "## Compute (measured; the recipe's ledger)", "", "| stage | wall s | items | tokens |"]
+        lines += ["|---|---|---|---|"]
+        lines += [f"| {k} | {v['seconds']:.0f} | {v['items']} | {v['tokens']} |" for k, v in spent.items()]
+    if note:
+        lines += ["", note]
+    if quality:
+        lines += ["", "## Measured quality", "", "```json", json.dumps(quality, indent=1), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def export_feature_draft(
+    run_dir: Path, dest: Path, target: torch.nn.Module, *, quality: dict | None, command: str, note: str = ""
+) -> None:
+    """Copy the run's draft into `dest` (bfloat16 weights, no head rows) with its model card."""
+    draft = FeatureDraft.load(run_dir / "draft", target)
+    draft.save(dest, dtype=torch.bfloat16)
+    (dest / "README.md").write_text(model_card(run_dir, quality, command, note))
+    (dest / "curve.json").write_text((run_dir / "curve.json").read_text())
