@@ -320,3 +320,20 @@ def test_a_bad_live_engine_setting_is_a_message(tiny_pair_dirs, monkeypatch):
     pick_custom_pair(at, *tiny_pair_dirs)
     _click(at, "Step")
     assert not at.exception and any("DYNATREE_LIVE_ENGINE" in e.value for e in at.error)
+
+
+@pytest.mark.slow
+def test_the_embedded_feature_pair_steps_and_names_its_draft_kind():
+    """The feature-draft preset: the first Step is the prefill (a root-only tree), the second drafts;
+    the caption says which draft ran."""
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=300)
+    at.run()
+    picker = next(s for s in at.selectbox if s.label == "Model pair")
+    assert "embedded-feature" in picker.options
+    picker.set_value("embedded-feature").run()
+    _click(at, "Step")
+    _click(at, "Step")
+    assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
+    run = at.session_state["run"]
+    assert run.draft_kind == "feature" and len(run.records[0].tree) == 1 and len(run.records[1].tree) > 1
+    assert any("with the feature draft" in c.value for c in at.caption), [c.value for c in at.caption]
