@@ -12,6 +12,21 @@ from dynatree_core.models import REPO_ROOT, cache_dir
 COMMITTED = REPO_ROOT / "assets" / "draft-data"
 
 
+def _config_flags(parser: argparse.ArgumentParser, config_class) -> None:
+    """One --flag per field of a training config dataclass, with its default."""
+    for field in config_class.__dataclass_fields__.values():
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
+
+
+def _export_parser(sub, name: str, help: str, run: Path, quality: str, recipe: str) -> None:
+    ex = sub.add_parser(name, help=help)
+    ex.add_argument("--run", type=Path, default=run)
+    ex.add_argument("--dest", type=Path, default=None)
+    ex.add_argument("--quality", type=Path, default=None, help=f"JSON written by `{quality} --out`")
+    ex.add_argument("--recipe", default=recipe, help="the command that produced it (for the card)")
+    ex.add_argument("--note", default="", help="extra text for the card (e.g. caveats about the compute ledger)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dynatree_core.training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -51,8 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     from dynatree_core.training.train import TrainConfig
 
-    for field in TrainConfig.__dataclass_fields__.values():
-        tr.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
+    _config_flags(tr, TrainConfig)
     fl = sub.add_parser("feature-label", help="the target's final hidden states for the windows (feature draft)")
     fl.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
     fl.add_argument("--features", type=Path, default=data_root / "features")
@@ -67,20 +81,21 @@ def main(argv: list[str] | None = None) -> None:
     tf.add_argument("--token-map", type=Path, default=REPO_ROOT / "assets" / "models" / "smollm2-draft")
     from dynatree_core.training.feature import FeatureTrainConfig
 
-    for field in FeatureTrainConfig.__dataclass_fields__.values():
-        tf.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
+    _config_flags(tf, FeatureTrainConfig)
     fq = sub.add_parser("feature-quality", help="held-out agreement by depth: feature draft(s) vs the token draft")
     fq.add_argument("--draft", type=Path, nargs="+", required=True, help="feature draft directories")
     fq.add_argument("--token-draft", type=Path, default=REPO_ROOT / "assets" / "models" / "smollm2-draft")
     fq.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
     fq.add_argument("--features", type=Path, default=data_root / "features")
     fq.add_argument("--out", type=Path, default=None, help="write the numbers as JSON")
-    xf = sub.add_parser("export-feature", help="ship a trained feature draft into assets/models/ with its card")
-    xf.add_argument("--run", type=Path, default=cache_dir() / "draft-runs" / "feature-kd")
-    xf.add_argument("--dest", type=Path, default=None)
-    xf.add_argument("--quality", type=Path, default=None, help="JSON written by `feature-quality --out`")
-    xf.add_argument("--recipe", default="make draft-feature", help="the command that produced it (for the card)")
-    xf.add_argument("--note", default="")
+    _export_parser(
+        sub,
+        "export-feature",
+        "ship a trained feature draft into assets/models/ with its card",
+        cache_dir() / "draft-runs" / "feature-kd",
+        "feature-quality",
+        "make draft-feature",
+    )
     qu = sub.add_parser("quality", help="measure a draft: agreement, tokens/iteration, step cost")
     qu.add_argument("--draft", type=Path, nargs="+", required=True, help="one or more draft directories")
     qu.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
@@ -88,12 +103,14 @@ def main(argv: list[str] | None = None) -> None:
     qu.add_argument("--prompts", default="all")
     qu.add_argument("--max-new-tokens", type=int, default=64)
     qu.add_argument("--out", type=Path, default=None, help="write the numbers as JSON")
-    ex = sub.add_parser("export", help="copy a trained draft into assets/models/ with its model card")
-    ex.add_argument("--run", type=Path, default=cache_dir() / "draft-runs" / "kd")
-    ex.add_argument("--dest", type=Path, default=None)
-    ex.add_argument("--quality", type=Path, default=None, help="JSON written by `quality --out`")
-    ex.add_argument("--recipe", default="make draft", help="the command that produced it (for the card)")
-    ex.add_argument("--note", default="", help="extra text for the card (e.g. caveats about the compute ledger)")
+    _export_parser(
+        sub,
+        "export",
+        "copy a trained draft into assets/models/ with its model card",
+        cache_dir() / "draft-runs" / "kd",
+        "quality",
+        "make draft",
+    )
     args = parser.parse_args(argv)
     if args.command == "corpus":
         from dynatree_core.models import load_model

@@ -35,15 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from dynatree_core.drafting.feature import FeatureDraft
+from dynatree_core.models import resolve_device
 from dynatree_core.training.corpus import SHARD, _checksum
 from dynatree_core.training.ledger import record
 from dynatree_core.vocab import OTHER, TokenMap
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 # ----- stage 1: the target's features ----------------------------------------------------------
@@ -311,7 +306,7 @@ def train_feature_draft(
     log=print,
 ) -> FeatureDraft:
     """KD training (resumable from `out/checkpoint.pt`); saves the draft to `out/draft`."""
-    device = _device(cfg.device)
+    device = resolve_device(cfg.device)
     out.mkdir(parents=True, exist_ok=True)
     draft = FeatureDraft.from_target(target, token_map, seed=cfg.seed).float().to(device).train()
     draft.lm.lm_head.weight.requires_grad_(False)  # the target's rows, frozen (EAGLE)
