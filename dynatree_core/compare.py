@@ -314,10 +314,9 @@ def measure(
             target.model,
             prompts[prompt],
             policy,
-            draft=pair.draft.model if pair.draft and policy.needs_draft_model else None,
             config=dataclasses.replace(configs[j], seed=seed),
             tokenizer=tokenizer,
-            draft_token_map=pair.draft.token_map if pair.draft else None,
+            **pair.drafting(policy),
             on_record=hook,
         )
 

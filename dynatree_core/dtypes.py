@@ -124,7 +124,7 @@ def probe(
         pair = load_pair(target, draft, device=str(torch_device), dtype=name)
         ids = [encode_prompt(pair.target.tokenizer, p.text, chat=p.chat) for p in prompts]
         config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=pair.target.eos_token_ids)
-        kw = dict(draft=pair.draft.model, config=config, draft_token_map=pair.draft.token_map)
+        kw = dict(config=config, **pair.drafting(make_policy(policy)))
         generate(pair.target.model, ids[0], make_policy(policy), **kw)  # warm-up
         tps: dict[str, list[float]] = {"ar": [], policy: []}
         exact = 0

@@ -149,14 +149,8 @@ def serve(commands, out, spec: PairSpec) -> None:
             try:
                 policy = make_policy(payload.policy, payload.params)
                 torch.manual_seed(payload.config.seed)
-                draft = pair.draft.model if pair.draft is not None and policy.needs_draft_model else None
                 runs[rid] = decode(
-                    target.model,
-                    payload.prompt_ids,
-                    policy,
-                    draft=draft,
-                    config=payload.config,
-                    draft_token_map=pair.draft.token_map if pair.draft is not None else None,
+                    target.model, payload.prompt_ids, policy, config=payload.config, **pair.drafting(policy)
                 )
             except Exception as exc:  # noqa: BLE001
                 out.put(("error", rid, _portable(exc)))

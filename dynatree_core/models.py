@@ -53,17 +53,12 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
-        Preset(
-            "embedded",
-            EMBEDDED,
-            str(EMBEDDED_DRAFT_DIR) if EMBEDDED_DRAFT_DIR.exists() else None,
-            "SmolLM2-135M-Instruct (bundled, offline) with the project's trained draft",
-            offline=True,
-        ),
+        # The embedded pair drafts with the measured winner, the feature draft (BENCHMARKS.md,
+        # issue 19); the token draft stays selectable and is the HF baselines' assistant.
         *(
             [
                 Preset(
-                    "embedded-feature",
+                    "embedded",
                     EMBEDDED,
                     str(EMBEDDED_FEATURE_DRAFT_DIR),
                     "SmolLM2-135M-Instruct (bundled, offline) with the project's feature-level (EAGLE-style) draft",
@@ -72,6 +67,13 @@ PRESETS: dict[str, Preset] = {
             ]
             if EMBEDDED_FEATURE_DRAFT_DIR.exists()
             else []
+        ),
+        Preset(
+            "embedded-token" if EMBEDDED_FEATURE_DRAFT_DIR.exists() else "embedded",
+            EMBEDDED,
+            str(EMBEDDED_DRAFT_DIR) if EMBEDDED_DRAFT_DIR.exists() else None,
+            "SmolLM2-135M-Instruct (bundled, offline) with the project's token-level draft (a standalone 9M LM)",
+            offline=True,
         ),
         Preset(
             "pythia-2.8b/70m",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
-from dynatree_core.drafting.feature import FeatureDraft, is_feature_draft_dir
+from dynatree_core.drafting.feature import FeatureDraft, is_feature_draft, is_feature_draft_dir
 from dynatree_core.dtypes import saved_choice
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.models import (
@@ -30,11 +30,32 @@ class ModelPair:
     draft: LoadedModel | None
     draft_is_stand_in: bool = False
     dtype_source: str = "asked"  # "asked" (an explicit dtype), "probe" (a saved dtype probe) or "rule"
+    # A standalone token draft for the black-box baselines (HF assisted generation) when `draft`
+    # is a feature draft, which only our engine can run; None when the target has none.
+    assistant: LoadedModel | None = None
+
+    def drafting(self, policy) -> dict:
+        """The engine's draft arguments for `policy`: `draft` and `draft_token_map` (one rule for
+        every caller: no draft for policies that need none; HF baselines get the token draft)."""
+        model = self.draft
+        if policy.black_box and model is not None and is_feature_draft(model.model) and self.assistant:
+            model = self.assistant  # else HF's baseline says why it cannot run a feature draft
+        if model is None or not policy.needs_draft_model:
+            return {"draft": None, "draft_token_map": None}
+        return {"draft": model.model, "draft_token_map": model.token_map}
 
 
 def default_draft_for(target_spec: str) -> str | None:
     for preset in PRESETS.values():
         if preset.target == target_spec:
+            return preset.draft
+    return None
+
+
+def token_draft_for(target_spec: str) -> str | None:
+    """The first preset's standalone (token) draft for this target: the HF baselines' assistant."""
+    for preset in PRESETS.values():
+        if preset.target == target_spec and preset.draft and not is_feature_draft_dir(preset.draft):
             return preset.draft
     return None
 
@@ -79,12 +100,18 @@ def load_pair(
         draft = LoadedModel(
             spec=draft_spec, model=head, tokenizer=target.tokenizer, device=target.device, dtype=target.dtype
         )
-        return ModelPair(target, draft, dtype_source=source)
-    draft = load_model(draft_spec, device=str(target.device), dtype=dtype)
+        assistant_spec = token_draft_for(target_spec)
+        assistant = _load_token_draft(assistant_spec, target, dtype, pack) if assistant_spec else None
+        return ModelPair(target, draft, dtype_source=source, assistant=assistant)
+    return ModelPair(target, _load_token_draft(draft_spec, target, dtype, pack), dtype_source=source)
+
+
+def _load_token_draft(spec: str, target: LoadedModel, dtype: str, pack: bool) -> LoadedModel:
+    draft = load_model(spec, device=str(target.device), dtype=dtype)
     check_tokenizers_compatible(target, draft)
     if pack and packing_enabled(draft.device, draft.dtype):
         pack_linears(draft.model)
-    return ModelPair(target, draft, dtype_source=source)
+    return draft
 
 
 _SLOT = "\ue000DYNATREE_USER_TEXT\ue001"  # private-use characters: no real prompt contains this

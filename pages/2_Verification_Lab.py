@@ -64,8 +64,7 @@ if st.button("Run the lab", type="primary", icon=":material/science:"):
                 policy,
                 config,
                 trials,
-                draft=pair.draft.model if pair.draft and policy.needs_draft_model else None,
-                draft_token_map=pair.draft.token_map if pair.draft else None,
+                **pair.drafting(policy),
                 progress=lambda i: bar.progress(i / trials, text=f"Step {i}/{trials}"),
             )
         bar.empty()

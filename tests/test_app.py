@@ -323,14 +323,13 @@ def test_a_bad_live_engine_setting_is_a_message(tiny_pair_dirs, monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_embedded_feature_pair_steps_and_names_its_draft_kind():
-    """The feature-draft preset: the first Step is the prefill (a root-only tree), the second drafts;
-    the caption says which draft ran."""
+def test_the_default_pair_drafts_with_the_feature_draft_and_names_its_draft_kind():
+    """The default preset (the feature draft): the first Step is the prefill (a root-only tree),
+    the second drafts; the caption says which draft ran. The token draft stays selectable."""
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=300)
     at.run()
     picker = next(s for s in at.selectbox if s.label == "Model pair")
-    assert "embedded-feature" in picker.options
-    picker.set_value("embedded-feature").run()
+    assert picker.value == "embedded" and "embedded-token" in picker.options
     _click(at, "Step")
     _click(at, "Step")
     assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])

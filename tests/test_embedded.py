@@ -9,7 +9,14 @@ import torch
 
 from dynatree_core.drafting import POLICIES, make_policy
 from dynatree_core.engine import DecodeConfig, generate
-from dynatree_core.models import EMBEDDED_DRAFT_DIR, PRESETS, check_tokenizers_compatible, load_model
+from dynatree_core.models import (
+    EMBEDDED,
+    EMBEDDED_DRAFT_DIR,
+    EMBEDDED_FEATURE_DRAFT_DIR,
+    PRESETS,
+    check_tokenizers_compatible,
+    load_model,
+)
 from dynatree_core.session import encode_prompt, load_pair
 
 pytestmark = pytest.mark.slow
@@ -45,11 +52,35 @@ def shipped_draft():
     return load_model(str(EMBEDDED_DRAFT_DIR), device="cpu", dtype="float32")
 
 
-def test_shipped_draft_loads_offline_with_the_targets_tokenizer():
-    assert PRESETS["embedded"].draft == str(EMBEDDED_DRAFT_DIR), "the embedded preset uses the shipped draft"
-    pair = load_pair("embedded", None, device="cpu", dtype="float32")
-    assert not pair.draft_is_stand_in and pair.draft.token_map is not None
+def test_shipped_drafts_load_offline_with_the_targets_tokenizer():
+    assert PRESETS["embedded-token"].draft == str(EMBEDDED_DRAFT_DIR), "the token preset uses the shipped draft"
+    pair = load_pair(EMBEDDED, str(EMBEDDED_DRAFT_DIR), device="cpu", dtype="float32")
+    assert not pair.draft_is_stand_in and pair.draft.token_map is not None and pair.assistant is None
     check_tokenizers_compatible(pair.target, pair.draft)
+
+
+def test_the_default_pair_drafts_with_the_feature_draft_and_lends_hf_the_token_draft():
+    """The embedded pair's default is the measured winner (the feature draft, BENCHMARKS.md issue
+    19); HF's assisted generation cannot run a feature draft, so it gets the token draft."""
+    from dynatree_core.drafting.feature import is_feature_draft
+
+    assert PRESETS["embedded"].draft == str(EMBEDDED_FEATURE_DRAFT_DIR)
+    pair = load_pair("embedded", None, device="cpu", dtype="float32")
+    assert is_feature_draft(pair.draft.model) and pair.assistant.spec == str(EMBEDDED_DRAFT_DIR)
+    check_tokenizers_compatible(pair.target, pair.assistant)
+    assert pair.drafting(make_policy("fixed_tree"))["draft"] is pair.draft.model
+    assert pair.drafting(make_policy("hf_assisted")) == {
+        "draft": pair.assistant.model,
+        "draft_token_map": pair.assistant.token_map,
+    }
+    assert pair.drafting(make_policy("ar")) == {"draft": None, "draft_token_map": None}
+    ids = encode_prompt(pair.target.tokenizer, PROMPTS[0], chat=True)
+    config = DecodeConfig(max_new_tokens=16, eos_token_ids=pair.target.eos_token_ids)
+    ar = generate(pair.target.model, ids, make_policy("ar"), config=config)
+    hf = generate(
+        pair.target.model, ids, make_policy("hf_assisted"), config=config, **pair.drafting(make_policy("hf_assisted"))
+    )
+    assert hf.token_ids == ar.token_ids
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -290,3 +290,132 @@ def test_agreement_by_depth_equals_drafting_each_chain_separately(tmp_path):
                     hits[1] += int(draft.lm.lm_head(out2.last_hidden_state[0, -1]).argmax()) == greedy
                     totals[1] += 1
     assert got == pytest.approx([hits[0] / totals[0], hits[1] / totals[1]])
+
+
+# ----- TALF on the feature draft (training/feature_talf.py) ---------------------------------------
+def _tiny_trees(roots: list[list[int]], k: int = 2, depth: int = 2, label_k: int = 3, seed: int = 0):
+    """Beam-shaped trees (k nodes per level, node level*k + j) with random tokens and labels."""
+    rng = np.random.default_rng(seed)
+    b, r, n = len(roots), len(roots[0]), k * depth
+    parents = np.full((b, r, n), -1)
+    for level in range(1, depth):
+        parents[:, :, level * k : (level + 1) * k] = rng.integers(0, k, size=(b, r, k)) + (level - 1) * k
+    depths = np.repeat(np.arange(1, depth + 1), k)[None, None].repeat(b, 0).repeat(r, 1)
+    return {
+        "roots": torch.tensor(roots),
+        "tokens": torch.from_numpy(rng.integers(1, VOCAB, size=(b, r, n))),
+        "parents": torch.from_numpy(parents),
+        "depths": torch.from_numpy(depths),
+        "topk_ids": torch.from_numpy(rng.integers(1, VOCAB, size=(b, r, n, label_k))),
+        "topk_logp": torch.log_softmax(torch.randn(b, r, n, label_k), -1),
+    }
+
+
+def test_talf_tree_outputs_and_loss_equal_drafting_each_path_separately(tmp_path):
+    """Every tree node's output in the one stacked forward equals a causal forward over the true
+    pairs up to its root followed by its path, each node reading its parent's predicted feature
+    (as the FeatureDrafter drafts it); the loss is the mean of the naive per-entry cross-entropies."""
+    from dynatree_core.drafting.feature import FeatureDraft
+    from dynatree_core.training.feature_talf import feature_talf_loss, tree_layout, tree_outputs
+
+    target, _, data, _ = _feature_setup(tmp_path)
+    draft = FeatureDraft.from_target(target, TokenMap([-1, *range(1, VOCAB)], VOCAB), seed=5)
+    x, f, valid = data.batch(np.array([0, 1]), torch.device("cpu"))  # row 0 is half length
+    trees = _tiny_trees([[3, 20], [0, 9]])  # root 0 has no pair: its nodes are left out
+    pair_valid, width = valid[:, 1:], x.shape[1] - 1
+    see, positions, source, node_ok = tree_layout(width, trees["roots"], trees["parents"], trees["depths"], pair_valid)
+    assert node_ok.tolist() == [[True] * 8, [False] * 4 + [True] * 4]
+    tokens = torch.cat([x[:, 1:], trees["tokens"].reshape(2, -1)], 1)
+    with torch.no_grad():
+        out = tree_outputs(draft, tokens, f[:, :-1], see, positions, source, levels=2)
+        loss, parts = feature_talf_loss(draft, x, f, valid, trees, noise=0.0)
+
+    def chain(b, s, path):  # pairs 1..s, then (parent prediction, token) along `path`
+        embeds = draft.inputs(x[b, 1 : s + 1], f[b, :s])
+        h = draft.lm.model(inputs_embeds=embeds[None], position_ids=torch.arange(1, s + 1)[None]).last_hidden_state
+        for depth, token in enumerate(path, 1):
+            embeds = torch.cat([embeds, draft.inputs(torch.tensor([token]), h[0, -1:])])
+            pos = torch.arange(1, s + depth + 1)[None]
+            h = draft.lm.model(inputs_embeds=embeds[None], position_ids=pos).last_hidden_state
+        return h[0, -1]
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in range(2):
+            n = int(pair_valid[b].sum())
+            for j in range(n):  # the pairs: a plain causal forward, CE to head(f_{j+1})
+                torch.testing.assert_close(out[b, j], chain(b, j + 1, []), rtol=1e-4, atol=1e-4)
+                logq = torch.log_softmax(draft.lm.lm_head(out[b, j])[1:], -1)
+                total -= float((torch.softmax(draft.lm.lm_head(f[b, j + 1])[1:], -1) * logq).sum())
+                count += 1
+            for r in range(2):
+                s = int(trees["roots"][b, r])
+                for node in range(4):
+                    if not node_ok[b, r * 4 + node]:
+                        continue
+                    path, walk = [], node
+                    while walk >= 0:
+                        path.insert(0, int(trees["tokens"][b, r, walk]))
+                        walk = int(trees["parents"][b, r, walk])
+                    got = out[b, width + r * 4 + node]
+                    torch.testing.assert_close(got, chain(b, s, path), rtol=1e-4, atol=1e-4)
+                    logq = torch.log_softmax(draft.lm.lm_head(got)[1:], -1)[trees["topk_ids"][b, r, node] - 1]
+                    total -= float((torch.softmax(trees["topk_logp"][b, r, node], -1) * logq).sum())
+                    count += 1
+    assert loss.item() == pytest.approx(total / count, rel=1e-4)
+    assert 0.0 <= parts["agreement"] <= 1.0 and parts["node_ce"] > 0
+
+
+def test_talf_fine_tunes_a_kd_draft_on_target_trees_and_lowers_the_tree_loss(tmp_path):
+    """The train-feature path with --loss talf: starts from a saved KD draft, reads the target's
+    beam trees (talf.build_target_trees, as talf-label stores them), lowers the tree loss, resumes."""
+    from dynatree_core.drafting.feature import FeatureDraft
+    from dynatree_core.training.feature import FeatureTrainConfig, train_feature_draft
+    from dynatree_core.training.feature_talf import TargetTrees, feature_talf_loss
+    from dynatree_core.training.talf import build_target_trees
+
+    target, corpus, data, _ = _feature_setup(tmp_path)
+    token_map = TokenMap([-1, *range(1, VOCAB)], VOCAB)
+    rows = data.train_rows[:6]
+    stored: dict[str, list] = {"row": [], "roots": []}
+    for row in rows:
+        window = data.ids[row, : int(data.lengths[row])].astype(np.int64).tolist()
+        roots = [2, 7, 15]
+        trees = build_target_trees(target, window, roots, k=2, depth=2, label_k=5)
+        stored["row"].append(row)
+        stored["roots"].append(np.array(roots))
+        for key, value in trees.items():
+            stored.setdefault(key, []).append(value)
+    np.savez(tmp_path / "trees.npz", **{k: np.stack(v) for k, v in stored.items()})
+    trees = TargetTrees(tmp_path / "trees.npz", data.train_rows)
+    assert len(trees) == 6 and trees.arrays["tokens"].shape == (6, 3, 4)
+    FeatureDraft.from_target(target, token_map, seed=1).save(tmp_path / "kd")
+    cfg = FeatureTrainConfig(steps=120, batch=3, lr=2e-2, warmup=2, eval_every=60, log_every=20, device="cpu")
+    cfg = dataclasses.replace(cfg, loss="talf", ce_share=1.0, noise=0.0, autocast="")
+    fixed = data.batch(trees.rows[:3], torch.device("cpu")), trees.batch(np.arange(3))
+
+    def tree_loss(draft) -> float:
+        with torch.no_grad():
+            return feature_talf_loss(draft, *fixed[0], fixed[1], noise=0.0)[1]["node_ce"]
+
+    start = tree_loss(FeatureDraft.load(tmp_path / "kd", target))
+    logs: list[str] = []
+    out = tmp_path / "talf"
+    train_feature_draft(
+        target,
+        token_map,
+        data,
+        out,
+        dataclasses.replace(cfg, steps=60),
+        init_from=tmp_path / "kd",
+        trees=trees,
+        log=logs.append,
+    )
+    assert any("initialised from" in m for m in logs)
+    draft = train_feature_draft(
+        target, token_map, data, out, cfg, init_from=tmp_path / "kd", trees=trees, log=logs.append
+    )
+    assert any("resumed at step 60" in m for m in logs) and any("node_ce" in m for m in logs)
+    assert tree_loss(draft) < 0.8 * start, (start, tree_loss(draft))
+    with pytest.raises(SystemExit, match="target trees"):
+        train_feature_draft(target, token_map, data, tmp_path / "x", cfg, trees=None, log=logs.append)

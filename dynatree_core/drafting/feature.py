@@ -35,7 +35,7 @@ from dynatree_core.drafting.base import Drafter
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.tree import DraftTree
-from dynatree_core.vocab import TokenMap
+from dynatree_core.vocab import OTHER, TokenMap
 
 CONFIG_FILE = "feature_draft.json"
 WEIGHTS_FILE = "feature_draft.safetensors"
@@ -105,6 +105,13 @@ class FeatureDraft(torch.nn.Module):
 
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.lm.get_output_embeddings()
+
+    def reduced_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 head logits of features `h`, OTHER (never proposed) masked out (training's view)."""
+        logits = self.lm.lm_head(h).float()
+        if self.token_map is not None:
+            logits[..., OTHER] = -torch.inf
+        return logits
 
     def inputs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """(q, H) layer inputs for q (token, feature) pairs: fc([embed(token); feature])."""

@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--top-p", type=float, default=0.95)
     gen.add_argument("--dtype", default="bfloat16")
     gen.add_argument("--threads", type=int, default=None)
+    gen.add_argument("--device", default="auto", help="auto: CUDA when present")
     data_root = cache_dir() / "draft-data"
     cor = sub.add_parser("corpus", help="assemble training windows (docs, fortunes, on-policy chunks)")
     cor.add_argument("--out", type=Path, default=COMMITTED / "corpus.npz")
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     lab.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
     lab.add_argument("--labels", type=Path, default=data_root / "labels")
     lab.add_argument("--shards", type=int, default=None, help="label only the first N shards")
+    lab.add_argument("--device", default="auto", help="auto: CUDA when present")
+    lab.add_argument("--batch", type=int, default=8)
     tl = sub.add_parser("talf-label", help="target EAGLE-2 beam trees at sampled roots, for TALF")
     tl.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
     tl.add_argument("--out", type=Path, default=data_root / "talf_trees.npz")
@@ -79,6 +82,10 @@ def main(argv: list[str] | None = None) -> None:
     tf.add_argument("--features", type=Path, default=data_root / "features")
     tf.add_argument("--out", type=Path, default=cache_dir() / "draft-runs" / "feature-kd")
     tf.add_argument("--token-map", type=Path, default=REPO_ROOT / "assets" / "models" / "smollm2-draft")
+    tf.add_argument("--init-from", type=Path, default=None, help="a saved feature draft to start from (weights only)")
+    tf.add_argument(
+        "--talf-trees", type=Path, default=data_root / "talf_trees.npz", help="target trees for --loss talf"
+    )
     from dynatree_core.training.feature import FeatureTrainConfig
 
     _config_flags(tf, FeatureTrainConfig)
@@ -122,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "label":
         from dynatree_core.training.corpus import label_corpus
 
-        label_corpus(args.corpus, args.labels, shards=args.shards)
+        label_corpus(args.corpus, args.labels, shards=args.shards, device=args.device, batch=args.batch)
     elif args.command == "feature-label":
         from dynatree_core.models import load_model
         from dynatree_core.training.feature import label_features, onpolicy_shards
@@ -141,7 +148,24 @@ def main(argv: list[str] | None = None) -> None:
         data = FeatureCorpus(args.corpus, args.features)
         print(f"train-feature: {len(data.train_rows)} training windows, {len(data.eval_rows)} held out", flush=True)
         token_map = TokenMap.load(args.token_map) if args.token_map else None
-        train_feature_draft(target, token_map, data, args.out, cfg, log=lambda m: print(m, flush=True))
+        trees = None
+        if cfg.loss == "talf":
+            from dynatree_core.training.feature_talf import TargetTrees
+
+            if not args.talf_trees.exists():
+                raise SystemExit(f"--loss talf needs target trees at {args.talf_trees} (run talf-label first)")
+            trees = TargetTrees(args.talf_trees, data.train_rows)
+            print(f"train-feature: TALF over {len(trees)} windows' target trees", flush=True)
+        train_feature_draft(
+            target,
+            token_map,
+            data,
+            args.out,
+            cfg,
+            init_from=args.init_from,
+            trees=trees,
+            log=lambda m: print(m, flush=True),
+        )
         print(f"train-feature: saved {args.out / 'draft'}")
     elif args.command == "feature-quality":
         import json
@@ -223,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
             top_p=args.top_p,
             dtype=args.dtype,
             threads=args.threads,
+            device=args.device,
         )
 
 

@@ -109,23 +109,33 @@ def label_shard(model, ids: np.ndarray, lengths: np.ndarray, *, k: int = TOPK, b
     n, w = ids.shape
     topk_ids = np.zeros((n, w, k), dtype=np.uint16)
     topk_logp = np.zeros((n, w, k), dtype=np.float16)
+    device = model.get_input_embeddings().weight.device
     for start in range(0, n, batch):
-        x = torch.from_numpy(ids[start : start + batch].astype(np.int64))
-        length = torch.from_numpy(lengths[start : start + batch].astype(np.int64))
-        attn = (torch.arange(w)[None, :] < length[:, None]).long()
+        x = torch.from_numpy(ids[start : start + batch].astype(np.int64)).to(device)
+        length = torch.from_numpy(lengths[start : start + batch].astype(np.int64)).to(device)
+        attn = (torch.arange(w, device=device)[None, :] < length[:, None]).long()
         hidden = model.model(input_ids=x, attention_mask=attn).last_hidden_state  # (b, w, h)
         head = model.get_output_embeddings().weight
         for row in range(hidden.shape[0]):  # one window at a time: logits stay cache-sized
             logits = (hidden[row] @ head.T).float()  # (w, vocab)
             top, tok = logits.topk(k, dim=-1)
             lp = top - torch.logsumexp(logits, dim=-1, keepdim=True)
-            topk_ids[start + row] = tok.numpy().astype(np.uint16)
-            topk_logp[start + row] = lp.numpy().astype(np.float16)
+            topk_ids[start + row] = tok.cpu().numpy().astype(np.uint16)
+            topk_logp[start + row] = lp.cpu().numpy().astype(np.float16)
     return {"topk_ids": topk_ids, "topk_logp": topk_logp}
 
 
-def label_corpus(corpus: Path, labels_dir: Path, *, dtype: str = "bfloat16", shards: int | None = None) -> None:
-    """Compute missing label shards (resumable: existing shards are skipped)."""
+def label_corpus(
+    corpus: Path,
+    labels_dir: Path,
+    *,
+    dtype: str = "bfloat16",
+    shards: int | None = None,
+    device: str = "auto",
+    batch: int = 8,
+) -> None:
+    """Compute missing label shards (resumable: existing shards are skipped); batched, on CUDA
+    when one is present (`device` "auto")."""
     from dynatree_core.models import load_model
 
     data = np.load(corpus)
@@ -141,11 +151,11 @@ def label_corpus(corpus: Path, labels_dir: Path, *, dtype: str = "bfloat16", sha
     print(f"label: {n_shards - len(todo)}/{n_shards} shards present", flush=True)
     if not todo:
         return
-    target = load_model("embedded", device="cpu", dtype=dtype).model
+    target = load_model("embedded", device=device, dtype=dtype).model
     for s in todo:
         t0 = time.perf_counter()
         sl = slice(s * SHARD, (s + 1) * SHARD)
-        shard = label_shard(target, ids[sl], lengths[sl])
+        shard = label_shard(target, ids[sl], lengths[sl], batch=batch)
         shard["checksum"] = np.asarray(_checksum(ids[sl]))
         tmp = labels_dir / f"shard_{s:05d}.tmp.npz"
         np.savez(tmp, **shard)

@@ -34,9 +34,10 @@ def generate_chunk(
     for i, p in enumerate(prompts):  # left padding for batched generation
         ids[i, width - len(p) :] = torch.tensor(p)
         attn[i, width - len(p) :] = 1
+    device = model.get_input_embeddings().weight.device
     out = model.generate(
-        input_ids=ids,
-        attention_mask=attn,
+        input_ids=ids.to(device),
+        attention_mask=attn.to(device),
         do_sample=True,
         temperature=temperature,
         top_p=top_p,
@@ -48,6 +49,7 @@ def generate_chunk(
         if isinstance(model.generation_config.eos_token_id, list)
         else [model.generation_config.eos_token_id]
     )
+    out = out.cpu()
     seqs, prompt_lens = [], []
     for i, p in enumerate(prompts):
         gen = out[i, width:].tolist()
@@ -71,7 +73,10 @@ def run(
     top_p: float,
     dtype: str,
     threads: int | None,
+    device: str = "auto",
 ) -> None:
+    """Generate the missing chunks; `batch` sequences per HF generate call, on CUDA when one is
+    present (`device` "auto"; the chunk's seed fixes its prompts and samples on either device)."""
     from dynatree_core.models import load_model
 
     if threads:
@@ -81,7 +86,7 @@ def run(
     print(f"data: {chunks - len(todo)}/{chunks} chunks present in {out_dir}", flush=True)
     if not todo:
         return
-    target = load_model("embedded", device="cpu", dtype=dtype)
+    target = load_model("embedded", device=device, dtype=dtype)
     for i in todo:
         t0 = time.perf_counter()
         chunk = generate_chunk(

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from dynatree_core.drafting.feature import FeatureDraft
 from dynatree_core.models import resolve_device
 from dynatree_core.training.corpus import SHARD, _checksum
+from dynatree_core.training.feature_talf import feature_talf_loss
 from dynatree_core.training.ledger import record
 from dynatree_core.vocab import OTHER, TokenMap
 
@@ -159,14 +160,8 @@ class FeatureTrainConfig:
     device: str = "auto"
     ce_share: float = 1.0  # share of positions the CE is taken over (< 1 saves head products on a CPU)
     autocast: str = "bfloat16"  # mixed precision for forward and loss ("" for float32)
-
-
-def _reduced_logits(draft: FeatureDraft, h: torch.Tensor) -> torch.Tensor:
-    """Head logits with OTHER (never proposed) masked out."""
-    logits = draft.lm.lm_head(h).float()
-    if draft.token_map is not None:
-        logits[..., OTHER] = -torch.inf
-    return logits
+    loss: str = "kd"  # "kd" (EAGLE: regression + CE) or "talf" (tree-aware CE over target trees, feature_talf.py)
+    regression_weight: float = 0.0  # TALF only: add the feature regression (the paper drops it)
 
 
 def feature_kd_loss(
@@ -195,9 +190,9 @@ def feature_kd_loss(
     m = mask.float()
     reg = (F.smooth_l1_loss(pred, goal, reduction="none").mean(-1) * m).sum() / m.sum().clamp(min=1)
     rows = mask if ce_share >= 1 else mask & (torch.rand(mask.shape, device=mask.device) < ce_share)
-    logq = torch.log_softmax(_reduced_logits(draft, pred[rows]), -1)
+    logq = torch.log_softmax(draft.reduced_logits(pred[rows]), -1)
     with torch.no_grad():
-        p = torch.softmax(_reduced_logits(draft, goal[rows]), -1)
+        p = torch.softmax(draft.reduced_logits(goal[rows]), -1)
     ce = -(p * logq.nan_to_num(neginf=0.0)).sum(-1).sum() / max(int(rows.sum()), 1)
     hit = (logq.argmax(-1) == p.argmax(-1)).float().mean() if len(p) else torch.tensor(0.0)
     parts = {"regression": float(reg.detach()), "ce": float(ce.detach()), "agreement": float(hit)}
@@ -253,7 +248,7 @@ def agreement_by_depth(
             mask = depth_mask(level, width, pair_valid.cpu()).to(device=device, dtype=draft.dtype)
             out = draft.lm.model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask).last_hidden_state
             pred = out[:, (level - 1) * width :]
-            pick = _reduced_logits(draft, pred).argmax(-1)
+            pick = draft.reduced_logits(pred).argmax(-1)
             if draft.token_map is not None:
                 pick = draft.token_map.draft_to_target.to(device)[pick]
             ok = pair_valid.clone()
@@ -303,12 +298,25 @@ def train_feature_draft(
     out: Path,
     cfg: FeatureTrainConfig,
     *,
+    init_from: Path | None = None,
+    trees=None,
     log=print,
 ) -> FeatureDraft:
-    """KD training (resumable from `out/checkpoint.pt`); saves the draft to `out/draft`."""
+    """KD or TALF training (resumable from `out/checkpoint.pt`); saves the draft to `out/draft`.
+
+    `init_from`: a saved feature draft to start from (weights only: TALF fine-tunes a converged
+    KD draft, Alg. 1). `trees`: the target trees (`feature_talf.TargetTrees`) for cfg.loss "talf"."""
+    if cfg.loss not in ("kd", "talf"):
+        raise SystemExit(f"--loss must be kd or talf, not {cfg.loss!r}")
+    if cfg.loss == "talf" and trees is None:
+        raise SystemExit("--loss talf needs target trees (run talf-label first)")
     device = resolve_device(cfg.device)
     out.mkdir(parents=True, exist_ok=True)
     draft = FeatureDraft.from_target(target, token_map, seed=cfg.seed).float().to(device).train()
+    if init_from is not None and not (out / "checkpoint.pt").exists():
+        start = FeatureDraft.load(init_from, target)
+        draft.load_state_dict({k: v.float() for k, v in start.state_dict().items()})
+        log(f"train-feature: initialised from {init_from}")
     draft.lm.lm_head.weight.requires_grad_(False)  # the target's rows, frozen (EAGLE)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -328,11 +336,26 @@ def train_feature_draft(
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
         for group in opt.param_groups:
             group["lr"] = lr
-        x, f, valid = data.batch(data.sample(rng, cfg.batch, cfg.onpolicy_share), device)
-        with _autocast(device, cfg.autocast):
-            loss, parts = feature_kd_loss(
-                draft, x, f, valid, noise=cfg.noise, ce_weight=cfg.ce_weight, ce_share=cfg.ce_share
-            )
+        if cfg.loss == "talf":  # windows with target trees (on-policy first: see talf.label_trees)
+            pick = rng.choice(len(trees), cfg.batch, replace=len(trees) < cfg.batch)
+            x, f, valid = data.batch(trees.rows[pick], device)
+            with _autocast(device, cfg.autocast):
+                loss, parts = feature_talf_loss(
+                    draft,
+                    x,
+                    f,
+                    valid,
+                    trees.batch(pick),
+                    noise=cfg.noise,
+                    ce_share=cfg.ce_share,
+                    regression_weight=cfg.regression_weight,
+                )
+        else:
+            x, f, valid = data.batch(data.sample(rng, cfg.batch, cfg.onpolicy_share), device)
+            with _autocast(device, cfg.autocast):
+                loss, parts = feature_kd_loss(
+                    draft, x, f, valid, noise=cfg.noise, ce_weight=cfg.ce_weight, ce_share=cfg.ce_share
+                )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -342,10 +365,9 @@ def train_feature_draft(
         if step % cfg.log_every == 0 or step == cfg.steps:
             dt = time.perf_counter() - t_last
             record("train-feature", dt, tokens=tokens_since, item=f"steps to {step}", run=str(out))
-            log(
-                f"train-feature: step {step} loss {loss.item():.4f} reg {parts['regression']:.4f} "
-                f"ce {parts['ce']:.3f} agree {parts['agreement']:.3f} lr {lr:.2e} ({tokens_since / dt:.0f} tokens/s)"
-            )
+            terms = " ".join(f"{k} {v:.3f}" for k, v in parts.items())
+            rate = tokens_since / dt
+            log(f"train-feature: step {step} loss {loss.item():.4f} {terms} lr {lr:.2e} ({rate:.0f} tokens/s)")
             t_last, tokens_since = time.perf_counter(), 0
         if step % cfg.eval_every == 0 or step == cfg.steps:
             draft.eval()
