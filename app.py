@@ -24,6 +24,7 @@ from dynatree_core.engine import DecodeConfig, generate, resolve_verifier
 from dynatree_core.engine_process import call
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.live import LiveRun, ProcessRun
+from dynatree_core.metrics import exactness_note
 from dynatree_core.prompts import load_prompts
 from dynatree_core.sampling import SamplingConfig
 from dynatree_core.session import encode_prompt
@@ -180,9 +181,8 @@ def start_in_thread() -> tuple[LiveRun, bool]:
         ids,
         policy,
         settings=settings,
-        draft=pair.draft.model if pair.draft and policy.needs_draft_model else None,
         config=config,
-        draft_token_map=pair.draft.token_map if pair.draft else None,
+        **pair.drafting(policy),
         detokenize=lambda tok: pair.target.tokenizer.decode([tok]),
     )
     return run, pair.draft_is_stand_in
@@ -235,10 +235,9 @@ def baseline_view() -> None:
                     pair.target.model,
                     ids,
                     policy,
-                    draft=pair.draft.model if pair.draft and policy.needs_draft_model else None,
                     config=config,
                     tokenizer=pair.target.tokenizer,
-                    draft_token_map=pair.draft.token_map if pair.draft else None,
+                    **pair.drafting(policy),
                 )
             state.baseline = (json.dumps(settings, sort_keys=True), result)
         except DynaTreeError as exc:
@@ -465,9 +464,10 @@ def measured_caption(run: LiveRun) -> str:
         if isinstance(run, ProcessRun)
         else f"in a thread of the page's process ({threads_caption()})"
     )
+    note = exactness_note(run.dtype)
     return (
         f"Measured on {run.device}, {run.dtype}, from engine time (drawing excluded): the engine decodes{kind} {where} "
-        f"and the page draws its latest iteration every {RENDER_INTERVAL_S} s."
+        f"and the page draws its latest iteration every {RENDER_INTERVAL_S} s." + (f" {note}" if note else "")
     )
 
 

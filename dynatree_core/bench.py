@@ -24,6 +24,7 @@ from typing import Any
 from dynatree_core.compare import Entry, EntryStats, measure
 from dynatree_core.engine import DecodeConfig
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.metrics import exactness_note
 from dynatree_core.packing import is_packed
 from dynatree_core.prompts import Prompt
 from dynatree_core.session import encode_prompt
@@ -154,7 +155,8 @@ class BenchReport:
                 f"{e.tokens_per_iteration:.2f} | {e.acceptance_rate:.2f} | {e.mean_accepted_length:.2f} | {ttft} | "
                 f"{tpot} | {split} | {outside} | {e.peak_memory_mb:.0f} | {exact} |"
             )
-        return "\n".join(out)
+        note = exactness_note(self.environment.get("dtype", "float32"))
+        return "\n".join(out + ([f"\n{note}"] if note else []))
 
 
 def run_bench(

@@ -64,6 +64,7 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         "--no-static-cache", action="store_true", help="transformers' DynamicCache (concatenates per forward)"
     )
     p.add_argument("--no-fast-forward", action="store_true", help="the stock HF forward instead of the lean one")
+    p.add_argument("--no-graphs", action="store_true", help="CUDA: eager forwards instead of captured CUDA graphs")
 
 
 def _forward_options(args) -> dict:
@@ -71,6 +72,7 @@ def _forward_options(args) -> dict:
     return {
         "static_cache": False if args.no_static_cache else None,
         "fast_forward": False if args.no_fast_forward else None,
+        "graphs": False if args.no_graphs else None,
     }
 
 
@@ -332,7 +334,7 @@ def cmd_latency(args) -> None:
     options = _forward_options(args)
     points = profile(
         models, tokens, contexts, args.repeats, progress=stderr_progress,
-        static=options["static_cache"], fast=options["fast_forward"],
+        static=options["static_cache"], fast=options["fast_forward"], graphs=options["graphs"],
     )  # fmt: skip
     print(file=sys.stderr)
     model = pair.target.model
@@ -342,7 +344,7 @@ def cmd_latency(args) -> None:
             str(model.dtype).removeprefix("torch."),
             is_packed(model),
             pair.dtype_source,
-            forward_path=forward_path(model, options["static_cache"], options["fast_forward"]),
+            forward_path=forward_path(model, options["static_cache"], options["fast_forward"], options["graphs"]),
         ),
         "command": "python -m dynatree_core " + shlex.join(args.argv),
         "points": [dataclasses.asdict(p) for p in points],
@@ -448,10 +450,9 @@ def cmd_generate(args) -> None:
                 target.model,
                 prompt_ids,
                 policy,
-                draft=pair.draft.model if pair.draft else None,
                 config=config,
                 tokenizer=target.tokenizer,
-                draft_token_map=pair.draft.token_map if pair.draft else None,
+                **pair.drafting(policy),
             )
         )
     if args.json:

@@ -43,6 +43,7 @@ class DecodeConfig:
     # How forwards run (kv.py, fastpath.py); None: on unless DYNATREE_STATIC_CACHE / DYNATREE_FAST_FORWARD=0
     static_cache: bool | None = None  # preallocated per-run KV buffers, compacted in place
     fast_forward: bool | None = None  # the lean forward over them (Llama-family models)
+    graphs: bool | None = None  # fixed-shape forwards, one CUDA graph per width (graphs.py; default: on CUDA)
 
 
 def resolve_verifier(policy: Policy, config: DecodeConfig) -> tuple[str, str]:
@@ -138,7 +139,10 @@ def decode(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     paths = dict(
-        capacity=min(ctx, len(prompt_ids) + config.max_new_tokens), static=config.static_cache, fast=config.fast_forward
+        capacity=min(ctx, len(prompt_ids) + config.max_new_tokens),
+        static=config.static_cache,
+        fast=config.fast_forward,
+        graphs=config.graphs,
     )
     target_kv = KVState(target, prompt_ids, **paths)
     drafter = None
@@ -327,6 +331,6 @@ def generate(
         device=str(device),
         dtype=str(target.dtype).removeprefix("torch."),
         threads=torch.get_num_threads(),
-        forward_path=forward_path(target, config.static_cache, config.fast_forward),
+        forward_path=forward_path(target, config.static_cache, config.fast_forward, config.graphs),
         draft_kind=draft_kind(draft) if policy.needs_draft_model else "",
     )

@@ -52,8 +52,10 @@ class SlotLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         shape = lambda t: (*t.shape[:-2], self.capacity, t.shape[-1])  # noqa: E731
-        self.key_buf = torch.empty(shape(key_states), dtype=self.dtype, device=self.device)
-        self.value_buf = torch.empty(shape(value_states), dtype=self.dtype, device=self.device)
+        # zeros, not empty: the padded forward (graphs.py) attends over every slot, masked ones
+        # included, and 0 x NaN from uninitialised memory would still be NaN
+        self.key_buf = torch.zeros(shape(key_states), dtype=self.dtype, device=self.device)
+        self.value_buf = torch.zeros(shape(value_states), dtype=self.dtype, device=self.device)
         self.is_initialized = True
         self._views()
 
@@ -92,7 +94,7 @@ class SlotLayer(DynamicLayer):
         capacity = max(needed + SLACK, self.capacity * 3 // 2)
         for name in ("key_buf", "value_buf"):
             old = getattr(self, name)
-            new = torch.empty((*old.shape[:-2], capacity, old.shape[-1]), dtype=old.dtype, device=old.device)
+            new = torch.zeros((*old.shape[:-2], capacity, old.shape[-1]), dtype=old.dtype, device=old.device)
             new[..., : self.length, :] = old[..., : self.length, :]
             setattr(self, name, new)
         self.capacity = capacity
@@ -118,13 +120,22 @@ def _full_attention_only(model: torch.nn.Module) -> bool:
     return not getattr(config, "sliding_window", None)
 
 
-def forward_path(model: torch.nn.Module, static: bool | None = None, fast: bool | None = None) -> str:
-    """How KVState runs this model's forwards: "lean", "static" (HF forward, static cache) or "dynamic"."""
+def forward_path(
+    model: torch.nn.Module, static: bool | None = None, fast: bool | None = None, graphs: bool | None = None
+) -> str:
+    """How KVState runs this model's forwards: "lean+graphs" (captured, CUDA), "lean+padded" (the
+    same fixed shapes run eagerly), "lean", "static" (HF forward, static cache) or "dynamic"."""
     from dynatree_core.fastpath import fast_forward_enabled, supports_lean
+    from dynatree_core.graphs import graphs_enabled
 
     if not (static_cache_enabled(static) and _full_attention_only(model)):
         return "dynamic"
-    return "lean" if fast_forward_enabled(fast) and supports_lean(model) else "static"
+    if not (fast_forward_enabled(fast) and supports_lean(model)):
+        return "static"
+    device = model.get_input_embeddings().weight.device
+    if graphs_enabled(device, graphs):
+        return "lean+graphs" if device.type == "cuda" else "lean+padded"
+    return "lean"
 
 
 class KVState:
@@ -147,8 +158,10 @@ class KVState:
         capacity: int | None = None,
         static: bool | None = None,
         fast: bool | None = None,
+        graphs: bool | None = None,
     ):
         from dynatree_core.fastpath import lean_forward_for
+        from dynatree_core.graphs import PaddedForward, graphs_enabled
 
         self.model = model
         self.static = static_cache_enabled(static) and _full_attention_only(model)
@@ -161,6 +174,10 @@ class KVState:
 
             self.cache = DynamicCache(config=model.config)
         self.lean = lean_forward_for(model, fast) if self.static else None
+        self.padded = None  # fixed-shape forwards, captured as CUDA graphs on a GPU (graphs.py)
+        if self.lean is not None and graphs_enabled(self.device, graphs):
+            capture = self.device.type == "cuda"
+            self.padded = PaddedForward(self.lean, self.cache.layers, model, capture=capture)
         self.length = 0  # tokens whose KV is in the cache
         self.pending: list[int] = list(prompt_ids)  # committed, not yet in the cache
         self.forwards = 0
@@ -205,6 +222,14 @@ class KVState:
             raise ValueError(f"mask shape {tuple(visible.shape)} != {(q, self.length + q)}")
         device = self.device
         dtype = self.model.dtype
+        if self.padded is not None and self.padded.fits(q):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            logits, states = self.padded(
+                token_ids, position_ids, visible, self.length, logits_to_keep, embeds=embeds, dtype=dtype, device=device
+            )
+            return self._done(q, logits, states, hidden, t0)
         mask = torch.zeros(visible.shape, dtype=dtype, device=device)
         mask.masked_fill_(~visible.to(device), torch.finfo(dtype).min)
         ids = torch.tensor([token_ids], device=device)
@@ -240,9 +265,13 @@ class KVState:
                 logits_to_keep=logits_to_keep,
             )
             logits = out.logits[0]
+        return self._done(q, logits, states, hidden, t0)
+
+    def _done(self, q: int, logits: torch.Tensor, states, hidden: bool, t0: float):
+        """Account for a forward of q rows that started at `t0`."""
         logits = logits.float()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.forward_ms += (time.perf_counter() - t0) * 1e3
         self.length += q
         self.forwards += 1

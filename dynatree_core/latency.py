@@ -43,12 +43,13 @@ def forward_ms(
     *,
     static: bool | None = None,
     fast: bool | None = None,
+    graphs: bool | None = None,
 ) -> float:
     """Median ms of a forward over `new_tokens` tokens with `context` tokens already cached, on
     the forward path the engine would use (`static` / `fast`: kv.KVState's switches)."""
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = [(7 * i + 3) % vocab for i in range(context + new_tokens)]
-    kv = KVState(model, ids[:context], capacity=context + new_tokens, static=static, fast=fast)
+    kv = KVState(model, ids[:context], capacity=context + new_tokens, static=static, fast=fast, graphs=graphs)
     prefill = chain_then_tree_visibility(0, context, torch.zeros(0, 0, dtype=torch.bool))
     kv.forward(kv.pending, list(range(context)), prefill, logits_to_keep=1)
     kv.pending = []
@@ -76,13 +77,14 @@ def profile(
     *,
     static: bool | None = None,
     fast: bool | None = None,
+    graphs: bool | None = None,
 ) -> list[LatencyPoint]:
     points = []
     total, done = len(models) * len(tokens) * len(contexts), 0
     for name, model in models.items():
         for context in contexts:
             for n in tokens:
-                ms = forward_ms(model, context, n, repeats, static=static, fast=fast)
+                ms = forward_ms(model, context, n, repeats, static=static, fast=fast, graphs=graphs)
                 points.append(LatencyPoint(name, context, n, ms))
                 done += 1
                 if progress:

@@ -16,6 +16,20 @@ from typing import Any
 from dynatree_core.trace import IterationRecord, RunResult
 
 
+def exactness_note(dtype: str) -> str | None:
+    """What a reduced-precision run promises about greedy exactness (None for float32: identical).
+
+    The algorithm is exact in any dtype; the arithmetic is not. A tree forward computes a token's
+    logits in a different batch shape than `ar`'s 1-token forward, and in bfloat16/float16 the
+    rounding differs enough to flip the argmax where two tokens nearly tie (issue 16, item 3)."""
+    if str(dtype).removeprefix("torch.") in ("float32", "float64"):
+        return None
+    return (
+        f"In {str(dtype).removeprefix('torch.')}, greedy outputs can differ from `ar`'s at near-ties: the tree "
+        "forward rounds differently from a 1-token forward (numerics, not the algorithm). float32 is token-identical."
+    )
+
+
 def memory_mb(device, resident_bytes: int = 0) -> float:
     """Peak memory of a run. On a GPU: the allocator's peak (weights, caches and activations). On
     CPU torch keeps no allocator statistics, so the caller passes what it holds: the weights of
