@@ -16,6 +16,7 @@ from dynatree_core.drafting import make_policy
 from dynatree_core.engine import DecodeConfig, generate
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.sampling import SamplingConfig
+from dynatree_core.session import ModelPair
 
 PROMPT = [1, 5, 7, 9]
 
@@ -23,7 +24,7 @@ PROMPT = [1, 5, 7, 9]
 def tiny_pair():
     model = SimpleNamespace(model=tiny_model("llama"), tokenizer=None)
     draft = SimpleNamespace(model=noisy_copy("llama", 0.01), token_map=None)
-    return SimpleNamespace(target=model, draft=draft)
+    return ModelPair(target=model, draft=draft)  # stand-ins for LoadedModel: the fields compare reads
 
 
 def test_schedule_warms_up_then_interleaves_rotated_rounds():
