@@ -230,7 +230,7 @@ def cmd_presets(args) -> None:
 
 def cmd_bench(args) -> None:
     from dynatree_core import bench as B
-    from dynatree_core.compare import Entry
+    from dynatree_core.compare import Entry, parse_spec
     from dynatree_core.drafting import POLICIES, make_policy
     from dynatree_core.engine import DecodeConfig
     from dynatree_core.prompts import load_prompts
@@ -238,7 +238,7 @@ def cmd_bench(args) -> None:
     from dynatree_core.session import load_pair
 
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    specs = [(n, {}, "auto") for n in names] + [B.parse_spec(s) for s in args.policy]
+    specs = [(n, {}, "auto") for n in names] + [parse_spec(s) for s in args.policy]
     sweeps = [B.parse_sweep(s) for s in args.sweep]
     setting, param_sweeps = B.split_sweeps(sweeps)
     if not specs and not param_sweeps:
@@ -313,7 +313,8 @@ def cmd_bench(args) -> None:
 def cmd_latency(args) -> None:
     import dataclasses
 
-    from dynatree_core.bench import environment, stderr_progress
+    from dynatree_core.bench import stderr_progress
+    from dynatree_core.environment import environment
     from dynatree_core.kv import forward_path
     from dynatree_core.latency import latency_figure, profile
     from dynatree_core.packing import is_packed
@@ -379,7 +380,8 @@ def cmd_dtype(args) -> None:
     import dataclasses
 
     from dynatree_core.bench import stderr_progress
-    from dynatree_core.dtypes import choose, probe, save_choice
+    from dynatree_core.dtype_probe import probe
+    from dynatree_core.dtypes import choose, save_choice
     from dynatree_core.models import resolve_device
 
     if args.max_new_tokens < 1 or args.limit < 1:

@@ -31,6 +31,19 @@ REFERENCES = ("ar", "hf_generate")
 COMPARE_VERSION = 1
 
 
+def parse_spec(spec: str) -> tuple[str, dict[str, str], str]:
+    """'name', 'name:key=value,key=value', either with '@verifier' appended."""
+    spec, _, verifier = spec.partition("@")
+    name, _, rest = spec.partition(":")
+    params = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise DynaTreeError(f"policy spec {spec!r}: expected key=value, got {item!r}")
+        params[key.strip()] = value.strip()
+    return name.strip(), params, verifier.strip() or "auto"
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """One contestant: a registered policy with its parameters and a unique label."""
@@ -407,8 +420,6 @@ def run_schedule(
 
 def parse_entries(specs: list[str]) -> list[Entry]:
     """CLI specs 'name' or 'name:key=value,...' -> entries (unknown policies named)."""
-    from dynatree_core.bench import parse_spec
-
     out = []
     for spec in specs:
         name, params, verifier = parse_spec(spec)
