@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pandas as pd
 import streamlit as st
-import torch
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from dynatree_core.drafting import POLICIES, make_policy
@@ -156,7 +155,6 @@ def prepare():
         pair = cached_pair(target_spec, draft_spec, device, dtype)
     policy = make_policy(policy_name, params)
     ids = encode_prompt(pair.target.tokenizer, prompt, chat=chat)
-    torch.manual_seed(int(seed))
     return pair, policy, ids, decode_config(pair.target.eos_token_ids, pair.target.context_length)
 
 

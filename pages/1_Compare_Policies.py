@@ -44,7 +44,9 @@ with st.sidebar:
     include_hf = st.toggle("HF generate reference", True, key="cmp_hf", help="Time HF's plain generate as well.")
 
 prompts = load_prompts("all")
-example = st.selectbox("Example prompt", ["(your own)", *[p.text for p in prompts[:12]]], key="cmp_example")
+example = st.selectbox(  # opens on the first bundled prompt, so Compare works at once
+    "Example prompt", ["(your own)", *[p.text for p in prompts[:12]]], index=1, key="cmp_example"
+)
 prompt = st.text_area("Prompt", "" if example == "(your own)" else example, height=80, key=f"cmp_prompt_{example}")
 chat = st.toggle("Chat template", value=True, key="cmp_chat")
 

@@ -166,6 +166,7 @@ def test_compare_page_runs_two_policies_and_shows_results(tiny_pair_dirs):
     at = AppTest.from_file(str(page), default_timeout=300)
     at.run()
     assert not at.exception, at.exception
+    assert next(t for t in at.text_area if t.label == "Prompt").value.strip(), "the page opens with a prompt"
     _custom_pair(at, tiny_pair_dirs)
     next(n for n in at.number_input if n.label == "Policies to compare").set_value(2)
     next(s for s in at.slider if s.label == "Max new tokens").set_value(6)

@@ -86,3 +86,10 @@ def test_the_checker_catches_an_upward_function_local_import(tmp_path):
     bad.write_text("def f():\n    from dynatree_core.engine import decode\n    return decode\n")
     found = [m for _, m in _imports(bad)]
     assert found == ["dynatree_core.engine"] and RANK[_unit(found[0])] > RANK["kv"]
+
+
+def test_the_app_and_pages_never_reseed_the_process_wide_generator():
+    """Every browser session shares the process: a page that calls torch.manual_seed changes the
+    draws of every other session's run (the engine seeds its own generator from the run's seed)."""
+    for path in [ROOT / "app.py", *sorted((ROOT / "pages").glob("*.py")), PACKAGE / "ui.py"]:
+        assert "manual_seed" not in path.read_text(encoding="utf-8"), path
