@@ -6,7 +6,6 @@ Errors caused by input exit with status 2 and print one line, `error: <message>`
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import shlex
@@ -233,7 +232,7 @@ def cmd_bench(args) -> None:
     from dynatree_core.compare import Entry, parse_spec
     from dynatree_core.drafting import POLICIES, make_policy
     from dynatree_core.engine import DecodeConfig
-    from dynatree_core.prompts import load_prompts
+    from dynatree_core.prompts import choose_prompts
     from dynatree_core.sampling import SamplingConfig
     from dynatree_core.session import load_pair
 
@@ -262,12 +261,7 @@ def cmd_bench(args) -> None:
     if args.warmup < 0:
         raise DynaTreeError(f"--warmup must be >= 0, got {args.warmup}")
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    prompts = load_prompts(args.prompts, limit=args.limit or None)
-    by_domain: dict[str, list] = {}
-    for p in prompts:
-        by_domain.setdefault(p.domain, []).append(p)
-    spread = [p for group in itertools.zip_longest(*by_domain.values()) for p in group if p is not None]
-    chosen = spread[: args.limit] if args.limit > 0 else spread
+    chosen = choose_prompts(args.prompts, args.limit)
     target_spec, draft_spec = _resolve_models(args)
     pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype, pack=not args.no_pack)
     config = DecodeConfig(

@@ -10,7 +10,7 @@ from dynatree_core.drafting import make_policy
 from dynatree_core.dtypes import DtypeRow, candidates
 from dynatree_core.engine import DecodeConfig, generate
 from dynatree_core.models import resolve_device
-from dynatree_core.prompts import load_prompts
+from dynatree_core.prompts import choose_prompts
 from dynatree_core.session import encode_prompt, load_pair
 
 
@@ -27,7 +27,7 @@ def probe(
 ) -> list[DtypeRow]:
     """AR and `policy` on every prompt in every candidate dtype (one process, one after another)."""
     torch_device = resolve_device(device)
-    prompts = load_prompts("all")[:: max(1, 32 // limit)][:limit]  # spread over the bundled domains
+    prompts = choose_prompts("all", limit)
     rows = []
     names = dtypes or candidates(torch_device)
     for i, name in enumerate(names):

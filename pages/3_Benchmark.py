@@ -14,7 +14,7 @@ from dynatree_core.compare import Entry
 from dynatree_core.drafting import POLICIES
 from dynatree_core.engine import DecodeConfig
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.prompts import CORPORA, bundled_sets, load_prompts
+from dynatree_core.prompts import CORPORA, bundled_sets, choose_prompts
 from dynatree_core.ui import cached_pair, forward_lock, model_picker
 
 st.set_page_config(page_title="Benchmark", page_icon="⏱️", layout="wide")
@@ -70,7 +70,7 @@ if st.button("Run benchmark", type="primary", icon=":material/timer:"):
         if not prompt_spec:
             raise DynaTreeError("enter the prompt file's path")
         with st.spinner("Loading prompts..."):
-            prompts = load_prompts(prompt_spec, limit=limit)[:limit]
+            prompts = choose_prompts(prompt_spec, limit)
         with st.spinner("Loading models..."):
             pair = cached_pair(target_spec, draft_spec, device, dtype)
         config = DecodeConfig(
