@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("metrics", "dtypes"),
     ("drafting", "verify"),
     ("engine",),
-    ("lab", "latency", "session"),
+    ("lab", "latency", "session", "settings"),
     ("compare", "engine_process", "dtype_probe"),
     ("bench", "live"),
     ("viz", "training", "ui", "cli"),
