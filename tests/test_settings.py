@@ -25,7 +25,9 @@ def test_the_run_spec_is_the_registry_and_checks_its_values():
         RunSpec(verifier="nope")
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.seed = 3
-    config = RunSpec(max_new_tokens=9, temperature=0.7, top_k=5, order="dfs", seed=4).decode_config(seed=6, analyze=True)
+    config = RunSpec(max_new_tokens=9, temperature=0.7, top_k=5, order="dfs", seed=4).decode_config(
+        seed=6, analyze=True
+    )
     assert (config.max_new_tokens, config.order, config.seed, config.analyze) == (9, "dfs", 6, True)
     assert (config.sampling.temperature, config.sampling.top_p, config.sampling.top_k) == (0.7, 1.0, 5)
     assert RunSpec.of({"seed": 2, "top_k": None, "prompt": "x"}) == RunSpec(seed=2), "unknown keys and None ignored"
