@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dynatree_core.drafting import POLICIES, DraftRequest, make_policy
-from dynatree_core.drafting.dynamic import sibling_value
+from dynatree_core.drafting.common import sibling_value
 from dynatree_core.tree import DraftTree, Status
 
 VOCAB = 12
