@@ -9,6 +9,7 @@ st.session_state, so two tabs run independently.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import pandas as pd
 import streamlit as st
-import torch
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from dynatree_core.drafting import POLICIES, make_policy
@@ -26,8 +26,8 @@ from dynatree_core.errors import DynaTreeError
 from dynatree_core.live import LiveRun, ProcessRun
 from dynatree_core.metrics import exactness_note
 from dynatree_core.prompts import load_prompts
-from dynatree_core.sampling import SamplingConfig
 from dynatree_core.session import encode_prompt
+from dynatree_core.settings import RunSpec
 from dynatree_core.trace import IterationRecord
 from dynatree_core.ui import (
     advance,
@@ -40,6 +40,7 @@ from dynatree_core.ui import (
     live_engine_mode,
     model_picker,
     param_widgets,
+    setting_widget,
     show_run_error,
     threads_caption,
 )
@@ -85,25 +86,14 @@ with st.sidebar:
     st.caption(POLICIES[policy_name].__doc__.strip().splitlines()[0] if POLICIES[policy_name].__doc__ else "")
     params = param_widgets(policy_name)
     st.header("Sampling")
-    temperature = st.slider(
-        "Temperature", 0.0, 2.0, 0.0, 0.05, help="0: greedy. Above 0 the same adjustment applies to target and draft."
-    )
-    top_p = st.slider("Top-p", 0.05, 1.0, 1.0, 0.05, help="Nucleus sampling (1: off).", disabled=temperature == 0)
-    top_k = st.number_input("Top-k", 0, 1000, 0, help="0: off.", disabled=temperature == 0)
-    verifier = st.selectbox(
-        "Verifier",
-        ["auto", *VERIFIERS],
-        help="auto: greedy at temperature 0; else specinfer when the policy can draw i.i.d. children, nss "
-        "otherwise. " + " ".join(f"**{v.name}**: {v.summary}." for v in VERIFIERS.values()),
-    )
-    order = st.radio(
-        "Node order sent to the target",
-        ["bfs", "dfs"],
-        horizontal=True,
-        help="Changes the mask layout, not the result.",
-    )
-    max_new = st.slider("Max new tokens", 1, 512, 64, help="Stop after this many generated tokens.")
-    seed = st.number_input("Seed", 0, 2**31 - 1, 0, help="Seeds sampling (greedy runs do not depend on it).")
+    temperature = setting_widget("temperature")
+    top_p = setting_widget("top_p", disabled=temperature == 0)
+    top_k = setting_widget("top_k", disabled=temperature == 0)
+    verifier = setting_widget("verifier")
+    order = setting_widget("order")
+    max_new = setting_widget("max_new_tokens")
+    seed = setting_widget("seed")
+    spec = RunSpec(max_new, temperature, top_p, top_k, verifier, order, seed)
 
 examples = load_prompts("all")
 example = st.selectbox(
@@ -124,13 +114,7 @@ settings = {
     "dtype": dtype,
     "policy": policy_name,
     "params": params,
-    "verifier": verifier,
-    "temperature": temperature,
-    "top_p": top_p,
-    "top_k": int(top_k),
-    "order": order,
-    "max_new_tokens": max_new,
-    "seed": int(seed),
+    **dataclasses.asdict(spec),
     "prompt": prompt,
     "chat": chat,
 }
@@ -138,15 +122,10 @@ settings = {
 
 def decode_config(eos_token_ids: frozenset[int], context_length: int) -> DecodeConfig:
     """The run's DecodeConfig from the sidebar, for a target with these EOS ids and context."""
-    return DecodeConfig(
-        max_new_tokens=max_new,
+    return spec.decode_config(
         eos_token_ids=eos_token_ids,
         context_length=context_length,
-        order=order,
-        sampling=SamplingConfig(temperature=temperature, top_p=top_p, top_k=int(top_k)),
-        verifier=verifier,
-        seed=int(seed),
-        analyze=temperature > 0,  # expected vs realised acceptance per node (outside the timings)
+        analyze=spec.temperature > 0,  # expected vs realised acceptance per node (outside the timings)
     )
 
 
@@ -156,7 +135,6 @@ def prepare():
         pair = cached_pair(target_spec, draft_spec, device, dtype)
     policy = make_policy(policy_name, params)
     ids = encode_prompt(pair.target.tokenizer, prompt, chat=chat)
-    torch.manual_seed(int(seed))
     return pair, policy, ids, decode_config(pair.target.eos_token_ids, pair.target.context_length)
 
 
@@ -300,14 +278,9 @@ def glossary() -> str:
 def run_verifier(run: LiveRun) -> str:
     """The verifier a run used (as the engine resolved it); greedy for runs from older files."""
     try:
-        sampling = SamplingConfig(
-            temperature=float(run.settings.get("temperature") or 0),
-            top_p=float(run.settings.get("top_p") or 1),
-            top_k=int(run.settings.get("top_k") or 0),
-        )
-        config = DecodeConfig(sampling=sampling, verifier=run.settings.get("verifier") or "auto")
+        config = RunSpec.of(run.settings).decode_config()
         return resolve_verifier(make_policy(run.policy_name, run.params), config)[0]
-    except DynaTreeError:
+    except (DynaTreeError, TypeError):  # a file's settings we cannot read: its trees are greedy's
         return "greedy"
 
 

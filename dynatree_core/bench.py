@@ -15,14 +15,13 @@ import dataclasses
 import io
 import itertools
 import json
-import os
-import platform
 import statistics
 import sys
 from typing import Any
 
 from dynatree_core.compare import Entry, EntryStats, measure
 from dynatree_core.engine import DecodeConfig
+from dynatree_core.environment import environment
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.metrics import exactness_note
 from dynatree_core.packing import is_packed
@@ -35,58 +34,6 @@ SUMMARY_FIELDS = (
     "verify_ms_per_iteration", "overhead_ms_per_iteration", "peak_memory_mb", "memory_overhead", "tree_size_mean",
     "tree_size_max", "exact", "runs", "outside_forwards_share",
 )  # fmt: skip
-
-
-def parse_spec(spec: str) -> tuple[str, dict[str, str], str]:
-    """'name', 'name:key=value,key=value', either with '@verifier' appended."""
-    spec, _, verifier = spec.partition("@")
-    name, _, rest = spec.partition(":")
-    params = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise DynaTreeError(f"policy spec {spec!r}: expected key=value, got {item!r}")
-        params[key.strip()] = value.strip()
-    return name.strip(), params, verifier.strip() or "auto"
-
-
-def environment(
-    device: str, dtype: str, packed: bool = False, dtype_source: str = "", *, forward_path: str = ""
-) -> dict[str, Any]:
-    """What a result was measured on: hardware, library versions, threads (and where that number
-    came from), device, dtype, whether the linear layers ran pre-packed for oneDNN (packing.py)
-    and how forwards ran (kv.forward_path: lean / static / dynamic)."""
-    import torch
-    import transformers
-
-    from dynatree_core.threads import threads_source
-
-    cpu, flags = platform.processor() or "unknown", ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            info = f.read()
-        cpu = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), cpu)
-        flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "amx_bf16": "amx_bf16" in flags.split(),
-        "avx512_bf16": "avx512_bf16" in flags.split(),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "torch_threads": torch.get_num_threads(),
-        "threads_source": threads_source(),
-        "forward_path": forward_path,
-        "device": device,
-        "dtype": dtype,
-        "dtype_source": dtype_source,  # asked / probe (a saved `dtype` probe) / rule (auto's static rule)
-        "packed_linears": packed,
-        "platform": platform.platform(),
-    }
 
 
 def encode_prompts(tokenizer, prompts: list[Prompt], max_prompt_tokens: int | None) -> list[list[int]]:

@@ -6,7 +6,6 @@ Errors caused by input exit with status 2 and print one line, `error: <message>`
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import shlex
@@ -15,6 +14,8 @@ import warnings
 from pathlib import Path
 
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.models import DTYPES
+from dynatree_core.settings import RunSpec, add_flags
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,19 +43,20 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="wrap the prompt in the model's chat template (default: on when the tokenizer has one)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0, help="seeds sampling (sample / repetition i uses seed + i)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, target and draft alike")
-    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (0: off), target and draft alike")
-    p.add_argument("--verifier", default="auto", help="see `verifiers`; auto: greedy, or specinfer / nss")
+    add_flags(p, ("max_new_tokens", "seed", "temperature", "top_p", "top_k", "verifier"))
+    _model_arguments(p)
+    _engine_arguments(p)
+
+
+def _model_arguments(p: argparse.ArgumentParser, *, dtype: bool = True) -> None:
+    """The model pair and where it runs: one definition for every command that loads models."""
     p.add_argument("--preset", default=None, help="model pair preset (see `presets`); sets --target/--draft")
     p.add_argument("--target", default=None, help="target: embedded (default), hub id, local dir or .gguf")
     p.add_argument("--draft", default=None, help="draft model (default: the preset's draft)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--no-pack", action="store_true", help="CPU: plain nn.Linear (no oneDNN pre-packing)")
-    _engine_arguments(p)
+    if dtype:
+        p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: a saved probe, else the rule")
+        p.add_argument("--no-pack", action="store_true", help="CPU: plain nn.Linear (no oneDNN pre-packing)")
 
 
 def _engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--policy", default="fixed_tree", help="drafting policy (see `policies`)")
     gen.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="policy parameter")
     gen.add_argument("--num-samples", type=int, default=1, help="independent samples (models loaded once)")
-    gen.add_argument("--order", default="bfs", choices=["bfs", "dfs"], help="node order sent to the target")
+    add_flags(gen, ("order",))
     gen.add_argument("--json", action="store_true", help="print the RunResult as one JSON object")
     gen.add_argument("--trace", action="store_true", help="with --json: include per-iteration records")
     cmp = sub.add_parser("compare", help="compare 1-6 policies on one prompt (ar and HF generate as references)")
@@ -128,20 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--max-prompt-tokens", type=int, default=None, help="L_max: cut each prompt to its first L tokens"
     )
-    bench.add_argument("--max-new-tokens", type=int, default=48, help="T: new tokens per run")
+    add_flags(bench, ("max_new_tokens",))  # T: new tokens per run
     bench.add_argument("--repeats", type=int, default=1, help="R: measured rounds over all prompts")
     bench.add_argument("--warmup", type=int, default=1, help="W: discarded warm-up runs per policy")
     bench.add_argument("--no-hf", action="store_true", help="skip the HF generate reference")
-    bench.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled, round r uses seed r")
-    bench.add_argument("--top-p", type=float, default=1.0)
-    bench.add_argument("--top-k", type=int, default=0)
-    bench.add_argument("--verifier", default="auto", help="for every policy without its own @VERIFIER")
-    bench.add_argument("--preset", default=None)
-    bench.add_argument("--target", default=None)
-    bench.add_argument("--draft", default=None)
-    bench.add_argument("--device", default="auto")
-    bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    bench.add_argument("--no-pack", action="store_true", help="CPU: plain nn.Linear (no oneDNN pre-packing)")
+    add_flags(bench, ("temperature", "top_p", "top_k", "verifier"))  # sampled: round r uses seed r
+    _model_arguments(bench)
     _engine_arguments(bench)
     bench.add_argument(
         "--sweep",
@@ -162,25 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--tokens", default=",".join(map(str, (1, 2, 4, 8, 16, 32, 64, 128, 256))))
     lat.add_argument("--contexts", default="128,512", help="cached context lengths")
     lat.add_argument("--repeats", type=int, default=5, help="timed forwards per point (median)")
-    lat.add_argument("--preset", default=None)
-    lat.add_argument("--target", default=None)
-    lat.add_argument("--draft", default=None)
-    lat.add_argument("--device", default="auto")
-    lat.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    lat.add_argument("--no-pack", action="store_true", help="CPU: plain nn.Linear (no oneDNN pre-packing)")
+    _model_arguments(lat)
     _engine_arguments(lat)
     lat.add_argument("--out", type=Path, default=None, help="JSON points here, plot beside it (.html)")
     lat.add_argument("--json", action="store_true")
     dt = sub.add_parser(
         "dtype", help="measure which dtype is fastest and still exact on this device; `--dtype auto` then uses it"
     )
-    dt.add_argument("--preset", default=None)
-    dt.add_argument("--target", default=None)
-    dt.add_argument("--draft", default=None)
-    dt.add_argument("--device", default="auto")
+    _model_arguments(dt, dtype=False)
     dt.add_argument("--dtypes", default="", help="comma-separated candidates (default: this device's)")
     dt.add_argument("--policy", default="dynatree", help="the tree policy timed against AR")
-    dt.add_argument("--max-new-tokens", type=int, default=48)
+    add_flags(dt, ("max_new_tokens",))
     dt.add_argument("--limit", type=int, default=4, help="bundled prompts, spread over the domains")
     dt.add_argument("--no-save", action="store_true", help="measure and print, keep auto as it was")
     dt.add_argument("--json", action="store_true")
@@ -230,15 +216,13 @@ def cmd_presets(args) -> None:
 
 def cmd_bench(args) -> None:
     from dynatree_core import bench as B
-    from dynatree_core.compare import Entry
+    from dynatree_core.compare import Entry, parse_spec
     from dynatree_core.drafting import POLICIES, make_policy
-    from dynatree_core.engine import DecodeConfig
-    from dynatree_core.prompts import load_prompts
-    from dynatree_core.sampling import SamplingConfig
+    from dynatree_core.prompts import choose_prompts
     from dynatree_core.session import load_pair
 
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    specs = [(n, {}, "auto") for n in names] + [B.parse_spec(s) for s in args.policy]
+    specs = [(n, {}, "auto") for n in names] + [parse_spec(s) for s in args.policy]
     sweeps = [B.parse_sweep(s) for s in args.sweep]
     setting, param_sweeps = B.split_sweeps(sweeps)
     if not specs and not param_sweeps:
@@ -256,27 +240,16 @@ def cmd_bench(args) -> None:
     entries += [Entry(n, p, verifier="" if v == "auto" else v) for n, p, v in specs if n not in ("ar", "hf_generate")]
     for e in entries:
         make_policy(e.policy, e.params)  # validate before loading models
-    for name, value in (("--repeats", args.repeats), ("--max-new-tokens", args.max_new_tokens)):
-        if value < 1:
-            raise DynaTreeError(f"{name} must be at least 1, got {value}")
+    if args.repeats < 1:
+        raise DynaTreeError(f"--repeats must be at least 1, got {args.repeats}")
     if args.warmup < 0:
         raise DynaTreeError(f"--warmup must be >= 0, got {args.warmup}")
-    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    prompts = load_prompts(args.prompts, limit=args.limit or None)
-    by_domain: dict[str, list] = {}
-    for p in prompts:
-        by_domain.setdefault(p.domain, []).append(p)
-    spread = [p for group in itertools.zip_longest(*by_domain.values()) for p in group if p is not None]
-    chosen = spread[: args.limit] if args.limit > 0 else spread
+    spec = RunSpec.of(args)
+    chosen = choose_prompts(args.prompts, args.limit)
     target_spec, draft_spec = _resolve_models(args)
     pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype, pack=not args.no_pack)
-    config = DecodeConfig(
-        max_new_tokens=args.max_new_tokens,
-        eos_token_ids=pair.target.eos_token_ids,
-        context_length=pair.target.context_length,
-        sampling=sampling,
-        verifier=args.verifier,
-        **_forward_options(args),
+    config = spec.decode_config(
+        eos_token_ids=pair.target.eos_token_ids, context_length=pair.target.context_length, **_forward_options(args)
     )
     common = dict(
         config=config,
@@ -313,7 +286,8 @@ def cmd_bench(args) -> None:
 def cmd_latency(args) -> None:
     import dataclasses
 
-    from dynatree_core.bench import environment, stderr_progress
+    from dynatree_core.bench import stderr_progress
+    from dynatree_core.environment import environment
     from dynatree_core.kv import forward_path
     from dynatree_core.latency import latency_figure, profile
     from dynatree_core.packing import is_packed
@@ -379,7 +353,8 @@ def cmd_dtype(args) -> None:
     import dataclasses
 
     from dynatree_core.bench import stderr_progress
-    from dynatree_core.dtypes import choose, probe, save_choice
+    from dynatree_core.dtype_probe import probe
+    from dynatree_core.dtypes import choose, save_choice
     from dynatree_core.models import resolve_device
 
     if args.max_new_tokens < 1 or args.limit < 1:
@@ -409,17 +384,16 @@ def cmd_generate(args) -> None:
     import torch
 
     from dynatree_core.drafting import make_policy
-    from dynatree_core.engine import DecodeConfig, generate, resolve_verifier
-    from dynatree_core.sampling import SamplingConfig
+    from dynatree_core.engine import generate, resolve_verifier
     from dynatree_core.session import encode_prompt, load_pair
 
     prompt = _read_prompt(args)
     policy = make_policy(args.policy, _parse_params(args.param))  # validate before loading models
     if args.num_samples < 1:
         raise DynaTreeError(f"--num-samples must be at least 1, got {args.num_samples}")
-    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    spec = RunSpec.of(args)
     if not policy.black_box:
-        resolve_verifier(policy, DecodeConfig(sampling=sampling, verifier=args.verifier))
+        resolve_verifier(policy, spec.decode_config())
     target_spec, draft_spec = _resolve_models(args)
     torch.manual_seed(args.seed)
     pair = load_pair(
@@ -435,14 +409,10 @@ def cmd_generate(args) -> None:
     prompt_ids = encode_prompt(target.tokenizer, prompt, chat=chat)
     results = []
     for i in range(args.num_samples):
-        config = DecodeConfig(
-            max_new_tokens=args.max_new_tokens,
+        config = spec.decode_config(
             eos_token_ids=target.eos_token_ids,
             context_length=target.context_length,
-            order=args.order,
-            sampling=sampling,
-            verifier=args.verifier,
-            seed=args.seed + i,
+            seed=spec.seed + i,
             **_forward_options(args),
         )
         results.append(
@@ -473,25 +443,17 @@ def cmd_generate(args) -> None:
 
 def cmd_compare(args) -> None:
     from dynatree_core.compare import compare, parse_entries
-    from dynatree_core.engine import DecodeConfig
-    from dynatree_core.sampling import SamplingConfig
     from dynatree_core.session import encode_prompt, load_pair
 
     prompt = _read_prompt(args)
     entries = parse_entries(args.policy or ["linear", "fixed_tree", "dynatree", "salf"])
-    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    spec = RunSpec.of(args)
     target_spec, draft_spec = _resolve_models(args)
     pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype, pack=not args.no_pack)
     target = pair.target
     chat = args.chat if args.chat is not None else target.has_chat_template
-    config = DecodeConfig(
-        max_new_tokens=args.max_new_tokens,
-        eos_token_ids=target.eos_token_ids,
-        context_length=target.context_length,
-        sampling=sampling,
-        verifier=args.verifier,
-        seed=args.seed,
-        **_forward_options(args),
+    config = spec.decode_config(
+        eos_token_ids=target.eos_token_ids, context_length=target.context_length, **_forward_options(args)
     )
     result = compare(
         pair,

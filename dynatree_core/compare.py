@@ -25,10 +25,24 @@ from typing import Any
 from dynatree_core.drafting import POLICIES, make_policy
 from dynatree_core.engine import DecodeConfig, generate, resolve_verifier
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.metrics import depth_reach
 from dynatree_core.trace import IterationRecord, RunResult
 
 REFERENCES = ("ar", "hf_generate")
 COMPARE_VERSION = 1
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str], str]:
+    """'name', 'name:key=value,key=value', either with '@verifier' appended."""
+    spec, _, verifier = spec.partition("@")
+    name, _, rest = spec.partition(":")
+    params = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise DynaTreeError(f"policy spec {spec!r}: expected key=value, got {item!r}")
+        params[key.strip()] = value.strip()
+    return name.strip(), params, verifier.strip() or "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,14 +214,9 @@ def _round(x: float | None, digits: int) -> float | None:
 
 
 def _depth_acceptance(records: list[IterationRecord]) -> list[float]:
-    reached: dict[int, int] = {}
-    accepted: dict[int, int] = {}
-    for rec in records:
-        deepest = max((rec.tree.depths[n] for n in rec.order), default=0)
-        for d in range(1, deepest + 1):
-            reached[d] = reached.get(d, 0) + 1
-            accepted[d] = accepted.get(d, 0) + (len(rec.accepted) >= d)
-    return [accepted[d] / reached[d] for d in sorted(reached)]
+    """Realised acceptance by depth: accepted >= d over iterations whose tree reached depth d."""
+    reach = depth_reach(records)
+    return [accepted / reached for _, (reached, accepted) in sorted(reach.items())]
 
 
 def entry_stats(entry: Entry, verifier: str, rounds: list[list[RunResult]], best_reference_tps: float) -> EntryStats:
@@ -407,8 +416,6 @@ def run_schedule(
 
 def parse_entries(specs: list[str]) -> list[Entry]:
     """CLI specs 'name' or 'name:key=value,...' -> entries (unknown policies named)."""
-    from dynatree_core.bench import parse_spec
-
     out = []
     for spec in specs:
         name, params, verifier = parse_spec(spec)

@@ -6,7 +6,7 @@ the units (bfloat16 with AMX or on GPUs) but rounds logits coarsely, so a tree f
 tokens) and an AR forward (one token) can disagree on near-ties; whether that happens is a
 property of the model, the kernels and the device, so we measure it rather than assume it.
 
-`probe` runs AR and a tree policy on a few bundled prompts in every candidate dtype and keeps
+`dtype_probe.probe` runs AR and a tree policy on a few bundled prompts in every candidate dtype and keeps
 the fastest whose outputs all agree; the choice is saved under the cache dir, keyed by device,
 model pair and torch version, and `--dtype auto` uses it from then on (models.resolve_dtype).
 Without a saved probe, auto is the static rule: float32 on CPU, bfloat16 on GPUs that have it.
@@ -20,7 +20,9 @@ import time
 
 import torch
 
+from dynatree_core.environment import cpu_info
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.models import cache_dir
 
 CHOICE_FILE = "dtype-choice.json"
 
@@ -47,9 +49,7 @@ def candidates(device: torch.device) -> list[str]:
 def device_key(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
-    from dynatree_core.bench import environment
-
-    return f"cpu:{environment('cpu', '')['cpu']}:{torch.get_num_threads()} threads"
+    return f"cpu:{cpu_info()[0]}:{torch.get_num_threads()} threads"
 
 
 def choice_key(device: torch.device, target: str, draft: str | None) -> str:
@@ -65,8 +65,6 @@ def choose(rows: list[DtypeRow]) -> DtypeRow:
 
 
 def saved_choice(device: torch.device, target: str, draft: str | None = None) -> str | None:
-    from dynatree_core.models import cache_dir
-
     path = cache_dir() / CHOICE_FILE
     if not path.is_file():
         return None
@@ -80,8 +78,6 @@ def saved_choice(device: torch.device, target: str, draft: str | None = None) ->
 
 
 def save_choice(device: torch.device, target: str, draft: str | None, row: DtypeRow, rows: list[DtypeRow]) -> None:
-    from dynatree_core.models import cache_dir
-
     path = cache_dir() / CHOICE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -96,46 +92,3 @@ def save_choice(device: torch.device, target: str, draft: str | None, row: Dtype
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
-
-
-def probe(
-    target: str,
-    draft: str | None,
-    *,
-    device: str = "auto",
-    limit: int = 4,
-    max_new_tokens: int = 48,
-    policy: str = "dynatree",
-    dtypes: list[str] | None = None,
-    progress=None,
-) -> list[DtypeRow]:
-    """AR and `policy` on every prompt in every candidate dtype (one process, one after another)."""
-    from dynatree_core.drafting import make_policy
-    from dynatree_core.engine import DecodeConfig, generate
-    from dynatree_core.models import resolve_device
-    from dynatree_core.prompts import load_prompts
-    from dynatree_core.session import encode_prompt, load_pair
-
-    torch_device = resolve_device(device)
-    prompts = load_prompts("all")[:: max(1, 32 // limit)][:limit]  # spread over the bundled domains
-    rows = []
-    names = dtypes or candidates(torch_device)
-    for i, name in enumerate(names):
-        pair = load_pair(target, draft, device=str(torch_device), dtype=name)
-        ids = [encode_prompt(pair.target.tokenizer, p.text, chat=p.chat) for p in prompts]
-        config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=pair.target.eos_token_ids)
-        kw = dict(config=config, **pair.drafting(make_policy(policy)))
-        generate(pair.target.model, ids[0], make_policy(policy), **kw)  # warm-up
-        tps: dict[str, list[float]] = {"ar": [], policy: []}
-        exact = 0
-        for prompt in ids:
-            ar = generate(pair.target.model, prompt, make_policy("ar"), config=config)
-            tree = generate(pair.target.model, prompt, make_policy(policy), **kw)
-            tps["ar"].append(ar.throughput_tps)
-            tps[policy].append(tree.throughput_tps)
-            exact += tree.token_ids == ar.token_ids
-        rows.append(DtypeRow(name, sum(tps["ar"]) / len(ids), sum(tps[policy]) / len(ids), exact, len(ids)))
-        if progress:
-            progress(i + 1, len(names), name)
-        del pair
-    return rows

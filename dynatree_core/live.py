@@ -33,7 +33,7 @@ from dynatree_core.drafting.base import Policy
 from dynatree_core.engine import DecodeConfig, decode, draft_kind
 from dynatree_core.engine_process import EngineProcess, StartRun
 from dynatree_core.metrics import summarize
-from dynatree_core.trace import IterationRecord, RunResult
+from dynatree_core.trace import TRACE_VERSION, IterationRecord, RunResult
 from dynatree_core.trace_check import check_run, check_size_and_depth
 from dynatree_core.vocab import TokenMap
 
@@ -246,6 +246,9 @@ class LiveRun:
             if not isinstance(raw, dict):
                 raise ValueError("expected a JSON object")
             check_run(raw)
+            version = raw.get("version", TRACE_VERSION)
+            if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= TRACE_VERSION:
+                raise ValueError(f"file format version {version!r}; this DynaTree reads versions 1 to {TRACE_VERSION}")
             result = RunResult.from_dict(raw)
             texts = {int(k): str(v) for k, v in (raw.get("token_texts") or {}).items()}
         except (json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError, RecursionError) as exc:

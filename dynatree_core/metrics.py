@@ -116,3 +116,68 @@ def summarize(
         dtype=dtype,
         records=list(records),
     )
+
+
+def acceptance_by_depth(records: list[IterationRecord]) -> list[dict]:
+    """Per depth d: expected P(the walk accepts >= d drafts) from the per-node analysis (the sum
+    of the reach probabilities of depth-d nodes), against the realised fraction of iterations."""
+    analysed = [rec for rec in records if rec.analysis]
+    expected: dict[int, list[float]] = {}
+    for rec in analysed:
+        deepest = max(rec.tree.depths[n] for n in rec.order)
+        for d in range(1, deepest + 1):
+            expected.setdefault(d, []).append(
+                sum(v["reach"] for k, v in rec.analysis.items() if rec.tree.depths[int(k)] == d)
+            )
+    realised = depth_reach(analysed)
+    return [
+        {
+            "depth": d,
+            "expected": sum(expected[d]) / len(expected[d]),
+            "realised": realised[d][1] / realised[d][0],
+            "iterations": len(expected[d]),
+        }
+        for d in sorted(expected)
+    ]
+
+
+def depth_reach(records: list[IterationRecord]) -> dict[int, tuple[int, int]]:
+    """Per depth d: (iterations whose verified tree reached depth d, those that accepted >= d drafts)."""
+    out: dict[int, tuple[int, int]] = {}
+    for rec in records:
+        deepest = max((rec.tree.depths[n] for n in rec.order), default=0)
+        for d in range(1, deepest + 1):
+            reached, accepted = out.get(d, (0, 0))
+            out[d] = (reached + 1, accepted + (len(rec.accepted) >= d))
+    return out
+
+
+def speed_breakdown(records: list[IterationRecord], step_ms: float | None = None) -> dict[str, float]:
+    """Where an iteration's time goes, against plain decoding's cost per token (`step_ms`: a
+    one-token target forward from the latency profile, or an AR run's time per token).
+
+    speedup ~= tokens per iteration x step_ms / iteration_ms: speculation pays only when the
+    tokens an iteration commits outweigh what drafting and the wider verification cost."""
+    n = len(records)
+    if n == 0:
+        return {}
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / n
+
+    out = {
+        "iterations": n,
+        "tokens_per_iteration": mean([len(r.committed) for r in records]),
+        "draft_ms": mean([r.draft_ms for r in records]),
+        "draft_forwards": mean([r.draft_forwards for r in records]),
+        "verify_ms": mean([r.verify_ms for r in records]),
+        "other_ms": mean([r.commit_ms + r.overhead_ms for r in records]),
+        "tokens_verified": mean([len(r.order) - 1 + r.chain_len for r in records]),  # one target forward's width
+    }
+    out["iteration_ms"] = out["draft_ms"] + out["verify_ms"] + out["other_ms"]
+    if step_ms:
+        out["step_ms"] = step_ms
+        out["verify_vs_step"] = out["verify_ms"] / step_ms
+        out["break_even_tokens"] = out["iteration_ms"] / step_ms
+        out["expected_speedup"] = out["tokens_per_iteration"] * step_ms / out["iteration_ms"]
+    return out

@@ -15,6 +15,7 @@ cuts each to L_max tokens (bench.encode_prompts), as the papers' protocol does.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -155,3 +156,13 @@ def load_prompts(spec: str, limit: int | None = None) -> list[Prompt]:
         return _read_jsonl(path, path.stem)
     lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     return [Prompt(line, False, path.stem) for line in lines]
+
+
+def choose_prompts(spec: str, n: int) -> list[Prompt]:
+    """The first `n` prompts of `spec` taken round-robin over its domains (n <= 0: all of them):
+    the one rule by which the CLI's bench, the benchmark page and the dtype probe pick prompts."""
+    by_domain: dict[str, list[Prompt]] = {}
+    for p in load_prompts(spec, limit=n if n > 0 else None):
+        by_domain.setdefault(p.domain, []).append(p)
+    spread = [p for group in itertools.zip_longest(*by_domain.values()) for p in group if p is not None]
+    return spread[:n] if n > 0 else spread

@@ -18,6 +18,7 @@ from dynatree_core.errors import DynaTreeError
 from dynatree_core.live import LiveRun, ProcessRun
 from dynatree_core.models import PRESETS, presets_only
 from dynatree_core.session import load_pair
+from dynatree_core.settings import SETTINGS
 from dynatree_core.threads import ENV, available_cores, configure_threads
 
 
@@ -95,6 +96,21 @@ def param_widgets(policy_name: str, key_prefix: str = "param") -> dict:
 
 
 CUSTOM = "custom (hub id or local path)"
+
+
+def setting_widget(name: str, *, key: str | None = None, **kwargs):
+    """The page widget of a run setting (settings.SETTINGS): its label, range or choices, default
+    and help come from the registry the CLI's flags are generated from. Extra kwargs (disabled,
+    ...) go to the widget."""
+    s = SETTINGS[name]
+    common = dict(key=key, help=s.help, **kwargs)
+    if s.widget == "select":
+        return st.selectbox(s.label, list(s.choices), index=s.choices.index(s.default), **common)
+    if s.widget == "radio":
+        return st.radio(s.label, list(s.choices), index=s.choices.index(s.default), horizontal=True, **common)
+    if s.widget == "number":
+        return s.kind(st.number_input(s.label, s.kind(s.lo), s.kind(s.hi), s.default, **common))
+    return st.slider(s.label, s.kind(s.lo), s.kind(s.hi), s.default, s.kind(s.step), **common)
 
 
 def model_picker(key_prefix: str = "") -> tuple[str, str | None, str, str]:

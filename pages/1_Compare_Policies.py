@@ -11,13 +11,11 @@ import streamlit as st
 
 from dynatree_core.compare import Comparison, Entry, compare, labelled, schedule
 from dynatree_core.drafting import POLICIES
-from dynatree_core.engine import DecodeConfig
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.prompts import load_prompts
-from dynatree_core.sampling import SamplingConfig
 from dynatree_core.session import encode_prompt
-from dynatree_core.ui import cached_pair, forward_lock, model_picker, param_widgets
-from dynatree_core.verify.sampling import VERIFIERS
+from dynatree_core.settings import RunSpec
+from dynatree_core.ui import cached_pair, forward_lock, model_picker, param_widgets, setting_widget
 from dynatree_core.viz import compare_figures, tree_figure
 
 st.set_page_config(page_title="Compare policies", page_icon="⚖️", layout="wide")
@@ -34,17 +32,22 @@ with st.sidebar:
     st.header("Models")
     target_spec, draft_spec, device, dtype = model_picker("cmp")
     st.header("Decoding")
-    temperature = st.slider("Temperature", 0.0, 2.0, 0.0, 0.05, key="cmp_temperature", help="0: greedy")
-    verifier = st.selectbox(
-        "Verifier", ["auto", *VERIFIERS], key="cmp_verifier", help="One verifier for every policy (auto per policy)."
-    )
-    max_new = st.slider("Max new tokens", 4, 256, 48, key="cmp_max_new")
+    temperature = setting_widget("temperature", key="cmp_temperature")
+    top_p = setting_widget("top_p", key="cmp_top_p", disabled=temperature == 0)
+    top_k = setting_widget("top_k", key="cmp_top_k", disabled=temperature == 0)
+    verifier = setting_widget("verifier", key="cmp_verifier")  # one verifier for every policy (auto per policy)
+    max_new = setting_widget("max_new_tokens", key="cmp_max_new")
     repetitions = st.slider("Repetitions", 1, 10, 3, key="cmp_reps", help="Measured runs per policy, after a warm-up.")
-    seed = st.number_input("Seed", 0, 2**31 - 1, 0, key="cmp_seed")
+    seed = setting_widget("seed", key="cmp_seed")
+    spec = RunSpec(
+        max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k, verifier=verifier, seed=seed
+    )
     include_hf = st.toggle("HF generate reference", True, key="cmp_hf", help="Time HF's plain generate as well.")
 
 prompts = load_prompts("all")
-example = st.selectbox("Example prompt", ["(your own)", *[p.text for p in prompts[:12]]], key="cmp_example")
+example = st.selectbox(  # opens on the first bundled prompt, so Compare works at once
+    "Example prompt", ["(your own)", *[p.text for p in prompts[:12]]], index=1, key="cmp_example"
+)
 prompt = st.text_area("Prompt", "" if example == "(your own)" else example, height=80, key=f"cmp_prompt_{example}")
 chat = st.toggle("Chat template", value=True, key="cmp_chat")
 
@@ -94,13 +97,8 @@ if st.button("Compare", type="primary", icon=":material/compare_arrows:"):
             with st.spinner("Loading models..."):
                 pair = cached_pair(target_spec, draft_spec, device, dtype)
             ids = encode_prompt(pair.target.tokenizer, prompt, chat=chat)
-            config = DecodeConfig(
-                max_new_tokens=max_new,
-                eos_token_ids=pair.target.eos_token_ids,
-                context_length=pair.target.context_length,
-                sampling=SamplingConfig(temperature=temperature),
-                verifier=verifier,
-                seed=int(seed),
+            config = spec.decode_config(
+                eos_token_ids=pair.target.eos_token_ids, context_length=pair.target.context_length
             )
             total = len(schedule(len(entries) + 1 + include_hf, repetitions))
             bar = st.progress(0.0, text=f"0/{total} runs")

@@ -12,10 +12,10 @@ import streamlit as st
 from dynatree_core.bench import parse_sweep, run_bench, sweep_entries, sweep_figures
 from dynatree_core.compare import Entry
 from dynatree_core.drafting import POLICIES
-from dynatree_core.engine import DecodeConfig
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.prompts import CORPORA, bundled_sets, load_prompts
-from dynatree_core.ui import cached_pair, forward_lock, model_picker
+from dynatree_core.prompts import CORPORA, bundled_sets, choose_prompts
+from dynatree_core.settings import RunSpec
+from dynatree_core.ui import cached_pair, forward_lock, model_picker, setting_widget
 
 st.set_page_config(page_title="Benchmark", page_icon="⏱️", layout="wide")
 st.title("Benchmark")
@@ -45,7 +45,8 @@ else:
 a, b, c, d, e, f = st.columns(6)
 prompt_set = a.selectbox("Prompts", ["all", *bundled_sets(), *CORPORA, A_FILE], key="bench_prompts")
 limit = b.slider("Prompts (N)", 1, 20, 3, key="bench_limit")
-max_new = c.slider("New tokens (T)", 8, 256, 32, key="bench_tokens")
+with c:
+    max_new = setting_widget("max_new_tokens", key="bench_tokens")  # T
 max_prompt = d.number_input("Prompt cut (L_max)", 0, 8192, 0, step=64, key="bench_lmax", help="0: whole prompts")
 repeats = e.slider("Rounds (R)", 1, 5, 1, key="bench_repeats")
 include_hf = f.toggle("HF generate reference", True, key="bench_hf")
@@ -70,11 +71,11 @@ if st.button("Run benchmark", type="primary", icon=":material/timer:"):
         if not prompt_spec:
             raise DynaTreeError("enter the prompt file's path")
         with st.spinner("Loading prompts..."):
-            prompts = load_prompts(prompt_spec, limit=limit)[:limit]
+            prompts = choose_prompts(prompt_spec, limit)
         with st.spinner("Loading models..."):
             pair = cached_pair(target_spec, draft_spec, device, dtype)
-        config = DecodeConfig(
-            max_new_tokens=max_new, eos_token_ids=pair.target.eos_token_ids, context_length=pair.target.context_length
+        config = RunSpec(max_new_tokens=max_new).decode_config(
+            eos_token_ids=pair.target.eos_token_ids, context_length=pair.target.context_length
         )
         bar = st.progress(0.0, text="Starting...")
         with forward_lock():

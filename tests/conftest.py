@@ -63,6 +63,31 @@ def _config(arch: str, **overrides):
     raise ValueError(arch)
 
 
+_SHARED: list[tuple[str, torch.nn.Module]] = []  # every cached model, for the guard below
+
+
+def _fingerprint(model: torch.nn.Module) -> tuple:
+    """What a test must not change on a shared model: weights, dtype/device, mode, and any
+    instance-level attribute patched onto it or its modules (a spy left behind)."""
+    weights = tuple(float(p.detach().double().sum()) for p in model.parameters())
+    first = next(model.parameters())
+    patched = tuple(sorted(k for m in model.modules() for k in vars(m) if k in ("forward", "__call__", "generate")))
+    return weights, first.dtype, str(first.device), model.training, patched
+
+
+@pytest.fixture(autouse=True)
+def _shared_models_stay_unchanged():
+    """The cached tiny models are shared by every test: one that mutates them (a leaked spy, an
+    in-place weight change, a cast or a move) fails here, naming the model, instead of breaking
+    the tests that run after it."""
+    before = [(name, _fingerprint(model)) for name, model in _SHARED]
+    yield
+    changed = [
+        name for (name, print_), (_, model) in zip(before, _SHARED, strict=False) if _fingerprint(model) != print_
+    ]
+    assert not changed, f"this test changed shared cached models: {changed} (copy.deepcopy them first)"
+
+
 @functools.cache
 def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
     """A random tiny model with sharpened logits (scaled LM head) so drafts sometimes agree."""
@@ -73,6 +98,7 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
         _final_norm(model).weight.mul_(6.0)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
+    _SHARED.append((f"tiny_model({arch!r}, {seed})", model))
     return model
 
 
@@ -99,6 +125,7 @@ def noisy_copy(arch: str, noise: float, seed: int = 1) -> torch.nn.Module:
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * noise)
+    _SHARED.append((f"noisy_copy({arch!r}, {noise}, {seed})", draft))
     return draft
 
 

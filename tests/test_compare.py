@@ -167,6 +167,7 @@ def test_compare_page_runs_two_policies_and_shows_results(tiny_pair_dirs):
     at = AppTest.from_file(str(page), default_timeout=300)
     at.run()
     assert not at.exception, at.exception
+    assert next(t for t in at.text_area if t.label == "Prompt").value.strip(), "the page opens with a prompt"
     _custom_pair(at, tiny_pair_dirs)
     next(n for n in at.number_input if n.label == "Policies to compare").set_value(2)
     next(s for s in at.slider if s.label == "Max new tokens").set_value(6)
@@ -193,7 +194,7 @@ def test_benchmark_page_runs_a_sweep_and_shows_its_figure(tiny_pair_dirs):
     at.radio[0].set_value("Sweep one policy's parameters").run()
     next(t for t in at.text_input if t.label == "Sweep").set_value("depth=2..3")
     next(s for s in at.slider if s.label == "Prompts (N)").set_value(1)
-    next(s for s in at.slider if s.label == "New tokens (T)").set_value(8)
+    next(s for s in at.slider if s.label == "Max new tokens").set_value(8)
     at.run()
     next(b for b in at.button if "Run benchmark" in b.label).click().run()
     assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])

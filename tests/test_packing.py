@@ -54,7 +54,7 @@ def test_greedy_decoding_through_packed_models_is_exact(arch, policy_name, param
 
 
 def test_load_pair_packs_on_cpu_unless_switched_off(tiny_pair_dirs, monkeypatch):
-    from dynatree_core.bench import environment
+    from dynatree_core.environment import environment
     from dynatree_core.session import load_pair
 
     pair = load_pair(*tiny_pair_dirs, device="cpu", dtype="float32")

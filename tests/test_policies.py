@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dynatree_core.drafting import POLICIES, DraftRequest, make_policy
-from dynatree_core.drafting.dynamic import sibling_value
+from dynatree_core.drafting.common import sibling_value
 from dynatree_core.tree import DraftTree, Status
 
 VOCAB = 12
@@ -315,3 +315,10 @@ def test_delayed_auto_shares_the_root_forward_with_its_tree():
     check_invariants(tree)
     assert drafter.forwards == 1 + 2 and len(verified(tree)) == 1 + 3 * 2
     assert tree.notes == {"k": [3.0], "l1": [1.0], "l2": [2.0]}
+
+
+def test_the_registry_lists_the_built_in_policies_in_its_explicit_order():
+    from dynatree_core.drafting import ORDER, POLICIES
+
+    assert tuple(POLICIES)[: len(ORDER)] == ORDER
+    assert all(POLICIES[n].black_box for n in ORDER[-3:]) and not any(POLICIES[n].black_box for n in ORDER[:-3])

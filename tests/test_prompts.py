@@ -3,7 +3,7 @@
 import pytest
 
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.prompts import bundled_sets, load_prompts
+from dynatree_core.prompts import bundled_sets, choose_prompts, load_prompts
 
 
 def test_bundled_sets_cover_the_domains():
@@ -92,3 +92,16 @@ def test_hub_corpora_go_through_datasets_and_fail_clearly(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
     with pytest.raises(DynaTreeError, match="needs the `datasets` package"):
         load_prompts("pg19")
+
+
+def test_prompts_are_chosen_round_robin_over_the_domains(tmp_path):
+    """One rule for the CLI's bench, the benchmark page and the dtype probe."""
+    every = load_prompts("all")
+    domains = list(dict.fromkeys(p.domain for p in every))
+    first = choose_prompts("all", len(domains))
+    assert [p.domain for p in first] == domains, "one prompt per domain before any domain's second"
+    assert first[0] == every[0] and len(choose_prompts("all", 0)) == len(every)
+    assert choose_prompts("all", 2 * len(domains))[len(domains)].domain == domains[0]
+    path = tmp_path / "mine.txt"
+    path.write_text("one\ntwo\nthree\n")
+    assert [p.text for p in choose_prompts(str(path), 2)] == ["one", "two"]

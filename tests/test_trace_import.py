@@ -108,6 +108,15 @@ def test_files_over_the_size_limit_are_refused_before_parsing(monkeypatch):
         LiveRun.from_json(exported(False))
 
 
+def test_a_file_from_another_format_version_is_refused_with_the_versions_this_one_reads():
+    raw = json.loads(exported(False))
+    assert raw["version"] == 1 and LiveRun.from_json(json.dumps(raw)).records
+    for version in (2, 0, "1", True):
+        raw["version"] = version
+        with pytest.raises(ValueError, match="reads versions 1 to 1"):
+            LiveRun.from_json(json.dumps(raw))
+
+
 def test_record_inconsistencies_are_refused():
     raw = json.loads(exported(False))
     cases = {

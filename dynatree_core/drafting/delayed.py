@@ -15,7 +15,7 @@ import math
 import time
 
 from dynatree_core.drafting.base import DraftRequest, Param, Policy, pick_children, register_policy
-from dynatree_core.drafting.dynamic import _drafter, _leaf_reason
+from dynatree_core.drafting.common import drafter_of, leaf_reason
 from dynatree_core.tree import DraftTree, Reason, Status
 
 
@@ -24,10 +24,10 @@ def grow_delayed(
 ) -> DraftTree:
     """The (K, L1, L2) delayed tree, greedy-drafted, cut at the request's max depth. `tree` and
     `root_logp` pass in a root that was already run through the draft."""
-    drafter = _drafter(request)
+    drafter = drafter_of(request)
     tree = tree if tree is not None else DraftTree.with_root(request.root_token)
     cap = min(l1 + l2, request.max_depth)
-    reason = _leaf_reason(cap, l1 + l2)
+    reason = leaf_reason(cap, l1 + l2)
     frontier = [0]
     for level in range(cap):
         reuse = level == 0 and root_logp is not None
@@ -146,7 +146,7 @@ class DelayedAuto(Policy):
         return True  # (K, L1, L2) is chosen from the root's draft distribution, before any draw
 
     def draft(self, request: DraftRequest) -> DraftTree:
-        drafter = _drafter(request)
+        drafter = drafter_of(request)
         tree = DraftTree.with_root(request.root_token)
         if request.max_depth <= 0:
             tree.mark_leaf(0, Reason.LENGTH_LIMIT)
@@ -216,7 +216,7 @@ class NGramLookup(Policy):
             if not node or any(len(q) == len(path) + 1 and q[:-1] == path for q in node_of):
                 continue  # the root, or an inner node
             if len(path) >= depth:
-                why = _leaf_reason(depth, c["depth"])
+                why = leaf_reason(depth, c["depth"])
             elif any(len(q) == len(path) + 1 and q[:-1] == path for q in counts):
                 why = Reason.BUDGET
             else:

@@ -11,11 +11,9 @@ cumulative probability, so the budget keeps the most probable nodes.
 
 from __future__ import annotations
 
-import math
-
 from dynatree_core.drafting.base import DraftRequest, Param, Policy, pick_children, register_policy
-from dynatree_core.errors import DynaTreeError
-from dynatree_core.tree import DraftTree, Reason, Status
+from dynatree_core.drafting.common import admit_level, drafter_of, leaf_reason, safe_log, start_tree
+from dynatree_core.tree import DraftTree, Reason
 
 
 @register_policy
@@ -37,32 +35,20 @@ class Autoregressive(Policy):
 
 def grow_topk_tree(request: DraftRequest, *, depth: int, branch: int, tau: float, budget: int) -> DraftTree:
     """Level-by-level top-B expansion with threshold pruning and a node budget (Alg. 1)."""
-    if request.drafter is None:
-        raise DynaTreeError("this policy needs a draft model")
-    tree = DraftTree.with_root(request.root_token)
-    depth_cap = min(depth, request.max_depth)
-    if depth_cap <= 0:
-        tree.mark_leaf(0, Reason.LENGTH_LIMIT)
-        return tree
-    log_tau = math.log(tau) if tau > 0 else -math.inf
+    drafter = drafter_of(request)
+    tree, depth_cap = start_tree(request, depth)
+    log_tau = safe_log(tau)
     frontier, drafted = [0], 0
     for level in range(depth_cap):
-        logp = request.drafter.expand(tree, frontier)  # ONE draft forward for the whole level
+        logp = drafter.expand(tree, frontier)  # ONE draft forward for the whole level
         candidates = []
         for row, node in enumerate(frontier):
             tree.mark_expanded(node)
             for tok, lp in pick_children(request, tree, node, logp[row], branch):  # top-B, or sampled
                 candidates.append((tree.cum_logp[node] + lp, node, tok, lp))
-        candidates.sort(key=lambda c: -c[0])
-        frontier = []
-        for cum, parent, tok, lp in candidates:
-            if cum < log_tau:  # Alg. 1 line 17: cumulative log-probability below log(tau)
-                tree.add(parent, tok, lp, status=Status.PRUNED, reason=Reason.THRESHOLD)
-            elif drafted >= budget:  # Alg. 1 line 22: node budget reached
-                tree.add(parent, tok, lp, status=Status.PRUNED, reason=Reason.BUDGET)
-            else:
-                frontier.append(tree.add(parent, tok, lp))
-                drafted += 1
+        # Alg. 1 line 17: cumulative log-probability below log(tau) is pruned; line 22: the node budget
+        frontier = admit_level(tree, candidates, log_tau, budget - drafted)
+        drafted += len(frontier)
         if not frontier:
             break
         if drafted >= budget and level + 1 < depth_cap:
@@ -70,9 +56,8 @@ def grow_topk_tree(request: DraftRequest, *, depth: int, branch: int, tau: float
                 tree.mark_leaf(node, Reason.BUDGET)
             break
         if level + 1 == depth_cap:
-            why = Reason.DEPTH_LIMIT if depth_cap == depth else Reason.LENGTH_LIMIT
             for node in frontier:
-                tree.mark_leaf(node, why)
+                tree.mark_leaf(node, leaf_reason(depth_cap, depth))
     return tree
 
 

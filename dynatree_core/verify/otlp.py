@@ -43,11 +43,11 @@ def _ratio(p: torch.Tensor, q: torch.Tensor, x: int) -> float:
     return 1.0 if q[x] <= EPS else min(1.0, float(p[x] / q[x]))
 
 
-def _draw(dist: torch.Tensor, gen: torch.Generator | None) -> int:
+def draw_from(dist: torch.Tensor, gen: torch.Generator | None) -> int:
     return int(torch.multinomial(dist, 1, generator=gen))
 
 
-def _uniform(gen: torch.Generator | None) -> float:
+def uniform_draw(gen: torch.Generator | None) -> float:
     return float(torch.rand((), generator=gen, dtype=torch.float64))
 
 
@@ -65,14 +65,14 @@ def top_tokens(dist: torch.Tensor, n: int = 5) -> list[list]:
 
 def _test(trace: list | None, x: int, prob: float, gen) -> bool:
     """Accept draft token x with probability `prob`; the trace keeps the draw and the decision."""
-    u = _uniform(gen)
+    u = uniform_draw(gen)
     if trace is not None:
         trace.append({"kind": "test", "token": int(x), "prob": prob, "u": u, "accepted": u <= prob})
     return u <= prob
 
 
 def _sample(trace: list | None, dist: torch.Tensor, source: str, gen) -> int:
-    y = _draw(dist, gen)
+    y = draw_from(dist, gen)
     if trace is not None:
         if source != "p":
             trace.append({"kind": "residual", "top": top_tokens(dist)})
@@ -290,7 +290,7 @@ def khisti_sample(p, q, xs, gen=None, trace=None):
     bracket = list(xs)
     while len(bracket) > 1:  # line 2: tournament selection among the draft tokens
         nxt = [
-            a if _uniform(gen) <= float(_beats(w[a], w[b])) else b
+            a if uniform_draw(gen) <= float(_beats(w[a], w[b])) else b
             for a, b in zip(bracket[0:-1:2], bracket[1::2], strict=True)
         ]
         bracket = nxt + bracket[len(nxt) * 2 :]

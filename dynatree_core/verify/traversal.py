@@ -31,7 +31,7 @@ import dataclasses
 
 import torch
 
-from dynatree_core.verify.otlp import EPS, _draw, _uniform, top_tokens
+from dynatree_core.verify.otlp import EPS, draw_from, top_tokens, uniform_draw
 
 
 @dataclasses.dataclass
@@ -52,7 +52,7 @@ class _Decider:
         self.gen, self.trace = gen, trace
 
     def test(self, node: int, child: int | None, token: int | None, prob: float) -> bool:
-        u = _uniform(self.gen)
+        u = uniform_draw(self.gen)
         if self.trace is not None:
             self.trace.append(
                 {
@@ -72,7 +72,7 @@ class _Decider:
             self.trace.append({"kind": "residual", "node": node, "top": top_tokens(dist), "weight": weight})
 
     def finish(self, node: int, dist: torch.Tensor, source: str):
-        y = _draw(dist, self.gen)
+        y = draw_from(dist, self.gen)
         if self.trace is not None:
             self.trace.append({"kind": "sample", "node": node, "token": y, "source": source})
         return y
@@ -152,7 +152,7 @@ def walk(spec: WalkSpec, gen: torch.Generator | None = None, trace: list | None 
     """Sample: (accepted node ids, root excluded, root-to-leaf; the token committed after them)."""
     found = _visit(spec, 0, 1.0, _Decider(gen, trace))
     if found is None:  # unreachable in exact arithmetic (the root's weight stays 1)
-        return [], _draw(spec.p[0], gen)
+        return [], draw_from(spec.p[0], gen)
     return found
 
 

@@ -1,0 +1,84 @@
+"""Helpers every tree policy shares: the drafter of a request, level admission under a threshold
+and a node budget (with the pruning reasons), a new tree with its depth cap, leaf reasons, the
+ranked children of a node and DySpec's sibling value. One module, imported by every policy."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dynatree_core.drafting.base import Drafter, DraftRequest
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.sampling import adjust
+from dynatree_core.tree import DraftTree, Reason, Status
+
+NEG_INF = -math.inf
+
+
+def drafter_of(request: DraftRequest) -> Drafter:
+    if request.drafter is None:
+        raise DynaTreeError("this policy needs a draft model")
+    return request.drafter
+
+
+def safe_log(x: float) -> float:
+    return math.log(x) if x > 0 else NEG_INF
+
+
+def admit_level(
+    tree: DraftTree, candidates: list[tuple[float, int, int, float]], log_tau: float, room: int
+) -> list[int]:
+    """Add one level's candidates (cum logp, parent, token, logp), most probable first: below
+    log_tau pruned (threshold), beyond `room` pruned (budget). Returns the new verified nodes."""
+    candidates.sort(key=lambda c: -c[0])
+    added = []
+    for cum, parent, tok, lp in candidates:
+        if cum < log_tau:
+            tree.add(parent, tok, lp, status=Status.PRUNED, reason=Reason.THRESHOLD)
+        elif len(added) >= room:
+            tree.add(parent, tok, lp, status=Status.PRUNED, reason=Reason.BUDGET)
+        else:
+            added.append(tree.add(parent, tok, lp))
+    return added
+
+
+def start_tree(request: DraftRequest, depth: int) -> tuple[DraftTree, int]:
+    """A new tree and its depth cap; with no room at all the root is already a leaf."""
+    tree = DraftTree.with_root(request.root_token)
+    cap = min(depth, request.max_depth)
+    if cap <= 0:
+        tree.mark_leaf(0, Reason.LENGTH_LIMIT)
+    return tree, cap
+
+
+def leaf_reason(depth_cap: int, policy_depth: int) -> Reason:
+    return Reason.DEPTH_LIMIT if depth_cap == policy_depth else Reason.LENGTH_LIMIT
+
+
+# ----- DySpec ------------------------------------------------------------------------------------
+def sibling_value(parent_value: float, probs: list[float], rank: int) -> float:
+    """DySpec's estimated acceptance of the rank-th draw at a node (App. A.1): the parent's value,
+    times the probability that the earlier draws there were all rejected, times the acceptance
+    estimate of this draw under the residual distribution (Hypothesis 1: acceptance ~ draft p).
+    With the residual r_i = q_i / (1 - sum_{j<i} q_j) the product telescopes to parent * q_i."""
+    rejected, mass_left = 1.0, 1.0
+    for j in range(rank):
+        r_j = probs[j] / mass_left if mass_left > 0 else 0.0
+        rejected *= 1.0 - r_j
+        mass_left -= probs[j]
+    r_i = probs[rank] / mass_left if mass_left > 0 else 0.0
+    return parent_value * rejected * r_i
+
+
+def ranked_children(request: DraftRequest, tree: DraftTree, node: int, logp, m: int) -> tuple[list[float], list[int]]:
+    """(probabilities, tokens) of a node's candidate children in rank order: the draft's top m,
+    or, for sampled drafting, m draws without replacement from the adjusted draft distribution
+    (DySpec's sampled tree; the draw order is the rank)."""
+    if request.draw == "top":
+        top_lp, top_tok = logp.topk(min(m, logp.shape[-1]))
+        return top_lp.exp().tolist(), top_tok.tolist()
+    q = adjust(logp, request.sampling).cpu()
+    toks = torch.multinomial(q, min(m, int((q > 0).sum())), replacement=False, generator=request.gen).tolist()
+    tree.draft_q[node] = q
+    return [float(q[t]) for t in toks], toks

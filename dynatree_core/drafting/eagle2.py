@@ -1,0 +1,53 @@
+"""EAGLE-2 beam search + rerank (salf-talf-tree-loss-and-stopping.md §2.3, App. B)."""
+
+from __future__ import annotations
+
+from dynatree_core.drafting.base import DraftRequest, Param, Policy, register_policy
+from dynatree_core.drafting.common import drafter_of, leaf_reason, start_tree
+from dynatree_core.tree import DraftTree, Reason, Status
+
+
+# ----- EAGLE-2 -----------------------------------------------------------------------------------
+@register_policy
+class Eagle2Beam(Policy):
+    """EAGLE-2 dynamic tree (SALF paper §2.3 and App. B): for `depth` steps expand the top-k
+    nodes of the newest level by path probability (one forward per step, k children each), then
+    rerank: keep the global top-N drafted nodes by path probability, prune the rest."""
+
+    name = "eagle2"
+    summary = "EAGLE-2: beam of top-k per level for `depth` steps, then global top-N rerank"
+    params = (
+        Param("depth", int, 6, 1, 16, "Expansion steps (tree depth)"),
+        Param("topk", int, 4, 1, 16, "Nodes expanded per step, and children per expanded node"),
+        Param("total", int, 24, 1, 256, "N: drafted nodes kept by the rerank"),
+    )
+
+    def draft(self, request: DraftRequest) -> DraftTree:
+        drafter, c = drafter_of(request), self.config
+        tree, cap = start_tree(request, c["depth"])
+        if cap <= 0:
+            return tree
+        frontier = [0]
+        for level in range(cap):
+            logp = drafter.expand(tree, frontier)  # ONE draft forward per step
+            top_lp, top_tok = logp.topk(c["topk"], dim=-1)
+            new = []
+            for row, node in enumerate(frontier):
+                tree.mark_expanded(node)
+                for lp, tok in zip(top_lp[row].tolist(), top_tok[row].tolist(), strict=True):
+                    new.append(tree.add(node, tok, lp, reason=leaf_reason(cap, c["depth"])))
+            if level + 1 == cap:
+                break
+            new.sort(key=lambda n: (-tree.cum_logp[n], n))
+            frontier = new[: c["topk"]]
+            for node in new[c["topk"] :]:
+                tree.mark_leaf(node, Reason.BEAM)
+        ranked = sorted(range(1, len(tree)), key=lambda n: (-tree.cum_logp[n], n))
+        keep: set[int] = set()
+        for node in ranked:  # the rerank; a path probability never exceeds its parent's
+            if len(keep) < c["total"] and (tree.parents[node] == 0 or tree.parents[node] in keep):
+                keep.add(node)
+        for node in range(1, len(tree)):
+            if node not in keep and tree.status[node] != Status.PRUNED:
+                tree.prune(node, Reason.RERANK)
+        return tree

@@ -1,0 +1,144 @@
+"""One registry for the run settings that a CLI flag and a page widget share (issue 17).
+
+Each `Setting` says once what a setting is: its name (the `RunSpec` field, `--name-with-dashes`
+on the CLI), type, range or choices, default, label and help. The CLI's flags (`add_flags`) and
+the pages' widgets (`ui.setting_widget`) are generated from it, so a range or a default cannot
+drift between the app, the compare page, the benchmark page and the commands. `RunSpec` is the
+frozen value they produce (checked against the registry) and `RunSpec.decode_config` the
+engine's `DecodeConfig` for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from dynatree_core.engine import DecodeConfig
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.sampling import SamplingConfig
+from dynatree_core.verify.sampling import VERIFIERS
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    name: str
+    kind: type
+    default: Any
+    label: str  # the widget's label
+    help: str  # the widget's help and the flag's
+    lo: float | None = None
+    hi: float | None = None
+    step: float | None = None
+    choices: tuple[str, ...] = ()
+    widget: str = "slider"  # how a page shows it: slider, number, select or radio
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def check(self, value: Any) -> Any:
+        """The value, or a DynaTreeError naming the setting, its flag and the allowed values."""
+        if self.choices and value not in self.choices:
+            raise DynaTreeError(f"{self.name} ({self.flag}) must be one of {', '.join(self.choices)}, got {value!r}")
+        if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
+            raise DynaTreeError(f"{self.name} ({self.flag}) must be between {self.lo} and {self.hi}, got {value}")
+        return value
+
+
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        Setting("max_new_tokens", int, 64, "Max new tokens", "Stop after this many generated tokens.", 1, 512, 1),
+        Setting(
+            "temperature",
+            float,
+            0.0,
+            "Temperature",
+            "0: greedy. Above 0 the same adjustment applies to target and draft.",
+            0.0,
+            2.0,
+            0.05,
+        ),
+        Setting("top_p", float, 1.0, "Top-p", "Nucleus sampling, target and draft alike (1: off).", 0.05, 1.0, 0.05),
+        Setting("top_k", int, 0, "Top-k", "Top-k sampling, target and draft alike (0: off).", 0, 1000, widget="number"),
+        Setting(
+            "verifier",
+            str,
+            "auto",
+            "Verifier",
+            "auto: greedy at temperature 0; else specinfer when the policy can draw i.i.d. children, nss otherwise. "
+            + " ".join(f"{v.name}: {v.summary}." for v in VERIFIERS.values()),
+            choices=("auto", *VERIFIERS),
+            widget="select",
+        ),
+        Setting(
+            "order",
+            str,
+            "bfs",
+            "Node order sent to the target",
+            "Changes the mask layout, not the result.",
+            choices=("bfs", "dfs"),
+            widget="radio",
+        ),
+        Setting(
+            "seed",
+            int,
+            0,
+            "Seed",
+            "Seeds sampling (greedy runs do not depend on it); sample or repetition i uses seed + i.",
+            0,
+            2**31 - 1,
+            widget="number",
+        ),
+    )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """How one run decodes, apart from the models and the policy: every field is a `Setting`."""
+
+    max_new_tokens: int = SETTINGS["max_new_tokens"].default
+    temperature: float = SETTINGS["temperature"].default
+    top_p: float = SETTINGS["top_p"].default
+    top_k: int = SETTINGS["top_k"].default
+    verifier: str = SETTINGS["verifier"].default
+    order: str = SETTINGS["order"].default
+    seed: int = SETTINGS["seed"].default
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            SETTINGS[field.name].check(getattr(self, field.name))
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any] | argparse.Namespace) -> RunSpec:
+        """The spec from any mapping (or parsed CLI arguments) holding some of its fields."""
+        if isinstance(values, argparse.Namespace):
+            values = vars(values)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names and v is not None})
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+    def decode_config(self, **engine: Any) -> DecodeConfig:
+        """The engine's config: these settings plus what only the run knows (EOS ids, context
+        length, forward-path switches, a per-repetition seed, analysis)."""
+        fields = dict(
+            max_new_tokens=self.max_new_tokens,
+            order=self.order,
+            sampling=self.sampling,
+            verifier=self.verifier,
+            seed=self.seed,
+        )
+        return DecodeConfig(**(fields | engine))
+
+
+def add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | list[str]) -> None:
+    """One CLI flag per named setting, with the registry's type, default, choices and help."""
+    for name in names:
+        s = SETTINGS[name]
+        parser.add_argument(s.flag, type=s.kind, default=s.default, choices=s.choices or None, help=s.help)

@@ -1,0 +1,261 @@
+"""The draft tree of one iteration: tidy layout (parents centred over their children, children most
+probable first), node categories and colours, the clickable figure; a node's details as text.
+
+Node categories (colour): root, accepted, bonus (the target's own token after the accepted path,
+drawn as an extra child), rejected (verified; the target chose another token at its parent),
+unreached (verified, below a rejected node: never compared), pruned (not sent to the target;
+one legend entry and marker shape per reason: threshold, budget, ...). A verified node the policy
+did not expand is drawn as an open circle; its reason is in the hover.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import plotly.graph_objects as go
+
+from dynatree_core.trace import IterationRecord
+from dynatree_core.tree import DraftTree, Status
+
+COLOURS = {
+    "root": "#4c4c4c",
+    "accepted": "#2ca02c",
+    "bonus": "#1f77b4",
+    "rejected": "#d62728",
+    "unreached": "#b0b0b0",
+    "pruned": "#ff9f1c",
+}
+
+
+BONUS = -2  # pseudo node id of the bonus token in layouts and figures
+
+
+def visible(text: str) -> str:
+    """Token text with whitespace made visible (space, newline, tab)."""
+    return text.replace(" ", "␣").replace("\n", "⏎").replace("\t", "⇥") or "∅"
+
+
+def tidy_layout(children: dict[int, list[int]], root: int = 0) -> dict[int, tuple[float, int]]:
+    """(x, depth) per node: leaves side by side in child order, each parent centred over its
+    children's extent. `children` lists each node's children in display order."""
+    pos: dict[int, tuple[float, int]] = {}
+    next_leaf = 0.0
+    stack: list[tuple[int, int, bool]] = [(root, 0, False)]
+    while stack:  # iterative post-order: deep trees must not hit the recursion limit
+        node, depth, done = stack.pop()
+        kids = children.get(node, [])
+        if not kids:
+            pos[node] = (next_leaf, depth)
+            next_leaf += 1.0
+        elif done:
+            pos[node] = ((pos[kids[0]][0] + pos[kids[-1]][0]) / 2, depth)
+        else:
+            stack.append((node, depth, True))
+            stack.extend((kid, depth + 1, False) for kid in reversed(kids))
+    return pos
+
+
+def node_categories(record: IterationRecord) -> dict[int, str]:
+    """Category of every tree node (see the module docstring)."""
+    tree = record.tree
+    accepted = set(record.accepted)
+    on_path = {0} | accepted
+    out: dict[int, str] = {}
+    for node in range(len(tree)):  # parents precede children
+        parent = tree.parents[node]
+        if node == 0:
+            out[node] = "root"
+        elif not tree.is_verified(node):
+            out[node] = "pruned"
+        elif node in accepted:
+            out[node] = "accepted"
+        elif parent in on_path:
+            out[node] = "rejected"
+        else:
+            out[node] = "unreached"
+    return out
+
+
+PRUNED_SYMBOLS = {"threshold": "x", "budget": "square", "branch_limit": "diamond", "depth_limit": "triangle-down"}
+
+
+def _symbol(tree: DraftTree, node: int) -> str:
+    """Marker shape: open circle for a verified leaf the policy did not expand, one shape per
+    pruning reason (so the reasons stay apart without the hover), filled circle otherwise."""
+    if tree.status[node] == Status.PRUNED:
+        return PRUNED_SYMBOLS.get(tree.reason[node] or "", "triangle-up")
+    return "circle-open" if tree.status[node] == Status.NOT_EXPANDED and node else "circle"
+
+
+def _display_children(tree: DraftTree, record: IterationRecord) -> dict[int, list[int]]:
+    kids = tree.child_map(verified_only=False)
+    if record.bonus_token is not None:
+        last = record.accepted[-1] if record.accepted else 0
+        kids = {k: list(v) for k, v in kids.items()}
+        kids.setdefault(last, []).insert(0, BONUS)  # leftmost under the last accepted node
+    return kids
+
+
+def tree_figure(
+    record: IterationRecord,
+    decode: Callable[[int], str] = str,
+    *,
+    selected: int | None = None,
+    height: int = 420,
+) -> go.Figure:
+    """The draft tree of one iteration. `decode` maps a token id to its text.
+
+    Node markers carry customdata [node id, draft p, cumulative p, depth] (the bonus has id -2).
+    """
+    tree = record.tree
+    kids = _display_children(tree, record)
+    pos = tidy_layout(kids)
+    cats = node_categories(record)
+    target_at = dict(zip(record.order, record.target_tokens, strict=True))
+    fig = go.Figure()
+    edges_x: list[float | None] = []
+    edges_y: list[float | None] = []
+    path_x: list[float | None] = []
+    path_y: list[float | None] = []
+    path_nodes = {0, *record.accepted, BONUS}
+    for parent, children in kids.items():
+        for child in children:
+            xs, ys = (path_x, path_y) if child in path_nodes and parent in path_nodes else (edges_x, edges_y)
+            xs += [pos[parent][0], pos[child][0], None]
+            ys += [-pos[parent][1], -pos[child][1], None]
+    fig.add_trace(
+        go.Scatter(
+            x=edges_x, y=edges_y, mode="lines", line=dict(color="#cccccc", width=1), hoverinfo="skip", showlegend=False
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=path_x,
+            y=path_y,
+            mode="lines",
+            line=dict(color=COLOURS["accepted"], width=4),
+            hoverinfo="skip",
+            name="accepted path",
+        )
+    )
+    groups: dict[str, list[int]] = {}  # legend entry -> nodes; pruned nodes split by reason
+    for node, cat in cats.items():
+        name = f"pruned: {tree.reason[node] or 'unspecified'}" if cat == "pruned" else cat
+        groups.setdefault(name, []).append(node)
+    if record.bonus_token is not None:
+        groups["bonus"] = [BONUS]
+    order = {cat: i for i, cat in enumerate(COLOURS)}
+    for name in sorted(groups, key=lambda g: (order[g.split(":")[0]], g)):
+        nodes, cat = groups[name], name.split(":")[0]
+        text, hover, custom, symbols = [], [], [], []
+        for n in nodes:
+            if n == BONUS:
+                token, p, cum, depth = record.bonus_token, None, None, pos[BONUS][1]
+                detail = "the target's own next token (free with every iteration)"
+                symbols.append("star")
+            else:
+                token, depth = tree.tokens[n], tree.depths[n]
+                p, cum = math.exp(tree.logp[n]), math.exp(tree.cum_logp[n])
+                reason = tree.reason[n] or ""
+                detail = f"status {tree.status[n]}" + (
+                    f" ({reason})" if reason and tree.status[n] != Status.KEPT else ""
+                )
+                if n in target_at:
+                    detail += f"<br>target predicts next: {visible(decode(target_at[n]))}"
+                symbols.append(_symbol(tree, n))
+            label = visible(decode(token))
+            text.append(label)
+            probs = "" if p is None else f"<br>p {p:.3f} · cumulative p {cum:.3g}"
+            hover.append(f"<b>{label}</b> (id {token})<br>{cat} · depth {depth}{probs}<br>{detail}")
+            custom.append([n, p, cum, depth])
+        fig.add_trace(
+            go.Scatter(
+                x=[pos[n][0] for n in nodes],
+                y=[-pos[n][1] for n in nodes],
+                mode="markers+text",
+                text=text,
+                textposition="bottom center",
+                marker=dict(
+                    color=COLOURS[cat],
+                    size=[18 if n == selected else 12 for n in nodes],
+                    symbol=symbols,
+                    line=dict(color=COLOURS[cat], width=2),
+                ),
+                customdata=custom,
+                hovertext=hover,
+                hoverinfo="text",
+                name=name,
+            )
+        )
+    fig.update_layout(
+        height=height,
+        margin=dict(l=10, r=10, t=30, b=10),
+        xaxis=dict(visible=False),
+        yaxis=dict(
+            title="depth",
+            tickvals=[-d for d in range(max(p[1] for p in pos.values()) + 1)],
+            ticktext=[str(d) for d in range(max(p[1] for p in pos.values()) + 1)],
+        ),
+        legend=dict(orientation="h", y=1.08),
+        uirevision="tree",
+        clickmode="event+select",
+    )
+    return fig
+
+
+def node_details(record: IterationRecord, node: int, decode: Callable[[int], str] = str) -> dict[str, str]:
+    """What the app shows for a clicked node: its path as text, probabilities, what happened to
+    it and why, and the target's predictions at its parent and at the node itself."""
+    tree = record.tree
+    target_at = dict(zip(record.order, record.target_tokens, strict=True))
+    if node == BONUS:
+        if record.bonus_token is None:
+            raise ValueError("this iteration has no bonus token")
+        last = record.accepted[-1] if record.accepted else 0
+        path = [decode(tree.tokens[n]) for n in tree.path(last)] + [decode(record.bonus_token)]
+        return {
+            "token": f"{visible(decode(record.bonus_token))} (id {record.bonus_token})",
+            "path": visible("".join(path[1:])) + f"  (after the root {visible(path[0])})",
+            "status": "bonus: the target's own next token after the accepted path, committed for free",
+            "depth": str(len(path) - 1),
+        }
+    if not 0 <= node < len(tree):
+        raise ValueError(f"no node {node} in this tree ({len(tree)} nodes)")
+    path = [decode(tree.tokens[n]) for n in tree.path(node)]
+    cat = node_categories(record)[node]
+    status = f"{cat} ({tree.status[node]}"
+    status += f": {tree.reason[node]})" if tree.reason[node] and tree.status[node] != Status.KEPT else ")"
+    out = {
+        "token": f"{visible(path[-1])} (id {tree.tokens[node]})",
+        "path": (visible("".join(path[1:])) if node else "(the root itself)")
+        + f"  (after the root {visible(path[0])})",
+        "status": status,
+        "depth": str(tree.depths[node]),
+    }
+    if node:
+        out["draft p"] = f"{math.exp(tree.logp[node]):.4f}"
+        out["cumulative p"] = f"{math.exp(tree.cum_logp[node]):.4g}"
+        parent = tree.parents[node]
+        if parent in target_at:
+            chose = target_at[parent]
+            verdict = "same as this node" if chose == tree.tokens[node] else "not this node"
+            out["target at the parent"] = f"{visible(decode(chose))} ({verdict})"
+    if node in target_at:
+        out["target after this node"] = visible(decode(target_at[node]))
+    else:
+        out["target after this node"] = "not computed (the node was not sent to the target)"
+    info = record.analysis.get(str(node))
+    if info is not None:  # sampled runs: the verifier's exact law on this drawn tree
+        out["reach probability"] = f"{info['reach']:.4f} (P(the {record.verifier} verifier accepts it), this tree)"
+        if "expected_acceptance" in info:
+            out["expected acceptance here"] = f"{info['expected_acceptance']:.4f} (closed form over the draws, App. C)"
+    return out
+
+
+def clicked_node(selection: dict | None) -> int | None:
+    """Node id of the clicked tree marker, from the chart's selection state (its customdata[0]);
+    None for no click, an edge or an empty area."""
+    points = ((selection or {}).get("selection") or {}).get("points") or []
+    data = points[0].get("customdata") if points else None
+    return int(data[0]) if data else None

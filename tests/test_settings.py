@@ -1,0 +1,71 @@
+"""The run-settings registry (settings.py): one range and default per setting, from which the
+CLI's flags and the pages' widgets are generated, and the RunSpec they produce."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from dynatree_core.cli import build_parser
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.settings import SETTINGS, RunSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_run_spec_is_the_registry_and_checks_its_values():
+    spec = RunSpec()
+    assert {f.name for f in dataclasses.fields(spec)} == set(SETTINGS)
+    assert all(getattr(spec, name) == s.default for name, s in SETTINGS.items())
+    with pytest.raises(DynaTreeError, match=r"top_p \(--top-p\) must be between 0.05 and 1.0, got 0"):
+        RunSpec(top_p=0)
+    with pytest.raises(DynaTreeError, match="verifier .* must be one of auto, "):
+        RunSpec(verifier="nope")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.seed = 3
+    config = RunSpec(max_new_tokens=9, temperature=0.7, top_k=5, order="dfs", seed=4).decode_config(
+        seed=6, analyze=True
+    )
+    assert (config.max_new_tokens, config.order, config.seed, config.analyze) == (9, "dfs", 6, True)
+    assert (config.sampling.temperature, config.sampling.top_p, config.sampling.top_k) == (0.7, 1.0, 5)
+    assert RunSpec.of({"seed": 2, "top_k": None, "prompt": "x"}) == RunSpec(seed=2), "unknown keys and None ignored"
+
+
+@pytest.mark.parametrize("command", ["generate", "compare", "bench", "dtype"])
+def test_cli_flags_come_from_the_registry(command):
+    args = ["--prompt", "x"] if command in ("generate", "compare") else []
+    parser = build_parser()
+    parsed = parser.parse_args([command, *args])
+    shared = [name for name in SETTINGS if hasattr(parsed, name)]
+    assert "max_new_tokens" in shared
+    assert all(getattr(parsed, name) == SETTINGS[name].default for name in shared)
+    sub = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith(command))
+    helps = {a.dest: a.help for a in sub._actions}
+    assert all(helps[name] == SETTINGS[name].help for name in shared)
+
+
+def test_every_page_widget_of_a_shared_setting_comes_from_the_registry():
+    """No page defines its own range for a registry setting: they call ui.setting_widget."""
+    labels = [s.label for s in SETTINGS.values()]
+    for path in [ROOT / "app.py", *sorted((ROOT / "pages").glob("*.py"))]:
+        text = path.read_text(encoding="utf-8")
+        for label in labels:
+            assert f'("{label}"' not in text, f"{path.name} builds its own {label!r} widget"
+
+
+@pytest.mark.slow
+def test_the_pages_show_the_registry_ranges_and_the_compare_page_has_top_p_and_top_k():
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)
+    at.run()
+    slider = next(s for s in at.slider if s.label == "Max new tokens")
+    s = SETTINGS["max_new_tokens"]
+    assert (slider.min, slider.max, slider.value) == (s.lo, s.hi, s.default)
+    page = AppTest.from_file(str(ROOT / "pages" / "1_Compare_Policies.py"), default_timeout=120)
+    page.run()
+    assert not page.exception, page.exception
+    assert next(s for s in page.slider if s.label == "Max new tokens").value == s.default
+    assert any(x.label == "Top-p" for x in page.slider) and any(x.label == "Top-k" for x in page.number_input)
