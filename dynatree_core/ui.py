@@ -98,19 +98,21 @@ def param_widgets(policy_name: str, key_prefix: str = "param") -> dict:
 CUSTOM = "custom (hub id or local path)"
 
 
-def setting_widget(name: str, *, key: str | None = None, **kwargs):
+def setting_widget(name: str, *, key: str | None = None, value=None, where=st, **kwargs):
     """The page widget of a run setting (settings.SETTINGS): its label, range or choices, default
-    and help come from the registry the CLI's flags are generated from. Extra kwargs (disabled,
-    ...) go to the widget."""
+    and help come from the registry the CLI's flags are generated from. `value`: start from this
+    (checked against the registry) instead of the default; `where`: a column or the sidebar.
+    Extra kwargs (disabled, ...) go to the widget."""
     s = SETTINGS[name]
+    start = s.default if value is None else s.check(s.kind(value))
     common = dict(key=key, help=s.help, **kwargs)
     if s.widget == "select":
-        return st.selectbox(s.label, list(s.choices), index=s.choices.index(s.default), **common)
+        return where.selectbox(s.label, list(s.choices), index=s.choices.index(start), **common)
     if s.widget == "radio":
-        return st.radio(s.label, list(s.choices), index=s.choices.index(s.default), horizontal=True, **common)
+        return where.radio(s.label, list(s.choices), index=s.choices.index(start), horizontal=True, **common)
     if s.widget == "number":
-        return s.kind(st.number_input(s.label, s.kind(s.lo), s.kind(s.hi), s.default, **common))
-    return st.slider(s.label, s.kind(s.lo), s.kind(s.hi), s.default, s.kind(s.step), **common)
+        return s.kind(where.number_input(s.label, s.kind(s.lo), s.kind(s.hi), start, **common))
+    return where.slider(s.label, s.kind(s.lo), s.kind(s.hi), start, s.kind(s.step), **common)
 
 
 def model_picker(key_prefix: str = "") -> tuple[str, str | None, str, str]:

@@ -12,7 +12,7 @@ from dynatree_core.engine import DecodeConfig, resolve_verifier
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.lab import chi_square_critical, run_lab
 from dynatree_core.sampling import SamplingConfig
-from dynatree_core.ui import cached_pair, forward_lock
+from dynatree_core.ui import cached_pair, forward_lock, setting_widget
 from dynatree_core.verify.sampling import VERIFIERS
 from dynatree_core.viz import acceptance_by_depth, acceptance_figure, visible
 
@@ -36,8 +36,10 @@ sampled = [v for v in VERIFIERS if v != "greedy"]
 c1, c2, c3, c4 = st.columns(4)
 default = settings.get("verifier") if settings.get("verifier") in sampled else "specinfer"
 verifier = c1.selectbox("Verifier", sampled, index=sampled.index(default), help=VERIFIERS[default].summary)
+# Sampling only: the lab's temperature starts above 0 and its verifiers are the sampled ones (a
+# subset of the registry's ranges, so these two widgets are the page's own).
 temperature = c2.slider("Temperature", 0.1, 2.0, float(settings.get("temperature") or 0.8) or 0.8, 0.1)
-top_p = c3.slider("Top-p", 0.05, 1.0, float(settings.get("top_p") or 1.0), 0.05)
+top_p = setting_widget("top_p", value=settings.get("top_p") or 1.0, where=c3)
 trials = c4.slider("Repetitions", 20, 2000, 200, 20, help="Each costs one draft tree and one target forward.")
 st.caption(
     f"Policy **{settings['policy']}** {settings['params']}, context of {len(context)} tokens ending in "
