@@ -322,3 +322,20 @@ def test_the_registry_lists_the_built_in_policies_in_its_explicit_order():
 
     assert tuple(POLICIES)[: len(ORDER)] == ORDER
     assert all(POLICIES[n].black_box for n in ORDER[-3:]) and not any(POLICIES[n].black_box for n in ORDER[:-3])
+
+
+def test_a_levels_top_k_copied_once_equals_each_nodes_own_top_k():
+    """level_top (one host copy per level, issue 16) gives every row what a per-node top-k gave."""
+    import torch
+
+    from dynatree_core.drafting.base import DraftRequest, level_top, pick_children
+    from dynatree_core.tree import DraftTree
+
+    logp = torch.log_softmax(torch.randn(5, 300, generator=torch.Generator().manual_seed(0)), -1)
+    lp_rows, tok_rows = level_top(logp, 4)
+    request = DraftRequest(root_token=1, context=[1], max_depth=4, drafter=None)
+    tree = DraftTree.with_root(1)
+    for row in range(5):
+        want = pick_children(request, tree, 0, logp[row], 3)
+        assert pick_children(request, tree, 0, logp[row], 3, (lp_rows[row], tok_rows[row])) == want
+        assert [t for t, _ in want] == logp[row].topk(3).indices.tolist()

@@ -189,11 +189,28 @@ class DraftRequest:
     gen: torch.Generator | None = None
 
 
-def pick_children(request: DraftRequest, tree: DraftTree, node: int, logp: torch.Tensor, k: int) -> list[tuple]:
-    """(token, logp) of up to k children of `node`, best first for "top"; for sampled drafting the
-    k draws from the adjusted draft distribution (recorded on the tree for the verifier), their
-    distinct tokens as children in drawing order, logp = log q_adjusted(token)."""
+def level_top(logp: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """The top-k log-probabilities and tokens of every row of a level, in ONE copy to the host:
+    a per-row `.tolist()` of a GPU tensor is a host sync per node (issue 16, item 2)."""
+    top_lp, top_tok = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    return top_lp.tolist(), top_tok.tolist()
+
+
+def pick_children(
+    request: DraftRequest,
+    tree: DraftTree,
+    node: int,
+    logp: torch.Tensor,
+    k: int,
+    top: tuple[list[float], list[int]] | None = None,
+) -> list[tuple]:
+    """(token, logp) of up to k children of `node`, best first for "top" (from `top`, the node's
+    row of `level_top`, when given); for sampled drafting the k draws from the adjusted draft
+    distribution (recorded on the tree for the verifier), their distinct tokens as children in
+    drawing order, logp = log q_adjusted(token)."""
     if request.draw == "top":
+        if top is not None:
+            return list(zip(top[1][:k], top[0][:k], strict=True))
         top_lp, top_tok = logp.topk(k)
         return list(zip(top_tok.tolist(), top_lp.tolist(), strict=True))
     from dynatree_core.sampling import adjust

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import collections
 
-from dynatree_core.drafting.base import DraftRequest, Param, Policy, register_policy
+from dynatree_core.drafting.base import DraftRequest, Param, Policy, level_top, register_policy
 from dynatree_core.drafting.common import admit_level, drafter_of, leaf_reason, safe_log
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.tree import DraftTree, Reason
@@ -129,12 +129,12 @@ class DynaTreeAdaptive(Policy):
             logp = drafter.expand(tree, expand)  # ONE draft forward for the level
             confidence = logp.max(dim=-1).values.exp().tolist()
             branches = [self._branch(conf) for conf in confidence]
-            top_lp, top_tok = logp.topk(max(branches), dim=-1)
+            lp_rows, tok_rows = level_top(logp, max(branches))
             candidates = []
             for row, node in enumerate(expand):
                 tree.mark_expanded(node)
                 b = branches[row]
-                for lp, tok in zip(top_lp[row, :b].tolist(), top_tok[row, :b].tolist(), strict=True):
+                for lp, tok in zip(lp_rows[row][:b], tok_rows[row][:b], strict=True):
                     candidates.append((tree.cum_logp[node] + lp, node, tok, lp))
             frontier = admit_level(tree, candidates, log_tau, c["budget"] - drafted)
             drafted += len(frontier)

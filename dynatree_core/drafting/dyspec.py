@@ -141,11 +141,12 @@ class DySpecThreshold(Policy):
         for level in range(cap):
             logp = drafter.expand(tree, frontier)  # ONE draft forward for the level
             top_lp, top_tok = logp.topk(min(c["max_children"], logp.shape[-1]), dim=-1)
+            prob_rows, tok_rows = top_lp.exp().tolist(), top_tok.tolist()  # one copy per level, not per node
             candidates = []
             for row, node in enumerate(frontier):
                 tree.mark_expanded(node)
-                probs, parent_value = top_lp[row].exp().tolist(), math.exp(tree.cum_logp[node])
-                for rank, tok in enumerate(top_tok[row].tolist()):
+                probs, parent_value = prob_rows[row], math.exp(tree.cum_logp[node])
+                for rank, tok in enumerate(tok_rows[row]):
                     v = sibling_value(parent_value, probs, rank)
                     candidates.append((safe_log(v), node, tok, math.log(probs[rank])))
                     if v < c["threshold"]:  # values fall with rank: the rest are lower still

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dynatree_core.drafting.base import DraftRequest, Param, Policy, register_policy
+from dynatree_core.drafting.base import DraftRequest, Param, Policy, level_top, register_policy
 from dynatree_core.drafting.common import drafter_of, leaf_reason, start_tree
 from dynatree_core.tree import DraftTree, Reason, Status
 
@@ -30,11 +30,11 @@ class Eagle2Beam(Policy):
         frontier = [0]
         for level in range(cap):
             logp = drafter.expand(tree, frontier)  # ONE draft forward per step
-            top_lp, top_tok = logp.topk(c["topk"], dim=-1)
+            lp_rows, tok_rows = level_top(logp, c["topk"])
             new = []
             for row, node in enumerate(frontier):
                 tree.mark_expanded(node)
-                for lp, tok in zip(top_lp[row].tolist(), top_tok[row].tolist(), strict=True):
+                for lp, tok in zip(lp_rows[row], tok_rows[row], strict=True):
                     new.append(tree.add(node, tok, lp, reason=leaf_reason(cap, c["depth"])))
             if level + 1 == cap:
                 break

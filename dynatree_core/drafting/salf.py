@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 import math
 
-from dynatree_core.drafting.base import DraftRequest, Param, Policy, register_policy
+from dynatree_core.drafting.base import DraftRequest, Param, Policy, level_top, register_policy
 from dynatree_core.drafting.common import NEG_INF, drafter_of
 from dynatree_core.tree import DraftTree, Reason, Status
 
@@ -61,10 +61,10 @@ class Salf(Policy):
                     why[node] = Reason.LENGTH_LIMIT
             if expand:
                 logp = drafter.expand(tree, expand)  # ONE forward for the batch (lines 14-20)
-                top_lp, top_tok = logp.topk(min(n_max, logp.shape[-1]), dim=-1)
+                lp_rows, tok_rows = level_top(logp, n_max)
                 for row, node in enumerate(expand):
                     tree.mark_expanded(node)
-                    for lp, tok in zip(top_lp[row].tolist(), top_tok[row].tolist(), strict=True):
+                    for lp, tok in zip(lp_rows[row], tok_rows[row], strict=True):
                         heapq.heappush(queue, (-(g[node] + lp), seq, node, tok, lp))
                         seq += 1
                 queue = heapq.nsmallest(n_max, queue)  # capacity N: drop the least probable
