@@ -32,7 +32,10 @@ def test_one_step_with_the_embedded_pair_draws_a_tree_and_a_mask():
     charts = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
     tree = next(c for c in charts if any(t.get("name") == "root" for t in c["data"]))
     nodes = sum(len(t["customdata"]) for t in tree["data"] if t.get("mode") == "markers+text")
-    assert nodes >= 2  # root + bonus at least; every drafted node once
+    rec = at.session_state["run"].records[-1]
+    # every node of the record drawn once, plus the bonus token (the default feature draft's first
+    # iteration is the prefill: a root-only tree, so exactly root + bonus here)
+    assert nodes == len(rec.tree.tokens) + 1 == 2, (nodes, len(rec.tree.tokens))
     assert any(t["type"] == "heatmap" for c in charts for t in c["data"])
     assert at.metric[0].label == "Tokens / iteration"
 
