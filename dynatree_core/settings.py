@@ -33,6 +33,7 @@ class Setting:
     step: float | None = None
     choices: tuple[str, ...] = ()
     widget: str = "slider"  # how a page shows it: slider, number, select or radio
+    hi_binds: bool = True  # False: `hi` is the widget's top only, the CLI may ask for more
 
     @property
     def flag(self) -> str:
@@ -42,15 +43,28 @@ class Setting:
         """The value, or a DynaTreeError naming the setting, its flag and the allowed values."""
         if self.choices and value not in self.choices:
             raise DynaTreeError(f"{self.name} ({self.flag}) must be one of {', '.join(self.choices)}, got {value!r}")
-        if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
-            raise DynaTreeError(f"{self.name} ({self.flag}) must be between {self.lo} and {self.hi}, got {value}")
+        too_high = self.hi_binds and self.hi is not None and value > self.hi
+        if (self.lo is not None and value < self.lo) or too_high:
+            bound = f"between {self.lo} and {self.hi}" if self.hi_binds else f"at least {self.lo}"
+            raise DynaTreeError(f"{self.name} ({self.flag}) must be {bound}, got {value}")
         return value
 
 
 SETTINGS: dict[str, Setting] = {
     s.name: s
     for s in (
-        Setting("max_new_tokens", int, 64, "Max new tokens", "Stop after this many generated tokens.", 1, 512, 1),
+        # the slider stops at 512; the CLI may ask for more (the model's context ends the run)
+        Setting(
+            "max_new_tokens",
+            int,
+            64,
+            "Max new tokens",
+            "Stop after this many generated tokens.",
+            1,
+            512,
+            1,
+            hi_binds=False,
+        ),
         Setting(
             "temperature",
             float,

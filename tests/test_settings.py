@@ -23,6 +23,9 @@ def test_the_run_spec_is_the_registry_and_checks_its_values():
         RunSpec(top_p=0)
     with pytest.raises(DynaTreeError, match="verifier .* must be one of auto, "):
         RunSpec(verifier="nope")
+    with pytest.raises(DynaTreeError, match=r"max_new_tokens \(--max-new-tokens\) must be at least 1, got 0"):
+        RunSpec(max_new_tokens=0)
+    assert RunSpec(max_new_tokens=100_000).max_new_tokens == 100_000, "the slider's top does not bind the CLI"
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.seed = 3
     config = RunSpec(max_new_tokens=9, temperature=0.7, top_k=5, order="dfs", seed=4).decode_config(
