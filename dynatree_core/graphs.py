@@ -111,7 +111,7 @@ class PaddedForward:
         capacity = self.layers[0].capacity
         if length + width > capacity:
             for layer in self.layers:
-                layer._grow(length + width)
+                layer.grow(length + width)
             self.buckets.clear()
 
     def __call__(

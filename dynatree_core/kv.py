@@ -65,7 +65,7 @@ class SlotLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
         if end > self.capacity:
-            self._grow(end)
+            self.grow(end)
         self.key_buf[..., self.length : end, :].copy_(key_states)
         self.value_buf[..., self.length : end, :].copy_(value_states)
         self.length = end
@@ -90,7 +90,8 @@ class SlotLayer(DynamicLayer):
             return 0
         return (self.key_buf.numel() + self.value_buf.numel()) * self.key_buf.element_size()
 
-    def _grow(self, needed: int) -> None:
+    def grow(self, needed: int) -> None:
+        """Reallocate the buffers to hold `needed` slots (plus slack), keeping the valid entries."""
         capacity = max(needed + SLACK, self.capacity * 3 // 2)
         for name in ("key_buf", "value_buf"):
             old = getattr(self, name)

@@ -101,10 +101,13 @@ CUSTOM = "custom (hub id or local path)"
 def setting_widget(name: str, *, key: str | None = None, value=None, where=st, **kwargs):
     """The page widget of a run setting (settings.SETTINGS): its label, range or choices, default
     and help come from the registry the CLI's flags are generated from. `value`: start from this
-    (checked against the registry) instead of the default; `where`: a column or the sidebar.
+    (one the registry refuses falls back to the default) instead of the default; `where`: a column or the sidebar.
     Extra kwargs (disabled, ...) go to the widget."""
     s = SETTINGS[name]
-    start = s.default if value is None else s.check(s.kind(value))
+    start = s.default
+    if value is not None:  # a value from elsewhere (an imported run's settings) the registry refuses: the default
+        with contextlib.suppress(DynaTreeError, TypeError, ValueError):
+            start = s.check(s.kind(value))
     common = dict(key=key, help=s.help, **kwargs)
     if s.widget == "select":
         return where.selectbox(s.label, list(s.choices), index=s.choices.index(start), **common)

@@ -74,3 +74,18 @@ def test_the_pages_show_the_registry_ranges_and_the_compare_page_has_top_p_and_t
     assert not page.exception, page.exception
     assert next(s for s in page.slider if s.label == "Max new tokens").value == s.default
     assert any(x.label == "Top-p" for x in page.slider) and any(x.label == "Top-k" for x in page.number_input)
+
+
+def test_a_widget_started_from_a_value_the_registry_refuses_starts_at_the_default():
+    """An imported run's settings are not trusted: the Verification Lab starts top-p from them."""
+    from streamlit.testing.v1 import AppTest
+
+    def page(value):
+        from dynatree_core.ui import setting_widget
+
+        setting_widget("top_p", value=value)
+
+    for value, want in ((0.5, 0.5), (0.01, 1.0), ("abc", 1.0), (None, 1.0)):
+        at = AppTest.from_function(page, args=(value,))
+        at.run()
+        assert not at.exception and at.slider[0].value == want, (value, at.exception)
