@@ -19,11 +19,11 @@ import pandas as pd
 import streamlit as st
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
-from dynatree_core.drafting import POLICIES, make_policy
-from dynatree_core.engine import DecodeConfig, generate, resolve_verifier
+from dynatree_core.engine import DecodeConfig, generate
 from dynatree_core.engine_process import call
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.live import LiveRun, ProcessRun
+from dynatree_core.methods import catalogue, is_baseline, make_method, method_class, verifier_for
 from dynatree_core.metrics import exactness_note
 from dynatree_core.prompts import load_prompts
 from dynatree_core.session import encode_prompt
@@ -44,7 +44,7 @@ from dynatree_core.ui import (
     show_run_error,
     threads_caption,
 )
-from dynatree_core.verify.sampling import VERIFIERS
+from dynatree_core.verify.registry import VERIFIERS
 from dynatree_core.viz import (
     acceptance_by_depth,
     acceptance_figure,
@@ -81,9 +81,9 @@ with st.sidebar:
     target_spec, draft_spec, device, dtype = model_picker()
     st.header("Drafting")
     policy_name = st.selectbox(
-        "Policy", list(POLICIES), index=list(POLICIES).index("fixed_tree"), help="How the draft tree is grown."
+        "Policy", list(catalogue()), index=list(catalogue()).index("fixed_tree"), help="How the draft tree is grown."
     )
-    st.caption(POLICIES[policy_name].__doc__.strip().splitlines()[0] if POLICIES[policy_name].__doc__ else "")
+    st.caption((method_class(policy_name).__doc__ or "").strip().split("\n")[0])
     params = param_widgets(policy_name)
     st.header("Sampling")
     temperature = setting_widget("temperature")
@@ -133,7 +133,7 @@ def prepare():
     """Models (cached in this process), policy, prompt ids and decode config for the current inputs."""
     with st.spinner(f"Loading {target_spec} (first load of the embedded model converts it, ~30 s)..."):
         pair = cached_pair(target_spec, draft_spec, device, dtype)
-    policy = make_policy(policy_name, params)
+    policy = make_method(policy_name, params)
     ids = encode_prompt(pair.target.tokenizer, prompt, chat=chat)
     return pair, policy, ids, decode_config(pair.target.eos_token_ids, pair.target.context_length)
 
@@ -141,7 +141,7 @@ def prepare():
 def start_in_process() -> tuple[LiveRun, bool]:
     """A run decoded by the pair's engine process (ui.engine_process): the models load there, this
     process gets their tokenizer. (run, the draft is a stand-in)."""
-    policy = make_policy(policy_name, params)
+    policy = make_method(policy_name, params)
     with st.spinner(f"Starting the engine process with {target_spec} (the first load converts it, ~30 s)..."):
         engine = engine_process(target_spec, draft_spec, device, dtype)
     info = engine.wait_ready()
@@ -279,7 +279,7 @@ def run_verifier(run: LiveRun) -> str:
     """The verifier a run used (as the engine resolved it); greedy for runs from older files."""
     try:
         config = RunSpec.of(run.settings).decode_config()
-        return resolve_verifier(make_policy(run.policy_name, run.params), config)[0]
+        return verifier_for(make_method(run.policy_name, run.params), config)
     except (DynaTreeError, TypeError):  # a file's settings we cannot read: its trees are greedy's
         return "greedy"
 
@@ -345,7 +345,7 @@ def ar_reference(run: LiveRun, key: str) -> None:
                     context_length=pair.target.context_length,
                 )
                 with forward_lock():
-                    ref = generate(pair.target.model, run.prompt_ids, make_policy("ar"), config=config)
+                    ref = generate(pair.target.model, run.prompt_ids, make_method("ar"), config=config)
     except DynaTreeError as exc:
         st.error(f"No AR reference: {exc}")
         return
@@ -528,7 +528,7 @@ def render(run: LiveRun | None, running: bool = False) -> None:
     )
 
 
-if POLICIES[policy_name].black_box:
+if is_baseline(policy_name):
     baseline_view()
 else:
     live_view()

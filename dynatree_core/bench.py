@@ -23,6 +23,7 @@ from dynatree_core.compare import Entry, EntryStats, measure
 from dynatree_core.engine import DecodeConfig
 from dynatree_core.environment import environment
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.methods import make_method, method_class
 from dynatree_core.metrics import exactness_note
 from dynatree_core.packing import is_packed
 from dynatree_core.prompts import Prompt
@@ -224,14 +225,13 @@ def split_sweeps(
 def sweep_entries(policy: str, sweeps: list[tuple[str, list[str]]], base: dict[str, str] | None = None) -> list[Entry]:
     """One parameter at a time around the registry defaults (plus `base`), as the DynaTree papers'
     figures vary it; each entry is labelled 'name=value'."""
-    from dynatree_core.drafting import make_policy
 
     base = dict(base or {})
     entries = []
     for name, values in sweeps:
         for value in values:
             params = {**base, name: value}
-            make_policy(policy, params)  # unknown names and out-of-range values fail here, before any run
+            make_method(policy, params)  # unknown names and out-of-range values fail here, before any run
             entries.append(Entry(policy, params, label=f"{policy} {name}={value}"))
     return entries
 
@@ -239,10 +239,8 @@ def sweep_entries(policy: str, sweeps: list[tuple[str, list[str]]], base: dict[s
 def grid_entries(policy: str, sweeps: list[tuple[str, list[str]]], base: dict[str, str] | None = None) -> list[Entry]:
     """Every combination of the swept values (the papers' sparse tau_h / tau_l scatter uses two);
     each entry is labelled 'policy a=1,b=2'. Combinations the policy rejects are skipped."""
-    from dynatree_core.drafting import POLICIES, make_policy
-
     names = [name for name, _ in sweeps]
-    known = {p.name for p in POLICIES[policy].params} if policy in POLICIES else set()
+    known = {p.name for p in method_class(policy).params}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise DynaTreeError(f"policy {policy!r} has no parameter {', '.join(unknown)} (valid: {', '.join(known)})")
@@ -250,7 +248,7 @@ def grid_entries(policy: str, sweeps: list[tuple[str, list[str]]], base: dict[st
     for combo in itertools.product(*(values for _, values in sweeps)):
         params = {**(base or {}), **dict(zip(names, combo, strict=True))}
         try:
-            make_policy(policy, params)
+            make_method(policy, params)
         except DynaTreeError:
             continue  # a combination the policy rejects, e.g. tau_l above tau_h
         label = f"{policy} " + ",".join(f"{n}={v}" for n, v in zip(names, combo, strict=True))

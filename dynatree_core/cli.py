@@ -177,9 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_policies(args) -> None:
-    from dynatree_core.drafting import POLICIES
+    from dynatree_core.methods import catalogue
 
-    described = [cls.describe() for cls in POLICIES.values()]
+    described = [cls.describe() for cls in catalogue().values()]
     if args.json:
         print(json.dumps(described, indent=2))
         return
@@ -191,7 +191,7 @@ def cmd_policies(args) -> None:
 
 
 def cmd_verifiers(args) -> None:
-    from dynatree_core.verify.sampling import VERIFIERS
+    from dynatree_core.verify.registry import VERIFIERS
 
     rows = [v.to_dict() for v in VERIFIERS.values()]
     if args.json:
@@ -217,7 +217,7 @@ def cmd_presets(args) -> None:
 def cmd_bench(args) -> None:
     from dynatree_core import bench as B
     from dynatree_core.compare import Entry, parse_spec
-    from dynatree_core.drafting import POLICIES, make_policy
+    from dynatree_core.methods import REFERENCES, candidates, make_method
     from dynatree_core.prompts import choose_prompts
     from dynatree_core.session import load_pair
 
@@ -226,7 +226,7 @@ def cmd_bench(args) -> None:
     sweeps = [B.parse_sweep(s) for s in args.sweep]
     setting, param_sweeps = B.split_sweeps(sweeps)
     if not specs and not param_sweeps:
-        specs = [(n, {}, "auto") for n in POLICIES if n not in ("ar", "hf_generate")]
+        specs = [(n, {}, "auto") for n in candidates()]
     if args.grid and len(param_sweeps) < 2:
         raise DynaTreeError(
             "--grid needs two or more parameter sweeps, e.g. --sweep tau_h=0.6,0.8 --sweep tau_l=0.2,0.4"
@@ -237,9 +237,9 @@ def cmd_bench(args) -> None:
         entries = B.grid_entries(args.sweep_policy, param_sweeps)
     else:
         entries = B.sweep_entries(args.sweep_policy, param_sweeps)
-    entries += [Entry(n, p, verifier="" if v == "auto" else v) for n, p, v in specs if n not in ("ar", "hf_generate")]
+    entries += [Entry(n, p, verifier="" if v == "auto" else v) for n, p, v in specs if n not in REFERENCES]
     for e in entries:
-        make_policy(e.policy, e.params)  # validate before loading models
+        make_method(e.policy, e.params)  # validate before loading models
     if args.repeats < 1:
         raise DynaTreeError(f"--repeats must be at least 1, got {args.repeats}")
     if args.warmup < 0:
@@ -383,17 +383,16 @@ def cmd_dtype(args) -> None:
 def cmd_generate(args) -> None:
     import torch
 
-    from dynatree_core.drafting import make_policy
-    from dynatree_core.engine import generate, resolve_verifier
+    from dynatree_core.engine import generate
+    from dynatree_core.methods import make_method, verifier_for
     from dynatree_core.session import encode_prompt, load_pair
 
     prompt = _read_prompt(args)
-    policy = make_policy(args.policy, _parse_params(args.param))  # validate before loading models
+    policy = make_method(args.policy, _parse_params(args.param))  # validate before loading models
     if args.num_samples < 1:
         raise DynaTreeError(f"--num-samples must be at least 1, got {args.num_samples}")
     spec = RunSpec.of(args)
-    if not policy.black_box:
-        resolve_verifier(policy, spec.decode_config())
+    verifier_for(policy, spec.decode_config())  # refuse an invalid pairing before loading models
     target_spec, draft_spec = _resolve_models(args)
     torch.manual_seed(args.seed)
     pair = load_pair(

@@ -22,13 +22,13 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from dynatree_core.drafting import POLICIES, make_policy
-from dynatree_core.engine import DecodeConfig, generate, resolve_verifier
+from dynatree_core.baselines import Baseline
+from dynatree_core.engine import DecodeConfig, generate
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.methods import REFERENCES, make_method, method_class, verifier_for
 from dynatree_core.metrics import depth_reach
 from dynatree_core.trace import IterationRecord, RunResult
 
-REFERENCES = ("ar", "hf_generate")
 COMPARE_VERSION = 1
 
 
@@ -64,8 +64,8 @@ def labelled(entries: list[Entry]) -> list[Entry]:
     for e, base in zip(entries, bases, strict=True):
         label = e.label or base
         if not e.label and bases.count(base) > 1:
-            config = make_policy(e.policy, e.params).config
-            defaults = make_policy(e.policy).config
+            config = make_method(e.policy, e.params).config
+            defaults = make_method(e.policy).config
             changed = [f"{k}={v}" for k, v in config.items() if v != defaults[k]]
             label = f"{base} ({', '.join(changed)})" if changed else base
         seen[label] = seen.get(label, 0) + 1
@@ -311,14 +311,18 @@ def measure(
         raise DynaTreeError("no prompts to run")
     refs = [Entry("ar", label="ar (our loop)")] + ([Entry("hf_generate", label="hf_generate")] if include_hf else [])
     all_entries = labelled(refs + [e for e in entries if e.policy not in REFERENCES])
-    policies = [make_policy(e.policy, e.params) for e in all_entries]  # validate before any run
+    policies = [make_method(e.policy, e.params) for e in all_entries]  # validate before any run
     configs = [dataclasses.replace(config, verifier=e.verifier or config.verifier) for e in all_entries]
-    verifiers = ["hf" if p.black_box else resolve_verifier(p, c)[0] for p, c in zip(policies, configs, strict=True)]
+    verifiers = [verifier_for(p, c) for p, c in zip(policies, configs, strict=True)]
     target = pair.target
 
     def run_one(j: int, prompt: int, seed: int) -> RunResult:
         policy, entry = policies[j], all_entries[j]
-        hook = None if on_record is None or policy.black_box else (lambda rec: on_record(entry.label, rec, None))
+        hook = (
+            None
+            if on_record is None or isinstance(policy, Baseline)
+            else (lambda rec: on_record(entry.label, rec, None))
+        )
         return generate(
             target.model,
             prompts[prompt],
@@ -421,7 +425,6 @@ def parse_entries(specs: list[str]) -> list[Entry]:
         name, params, verifier = parse_spec(spec)
         if verifier != "auto":
             raise DynaTreeError("compare uses one verifier for every policy: pass --verifier, not NAME@VERIFIER")
-        if name not in POLICIES:
-            raise DynaTreeError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")
+        method_class(name)  # an unknown name is refused here, with the known ones
         out.append(Entry(name, params))
     return out

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from dynatree_core.baselines import Baseline
 from dynatree_core.drafting.base import Drafter, DraftRequest, Policy
 from dynatree_core.drafting.feature import FeatureDrafter, is_feature_draft
 from dynatree_core.errors import DynaTreeError
@@ -26,7 +27,8 @@ from dynatree_core.sampling import SamplingConfig
 from dynatree_core.trace import IterationRecord, RunResult
 from dynatree_core.tree import DraftTree, Reason
 from dynatree_core.verify.greedy import verify_greedy
-from dynatree_core.verify.sampling import SINGLE_PATH, VERIFIERS, analyze, verify_sampling
+from dynatree_core.verify.registry import resolve_verifier
+from dynatree_core.verify.sampling import analyze, verify_sampling
 from dynatree_core.vocab import TokenMap
 
 
@@ -44,45 +46,6 @@ class DecodeConfig:
     static_cache: bool | None = None  # preallocated per-run KV buffers, compacted in place
     fast_forward: bool | None = None  # the lean forward over them (Llama-family models)
     graphs: bool | None = None  # fixed-shape forwards, one CUDA graph per width (graphs.py; default: on CUDA)
-
-
-def resolve_verifier(policy: Policy, config: DecodeConfig) -> tuple[str, str]:
-    """(verifier, draw mode) for this policy and config; invalid pairings are refused."""
-    if config.sampling.greedy:
-        if config.verifier not in ("auto", "greedy"):
-            raise DynaTreeError(f"verifier {config.verifier!r} needs --temperature > 0 (temperature 0 is greedy)")
-        return "greedy", "top"
-    name = config.verifier
-    if name == "auto":  # the best general top-down choice the policy's drafting allows
-        if not policy.needs_draft_model or "iid" not in policy.draws and "without_replacement" not in policy.draws:
-            name = "nss"  # nothing drawn from a draft model (ar, ngram) or a deterministic tree
-        else:
-            name = "specinfer" if "iid" in policy.draws else "without_replacement"
-    if name not in VERIFIERS or name == "greedy":
-        valid = ", ".join(v for v in VERIFIERS if v != "greedy")
-        raise DynaTreeError(f"unknown sampling verifier {name!r}; choose one of: {valid}")
-    spec = VERIFIERS[name]
-    if spec.draw == "top":
-        return name, "top"
-    if spec.accepts == (SINGLE_PATH,):  # block verification: a path drawn from the draft
-        if not policy.single_path or "iid" not in policy.draws:
-            raise DynaTreeError(f"verifier {name!r} verifies one drafted path; policy {policy.name!r} drafts a tree")
-        return name, "iid"
-    if spec.direction == "bottom-up" and not policy.local_shape():
-        hint = f" (budget >= {policy.full_size()})" if hasattr(policy, "full_size") else ""
-        raise DynaTreeError(
-            f"verifier {name!r} walks the tree bottom-up, which is lossless only when the shape below a node "
-            f"depends on that node's own draws; policy {policy.name!r} lets subtrees compete for a node budget. "
-            f"Raise the budget so it never binds{hint}, or choose a top-down verifier (specinfer, spectr, ...)"
-        )
-    draw = next((d for d in spec.accepts if d in policy.draws), None)
-    if draw is None:
-        needs = " or ".join(d.replace("_", " ") for d in spec.accepts if d != SINGLE_PATH)
-        raise DynaTreeError(
-            f"verifier {name!r} needs children drawn {needs} from the draft; policy {policy.name!r} "
-            f"builds deterministic top-k trees, on which only 'nss' is lossless"
-        )
-    return name, draw
 
 
 def _clock(device: torch.device) -> float:
@@ -124,8 +87,8 @@ def decode(
     draft_token_map: TokenMap | None = None,
 ) -> Iterator[IterationRecord]:
     """Run speculative decoding, yielding one IterationRecord per iteration (one target forward)."""
-    if policy.black_box:
-        raise DynaTreeError(f"{policy.name} runs inside HF generate as one call: it cannot be stepped")
+    if isinstance(policy, Baseline):
+        raise DynaTreeError(f"{policy.name} is a baseline that runs as one call: it cannot be stepped")
     if not prompt_ids:
         raise DynaTreeError("the prompt is empty")
     ctx = config.context_length or context_length_of(target)
@@ -134,7 +97,7 @@ def decode(
     if policy.needs_draft_model and draft is None:
         raise DynaTreeError(f"policy {policy.name!r} needs a draft model")
     device = target.get_input_embeddings().weight.device
-    verifier, draw = resolve_verifier(policy, config)
+    verifier, draw = resolve_verifier(policy.capabilities(), config.verifier, config.sampling)
     gen = torch.Generator().manual_seed(config.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -296,7 +259,7 @@ def _commit(
 def generate(
     target: torch.nn.Module,
     prompt_ids: list[int],
-    policy: Policy,
+    policy: Policy | Baseline,
     *,
     draft: torch.nn.Module | None = None,
     config: DecodeConfig = DecodeConfig(),
@@ -304,12 +267,10 @@ def generate(
     draft_token_map: TokenMap | None = None,
     on_record: Callable[[IterationRecord], None] | None = None,
 ) -> RunResult:
-    """Run `decode` to the end and reduce its records to a RunResult (black-box baselines run
-    their own generate). on_record sees each iteration as it ends (time spent in it is not
-    counted: throughput comes from the records' own timings)."""
-    if policy.black_box:
-        if not prompt_ids:
-            raise DynaTreeError("the prompt is empty")
+    """Run `decode` to the end and reduce its records to a RunResult; a baseline (baselines.py)
+    runs as its own one call instead. on_record sees each iteration as it ends (time spent in it
+    is not counted: throughput comes from the records' own timings)."""
+    if isinstance(policy, Baseline):
         return policy.run(
             target, prompt_ids, draft=draft, config=config, draft_token_map=draft_token_map, tokenizer=tokenizer
         )

@@ -93,8 +93,8 @@ def serve(commands, out, spec: PairSpec) -> None:
 
     import torch
 
-    from dynatree_core.drafting import make_policy
     from dynatree_core.engine import decode, draft_kind, generate
+    from dynatree_core.methods import make_method
     from dynatree_core.session import load_pair
     from dynatree_core.threads import configure_threads
 
@@ -147,7 +147,7 @@ def serve(commands, out, spec: PairSpec) -> None:
             return False
         if kind == "start":
             try:
-                policy = make_policy(payload.policy, payload.params)
+                policy = make_method(payload.policy, payload.params)
                 torch.manual_seed(payload.config.seed)
                 runs[rid] = decode(
                     target.model, payload.prompt_ids, policy, config=payload.config, **pair.drafting(policy)
@@ -177,7 +177,7 @@ def serve(commands, out, spec: PairSpec) -> None:
         elif kind == "ar":
             prompt_ids, config = payload
             try:
-                out.put(("result", rid, generate(target.model, prompt_ids, make_policy("ar"), config=config)))
+                out.put(("result", rid, generate(target.model, prompt_ids, make_method("ar"), config=config)))
             except Exception as exc:  # noqa: BLE001
                 out.put(("error", rid, _portable(exc)))
         return True

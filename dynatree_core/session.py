@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+from dynatree_core.baselines import Baseline
 from dynatree_core.drafting.feature import FeatureDraft, is_feature_draft, is_feature_draft_dir
 from dynatree_core.dtypes import saved_choice
 from dynatree_core.errors import DynaTreeError
@@ -38,7 +39,7 @@ class ModelPair:
         """The engine's draft arguments for `policy`: `draft` and `draft_token_map` (one rule for
         every caller: no draft for policies that need none; HF baselines get the token draft)."""
         model = self.draft
-        if policy.black_box and model is not None and is_feature_draft(model.model) and self.assistant:
+        if isinstance(policy, Baseline) and model is not None and is_feature_draft(model.model) and self.assistant:
             model = self.assistant  # else HF's baseline says why it cannot run a feature draft
         if model is None or not policy.needs_draft_model:
             return {"draft": None, "draft_token_map": None}

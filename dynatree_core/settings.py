@@ -18,7 +18,7 @@ from typing import Any
 from dynatree_core.engine import DecodeConfig
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.sampling import SamplingConfig
-from dynatree_core.verify.sampling import VERIFIERS
+from dynatree_core.verify.registry import VERIFIERS
 
 
 @dataclasses.dataclass(frozen=True)

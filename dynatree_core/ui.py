@@ -12,10 +12,10 @@ import threading
 import streamlit as st
 import torch
 
-from dynatree_core.drafting import POLICIES
 from dynatree_core.engine_process import EngineProcess, PairSpec
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.live import LiveRun, ProcessRun
+from dynatree_core.methods import method_class
 from dynatree_core.models import PRESETS, presets_only
 from dynatree_core.session import load_pair
 from dynatree_core.settings import SETTINGS
@@ -82,7 +82,7 @@ def forward_lock() -> threading.Lock:
 def param_widgets(policy_name: str, key_prefix: str = "param") -> dict:
     """One widget per registered parameter of the policy, with its help text."""
     values = {}
-    for p in POLICIES[policy_name].params:
+    for p in method_class(policy_name).params:
         key = f"{key_prefix}_{policy_name}_{p.name}"
         if p.type is bool:
             values[p.name] = st.toggle(p.name, bool(p.default), help=p.help, key=key)

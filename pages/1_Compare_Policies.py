@@ -10,8 +10,8 @@ import pandas as pd
 import streamlit as st
 
 from dynatree_core.compare import Comparison, Entry, compare, labelled, schedule
-from dynatree_core.drafting import POLICIES
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.methods import candidates
 from dynatree_core.prompts import load_prompts
 from dynatree_core.session import encode_prompt
 from dynatree_core.settings import RunSpec
@@ -25,7 +25,7 @@ st.caption(
     "discarded warm-up, interleaved round by round; `ar` (our loop) and HF `generate` run in the same rounds "
     "as references. Throughput is engine time."
 )
-CHOICES = [name for name in POLICIES if name not in ("ar", "hf_generate")]
+CHOICES = candidates()
 DEFAULTS = ["linear", "fixed_tree", "dynatree", "salf", "dyspec", "eagle2"]
 
 with st.sidebar:

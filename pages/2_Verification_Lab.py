@@ -8,12 +8,13 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from dynatree_core.drafting import make_policy
-from dynatree_core.engine import DecodeConfig, resolve_verifier
+from dynatree_core.engine import DecodeConfig
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.lab import chi_square_critical, run_lab
+from dynatree_core.methods import verifier_for
 from dynatree_core.sampling import SamplingConfig
 from dynatree_core.ui import cached_pair, forward_lock, setting_widget
-from dynatree_core.verify.sampling import VERIFIERS
+from dynatree_core.verify.registry import VERIFIERS
 from dynatree_core.viz import acceptance_by_depth, acceptance_figure, visible
 
 st.set_page_config(page_title="Verification Lab", page_icon="🧪", layout="wide")
@@ -57,7 +58,7 @@ if st.button("Run the lab", type="primary", icon=":material/science:"):
             sampling=SamplingConfig(temperature=temperature, top_p=top_p, top_k=int(settings.get("top_k") or 0)),
             verifier=verifier,
         )
-        resolve_verifier(policy, config)  # refuse an invalid pairing before any work
+        verifier_for(policy, config)  # refuse an invalid pairing before any work
         bar = st.progress(0.0, text="Repeating the step...")
         with forward_lock():
             result = run_lab(

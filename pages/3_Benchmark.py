@@ -11,8 +11,8 @@ import streamlit as st
 
 from dynatree_core.bench import parse_sweep, run_bench, sweep_entries, sweep_figures
 from dynatree_core.compare import Entry
-from dynatree_core.drafting import POLICIES
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.methods import candidates, method_class
 from dynatree_core.prompts import CORPORA, bundled_sets, choose_prompts
 from dynatree_core.settings import RunSpec
 from dynatree_core.ui import cached_pair, forward_lock, model_picker, setting_widget
@@ -24,7 +24,7 @@ st.caption(
     "N prompts with the policies interleaved; `ar` and HF `generate` as references in the same run. "
     "For long runs use the CLI (`python -m dynatree_core bench ...`) and load its JSON below."
 )
-STEPPED = [n for n, cls in POLICIES.items() if n not in ("ar", "hf_generate")]
+STEPPED = candidates()
 A_FILE = "a file (.jsonl / .txt)"
 
 with st.sidebar:
@@ -37,7 +37,7 @@ if mode == "Policies":
     entries = [Entry(name) for name in chosen]
 else:
     c1, c2 = st.columns(2)
-    tunable = [n for n in STEPPED if POLICIES[n].params]
+    tunable = [n for n in STEPPED if method_class(n).params]
     sweep_policy = c1.selectbox("Policy", tunable, index=tunable.index("fixed_tree"), key="bench_sweep_policy")
     spec = c2.text_input(
         "Sweep", "depth=3..6", key="bench_sweep", help="NAME=A..B (integers) or NAME=V1,V2; ';' separates several"

@@ -118,11 +118,11 @@ def test_a_prompt_longer_than_the_context_is_an_error_and_keeps_the_inputs(tiny_
 
 
 def test_every_policy_renders_its_parameters():
-    from dynatree_core.drafting import POLICIES
+    from dynatree_core.methods import catalogue
 
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=60)
     at.run()
-    for name, cls in POLICIES.items():
+    for name, cls in catalogue().items():
         next(s for s in at.selectbox if s.label == "Policy").set_value(name).run()
         assert not at.exception, (name, at.exception)
         labels = {w.label for w in [*at.slider, *at.number_input, *at.toggle]}
@@ -146,9 +146,7 @@ def test_every_tree_policy_steps_in_the_app_with_a_tiny_pair(tiny_pair_dirs):
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     at.run()
     pick_custom_pair(at, *tiny_pair_dirs)
-    for name, cls in POLICIES.items():
-        if cls.black_box:
-            continue
+    for name in POLICIES:  # the drafting policies (the baselines run as one call, above)
         next(s for s in at.selectbox if s.label == "Policy").set_value(name).run()
         _click(at, "Reset")
         _click(at, "Step")
@@ -249,8 +247,8 @@ def test_presets_only_hides_custom_models(monkeypatch):
 def test_run_decodes_in_a_worker_and_the_scrubber_reaches_every_iteration(tiny_pair_dirs):
     """Run starts the worker; the page reruns until it has drawn the finished run, whose tokens are
     engine.generate's with the same settings; the scrubber then shows every iteration's tree."""
-    from dynatree_core.drafting import make_policy
     from dynatree_core.engine import DecodeConfig, generate
+    from dynatree_core.methods import make_method
     from dynatree_core.ui import cached_pair
 
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
@@ -266,7 +264,7 @@ def test_run_decodes_in_a_worker_and_the_scrubber_reaches_every_iteration(tiny_p
     assert any("torch thread" in c.value for c in at.caption), "the caption names the engine's thread count"
     pair = cached_pair(tiny_pair_dirs[0], tiny_pair_dirs[1], "auto", "auto")
     config = DecodeConfig(max_new_tokens=24, eos_token_ids=pair.target.eos_token_ids)
-    policy = make_policy("fixed_tree", run.params)
+    policy = make_method("fixed_tree", run.params)
     full = generate(pair.target.model, run.prompt_ids, policy, draft=pair.draft.model, config=config)
     assert run.token_ids == full.token_ids, "the worker's tokens differ from engine.generate's"
     n = len(run.records)

@@ -12,9 +12,9 @@ import pytest
 from conftest import noisy_copy, tiny_model
 
 from dynatree_core.compare import Comparison, Entry, check_outputs, compare, labelled, run_schedule, schedule
-from dynatree_core.drafting import make_policy
 from dynatree_core.engine import DecodeConfig, generate
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.methods import make_method
 from dynatree_core.sampling import SamplingConfig
 from dynatree_core.session import ModelPair
 
@@ -77,7 +77,7 @@ def test_comparison_numbers_agree_with_running_each_policy_alone():
     assert {"linear", "fixed_tree", "ar (our loop)"} <= set(seen) and "hf_generate" not in seen
     for stats, entry in zip(result.entries[2:], entries, strict=True):
         alone = generate(
-            pair.target.model, PROMPT, make_policy(entry.policy, entry.params), draft=pair.draft.model, config=config
+            pair.target.model, PROMPT, make_method(entry.policy, entry.params), draft=pair.draft.model, config=config
         )
         assert stats.runs == 2 and stats.token_ids == [alone.token_ids] * 2
         assert stats.tokens_per_iteration == pytest.approx(alone.tokens_per_iteration)

@@ -7,8 +7,8 @@ import functools
 import pytest
 import torch
 
-from dynatree_core.drafting import POLICIES, make_policy
 from dynatree_core.engine import DecodeConfig, generate
+from dynatree_core.methods import catalogue, make_method
 from dynatree_core.models import (
     EMBEDDED,
     EMBEDDED_DRAFT_DIR,
@@ -68,17 +68,17 @@ def test_the_default_pair_drafts_with_the_feature_draft_and_lends_hf_the_token_d
     pair = load_pair("embedded", None, device="cpu", dtype="float32")
     assert is_feature_draft(pair.draft.model) and pair.assistant.spec == str(EMBEDDED_DRAFT_DIR)
     check_tokenizers_compatible(pair.target, pair.assistant)
-    assert pair.drafting(make_policy("fixed_tree"))["draft"] is pair.draft.model
-    assert pair.drafting(make_policy("hf_assisted")) == {
+    assert pair.drafting(make_method("fixed_tree"))["draft"] is pair.draft.model
+    assert pair.drafting(make_method("hf_assisted")) == {
         "draft": pair.assistant.model,
         "draft_token_map": pair.assistant.token_map,
     }
-    assert pair.drafting(make_policy("ar")) == {"draft": None, "draft_token_map": None}
+    assert pair.drafting(make_method("ar")) == {"draft": None, "draft_token_map": None}
     ids = encode_prompt(pair.target.tokenizer, PROMPTS[0], chat=True)
     config = DecodeConfig(max_new_tokens=16, eos_token_ids=pair.target.eos_token_ids)
-    ar = generate(pair.target.model, ids, make_policy("ar"), config=config)
+    ar = generate(pair.target.model, ids, make_method("ar"), config=config)
     hf = generate(
-        pair.target.model, ids, make_policy("hf_assisted"), config=config, **pair.drafting(make_policy("hf_assisted"))
+        pair.target.model, ids, make_method("hf_assisted"), config=config, **pair.drafting(make_method("hf_assisted"))
     )
     assert hf.token_ids == ar.token_ids
 
@@ -90,30 +90,30 @@ def test_tree_policies_reproduce_target_greedy_on_smollm2(prompt):
     n = 32
     ref = loaded.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids) :].tolist()
     config = DecodeConfig(max_new_tokens=n, eos_token_ids=loaded.eos_token_ids)
-    ar = generate(loaded.model, ids, make_policy("ar"), config=config)
+    ar = generate(loaded.model, ids, make_method("ar"), config=config)
     assert ar.token_ids == ref, "our AR loop equals HF generate"
     shipped = shipped_draft()
     drafts = ((loaded.model, None), (early_exit_draft(), None), (shipped.model, shipped.token_map))
     for draft, token_map in drafts:
         for name, params in (("linear", {"k": 5}), ("fixed_tree", {}), ("fixed_tree", {"branch": 3, "tau": 0.01})):
             result = generate(
-                loaded.model, ids, make_policy(name, params), draft=draft, config=config, draft_token_map=token_map
+                loaded.model, ids, make_method(name, params), draft=draft, config=config, draft_token_map=token_map
             )
             assert result.token_ids == ref, f"{name} {params} diverged"
             assert result.target_forwards == result.iterations
 
 
-@pytest.mark.parametrize("policy_name", sorted(POLICIES))
+@pytest.mark.parametrize("policy_name", sorted(catalogue()))
 def test_every_policy_reproduces_target_greedy_with_the_shipped_draft(policy_name):
     loaded, shipped = embedded(), shipped_draft()
     for prompt in PROMPTS[:2]:
         ids = encode_prompt(loaded.tokenizer, prompt, chat=True)
         config = DecodeConfig(max_new_tokens=24, eos_token_ids=loaded.eos_token_ids)
-        ref = generate(loaded.model, ids, make_policy("ar"), config=config)
+        ref = generate(loaded.model, ids, make_method("ar"), config=config)
         result = generate(
             loaded.model,
             ids,
-            make_policy(policy_name),
+            make_method(policy_name),
             draft=shipped.model,
             config=config,
             draft_token_map=shipped.token_map,

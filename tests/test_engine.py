@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import ARCHS, hf_greedy, noisy_copy, tiny_model
 
-from dynatree_core.drafting import make_policy
 from dynatree_core.engine import DecodeConfig, decode, generate
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.methods import make_method
 from dynatree_core.tree import Status
 
 PROMPTS = ([1, 5, 7, 9, 11], [3], [42, 17, 8, 8, 8, 8, 60, 2, 90, 33, 12, 4])
@@ -54,10 +54,10 @@ def test_greedy_output_equals_target_greedy(arch, draft_kind, policy_name, param
     target, draft = tiny_model(arch), draft_for(arch, draft_kind)
     for prompt in PROMPTS:
         reference = hf_greedy(target, prompt, 30)
-        ar = generate(target, prompt, make_policy("ar"), config=DecodeConfig(max_new_tokens=30))
+        ar = generate(target, prompt, make_method("ar"), config=DecodeConfig(max_new_tokens=30))
         assert ar.token_ids == reference, "our AR loop must equal HF generate(do_sample=False)"
         result = generate(
-            target, prompt, make_policy(policy_name, params), draft=draft, config=DecodeConfig(max_new_tokens=30)
+            target, prompt, make_method(policy_name, params), draft=draft, config=DecodeConfig(max_new_tokens=30)
         )
         assert result.token_ids == reference, f"{policy_name} {params} diverged from target greedy"
 
@@ -69,7 +69,7 @@ def test_node_order_does_not_change_output(order):
     result = generate(
         target,
         PROMPTS[0],
-        make_policy("fixed_tree", {"tau": 0.0}),
+        make_method("fixed_tree", {"tau": 0.0}),
         draft=draft,
         config=DecodeConfig(max_new_tokens=25, order=order),
     )
@@ -93,7 +93,7 @@ def test_exactly_one_target_forward_per_iteration(policy_name, params):
     calls, handle = _count_forwards(target)
     try:
         result = generate(
-            target, PROMPTS[0], make_policy(policy_name, params), draft=draft, config=DecodeConfig(max_new_tokens=30)
+            target, PROMPTS[0], make_method(policy_name, params), draft=draft, config=DecodeConfig(max_new_tokens=30)
         )
     finally:
         handle.remove()
@@ -108,7 +108,7 @@ def test_draft_expands_one_level_per_forward():
             decode(
                 target,
                 PROMPTS[0],
-                make_policy("fixed_tree", {"tau": 0.0, "branch": 3}),
+                make_method("fixed_tree", {"tau": 0.0, "branch": 3}),
                 draft=draft,
                 config=DecodeConfig(max_new_tokens=30),
             )
@@ -126,7 +126,7 @@ def test_draft_cache_stays_in_sync_with_a_perfect_draft():
     cache out of sync (missing or stale KV) would show up as rejections."""
     target = tiny_model("gpt_neox")
     result = generate(
-        target, PROMPTS[2], make_policy("linear", {"k": 4}), draft=target, config=DecodeConfig(max_new_tokens=41)
+        target, PROMPTS[2], make_method("linear", {"k": 4}), draft=target, config=DecodeConfig(max_new_tokens=41)
     )
     assert [len(r.committed) for r in result.records] == [5] * 8 + [1]
     assert result.acceptance_rate == 1.0
@@ -135,7 +135,7 @@ def test_draft_cache_stays_in_sync_with_a_perfect_draft():
 def test_budget_is_never_exceeded():
     target, draft = tiny_model("llama"), tiny_model("llama")
     for budget in (1, 3, 7, 20):
-        policy = make_policy("fixed_tree", {"tau": 0.0, "branch": 4, "depth": 6, "budget": budget})
+        policy = make_method("fixed_tree", {"tau": 0.0, "branch": 4, "depth": 6, "budget": budget})
         for r in decode(target, PROMPTS[0], policy, draft=draft, config=DecodeConfig(max_new_tokens=20)):
             assert r.drafted <= budget
             assert len(r.order) == len(r.mask) == len(r.position_ids) == len(r.target_tokens)
@@ -147,7 +147,7 @@ def test_max_new_tokens_is_exact(n):
     ref = hf_greedy(target, PROMPTS[0], n)
     for policy_name, params in POLICIES:
         result = generate(
-            target, PROMPTS[0], make_policy(policy_name, params), draft=target, config=DecodeConfig(max_new_tokens=n)
+            target, PROMPTS[0], make_method(policy_name, params), draft=target, config=DecodeConfig(max_new_tokens=n)
         )
         assert result.token_ids == ref and result.stop_reason == "max_new_tokens"
 
@@ -162,7 +162,7 @@ def test_eos_inside_the_tree_stops_generation(policy_name, params):
     result = generate(
         target,
         PROMPTS[0],
-        make_policy(policy_name, params),
+        make_method(policy_name, params),
         draft=target,
         config=DecodeConfig(max_new_tokens=30, eos_token_ids=frozenset({eos})),
     )
@@ -177,7 +177,7 @@ def test_context_limit_ends_cleanly():
     result = generate(
         target,
         prompt,
-        make_policy("fixed_tree", {"tau": 0.0}),
+        make_method("fixed_tree", {"tau": 0.0}),
         draft=target,
         config=DecodeConfig(max_new_tokens=50, context_length=len(prompt) + 7),
     )
@@ -187,11 +187,11 @@ def test_context_limit_ends_cleanly():
 def test_bad_inputs_raise_clear_errors():
     target = tiny_model("llama")
     with pytest.raises(DynaTreeError, match="empty"):
-        list(decode(target, [], make_policy("ar")))
+        list(decode(target, [], make_method("ar")))
     with pytest.raises(DynaTreeError, match="context"):
-        list(decode(target, list(range(20)), make_policy("ar"), config=DecodeConfig(context_length=10)))
+        list(decode(target, list(range(20)), make_method("ar"), config=DecodeConfig(context_length=10)))
     with pytest.raises(DynaTreeError, match="needs a draft"):
-        list(decode(target, [1, 2], make_policy("linear")))
+        list(decode(target, [1, 2], make_method("linear")))
 
 
 @pytest.mark.parametrize("arch_name", ARCHS)
@@ -200,7 +200,7 @@ def test_records_describe_what_the_target_saw(arch_name):
     prompt = PROMPTS[0]
     committed = len(prompt)
     for r in decode(
-        target, prompt, make_policy("fixed_tree", {"tau": 0.0}), draft=draft, config=DecodeConfig(max_new_tokens=20)
+        target, prompt, make_method("fixed_tree", {"tau": 0.0}), draft=draft, config=DecodeConfig(max_new_tokens=20)
     ):
         assert r.prefix_len == committed - 1, "the root sits at the last committed position"
         assert r.position_ids == [r.prefix_len + r.tree.depths[n] for n in r.order]
@@ -230,7 +230,7 @@ def test_reduced_vocabulary_draft_stays_exact_and_agrees():
         result = generate(
             target,
             prompt,
-            make_policy("fixed_tree", {"tau": 0.0}),
+            make_method("fixed_tree", {"tau": 0.0}),
             draft=draft,
             config=DecodeConfig(max_new_tokens=30),
             draft_token_map=token_map,
@@ -248,17 +248,17 @@ def test_cpu_memory_counts_weights_and_the_largest_caches():
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.01)
     prompt, n = PROMPTS[0], 20
     config = DecodeConfig(max_new_tokens=n, static_cache=False)
-    ar = generate(target, prompt, make_policy("ar"), config=config)
+    ar = generate(target, prompt, make_method("ar"), config=config)
     per_token = kv_bytes_per_token(target)
     # AR's concatenated cache peaks at prompt + n - 1 tokens (the last token is never fed back)
     assert ar.peak_memory_mb == pytest.approx((weight_bytes(target) + per_token * (len(prompt) + n - 1)) / 2**20)
-    hf = generate(target, prompt, make_policy("hf_generate"), config=config)
+    hf = generate(target, prompt, make_method("hf_generate"), config=config)
     assert hf.peak_memory_mb == pytest.approx(ar.peak_memory_mb)  # the config-sized estimate agrees
     # the static cache holds its whole buffer from the first forward: prompt + n + slack slots
-    static = generate(target, prompt, make_policy("ar"), config=dataclasses.replace(config, static_cache=True))
+    static = generate(target, prompt, make_method("ar"), config=dataclasses.replace(config, static_cache=True))
     buffer = per_token * (len(prompt) + n + SLACK)
     assert static.peak_memory_mb == pytest.approx((weight_bytes(target) + buffer) / 2**20)
-    tree = generate(target, prompt, make_policy("fixed_tree", {"tau": 0.0}), draft=draft, config=config)
+    tree = generate(target, prompt, make_method("fixed_tree", {"tau": 0.0}), draft=draft, config=config)
     biggest = max(len(r.order) - 1 + r.chain_len for r in tree.records)  # nodes + pending in one forward
     assert tree.peak_memory_mb >= (weight_bytes(target) + weight_bytes(draft) + per_token * biggest) / 2**20
     assert tree.peak_memory_mb > ar.peak_memory_mb

@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from dynatree_core.drafting import make_policy
 from dynatree_core.engine import DecodeConfig, generate
 from dynatree_core.engine_process import EngineProcess, PairSpec, call
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.live import ProcessRun
+from dynatree_core.methods import make_method
 from dynatree_core.session import load_pair
 
 PROMPT = [1, 17, 4, 99, 250, 7]
@@ -40,11 +40,11 @@ def _config(engine: EngineProcess, max_new: int) -> DecodeConfig:
 
 def _reference(pair, policy: str, max_new: int, params=None):
     config = DecodeConfig(max_new_tokens=max_new, eos_token_ids=pair.target.eos_token_ids)
-    return generate(pair.target.model, PROMPT, make_policy(policy, params), draft=pair.draft.model, config=config)
+    return generate(pair.target.model, PROMPT, make_method(policy, params), draft=pair.draft.model, config=config)
 
 
 def _start(engine, policy="fixed_tree", max_new=24) -> ProcessRun:
-    return ProcessRun.start_in(engine, PROMPT, make_policy(policy), settings={"p": 1}, config=_config(engine, max_new))
+    return ProcessRun.start_in(engine, PROMPT, make_method(policy), settings={"p": 1}, config=_config(engine, max_new))
 
 
 def test_the_child_reports_what_it_loaded(engine):
@@ -104,7 +104,7 @@ def test_a_snapshot_has_no_engine_and_keeps_its_records(engine):
 def test_an_engine_error_ends_the_run_and_the_engine_goes_on(engine):
     info = engine.wait_ready()
     config = _config(engine, 8)
-    run = ProcessRun.start_in(engine, PROMPT * 200, make_policy("fixed_tree"), settings={}, config=config)
+    run = ProcessRun.start_in(engine, PROMPT * 200, make_method("fixed_tree"), settings={}, config=config)
     assert len(PROMPT) * 200 > info.context_length
     with pytest.raises(DynaTreeError, match="context"):
         run.step()
@@ -152,7 +152,7 @@ def test_a_pair_that_cannot_load_is_a_message():
 def test_a_dead_engine_ends_its_runs_with_a_message(tiny_pair_dirs):
     eng = EngineProcess(PairSpec(*tiny_pair_dirs))
     eng.wait_ready(300)
-    run = ProcessRun.start_in(eng, PROMPT, make_policy("fixed_tree"), settings={}, config=_config(eng, 400))
+    run = ProcessRun.start_in(eng, PROMPT, make_method("fixed_tree"), settings={}, config=_config(eng, 400))
     run.step()
     eng._process.kill()
     deadline = time.monotonic() + 30

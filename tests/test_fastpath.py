@@ -14,10 +14,10 @@ import pytest
 import torch
 from conftest import hf_greedy, noisy_copy, tiny_model
 
-from dynatree_core.drafting import make_policy
 from dynatree_core.engine import DecodeConfig, generate
 from dynatree_core.fastpath import FUSE_MAX_BYTES, LeanForward, lean_forward_for, supports_lean
 from dynatree_core.kv import SLACK, KVState, SlotLayer, chain_then_tree_visibility
+from dynatree_core.methods import make_method
 from dynatree_core.packing import pack_linears
 from dynatree_core.tree import DraftTree
 
@@ -132,7 +132,7 @@ def test_every_policy_stays_exact_on_every_forward_path(arch, path, policy_name,
         max_new_tokens=30, static_cache=PATHS[path].get("static"), fast_forward=PATHS[path].get("fast")
     )
     for prompt in ([1, 5, 7, 9, 11], [42, 17, 8, 8, 8, 8, 60, 2, 90, 33, 12, 4]):
-        result = generate(target, prompt, make_policy(policy_name, params), draft=draft, config=config)
+        result = generate(target, prompt, make_method(policy_name, params), draft=draft, config=config)
         assert result.token_ids == hf_greedy(target, prompt, 30), f"{policy_name} on the {path} path diverged"
 
 

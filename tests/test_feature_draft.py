@@ -9,10 +9,10 @@ from conftest import ARCHS, hf_greedy, tiny_model
 from test_engine import POLICIES, PROMPTS
 
 from dynatree_core.drafting import POLICIES as REGISTRY
-from dynatree_core.drafting import make_policy
 from dynatree_core.drafting.feature import FeatureDraft, FeatureDrafter
 from dynatree_core.engine import DecodeConfig, decode, generate
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.methods import make_method
 from dynatree_core.tree import Reason, Status
 from dynatree_core.vocab import TokenMap
 
@@ -23,7 +23,7 @@ def feature_draft(arch: str, seed: int = 0, token_map: TokenMap | None = None) -
     return FeatureDraft.from_target(tiny_model(arch), token_map, seed=seed)
 
 
-DRAFTED = [(n, p) for n, p in POLICIES if REGISTRY[n].needs_draft_model and not REGISTRY[n].black_box]
+DRAFTED = [(n, p) for n, p in POLICIES if n in REGISTRY and REGISTRY[n].needs_draft_model]
 
 
 @pytest.mark.parametrize("policy_name,params", DRAFTED)
@@ -31,7 +31,7 @@ def test_greedy_output_equals_target_greedy_with_a_feature_draft(arch, policy_na
     target, draft = tiny_model(arch), feature_draft(arch)
     for prompt in PROMPTS:
         result = generate(
-            target, prompt, make_policy(policy_name, params), draft=draft, config=DecodeConfig(max_new_tokens=30)
+            target, prompt, make_method(policy_name, params), draft=draft, config=DecodeConfig(max_new_tokens=30)
         )
         assert result.token_ids == hf_greedy(target, prompt, 30), f"{policy_name} {params} diverged"
 
@@ -43,7 +43,7 @@ def test_a_reduced_vocabulary_feature_draft_is_exact_on_every_forward_path(path)
     draft = feature_draft("llama", token_map=token_map)
     config = DecodeConfig(max_new_tokens=30, **PATHS[path])
     for prompt in PROMPTS:
-        result = generate(target, prompt, make_policy("fixed_tree"), draft=draft, config=config)
+        result = generate(target, prompt, make_method("fixed_tree"), draft=draft, config=config)
         assert result.token_ids == hf_greedy(target, prompt, 30)
         assert all(tok % 2 == 0 for r in result.records for tok in r.tree.tokens[1:]), "an unmapped id was drafted"
 
@@ -70,7 +70,7 @@ def test_the_features_handed_over_equal_a_separate_forward(arch_name, path, monk
     target, draft = tiny_model(arch_name), feature_draft(arch_name)
     prompt = PROMPTS[2]
     config = DecodeConfig(max_new_tokens=25, **PATHS[path])
-    result = generate(target, prompt, make_policy("fixed_tree", {"tau": 0.0, "branch": 2}), draft=draft, config=config)
+    result = generate(target, prompt, make_method("fixed_tree", {"tau": 0.0, "branch": 2}), draft=draft, config=config)
     sequence = prompt + result.token_ids
     tokens = [t for _, toks in pairs for t in toks]
     features = torch.cat([f for f, _ in pairs])
@@ -99,7 +99,7 @@ def test_the_draft_cache_equals_a_recomputation(path, monkeypatch):
     generate(
         target,
         PROMPTS[0],
-        make_policy("dynatree", {"budget": 10}),
+        make_method("dynatree", {"budget": 10}),
         draft=draft,
         config=DecodeConfig(max_new_tokens=30, **PATHS[path]),
     )
@@ -116,7 +116,7 @@ def test_the_draft_cache_equals_a_recomputation(path, monkeypatch):
 def test_the_first_iteration_is_the_prefill_and_later_ones_draft():
     target, draft = tiny_model("qwen2"), feature_draft("qwen2")
     records = list(
-        decode(target, PROMPTS[2], make_policy("fixed_tree"), draft=draft, config=DecodeConfig(max_new_tokens=20))
+        decode(target, PROMPTS[2], make_method("fixed_tree"), draft=draft, config=DecodeConfig(max_new_tokens=20))
     )
     first = records[0]
     assert len(first.tree) == 1 and first.tree.reason[0] == Reason.NO_FEATURES.value and first.draft_forwards == 0
@@ -138,7 +138,7 @@ def test_one_target_forward_per_iteration_and_one_draft_forward_per_level():
             decode(
                 target,
                 PROMPTS[0],
-                make_policy("fixed_tree", {"tau": 0.0, "branch": 2}),
+                make_method("fixed_tree", {"tau": 0.0, "branch": 2}),
                 draft=draft,
                 config=DecodeConfig(max_new_tokens=30, static_cache=False),
             )
@@ -159,8 +159,8 @@ def test_saved_and_loaded_draft_drafts_the_same(tmp_path):
     draft.save(tmp_path)
     loaded = FeatureDraft.load(tmp_path, target)
     config = DecodeConfig(max_new_tokens=20)
-    a = generate(target, PROMPTS[0], make_policy("dynatree"), draft=draft, config=config)
-    b = generate(target, PROMPTS[0], make_policy("dynatree"), draft=loaded, config=config)
+    a = generate(target, PROMPTS[0], make_method("dynatree"), draft=draft, config=config)
+    b = generate(target, PROMPTS[0], make_method("dynatree"), draft=loaded, config=config)
     assert [r.tree.tokens for r in a.records] == [r.tree.tokens for r in b.records]
     with pytest.raises(DynaTreeError, match="feature draft"):
         FeatureDraft.load(tmp_path / "missing", target)
@@ -176,7 +176,7 @@ def test_saved_and_loaded_draft_drafts_the_same(tmp_path):
 def test_hf_assisted_refuses_a_feature_draft():
     target, draft = tiny_model("llama"), feature_draft("llama")
     with pytest.raises(DynaTreeError, match="feature draft"):
-        generate(target, PROMPTS[0], make_policy("hf_assisted"), draft=draft, config=DecodeConfig(max_new_tokens=4))
+        generate(target, PROMPTS[0], make_method("hf_assisted"), draft=draft, config=DecodeConfig(max_new_tokens=4))
 
 
 def test_a_saved_feature_draft_loads_as_a_pair_runs_exact_and_says_its_kind(tiny_pair_dirs, tmp_path):
@@ -193,10 +193,10 @@ def test_a_saved_feature_draft_loads_as_a_pair_runs_exact_and_says_its_kind(tiny
     assert isinstance(pair.draft.model, FeatureDraft) and is_packed(pair.draft.model)
     config = DecodeConfig(max_new_tokens=16, eos_token_ids=pair.target.eos_token_ids)
     prompt = [1, 17, 4, 99, 250, 7]
-    ar = generate(pair.target.model, prompt, make_policy("ar"), config=config)
-    run = generate(pair.target.model, prompt, make_policy("dynatree"), draft=pair.draft.model, config=config)
+    ar = generate(pair.target.model, prompt, make_method("ar"), config=config)
+    run = generate(pair.target.model, prompt, make_method("dynatree"), draft=pair.draft.model, config=config)
     assert run.token_ids == ar.token_ids and run.draft_kind == "feature" and ar.draft_kind == ""
-    token_run = generate(pair.target.model, prompt, make_policy("linear"), draft=pair.target.model, config=config)
+    token_run = generate(pair.target.model, prompt, make_method("linear"), draft=pair.target.model, config=config)
     assert token_run.draft_kind == "token"
     engine = EngineProcess(PairSpec(target_dir, str(tmp_path)))
     try:

@@ -16,11 +16,11 @@ from conftest import hf_greedy, noisy_copy, tiny_model
 from test_fastpath import LEAN_ARCHS, _branching_tree, _prefill, _tree_forward
 
 from dynatree_core import graphs
-from dynatree_core.drafting import make_policy
 from dynatree_core.drafting.feature import FeatureDraft
 from dynatree_core.engine import DecodeConfig, generate
 from dynatree_core.graphs import bucket_for, buckets, graphs_enabled
 from dynatree_core.kv import KVState, chain_then_tree_visibility, forward_path
+from dynatree_core.methods import make_method
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # attention over more (masked) keys: same math, other summation blocks
 
@@ -94,7 +94,7 @@ def test_policies_stay_exact_on_the_padded_path(arch, policy_name, params):
     target, draft = tiny_model(arch), noisy_copy(arch, 0.01)
     config = DecodeConfig(max_new_tokens=30, graphs=True)
     for prompt in ([1, 5, 7, 9, 11], [42, 17, 8, 8, 8, 8, 60, 2, 90, 33, 12, 4]):
-        result = generate(target, prompt, make_policy(policy_name, params), draft=draft, config=config)
+        result = generate(target, prompt, make_method(policy_name, params), draft=draft, config=config)
         assert result.token_ids == hf_greedy(target, prompt, 30), f"{policy_name} diverged on the padded path"
         assert result.forward_path == "lean+padded"
 
@@ -103,7 +103,7 @@ def test_a_feature_draft_stays_exact_on_the_padded_path():
     target = tiny_model("llama")
     draft = FeatureDraft.from_target(target, seed=3)
     config = DecodeConfig(max_new_tokens=30, graphs=True)
-    result = generate(target, [1, 5, 7, 9, 11], make_policy("dynatree", {}), draft=draft, config=config)
+    result = generate(target, [1, 5, 7, 9, 11], make_method("dynatree", {}), draft=draft, config=config)
     assert result.token_ids == hf_greedy(target, [1, 5, 7, 9, 11], 30)
 
 
@@ -113,9 +113,9 @@ def test_captured_graphs_on_cuda_are_exact_and_replayed():
     draft = copy.deepcopy(noisy_copy("llama", 0.01)).to("cuda")
     prompt = [1, 5, 7, 9, 11]
     config = DecodeConfig(max_new_tokens=30)
-    result = generate(target, prompt, make_policy("fixed_tree", {}), draft=draft, config=config)
+    result = generate(target, prompt, make_method("fixed_tree", {}), draft=draft, config=config)
     eager = generate(
-        target, prompt, make_policy("fixed_tree", {}), draft=draft, config=DecodeConfig(max_new_tokens=30, graphs=False)
+        target, prompt, make_method("fixed_tree", {}), draft=draft, config=DecodeConfig(max_new_tokens=30, graphs=False)
     )
     assert result.forward_path == "lean+graphs" and result.token_ids == eager.token_ids
 

@@ -7,14 +7,14 @@ import threading
 import pytest
 from conftest import noisy_copy, tiny_model
 
-from dynatree_core.drafting import make_policy
 from dynatree_core.engine import DecodeConfig, generate
 from dynatree_core.live import LiveRun
+from dynatree_core.methods import make_method
 
 
 def test_stepping_reproduces_the_full_run_and_stops():
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
-    policy = make_policy("fixed_tree", {"depth": 3, "branch": 2})
+    policy = make_method("fixed_tree", {"depth": 3, "branch": 2})
     config = DecodeConfig(max_new_tokens=20)
     prompt = [5, 9, 11, 3]
     full = generate(target, prompt, policy, draft=draft, config=config)
@@ -37,7 +37,7 @@ def test_settings_changes_are_reported_and_replay_round_trips():
     live = LiveRun.start(
         target,
         [1, 2, 3],
-        make_policy("linear", {"k": 3}),
+        make_method("linear", {"k": 3}),
         draft=draft,
         config=DecodeConfig(max_new_tokens=8),
         settings=settings,
@@ -68,7 +68,7 @@ def test_an_engine_error_ends_the_run():
 
     target = tiny_model("llama")
     live = LiveRun.start(
-        target, list(range(1, 600)), make_policy("ar"), config=DecodeConfig(max_new_tokens=4), settings={}
+        target, list(range(1, 600)), make_method("ar"), config=DecodeConfig(max_new_tokens=4), settings={}
     )
     with pytest.raises(DynaTreeError, match="context"):
         live.step()
@@ -86,7 +86,7 @@ def test_export_carries_token_texts_so_an_imported_run_shows_words():
     live = LiveRun.start(
         target,
         [5, 9, 11],
-        make_policy("fixed_tree", {"depth": 2, "branch": 2}),
+        make_method("fixed_tree", {"depth": 2, "branch": 2}),
         draft=draft,
         config=DecodeConfig(max_new_tokens=6),
         settings={},
@@ -108,7 +108,7 @@ def test_export_carries_token_texts_so_an_imported_run_shows_words():
 
 def _worker_run(max_new_tokens: int = 24, prompt=(5, 9, 11, 3)):
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
-    policy = make_policy("fixed_tree", {"depth": 3, "branch": 2})
+    policy = make_method("fixed_tree", {"depth": 3, "branch": 2})
     config = DecodeConfig(max_new_tokens=max_new_tokens)
     full = generate(target, list(prompt), policy, draft=draft, config=config)
     live = LiveRun.start(target, list(prompt), policy, draft=draft, config=config, settings={})
@@ -178,7 +178,7 @@ def test_a_snapshot_is_a_consistent_copy_the_worker_does_not_touch():
 def test_a_worker_exception_ends_the_run_and_is_kept():
     from dynatree_core.errors import DynaTreeError
 
-    live = LiveRun.start(tiny_model("llama"), list(range(1, 600)), make_policy("ar"),
+    live = LiveRun.start(tiny_model("llama"), list(range(1, 600)), make_method("ar"),
                          config=DecodeConfig(max_new_tokens=4), settings={})  # fmt: skip
     live.start_worker()
     assert live.wait(60)

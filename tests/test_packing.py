@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import ARCHS, noisy_copy, tiny_model
 
-from dynatree_core.drafting import make_policy
 from dynatree_core.engine import DecodeConfig, generate
+from dynatree_core.methods import make_method
 from dynatree_core.packing import PackedLinear, is_packed, pack_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
@@ -47,9 +47,9 @@ def test_greedy_decoding_through_packed_models_is_exact(arch, policy_name, param
     plain = copy.deepcopy(tiny_model(arch)).to(torch.float32)
     config = DecodeConfig(max_new_tokens=24)
     for prompt in ([1, 5, 7, 9, 11], [42, 17, 8, 8, 8, 8, 60, 2]):
-        ar = generate(target, prompt, make_policy("ar"), config=config).token_ids
-        assert ar == generate(plain, prompt, make_policy("ar"), config=config).token_ids
-        tree = generate(target, prompt, make_policy(policy_name, params), draft=draft, config=config)
+        ar = generate(target, prompt, make_method("ar"), config=config).token_ids
+        assert ar == generate(plain, prompt, make_method("ar"), config=config).token_ids
+        tree = generate(target, prompt, make_method(policy_name, params), draft=draft, config=config)
         assert tree.token_ids == ar, f"{policy_name} through packed linears diverged from AR"
 
 

@@ -96,7 +96,7 @@ def paths_of(tree: DraftTree) -> set[tuple[int, ...]]:
 
 
 # ----- every policy -------------------------------------------------------------------------------
-MODEL_POLICIES = [name for name, cls in POLICIES.items() if cls.needs_draft_model and not cls.black_box]
+MODEL_POLICIES = [name for name, cls in POLICIES.items() if cls.needs_draft_model]
 
 
 def budget_params(name: str, budget: int) -> tuple[dict, int]:
@@ -318,10 +318,17 @@ def test_delayed_auto_shares_the_root_forward_with_its_tree():
 
 
 def test_the_registry_lists_the_built_in_policies_in_its_explicit_order():
-    from dynatree_core.drafting import ORDER, POLICIES
+    from dynatree_core.baselines import BASELINES, Baseline
+    from dynatree_core.drafting import ORDER, POLICIES, Policy
+    from dynatree_core.methods import catalogue
 
     assert tuple(POLICIES)[: len(ORDER)] == ORDER
-    assert all(POLICIES[n].black_box for n in ORDER[-3:]) and not any(POLICIES[n].black_box for n in ORDER[:-3])
+    assert list(catalogue()) == [*POLICIES, *BASELINES]  # the black boxes last
+    assert list(BASELINES) == ["hf_assisted", "hf_prompt_lookup", "hf_generate"]
+    assert all(issubclass(c, Policy) and not issubclass(c, Baseline) for c in POLICIES.values())
+    assert all(issubclass(c, Baseline) and not issubclass(c, Policy) for c in BASELINES.values())
+    assert all(c.describe()["black_box"] for c in BASELINES.values())
+    assert not any(c.describe()["black_box"] for c in POLICIES.values())
 
 
 def test_a_levels_top_k_copied_once_equals_each_nodes_own_top_k():
@@ -339,3 +346,66 @@ def test_a_levels_top_k_copied_once_equals_each_nodes_own_top_k():
         want = pick_children(request, tree, 0, logp[row], 3)
         assert pick_children(request, tree, 0, logp[row], 3, (lp_rows[row], tok_rows[row])) == want
         assert [t for t, _ in want] == logp[row].topk(3).indices.tolist()
+
+
+def test_a_registered_baseline_is_listed_and_run_through_generate_like_the_built_in_ones(monkeypatch):
+    """The Baseline protocol: one `run` call, its own registry; methods.catalogue lists it after the
+    policies, make_method builds it, engine.generate dispatches to it and decode refuses to step it."""
+    from dynatree_core import baselines
+    from dynatree_core.engine import DecodeConfig, decode, generate
+    from dynatree_core.errors import DynaTreeError
+    from dynatree_core.methods import catalogue, make_method, verifier_for
+    from dynatree_core.trace import RunResult
+
+    calls = []
+
+    class Echo(baselines.Baseline):
+        """Repeats the prompt's last token (a stand-in black box)."""
+
+        name = "echo_baseline"
+        summary = "test"
+        needs_draft_model = False
+        params = (baselines.Param("times", int, 2, 1, 8, "repeats"),)
+
+        def run(self, target, prompt_ids, *, draft, config, draft_token_map=None, tokenizer=None):
+            calls.append((target, list(prompt_ids), config.max_new_tokens))
+            tokens = [prompt_ids[-1]] * self.config["times"]
+            fields = {f: 0 for f in RunResult.__dataclass_fields__ if f not in ("policy", "params", "token_ids")}
+            fields.update(text="", prompt_ids=list(prompt_ids), stop_reason="max_new_tokens", device="cpu")
+            fields.update(dtype="float32", forward_path="hf")
+            return RunResult(policy=self.name, params=dict(self.config), token_ids=tokens, **fields)
+
+    monkeypatch.setitem(baselines.BASELINES, Echo.name, Echo)
+    assert list(catalogue())[-1] == "echo_baseline"
+    method = make_method("echo_baseline", {"times": 3})
+    assert verifier_for(method, DecodeConfig()) == "hf"
+    result = generate("a target", [4, 5, 6], method, config=DecodeConfig(max_new_tokens=7))
+    assert result.token_ids == [6, 6, 6] and calls == [("a target", [4, 5, 6], 7)]
+    with pytest.raises(DynaTreeError, match="cannot be stepped"):
+        next(decode(None, [4, 5, 6], method))
+    with pytest.raises(DynaTreeError, match="baseline 'echo_baseline' has no parameter depth"):
+        make_method("echo_baseline", {"depth": 2})
+
+
+def test_verifier_resolution_reads_a_policys_capabilities_as_data():
+    """verify/registry.resolve_verifier decides on Capabilities alone (no policy object, no probing)."""
+    from dynatree_core.errors import DynaTreeError
+    from dynatree_core.sampling import SamplingConfig
+    from dynatree_core.verify.registry import Capabilities, resolve_verifier
+
+    warm = SamplingConfig(temperature=0.8)
+    iid_tree = Capabilities("t", draws=("top", "iid"), local_shape=False, local_shape_hint="budget >= 14")
+    assert resolve_verifier(iid_tree, "auto", warm) == ("specinfer", "iid")
+    assert resolve_verifier(iid_tree, "auto", SamplingConfig()) == ("greedy", "top")
+    assert resolve_verifier(Capabilities("t"), "auto", warm) == ("nss", "top")
+    with pytest.raises(DynaTreeError, match=r"bottom-up.*\(budget >= 14\)"):
+        resolve_verifier(iid_tree, "traversal", warm)
+    assert resolve_verifier(Capabilities("t", draws=("iid",), local_shape=True), "traversal", warm) == (
+        "traversal",
+        "iid",
+    )
+    with pytest.raises(DynaTreeError, match="verifies one drafted path"):
+        resolve_verifier(iid_tree, "block", warm)
+    caps = make_policy("fixed_tree", {"depth": 2, "branch": 3, "budget": 5}).capabilities()
+    assert (caps.local_shape, caps.local_shape_hint) == (False, "budget >= 12")
+    assert make_policy("fixed_tree", {"depth": 2, "branch": 3, "budget": 12}).capabilities().local_shape

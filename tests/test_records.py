@@ -8,16 +8,16 @@ import math
 import pytest
 from conftest import noisy_copy, tiny_model
 
-from dynatree_core.drafting import POLICIES, make_policy
 from dynatree_core.engine import DecodeConfig, generate
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.methods import catalogue, make_method
 from dynatree_core.trace import RunResult
 
 
 def test_run_result_round_trips_through_json():
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.01)
     result = generate(
-        target, [1, 2, 3], make_policy("fixed_tree", {"tau": 0.0}), draft=draft, config=DecodeConfig(max_new_tokens=12)
+        target, [1, 2, 3], make_method("fixed_tree", {"tau": 0.0}), draft=draft, config=DecodeConfig(max_new_tokens=12)
     )
     data = json.loads(result.to_json())
     again = RunResult.from_dict(data)
@@ -28,7 +28,7 @@ def test_run_result_round_trips_through_json():
 def test_metrics_are_consistent_with_records():
     target, draft = tiny_model("gpt2"), noisy_copy("gpt2", 0.01)
     r = generate(
-        target, [5, 6, 7], make_policy("fixed_tree", {"tau": 0.0}), draft=draft, config=DecodeConfig(max_new_tokens=20)
+        target, [5, 6, 7], make_method("fixed_tree", {"tau": 0.0}), draft=draft, config=DecodeConfig(max_new_tokens=20)
     )
     assert r.new_tokens == len(r.token_ids) == 20
     assert r.tokens_per_iteration == pytest.approx(20 / r.iterations)
@@ -41,29 +41,29 @@ def test_metrics_are_consistent_with_records():
 @pytest.mark.parametrize("bad", ["nan", "inf", "-inf", "abc", "", "1.5", 99, -1])
 def test_int_params_reject_bad_values(bad):
     with pytest.raises(DynaTreeError):
-        make_policy("fixed_tree", {"depth": bad})
+        make_method("fixed_tree", {"depth": bad})
 
 
 @pytest.mark.parametrize("bad", ["nan", math.inf, "2", -0.1])
 def test_float_params_reject_bad_values(bad):
     with pytest.raises(DynaTreeError):
-        make_policy("fixed_tree", {"tau": bad})
+        make_method("fixed_tree", {"tau": bad})
 
 
 def test_params_accept_edges_and_strings():
-    policy = make_policy("fixed_tree", {"depth": "16", "tau": "0", "budget": 1})
+    policy = make_method("fixed_tree", {"depth": "16", "tau": "0", "budget": 1})
     assert policy.config == {"depth": 16, "branch": 2, "tau": 0.0, "budget": 1}
 
 
 def test_unknown_policy_and_param_are_named():
     with pytest.raises(DynaTreeError, match="unknown policy"):
-        make_policy("bogus")
+        make_method("bogus")
     with pytest.raises(DynaTreeError, match="no parameter"):
-        make_policy("linear", {"depth": 3})
+        make_method("linear", {"depth": 3})
 
 
 def test_every_default_is_within_its_range():
-    for cls in POLICIES.values():
+    for cls in catalogue().values():
         for p in cls.params:
             assert p.parse(p.default) == p.default
 
@@ -78,7 +78,7 @@ def test_sampled_records_round_trip_and_older_records_still_load():
     config = DecodeConfig(
         max_new_tokens=6, sampling=SamplingConfig(temperature=0.8), verifier="traversal", analyze=True
     )
-    result = generate(target, [1, 2, 3], make_policy("delayed"), draft=draft, config=config)
+    result = generate(target, [1, 2, 3], make_method("delayed"), draft=draft, config=config)
     back = RunResult.from_dict(json.loads(result.to_json()))
     assert [r.verification for r in back.records] == [r.verification for r in result.records]
     assert back.records[0].analysis == result.records[0].analysis and back.records[0].verifier == "traversal"

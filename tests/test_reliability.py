@@ -11,9 +11,9 @@ import pytest
 from conftest import hf_greedy, noisy_copy, pick_custom_pair, tiny_model
 from streamlit.testing.v1 import AppTest
 
-from dynatree_core.drafting import make_policy
 from dynatree_core.engine import DecodeConfig, generate
 from dynatree_core.live import LiveRun
+from dynatree_core.methods import make_method
 
 PROMPTS = ([1, 5, 7, 9, 11], [3], [42, 17, 8, 8, 60, 2], [9, 9, 9], [70, 1, 2, 3, 4, 5, 6])
 POLICIES = ("fixed_tree", "dynatree", "linear", "salf", "dyspec")
@@ -32,7 +32,7 @@ def test_concurrent_sessions_share_models_and_keep_their_own_output(sessions):
 
     def session(i: int) -> None:
         try:
-            prompt, policy = PROMPTS[i % len(PROMPTS)], make_policy(POLICIES[i % len(POLICIES)])
+            prompt, policy = PROMPTS[i % len(PROMPTS)], make_method(POLICIES[i % len(POLICIES)])
             run = LiveRun.start(target, prompt, policy, draft=draft, config=config, settings={"i": i})
             start.wait()
             while run.step(lock) is not None:
@@ -79,7 +79,7 @@ def test_interleaved_app_sessions_against_one_process(tiny_pair_dirs, sessions):
         assert len(run.records) == 3
         seen_prompts.add(tuple(run.prompt_ids))
         config = DecodeConfig(max_new_tokens=len(run.token_ids), eos_token_ids=())
-        ar = generate(pair.target.model, run.prompt_ids, make_policy("ar"), config=config)
+        ar = generate(pair.target.model, run.prompt_ids, make_method("ar"), config=config)
         assert run.token_ids == ar.token_ids, f"session {i}"
     assert len(seen_prompts) == sessions  # every session kept its own prompt and state
 
@@ -96,7 +96,7 @@ def test_fifty_runs_in_one_process_do_not_grow_memory():
 
     def runs(n: int) -> None:
         for i in range(n):
-            generate(target, PROMPTS[i % len(PROMPTS)], make_policy(POLICIES[i % len(POLICIES)]), draft=draft,
+            generate(target, PROMPTS[i % len(PROMPTS)], make_method(POLICIES[i % len(POLICIES)]), draft=draft,
                      config=config)  # fmt: skip
 
     runs(10)  # warm-up: allocator pools, caches, lazy imports
@@ -112,7 +112,7 @@ def test_a_run_reaching_the_context_limit_ends_cleanly():
     cls, cfg = _config("llama")
     cfg.max_position_embeddings = 24
     target = cls(cfg).eval()
-    run = LiveRun.start(target, list(range(1, 11)), make_policy("fixed_tree"), draft=target,
+    run = LiveRun.start(target, list(range(1, 11)), make_method("fixed_tree"), draft=target,
                         config=DecodeConfig(max_new_tokens=100), settings={})  # fmt: skip
     while run.step() is not None:
         pass
@@ -125,12 +125,12 @@ def test_stop_and_restart_gives_the_same_tokens():
     restarted run with the same settings both equal one uninterrupted run."""
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
     config = DecodeConfig(max_new_tokens=20)
-    whole = generate(target, PROMPTS[0], make_policy("dynatree"), draft=draft, config=config).token_ids
-    run = LiveRun.start(target, PROMPTS[0], make_policy("dynatree"), draft=draft, config=config, settings={})
+    whole = generate(target, PROMPTS[0], make_method("dynatree"), draft=draft, config=config).token_ids
+    run = LiveRun.start(target, PROMPTS[0], make_method("dynatree"), draft=draft, config=config, settings={})
     for _ in range(2):
         run.step()
     paused_at = len(run.token_ids)
-    restarted = LiveRun.start(target, PROMPTS[0], make_policy("dynatree"), draft=draft, config=config, settings={})
+    restarted = LiveRun.start(target, PROMPTS[0], make_method("dynatree"), draft=draft, config=config, settings={})
     while restarted.step() is not None:
         pass
     while run.step() is not None:  # resume
@@ -148,10 +148,10 @@ def test_finished_runs_say_why_they_stopped():
 
 
 def test_every_policy_parameter_at_and_beyond_its_range():
-    from dynatree_core.drafting import POLICIES
     from dynatree_core.errors import DynaTreeError
+    from dynatree_core.methods import catalogue
 
-    for name, cls in POLICIES.items():
+    for name, cls in catalogue().items():
         for p in cls.params:
             if p.type is bool:
                 for ok in (True, False, "true", "0"):

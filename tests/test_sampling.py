@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import noisy_copy, tiny_model
 
-from dynatree_core.drafting import make_policy
 from dynatree_core.engine import DecodeConfig, generate
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.methods import make_method
 from dynatree_core.sampling import SamplingConfig, adjust
 
 PROMPT = [1, 5, 7, 9]
@@ -66,7 +66,7 @@ def test_first_two_tokens_follow_the_target(policy, params, verifier):
     c1, c2 = torch.zeros_like(p1), torch.zeros_like(p2)
     for seed in range(n):
         config = DecodeConfig(max_new_tokens=2, sampling=SAMPLING, verifier=verifier, seed=seed)
-        tokens = generate(target, PROMPT, make_policy(policy, params), draft=draft, config=config).token_ids
+        tokens = generate(target, PROMPT, make_method(policy, params), draft=draft, config=config).token_ids
         c1[tokens[0]] += 1
         c2[tokens[1]] += 1
     for counts, law in ((c1, p1), (c2, p2)):
@@ -97,7 +97,7 @@ def test_a_feature_draft_keeps_the_target_law(policy, params, verifier):
     drafted = 0
     for seed in range(n):
         config = DecodeConfig(max_new_tokens=3, sampling=SAMPLING, verifier=verifier, seed=seed)
-        result = generate(target, PROMPT, make_policy(policy, params), draft=draft, config=config)
+        result = generate(target, PROMPT, make_method(policy, params), draft=draft, config=config)
         c1[result.token_ids[0]] += 1
         c2[result.token_ids[1]] += 1
         drafted += len(result.records[1].tree) > 1
@@ -113,7 +113,7 @@ def test_same_seed_same_output_and_seeds_differ():
 
     def run(seed):
         config = DecodeConfig(max_new_tokens=16, sampling=SAMPLING, verifier="specinfer", seed=seed)
-        return generate(target, PROMPT, make_policy("fixed_tree"), draft=draft, config=config).token_ids
+        return generate(target, PROMPT, make_method("fixed_tree"), draft=draft, config=config).token_ids
 
     assert run(5) == run(5)
     assert len({tuple(run(s)) for s in range(4)}) > 1
@@ -123,20 +123,20 @@ def test_invalid_pairings_are_refused():
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
     hot = DecodeConfig(max_new_tokens=4, sampling=SAMPLING, verifier="specinfer")
     with pytest.raises(DynaTreeError, match="only 'nss' is lossless"):
-        generate(target, PROMPT, make_policy("eagle2"), draft=draft, config=hot)
+        generate(target, PROMPT, make_method("eagle2"), draft=draft, config=hot)
     with pytest.raises(DynaTreeError, match="unknown sampling verifier"):
         bad = DecodeConfig(sampling=SAMPLING, verifier="?")
-        generate(target, PROMPT, make_policy("linear"), draft=draft, config=bad)
+        generate(target, PROMPT, make_method("linear"), draft=draft, config=bad)
     with pytest.raises(DynaTreeError, match="temperature"):
-        generate(target, PROMPT, make_policy("linear"), draft=draft, config=DecodeConfig(verifier="naive"))
+        generate(target, PROMPT, make_method("linear"), draft=draft, config=DecodeConfig(verifier="naive"))
     with pytest.raises(DynaTreeError, match="single|one drafted path"):
         block = DecodeConfig(max_new_tokens=4, sampling=SAMPLING, verifier="block")
-        generate(target, PROMPT, make_policy("fixed_tree"), draft=draft, config=block)
+        generate(target, PROMPT, make_method("fixed_tree"), draft=draft, config=block)
     with pytest.raises(DynaTreeError, match=r"budget >= 126"):  # 2 + 4 + ... + 64: the budget can bind
         walk = DecodeConfig(max_new_tokens=4, sampling=SAMPLING, verifier="traversal")
-        generate(target, PROMPT, make_policy("fixed_tree"), draft=draft, config=walk)
+        generate(target, PROMPT, make_method("fixed_tree"), draft=draft, config=walk)
     auto = DecodeConfig(max_new_tokens=4, sampling=SAMPLING)  # auto: nss on a deterministic tree
-    assert len(generate(target, PROMPT, make_policy("eagle2"), draft=draft, config=auto).token_ids) == 4
+    assert len(generate(target, PROMPT, make_method("eagle2"), draft=draft, config=auto).token_ids) == 4
 
 
 def test_the_check_catches_a_lossy_verifier(monkeypatch):
@@ -151,7 +151,7 @@ def test_the_check_catches_a_lossy_verifier(monkeypatch):
     counts = torch.zeros_like(p1)
     for seed in range(400):
         config = DecodeConfig(max_new_tokens=2, sampling=SAMPLING, verifier="naive", seed=seed)
-        counts[generate(target, PROMPT, make_policy("linear", {"k": 1}), draft=draft, config=config).token_ids[0]] += 1
+        counts[generate(target, PROMPT, make_method("linear", {"k": 1}), draft=draft, config=config).token_ids[0]] += 1
     stat, df = chi2(counts, p1)
     assert stat > chi2_critical(df)
 
@@ -162,7 +162,7 @@ def test_lab_repeats_one_step_and_its_histogram_matches_the_target():
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
     config = DecodeConfig(max_new_tokens=8, sampling=SAMPLING, verifier="traversal")
     seen = []
-    result = run_lab(target, PROMPT, make_policy("delayed"), config, 300, draft=draft, progress=seen.append)
+    result = run_lab(target, PROMPT, make_method("delayed"), config, 300, draft=draft, progress=seen.append)
     assert seen[-1] == 300 and len(result.first_tokens) == 300 and len(result.records) == 300
     p1, _ = exact_first_two(target)
     assert torch.allclose(result.target_law, p1)
@@ -183,7 +183,7 @@ def test_reach_probabilities_of_top_down_verifiers_are_consistent(verifier):
     """Root reach 1; children's reach sums to at most their parent's (the rest stops there)."""
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
     config = DecodeConfig(max_new_tokens=6, sampling=SAMPLING, verifier=verifier, analyze=True, seed=3)
-    policy = make_policy("fixed_tree", {"depth": 3, "branch": 2, "tau": 0.0})
+    policy = make_method("fixed_tree", {"depth": 3, "branch": 2, "tau": 0.0})
     from dynatree_core.engine import decode
 
     for rec in decode(target, PROMPT, policy, draft=draft, config=config):
@@ -204,8 +204,8 @@ def test_sampling_settings_at_their_edges():
     SamplingConfig(top_p=1.0)  # the edges that are valid
     # a tiny positive temperature is sampling that always picks the argmax: the greedy output
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
-    greedy = generate(target, PROMPT, make_policy("ar"), config=DecodeConfig(max_new_tokens=12)).token_ids
+    greedy = generate(target, PROMPT, make_method("ar"), config=DecodeConfig(max_new_tokens=12)).token_ids
     cold = SamplingConfig(temperature=1e-6)
     for name in ("ar", "linear", "fixed_tree"):
         config = DecodeConfig(max_new_tokens=12, sampling=cold, seed=3)
-        assert generate(target, PROMPT, make_policy(name), draft=draft, config=config).token_ids == greedy, name
+        assert generate(target, PROMPT, make_method(name), draft=draft, config=config).token_ids == greedy, name

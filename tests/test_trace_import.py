@@ -12,9 +12,9 @@ from conftest import noisy_copy, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynatree_core.drafting import make_policy
 from dynatree_core.engine import DecodeConfig
 from dynatree_core.live import LiveRun
+from dynatree_core.methods import make_method
 from dynatree_core.sampling import SamplingConfig
 from dynatree_core.viz import (
     acceptance_by_depth,
@@ -36,12 +36,12 @@ def exported(sampled: bool) -> str:
     """A real run's export: greedy fixed_tree, or sampled traversal with analysis (every field used)."""
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
     config = DecodeConfig(max_new_tokens=8)
-    policy = make_policy("fixed_tree", {"depth": 2, "branch": 2})
+    policy = make_method("fixed_tree", {"depth": 2, "branch": 2})
     if sampled:
         config = DecodeConfig(
             max_new_tokens=8, sampling=SamplingConfig(temperature=1.0), verifier="traversal", analyze=True
         )
-        policy = make_policy("fixed_tree", {"depth": 2, "branch": 2, "budget": 6})
+        policy = make_method("fixed_tree", {"depth": 2, "branch": 2, "budget": 6})
     live = LiveRun.start(target, [5, 9, 11], policy, draft=draft, config=config, settings={"policy": "fixed_tree"})
     while live.step() is not None:
         pass

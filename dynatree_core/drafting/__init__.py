@@ -1,20 +1,20 @@
-"""Drafting policies. Importing this package registers every built-in policy."""
+"""Drafting policies. Importing this package registers every built-in policy (the black-box
+baselines are baselines.py; methods.py lists both)."""
 
-from dynatree_core.drafting import baselines, delayed, dynatree, dyspec, eagle2, salf, static  # noqa: F401
+from dynatree_core.drafting import delayed, dynatree, dyspec, eagle2, salf, static  # noqa: F401
 from dynatree_core.drafting.base import POLICIES, Drafter, DraftRequest, Param, Policy, make_policy, register_policy
 
 # The order every list shows (CLI, pickers, benchmarks): plain decoding, static trees, the dynamic
-# policies in the papers' order, the delayed/n-gram family, then the HF black boxes. A policy
-# registered elsewhere keeps its place after the built-in drafting policies, before the black boxes.
+# policies in the papers' order, then the delayed/n-gram family. A policy registered elsewhere
+# keeps its place after the built-in ones.
 ORDER = (
     "ar", "linear", "fixed_tree", "dynatree", "dyspec", "dyspec_threshold", "eagle2", "salf",
-    "delayed", "delayed_auto", "ngram", "hf_assisted", "hf_prompt_lookup", "hf_generate",
+    "delayed", "delayed_auto", "ngram",
 )  # fmt: skip
 
 
-def _rank(name: str) -> tuple[int, int]:
-    built_in = ORDER.index(name) if name in ORDER else len(ORDER)
-    return (POLICIES[name].black_box, built_in)
+def _rank(name: str) -> int:
+    return ORDER.index(name) if name in ORDER else len(ORDER)
 
 
 for _name in sorted(POLICIES, key=_rank):

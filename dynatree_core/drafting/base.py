@@ -20,6 +20,7 @@ import torch
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.tree import DraftTree
+from dynatree_core.verify.registry import Capabilities
 from dynatree_core.vocab import TokenMap
 
 
@@ -222,24 +223,47 @@ def pick_children(
     return [(tok, math.log(float(q[tok]))) for tok in dict.fromkeys(draws)]
 
 
-class Policy:
-    """Base class of drafting policies. Subclasses set `name`, `params`, and `draft`."""
+class Tunable:
+    """What every runnable method shares, drafting policy or baseline: a name, a one-line
+    summary, `Param` specs validated on construction into `self.config`, and whether it needs a
+    draft model. Policies (below) draft trees for our engine; baselines (baselines.py) run as one
+    black-box call."""
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
     params: ClassVar[tuple[Param, ...]] = ()
     needs_draft_model: ClassVar[bool] = True
-    draws: ClassVar[tuple[str, ...]] = ("top",)  # how it can draw children (sampled: "iid", ...)
-    single_path: ClassVar[bool] = False  # drafts one path (block verification applies)
-    black_box: ClassVar[bool] = False  # runs as one call (HF baselines): no per-iteration records
+    kind: ClassVar[str] = ""  # "policy" or "baseline"
 
     def __init__(self, **values: Any):
         specs = {p.name: p for p in self.params}
         unknown = set(values) - set(specs)
         if unknown:
             valid = ", ".join(specs) or "none"
-            raise DynaTreeError(f"policy {self.name!r} has no parameter {', '.join(sorted(unknown))} (valid: {valid})")
+            raise DynaTreeError(
+                f"{self.kind} {self.name!r} has no parameter {', '.join(sorted(unknown))} (valid: {valid})"
+            )
         self.config = {p.name: p.parse(values.get(p.name, p.default)) for p in self.params}
+
+    @classmethod
+    def describe(cls) -> dict:
+        return {
+            "name": cls.name,
+            "summary": cls.summary,
+            "needs_draft_model": cls.needs_draft_model,
+            "black_box": cls.kind == "baseline",
+            "params": [p.to_dict() for p in cls.params],
+        }
+
+
+class Policy(Tunable):
+    """Base class of drafting policies. Subclasses set `name`, `params`, and `draft`; the class
+    attributes `draws` and `single_path` and the method `local_shape` are its capabilities, which
+    verifier resolution (verify/resolve.py) checks through `capabilities()`."""
+
+    kind: ClassVar[str] = "policy"
+    draws: ClassVar[tuple[str, ...]] = ("top",)  # how it can draw children (sampled: "iid", ...)
+    single_path: ClassVar[bool] = False  # drafts one path (block verification applies)
 
     def draft(self, request: DraftRequest) -> DraftTree:
         raise NotImplementedError
@@ -249,6 +273,21 @@ class Policy:
         (and its ancestors'): what bottom-up (Traversal) verification needs to stay lossless.
         A node budget shared across a level makes subtrees compete, so the default is False."""
         return False
+
+    def local_shape_hint(self) -> str:
+        """How to make `local_shape()` true with this policy's parameters ("" when there is no way)."""
+        return ""
+
+    def capabilities(self) -> Capabilities:
+        """What this policy, as configured, offers the verifiers: data, not probes."""
+        return Capabilities(
+            name=self.name,
+            drafted=self.needs_draft_model,
+            draws=tuple(self.draws),
+            single_path=self.single_path,
+            local_shape=self.local_shape(),
+            local_shape_hint=self.local_shape_hint(),
+        )
 
     def reset(self) -> None:
         """Called when a run starts: policies with state across iterations clear it here."""
@@ -261,15 +300,7 @@ class Policy:
 
     @classmethod
     def describe(cls) -> dict:
-        return {
-            "name": cls.name,
-            "summary": cls.summary,
-            "needs_draft_model": cls.needs_draft_model,
-            "black_box": cls.black_box,
-            "draws": list(cls.draws),
-            "single_path": cls.single_path,
-            "params": [p.to_dict() for p in cls.params],
-        }
+        return {**super().describe(), "draws": list(cls.draws), "single_path": cls.single_path}
 
 
 POLICIES: dict[str, type[Policy]] = {}
@@ -281,7 +312,8 @@ def register_policy(cls: type[Policy]) -> type[Policy]:
 
 
 def make_policy(name: str, values: dict[str, Any] | None = None) -> Policy:
-    """Instantiate a registered policy by name, validating its parameters."""
+    """Instantiate a registered drafting policy by name, validating its parameters (a name that
+    may also be a baseline: `methods.make_method`)."""
     import dynatree_core.drafting  # noqa: F401  (registers the built-in policies)
 
     if name not in POLICIES:

@@ -106,6 +106,9 @@ class FixedTree(Policy):
     def local_shape(self) -> bool:
         return self.config["budget"] >= self.full_size()  # the budget can never bind
 
+    def local_shape_hint(self) -> str:
+        return f"budget >= {self.full_size()}"
+
     def draft(self, request: DraftRequest) -> DraftTree:
         c = self.config
         return grow_topk_tree(request, depth=c["depth"], branch=c["branch"], tau=c["tau"], budget=c["budget"])

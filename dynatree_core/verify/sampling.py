@@ -17,8 +17,6 @@ OT solvers (App. C) and the branching probability of every child given the draws
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from dynatree_core.errors import DynaTreeError
@@ -26,92 +24,8 @@ from dynatree_core.sampling import SamplingConfig, adjust
 from dynatree_core.tree import DraftTree
 from dynatree_core.verify.greedy import Outcome, verified_children
 from dynatree_core.verify.otlp import SOLVERS, acceptance
+from dynatree_core.verify.registry import IID, VERIFIERS, WITHOUT_REPLACEMENT
 from dynatree_core.verify.traversal import WalkSpec, walk, walk_law
-
-# drafting structures a verifier can be lossless on
-SINGLE_PATH, IID, WITHOUT_REPLACEMENT, DETERMINISTIC = "single_path", "iid", "without_replacement", "deterministic"
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifierSpec:
-    name: str
-    accepts: tuple[str, ...]  # drafting structures it is lossless on, preferred draw first
-    direction: str  # "top-down" or "bottom-up"
-    summary: str
-    reference: str
-
-    @property
-    def draw(self) -> str:
-        """How a policy must draw children for it: "top" (any tree), "iid" or "without_replacement"."""
-        if DETERMINISTIC in self.accepts:
-            return "top"
-        return next((a for a in self.accepts if a in (IID, WITHOUT_REPLACEMENT)), IID)  # a path: one i.i.d. draw
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "temperature": "0" if self.name == "greedy" else "> 0"}
-
-
-ALL = (SINGLE_PATH, IID, WITHOUT_REPLACEMENT, DETERMINISTIC)
-VERIFIERS = {
-    v.name: v
-    for v in (
-        VerifierSpec(
-            "greedy", ALL, "top-down", "temperature 0: the longest path matching the target's argmax", "DynaTree Alg. 1"
-        ),
-        VerifierSpec(
-            "nss",
-            ALL,
-            "top-down",
-            "sample from the target, follow the tree while it matches (any tree)",
-            "App. B.1, Alg. 1",
-        ),
-        VerifierSpec(
-            "naive",
-            (IID, SINGLE_PATH),
-            "top-down",
-            "speculative sampling on the first child, residual (p - q)+ otherwise; on a path, Leviathan / Chen",
-            "App. B.2, Alg. 2",
-        ),
-        VerifierSpec(
-            "block",
-            (SINGLE_PATH,),
-            "bottom-up",
-            "block verification: sequence-level weights, the deepest accepted draft wins",
-            "Sun et al. 2024c; §3.1",
-        ),
-        VerifierSpec(
-            "spectr", (IID, SINGLE_PATH), "top-down", "SpecTr K-SEQ with the division factor rho*", "App. B.3, Alg. 3"
-        ),
-        VerifierSpec(
-            "specinfer",
-            (IID, SINGLE_PATH),
-            "top-down",
-            "recursive rejection over i.i.d. children, residual updates",
-            "App. B.4, Alg. 4",
-        ),
-        VerifierSpec(
-            "khisti",
-            (IID, SINGLE_PATH),
-            "top-down",
-            "importance-weighted tournament picks one child, then speculative sampling",
-            "App. B.5, Alg. 5",
-        ),
-        VerifierSpec(
-            "traversal",
-            (IID, WITHOUT_REPLACEMENT, SINGLE_PATH),
-            "bottom-up",
-            "Traversal verification: post-order from the leaves, BV on each path",
-            "Weng et al. 2025; §3.2",
-        ),
-        VerifierSpec(
-            "without_replacement",
-            (WITHOUT_REPLACEMENT, SINGLE_PATH),
-            "top-down",
-            "recursive rejection for children drawn without replacement (DySpec / Sequoia)",
-            "DySpec App. A.3",
-        ),
-    )
-}
 
 
 def target_distributions(order: list[int], logits: torch.Tensor, sampling: SamplingConfig) -> dict[int, torch.Tensor]:

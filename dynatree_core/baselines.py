@@ -1,11 +1,15 @@
-"""What a user would pick instead: Hugging Face's own speculative decoding, run as black boxes.
+"""Baselines: what a user would pick instead, run as black boxes (one call, no per-iteration trees).
+
+A `Baseline` is a protocol of its own, beside the drafting `Policy`: it shares the parameter
+specs (`Tunable`: name, summary, `Param`s, needs_draft_model) but has no `draft`; it has one
+`run(...) -> RunResult`. `BASELINES` is its registry; `methods.py` lists policies and baselines
+together for the CLI and the pages. The built-in ones are Hugging Face's own decoding:
 
   hf_assisted       target.generate(assistant_model=draft): HF's assisted generation (a chain)
   hf_prompt_lookup  target.generate(prompt_lookup_num_tokens=n): HF's prompt lookup decoding
   hf_generate       target.generate(): plain decoding, the reference a user would time against
 
-They live in the policy registry (same parameters, CLI and app) but are not stepped by our
-engine: `run` calls HF generate once, timed on the same prompts and models, and rebuilds the
+They are not stepped by our engine: `run` calls HF generate once, timed on the same prompts and models, and rebuilds the
 summary from a hook on the target's forward (each target forward is one iteration; the tokens
 it reads beyond the first are the candidates it verifies). HF exposes no per-iteration trees,
 so a baseline's RunResult has no records. A reduced-vocabulary draft (the embedded one) is
@@ -15,24 +19,46 @@ given to HF as a full-vocabulary view (`TokenMap.full_vocab_model`).
 from __future__ import annotations
 
 import time
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from dynatree_core.drafting.base import DraftRequest, Param, Policy, register_policy
+from dynatree_core.drafting.base import Param, Tunable
 from dynatree_core.drafting.feature import is_feature_draft
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.metrics import _ratio, kv_bytes_per_token, memory_mb, weight_bytes
 from dynatree_core.trace import RunResult
-from dynatree_core.tree import DraftTree
 from dynatree_core.vocab import TokenMap
 
 
-class HFBaseline(Policy):
-    black_box: ClassVar[bool] = True
+class Baseline(Tunable):
+    """A black box: one call decodes the whole answer and returns its RunResult (no records)."""
 
-    def draft(self, request: DraftRequest) -> DraftTree:
-        raise DynaTreeError(f"{self.name} runs inside HF generate; it has no per-iteration trees")
+    kind: ClassVar[str] = "baseline"
+
+    def run(
+        self,
+        target: torch.nn.Module,
+        prompt_ids: list[int],
+        *,
+        draft: torch.nn.Module | None,
+        config: Any,
+        draft_token_map: TokenMap | None = None,
+        tokenizer=None,
+    ) -> RunResult:
+        raise NotImplementedError
+
+
+BASELINES: dict[str, type[Baseline]] = {}
+
+
+def register_baseline(cls: type[Baseline]) -> type[Baseline]:
+    BASELINES[cls.name] = cls
+    return cls
+
+
+class HFBaseline(Baseline):
+    """Hugging Face generate with this baseline's arguments, timed from outside."""
 
     def generate_kwargs(self, draft: torch.nn.Module | None) -> dict:
         raise NotImplementedError
@@ -47,6 +73,8 @@ class HFBaseline(Policy):
         draft_token_map: TokenMap | None = None,
         tokenizer=None,
     ) -> RunResult:
+        if not prompt_ids:
+            raise DynaTreeError("the prompt is empty")
         if self.needs_draft_model and draft is None:
             raise DynaTreeError(f"policy {self.name!r} needs a draft model")
         if self.needs_draft_model and is_feature_draft(draft):
@@ -133,7 +161,7 @@ class HFBaseline(Policy):
         )
 
 
-@register_policy
+@register_baseline
 class HFAssisted(HFBaseline):
     """HF assisted generation: the draft proposes a chain, the target verifies it (black box)."""
 
@@ -152,7 +180,7 @@ class HFAssisted(HFBaseline):
         return {"assistant_model": draft}
 
 
-@register_policy
+@register_baseline
 class HFPromptLookup(HFBaseline):
     """HF prompt lookup decoding: candidates copied from earlier n-gram matches (black box)."""
 
@@ -168,7 +196,7 @@ class HFPromptLookup(HFBaseline):
         return dict(self.config)
 
 
-@register_policy
+@register_baseline
 class HFGenerate(HFBaseline):
     """Plain HF generate: one target forward per token, no drafting (the reference to beat)."""
 
