@@ -521,7 +521,7 @@ def render(run: LiveRun | None, running: bool = False) -> None:
         return
     st.download_button(
         "Export run (JSON)",
-        run.to_json(),
+        run.to_json,  # built on click (a sampled run's draws make it megabytes), not on every rerun
         file_name="dynatree-run.json",
         mime="application/json",
         help="Every iteration's record, settings and token texts; Import replays it here.",

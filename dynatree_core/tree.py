@@ -13,14 +13,22 @@ Each node has a status:
 Kept and not_expanded nodes are the *verified* nodes. Ancestors of a verified node are always
 verified, so the verified nodes form a tree rooted at node 0. This module knows nothing about
 models or caches: it holds integers and floats and builds masks and orders from them.
+
+Sampled drafting (temperature > 0) also leaves, at every node whose children were drawn, a
+`SampledDraw`: the adjusted draft distribution q they were drawn from and the draws with
+multiplicity in drawing order. They are the sampling verifiers' inputs (verify/sampling.py)
+and part of the tree's export (exactly: q's nonzero entries as float32), so an imported run
+can be verified again (`verify.sampling.analyze` on the imported tree).
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import math
 from enum import StrEnum
 
+import numpy as np
 import torch
 
 
@@ -47,6 +55,49 @@ class Reason(StrEnum):
 
 
 @dataclasses.dataclass
+class SampledDraw:
+    """How one node's children were drawn: q (the adjusted draft distribution over the target's
+    vocabulary) and the drawn tokens with multiplicity, in drawing order."""
+
+    q: torch.Tensor
+    tokens: list[int] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """q's nonzero entries, exactly: little-endian int32 ids and float32 values in base64."""
+        q = self.q.detach().to("cpu", torch.float32).reshape(-1)
+        ids = q.nonzero().reshape(-1)
+        return {
+            "tokens": [int(t) for t in self.tokens],
+            "size": q.numel(),
+            "ids": _b64(ids.to(torch.int32)),
+            "q": _b64(q[ids].contiguous()),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SampledDraw:
+        ids = _unb64(data["ids"], torch.int32).long()
+        values = _unb64(data["q"], torch.float32)
+        size = int(data["size"])
+        if ids.numel() != values.numel() or (ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= size)):
+            raise ValueError("a sampled draw's q does not fit its vocabulary")
+        q = torch.zeros(size, dtype=torch.float32)
+        q[ids] = values
+        return cls(q, [int(t) for t in data["tokens"]])
+
+
+_WIRE = {torch.int32: "<i4", torch.float32: "<f4"}  # little-endian on the wire, whatever the host
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().astype(_WIRE[t.dtype]).tobytes()).decode("ascii")
+
+
+def _unb64(text: str, dtype: torch.dtype) -> torch.Tensor:
+    raw = np.frombuffer(base64.b64decode(text.encode("ascii"), validate=True), dtype=_WIRE[dtype])
+    return torch.from_numpy(raw.astype(raw.dtype.newbyteorder("=")))
+
+
+@dataclasses.dataclass
 class DraftTree:
     """A draft token tree. Node ids are insertion order; parents always precede children."""
 
@@ -59,10 +110,8 @@ class DraftTree:
     reason: list[str | None] = dataclasses.field(default_factory=list)
     # Per-tree numbers a policy wants shown (e.g. SALF's probability mass per drafting step)
     notes: dict[str, list[float]] = dataclasses.field(default_factory=dict)
-    # Sampled drafting only (not serialised): the adjusted draft distribution each expanded node's
-    # children were drawn from, and the draws with multiplicity in drawing order
-    draft_q: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False, compare=False)
-    draws: dict[int, list[int]] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # Sampled drafting only: how each expanded node's children were drawn (exported with the tree)
+    sampled: dict[int, SampledDraw] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def with_root(cls, root_token: int) -> DraftTree:
@@ -110,6 +159,16 @@ class DraftTree:
         for n in [node, *self.descendants(node)]:
             self.status[n] = Status.PRUNED
             self.reason[n] = str(getattr(reason, "value", reason))
+
+    def record_draws(self, node: int, q: torch.Tensor, tokens: list[int] | None = None) -> SampledDraw:
+        """Sampled drafting: `node`'s children are drawn from q (`tokens`: the draws so far)."""
+        self.sampled[node] = SampledDraw(q, list(tokens or []))
+        return self.sampled[node]
+
+    def draws(self, node: int) -> list[int]:
+        """The tokens drawn at `node`, with multiplicity in drawing order ([] when none were)."""
+        draw = self.sampled.get(node)
+        return draw.tokens if draw is not None else []
 
     # ----- queries -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -189,6 +248,7 @@ class DraftTree:
             "status": [s.value for s in self.status],
             "reason": self.reason,
             "notes": self.notes,
+            **({"sampled": {str(n): d.to_dict() for n, d in self.sampled.items()}} if self.sampled else {}),
         }
 
     @classmethod
@@ -206,7 +266,10 @@ class DraftTree:
             status=[Status(s) for s in data["status"]],
             reason=[None if r is None else str(r) for r in data["reason"]],
             notes={str(k): [float(x) for x in v] for k, v in (data.get("notes") or {}).items()},
+            sampled={int(k): SampledDraw.from_dict(v) for k, v in (data.get("sampled") or {}).items()},
         )
+        if any(not 0 <= n < len(tree.tokens) for n in tree.sampled):
+            raise ValueError("a sampled draw belongs to no node of the tree")
         for i, p in enumerate(tree.parents):
             if (i == 0) != (p == -1) or p >= i:
                 raise ValueError(f"node {i} has invalid parent {p}")

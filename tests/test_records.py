@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 from conftest import noisy_copy, tiny_model
 
 from dynatree_core.engine import DecodeConfig, generate
@@ -90,3 +91,47 @@ def test_sampled_records_round_trip_and_older_records_still_load():
     del old["committed"]
     with pytest.raises(ValueError, match="committed"):
         IterationRecord.from_dict(old)
+
+
+@pytest.mark.parametrize(("policy", "verifier"), [("delayed", "traversal"), ("dyspec", "without_replacement")])
+def test_an_imported_sampled_run_carries_its_draws_and_can_be_verified_again(policy, verifier):
+    """Sampled drafting's draws (q and the drawn tokens) are exported exactly with the tree, so a
+    run read back from JSON verifies again: the analysis recomputed on the imported trees, with
+    the target's distributions at their nodes, equals what the run recorded."""
+    from dynatree_core.sampling import SamplingConfig
+    from dynatree_core.verify.registry import resolve_verifier
+    from dynatree_core.verify.sampling import analyze
+
+    target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
+    sampling = SamplingConfig(temperature=0.8, top_k=40)
+    config = DecodeConfig(max_new_tokens=8, sampling=sampling, verifier=verifier, analyze=True, seed=1)
+    method = make_method(policy)
+    prompt = [1, 2, 3]
+    result = generate(target, prompt, method, draft=draft, config=config)
+    back = RunResult.from_dict(json.loads(result.to_json()))
+    _, draw = resolve_verifier(method.capabilities(), verifier, sampling)
+    context = list(prompt)
+    checked = 0
+    for rec, old in zip(back.records, result.records, strict=True):
+        assert rec.tree.sampled.keys() == old.tree.sampled.keys()
+        for node, d in rec.tree.sampled.items():
+            assert d.tokens == old.tree.sampled[node].tokens
+            assert torch.equal(d.q, old.tree.sampled[node].q.float())
+        if rec.tree.sampled:
+            paths = [context[:-1] + [rec.tree.tokens[n] for n in rec.tree.path(node)] for node in rec.order]
+            with torch.inference_mode():  # the target at every verified node, one path at a time
+                logits = torch.stack([target(torch.tensor([path])).logits[0, -1] for path in paths])
+            again = analyze(rec.tree, rec.order, logits, sampling, verifier, draw)
+            assert again.keys() == rec.analysis.keys()
+            for node, entry in again.items():
+                assert entry.keys() == rec.analysis[node].keys()
+                assert all(math.isclose(v, rec.analysis[node][k], abs_tol=1e-5) for k, v in entry.items())
+            checked += 1
+        context += rec.committed
+    assert checked >= 2
+    assert (
+        "sampled"
+        not in generate(target, prompt, method, draft=draft, config=DecodeConfig(max_new_tokens=4))
+        .records[0]
+        .tree.to_dict()
+    )

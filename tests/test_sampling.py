@@ -192,7 +192,7 @@ def test_reach_probabilities_of_top_down_verifiers_are_consistent(verifier):
         for node in rec.order:
             kids = [c for c in rec.order if c and rec.tree.parents[c] == node]
             assert sum(reach[c] for c in kids) <= reach[node] + 1e-9
-        if verifier != "nss" and rec.tree.draws.get(0):
+        if verifier != "nss" and rec.tree.draws(0):
             assert 0 <= rec.analysis["0"]["expected_acceptance"] <= 1
 
 

@@ -219,7 +219,7 @@ def pick_children(
     q = adjust(logp, request.sampling).cpu()
     k = min(k, int((q > 0).sum())) if request.draw == "without_replacement" else k
     draws = torch.multinomial(q, k, replacement=request.draw == "iid", generator=request.gen).tolist()
-    tree.draft_q[node], tree.draws[node] = q, draws
+    tree.record_draws(node, q, draws)
     return [(tok, math.log(float(q[tok]))) for tok in dict.fromkeys(draws)]
 
 

@@ -80,5 +80,5 @@ def ranked_children(request: DraftRequest, tree: DraftTree, node: int, logp, m: 
         return top_lp.exp().tolist(), top_tok.tolist()
     q = adjust(logp, request.sampling).cpu()
     toks = torch.multinomial(q, min(m, int((q > 0).sum())), replacement=False, generator=request.gen).tolist()
-    tree.draft_q[node] = q
+    tree.record_draws(node, q)  # the draws are listed once the tree is built (dyspec.py)
     return [float(q[t]) for t in toks], toks

@@ -112,7 +112,7 @@ class DySpec(Policy):
             # next draw, always kept (pruned) so that whether a draw is listed never depends on
             # its own value, which keeps the without-replacement verifier lossless
             for child in range(1, len(tree)):  # node ids grow in rank order under each parent
-                tree.draws.setdefault(tree.parents[child], []).append(tree.tokens[child])
+                tree.sampled[tree.parents[child]].tokens.append(tree.tokens[child])
         return tree
 
 

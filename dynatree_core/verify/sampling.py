@@ -34,7 +34,9 @@ def target_distributions(order: list[int], logits: torch.Tensor, sampling: Sampl
 
 
 def walk_spec(tree: DraftTree, order: list[int], p: dict[int, torch.Tensor], draw: str) -> WalkSpec:
-    return WalkSpec(p, tree.draft_q, tree.draws, verified_children(tree, order), draw == WITHOUT_REPLACEMENT)
+    q = {n: d.q for n, d in tree.sampled.items()}
+    draws = {n: d.tokens for n, d in tree.sampled.items() if d.tokens}
+    return WalkSpec(p, q, draws, verified_children(tree, order), draw == WITHOUT_REPLACEMENT)
 
 
 def verify_sampling(
@@ -49,7 +51,7 @@ def verify_sampling(
     target_tokens = logits.argmax(dim=-1).tolist()
     trace: list[dict] = []
     if VERIFIERS[verifier].direction == "bottom-up":
-        if verifier == "block" and any(len(xs) > 1 for xs in tree.draws.values()):
+        if verifier == "block" and any(len(d.tokens) > 1 for d in tree.sampled.values()):
             raise DynaTreeError("block verification needs a single path: every node may draw one child")
         p = target_distributions(order, logits, sampling)  # the walk may visit every node
         accepted, token = walk(walk_spec(tree, order, p, draw), gen, trace)
@@ -60,10 +62,10 @@ def verify_sampling(
     accepted, node = [], 0
     while True:
         start = len(trace)
-        draws = tree.draws.get(node)
+        draws = tree.draws(node)
         p = adjust(logits[row[node]], sampling).cpu()  # only the nodes the walk reaches
         if draws:
-            y, _ = sample(p, tree.draft_q[node], draws, gen, trace)
+            y, _ = sample(p, tree.sampled[node].q, draws, gen, trace)
         else:
             y, _ = SOLVERS["nss"][0](p, None, [], gen, trace)
         for event in trace[start:]:
@@ -94,17 +96,17 @@ def analyze(
         _, distribution = SOLVERS[verifier]
         children = verified_children(tree, order)
         for node in order:  # BFS or DFS: a parent always comes before its children
-            draws = tree.draws.get(node)
+            draws = tree.draws(node)
             if not draws or node not in reach:
                 continue
-            law = distribution(p[node], tree.draft_q[node], draws)
+            law = distribution(p[node], tree.sampled[node].q, draws)
             for token, child in children.get(node, {}).items():
                 reach[child] = reach[node] * float(law[token])
     out = {}
     for node in order:
         entry = {"reach": reach.get(node, 0.0)}
-        draws = tree.draws.get(node)
+        draws = tree.draws(node)
         if draws and verifier in ("nss", "naive", "spectr", "specinfer", "khisti"):
-            entry["expected_acceptance"] = acceptance(verifier, p[node], tree.draft_q[node], len(draws))
+            entry["expected_acceptance"] = acceptance(verifier, p[node], tree.sampled[node].q, len(draws))
         out[str(node)] = entry
     return out
