@@ -93,7 +93,19 @@ with st.sidebar:
     order = setting_widget("order")
     max_new = setting_widget("max_new_tokens")
     seed = setting_widget("seed")
-    spec = RunSpec(max_new, temperature, top_p, top_k, verifier, order, seed)
+    spec = RunSpec(
+        target=target_spec,
+        draft=draft_spec,
+        device=device,
+        dtype=dtype,
+        max_new_tokens=max_new,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        verifier=verifier,
+        order=order,
+        seed=seed,
+    )
 
 examples = load_prompts("all")
 example = st.selectbox(
@@ -107,17 +119,8 @@ prompt = st.text_area(
 )
 chat = st.toggle("Chat template", value=True, help="Wrap the prompt as a user turn (instruct models).")
 
-settings = {
-    "target": target_spec,
-    "draft": draft_spec,
-    "device": device,
-    "dtype": dtype,
-    "policy": policy_name,
-    "params": params,
-    **dataclasses.asdict(spec),
-    "prompt": prompt,
-    "chat": chat,
-}
+# What the page asked for, as the run keeps it (LiveRun.settings): a change asks for a restart
+settings = {**dataclasses.asdict(spec), "policy": policy_name, "params": params, "prompt": prompt, "chat": chat}
 
 
 def decode_config(eos_token_ids: frozenset[int], context_length: int) -> DecodeConfig:
@@ -147,7 +150,7 @@ def start_in_process() -> tuple[LiveRun, bool]:
     info = engine.wait_ready()
     ids = encode_prompt(info.tokenizer, prompt, chat=chat)
     config = decode_config(info.eos_token_ids, info.context_length)
-    run = ProcessRun.start_in(engine, ids, policy, settings=settings, config=config)
+    run = ProcessRun.start_in(engine, ids, policy, settings=settings, spec=spec, config=config)
     return run, info.draft_is_stand_in
 
 
@@ -159,6 +162,7 @@ def start_in_thread() -> tuple[LiveRun, bool]:
         ids,
         policy,
         settings=settings,
+        spec=spec,
         config=config,
         **pair.drafting(policy),
         detokenize=lambda tok: pair.target.tokenizer.decode([tok]),
@@ -277,10 +281,11 @@ def glossary() -> str:
 
 def run_verifier(run: LiveRun) -> str:
     """The verifier a run used (as the engine resolved it); greedy for runs from older files."""
+    if run.spec is None:  # a file's settings we cannot read: its trees are greedy's
+        return "greedy"
     try:
-        config = RunSpec.of(run.settings).decode_config()
-        return verifier_for(make_method(run.policy_name, run.params), config)
-    except (DynaTreeError, TypeError):  # a file's settings we cannot read: its trees are greedy's
+        return verifier_for(make_method(run.policy_name, run.params), run.spec.decode_config())
+    except DynaTreeError:
         return "greedy"
 
 
@@ -323,7 +328,7 @@ def ar_reference(run: LiveRun, key: str) -> None:
     """Autoregressive decoding of the run's prompt (same length budget), for the speedup chart; in
     the run's engine process when it has one (its models, its cores, one forward at a time)."""
     key_models = st.session_state.get("tokenizer_key")
-    if key_models is None:
+    if key_models is None or run.spec is None:
         st.error("No AR reference for an imported run: start a run with its models first.")
         return
     try:
@@ -332,7 +337,7 @@ def ar_reference(run: LiveRun, key: str) -> None:
                 engine = engine_process(*key_models)
                 info = engine.wait_ready()
                 config = DecodeConfig(
-                    max_new_tokens=run.settings["max_new_tokens"],
+                    max_new_tokens=run.spec.max_new_tokens,
                     eos_token_ids=info.eos_token_ids,
                     context_length=info.context_length,
                 )
@@ -340,7 +345,7 @@ def ar_reference(run: LiveRun, key: str) -> None:
             else:
                 pair = cached_pair(*key_models)
                 config = DecodeConfig(
-                    max_new_tokens=run.settings["max_new_tokens"],
+                    max_new_tokens=run.spec.max_new_tokens,
                     eos_token_ids=pair.target.eos_token_ids,
                     context_length=pair.target.context_length,
                 )

@@ -14,7 +14,6 @@ import warnings
 from pathlib import Path
 
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.models import DTYPES
 from dynatree_core.settings import RunSpec, add_flags
 
 
@@ -51,17 +50,14 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
 def _model_arguments(p: argparse.ArgumentParser, *, dtype: bool = True) -> None:
     """The model pair and where it runs: one definition for every command that loads models."""
     p.add_argument("--preset", default=None, help="model pair preset (see `presets`); sets --target/--draft")
-    p.add_argument("--target", default=None, help="target: embedded (default), hub id, local dir or .gguf")
-    p.add_argument("--draft", default=None, help="draft model (default: the preset's draft)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    add_flags(p, ["target", "draft", "device", *(["dtype"] if dtype else [])])
     if dtype:
-        p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: a saved probe, else the rule")
         p.add_argument("--no-pack", action="store_true", help="CPU: plain nn.Linear (no oneDNN pre-packing)")
 
 
 def _engine_arguments(p: argparse.ArgumentParser) -> None:
     """How forwards run: torch threads, the static cache and the lean forward (each with an off switch)."""
-    p.add_argument("--threads", default=None, help="torch CPU threads (default: $DYNATREE_THREADS, else every core)")
+    add_flags(p, ["threads"])
     p.add_argument(
         "--no-static-cache", action="store_true", help="transformers' DynamicCache (concatenates per forward)"
     )
@@ -170,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--limit", type=int, default=4, help="bundled prompts, spread over the domains")
     dt.add_argument("--no-save", action="store_true", help="measure and print, keep auto as it was")
     dt.add_argument("--json", action="store_true")
-    dt.add_argument("--threads", default=None, help="torch CPU threads (default: $DYNATREE_THREADS, else every core)")
+    add_flags(dt, ["threads"])
     pre = sub.add_parser("presets", help="list model pair presets")
     pre.add_argument("--json", action="store_true")
     return parser

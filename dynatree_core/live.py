@@ -9,8 +9,10 @@ and then copies the list (`snapshot()`) always sees a consistent run. `pause()` 
 the current iteration; a worker whose page stops calling `beat()` pauses itself, so a closed tab
 never leaves a thread decoding; an exception in the worker ends the run and is kept in `error`.
 
-The settings that define the run are frozen at start: `differs(settings)` tells the page that the
-user changed something, so it can ask to restart instead of mixing settings in one run's
+The settings that define the run are frozen at start: `spec` (settings.RunSpec: models, sampling,
+verifier, order, length, seed; typed) and `settings`, the page's own record of what it asked for
+(the spec's fields plus policy, parameters and prompt), exported with the run. `differs(settings)`
+tells the page that the user changed something, so it can ask to restart instead of mixing settings in one run's
 statistics. A finished or imported run replays its records without models: the export carries
 the text of every token the run drew (`token_texts`), so an imported run shows the same words.
 Knows nothing of Streamlit.
@@ -32,7 +34,9 @@ import torch
 from dynatree_core.drafting.base import Policy
 from dynatree_core.engine import DecodeConfig, decode, draft_kind
 from dynatree_core.engine_process import EngineProcess, StartRun
+from dynatree_core.errors import DynaTreeError
 from dynatree_core.metrics import summarize
+from dynatree_core.settings import RunSpec
 from dynatree_core.trace import TRACE_VERSION, IterationRecord, RunResult
 from dynatree_core.trace_check import check_run, check_size_and_depth
 from dynatree_core.vocab import TokenMap
@@ -48,6 +52,7 @@ class LiveRun:
     prompt_ids: list[int]
     policy_name: str
     params: dict[str, Any]
+    spec: RunSpec | None = None  # None: an imported file whose settings the registry refuses
     records: list[IterationRecord] = dataclasses.field(default_factory=list)
     device: str = "cpu"
     dtype: str = "float32"
@@ -73,6 +78,7 @@ class LiveRun:
         policy: Policy,
         *,
         settings: dict[str, Any],
+        spec: RunSpec | None = None,
         draft: torch.nn.Module | None = None,
         config: DecodeConfig = DecodeConfig(),
         draft_token_map: TokenMap | None = None,
@@ -82,6 +88,7 @@ class LiveRun:
         steps = decode(target, prompt_ids, policy, draft=draft, config=config, draft_token_map=draft_token_map)
         return cls(
             settings=dict(settings),
+            spec=spec,
             prompt_ids=list(prompt_ids),
             policy_name=policy.name,
             params=dict(policy.config),
@@ -253,8 +260,10 @@ class LiveRun:
             texts = {int(k): str(v) for k, v in (raw.get("token_texts") or {}).items()}
         except (json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError, RecursionError) as exc:
             raise ValueError(f"not a DynaTree run file: {exc}") from exc
+        settings = dict(raw.get("settings") or {})
         return cls(
-            settings=dict(raw.get("settings") or {}),
+            settings=settings,
+            spec=_spec_of(settings),
             prompt_ids=result.prompt_ids,
             policy_name=result.policy,
             params=result.params,
@@ -267,6 +276,14 @@ class LiveRun:
             done=True,
             token_texts=texts,
         )
+
+
+def _spec_of(settings: dict[str, Any]) -> RunSpec | None:
+    """An imported file's RunSpec, or None when the registry refuses its settings (not trusted)."""
+    try:
+        return RunSpec.of(settings)
+    except (DynaTreeError, TypeError, ValueError):
+        return None
 
 
 @dataclasses.dataclass
@@ -294,6 +311,7 @@ class ProcessRun(LiveRun):
         policy: Policy,
         *,
         settings: dict[str, Any],
+        spec: RunSpec | None = None,
         config: DecodeConfig = DecodeConfig(),
     ) -> ProcessRun:
         """Start decoding in `engine` (waits for its models to load; DynaTreeError if they cannot)."""
@@ -301,6 +319,7 @@ class ProcessRun(LiveRun):
         tokenizer = info.tokenizer
         run = cls(
             settings=dict(settings),
+            spec=spec,
             prompt_ids=list(prompt_ids),
             policy_name=policy.name,
             params=dict(policy.config),

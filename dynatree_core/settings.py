@@ -17,6 +17,7 @@ from typing import Any
 
 from dynatree_core.engine import DecodeConfig
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.models import DTYPES
 from dynatree_core.sampling import SamplingConfig
 from dynatree_core.verify.registry import VERIFIERS
 
@@ -32,7 +33,7 @@ class Setting:
     hi: float | None = None
     step: float | None = None
     choices: tuple[str, ...] = ()
-    widget: str = "slider"  # how a page shows it: slider, number, select or radio
+    widget: str = "slider"  # how a page shows it: slider, number, select, radio, or "models" (ui.model_picker)
     hi_binds: bool = True  # False: `hi` is the widget's top only, the CLI may ask for more
 
     @property
@@ -41,6 +42,8 @@ class Setting:
 
     def check(self, value: Any) -> Any:
         """The value, or a DynaTreeError naming the setting, its flag and the allowed values."""
+        if value is None and self.default is None:  # optional: the library decides (no draft, every core)
+            return value
         if self.choices and value not in self.choices:
             raise DynaTreeError(f"{self.name} ({self.flag}) must be one of {', '.join(self.choices)}, got {value!r}")
         too_high = self.hi_binds and self.hi is not None and value > self.hi
@@ -53,6 +56,31 @@ class Setting:
 SETTINGS: dict[str, Setting] = {
     s.name: s
     for s in (
+        # the models and where they run: the pages place them with ui.model_picker, the CLI's
+        # model flags (cli._model_arguments) add --preset and --no-pack
+        Setting(
+            "target", str, None, "Target", "target: embedded (default), hub id, local dir or .gguf", widget="models"
+        ),
+        Setting("draft", str, None, "Draft", "draft model (default: the preset's draft)", widget="models"),
+        Setting("device", str, "auto", "Device", "auto, cpu, cuda, cuda:N", widget="models"),
+        Setting(
+            "dtype",
+            str,
+            "auto",
+            "Dtype",
+            "auto: a saved probe, else the rule",
+            choices=("auto", *DTYPES),
+            widget="models",
+        ),
+        Setting(
+            "threads",
+            int,
+            None,
+            "Threads",
+            "torch CPU threads (default: $DYNATREE_THREADS, else every core)",
+            1,
+            widget="models",
+        ),
         # the slider stops at 512; the CLI may ask for more (the model's context ends the run)
         Setting(
             "max_new_tokens",
@@ -110,10 +138,16 @@ SETTINGS: dict[str, Setting] = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSpec:
-    """How one run decodes, apart from the models and the policy: every field is a `Setting`."""
+    """One run's settings apart from the policy and the prompt: the models and where they run,
+    sampling, verifier, order, length and seed. Every field is a `Setting`; a LiveRun keeps it."""
 
+    target: str = SETTINGS["target"].default
+    draft: str | None = SETTINGS["draft"].default
+    device: str = SETTINGS["device"].default
+    dtype: str = SETTINGS["dtype"].default
+    threads: int | None = SETTINGS["threads"].default
     max_new_tokens: int = SETTINGS["max_new_tokens"].default
     temperature: float = SETTINGS["temperature"].default
     top_p: float = SETTINGS["top_p"].default
@@ -132,7 +166,12 @@ class RunSpec:
         if isinstance(values, argparse.Namespace):
             values = vars(values)
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names and v is not None})
+        picked = {k: v for k, v in values.items() if k in names and v is not None}
+        try:  # CLI strings (--threads 2) become the setting's type
+            picked = {k: SETTINGS[k].kind(v) if isinstance(v, str) else v for k, v in picked.items()}
+        except ValueError as exc:
+            raise DynaTreeError(f"a run setting is not a valid value: {exc}") from None
+        return cls(**picked)
 
     @property
     def sampling(self) -> SamplingConfig:

@@ -26,36 +26,36 @@ st.caption(
 )
 
 run = st.session_state.get("run")
-if run is None or not run.records or not run.settings.get("target"):
+if run is None or not run.records or run.spec is None or not run.spec.target:
     st.info("Start a run on the main page first: the lab uses that run's models, policy and text as its context.")
     st.stop()
-settings = run.settings
+spec = run.spec
 n = len(run.records)
 upto = st.slider("Context: the prompt plus the text committed before iteration", 1, n, n) if n > 1 else 1
 context = list(run.prompt_ids) + [t for rec in run.records[: upto - 1] for t in rec.committed]
 sampled = [v for v in VERIFIERS if v != "greedy"]
 c1, c2, c3, c4 = st.columns(4)
-default = settings.get("verifier") if settings.get("verifier") in sampled else "specinfer"
+default = spec.verifier if spec.verifier in sampled else "specinfer"
 verifier = c1.selectbox("Verifier", sampled, index=sampled.index(default), help=VERIFIERS[default].summary)
 # Sampling only: the lab's temperature starts above 0 and its verifiers are the sampled ones (a
 # subset of the registry's ranges, so these two widgets are the page's own).
-temperature = c2.slider("Temperature", 0.1, 2.0, float(settings.get("temperature") or 0.8) or 0.8, 0.1)
-top_p = setting_widget("top_p", value=settings.get("top_p") or 1.0, where=c3)
+temperature = c2.slider("Temperature", 0.1, 2.0, spec.temperature or 0.8, 0.1)
+top_p = setting_widget("top_p", value=spec.top_p, where=c3)
 trials = c4.slider("Repetitions", 20, 2000, 200, 20, help="Each costs one draft tree and one target forward.")
 st.caption(
-    f"Policy **{settings['policy']}** {settings['params']}, context of {len(context)} tokens ending in "
+    f"Policy **{run.policy_name}** {run.params}, context of {len(context)} tokens ending in "
     f"`{visible(''.join(run.text(t) for t in context[-12:]))}`."
 )
 
 if st.button("Run the lab", type="primary", icon=":material/science:"):
     try:
-        pair = cached_pair(settings["target"], settings.get("draft"), settings["device"], settings["dtype"])
-        policy = make_policy(settings["policy"], settings["params"])
+        pair = cached_pair(spec.target, spec.draft, spec.device, spec.dtype)
+        policy = make_policy(run.policy_name, run.params)
         config = DecodeConfig(
-            max_new_tokens=int(settings["max_new_tokens"]),
+            max_new_tokens=spec.max_new_tokens,
             eos_token_ids=pair.target.eos_token_ids,
             context_length=pair.target.context_length,
-            sampling=SamplingConfig(temperature=temperature, top_p=top_p, top_k=int(settings.get("top_k") or 0)),
+            sampling=SamplingConfig(temperature=temperature, top_p=top_p, top_k=spec.top_k),
             verifier=verifier,
         )
         verifier_for(policy, config)  # refuse an invalid pairing before any work

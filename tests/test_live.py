@@ -207,3 +207,24 @@ def test_a_worker_whose_page_stops_polling_pauses_itself():
     live.start_worker()  # the page is back: Run goes on
     assert live.wait(60) and live.done and not live.idle_paused
     assert live.token_ids == full.token_ids
+
+
+def test_a_run_keeps_its_run_spec_and_an_imported_file_gets_it_back_when_the_registry_accepts_it():
+    import dataclasses
+
+    from dynatree_core.settings import RunSpec
+
+    target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
+    spec = RunSpec(target="tiny", draft="tiny-draft", max_new_tokens=4, temperature=0.5, top_k=7, seed=3)
+    settings = {**dataclasses.asdict(spec), "policy": "fixed_tree", "params": {}, "prompt": "p", "chat": False}
+    live = LiveRun.start(
+        target, [1, 2, 3], make_method("fixed_tree"), draft=draft, config=spec.decode_config(), settings=settings,
+        spec=spec,
+    )  # fmt: skip
+    while live.step() is not None:
+        pass
+    assert live.spec is spec
+    assert LiveRun.from_json(live.to_json()).spec == spec
+    settings["top_k"] = -1  # a file the registry refuses: no spec (the pages then treat it as greedy, no models)
+    live.settings = settings
+    assert LiveRun.from_json(live.to_json()).spec is None
