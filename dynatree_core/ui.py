@@ -14,7 +14,8 @@ import torch
 
 from dynatree_core.engine_process import EngineProcess, PairSpec
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.live import LiveRun, ProcessRun
+from dynatree_core.live import LiveRun
+from dynatree_core.live_process import ProcessRun
 from dynatree_core.methods import method_class
 from dynatree_core.models import PRESETS, presets_only
 from dynatree_core.session import load_pair

@@ -296,7 +296,7 @@ def test_runs_decode_in_the_engine_process_and_reset_frees_them(tiny_pair_dirs):
     """By default the page's runs live in the pair's engine process: the caption says so, and a
     run discarded with Reset (even while decoding) is freed there."""
     from dynatree_core.engine_process import call
-    from dynatree_core.live import ProcessRun
+    from dynatree_core.live_process import ProcessRun
     from dynatree_core.ui import engine_process
 
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)

@@ -1,4 +1,4 @@
-"""The live page's engine process (engine_process.py, live.ProcessRun): the same runs as the engine
+"""The live page's engine process (engine_process.py, live_process.ProcessRun): the same runs as the engine
 in this process, the same controls (step, run, pause, reset), and every failure a message."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from dynatree_core.engine import DecodeConfig, generate
 from dynatree_core.engine_process import EngineProcess, PairSpec, call
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.live import ProcessRun
+from dynatree_core.live_process import ProcessRun
 from dynatree_core.methods import make_method
 from dynatree_core.session import load_pair
 

@@ -29,8 +29,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("lab", "latency", "session", "settings"),
     ("compare", "engine_process", "dtype_probe"),
     ("bench", "live"),
+    ("live_process",),
     ("viz", "training", "ui", "cli"),
-    ("__main__",),
+    ("ui_live", "__main__"),
 )
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 

@@ -1,6 +1,17 @@
-"""The words the pages show beside the figures: why a run is (not) faster, why it stopped."""
+"""The words the pages show beside the figures: what one iteration did, why a run is (not)
+faster, why it stopped, and the README's glossary."""
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+from dynatree_core.trace import IterationRecord
+from dynatree_core.verify.registry import VERIFIERS
+from dynatree_core.viz.tree import visible
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def why_text(b: dict[str, float]) -> str:
@@ -49,3 +60,46 @@ STOP_TEXT = {
 def stop_text(stop: str | None) -> str:
     """Why a finished run stopped, in words."""
     return "Finished: " + STOP_TEXT.get(stop or "", f"stopped ({stop or 'no reason recorded'})") + "."
+
+
+def explain_iteration(rec: IterationRecord, decode: Callable[[int], str], verifier: str = "greedy") -> str:
+    """The iteration in words, with its own tokens as the example."""
+    levels = max(rec.tree.depths) if len(rec.tree) > 1 else 0
+    accepted = "".join(decode(rec.tree.tokens[n]) for n in rec.accepted)
+    pruned = sum(1 for n in range(len(rec.tree)) if not rec.tree.is_verified(n))
+    bonus = "none (the run stopped first)" if rec.bonus_token is None else f"`{visible(decode(rec.bonus_token))}`"
+    return (
+        f"1. **Draft.** From the root `{visible(decode(rec.tree.tokens[0]))}` the draft model grew a tree "
+        f"of {len(rec.tree) - 1} proposed tokens over {levels} levels, one draft forward per level "
+        f"({rec.draft_forwards} forwards); {pruned} were pruned before verification.\n"
+        f"2. **Verify.** The target read the {rec.drafted} remaining nodes (plus the root"
+        + (f" and {rec.chain_len - 1} committed tokens it had not seen" if rec.chain_len > 1 else "")
+        + ") in **one forward**, each node attending only to its ancestors (the mask on the right), "
+        "at position root + depth.\n"
+        + (
+            f"3. **Commit.** The longest path that matches the target's own choices was accepted: "
+            f"{len(rec.accepted)} tokens (`{visible(accepted)}`), then the target's next token was added "
+            f"for free as the bonus: {bonus}. "
+            if verifier == "greedy"
+            else f"3. **Commit.** The `{verifier}` verifier walked down from the root: at each node it drew "
+            "a token from the target's distribution, steering towards the drafted children without changing "
+            f"that distribution, and moved on while the token was a verified child: {len(rec.accepted)} "
+            f"accepted (`{visible(accepted)}`), then the token it drew where the walk stopped: {bonus}. "
+            if VERIFIERS.get(verifier) is None or VERIFIERS[verifier].direction == "top-down"
+            else f"3. **Commit.** The `{verifier}` verifier walked up from the leaves (post-order): it tested "
+            "each leaf against its sequence weight (the target/draft ratio of its whole path, clipped), and "
+            "after each rejection handed the leftover probability to the parent's residual, until a node was "
+            f"accepted: {len(rec.accepted)} tokens (`{visible(accepted)}`), then a token drawn from that "
+            f"node's (residual) target distribution: {bonus}. "
+        )
+        + f"{len(rec.committed)} tokens committed; the draft's and the target's caches keep the accepted "
+        "path's entries and drop the rest."
+    )
+
+
+@functools.cache
+def glossary() -> str:
+    """The README's glossary table: one source for the docs and the page."""
+    text = README.read_text(encoding="utf-8")
+    start = text.index("## Glossary")
+    return text[text.index("\n", start) : text.index("\n## ", start + 1)].strip()

@@ -1,0 +1,263 @@
+"""The live page's sections (Streamlit): the metrics row, the draft tree beside the attention
+mask with its node panel, the verification trace, why the run is (not) faster, the AR reference
+and `render`, which places them for one run. app.py keeps the inputs and starts runs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pandas as pd
+import streamlit as st
+
+from dynatree_core.engine import DecodeConfig, generate
+from dynatree_core.engine_process import call
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.live import LiveRun
+from dynatree_core.live_process import ProcessRun
+from dynatree_core.methods import make_method
+from dynatree_core.metrics import exactness_note
+from dynatree_core.trace import IterationRecord
+from dynatree_core.ui import cached_pair, engine_process, forward_lock, latency_points, threads_caption
+from dynatree_core.viz import (
+    acceptance_by_depth,
+    acceptance_figure,
+    clicked_node,
+    mask_figure,
+    node_details,
+    order_block_counts,
+    run_charts,
+    salf_mass_figure,
+    speed_breakdown,
+    stop_text,
+    text_html,
+    tree_figure,
+    verification_rows,
+    why_figure,
+    why_text,
+)
+from dynatree_core.viz.prose import explain_iteration, glossary
+
+# The engine decodes in its own process (or a worker thread); the page draws its latest iteration
+# at most this often. Three figures per page update: one update every 0.6 s keeps the browser near
+# 5 figure updates per second. A browser on the same machine draws on the same CPU cores (measured
+# here: ~0.2 s of CPU per figure update in headless Chromium), which is why the app leaves it a core.
+RENDER_INTERVAL_S = 0.6
+
+
+def metrics_row(result, tps_label: str) -> None:
+    m = st.columns(5)
+    m[0].metric("Tokens / iteration", f"{result.tokens_per_iteration:.2f}")
+    m[1].metric("Acceptance", f"{result.acceptance_rate:.0%}")
+    m[2].metric(tps_label, f"{result.throughput_tps:.1f}")
+    m[3].metric("Iterations", result.iterations)
+    m[4].metric("New tokens", result.new_tokens)
+
+
+def ar_reference(run: LiveRun, key: str) -> None:
+    """Autoregressive decoding of the run's prompt (same length budget), for the speedup chart; in
+    the run's engine process when it has one (its models, its cores, one forward at a time)."""
+    key_models = st.session_state.get("tokenizer_key")
+    if key_models is None or run.spec is None:
+        st.error("No AR reference for an imported run: start a run with its models first.")
+        return
+    try:
+        with st.spinner("Running the AR reference..."):
+            if isinstance(run, ProcessRun):
+                engine = engine_process(*key_models)
+                info = engine.wait_ready()
+                config = DecodeConfig(
+                    max_new_tokens=run.spec.max_new_tokens,
+                    eos_token_ids=info.eos_token_ids,
+                    context_length=info.context_length,
+                )
+                ref = call(engine, "ar", (run.prompt_ids, config))
+            else:
+                pair = cached_pair(*key_models)
+                config = DecodeConfig(
+                    max_new_tokens=run.spec.max_new_tokens,
+                    eos_token_ids=pair.target.eos_token_ids,
+                    context_length=pair.target.context_length,
+                )
+                with forward_lock():
+                    ref = generate(pair.target.model, run.prompt_ids, make_method("ar"), config=config)
+    except DynaTreeError as exc:
+        st.error(f"No AR reference: {exc}")
+        return
+    st.session_state.setdefault("ar_tps", {})[key] = ref.throughput_tps
+
+
+def node_panel(rec: IterationRecord, node: int | None, decode: Callable[[int], str]) -> None:
+    if node is None:
+        st.caption("Click a node for its path as text and the target's prediction there.")
+        return
+    try:
+        details = node_details(rec, node, decode)
+    except ValueError:  # a stale selection from another tree
+        return
+    st.markdown(
+        "**Selected node**\n\n" + "\n".join(f"- **{k}**: `{v.replace('`', 'ˋ')}`" for k, v in details.items()),
+    )
+
+
+WHILE_DECODING = "Shown when the run pauses or finishes (drawing less keeps the CPU for the engine)."
+
+
+def verification_view(run: LiveRun, rec: IterationRecord, running: bool = False) -> None:
+    """The verifier's steps in this iteration and, for sampled runs, expected vs realised acceptance."""
+    with st.expander(f"Verification trace ({rec.verifier}): every test, draw and residual"):
+        if running:
+            st.caption(WHILE_DECODING)
+            return
+        rows = verification_rows(rec, run.text)
+        if not rows:
+            st.caption("This record has no trace (a run exported before traces existed).")
+        else:
+            st.caption(
+                "Each test accepts the tried child when the uniform draw is at most its acceptance probability "
+                "(p/q for speculative sampling, the sequence weight for block / traversal). After a rejection the "
+                "verifier draws from the residual; the last row is the token it committed where the walk stopped."
+            )
+            st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+        by_depth = acceptance_by_depth(run.records)
+        if by_depth:
+            st.caption(
+                "Expected (from the verifier's exact branching law on each drawn tree) vs realised acceptance, "
+                f"over {by_depth[0]['iterations']} iterations. The Verification Lab page repeats one step many times."
+            )
+            st.plotly_chart(acceptance_figure(by_depth), width="stretch", key="acceptance_depth")
+
+
+def why_view(run: LiveRun, ar_tps: float | None, running: bool = False) -> None:
+    """Why this run is (not) faster than plain decoding: its time split against the device's
+    latency profile (measured on request, once per model pair)."""
+    with st.expander("Why is it (not) faster?"):
+        if running:
+            st.caption(WHILE_DECODING)
+            return
+        key_models = st.session_state.get("tokenizer_key")
+        profiles = st.session_state.setdefault("latency_profiles", {})
+        points = profiles.get(str(key_models))
+        if (
+            key_models is not None
+            and points is None
+            and st.button(
+                "Measure this device's latency profile",
+                help="Times target and draft forwards over 1-64 tokens (a few seconds on CPU), once per model pair.",
+            )
+        ):
+            try:
+                with st.spinner("Timing forwards..."):
+                    points = profiles[str(key_models)] = latency_points(*key_models)
+            except DynaTreeError as exc:
+                st.error(str(exc))
+        step_ms = None
+        if points:
+            step_ms = min((p.ms for p in points if p.model == "target" and p.new_tokens == 1), default=None)
+        elif ar_tps:
+            step_ms = 1000.0 / ar_tps
+        st.markdown(why_text(speed_breakdown(run.records, step_ms)))
+        if points:
+            st.plotly_chart(why_figure(points, run.records), width="stretch", key="why")
+
+
+def measured_caption(run: LiveRun) -> str:
+    """Where and how the run's throughput was measured."""
+    if run.imported:
+        threads = f", {run.threads} torch thread{'s' if run.threads != 1 else ''}" if run.threads else ""
+        return f"Measured on {run.device}, {run.dtype}, from engine time{threads}: an imported run, measured elsewhere."
+    kind = f" with the {run.draft_kind} draft" if run.draft_kind else ""
+    where = (
+        f"in its own process ({threads_caption(run.threads)})"
+        if isinstance(run, ProcessRun)
+        else f"in a thread of the page's process ({threads_caption()})"
+    )
+    note = exactness_note(run.dtype)
+    return (
+        f"Measured on {run.device}, {run.dtype}, from engine time (drawing excluded): the engine decodes{kind} {where} "
+        f"and the page draws its latest iteration every {RENDER_INTERVAL_S} s." + (f" {note}" if note else "")
+    )
+
+
+def tree_and_mask(run: LiveRun, rec: IterationRecord) -> None:
+    """One iteration's draft tree (clickable) beside the attention mask the target received."""
+    left, right = st.columns([3, 2])
+    with left:
+        st.subheader(f"Draft tree — iteration {rec.index}")
+        chart_key = f"tree_{rec.index}"  # one selection per iteration
+        selected = clicked_node(st.session_state.get(chart_key))
+        st.plotly_chart(
+            tree_figure(rec, run.text, selected=selected),
+            width="stretch",
+            key=chart_key,
+            on_select="rerun",
+            selection_mode="points",
+        )
+        node_panel(rec, selected, run.text)
+    with right:
+        st.subheader("Attention mask sent to the target")
+        st.plotly_chart(mask_figure(rec, run.text), width="stretch", key="mask")
+        counts = order_block_counts(rec.tree)
+        st.caption(
+            f"{len(rec.order)} nodes (root first), positions {rec.position_ids[0]}..{max(rec.position_ids)}; "
+            f"non-zero 32x32 blocks: BFS {counts['bfs']}, DFS {counts['dfs']}"
+        )
+    if rec.tree.notes.get("salf_mass"):
+        st.caption("SALF: probability mass of each drafting step's batch; drafting stops below th.")
+        st.plotly_chart(salf_mass_figure(rec.tree.notes["salf_mass"], float(run.params.get("th", 0))), key="salf")
+
+
+def render(run: LiveRun | None, running: bool = False) -> None:
+    """The run's latest (or scrubbed-to) iteration. `running`: its worker is decoding, so the page
+    draws only what changes each iteration (metrics, tree, mask, text, charts); the verification
+    trace, the speed analysis and the export (which serialises every record) wait until the run
+    pauses or finishes: every drawing costs the engine CPU time and, in Python, the GIL."""
+    if run is None or not run.records:
+        st.info(
+            "Decoding the first iteration..."
+            if running
+            else "Press **Run** to decode live, or **Step** for one iteration at a time."
+        )
+        return
+    result = run.result()
+    metrics_row(result, "Tokens / s (engine time)")
+    st.caption(measured_caption(run))
+    if run.done:
+        st.info(stop_text(run.records[-1].stop), icon=":material/flag:")
+    n = len(run.records)
+    pick = (
+        st.slider("Iteration", 1, n, n, key=f"scrub_{n}", help="Go back to any iteration's tree and mask.")
+        if n > 1
+        else 1
+    )
+    rec = run.records[pick - 1]
+    tree_and_mask(run, rec)
+    with st.expander("What happened in this iteration (draft → verify → commit)"):
+        st.markdown(explain_iteration(rec, run.text, run.verifier()))
+    verification_view(run, rec, running)
+    with st.expander("Glossary of tree terms"):
+        st.markdown(glossary())
+    st.subheader("Generated text")
+    st.html(text_html(run.records, run.text))
+    ref_key = json.dumps({k: v for k, v in run.settings.items() if k not in ("policy", "params", "order")})
+    if st.button(
+        "Measure AR reference",
+        disabled=running,
+        help="Decode the same prompt with the target alone, for the speedup"
+        + (" (after the run pauses or finishes: both would share the cores)." if running else "."),
+    ):
+        ar_reference(run, ref_key)
+    ar_tps = st.session_state.setdefault("ar_tps", {}).get(ref_key)
+    if ar_tps:
+        st.caption(f"AR reference: {ar_tps:.1f} tokens/s on the same prompt, device and dtype.")
+    st.plotly_chart(run_charts(run.records, ar_tps), width="stretch", key="charts")
+    why_view(run, ar_tps, running)
+    if running:
+        return
+    st.download_button(
+        "Export run (JSON)",
+        run.to_json,  # built on click (a sampled run's draws make it megabytes), not on every rerun
+        file_name="dynatree-run.json",
+        mime="application/json",
+        help="Every iteration's record, settings and token texts; Import replays it here.",
+    )
