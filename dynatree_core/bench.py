@@ -16,11 +16,11 @@ import io
 import itertools
 import json
 import statistics
-import sys
 from typing import Any
 
-from dynatree_core.compare import Entry, EntryStats, measure
+from dynatree_core.compare import EntryStats, measure
 from dynatree_core.engine import DecodeConfig
+from dynatree_core.entries import Entry
 from dynatree_core.environment import environment
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.methods import make_method, method_class
@@ -171,12 +171,6 @@ def run_bench(
     }
     env = environment(device, dtype, is_packed(pair.target.model), getattr(pair, "dtype_source", ""))
     return BenchReport(env, settings, stats, rows)
-
-
-def stderr_progress(done: int, total: int, label: str) -> None:
-    width = 30
-    filled = int(width * done / total)
-    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<48}", end="", file=sys.stderr, flush=True)
 
 
 def parse_sweep(spec: str) -> tuple[str, list[str]]:

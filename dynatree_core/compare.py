@@ -24,64 +24,13 @@ from typing import Any
 
 from dynatree_core.baselines import Baseline
 from dynatree_core.engine import DecodeConfig, generate
+from dynatree_core.entries import Entry, labelled, schedule
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.methods import REFERENCES, make_method, method_class, verifier_for
+from dynatree_core.methods import REFERENCES, make_method, verifier_for
 from dynatree_core.metrics import depth_reach
 from dynatree_core.trace import IterationRecord, RunResult
 
 COMPARE_VERSION = 1
-
-
-def parse_spec(spec: str) -> tuple[str, dict[str, str], str]:
-    """'name', 'name:key=value,key=value', either with '@verifier' appended."""
-    spec, _, verifier = spec.partition("@")
-    name, _, rest = spec.partition(":")
-    params = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise DynaTreeError(f"policy spec {spec!r}: expected key=value, got {item!r}")
-        params[key.strip()] = value.strip()
-    return name.strip(), params, verifier.strip() or "auto"
-
-
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One contestant: a registered policy with its parameters and a unique label."""
-
-    policy: str
-    params: dict[str, Any] = dataclasses.field(default_factory=dict)
-    label: str = ""
-    verifier: str = ""  # "" : the run's verifier (DecodeConfig.verifier)
-
-
-def labelled(entries: list[Entry]) -> list[Entry]:
-    """Give every entry a unique label: the policy name (with @verifier when it has its own), plus
-    the parameters that differ from the registry defaults when the same name appears more than
-    once (then #2, #3 if still equal)."""
-    bases = [e.policy + (f"@{e.verifier}" if e.verifier else "") for e in entries]
-    out, seen = [], {}
-    for e, base in zip(entries, bases, strict=True):
-        label = e.label or base
-        if not e.label and bases.count(base) > 1:
-            config = make_method(e.policy, e.params).config
-            defaults = make_method(e.policy).config
-            changed = [f"{k}={v}" for k, v in config.items() if v != defaults[k]]
-            label = f"{base} ({', '.join(changed)})" if changed else base
-        seen[label] = seen.get(label, 0) + 1
-        out.append(dataclasses.replace(e, label=label if seen[label] == 1 else f"{label} #{seen[label]}"))
-    return out
-
-
-def schedule(n_entries: int, repetitions: int, n_prompts: int = 1, warmup: int = 1) -> list[tuple[int, int, int]]:
-    """(round, prompt index, entry index) in run order. Rounds -warmup..-1 are discarded warm-ups
-    on the first prompt; in round r every entry runs each prompt once, prompt by prompt, the
-    entries' order rotated by r so that no entry always runs first."""
-    plan = [(r, 0, j) for r in range(-warmup, 0) for j in range(n_entries)]
-    for r in range(repetitions):
-        for i in range(n_prompts):
-            plan += [(r, i, (j + r) % n_entries) for j in range(n_entries)]
-    return plan
 
 
 @dataclasses.dataclass
@@ -416,15 +365,3 @@ def run_schedule(
             where = " (warm-up)" if rnd < 0 else (f", prompt {prompt + 1}/{n_prompts}" if n_prompts > 1 else "")
             on_progress(done, len(plan), entries[j].label + where)
     return results
-
-
-def parse_entries(specs: list[str]) -> list[Entry]:
-    """CLI specs 'name' or 'name:key=value,...' -> entries (unknown policies named)."""
-    out = []
-    for spec in specs:
-        name, params, verifier = parse_spec(spec)
-        if verifier != "auto":
-            raise DynaTreeError("compare uses one verifier for every policy: pass --verifier, not NAME@VERIFIER")
-        method_class(name)  # an unknown name is refused here, with the known ones
-        out.append(Entry(name, params))
-    return out

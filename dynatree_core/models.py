@@ -127,10 +127,11 @@ class LoadedModel:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
 
-def context_length_of(model: torch.nn.Module) -> int:
-    """The model's maximum positions (config names differ by architecture; 2048 if none)."""
+def context_length_of(model: torch.nn.Module | object) -> int:
+    """The maximum positions of a model or its config (names differ by architecture; 2048 if none)."""
+    config = getattr(model, "config", model)
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(model.config, key, None)
+        value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
             return value
     return 2048
@@ -324,6 +325,25 @@ def load_model(spec: str, *, device: str = "auto", dtype: str = "auto") -> Loade
     return LoadedModel(
         spec=spec, model=model, tokenizer=tokenizer, device=torch_device, dtype=torch_dtype, token_map=token_map
     )
+
+
+def peek_model(spec: str) -> tuple[object, int] | None:
+    """(tokenizer, context length) of a model without loading its weights, so a prompt that cannot
+    fit is refused before anything large loads; None when they cannot be read (then `load_model`
+    says why, with its full message)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not spec or not spec.strip():
+        return None
+    check_spec_allowed(spec.strip())
+    source, is_local = _local_dir_for(spec.strip())
+    local_only = not is_local and not hub_reachable()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False, local_files_only=local_only)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=False, local_files_only=local_only)
+    except (OSError, ValueError, KeyError):
+        return None
+    return tokenizer, context_length_of(config)
 
 
 def check_tokenizers_compatible(target: LoadedModel, draft: LoadedModel) -> None:

@@ -57,7 +57,7 @@ SETTINGS: dict[str, Setting] = {
     s.name: s
     for s in (
         # the models and where they run: the pages place them with ui.model_picker, the CLI's
-        # model flags (cli._model_arguments) add --preset and --no-pack
+        # model flags (cli/parser.py) add --preset and --no-pack
         Setting(
             "target", str, None, "Target", "target: embedded (default), hub id, local dir or .gguf", widget="models"
         ),

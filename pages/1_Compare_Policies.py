@@ -9,7 +9,8 @@ import time
 import pandas as pd
 import streamlit as st
 
-from dynatree_core.compare import Comparison, Entry, compare, labelled, schedule
+from dynatree_core.compare import Comparison, compare
+from dynatree_core.entries import Entry, labelled, schedule
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.methods import candidates
 from dynatree_core.prompts import load_prompts

@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from dynatree_core.bench import parse_sweep, run_bench, sweep_entries, sweep_figures
-from dynatree_core.compare import Entry
+from dynatree_core.entries import Entry
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.methods import candidates, method_class
 from dynatree_core.prompts import CORPORA, bundled_sets, choose_prompts

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 from conftest import noisy_copy, tiny_model
 
-from dynatree_core.compare import Comparison, Entry, check_outputs, compare, labelled, run_schedule, schedule
+from dynatree_core.compare import Comparison, check_outputs, compare, run_schedule
 from dynatree_core.engine import DecodeConfig, generate
+from dynatree_core.entries import Entry, labelled, schedule
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.methods import make_method
 from dynatree_core.sampling import SamplingConfig

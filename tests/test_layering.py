@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("drafting",),
     ("baselines",),
     ("engine", "methods"),
-    ("lab", "latency", "session", "settings"),
+    ("lab", "latency", "session", "settings", "entries"),
     ("compare", "engine_process", "dtype_probe"),
     ("bench", "live"),
     ("live_process",),

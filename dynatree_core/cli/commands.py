@@ -1,68 +1,42 @@
-"""`python -m dynatree_core ...`: generate text with a policy, list policies and presets.
-
-Errors caused by input exit with status 2 and print one line, `error: <message>`, on stderr.
-"""
+"""The CLI's commands: each `cmd_<name>(args)` runs one subcommand of `python -m dynatree_core`
+(arguments from parser.py); input errors are DynaTreeErrors, which `main` turns into one line."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import shlex
 import sys
-import warnings
-from pathlib import Path
+
+from tqdm import tqdm
 
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.settings import RunSpec, add_flags
+from dynatree_core.settings import RunSpec
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse prints usage + message; we want one line
-        raise DynaTreeError(message)
+class _Progress:
+    """A tqdm bar on stderr, fed by the library's progress callbacks (done, total, label); a new
+    total starts a new bar. Use as a context manager, so the bar closes when the work ends."""
 
+    def __init__(self, unit: str = "run"):
+        self.unit, self.bar = unit, None
 
-def _parse_params(items: list[str]) -> dict[str, str]:
-    params = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise DynaTreeError(f"--param expects key=value, got {item!r}")
-        params[key.strip()] = value.strip()
-    return params
+    def __call__(self, done: int, total: int, label: str) -> None:
+        if self.bar is None or self.bar.total != total:
+            self.close()
+            self.bar = tqdm(total=total, unit=self.unit, file=sys.stderr, dynamic_ncols=True)
+        self.bar.set_postfix_str(label[:60], refresh=False)
+        self.bar.update(done - self.bar.n)
 
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
-def _run_arguments(p: argparse.ArgumentParser) -> None:
-    """What `generate` and `compare` share: prompt, models, length, sampling."""
-    p.add_argument("--prompt", help="prompt text")
-    p.add_argument("--prompt-file", type=Path, help="read the prompt from a file")
-    p.add_argument(
-        "--chat",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="wrap the prompt in the model's chat template (default: on when the tokenizer has one)",
-    )
-    add_flags(p, ("max_new_tokens", "seed", "temperature", "top_p", "top_k", "verifier"))
-    _model_arguments(p)
-    _engine_arguments(p)
+    def __enter__(self) -> _Progress:
+        return self
 
-
-def _model_arguments(p: argparse.ArgumentParser, *, dtype: bool = True) -> None:
-    """The model pair and where it runs: one definition for every command that loads models."""
-    p.add_argument("--preset", default=None, help="model pair preset (see `presets`); sets --target/--draft")
-    add_flags(p, ["target", "draft", "device", *(["dtype"] if dtype else [])])
-    if dtype:
-        p.add_argument("--no-pack", action="store_true", help="CPU: plain nn.Linear (no oneDNN pre-packing)")
-
-
-def _engine_arguments(p: argparse.ArgumentParser) -> None:
-    """How forwards run: torch threads, the static cache and the lean forward (each with an off switch)."""
-    add_flags(p, ["threads"])
-    p.add_argument(
-        "--no-static-cache", action="store_true", help="transformers' DynamicCache (concatenates per forward)"
-    )
-    p.add_argument("--no-fast-forward", action="store_true", help="the stock HF forward instead of the lean one")
-    p.add_argument("--no-graphs", action="store_true", help="CUDA: eager forwards instead of captured CUDA graphs")
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _forward_options(args) -> dict:
@@ -90,86 +64,30 @@ def _read_prompt(args) -> str:
     return prompt
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m dynatree_core", description="Tree-based speculative decoding.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    gen = sub.add_parser("generate", help="generate text with a drafting policy")
-    _run_arguments(gen)
-    gen.add_argument("--policy", default="fixed_tree", help="drafting policy (see `policies`)")
-    gen.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="policy parameter")
-    gen.add_argument("--num-samples", type=int, default=1, help="independent samples (models loaded once)")
-    add_flags(gen, ("order",))
-    gen.add_argument("--json", action="store_true", help="print the RunResult as one JSON object")
-    gen.add_argument("--trace", action="store_true", help="with --json: include per-iteration records")
-    cmp = sub.add_parser("compare", help="compare 1-6 policies on one prompt (ar and HF generate as references)")
-    _run_arguments(cmp)
-    cmp.add_argument(
-        "--policy", action="append", default=[], metavar="NAME[:K=V,...]", help="repeatable; the same policy may repeat"
-    )
-    cmp.add_argument("--repetitions", type=int, default=3, help="measured runs per policy (after one warm-up)")
-    cmp.add_argument("--no-hf", action="store_true", help="skip the HF generate reference")
-    cmp.add_argument("--json", action="store_true", help="print the comparison as JSON")
-    cmp.add_argument("--csv", type=Path, default=None, help="also write the table as CSV here")
-    ver = sub.add_parser("verifiers", help="list verification algorithms and the drafting each accepts")
-    ver.add_argument("--json", action="store_true")
-    pol = sub.add_parser("policies", help="list drafting policies and their parameters")
-    pol.add_argument("--json", action="store_true")
-    bench = sub.add_parser(
-        "bench", help="policies over a prompt set (DynaTree protocol), ratios to the best AR reference in the same run"
-    )
-    bench.add_argument("--policies", default="", help="comma-separated policy names, e.g. ar,linear,fixed_tree")
-    bench.add_argument(
-        "--policy", action="append", default=[], metavar="NAME[:K=V,...][@VERIFIER]", help="repeatable, with parameters"
-    )
-    bench.add_argument("--prompts", default="all", help="bundled set name, 'all', or a .jsonl / .txt path")
-    bench.add_argument("--limit", type=int, default=8, help="N: first N prompts, spread over the domains (0: all)")
-    bench.add_argument(
-        "--max-prompt-tokens", type=int, default=None, help="L_max: cut each prompt to its first L tokens"
-    )
-    add_flags(bench, ("max_new_tokens",))  # T: new tokens per run
-    bench.add_argument("--repeats", type=int, default=1, help="R: measured rounds over all prompts")
-    bench.add_argument("--warmup", type=int, default=1, help="W: discarded warm-up runs per policy")
-    bench.add_argument("--no-hf", action="store_true", help="skip the HF generate reference")
-    add_flags(bench, ("temperature", "top_p", "top_k", "verifier"))  # sampled: round r uses seed r
-    _model_arguments(bench)
-    _engine_arguments(bench)
-    bench.add_argument(
-        "--sweep",
-        action="append",
-        default=[],
-        metavar="NAME=A..B|NAME=V1,V2",
-        help="vary one registry parameter of --sweep-policy at a time (repeatable), or the run setting T or L_max "
-        "for every policy listed; figures go beside --out",
-    )
-    bench.add_argument("--sweep-policy", default="fixed_tree", help="the policy whose parameters --sweep varies")
-    bench.add_argument(
-        "--grid", action="store_true", help="run every combination of the parameter sweeps (a scatter for two)"
-    )
-    bench.add_argument("--png", action="store_true", help="figures as PNG too (needs kaleido and Chromium)")
-    bench.add_argument("--out", type=Path, default=None, help="write the report as JSON here (and CSV beside it)")
-    bench.add_argument("--json", action="store_true", help="print the JSON report instead of a markdown table")
-    lat = sub.add_parser("latency", help="forward time vs new tokens and context, target and draft (this device)")
-    lat.add_argument("--tokens", default=",".join(map(str, (1, 2, 4, 8, 16, 32, 64, 128, 256))))
-    lat.add_argument("--contexts", default="128,512", help="cached context lengths")
-    lat.add_argument("--repeats", type=int, default=5, help="timed forwards per point (median)")
-    _model_arguments(lat)
-    _engine_arguments(lat)
-    lat.add_argument("--out", type=Path, default=None, help="JSON points here, plot beside it (.html)")
-    lat.add_argument("--json", action="store_true")
-    dt = sub.add_parser(
-        "dtype", help="measure which dtype is fastest and still exact on this device; `--dtype auto` then uses it"
-    )
-    _model_arguments(dt, dtype=False)
-    dt.add_argument("--dtypes", default="", help="comma-separated candidates (default: this device's)")
-    dt.add_argument("--policy", default="dynatree", help="the tree policy timed against AR")
-    add_flags(dt, ("max_new_tokens",))
-    dt.add_argument("--limit", type=int, default=4, help="bundled prompts, spread over the domains")
-    dt.add_argument("--no-save", action="store_true", help="measure and print, keep auto as it was")
-    dt.add_argument("--json", action="store_true")
-    add_flags(dt, ["threads"])
-    pre = sub.add_parser("presets", help="list model pair presets")
-    pre.add_argument("--json", action="store_true")
-    return parser
+def _refuse_long_prompt(target_spec: str, prompt: str, chat: bool | None) -> None:
+    """A prompt the target's context cannot hold is refused from its tokenizer and config alone,
+    before the models load (the engine refuses it too, later, with the same message)."""
+    from dynatree_core.models import peek_model
+    from dynatree_core.session import encode_prompt
+
+    peeked = peek_model(target_spec)
+    if peeked is None:
+        return
+    tokenizer, context = peeked
+    chat = chat if chat is not None else bool(getattr(tokenizer, "chat_template", None))
+    n = len(encode_prompt(tokenizer, prompt, chat=chat))
+    if n >= context:
+        raise DynaTreeError(f"the prompt has {n} tokens; the model's context is {context}")
+
+
+def _parse_params(items: list[str]) -> dict[str, str]:
+    params = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise DynaTreeError(f"--param expects key=value, got {item!r}")
+        params[key.strip()] = value.strip()
+    return params
 
 
 def cmd_policies(args) -> None:
@@ -212,7 +130,7 @@ def cmd_presets(args) -> None:
 
 def cmd_bench(args) -> None:
     from dynatree_core import bench as B
-    from dynatree_core.compare import Entry, parse_spec
+    from dynatree_core.entries import Entry, parse_spec
     from dynatree_core.methods import REFERENCES, candidates, make_method
     from dynatree_core.prompts import choose_prompts
     from dynatree_core.session import load_pair
@@ -253,13 +171,13 @@ def cmd_bench(args) -> None:
         warmup=args.warmup,
         include_hf=not args.no_hf,
         max_prompt_tokens=args.max_prompt_tokens,
-        progress=B.stderr_progress,
     )
-    if setting is None:
-        report = B.run_bench(pair, entries, chosen, **common)
-    else:
-        report = B.run_setting_sweep(pair, entries, chosen, setting=setting[0], values=setting[1], **common)
-    print(file=sys.stderr)
+    with _Progress() as progress:
+        if setting is None:
+            report = B.run_bench(pair, entries, chosen, progress=progress, **common)
+        else:
+            sweep = dict(setting=setting[0], values=setting[1])
+            report = B.run_setting_sweep(pair, entries, chosen, progress=progress, **sweep, **common)
     report.settings["command"] = "python -m dynatree_core " + shlex.join(args.argv)
     report.settings["models"] = {"target": target_spec, "draft": draft_spec}
     if args.out is not None:
@@ -282,7 +200,6 @@ def cmd_bench(args) -> None:
 def cmd_latency(args) -> None:
     import dataclasses
 
-    from dynatree_core.bench import stderr_progress
     from dynatree_core.environment import environment
     from dynatree_core.kv import forward_path
     from dynatree_core.latency import latency_figure, profile
@@ -302,11 +219,11 @@ def cmd_latency(args) -> None:
     if pair.draft is not None and not pair.draft_is_stand_in:
         models["draft"] = pair.draft.model
     options = _forward_options(args)
-    points = profile(
-        models, tokens, contexts, args.repeats, progress=stderr_progress,
-        static=options["static_cache"], fast=options["fast_forward"], graphs=options["graphs"],
-    )  # fmt: skip
-    print(file=sys.stderr)
+    with _Progress("point") as progress:
+        points = profile(
+            models, tokens, contexts, args.repeats, progress=progress,
+            static=options["static_cache"], fast=options["fast_forward"], graphs=options["graphs"],
+        )  # fmt: skip
     model = pair.target.model
     report = {
         "environment": environment(
@@ -348,7 +265,6 @@ def _resolve_models(args) -> tuple[str, str | None]:
 def cmd_dtype(args) -> None:
     import dataclasses
 
-    from dynatree_core.bench import stderr_progress
     from dynatree_core.dtype_probe import probe
     from dynatree_core.dtypes import choose, save_choice
     from dynatree_core.models import resolve_device
@@ -357,9 +273,9 @@ def cmd_dtype(args) -> None:
         raise DynaTreeError("--max-new-tokens and --limit must be at least 1")
     target_spec, draft_spec = _resolve_models(args)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()] or None
-    rows = probe(target_spec, draft_spec, device=args.device, limit=args.limit, max_new_tokens=args.max_new_tokens,
-                 policy=args.policy, dtypes=dtypes, progress=stderr_progress)  # fmt: skip
-    print(file=sys.stderr)
+    with _Progress("dtype") as progress:
+        rows = probe(target_spec, draft_spec, device=args.device, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                     policy=args.policy, dtypes=dtypes, progress=progress)  # fmt: skip
     best = choose(rows)
     if not args.no_save:
         from dynatree_core.session import default_draft_for
@@ -390,6 +306,7 @@ def cmd_generate(args) -> None:
     spec = RunSpec.of(args)
     verifier_for(policy, spec.decode_config())  # refuse an invalid pairing before loading models
     target_spec, draft_spec = _resolve_models(args)
+    _refuse_long_prompt(target_spec, prompt, args.chat)
     torch.manual_seed(args.seed)
     pair = load_pair(
         target_spec,
@@ -437,7 +354,8 @@ def cmd_generate(args) -> None:
 
 
 def cmd_compare(args) -> None:
-    from dynatree_core.compare import compare, parse_entries
+    from dynatree_core.compare import compare
+    from dynatree_core.entries import parse_entries
     from dynatree_core.session import encode_prompt, load_pair
 
     prompt = _read_prompt(args)
@@ -450,19 +368,20 @@ def cmd_compare(args) -> None:
     config = spec.decode_config(
         eos_token_ids=target.eos_token_ids, context_length=target.context_length, **_forward_options(args)
     )
-    result = compare(
-        pair,
-        entries,
-        encode_prompt(target.tokenizer, prompt, chat=chat),
-        config=config,
-        repetitions=args.repetitions,
-        include_hf=not args.no_hf,
-        prompt=prompt,
-        models={"target": target_spec, "draft": draft_spec or "", "device": args.device, "dtype": args.dtype},
-        on_progress=lambda done, total, label: print(f"\r[{done}/{total}] {label:<50}", end="", file=sys.stderr),
-        tokenizer=target.tokenizer,
-    )
-    print(file=sys.stderr)
+    models = {"target": target_spec, "draft": draft_spec or "", "device": args.device, "dtype": args.dtype}
+    with _Progress() as progress:
+        result = compare(
+            pair,
+            entries,
+            encode_prompt(target.tokenizer, prompt, chat=chat),
+            config=config,
+            repetitions=args.repetitions,
+            include_hf=not args.no_hf,
+            prompt=prompt,
+            models=models,
+            on_progress=progress,
+            tokenizer=target.tokenizer,
+        )
     if args.csv is not None:
         args.csv.write_text(result.csv(), encoding="utf-8")
     if args.json:
@@ -471,33 +390,3 @@ def cmd_compare(args) -> None:
     print(result.markdown())
     mark = {True: "OK", False: "DIFFERS", None: "not checked"}[result.correctness["ok"]]
     print(f"\ncorrectness: {mark}: {result.correctness['message']}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.formatwarning = lambda msg, *a, **k: f"warning: {msg}\n"
-    try:
-        args = build_parser().parse_args(argv)
-        args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in reports
-        if hasattr(args, "threads"):  # a command that runs models: decide torch's threads first
-            from dynatree_core.threads import configure_threads
-
-            configure_threads(args.threads)
-        commands = {
-            "generate": cmd_generate,
-            "compare": cmd_compare,
-            "latency": cmd_latency,
-            "policies": cmd_policies,
-            "presets": cmd_presets,
-            "bench": cmd_bench,
-            "verifiers": cmd_verifiers,
-            "dtype": cmd_dtype,
-        }
-        commands[args.command](args)
-    except DynaTreeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    return 0

@@ -1,0 +1,47 @@
+"""`python -m dynatree_core ...`: generate text with a policy, compare policies, benchmark, list
+policies, verifiers and presets. parser.py builds the arguments, commands.py runs them.
+
+Errors caused by input exit with status 2 and print one line, `error: <message>`, on stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+from dynatree_core.cli import commands as C
+from dynatree_core.cli.parser import build_parser
+from dynatree_core.errors import DynaTreeError
+
+__all__ = ["build_parser", "main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.formatwarning = lambda msg, *a, **k: f"warning: {msg}\n"
+    try:
+        args = build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in reports
+        if hasattr(args, "threads"):  # a command that runs models: decide torch's threads first
+            from dynatree_core.threads import configure_threads
+
+            configure_threads(args.threads)
+        commands = {
+            "generate": C.cmd_generate,
+            "compare": C.cmd_compare,
+            "latency": C.cmd_latency,
+            "policies": C.cmd_policies,
+            "presets": C.cmd_presets,
+            "bench": C.cmd_bench,
+            "verifiers": C.cmd_verifiers,
+            "dtype": C.cmd_dtype,
+        }
+        commands[args.command](args)
+    except DynaTreeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,130 @@
+"""The CLI's arguments: one parser, the shared flags generated from the run-settings registry
+(settings.py) and written once per group (run, models, engine)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.settings import add_flags
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints usage + message; we want one line
+        raise DynaTreeError(message)
+
+
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    """What `generate` and `compare` share: prompt, models, length, sampling."""
+    p.add_argument("--prompt", help="prompt text")
+    p.add_argument("--prompt-file", type=Path, help="read the prompt from a file")
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="wrap the prompt in the model's chat template (default: on when the tokenizer has one)",
+    )
+    add_flags(p, ("max_new_tokens", "seed", "temperature", "top_p", "top_k", "verifier"))
+    _model_arguments(p)
+    _engine_arguments(p)
+
+
+def _model_arguments(p: argparse.ArgumentParser, *, dtype: bool = True) -> None:
+    """The model pair and where it runs: one definition for every command that loads models."""
+    p.add_argument("--preset", default=None, help="model pair preset (see `presets`); sets --target/--draft")
+    add_flags(p, ["target", "draft", "device", *(["dtype"] if dtype else [])])
+    if dtype:
+        p.add_argument("--no-pack", action="store_true", help="CPU: plain nn.Linear (no oneDNN pre-packing)")
+
+
+def _engine_arguments(p: argparse.ArgumentParser) -> None:
+    """How forwards run: torch threads, the static cache and the lean forward (each with an off switch)."""
+    add_flags(p, ["threads"])
+    p.add_argument(
+        "--no-static-cache", action="store_true", help="transformers' DynamicCache (concatenates per forward)"
+    )
+    p.add_argument("--no-fast-forward", action="store_true", help="the stock HF forward instead of the lean one")
+    p.add_argument("--no-graphs", action="store_true", help="CUDA: eager forwards instead of captured CUDA graphs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m dynatree_core", description="Tree-based speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    gen = sub.add_parser("generate", help="generate text with a drafting policy")
+    _run_arguments(gen)
+    gen.add_argument("--policy", default="fixed_tree", help="drafting policy (see `policies`)")
+    gen.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="policy parameter")
+    gen.add_argument("--num-samples", type=int, default=1, help="independent samples (models loaded once)")
+    add_flags(gen, ("order",))
+    gen.add_argument("--json", action="store_true", help="print the RunResult as one JSON object")
+    gen.add_argument("--trace", action="store_true", help="with --json: include per-iteration records")
+    cmp = sub.add_parser("compare", help="compare 1-6 policies on one prompt (ar and HF generate as references)")
+    _run_arguments(cmp)
+    cmp.add_argument(
+        "--policy", action="append", default=[], metavar="NAME[:K=V,...]", help="repeatable; the same policy may repeat"
+    )
+    cmp.add_argument("--repetitions", type=int, default=3, help="measured runs per policy (after one warm-up)")
+    cmp.add_argument("--no-hf", action="store_true", help="skip the HF generate reference")
+    cmp.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    cmp.add_argument("--csv", type=Path, default=None, help="also write the table as CSV here")
+    ver = sub.add_parser("verifiers", help="list verification algorithms and the drafting each accepts")
+    ver.add_argument("--json", action="store_true")
+    pol = sub.add_parser("policies", help="list drafting policies and their parameters")
+    pol.add_argument("--json", action="store_true")
+    bench = sub.add_parser(
+        "bench", help="policies over a prompt set (DynaTree protocol), ratios to the best AR reference in the same run"
+    )
+    bench.add_argument("--policies", default="", help="comma-separated policy names, e.g. ar,linear,fixed_tree")
+    bench.add_argument(
+        "--policy", action="append", default=[], metavar="NAME[:K=V,...][@VERIFIER]", help="repeatable, with parameters"
+    )
+    bench.add_argument("--prompts", default="all", help="bundled set name, 'all', or a .jsonl / .txt path")
+    bench.add_argument("--limit", type=int, default=8, help="N: first N prompts, spread over the domains (0: all)")
+    bench.add_argument(
+        "--max-prompt-tokens", type=int, default=None, help="L_max: cut each prompt to its first L tokens"
+    )
+    add_flags(bench, ("max_new_tokens",))  # T: new tokens per run
+    bench.add_argument("--repeats", type=int, default=1, help="R: measured rounds over all prompts")
+    bench.add_argument("--warmup", type=int, default=1, help="W: discarded warm-up runs per policy")
+    bench.add_argument("--no-hf", action="store_true", help="skip the HF generate reference")
+    add_flags(bench, ("temperature", "top_p", "top_k", "verifier"))  # sampled: round r uses seed r
+    _model_arguments(bench)
+    _engine_arguments(bench)
+    bench.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="NAME=A..B|NAME=V1,V2",
+        help="vary one registry parameter of --sweep-policy at a time (repeatable), or the run setting T or L_max "
+        "for every policy listed; figures go beside --out",
+    )
+    bench.add_argument("--sweep-policy", default="fixed_tree", help="the policy whose parameters --sweep varies")
+    bench.add_argument(
+        "--grid", action="store_true", help="run every combination of the parameter sweeps (a scatter for two)"
+    )
+    bench.add_argument("--png", action="store_true", help="figures as PNG too (needs kaleido and Chromium)")
+    bench.add_argument("--out", type=Path, default=None, help="write the report as JSON here (and CSV beside it)")
+    bench.add_argument("--json", action="store_true", help="print the JSON report instead of a markdown table")
+    lat = sub.add_parser("latency", help="forward time vs new tokens and context, target and draft (this device)")
+    lat.add_argument("--tokens", default=",".join(map(str, (1, 2, 4, 8, 16, 32, 64, 128, 256))))
+    lat.add_argument("--contexts", default="128,512", help="cached context lengths")
+    lat.add_argument("--repeats", type=int, default=5, help="timed forwards per point (median)")
+    _model_arguments(lat)
+    _engine_arguments(lat)
+    lat.add_argument("--out", type=Path, default=None, help="JSON points here, plot beside it (.html)")
+    lat.add_argument("--json", action="store_true")
+    dt = sub.add_parser(
+        "dtype", help="measure which dtype is fastest and still exact on this device; `--dtype auto` then uses it"
+    )
+    _model_arguments(dt, dtype=False)
+    dt.add_argument("--dtypes", default="", help="comma-separated candidates (default: this device's)")
+    dt.add_argument("--policy", default="dynatree", help="the tree policy timed against AR")
+    add_flags(dt, ("max_new_tokens",))
+    dt.add_argument("--limit", type=int, default=4, help="bundled prompts, spread over the domains")
+    dt.add_argument("--no-save", action="store_true", help="measure and print, keep auto as it was")
+    dt.add_argument("--json", action="store_true")
+    add_flags(dt, ["threads"])
+    pre = sub.add_parser("presets", help="list model pair presets")
+    pre.add_argument("--json", action="store_true")
+    return parser

@@ -1,0 +1,75 @@
+"""What a comparison or a benchmark runs, and in which order: entries (a registered policy or
+baseline with its parameters, its own verifier and a unique label), parsed from the CLI's specs
+('name:key=value,...@verifier'), and the fairness schedule that interleaves them (compare.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.methods import make_method, method_class
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str], str]:
+    """'name', 'name:key=value,key=value', either with '@verifier' appended."""
+    spec, _, verifier = spec.partition("@")
+    name, _, rest = spec.partition(":")
+    params = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise DynaTreeError(f"policy spec {spec!r}: expected key=value, got {item!r}")
+        params[key.strip()] = value.strip()
+    return name.strip(), params, verifier.strip() or "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One contestant: a registered policy with its parameters and a unique label."""
+
+    policy: str
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    label: str = ""
+    verifier: str = ""  # "" : the run's verifier (DecodeConfig.verifier)
+
+
+def labelled(entries: list[Entry]) -> list[Entry]:
+    """Give every entry a unique label: the policy name (with @verifier when it has its own), plus
+    the parameters that differ from the registry defaults when the same name appears more than
+    once (then #2, #3 if still equal)."""
+    bases = [e.policy + (f"@{e.verifier}" if e.verifier else "") for e in entries]
+    out, seen = [], {}
+    for e, base in zip(entries, bases, strict=True):
+        label = e.label or base
+        if not e.label and bases.count(base) > 1:
+            config = make_method(e.policy, e.params).config
+            defaults = make_method(e.policy).config
+            changed = [f"{k}={v}" for k, v in config.items() if v != defaults[k]]
+            label = f"{base} ({', '.join(changed)})" if changed else base
+        seen[label] = seen.get(label, 0) + 1
+        out.append(dataclasses.replace(e, label=label if seen[label] == 1 else f"{label} #{seen[label]}"))
+    return out
+
+
+def schedule(n_entries: int, repetitions: int, n_prompts: int = 1, warmup: int = 1) -> list[tuple[int, int, int]]:
+    """(round, prompt index, entry index) in run order. Rounds -warmup..-1 are discarded warm-ups
+    on the first prompt; in round r every entry runs each prompt once, prompt by prompt, the
+    entries' order rotated by r so that no entry always runs first."""
+    plan = [(r, 0, j) for r in range(-warmup, 0) for j in range(n_entries)]
+    for r in range(repetitions):
+        for i in range(n_prompts):
+            plan += [(r, i, (j + r) % n_entries) for j in range(n_entries)]
+    return plan
+
+
+def parse_entries(specs: list[str]) -> list[Entry]:
+    """CLI specs 'name' or 'name:key=value,...' -> entries (unknown policies named)."""
+    out = []
+    for spec in specs:
+        name, params, verifier = parse_spec(spec)
+        if verifier != "auto":
+            raise DynaTreeError("compare uses one verifier for every policy: pass --verifier, not NAME@VERIFIER")
+        method_class(name)  # an unknown name is refused here, with the known ones
+        out.append(Entry(name, params))
+    return out
