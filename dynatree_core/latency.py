@@ -90,26 +90,3 @@ def profile(
                 if progress:
                     progress(done, total, f"{name} context {context}, {n} tokens")
     return points
-
-
-def latency_figure(points: list[LatencyPoint]):
-    import plotly.graph_objects as go
-
-    fig = go.Figure()
-    for model in dict.fromkeys(p.model for p in points):
-        for context in dict.fromkeys(p.context for p in points):
-            sel = [p for p in points if p.model == model and p.context == context]
-            fig.add_scatter(
-                x=[p.new_tokens for p in sel],
-                y=[p.ms for p in sel],
-                mode="lines+markers",
-                name=f"{model}, context {context}",
-            )
-    fig.update_layout(
-        title="One forward's latency vs tokens it reads",
-        xaxis_title="new tokens in the forward",
-        yaxis_title="ms (median)",
-        xaxis_type="log",
-        height=420,
-    )
-    return fig

@@ -4,7 +4,6 @@ empirical next-token histogram with the target's distribution (dynatree_core.lab
 from __future__ import annotations
 
 import pandas as pd
-import plotly.graph_objects as go
 import streamlit as st
 
 from dynatree_core.drafting import make_policy
@@ -15,7 +14,7 @@ from dynatree_core.methods import verifier_for
 from dynatree_core.sampling import SamplingConfig
 from dynatree_core.ui import cached_pair, forward_lock, setting_widget
 from dynatree_core.verify.registry import VERIFIERS
-from dynatree_core.viz import acceptance_by_depth, acceptance_figure, visible
+from dynatree_core.viz import acceptance_by_depth, acceptance_figure, first_token_figure, visible
 
 st.set_page_config(page_title="Verification Lab", page_icon="🧪", layout="wide")
 st.title("Verification Lab")
@@ -90,13 +89,8 @@ if "lab" in st.session_state:
         "distribution at significance 0.001."
     )
     rows = result.table(lambda t: visible(run.text(t)))
-    fig = go.Figure()
-    labels = [f"{r['token']} ({r['id']})" for r in rows]
-    fig.add_bar(x=labels, y=[r["target p"] for r in rows], name="target p")
-    fig.add_bar(x=labels, y=[r["observed"] for r in rows], name="observed frequency")
-    fig.update_layout(barmode="group", height=360, margin=dict(l=10, r=10, t=30, b=10), legend=dict(orientation="h"))
     st.subheader("First committed token: observed vs the target's distribution")
-    st.plotly_chart(fig, width="stretch", key="lab_hist")
+    st.plotly_chart(first_token_figure(rows), width="stretch", key="lab_hist")
     by_depth = acceptance_by_depth(result.records)
     if by_depth:
         st.subheader("Expected vs realised acceptance by depth")

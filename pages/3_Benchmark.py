@@ -6,16 +6,16 @@ from __future__ import annotations
 import json
 
 import pandas as pd
-import plotly.graph_objects as go
 import streamlit as st
 
-from dynatree_core.bench import parse_sweep, run_bench, sweep_entries, sweep_figures
+from dynatree_core.bench import parse_sweep, run_bench, sweep_entries
 from dynatree_core.entries import Entry
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.methods import candidates, method_class
 from dynatree_core.prompts import CORPORA, bundled_sets, choose_prompts
 from dynatree_core.settings import RunSpec
 from dynatree_core.ui import cached_pair, forward_lock, model_picker, setting_widget
+from dynatree_core.viz.bench import saved_results_figure, sweep_figures
 
 st.set_page_config(page_title="Benchmark", page_icon="⏱️", layout="wide")
 st.title("Benchmark")
@@ -127,8 +127,4 @@ if rows:
     table = pd.DataFrame(rows)
     keep = ["file", "label", "verifier", "throughput_tps", "throughput_std", "speedup", "tokens_per_iteration"]
     st.dataframe(table[[k for k in keep if k in table.columns]], hide_index=True, width="stretch")
-    fig = go.Figure()
-    for name, group in table.groupby("file", sort=False):
-        fig.add_bar(x=group["label"], y=group["throughput_tps"], name=name)
-    fig.update_layout(barmode="group", yaxis_title="tokens / s", height=380, legend=dict(orientation="h"))
-    st.plotly_chart(fig, width="stretch", key="bench_saved")
+    st.plotly_chart(saved_results_figure(table), width="stretch", key="bench_saved")

@@ -305,8 +305,8 @@ def test_dtype_probe_picks_the_fastest_exact_dtype_and_auto_uses_it(capsys, tiny
 def test_png_export_without_kaleido_is_a_clear_error(tmp_path, monkeypatch):
     import plotly.graph_objects as go
 
-    from dynatree_core.bench import write_figure
     from dynatree_core.errors import DynaTreeError
+    from dynatree_core.viz.bench import write_figure
 
     fig = go.Figure(go.Scatter(x=[1, 2], y=[3, 4]))
     assert write_figure(fig, tmp_path / "f") == [str(tmp_path / "f.html")]

@@ -8,7 +8,8 @@ import json
 import pytest
 from conftest import tiny_model
 
-from dynatree_core.latency import forward_ms, latency_figure, profile
+from dynatree_core.latency import forward_ms, profile
+from dynatree_core.viz.bench import latency_figure
 
 
 def test_profile_has_every_point_and_positive_times():

@@ -30,8 +30,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("compare", "engine_process", "dtype_probe"),
     ("bench", "live"),
     ("live_process",),
-    ("viz", "training", "ui", "cli"),
-    ("ui_live", "__main__"),
+    ("viz", "training", "ui"),
+    ("cli", "ui_live"),
+    ("__main__",),
 )
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 

@@ -134,6 +134,7 @@ def cmd_bench(args) -> None:
     from dynatree_core.methods import REFERENCES, candidates, make_method
     from dynatree_core.prompts import choose_prompts
     from dynatree_core.session import load_pair
+    from dynatree_core.viz.bench import grid_figure, setting_figure, sweep_figures, write_figure
 
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     specs = [(n, {}, "auto") for n in names] + [parse_spec(s) for s in args.policy]
@@ -183,13 +184,13 @@ def cmd_bench(args) -> None:
     if args.out is not None:
         args.out.write_text(report.to_json(), encoding="utf-8")
         args.out.with_suffix(".csv").write_text(report.csv(), encoding="utf-8")
-        figures = B.sweep_figures(report, param_sweeps) if param_sweeps and not args.grid else {}
+        figures = sweep_figures(report, param_sweeps) if param_sweeps and not args.grid else {}
         if args.grid:
-            figures["-".join(n for n, _ in param_sweeps[:2])] = B.grid_figure(report, param_sweeps)
+            figures["-".join(n for n, _ in param_sweeps[:2])] = grid_figure(report, param_sweeps)
         if setting is not None:
-            figures[setting[0]] = B.setting_figure(report, *setting)
+            figures[setting[0]] = setting_figure(report, *setting)
         for name, fig in figures.items():
-            for path in B.write_figure(fig, args.out.with_name(f"{args.out.stem}.sweep-{name}"), png=args.png):
+            for path in write_figure(fig, args.out.with_name(f"{args.out.stem}.sweep-{name}"), png=args.png):
                 print(f"wrote {path}", file=sys.stderr)
     if args.json:
         print(report.to_json())
@@ -202,9 +203,10 @@ def cmd_latency(args) -> None:
 
     from dynatree_core.environment import environment
     from dynatree_core.kv import forward_path
-    from dynatree_core.latency import latency_figure, profile
+    from dynatree_core.latency import profile
     from dynatree_core.packing import is_packed
     from dynatree_core.session import load_pair
+    from dynatree_core.viz.bench import latency_figure
 
     try:
         tokens = tuple(int(t) for t in args.tokens.split(","))

@@ -4,6 +4,7 @@
   mask.py      the attention mask the target received; block counts by node order
   runs.py      a run: text, running charts, SALF mass, verification rows, acceptance by depth, speed
   compare.py   the compare page's figures
+  bench.py     benchmark sweeps, saved reports, the latency profile; writing figures to files
   prose.py     the words beside them (why a run is faster or not, why it stopped)
 
 The analysis the figures draw (acceptance by depth, the speed breakdown) lives in metrics.py;
@@ -18,6 +19,7 @@ from dynatree_core.viz.mask import block_count, mask_figure, order_block_counts
 from dynatree_core.viz.prose import STOP_TEXT, stop_text, why_text
 from dynatree_core.viz.runs import (
     acceptance_figure,
+    first_token_figure,
     run_charts,
     salf_mass_figure,
     text_html,
@@ -37,6 +39,7 @@ from dynatree_core.viz.tree import (
 )
 
 __all__ = [
+    "first_token_figure",
     "BONUS",
     "COLOURS",
     "PRUNED_SYMBOLS",

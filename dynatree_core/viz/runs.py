@@ -166,3 +166,14 @@ def why_figure(points: list, records: list[IterationRecord], *, height: int = 34
         legend=dict(orientation="h", y=1.12),
     )
     return fig
+
+
+def first_token_figure(rows: list[dict]) -> go.Figure:
+    """The Verification Lab's histogram: the target's probability and the observed frequency of
+    the first committed token (rows of LabResult.table)."""
+    fig = go.Figure()
+    labels = [f"{r['token']} ({r['id']})" for r in rows]
+    fig.add_bar(x=labels, y=[r["target p"] for r in rows], name="target p")
+    fig.add_bar(x=labels, y=[r["observed"] for r in rows], name="observed frequency")
+    fig.update_layout(barmode="group", height=360, margin=dict(l=10, r=10, t=30, b=10), legend=dict(orientation="h"))
+    return fig
