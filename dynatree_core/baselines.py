@@ -26,7 +26,7 @@ import torch
 from dynatree_core.drafting.base import Param, Tunable
 from dynatree_core.drafting.feature import is_feature_draft
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.metrics import _ratio, kv_bytes_per_token, memory_mb, weight_bytes
+from dynatree_core.metrics import kv_bytes_per_token, memory_mb, ratio, weight_bytes
 from dynatree_core.trace import RunResult
 from dynatree_core.vocab import TokenMap
 
@@ -139,13 +139,13 @@ class HFBaseline(Baseline):
             new_tokens=len(tokens),
             target_forwards=iterations,
             draft_forwards=0,  # not observable from outside HF
-            tokens_per_iteration=_ratio(len(tokens), iterations),
-            acceptance_rate=_ratio(accepted, drafted),
-            mean_accepted_length=_ratio(accepted, iterations),
-            throughput_tps=_ratio(len(tokens), wall),
+            tokens_per_iteration=ratio(len(tokens), iterations),
+            acceptance_rate=ratio(accepted, drafted),
+            mean_accepted_length=ratio(accepted, iterations),
+            throughput_tps=ratio(len(tokens), wall),
             wall_s=wall,
             ttft_ms=0.0,  # not observable from outside HF
-            tpot_ms=_ratio(wall * 1000, len(tokens)),
+            tpot_ms=ratio(wall * 1000, len(tokens)),
             # CUDA: the allocator's peak. CPU: the weights used and caches sized from the config for
             # every token read (HF's own cache is out of sight)
             peak_memory_mb=memory_mb(device, resident),

@@ -61,7 +61,7 @@ def kv_bytes_per_token(model) -> int:
     return 2 * cfg.num_hidden_layers * kv_heads * head_dim * element
 
 
-def _ratio(num: float, den: float) -> float:
+def ratio(num: float, den: float) -> float:
     return num / den if den else 0.0
 
 
@@ -96,13 +96,13 @@ def summarize(
         new_tokens=new,
         target_forwards=target_forwards,
         draft_forwards=sum(r.draft_forwards for r in records),
-        tokens_per_iteration=_ratio(new, n_iter),
-        acceptance_rate=_ratio(accepted, drafted),
-        mean_accepted_length=_ratio(accepted, n_iter),
-        throughput_tps=_ratio(new, wall_ms / 1000),
+        tokens_per_iteration=ratio(new, n_iter),
+        acceptance_rate=ratio(accepted, drafted),
+        mean_accepted_length=ratio(accepted, n_iter),
+        throughput_tps=ratio(new, wall_ms / 1000),
         wall_s=wall_ms / 1000,
         ttft_ms=ttft_ms,
-        tpot_ms=_ratio(wall_ms - ttft_ms, new - 1) if new > 1 else 0.0,
+        tpot_ms=ratio(wall_ms - ttft_ms, new - 1) if new > 1 else 0.0,
         peak_memory_mb=max((r.memory_mb for r in records), default=0.0),
         draft_ms=sum(r.draft_ms for r in records),
         verify_ms=sum(r.verify_ms for r in records),

@@ -97,3 +97,19 @@ def test_the_app_and_pages_never_reseed_the_process_wide_generator():
     draws of every other session's run (the engine seeds its own generator from the run's seed)."""
     for path in [ROOT / "app.py", *sorted((ROOT / "pages").glob("*.py")), PACKAGE / "ui.py"]:
         assert "manual_seed" not in path.read_text(encoding="utf-8"), path
+
+
+def test_no_module_over_400_lines_and_no_page_over_250():
+    """Files a newcomer can read in one sitting (issue 17): library modules and app.py at most 400
+    lines, the pages at most 250."""
+    long = [
+        f"{p.relative_to(ROOT)}: {n} lines"
+        for p in [*PACKAGE.rglob("*.py"), ROOT / "app.py"]
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > 400
+    ]
+    long += [
+        f"{p.relative_to(ROOT)}: {n} lines"
+        for p in (ROOT / "pages").glob("*.py")
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > 250
+    ]
+    assert long == []

@@ -166,7 +166,7 @@ def _private_ledger(tmp_path, monkeypatch):
 
 
 def _feature_setup(tmp_path, n=24, width=48):
-    from dynatree_core.training.feature import FeatureCorpus, label_features
+    from dynatree_core.training.feature_data import FeatureCorpus, label_features
 
     target = copy.deepcopy(tiny_model("llama")).float()
     rng = np.random.default_rng(0)
@@ -184,7 +184,7 @@ def _feature_setup(tmp_path, n=24, width=48):
 
 
 def test_feature_labels_are_the_targets_hidden_states_and_resume(tmp_path):
-    from dynatree_core.training.feature import label_features
+    from dynatree_core.training.feature_data import label_features
 
     target, corpus, data, computed = _feature_setup(tmp_path)
     assert computed == [0] and len(data.train_rows) == 20 and len(data.eval_rows) == 4

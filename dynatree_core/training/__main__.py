@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         label_corpus(args.corpus, args.labels, shards=args.shards, device=args.device, batch=args.batch)
     elif args.command == "feature-label":
         from dynatree_core.models import load_model
-        from dynatree_core.training.feature import label_features, onpolicy_shards
+        from dynatree_core.training.feature_data import label_features, onpolicy_shards
 
         dtype = "bfloat16" if args.dtype == "auto" else args.dtype
         target = load_model("embedded", device=args.device, dtype=dtype).model
@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
         label_features(args.corpus, args.features, target, shards=shards, batch=args.batch)
     elif args.command == "train-feature":
         from dynatree_core.models import load_model
-        from dynatree_core.training.feature import FeatureCorpus, FeatureTrainConfig, train_feature_draft
+        from dynatree_core.training.feature import FeatureTrainConfig, train_feature_draft
+        from dynatree_core.training.feature_data import FeatureCorpus
         from dynatree_core.vocab import TokenMap
 
         cfg = FeatureTrainConfig(**{k: getattr(args, k) for k in FeatureTrainConfig.__dataclass_fields__})
@@ -172,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
 
         from dynatree_core.drafting.feature import FeatureDraft
         from dynatree_core.models import load_model
-        from dynatree_core.training.feature import FeatureCorpus, agreement_by_depth, token_draft_agreement
+        from dynatree_core.training.feature import agreement_by_depth, token_draft_agreement
+        from dynatree_core.training.feature_data import FeatureCorpus
 
         target = load_model("embedded", device="cpu", dtype="float32").model
         data = FeatureCorpus(args.corpus, args.features)

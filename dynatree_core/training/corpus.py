@@ -91,7 +91,7 @@ def build_corpus(out: Path, chunk_dir: Path, tokenizer, *, max_text_windows: int
     return data
 
 
-def _checksum(ids: np.ndarray) -> int:
+def checksum(ids: np.ndarray) -> int:
     return int(np.frombuffer(ids.tobytes(), dtype=np.uint8).astype(np.uint64).sum() + ids.shape[0] * 1_000_003)
 
 
@@ -100,7 +100,7 @@ def shard_valid(path: Path, ids: np.ndarray) -> bool:
     if not path.exists():
         return False
     with np.load(path) as shard:
-        return "checksum" in shard and int(shard["checksum"]) == _checksum(ids)
+        return "checksum" in shard and int(shard["checksum"]) == checksum(ids)
 
 
 @torch.inference_mode()
@@ -156,7 +156,7 @@ def label_corpus(
         t0 = time.perf_counter()
         sl = slice(s * SHARD, (s + 1) * SHARD)
         shard = label_shard(target, ids[sl], lengths[sl], batch=batch)
-        shard["checksum"] = np.asarray(_checksum(ids[sl]))
+        shard["checksum"] = np.asarray(checksum(ids[sl]))
         tmp = labels_dir / f"shard_{s:05d}.tmp.npz"
         np.savez(tmp, **shard)
         tmp.rename(labels_dir / f"shard_{s:05d}.npz")
