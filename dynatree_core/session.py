@@ -7,7 +7,10 @@ how a prompt (plain or chat) becomes token ids.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
 import warnings
+from collections.abc import Callable
 
 from dynatree_core.baselines import Baseline
 from dynatree_core.drafting.feature import FeatureDraft, is_feature_draft, is_feature_draft_dir
@@ -31,15 +34,31 @@ class ModelPair:
     draft: LoadedModel | None
     draft_is_stand_in: bool = False
     dtype_source: str = "asked"  # "asked" (an explicit dtype), "probe" (a saved dtype probe) or "rule"
-    # A standalone token draft for the black-box baselines (HF assisted generation) when `draft`
-    # is a feature draft, which only our engine can run; None when the target has none.
-    assistant: LoadedModel | None = None
+    # Loads the standalone token draft that the black-box baselines (HF assisted generation) need
+    # when `draft` is a feature draft, which only our engine can run: on first use, not with the pair
+    load_assistant: Callable[[], LoadedModel] | None = dataclasses.field(default=None, repr=False)
+    _assistant: LoadedModel | None = dataclasses.field(default=None, init=False, repr=False)
+    _assistant_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False)
+
+    @property
+    def assistant(self) -> LoadedModel | None:
+        """The token draft lent to HF's assisted generation (loaded once, on first use); None when
+        the draft is not a feature draft or the target has no token draft."""
+        with self._assistant_lock:  # the app's sessions share one pair
+            if self._assistant is None and self.load_assistant is not None:
+                self._assistant = self.load_assistant()
+            return self._assistant
+
+    @property
+    def assistant_loaded(self) -> bool:
+        return self._assistant is not None
 
     def drafting(self, policy) -> dict:
         """The engine's draft arguments for `policy`: `draft` and `draft_token_map` (one rule for
         every caller: no draft for policies that need none; HF baselines get the token draft)."""
         model = self.draft
-        if isinstance(policy, Baseline) and model is not None and is_feature_draft(model.model) and self.assistant:
+        wants_assistant = isinstance(policy, Baseline) and policy.needs_draft_model
+        if wants_assistant and model is not None and is_feature_draft(model.model) and self.assistant:
             model = self.assistant  # else HF's baseline says why it cannot run a feature draft
         if model is None or not policy.needs_draft_model:
             return {"draft": None, "draft_token_map": None}
@@ -102,8 +121,8 @@ def load_pair(
             spec=draft_spec, model=head, tokenizer=target.tokenizer, device=target.device, dtype=target.dtype
         )
         assistant_spec = token_draft_for(target_spec)
-        assistant = _load_token_draft(assistant_spec, target, dtype, pack) if assistant_spec else None
-        return ModelPair(target, draft, dtype_source=source, assistant=assistant)
+        load = functools.partial(_load_token_draft, assistant_spec, target, dtype, pack) if assistant_spec else None
+        return ModelPair(target, draft, dtype_source=source, load_assistant=load)
     return ModelPair(target, _load_token_draft(draft_spec, target, dtype, pack), dtype_source=source)
 
 

@@ -6,6 +6,7 @@ importing Streamlit."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 
@@ -89,9 +90,10 @@ def param_widgets(policy_name: str, key_prefix: str = "param") -> dict:
             values[p.name] = st.toggle(p.name, bool(p.default), help=p.help, key=key)
         elif p.type is int:
             values[p.name] = st.slider(p.name, int(p.min), int(p.max), int(p.default), help=p.help, key=key)
-        else:
+        else:  # thresholds that span decades (Param.log_scale) step by a tenth of their default's decade
+            step = 10.0 ** (math.floor(math.log10(p.default)) - 1) if p.log_scale and p.default > 0 else 0.01
             values[p.name] = st.number_input(
-                p.name, float(p.min), float(p.max), float(p.default), help=p.help, format="%.4f", key=key
+                p.name, float(p.min), float(p.max), float(p.default), step, help=p.help, format="%.4g", key=key
             )
     return values
 

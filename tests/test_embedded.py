@@ -66,6 +66,9 @@ def test_the_default_pair_drafts_with_the_feature_draft_and_lends_hf_the_token_d
 
     assert PRESETS["embedded"].draft == str(EMBEDDED_FEATURE_DRAFT_DIR)
     pair = load_pair("embedded", None, device="cpu", dtype="float32")
+    assert not pair.assistant_loaded, "the token draft loads when a baseline first needs it, not with the pair"
+    pair.drafting(make_method("fixed_tree")), pair.drafting(make_method("hf_generate"))
+    assert not pair.assistant_loaded
     assert is_feature_draft(pair.draft.model) and pair.assistant.spec == str(EMBEDDED_DRAFT_DIR)
     check_tokenizers_compatible(pair.target, pair.assistant)
     assert pair.drafting(make_method("fixed_tree"))["draft"] is pair.draft.model

@@ -89,3 +89,20 @@ def test_a_widget_started_from_a_value_the_registry_refuses_starts_at_the_defaul
         at = AppTest.from_function(page, args=(value,))
         at.run()
         assert not at.exception and at.slider[0].value == want, (value, at.exception)
+
+
+def test_a_log_scale_parameter_steps_by_a_tenth_of_its_defaults_decade():
+    """Param.log_scale is read: DynaTree's tau (default 0.01, spans decades) steps by 0.001, its
+    linear-scale parameters by 0.01."""
+    from streamlit.testing.v1 import AppTest
+
+    def page():
+        from dynatree_core.ui import param_widgets
+
+        param_widgets("dynatree")
+
+    at = AppTest.from_function(page)
+    at.run()
+    steps = {w.label: w.step for w in at.number_input}
+    assert steps["tau"] == pytest.approx(0.001) and steps["rho_stop"] == pytest.approx(0.001)
+    assert steps["tau_h"] == pytest.approx(0.01)
