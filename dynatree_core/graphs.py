@@ -73,6 +73,7 @@ class _Bucket:
         self.ids = torch.zeros(1, width, dtype=torch.long, device=device)
         self.positions = torch.zeros(1, width, dtype=torch.long, device=device)
         self.slots = torch.zeros(width, dtype=torch.long, device=device)
+        self.rows = torch.arange(width, device=device)  # slots = rows + cache length
         self.mask = torch.zeros(1, 1, width, capacity, dtype=dtype, device=device)
         self.embeds = torch.zeros(1, width, hidden_size, dtype=dtype, device=device) if embeds else None
         self.logits: torch.Tensor | None = None
@@ -139,18 +140,19 @@ class PaddedForward:
         buf.ids[0, :q] = torch.as_tensor(ids, device=device)
         buf.positions.zero_()
         buf.positions[0, :q] = torch.as_tensor(positions, device=device)
-        buf.slots.copy_(torch.arange(length, length + width, device=device))
-        see = torch.zeros(width, capacity, dtype=torch.bool, device=device)
-        see[:q, : length + q] = visible.to(device)
-        see[torch.arange(q, width), torch.arange(length + q, length + width)] = True
-        buf.mask.fill_(torch.finfo(dtype).min).masked_fill_(see[None, None], 0.0)
+        torch.add(buf.rows, length, out=buf.slots)
+        # the mask in place (no tensor allocated per forward): rows see what `visible` says, each
+        # padded row only its own slot, every slot past the valid ones nothing
+        mask = buf.mask[0, 0]
+        mask.fill_(torch.finfo(dtype).min)
+        mask[:q, : length + q].masked_fill_(visible.to(device, non_blocking=True), 0.0)
+        mask[q:, length + q : length + width].diagonal().fill_(0.0)
         if buf.embeds is not None:
             buf.embeds.zero_()
             buf.embeds[0, :q] = embeds.to(device=device, dtype=dtype)
         self._run(buf)
         for layer in self.layers:
-            layer.length = length + q
-            layer._views()
+            layer.set_length(length + q)
         return buf.logits[q - logits_to_keep : q].clone(), buf.states[:q].clone()  # the graph reuses its outputs
 
     def _step(self, buf: _Bucket) -> None:

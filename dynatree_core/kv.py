@@ -85,6 +85,11 @@ class SlotLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
+    def set_length(self, length: int) -> None:
+        """The first `length` slots are valid (a padded forward wrote more: graphs.py)."""
+        self.length = length
+        self._views()
+
     def nbytes(self) -> int:
         if not self.is_initialized:
             return 0
