@@ -35,6 +35,7 @@ class Setting:
     choices: tuple[str, ...] = ()
     widget: str = "slider"  # how a page shows it: slider, number, select, radio, or "models" (ui.model_picker)
     hi_binds: bool = True  # False: `hi` is the widget's top only, the CLI may ask for more
+    offered: tuple[str, ...] = ()  # what a page's select offers when `choices` do not bind (the CLI takes more)
 
     @property
     def flag(self) -> str:
@@ -62,7 +63,15 @@ SETTINGS: dict[str, Setting] = {
             "target", str, None, "Target", "target: embedded (default), hub id, local dir or .gguf", widget="models"
         ),
         Setting("draft", str, None, "Draft", "draft model (default: the preset's draft)", widget="models"),
-        Setting("device", str, "auto", "Device", "auto, cpu, cuda, cuda:N", widget="models"),
+        Setting(
+            "device",
+            str,
+            "auto",
+            "Device",
+            "auto (CUDA when available, else CPU), cpu, cuda, cuda:N",
+            widget="select",
+            offered=("auto", "cpu", "cuda"),
+        ),
         Setting(
             "dtype",
             str,
@@ -70,7 +79,7 @@ SETTINGS: dict[str, Setting] = {
             "Dtype",
             "auto: a saved probe, else the rule",
             choices=("auto", *DTYPES),
-            widget="models",
+            widget="select",
         ),
         Setting(
             "threads",

@@ -113,7 +113,8 @@ def setting_widget(name: str, *, key: str | None = None, value=None, where=st, *
             start = s.check(s.kind(value))
     common = dict(key=key, help=s.help, **kwargs)
     if s.widget == "select":
-        return where.selectbox(s.label, list(s.choices), index=s.choices.index(start), **common)
+        options = list(s.choices or s.offered)
+        return where.selectbox(s.label, options, index=options.index(start), **common)
     if s.widget == "radio":
         return where.radio(s.label, list(s.choices), index=s.choices.index(start), horizontal=True, **common)
     if s.widget == "number":
@@ -140,22 +141,13 @@ def model_picker(key_prefix: str = "") -> tuple[str, str | None, str, str]:
         + (" This instance serves its presets only." if locked else ""),
     )
     if preset == CUSTOM:
-        target = st.text_input("Target", key=k("target"), help="A hub id (needs network) or a local model directory.")
-        draft = (
-            st.text_input("Draft", key=k("draft"), help="Empty: the target drafts for itself (exact, never faster).")
-            or None
-        )
+        t, d = SETTINGS["target"], SETTINGS["draft"]
+        target = st.text_input(t.label, key=k("target"), help=t.help)
+        draft = st.text_input(d.label, key=k("draft"), help=d.help + "; empty: the target drafts for itself") or None
     else:
         target, draft = PRESETS[preset].target, PRESETS[preset].draft
-    device = st.selectbox(
-        "Device", ["auto", "cpu", "cuda"], key=k("device"), help="auto: CUDA when available, else CPU."
-    )
-    dtype = st.selectbox(
-        "Dtype",
-        ["auto", "float32", "bfloat16", "float16"],
-        key=k("dtype"),
-        help="auto: float32 on CPU (bit-exact greedy).",
-    )
+    device = setting_widget("device", key=k("device"))
+    dtype = setting_widget("dtype", key=k("dtype"))
     return target, draft, device, dtype
 
 
