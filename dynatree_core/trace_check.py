@@ -17,6 +17,7 @@ MAX_RECORDS = 100_000
 MAX_NODES = 4096  # nodes in one tree
 MAX_TOKEN_ID = 10_000_000  # larger than any vocabulary
 MAX_LIST = 1_000_000  # prompt / generated token lists
+MAX_VOCAB = 2**22  # a sampled draw's distribution: larger than any vocabulary
 
 
 def check_size_and_depth(data: str | bytes) -> None:
@@ -96,6 +97,19 @@ def check_run(raw: dict) -> None:
             raise ValueError(f"record {i}: {exc}") from None
 
 
+def _check_sampled(sampled, n: int) -> None:
+    """tree.sampled: per node with drawn children, the draws and q's nonzero entries (base64)."""
+    if not isinstance(sampled, dict) or len(sampled) > n:
+        raise ValueError("tree.sampled must map nodes to their draws")
+    for key, draw in sampled.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < n and isinstance(draw, dict)):
+            raise ValueError("tree.sampled must map node ids of the tree to their draws")
+        _ints(draw.get("tokens"), "tree.sampled tokens", most=MAX_NODES)
+        _int(draw.get("size"), "tree.sampled size", lo=1, hi=MAX_VOCAB)
+        if not (isinstance(draw.get("ids"), str) and isinstance(draw.get("q"), str)):
+            raise ValueError("tree.sampled must hold q's ids and values as base64 strings")
+
+
 def check_record(rec: dict) -> None:
     tree = rec.get("tree")
     if not isinstance(tree, dict):
@@ -125,6 +139,7 @@ def check_record(rec: dict) -> None:
             _num(v, "tree.notes")
     if len(parents) != n or any((i == 0) != (p == -1) or p >= i for i, p in enumerate(parents)):
         raise ValueError("tree.parents must point from each node to an earlier one (root: -1)")
+    _check_sampled(tree.get("sampled") or {}, n)
 
     order = _ints(rec.get("order"), "order", hi=n - 1, most=n)
     if not order or order[0] != 0 or len(set(order)) != len(order):

@@ -57,20 +57,30 @@ class Reason(StrEnum):
 @dataclasses.dataclass
 class SampledDraw:
     """How one node's children were drawn: q (the adjusted draft distribution over the target's
-    vocabulary) and the drawn tokens with multiplicity, in drawing order."""
+    vocabulary) and the drawn tokens with multiplicity, in drawing order. Drafting stores q dense;
+    an imported draw keeps it sparse (its nonzero entries) until a verifier reads it (`dense()`),
+    so a long imported run costs what its file holds, not a vocabulary per node."""
 
     q: torch.Tensor
     tokens: list[int] = dataclasses.field(default_factory=list)
 
+    def dense(self) -> torch.Tensor:
+        return self.q.to_dense() if self.q.is_sparse else self.q
+
     def to_dict(self) -> dict:
         """q's nonzero entries, exactly: little-endian int32 ids and float32 values in base64."""
-        q = self.q.detach().to("cpu", torch.float32).reshape(-1)
-        ids = q.nonzero().reshape(-1)
+        if self.q.is_sparse:
+            q = self.q.detach().cpu().coalesce()
+            ids, values = q.indices()[0], q.values().to(torch.float32)
+        else:
+            dense = self.q.detach().to("cpu", torch.float32).reshape(-1)
+            ids = dense.nonzero().reshape(-1)
+            values = dense[ids]
         return {
             "tokens": [int(t) for t in self.tokens],
-            "size": q.numel(),
+            "size": self.q.shape[-1],
             "ids": _b64(ids.to(torch.int32)),
-            "q": _b64(q[ids].contiguous()),
+            "q": _b64(values.contiguous()),
         }
 
     @classmethod
@@ -80,8 +90,7 @@ class SampledDraw:
         size = int(data["size"])
         if ids.numel() != values.numel() or (ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= size)):
             raise ValueError("a sampled draw's q does not fit its vocabulary")
-        q = torch.zeros(size, dtype=torch.float32)
-        q[ids] = values
+        q = torch.sparse_coo_tensor(ids[None], values, (size,)).coalesce()
         return cls(q, [int(t) for t in data["tokens"]])
 
 

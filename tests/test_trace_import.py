@@ -170,3 +170,17 @@ def test_mutated_exports_are_refused_or_drawn(sampled, data):
         else:
             node[key] = data.draw(JSON)
     replay_or_refuse(json.dumps(raw))
+
+
+def test_a_sampled_runs_draws_import_sparse_and_a_hostile_vocabulary_size_is_refused():
+    """The exported draws come back (q kept sparse until a verifier reads it); a draw claiming a
+    vocabulary of 10^12 entries is refused before anything is allocated."""
+    run = LiveRun.from_json(exported(True))
+    draws = [d for rec in run.records for d in rec.tree.sampled.values()]
+    assert draws and all(d.q.is_sparse and d.tokens for d in draws)
+    assert all(abs(float(d.dense().sum()) - 1.0) < 1e-4 for d in draws)
+    raw = json.loads(exported(True))
+    rec = next(r for r in raw["records"] if r["tree"].get("sampled"))
+    next(iter(rec["tree"]["sampled"].values()))["size"] = 10**12
+    with pytest.raises(ValueError, match="tree.sampled size"):
+        LiveRun.from_json(json.dumps(raw))

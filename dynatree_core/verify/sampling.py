@@ -34,7 +34,7 @@ def target_distributions(order: list[int], logits: torch.Tensor, sampling: Sampl
 
 
 def walk_spec(tree: DraftTree, order: list[int], p: dict[int, torch.Tensor], draw: str) -> WalkSpec:
-    q = {n: d.q for n, d in tree.sampled.items()}
+    q = {n: d.dense() for n, d in tree.sampled.items()}
     draws = {n: d.tokens for n, d in tree.sampled.items() if d.tokens}
     return WalkSpec(p, q, draws, verified_children(tree, order), draw == WITHOUT_REPLACEMENT)
 
@@ -65,7 +65,7 @@ def verify_sampling(
         draws = tree.draws(node)
         p = adjust(logits[row[node]], sampling).cpu()  # only the nodes the walk reaches
         if draws:
-            y, _ = sample(p, tree.sampled[node].q, draws, gen, trace)
+            y, _ = sample(p, tree.sampled[node].dense(), draws, gen, trace)
         else:
             y, _ = SOLVERS["nss"][0](p, None, [], gen, trace)
         for event in trace[start:]:
@@ -99,7 +99,7 @@ def analyze(
             draws = tree.draws(node)
             if not draws or node not in reach:
                 continue
-            law = distribution(p[node], tree.sampled[node].q, draws)
+            law = distribution(p[node], tree.sampled[node].dense(), draws)
             for token, child in children.get(node, {}).items():
                 reach[child] = reach[node] * float(law[token])
     out = {}
@@ -107,6 +107,6 @@ def analyze(
         entry = {"reach": reach.get(node, 0.0)}
         draws = tree.draws(node)
         if draws and verifier in ("nss", "naive", "spectr", "specinfer", "khisti"):
-            entry["expected_acceptance"] = acceptance(verifier, p[node], tree.sampled[node].q, len(draws))
+            entry["expected_acceptance"] = acceptance(verifier, p[node], tree.sampled[node].dense(), len(draws))
         out[str(node)] = entry
     return out
