@@ -90,7 +90,7 @@ class SampledDraw:
         size = int(data["size"])
         if ids.numel() != values.numel() or (ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= size)):
             raise ValueError("a sampled draw's q does not fit its vocabulary")
-        q = torch.sparse_coo_tensor(ids[None], values, (size,)).coalesce()
+        q = torch.sparse_coo_tensor(ids[None], values, (size,), check_invariants=True).coalesce()
         return cls(q, [int(t) for t in data["tokens"]])
 
 
