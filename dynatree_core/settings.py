@@ -182,6 +182,10 @@ class RunSpec:
             raise DynaTreeError(f"a run setting is not a valid value: {exc}") from None
         return cls(**picked)
 
+    def models(self) -> dict[str, str]:
+        """The model pair and where it runs, as comparison reports record them."""
+        return {"target": self.target or "", "draft": self.draft or "", "device": self.device, "dtype": self.dtype}
+
     @property
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)

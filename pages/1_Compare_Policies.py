@@ -41,7 +41,16 @@ with st.sidebar:
     repetitions = st.slider("Repetitions", 1, 10, 3, key="cmp_reps", help="Measured runs per policy, after a warm-up.")
     seed = setting_widget("seed", key="cmp_seed")
     spec = RunSpec(
-        max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k, verifier=verifier, seed=seed
+        target=target_spec,
+        draft=draft_spec,
+        device=device,
+        dtype=dtype,
+        max_new_tokens=max_new,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        verifier=verifier,
+        seed=seed,
     )
     include_hf = st.toggle("HF generate reference", True, key="cmp_hf", help="Time HF's plain generate as well.")
 
@@ -113,7 +122,12 @@ if st.button("Compare", type="primary", icon=":material/compare_arrows:"):
                     repetitions=repetitions,
                     include_hf=include_hf,
                     prompt=prompt,
-                    models={"target": target_spec, "draft": draft_spec or "", "device": device, "dtype": dtype},
+                    models={
+                        "target": spec.target,
+                        "draft": spec.draft or "",
+                        "device": spec.device,
+                        "dtype": spec.dtype,
+                    },
                     on_progress=lambda done, n, label: bar.progress(done / n, text=f"{done}/{n} runs: {label}"),
                     on_record=on_record,
                     tokenizer=pair.target.tokenizer,

@@ -74,7 +74,8 @@ if st.button("Run benchmark", type="primary", icon=":material/timer:"):
             prompts = choose_prompts(prompt_spec, limit)
         with st.spinner("Loading models..."):
             pair = cached_pair(target_spec, draft_spec, device, dtype)
-        config = RunSpec(max_new_tokens=max_new).decode_config(
+        run_spec = RunSpec(target=target_spec, draft=draft_spec, device=device, dtype=dtype, max_new_tokens=max_new)
+        config = run_spec.decode_config(
             eos_token_ids=pair.target.eos_token_ids, context_length=pair.target.context_length
         )
         bar = st.progress(0.0, text="Starting...")
