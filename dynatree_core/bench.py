@@ -47,7 +47,7 @@ def encode_prompts(tokenizer, prompts: list[Prompt], max_prompt_tokens: int | No
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(ids) > max_prompt_tokens:
                 text = tokenizer.decode(ids[:max_prompt_tokens])
-        out.append(encode_prompt(tokenizer, text, chat=p.chat))
+        out.append(encode_prompt(tokenizer, text, chat=p.chat, history=p.history))
     return out
 
 

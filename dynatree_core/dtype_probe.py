@@ -32,7 +32,7 @@ def probe(
     names = dtypes or candidates(torch_device)
     for i, name in enumerate(names):
         pair = load_pair(target, draft, device=str(torch_device), dtype=name)
-        ids = [encode_prompt(pair.target.tokenizer, p.text, chat=p.chat) for p in prompts]
+        ids = [encode_prompt(pair.target.tokenizer, p.text, chat=p.chat, history=p.history) for p in prompts]
         config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=pair.target.eos_token_ids)
         kw = dict(config=config, **pair.drafting(make_policy(policy)))
         generate(pair.target.model, ids[0], make_policy(policy), **kw)  # warm-up

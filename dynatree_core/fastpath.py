@@ -161,8 +161,9 @@ class _Block:
         self.qk_heads = self.heads + attn.k_proj.out_features // attn.head_dim
 
     def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q, k, v as (1, heads, q, head_dim), RoPE applied to q and k (one rotation when fused)."""
-        heads = lambda t: t.view(1, h.shape[1], -1, self.head_dim).transpose(1, 2)  # noqa: E731
+        """q, k, v as (B, heads, q, head_dim) for h (B, q, hidden), RoPE applied to q and k (one
+        rotation when fused). The engine runs B = 1; batched data generation (training/) more."""
+        heads = lambda t: t.view(h.shape[0], h.shape[1], -1, self.head_dim).transpose(1, 2)  # noqa: E731
         if self.qkv is None:
             return _rotate(heads(self.q(h)), cos, sin), _rotate(heads(self.k(h)), cos, sin), heads(self.v(h))
         qkv = heads(self.qkv(h))

@@ -2,6 +2,8 @@
 
 A prompt set is a list of `Prompt(text, chat)`. Specs `load_prompts` understands:
   all | chat | code | ...       the bundled sets (assets/prompts/*.jsonl); "all" is every domain
+  ood | ood:CATEGORY            the out-of-distribution evaluation set (assets/prompts/ood/): prompts
+                                the draft never trained on, by Spec-Bench category; "ood" is all of them
   path.jsonl                    objects with "prompt" and optional "chat"
   path.txt                      one prompt per non-empty line (chat off)
   wikitext2 | pg19              the corpora of the DynaTree papers, through `datasets` (online)
@@ -24,6 +26,7 @@ from pathlib import Path
 from dynatree_core.errors import DynaTreeError
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "assets" / "prompts"
+OOD_DIR = PROMPTS_DIR / "ood"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,10 +34,24 @@ class Prompt:
     text: str
     chat: bool = False
     domain: str = ""
+    history: tuple[tuple[str, str], ...] = ()  # earlier (user, assistant) turns of a chat prompt
 
 
 def bundled_sets() -> list[str]:
     return sorted(p.stem for p in PROMPTS_DIR.glob("*.jsonl"))
+
+
+def ood_categories() -> list[str]:
+    return sorted(p.stem for p in OOD_DIR.glob("*.jsonl"))
+
+
+def _history(item: dict) -> tuple[tuple[str, str], ...]:
+    turns = item.get("history")
+    if not turns:
+        return ()
+    if not isinstance(turns, list) or not all(isinstance(t, list) and len(t) == 2 for t in turns):
+        raise TypeError("history must be a list of [user, assistant] pairs")
+    return tuple((str(u), str(a)) for u, a in turns)
 
 
 def _read_jsonl(path: Path, domain: str) -> list[Prompt]:
@@ -44,7 +61,7 @@ def _read_jsonl(path: Path, domain: str) -> list[Prompt]:
             continue
         try:
             item = json.loads(line)
-            out.append(Prompt(str(item["prompt"]), bool(item.get("chat", False)), domain))
+            out.append(Prompt(str(item["prompt"]), bool(item.get("chat", False)), domain, _history(item)))
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise DynaTreeError(f"{path}:{n}: expected a JSON object with a 'prompt' field") from exc
     return out
@@ -142,6 +159,12 @@ def load_prompts(spec: str, limit: int | None = None) -> list[Prompt]:
     """The prompts of `spec` (see the module docstring). `limit` only bounds what a corpus loader
     reads (the first N documents); bundled and user files are returned whole."""
     name, colon, location = spec.partition(":")
+    if name == "ood":
+        wanted = [location] if colon else ood_categories()
+        unknown = [c for c in wanted if c not in ood_categories()]
+        if unknown:
+            raise DynaTreeError(f"unknown OOD category {unknown[0]!r}: use one of {', '.join(ood_categories())}")
+        return [p for c in wanted for p in _read_jsonl(OOD_DIR / f"{c}.jsonl", c)]
     if name in CORPORA:
         return _local_corpus(name, location, limit) if colon else _hub_corpus(name, limit)
     if spec == "all":
@@ -150,7 +173,7 @@ def load_prompts(spec: str, limit: int | None = None) -> list[Prompt]:
         return _read_jsonl(PROMPTS_DIR / f"{spec}.jsonl", spec)
     path = Path(spec).expanduser()
     if not path.is_file():
-        choices = ", ".join([*bundled_sets(), *CORPORA])
+        choices = ", ".join([*bundled_sets(), "ood", *CORPORA])
         raise DynaTreeError(f"unknown prompt set {spec!r}: use all, {choices}, a corpus:PATH or a file path")
     if path.suffix == ".jsonl":
         return _read_jsonl(path, path.stem)

@@ -137,34 +137,40 @@ def _load_token_draft(spec: str, target: LoadedModel, dtype: str, pack: bool) ->
 _SLOT = "\ue000DYNATREE_USER_TEXT\ue001"  # private-use characters: no real prompt contains this
 
 
-def encode_prompt(tokenizer, text: str, *, chat: bool) -> list[int]:
-    """Token ids for a prompt. Chat mode applies the tokenizer's chat template.
+def encode_prompt(tokenizer, text: str, *, chat: bool, history: tuple[tuple[str, str], ...] = ()) -> list[int]:
+    """Token ids for a prompt. Chat mode applies the tokenizer's chat template; `history` holds
+    earlier (user, assistant) turns that come before `text` (chat mode only).
 
     The user's text is always tokenized as text: a prompt that contains "<|endoftext|>" or a chat
     marker gets the characters, never the control token (HF tokenizers would otherwise turn
     them into special ids, e.g. an EOS inside the prompt). Only the chat template's own markers
-    are special: the template is rendered around a placeholder, and the pieces before and after
-    it are tokenized normally while the user's text in between has special tokens split.
+    are special: the template is rendered around placeholders, and the pieces between them are
+    tokenized normally while the messages' text has special tokens split.
     """
     if text is None or not text.strip():
         raise DynaTreeError("the prompt is empty")
-    if "\x00" in text:
-        text = text.replace("\x00", "")  # NUL breaks some tokenizers; it carries no meaning in a prompt
+    if history and not chat:
+        raise DynaTreeError("earlier turns need chat mode")
+    clean = lambda t: t.replace("\x00", "")  # noqa: E731  NUL breaks some tokenizers; it carries no meaning
+    split = lambda t: list(tokenizer(clean(t), add_special_tokens=False, split_special_tokens=True)["input_ids"])  # noqa: E731
     if not chat:
         bos = tokenizer(_SLOT, add_special_tokens=True)["input_ids"]
         plain = tokenizer(_SLOT, add_special_tokens=False)["input_ids"]
-        ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        return _wrap(bos, plain, ids)
+        return _wrap(bos, plain, split(text))
     if not getattr(tokenizer, "chat_template", None):
         raise DynaTreeError("this model has no chat template: turn chat mode off")
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": _SLOT}], add_generation_prompt=True, tokenize=False
-    )
-    if rendered.count(_SLOT) != 1:  # a template that rewrites the content: no safe split exists
+    texts = [t for turn in history for t in turn] + [text]
+    slots = [f"{_SLOT}{i}\ue002" for i in range(len(texts))]
+    roles = ["user", "assistant"] * len(history) + ["user"]
+    messages = [{"role": r, "content": s} for r, s in zip(roles, slots, strict=True)]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if any(rendered.count(s) != 1 for s in slots):  # a template that rewrites the content: no safe split
         raise DynaTreeError("this model's chat template alters the message text: turn chat mode off")
-    before, after = rendered.split(_SLOT)
-    user = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    return _template_ids(tokenizer, before) + list(user) + _template_ids(tokenizer, after)
+    ids: list[int] = []
+    for slot, message in zip(slots, texts, strict=True):
+        before, rendered = rendered.split(slot)
+        ids += _template_ids(tokenizer, before) + split(message)
+    return ids + _template_ids(tokenizer, rendered)
 
 
 def _template_ids(tokenizer, piece: str) -> list[int]:

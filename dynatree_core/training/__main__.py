@@ -27,6 +27,46 @@ def _export_parser(sub, name: str, help: str, run: Path, quality: str, recipe: s
     ex.add_argument("--note", default="", help="extra text for the card (e.g. caveats about the compute ledger)")
 
 
+def answer_dirs(target: str, ids_dir: Path | None, features_dir: Path | None) -> tuple[Path, Path]:
+    """Where a target's answer shards live: the embedded target's ids are committed, any other
+    target's stay in the cache (under a directory named after its spec)."""
+    slug = "embedded" if target == "embedded" else "".join(c if c.isalnum() else "-" for c in target).strip("-")
+    ids = COMMITTED / "answers" if target == "embedded" else cache_dir() / "draft-data" / slug / "answers"
+    feats = cache_dir() / "draft-data" / slug / "answer-features"
+    return ids_dir or ids, features_dir or feats
+
+
+def _answer_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="embedded", help="a Llama-family target: preset, hub id or directory")
+    parser.add_argument("--ids-dir", type=Path, default=None, help="token-id shards (default: by target)")
+    parser.add_argument("--features-dir", type=Path, default=None, help="feature shards (default: by target)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="auto", help="auto: CUDA when present")
+    parser.add_argument("--threads", type=int, default=None)
+
+
+def _answers(args: argparse.Namespace) -> None:
+    import torch
+
+    from dynatree_core.models import load_model
+    from dynatree_core.packing import pack_linears, packing_enabled
+    from dynatree_core.training.answers import AnswerStore, generate, relabel
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    store = AnswerStore(*answer_dirs(args.target, args.ids_dir, args.features_dir))
+    target = load_model(args.target, device=args.device, dtype=args.dtype)
+    if packing_enabled(target.device, target.dtype):
+        pack_linears(target.model)
+    if args.command == "answers-relabel":
+        print(f"answers-relabel: {relabel(store, target, batch=args.batch)} shards relabelled", flush=True)
+        return
+    stages = tuple(s for s in args.stages.split(",") if s)
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    n = generate(store, target, stages=stages, max_shards=args.max_shards, batch=args.batch, seed=args.seed, log=log)
+    print(f"answers: {n} shards written to {store.ids_dir}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dynatree_core.training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -41,6 +81,15 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--threads", type=int, default=None)
     gen.add_argument("--device", default="auto", help="auto: CUDA when present")
     data_root = cache_dir() / "draft-data"
+    ans = sub.add_parser("answers", help="on-policy answers to the source pool, features kept (resumable shards)")
+    _answer_flags(ans)
+    ans.add_argument("--stages", default="questions,main,follow", help="comma-separated, run in order")
+    ans.add_argument("--max-shards", type=int, default=None, help="stop after writing this many shards")
+    ans.add_argument("--batch", type=int, default=64, help="rows decoded together")
+    ans.add_argument("--seed", type=int, default=0)
+    rel = sub.add_parser("answers-relabel", help="recompute missing answer features from the committed ids")
+    _answer_flags(rel)
+    rel.add_argument("--batch", type=int, default=16)
     cor = sub.add_parser("corpus", help="assemble training windows (docs, fortunes, on-policy chunks)")
     cor.add_argument("--out", type=Path, default=COMMITTED / "corpus.npz")
     cor.add_argument("--chunks-dir", type=Path, default=COMMITTED / "onpolicy")
@@ -119,7 +168,9 @@ def main(argv: list[str] | None = None) -> None:
         "make draft",
     )
     args = parser.parse_args(argv)
-    if args.command == "corpus":
+    if args.command in ("answers", "answers-relabel"):
+        _answers(args)
+    elif args.command == "corpus":
         from dynatree_core.models import load_model
         from dynatree_core.training.corpus import build_corpus
 

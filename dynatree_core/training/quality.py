@@ -62,7 +62,7 @@ def decode_quality(draft_dirs: list[Path], prompts: str = "all", max_new_tokens:
     drafts = {str(d): load_model(str(d), device="cpu", dtype="float32") for d in draft_dirs}
     rows: dict[tuple[str, str], list[dict]] = {}
     for p in load_prompts(prompts):
-        ids = encode_prompt(target.tokenizer, p.text, chat=p.chat)
+        ids = encode_prompt(target.tokenizer, p.text, chat=p.chat, history=p.history)
         config = DecodeConfig(max_new_tokens=max_new_tokens, eos_token_ids=target.eos_token_ids)
         ar = generate(target.model, ids, make_policy("ar"), config=config)
         for key, draft in drafts.items():

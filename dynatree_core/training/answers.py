@@ -1,0 +1,218 @@
+"""The draft's on-policy data at scale: the target answers the source pool, features kept, in shards.
+
+Stages, each a list of jobs (sources.py) cut into shards of SHARD_JOBS jobs, run in order:
+
+    questions  self-instruct: the target writes user questions from seed topics
+    main       the source pool + the target's own questions, shuffled together
+    follow     second turns: follow-up requests on chat answers of the first FOLLOW_SHARDS main shards
+
+A shard is decoded by `BatchDecoder.generate` (continuous batching, features in the same pass)
+and written as two files: the token ids, small enough to commit (`answers/main_00003.npz`:
+flat ids, offsets, prompt lengths, source and temperature per sequence), and the features,
+which are not (`<cache>/draft-data/answer-features/main_00003.npy`, float16 (tokens - sequences,
+H), plus a `.sum` with the ids' checksum). A shard whose files exist is skipped, so a run that
+stops resumes at the next shard; on a machine where only the ids exist (a fresh clone),
+`relabel` recomputes the features teacher-forced. The job lists are saved beside the ids.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dynatree_core.session import encode_prompt
+from dynatree_core.training import sources
+from dynatree_core.training.corpus import checksum
+from dynatree_core.training.decode_batch import BatchDecoder
+from dynatree_core.training.ledger import record
+
+SHARD_JOBS = 512
+FOLLOW_SHARDS = 8  # follow-up turns are drawn from the chat answers of the first this-many main shards
+FOLLOW_JOBS = 2000
+STAGES = ("questions", "main", "follow")
+
+
+def _ids_dtype(vocab: int):
+    return np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32
+
+
+class AnswerStore:
+    """The shards of one data directory (ids) and its features directory."""
+
+    def __init__(self, ids_dir: Path, features_dir: Path):
+        self.ids_dir, self.features_dir = ids_dir, features_dir
+
+    def ids_path(self, stage: str, k: int) -> Path:
+        return self.ids_dir / f"{stage}_{k:05d}.npz"
+
+    def features_path(self, stage: str, k: int) -> Path:
+        return self.features_dir / f"{stage}_{k:05d}.npy"
+
+    def has_features(self, stage: str, k: int) -> bool:
+        path, check = self.features_path(stage, k), self.features_path(stage, k).with_suffix(".sum")
+        if not (path.exists() and check.exists() and self.ids_path(stage, k).exists()):
+            return False
+        return check.read_text().strip() == str(checksum(np.load(self.ids_path(stage, k))["ids"]))
+
+    def shards(self, stage: str) -> list[int]:
+        return sorted(int(p.stem.split("_")[1]) for p in self.ids_dir.glob(f"{stage}_*.npz"))
+
+    def sequences(self, stage: str, k: int) -> list[tuple[np.ndarray, int, int]]:
+        """(ids, prompt length, source index) of every sequence of a shard."""
+        data = np.load(self.ids_path(stage, k))
+        off = data["offsets"]
+        return [
+            (data["ids"][off[i] : off[i + 1]].astype(np.int64), int(data["prompt_lens"][i]), int(data["source"][i]))
+            for i in range(len(off) - 1)
+        ]
+
+    def write(self, stage: str, k: int, rows, jobs: list[sources.Job], vocab: int) -> None:
+        ids = np.concatenate([r.ids for r in rows]).astype(_ids_dtype(vocab))
+        offsets = np.cumsum([0] + [len(r.ids) for r in rows]).astype(np.int64)
+        self.write_features(stage, k, [r.features for r in rows], ids)
+        self.ids_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.ids_dir / f"{stage}_{k:05d}.tmp.npz"
+        np.savez_compressed(
+            tmp,
+            ids=ids,
+            offsets=offsets,
+            prompt_lens=np.asarray([r.prompt_len for r in rows], dtype=np.int32),
+            source=np.asarray([sources.SOURCES.index(j.source) for j in jobs], dtype=np.int8),
+            temperature=np.asarray([j.temperature for j in jobs], dtype=np.float16),
+        )
+        tmp.rename(self.ids_path(stage, k))
+
+    def write_features(self, stage: str, k: int, feats: list[np.ndarray], ids: np.ndarray) -> None:
+        self.features_dir.mkdir(parents=True, exist_ok=True)
+        path = self.features_path(stage, k)
+        tmp = path.with_suffix(".tmp.npy")
+        np.save(tmp, np.concatenate(feats))
+        tmp.rename(path)
+        path.with_suffix(".sum").write_text(str(checksum(ids)))
+
+
+def _stage_jobs(store: AnswerStore, stage: str, tokenizer, seed: int, log) -> list[sources.Job] | None:
+    """The stage's job list: saved beside the ids the first time, read back after (None: the stage
+    before it has not finished)."""
+    path = store.ids_dir / f"{stage}.jobs.gz"
+    if path.exists():
+        return sources.load_jobs(path)
+    if stage == "questions":
+        questions, pool = sources.build_pool(seed, log=log)
+        sources.save_jobs(store.ids_dir / "pool.jobs.gz", pool)
+        jobs = questions
+    elif stage == "main":
+        asked = _stage_jobs(store, "questions", tokenizer, seed, log)
+        if len(store.shards("questions")) < _n_shards(len(asked)):
+            return None
+        written = []
+        for k in store.shards("questions"):
+            for ids, plen, _ in store.sequences("questions", k):
+                q = sources.question_from_answer(tokenizer.decode(ids[plen:], skip_special_tokens=True))
+                if q:
+                    written.append(q)
+        log(f"answers: {len(written)} usable self-instruct questions")
+        jobs = sources.load_jobs(store.ids_dir / "pool.jobs.gz") + sources.answered_jobs(written, seed)
+        jobs = [jobs[i] for i in np.random.default_rng(seed).permutation(len(jobs))]
+    else:
+        if len(store.shards("main")) < FOLLOW_SHARDS:
+            return None
+        turns = []
+        main = sources.load_jobs(store.ids_dir / "main.jobs.gz")
+        for k in range(FOLLOW_SHARDS):
+            for j, (ids, plen, _) in enumerate(store.sequences("main", k)):
+                job = main[k * SHARD_JOBS + j]
+                if job.chat and not job.history:
+                    turns.append((job.text, tokenizer.decode(ids[plen:], skip_special_tokens=True).strip()))
+        jobs = sources.follow_up_jobs(turns[:FOLLOW_JOBS], seed)
+    sources.save_jobs(path, jobs)
+    return jobs
+
+
+def _n_shards(jobs: int) -> int:
+    return (jobs + SHARD_JOBS - 1) // SHARD_JOBS
+
+
+def encode_job(tokenizer, job: sources.Job) -> list[int]:
+    return encode_prompt(tokenizer, job.text, chat=job.chat, history=job.history)
+
+
+def generate(
+    store: AnswerStore,
+    target,
+    *,
+    stages: tuple[str, ...] = STAGES,
+    max_shards: int | None = None,
+    batch: int = 64,
+    seed: int = 0,
+    log=print,
+) -> int:
+    """Decode the missing shards of `stages`, in order; returns the number of shards written."""
+    decoder = BatchDecoder(target.model)
+    vocab = target.model.config.get_text_config(decoder=True).vocab_size
+    written = 0
+    for stage in stages:
+        jobs = _stage_jobs(store, stage, target.tokenizer, seed, log)
+        if jobs is None:
+            log(f"answers: stage {stage} waits for the one before it")
+            break
+        have = set(store.shards(stage))
+        for k in range(_n_shards(len(jobs))):
+            if k in have or (max_shards is not None and written >= max_shards):
+                continue
+            part = jobs[k * SHARD_JOBS : (k + 1) * SHARD_JOBS]
+            prompts = [encode_job(target.tokenizer, j) for j in part]
+            order = np.argsort([len(p) for p in prompts], kind="stable")  # similar lengths share batches
+            t0 = time.perf_counter()
+            rows = decoder.generate(
+                [prompts[i] for i in order],
+                max_new=[part[i].max_new for i in order],
+                temperature=[part[i].temperature for i in order],
+                eos=target.eos_token_ids,
+                seed=seed * 100_003 + k * 7 + STAGES.index(stage),
+                batch=batch,
+            )
+            back = np.argsort(order)
+            rows = [rows[i] for i in back]
+            store.write(stage, k, rows, part, vocab)
+            made = sum(len(r.ids) - r.prompt_len for r in rows)
+            read = sum(r.prompt_len for r in rows)
+            dt = time.perf_counter() - t0
+            record("answers", dt, tokens=made, prompt_tokens=read, item=f"{stage} {k}")
+            log(
+                f"answers: {stage} shard {k}: {made} answer tokens (+{read} prompt) in {dt:.0f} s, "
+                f"{made / dt:.0f} answer tokens/s, {(made + read) / dt:.0f} featurised tokens/s"
+            )
+            written += 1
+        if len(store.shards(stage)) < _n_shards(len(jobs)):
+            break  # later stages build on this one
+    return written
+
+
+@torch.inference_mode()
+def relabel(store: AnswerStore, target, *, batch: int = 16, log=print) -> int:
+    """Features for the shards that have ids but no (valid) features: teacher-forced, batched."""
+    decoder = BatchDecoder(target.model)
+    done = 0
+    for stage in STAGES:
+        for k in store.shards(stage):
+            if store.has_features(stage, k):
+                continue
+            t0 = time.perf_counter()
+            seqs = [ids.tolist() for ids, _, _ in store.sequences(stage, k)]
+            order = np.argsort([len(s) for s in seqs])
+            feats: list[np.ndarray | None] = [None] * len(seqs)
+            for start in range(0, len(seqs), batch):
+                part = order[start : start + batch]
+                for i, f in zip(part, decoder.teacher_forced([seqs[i] for i in part]), strict=True):
+                    feats[i] = f
+            ids = np.load(store.ids_path(stage, k))["ids"]
+            store.write_features(stage, k, feats, ids)
+            tokens, dt = sum(len(s) for s in seqs), time.perf_counter() - t0
+            record("answers-relabel", dt, tokens=tokens, item=f"{stage} {k}")
+            log(f"answers: relabelled {stage} shard {k}: {tokens} tokens in {dt:.0f} s ({tokens / dt:.0f} tokens/s)")
+            done += 1
+    return done

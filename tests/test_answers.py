@@ -1,0 +1,88 @@
+"""On-policy answer shards (training/answers.py, sources.py): stages, resumption, features that
+equal a separate forward, and an out-of-distribution set disjoint from every training source."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from dynatree_core.models import REPO_ROOT as REPO
+from dynatree_core.models import load_model
+from dynatree_core.prompts import load_prompts, ood_categories
+from dynatree_core.training import answers, sources
+from dynatree_core.training.decode_batch import BatchDecoder
+
+
+def _pool(seed=0, log=print):
+    questions = [sources.Job("self-instruct", sources.QUESTION_ASK.format(topic=t), True, 1.0, 6) for t in "abc"]
+    pool = [
+        sources.Job("debian", "What is the package foo used for?", True, 0.0, 5),
+        sources.Job("pydoc", "The quick brown fox", False, 0.7, 7),
+        sources.Job("fortunes", "What does this saying mean?\n\nHaste makes waste.", True, 1.0, 4),
+    ]
+    return questions, pool
+
+
+@pytest.fixture
+def tiny_target(tiny_pair_dirs):
+    return load_model(tiny_pair_dirs[0], device="cpu", dtype="float32")
+
+
+def test_stages_write_resumable_shards_whose_features_equal_a_separate_forward(tmp_path, monkeypatch, tiny_target):
+    monkeypatch.setattr(answers.sources, "build_pool", _pool)
+    monkeypatch.setattr(answers, "SHARD_JOBS", 2)
+    monkeypatch.setattr(answers, "FOLLOW_SHARDS", 1)
+    monkeypatch.setattr(answers.sources, "question_from_answer", lambda text: "Why is the sky blue?")
+    store = answers.AnswerStore(tmp_path / "ids", tmp_path / "features")
+    written = answers.generate(store, tiny_target, batch=2, log=lambda m: None)
+    # questions: 3 jobs -> 2 shards; main: 3 pool + 3 answered questions -> 3 shards; follow: 2 chat answers of shard 0
+    assert [len(store.shards(s)) for s in answers.STAGES] == [2, 3, 1] and written == 6
+    main = sources.load_jobs(store.ids_dir / "main.jobs.gz")
+    assert sorted(j.source for j in main).count("self-instruct") == 3, "the target's own questions join the pool"
+    follow = sources.load_jobs(store.ids_dir / "follow.jobs.gz")
+    assert all(j.source == "multi-turn" and len(j.history) == 1 for j in follow)
+    assert answers.generate(store, tiny_target, batch=2, log=lambda m: None) == 0, "a finished run writes nothing again"
+
+    decoder = BatchDecoder(tiny_target.model)
+    stored = np.load(store.features_path("main", 1))
+    seqs = store.sequences("main", 1)
+    want = np.concatenate(decoder.teacher_forced([ids.tolist() for ids, _, _ in seqs]))
+    assert stored.shape == (sum(len(ids) - 1 for ids, _, _ in seqs), tiny_target.model.config.hidden_size)
+    np.testing.assert_allclose(stored.astype(np.float32), want.astype(np.float32), atol=2e-2, rtol=1e-2)
+    assert all(store.has_features(s, k) for s in answers.STAGES for k in store.shards(s))
+
+    store.features_path("main", 1).unlink()  # a fresh clone: ids committed, features not
+    assert not store.has_features("main", 1)
+    assert answers.relabel(store, tiny_target, log=lambda m: None) == 1
+    np.testing.assert_allclose(np.load(store.features_path("main", 1)).astype(np.float32), stored, atol=2e-2)
+
+
+def test_the_source_pool_has_every_offline_kind_it_can_find():
+    questions, pool = sources.build_pool(0, sizes=dict.fromkeys(sources.SOURCES[:6], 20), log=lambda m: None)
+    kinds = {j.source for j in pool}
+    assert "templates" in kinds and questions, "the generator and self-instruct need nothing installed"
+    assert all(0 < len(j.text) <= sources.MAX_CHARS + 200 for j in pool)
+    assert {j.temperature for j in pool} & {0.0} and {j.temperature for j in pool} - {0.0}, "greedy and sampled"
+
+
+def _shingles(text: str, n: int = 8) -> set[tuple[str, ...]]:
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def test_ood_set_covers_the_categories_and_shares_no_text_with_training_sources():
+    assert set(ood_categories()) >= {"multi_turn", "translation", "summarization", "qa", "math", "rag", "code"}
+    ood = load_prompts("ood")
+    assert all(len([p for p in ood if p.domain == c]) >= 8 for c in ood_categories())
+    assert any(p.history for p in ood), "multi-turn prompts carry earlier turns"
+    lists = sorted((REPO / "assets" / "draft-data" / "answers").glob("*.jobs.gz"))
+    assert lists, "the committed job lists of the draft's data are missing"
+    pool = [j for path in lists for j in sources.load_jobs(path)]
+    assert len(pool) >= 20_000, "the draft's data answers at least 20,000 prompts"
+    training = set().union(*(_shingles(" ".join([j.text, *(t for u in j.history for t in u)])) for j in pool))
+    training |= set().union(*(_shingles(t) for t, _ in sources.sample_prompts(3000, seed=17)))
+    for p in ood:
+        shared = _shingles(" ".join([p.text, *(t for turn in p.history for t in turn)])) & training
+        assert not shared, f"OOD prompt shares text with the training pool: {' '.join(next(iter(shared)))!r}"

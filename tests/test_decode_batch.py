@@ -1,0 +1,73 @@
+"""Batched one-pass draft data (training/decode_batch.py): the decoded tokens and the features
+kept while decoding equal what the stock HF model computes separately."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import hf_greedy, tiny_model
+
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.training.decode_batch import BatchDecoder, sample_rows
+
+LEAN_ARCHS = ("llama", "qwen2")
+PROMPTS = [[5, 9, 14], [3, 7, 22, 41, 8, 2, 60], [11], [30, 31, 32, 33, 34]]
+
+
+def hf_features(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model.base_model(input_ids=torch.tensor([ids])).last_hidden_state[0].numpy()
+
+
+@pytest.mark.parametrize("batch", [64, 2])  # 2: finished rows take the next prompts (continuous batching)
+@pytest.mark.parametrize("arch", LEAN_ARCHS)
+def test_greedy_rows_equal_hf_greedy_and_features_equal_a_separate_forward(arch, batch):
+    model = tiny_model(arch)
+    limits = [9, 4, 12, 1]  # rows finish at different steps: refills, then the tail compacts
+    rows = BatchDecoder(model, prefill_rows=3).generate(
+        PROMPTS, max_new=limits, temperature=[0.0] * 4, eos=frozenset(), seed=0, batch=batch
+    )
+    for prompt, limit, row in zip(PROMPTS, limits, rows, strict=True):
+        assert row.prompt_len == len(prompt)
+        assert row.ids.tolist() == prompt + hf_greedy(model, prompt, limit), "batched greedy differs from HF greedy"
+        assert row.features.shape == (len(row.ids) - 1, model.config.hidden_size)
+        want = hf_features(model, row.ids.tolist())[:-1]
+        # float16 storage: compare at its resolution
+        np.testing.assert_allclose(row.features.astype(np.float64), want, rtol=2e-3, atol=2e-3)
+
+
+def test_eos_ends_a_row_and_is_kept():
+    model = tiny_model("llama")
+    free = BatchDecoder(model).generate(PROMPTS[:2], max_new=[8, 8], temperature=[0.0, 0.0], eos=frozenset(), seed=0)
+    stop = int(free[0].ids[len(PROMPTS[0]) + 2])  # the row's third answer token
+    rows = BatchDecoder(model).generate(
+        PROMPTS[:2], max_new=[8, 8], temperature=[0.0, 0.0], eos=frozenset({stop}), seed=0
+    )
+    first = rows[0].ids[len(PROMPTS[0]) :].tolist()
+    assert first[-1] == stop and stop not in first[:-1], "the row must end at its first EOS, EOS kept"
+    assert len(rows[0].features) == len(rows[0].ids) - 1
+
+
+def test_teacher_forced_features_equal_hf():
+    model = tiny_model("qwen2")
+    seqs = [PROMPTS[1] + [4, 4, 9], PROMPTS[0]]
+    for seq, feats in zip(seqs, BatchDecoder(model).teacher_forced(seqs), strict=True):
+        np.testing.assert_allclose(feats.astype(np.float64), hf_features(model, seq)[:-1], rtol=2e-3, atol=2e-3)
+
+
+def test_sampling_follows_temperature_and_is_seeded():
+    logits = torch.tensor([[0.0, 3.0, 2.9, -5.0]] * 2000)
+    temps = torch.tensor([0.0] * 1000 + [1.0] * 1000)
+    a = sample_rows(logits, temps, torch.Generator().manual_seed(1))
+    b = sample_rows(logits, temps, torch.Generator().manual_seed(1))
+    assert torch.equal(a, b), "the same seed must give the same draws"
+    assert (a[:1000] == 1).all(), "temperature 0 is greedy"
+    share = (a[1000:] == 2).float().mean().item()
+    assert 0.40 < share < 0.52, f"token 2 should be drawn ~47% of the time at temperature 1, got {share:.2f}"
+    assert not (a[1000:] == 3).any(), "top-p 0.95 drops the improbable tail"
+
+
+def test_non_llama_target_is_refused_clearly():
+    with pytest.raises(DynaTreeError, match="Llama-family"):
+        BatchDecoder(tiny_model("gpt2"))
