@@ -25,6 +25,7 @@ from dynatree_core.metrics import memory_mb, summarize, weight_bytes
 from dynatree_core.models import context_length_of
 from dynatree_core.sampling import SamplingConfig
 from dynatree_core.trace import IterationRecord, RunResult
+from dynatree_core.transfer import sync
 from dynatree_core.tree import DraftTree, Reason
 from dynatree_core.verify.greedy import verify_greedy
 from dynatree_core.verify.registry import resolve_verifier
@@ -49,9 +50,12 @@ class DecodeConfig:
 
 
 def _clock(device: torch.device) -> float:
-    if device.type == "cuda":  # CUDA is asynchronous: wait for queued kernels first
-        torch.cuda.synchronize(device)
+    sync(device)  # CUDA is asynchronous: wait for queued kernels first (six per iteration, counted)
     return time.perf_counter()
+
+
+def _capture_s(target_kv: KVState, drafter: Drafter | None) -> float:
+    return target_kv.capture_s + (drafter.kv.capture_s if drafter else 0.0)
 
 
 def draft_kind(draft: torch.nn.Module | None) -> str:
@@ -163,6 +167,7 @@ def _iteration(
 ) -> IterationRecord:
     """One draft -> verify -> commit step. `budget`: tokens this iteration may commit."""
     verifier, draw, gen = sampling_state
+    captured = _capture_s(target_kv, drafter)  # graph captures (graphs.py) are set-up, not the iteration's work
     t0 = _clock(device)
     draft_forwards = drafter.forwards if drafter else 0
     draft_forward_ms = drafter.kv.forward_ms if drafter else 0.0
@@ -175,6 +180,7 @@ def _iteration(
         tree.reason[0] = Reason.NO_FEATURES.value
     draft_forwards = (drafter.forwards if drafter else 0) - draft_forwards
     t1 = _clock(device)
+    draft_capture_ms = (_capture_s(target_kv, drafter) - captured) * 1e3
     draft_forward_ms = (drafter.kv.forward_ms if drafter else 0.0) - draft_forward_ms
     order = tree.order(config.order)
     ancestors = tree.ancestor_mask(order)  # (n, n) bool, root first
@@ -188,6 +194,7 @@ def _iteration(
     out = target_kv.forward(tokens, positions, visible, logits_to_keep=len(order), hidden=features)  # ONE forward
     logits, states = out if features else (out, None)
     t3 = _clock(device)
+    verify_capture_ms = (_capture_s(target_kv, drafter) - captured) * 1e3 - draft_capture_ms
     if verifier == "greedy":
         outcome = verify_greedy(tree, order, logits)
     else:
@@ -198,7 +205,7 @@ def _iteration(
     _commit(target_kv, drafter, tree, outcome.accepted, order, past + len(chain) - 1, new_tokens, (chain, states))
     if drafted:  # a prefill-only iteration says nothing about the policy's trees
         policy.observe(outcome)
-    policy.observe_cost(len(tokens), (t3 - t2) * 1e3)
+    policy.observe_cost(len(tokens), (t3 - t2) * 1e3 - verify_capture_ms)
     t4 = _clock(device)
     record = IterationRecord(
         index=index,
@@ -213,8 +220,8 @@ def _iteration(
         committed=new_tokens,
         target_tokens=outcome.target_tokens,
         draft_forwards=draft_forwards,
-        draft_ms=(t1 - t0) * 1e3,
-        verify_ms=(t3 - t2) * 1e3,
+        draft_ms=(t1 - t0) * 1e3 - draft_capture_ms,
+        verify_ms=(t3 - t2) * 1e3 - verify_capture_ms,
         commit_ms=(t4 - t3) * 1e3,
         overhead_ms=0.0,
         memory_mb=memory_mb(device, weights + target_kv.peak_bytes + (drafter.kv.peak_bytes if drafter else 0)),
@@ -222,6 +229,8 @@ def _iteration(
         verifier=verifier,
         verification=outcome.trace,
         draft_forward_ms=draft_forward_ms,
+        capture_ms=draft_capture_ms + verify_capture_ms,
+        forward_path=target_kv.path,
     )
     record.overhead_ms = (t2 - t1 + _clock(device) - t4) * 1e3
     if config.analyze and verifier != "greedy":  # outside the timings: an explanation, not the work
@@ -254,6 +263,10 @@ def _commit(
         rows = list(range(len(chain))) + [len(chain) - 1 + row[n] for n in in_cache]
         drafter.add_features(states[rows], list(chain[1:]) + list(new_tokens))
     drafter.commit(tree, in_cache, new_tokens)
+
+
+def _paths(config: DecodeConfig) -> dict:
+    return {"static": config.static_cache, "fast": config.fast_forward, "graphs": config.graphs}
 
 
 def generate(
@@ -292,6 +305,6 @@ def generate(
         device=str(device),
         dtype=str(target.dtype).removeprefix("torch."),
         threads=torch.get_num_threads(),
-        forward_path=forward_path(target, config.static_cache, config.fast_forward, config.graphs),
+        forward_path=records[-1].forward_path if records else forward_path(target, **_paths(config)),
         draft_kind=draft_kind(draft) if policy.needs_draft_model else "",
     )

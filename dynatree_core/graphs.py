@@ -1,4 +1,4 @@
-"""Captured forwards (issue 16): the lean forward at fixed shapes, replayed as one CUDA graph.
+"""Captured forwards: the lean forward at fixed shapes, replayed as one CUDA graph per width.
 
 On a GPU a 135M-parameter model is launch-bound: HF's eager forward issues hundreds of small
 kernels per token and a 1-token step costs 22-41 ms where the arithmetic takes ~3 (BENCHMARKS.md).
@@ -18,17 +18,77 @@ Every input (ids, positions, slots, mask, draft input vectors) is a static buffe
 filled in place before each call. On CUDA each bucket's step is captured in a
 `torch.cuda.CUDAGraph` on first use and replayed after; elsewhere the same step runs eagerly,
 which is what the CPU tests compare against the unpadded forward. Wider forwards than the
-largest bucket (a long prompt's prefill) take the unpadded lean path. A cache that has to grow
-reallocates its buffers, so every captured graph is dropped and recaptured.
+largest bucket (a long prompt's prefill) take the unpadded lean path. A cache that grows, by
+either path, reallocates its buffers: the buckets and graphs built over the old ones are dropped
+before the next call (checked on every call, not only when this class grows them itself).
+
+Safety on a GPU nobody has tried yet:
+- a capture that fails (out of memory, an op that cannot be captured, a library version) warns
+  once, and the model goes on with the same padded forward run eagerly; `fallback` says why;
+- graphs of every run on one device share one memory pool (replays never overlap: one stream),
+  and a pool whose graphs are all gone is never reused for a new capture (torch asserts);
+- capture streams are made on the model's device (cuda:N), and models whose rotary update has
+  a data-dependent branch (`capture_safe`) are never captured;
+- capture seconds are counted apart (`capture_s`), so forward timings and cost models see
+  replays only.
 """
 
 from __future__ import annotations
 
 import os
+import time
+import warnings
+import weakref
 
 import torch
 
+from dynatree_core.transfer import to_device
+
 MAX_BUCKET = 128
+# rope types whose update has no data-dependent branch (longrope switches factors on the longest
+# position, dynamic rescales per call): only these are captured
+CAPTURE_SAFE_ROPE = ("default", "linear", "llama3", "yarn")
+_WARNED: set[str] = set()  # one warning per kind of capture failure per process
+
+
+def capture_safe(model: torch.nn.Module) -> bool:
+    """True when the model's forward can be captured as a CUDA graph (a static rotary update)."""
+    config = model.config.get_text_config(decoder=True)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return str(rope.get("rope_type", rope.get("type", "default"))) in CAPTURE_SAFE_ROPE
+
+
+def capture_wanted(device: torch.device, model: torch.nn.Module) -> bool:
+    """Capture graphs (rather than run the padded forward eagerly): CUDA and a capture-safe model."""
+    return device.type == "cuda" and capture_safe(model)
+
+
+class _Pools:
+    """One graph memory pool per device, shared by every run's graphs, with a count of the live
+    graphs that use it: when the last one is released, the handle is dropped, so a later capture
+    gets a fresh pool instead of one torch has torn down (`use_count > 0` assertion)."""
+
+    def __init__(self):
+        self.handles: dict[str, object] = {}
+        self.live: dict[str, int] = {}
+
+    def acquire(self, device: torch.device, graph) -> object:
+        key = str(device)
+        if key not in self.handles:
+            self.handles[key] = torch.cuda.graph_pool_handle()
+            self.live[key] = 0
+        self.live[key] += 1
+        weakref.finalize(graph, self._release, key)
+        return self.handles[key]
+
+    def _release(self, key: str) -> None:
+        self.live[key] -= 1
+        if self.live[key] <= 0:
+            self.handles.pop(key, None)
+            self.live.pop(key, None)
+
+
+POOLS = _Pools()
 
 
 def graphs_enabled(device: torch.device, graphs: bool | None = None) -> bool:
@@ -97,7 +157,27 @@ class PaddedForward:
         self.head_dim = block.head_dim
         self.buckets: dict[tuple[int, bool], _Bucket] = {}
         self.captures = 0  # graphs captured so far (a cache that grows forces recaptures)
-        self.pool = None
+        self.capture_s = 0.0  # seconds spent capturing (warm-up included), kept out of forward timings
+        self.fallback: str | None = None  # why capture was given up; the run goes on eagerly
+        self.device = model.get_input_embeddings().weight.device
+        self._epoch: tuple | None = None  # the buffers the buckets were built over
+
+    @property
+    def path(self) -> str:
+        """How this model's forwards run now (kv.forward_path's names, plus a fallback's reason)."""
+        if self.capture:
+            return "lean+graphs"
+        if self.fallback:
+            return f"lean+padded (graph capture failed: {self.fallback})"
+        return "lean+padded"
+
+    def _buffers_epoch(self) -> tuple:
+        """Changes whenever a layer's buffers were reallocated (by this class or by an unpadded
+        forward's SlotLayer.update): every bucket and graph over the old buffers is then stale."""
+        return tuple((layer.capacity, layer.grows, id(layer.key_buf)) for layer in self.layers)
+
+    def _drop_buckets(self) -> None:
+        self.buckets.clear()  # releases their graphs; the shared pool forgets a pool with none left
 
     def fits(self, q: int) -> bool:
         return bucket_for(q, self.sizes) is not None
@@ -113,7 +193,10 @@ class PaddedForward:
         if length + width > capacity:
             for layer in self.layers:
                 layer.grow(length + width)
-            self.buckets.clear()
+        epoch = self._buffers_epoch()
+        if epoch != self._epoch:
+            self._drop_buckets()
+            self._epoch = epoch
 
     def __call__(
         self,
@@ -136,16 +219,17 @@ class PaddedForward:
         if buf is None:
             buf = self.buckets[key] = _Bucket(width, capacity, self.hidden_size, dtype, device, embeds is not None)
         # fill the static inputs in place (padded rows: token 0, position 0, their own slot only)
-        buf.ids.zero_()
-        buf.ids[0, :q] = torch.as_tensor(ids, device=device)
-        buf.positions.zero_()
-        buf.positions[0, :q] = torch.as_tensor(positions, device=device)
+        host = torch.zeros(2, width, dtype=torch.long)  # ids and positions, padded rows 0: one upload
+        host[0, :q], host[1, :q] = torch.tensor(ids), torch.tensor(positions)
+        both = to_device(host, device)
+        buf.ids[0].copy_(both[0])
+        buf.positions[0].copy_(both[1])
         torch.add(buf.rows, length, out=buf.slots)
         # the mask in place (no tensor allocated per forward): rows see what `visible` says, each
         # padded row only its own slot, every slot past the valid ones nothing
         mask = buf.mask[0, 0]
         mask.fill_(torch.finfo(dtype).min)
-        mask[:q, : length + q].masked_fill_(visible.to(device, non_blocking=True), 0.0)
+        mask[:q, : length + q].masked_fill_(to_device(visible, device), 0.0)
         mask[q:, length + q : length + width].diagonal().fill_(0.0)
         if buf.embeds is not None:
             buf.embeds.zero_()
@@ -161,20 +245,39 @@ class PaddedForward:
         buf.logits, buf.states = logits, states
 
     def _run(self, buf: _Bucket) -> None:
-        if not self.capture:
+        if self.capture and buf.graph is None:
+            t0 = time.perf_counter()
+            try:
+                buf.graph = self._capture(buf)  # assigned only once capture succeeded
+                self.captures += 1
+            except Exception as exc:  # any capture failure: warn once, continue eagerly
+                self._give_up(exc)
+            finally:
+                self.capture_s += time.perf_counter() - t0
+        if buf.graph is not None:
+            buf.graph.replay()
+        else:
             self._step(buf)
-            return
-        if buf.graph is None:  # warm up on a side stream, then capture (torch.cuda.graphs docs)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
+
+    def _capture(self, buf: _Bucket):
+        """Warm up on a side stream of the model's device, then capture one step (torch.cuda.graphs
+        docs); the graph draws on the device's shared pool."""
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # library handles and workspaces get created outside the capture
                     self._step(buf)
-            torch.cuda.current_stream().wait_stream(stream)
-            if self.pool is None:  # one memory pool for every bucket: they never run at once
-                self.pool = torch.cuda.graph_pool_handle()
-            buf.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(buf.graph, pool=self.pool):
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=POOLS.acquire(self.device, graph)):
                 self._step(buf)
-            self.captures += 1
-        buf.graph.replay()
+        return graph
+
+    def _give_up(self, exc: Exception) -> None:
+        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:160]
+        if reason not in _WARNED:
+            _WARNED.add(reason)
+            warnings.warn(f"CUDA graph capture failed ({reason}); continuing without graphs", stacklevel=4)
+        self.capture, self.fallback = False, reason
+        self._drop_buckets()

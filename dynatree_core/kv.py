@@ -11,7 +11,7 @@ right under sdpa but silently wrong under eager, so we always pass the additive 
 `KVState.keep` compacts the cache on the sequence axis: accepted tree tokens keep the KV the
 verification forward computed, nothing is recomputed.
 
-Static cache (the default, issue 18): each layer's keys and values live in one buffer allocated
+Static cache (the default): each layer's keys and values live in one buffer allocated
 for the whole run (`SlotLayer`, capacity = prompt + new tokens + a tree's worth of slack). A
 forward writes its new entries at slots `length .. length + q` and attention reads a view of the
 first `length + q` slots; compaction moves the accepted entries inside the buffer and resets the
@@ -24,12 +24,12 @@ also get the lean forward (fastpath.py) over the same buffers unless `fast=False
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.transfer import Stopwatch, to_device
 
 SLACK = 128  # slots beyond prompt + new tokens: room for one iteration's tree before the buffer grows
 
@@ -73,10 +73,10 @@ class SlotLayer(DynamicLayer):
         return self.keys, self.values
 
     def keep(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
-        """Move entries `src` to slots `dst` (sources at or after their destinations) and keep
-        the first `length` slots: the accepted path joins the committed prefix in place."""
+        """Move entries `src` to slots `dst` (index tensors on the buffers' device; sources at or
+        after their destinations) and keep the first `length` slots: the accepted path joins the
+        committed prefix in place."""
         if len(src) and self.is_initialized:  # RHS indexing gathers a copy before the write
-            src, dst = src.to(self.device), dst.to(self.device)
             self.key_buf[..., dst, :] = self.key_buf[..., src, :]
             self.value_buf[..., dst, :] = self.value_buf[..., src, :]
         self.length = length
@@ -132,7 +132,7 @@ def forward_path(
     """How KVState runs this model's forwards: "lean+graphs" (captured, CUDA), "lean+padded" (the
     same fixed shapes run eagerly), "lean", "static" (HF forward, static cache) or "dynamic"."""
     from dynatree_core.fastpath import fast_forward_enabled, supports_lean
-    from dynatree_core.graphs import graphs_enabled
+    from dynatree_core.graphs import capture_wanted, graphs_enabled
 
     if not (static_cache_enabled(static) and _full_attention_only(model)):
         return "dynamic"
@@ -140,7 +140,7 @@ def forward_path(
         return "static"
     device = model.get_input_embeddings().weight.device
     if graphs_enabled(device, graphs):
-        return "lean+graphs" if device.type == "cuda" else "lean+padded"
+        return "lean+graphs" if capture_wanted(device, model) else "lean+padded"
     return "lean"
 
 
@@ -167,7 +167,7 @@ class KVState:
         graphs: bool | None = None,
     ):
         from dynatree_core.fastpath import lean_forward_for
-        from dynatree_core.graphs import PaddedForward, graphs_enabled
+        from dynatree_core.graphs import PaddedForward, capture_wanted, graphs_enabled
 
         self.model = model
         self.static = static_cache_enabled(static) and _full_attention_only(model)
@@ -182,17 +182,36 @@ class KVState:
         self.lean = lean_forward_for(model, fast) if self.static else None
         self.padded = None  # fixed-shape forwards, captured as CUDA graphs on a GPU (graphs.py)
         if self.lean is not None and graphs_enabled(self.device, graphs):
-            capture = self.device.type == "cuda"
+            capture = capture_wanted(self.device, model)
             self.padded = PaddedForward(self.lean, self.cache.layers, model, capture=capture)
         self.length = 0  # tokens whose KV is in the cache
         self.pending: list[int] = list(prompt_ids)  # committed, not yet in the cache
         self.forwards = 0
-        self.forward_ms = 0.0  # time inside model forwards (what "outside the forwards" is measured against)
+        self.watch = Stopwatch(self.device)  # time inside model forwards, graph captures excluded
         self.peak_bytes = 0  # the cache's largest size so far (right after a forward, before compaction)
 
     @property
     def device(self) -> torch.device:
         return self.model.get_input_embeddings().weight.device
+
+    @property
+    def forward_ms(self) -> float:
+        """Time inside model forwards (what "outside the forwards" is measured against); graph
+        captures are not forwards and are counted in `capture_s` instead."""
+        return self.watch.ms
+
+    @property
+    def capture_s(self) -> float:
+        return self.padded.capture_s if self.padded is not None else 0.0
+
+    @property
+    def path(self) -> str:
+        """How this run's forwards go now: kv.forward_path's names, with a capture fallback's reason."""
+        if self.padded is not None:
+            return self.padded.path
+        if self.lean is not None:
+            return "lean"
+        return "static" if self.static else "dynamic"
 
     @property
     def grows(self) -> int:
@@ -229,21 +248,17 @@ class KVState:
         device = self.device
         dtype = self.model.dtype
         if self.padded is not None and self.padded.fits(q):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
+            captured = self.padded.capture_s
+            self.watch.start()
             logits, states = self.padded(
                 token_ids, position_ids, visible, self.length, logits_to_keep, embeds=embeds, dtype=dtype, device=device
             )
-            return self._done(q, logits, states, hidden, t0)
+            return self._done(q, logits, states, hidden, (self.padded.capture_s - captured) * 1e3)
         mask = torch.zeros(visible.shape, dtype=dtype, device=device)
-        mask.masked_fill_(~visible.to(device), torch.finfo(dtype).min)
-        ids = torch.tensor([token_ids], device=device)
-        positions = torch.tensor([position_ids], device=device)
+        mask.masked_fill_(~to_device(visible, device), torch.finfo(dtype).min)
+        ids, positions = to_device(torch.tensor([token_ids, position_ids]), device)[:, None]  # one upload: (1, q) each
         inputs = None if embeds is None else embeds.to(device=device, dtype=dtype)[None]
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+        self.watch.start()
         states = None
         if self.lean is not None:
             out = self.lean(
@@ -271,14 +286,12 @@ class KVState:
                 logits_to_keep=logits_to_keep,
             )
             logits = out.logits[0]
-        return self._done(q, logits, states, hidden, t0)
+        return self._done(q, logits, states, hidden)
 
-    def _done(self, q: int, logits: torch.Tensor, states, hidden: bool, t0: float):
-        """Account for a forward of q rows that started at `t0`."""
+    def _done(self, q: int, logits: torch.Tensor, states, hidden: bool, capture_ms: float = 0.0):
+        """Account for a forward of q rows (its span on the stopwatch, less any capture in it)."""
         logits = logits.float()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.forward_ms += (time.perf_counter() - t0) * 1e3
+        self.watch.stop(minus_ms=capture_ms)
         self.length += q
         self.forwards += 1
         self.peak_bytes = max(self.peak_bytes, self.nbytes())
@@ -300,16 +313,21 @@ class KVState:
         prefix = 0
         while prefix < len(index) and index[prefix] == prefix:
             prefix += 1
-        src = torch.tensor(index[prefix:], dtype=torch.long)
-        dst = torch.arange(prefix, len(index))
+        moves = torch.tensor([index[prefix:], list(range(prefix, len(index)))], dtype=torch.long)
+        on: dict[torch.device, torch.Tensor] = {}  # one upload per device (one device unless the model is split)
         for layer in self.cache.layers:
             _check_layer(layer)
+            buf = layer.key_buf if isinstance(layer, SlotLayer) else layer.keys
+            device = buf.device if buf is not None else self.device
+            if len(index) > prefix and device not in on:
+                on[device] = to_device(moves, device)
+            src, dst = on.get(device, moves)
             if isinstance(layer, SlotLayer):
                 layer.keep(src, dst, len(index))
                 continue
             if len(src):  # sources lie at or after their destinations; RHS indexing copies first
-                layer.keys[..., dst, :] = layer.keys[..., src.to(layer.keys.device), :]
-                layer.values[..., dst, :] = layer.values[..., src.to(layer.values.device), :]
+                layer.keys[..., dst, :] = layer.keys[..., src, :]
+                layer.values[..., dst, :] = layer.values[..., src, :]
             layer.keys = layer.keys[..., : len(index), :]
             layer.values = layer.values[..., : len(index), :]
         self.length = len(index)

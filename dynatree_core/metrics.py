@@ -111,6 +111,7 @@ def summarize(
         stop_reason=records[-1].stop if records and records[-1].stop else "none",
         threads=threads,
         forward_path=forward_path,
+        capture_s=sum(r.capture_ms for r in records) / 1000,
         draft_kind=draft_kind,
         device=device,
         dtype=dtype,

@@ -42,6 +42,8 @@ class IterationRecord:
     stop: str | None = None  # "eos", "max_new_tokens" or "context_limit" on the last iteration
     verifier: str = "greedy"
     draft_forward_ms: float = 0.0  # part of draft_ms spent inside draft model forwards
+    capture_ms: float = 0.0  # CUDA graph captures this iteration (graphs.py), left out of the timings above
+    forward_path: str = ""  # how the target's forward ran (kv.KVState.path; a capture fallback says why)
     # the verifier's steps: {"kind": "test" | "residual" | "sample" | "argmax", "node", ...}
     verification: list[dict] = dataclasses.field(default_factory=list)
     # per verified node (id as a string): reach probability, expected acceptance (DecodeConfig.analyze)
@@ -114,7 +116,8 @@ class RunResult:
     device: str = "cpu"
     dtype: str = "float32"
     threads: int = 0  # torch intra-op threads the run used (threads.py); 0: not recorded
-    forward_path: str = ""  # lean / static / dynamic (kv.forward_path); HF baselines: "hf"
+    forward_path: str = ""  # how forwards ran (kv.KVState.path: lean+graphs, lean, ...); HF baselines: "hf"
+    capture_s: float = 0.0  # seconds of CUDA graph capture, kept out of every timing above
     draft_kind: str = ""  # "token" (a standalone draft LM) or "feature" (drafting/feature.py); "" without a draft
     records: list[IterationRecord] = dataclasses.field(default_factory=list)
 

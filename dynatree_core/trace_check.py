@@ -169,9 +169,10 @@ def check_record(rec: dict) -> None:
     for name in ("draft_ms", "verify_ms", "commit_ms", "overhead_ms", "memory_mb"):
         if _num(rec.get(name), name) < 0:
             raise ValueError(f"{name} must not be negative")
-    if "draft_forward_ms" in rec:
-        _num(rec["draft_forward_ms"], "draft_forward_ms")
-    for name in ("stop", "verifier"):
+    for name in ("draft_forward_ms", "capture_ms"):
+        if name in rec:
+            _num(rec[name], name)
+    for name in ("stop", "verifier", "forward_path"):
         if rec.get(name) is not None and not isinstance(rec[name], str):
             raise ValueError(f"{name} must be a string")
     steps = rec.get("verification", [])

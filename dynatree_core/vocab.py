@@ -32,8 +32,16 @@ class TokenMap:
     def __len__(self) -> int:
         return len(self.draft_to_target)
 
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(target_to_draft, draft_to_target[1:]) on `device`, copied there once, not per draft level."""
+        cache = self.__dict__.setdefault("_devices", {})
+        key = str(device)
+        if key not in cache:
+            cache[key] = (self.target_to_draft.to(device), self.draft_to_target[1:].to(device))
+        return cache[key]
+
     def to_draft(self, target_ids: torch.Tensor) -> torch.Tensor:
-        return self.target_to_draft.to(target_ids.device)[target_ids]
+        return self._on(target_ids.device)[0][target_ids]
 
     def to_target_logp(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """(q, N) draft logits -> (q, target_vocab) log-probs; OTHER and unmapped ids get -inf."""
@@ -41,7 +49,7 @@ class TokenMap:
         logits[:, OTHER] = -torch.inf
         logp = torch.log_softmax(logits, dim=-1)
         full = torch.full((logp.shape[0], self.target_vocab), -torch.inf, device=logp.device)
-        full[:, self.draft_to_target[1:].to(logp.device)] = logp[:, 1:]
+        full[:, self._on(logp.device)[1]] = logp[:, 1:]
         return full
 
     def full_vocab_model(self, draft: torch.nn.Module) -> torch.nn.Module:

@@ -16,6 +16,7 @@ from conftest import hf_greedy, noisy_copy, tiny_model
 from test_fastpath import LEAN_ARCHS, _branching_tree, _prefill, _tree_forward
 
 from dynatree_core import graphs
+from dynatree_core.drafting.base import POLICIES
 from dynatree_core.drafting.feature import FeatureDraft
 from dynatree_core.engine import DecodeConfig, generate
 from dynatree_core.graphs import bucket_for, buckets, graphs_enabled
@@ -125,3 +126,169 @@ def test_reduced_precision_reports_say_outputs_may_differ_at_near_ties():
 
     assert exactness_note("float32") is None and exactness_note("torch.float32") is None
     assert "near-ties" in exactness_note("bfloat16") and "float32 is token-identical" in exactness_note("float16")
+
+
+@torch.inference_mode()
+def test_a_buffer_grown_by_an_unpadded_forward_drops_the_buckets_built_over_the_old_one(monkeypatch):
+    """A forward wider than every bucket takes the unpadded path, whose SlotLayer.update grows the
+    buffers; the buckets (and on a GPU their graphs) built over the old buffers must not be used
+    again (here: their masks have the old capacity; on a GPU: replays over freed memory)."""
+    monkeypatch.setattr(graphs, "MAX_BUCKET", 4)
+    model, prompt = tiny_model("llama"), [3, 1, 4]
+    ref, mine = KVState(model, prompt, capacity=3), KVState(model, prompt, capacity=3, graphs=True)
+    torch.testing.assert_close(_prefill(mine, prompt), _prefill(ref, prompt), **TOL)
+    assert mine.padded.buckets, "3 rows: a padded bucket"
+    capacity = mine.cache.layers[0].capacity
+    wide = [5 + i % 80 for i in range(capacity)]  # wider than the buffer's free slots and than every bucket
+    see = chain_then_tree_visibility(mine.length, len(wide), torch.zeros(0, 0, dtype=torch.bool))
+    positions = list(range(mine.length, mine.length + len(wide)))
+    torch.testing.assert_close(mine.forward(wide, positions, see, 1), ref.forward(wide, positions, see, 1), **TOL)
+    assert mine.grows == 1, "the unpadded path grew the buffers"
+    nxt = chain_then_tree_visibility(mine.length, 1, torch.zeros(0, 0, dtype=torch.bool))
+    got = mine.forward([7], [mine.length], nxt, 1)
+    torch.testing.assert_close(got, ref.forward([7], [ref.length], nxt, 1), **TOL)
+
+
+def _widest(name: str) -> dict:
+    """A policy's parameters at the widest trees its registry entry allows: sizes at their
+    maximum, probability thresholds at 0."""
+    out = {}
+    for p in POLICIES[name].params:
+        if p.type is int and p.max is not None:
+            out[p.name] = int(p.max)
+        elif p.type is float and p.min is not None and p.log_scale:
+            out[p.name] = p.min
+    return out
+
+
+@pytest.mark.parametrize("policy_name", [n for n in POLICIES if n != "ar"])
+def test_every_policy_at_its_widest_settings_is_exact_on_the_padded_path(policy_name):
+    """Trees of up to 256 nodes (wider than the largest bucket): the unpadded path grows the cache
+    between padded forwards, and the output still equals plain greedy decoding."""
+    target, draft = tiny_model("llama"), noisy_copy("llama", 0.01)
+    prompt = [1, 5, 7, 9, 11]
+    config = DecodeConfig(max_new_tokens=20, graphs=True)
+    result = generate(target, prompt, make_method(policy_name, _widest(policy_name)), draft=draft, config=config)
+    assert result.token_ids == hf_greedy(target, prompt, 20), f"{policy_name} at its widest diverged"
+
+
+def test_the_budget_256_tree_of_the_embedded_shape_is_exact_on_the_padded_path():
+    """fixed_tree depth 16, branch 8, tau 0, budget 256: raised a size mismatch once the unpadded
+    path had grown the cache under the padded forward's buckets."""
+    target, draft = tiny_model("llama"), noisy_copy("llama", 0.01)
+    params = {"depth": 16, "branch": 8, "tau": 0.0, "budget": 256}
+    config = DecodeConfig(max_new_tokens=40, graphs=True)
+    result = generate(target, [1, 5, 7, 9, 11], make_method("fixed_tree", params), draft=draft, config=config)
+    assert result.token_ids == hf_greedy(target, [1, 5, 7, 9, 11], 40)
+
+
+class _FakeGraph:
+    """What a captured graph does for the engine: replay the captured step."""
+
+    def __init__(self, padded, buf):
+        self.replay = lambda: padded._step(buf)
+
+
+def _force_capture(monkeypatch, capture):
+    monkeypatch.setattr(graphs, "capture_wanted", lambda device, model: True)
+    monkeypatch.setattr(graphs.PaddedForward, "_capture", capture)
+
+
+def test_a_failed_capture_warns_once_and_the_run_goes_on_eagerly(monkeypatch):
+    def fail(self, buf):
+        raise RuntimeError("injected capture failure")
+
+    _force_capture(monkeypatch, fail)
+    graphs._WARNED.clear()
+    target, draft, prompt = tiny_model("llama"), noisy_copy("llama", 0.01), [1, 5, 7, 9, 11]
+    config = DecodeConfig(max_new_tokens=20, graphs=True)
+    with pytest.warns(UserWarning, match="injected capture failure") as caught:
+        result = generate(target, prompt, make_method("fixed_tree", {}), draft=draft, config=config)
+    assert len([w for w in caught if "capture failed" in str(w.message)]) == 1, "one warning, not one per bucket"
+    assert result.token_ids == hf_greedy(target, prompt, 20)
+    assert result.forward_path == "lean+padded (graph capture failed: RuntimeError: injected capture failure)"
+
+
+def test_capture_time_is_reported_apart_and_kept_out_of_forward_timings(monkeypatch):
+    """Each (fake) capture moves the clock on by 1000 s: had any of it been counted in a forward,
+    a phase or the cost model, the iteration timings would show it."""
+    import time
+
+    real, skipped = time.perf_counter, [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + skipped[0])
+
+    def slow_capture(self, buf):
+        skipped[0] += 1000.0
+        return _FakeGraph(self, buf)
+
+    _force_capture(monkeypatch, slow_capture)
+    target, draft, prompt = tiny_model("llama"), noisy_copy("llama", 0.01), [1, 5, 7, 9, 11]
+    costs = []
+    policy = make_method("fixed_tree", {})
+    policy.observe_cost = lambda tokens, ms: costs.append(ms)
+    config = DecodeConfig(max_new_tokens=20, graphs=True)
+    result = generate(target, prompt, policy, draft=draft, config=config)
+    assert result.token_ids == hf_greedy(target, prompt, 20) and result.forward_path == "lean+graphs"
+    captures = round(result.capture_s / 1000)
+    assert captures >= 2 and abs(result.capture_s - 1000 * captures) < 60, "every capture's seconds are reported"
+    timings = result.draft_ms + result.verify_ms + result.commit_ms + result.overhead_ms
+    assert timings < 60_000 and max(costs) < 60_000, "capture time leaked into the iteration timings"
+    assert sum(r.capture_ms for r in result.records) == pytest.approx(result.capture_s * 1000)
+
+
+def test_graphs_of_all_runs_share_one_pool_per_device_and_a_released_pool_is_never_reused(monkeypatch):
+    handles = iter(range(100))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+    pools = graphs._Pools()
+    device = torch.device("cuda", 1)
+
+    class Graph:
+        pass
+
+    a, b = Graph(), Graph()
+    assert pools.acquire(device, a) == pools.acquire(device, b) == 0, "one pool per device, shared"
+    del a
+    assert pools.acquire(device, c := Graph()) == 0, "still in use by b"
+    del b, c
+    assert pools.acquire(device, Graph()) != 0, "every graph of the old pool is gone: a fresh pool"
+
+
+def test_rope_types_with_data_dependent_updates_are_never_captured():
+    model = copy.deepcopy(tiny_model("llama"))
+    assert graphs.capture_safe(model)
+    model.config.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0}
+    assert not graphs.capture_safe(model)
+    assert not graphs.capture_wanted(torch.device("cuda"), model)
+
+
+@torch.inference_mode()
+def test_compaction_uploads_its_indices_once_whatever_the_depth_of_the_model():
+    from dynatree_core.transfer import counting
+
+    for layers in (2, 6):
+        model = copy.deepcopy(tiny_model("llama"))
+        model.model.layers = torch.nn.ModuleList([copy.deepcopy(model.model.layers[0]) for _ in range(layers)])
+        model.config.num_hidden_layers = layers
+        kv = KVState(model, [3, 1, 4, 1, 5, 9])
+        _prefill(kv, [3, 1, 4, 1, 5, 9])
+        with counting() as moved:
+            kv.keep([0, 1, 2, 4, 5])
+        assert moved["to_device"] == 1, f"{layers} layers: {moved['to_device']} uploads for one compaction"
+
+
+def test_an_iteration_reads_the_device_once_per_draft_forward_plus_once_for_verification():
+    """Host round trips per iteration, counted through transfer.py (each is a sync on a GPU):
+    one read per draft level (its top-k), one for the target's choices; uploads: ids/positions and
+    the mask per forward, one index upload per compaction; six timing syncs (the phase boundaries)."""
+    from dynatree_core.transfer import counting
+
+    target, draft, prompt = tiny_model("llama"), noisy_copy("llama", 0.01), [1, 5, 7, 9, 11]
+    for policy in ("fixed_tree", "dynatree", "dyspec_threshold", "eagle2", "salf"):
+        with counting() as moved:
+            result = generate(
+                target, prompt, make_method(policy, {}), draft=draft, config=DecodeConfig(max_new_tokens=20)
+            )
+        forwards = result.draft_forwards + result.iterations
+        assert moved["to_host"] <= result.draft_forwards + result.iterations, f"{policy}: {dict(moved)}"
+        assert moved["to_device"] <= 2 * forwards + 2 * result.iterations, f"{policy}: {dict(moved)}"
+        assert moved["sync"] == 6 * result.iterations, f"{policy}: {dict(moved)}"

@@ -18,7 +18,7 @@ PACKAGE = ROOT / "dynatree_core"
 
 # Bottom-up. Records (trace) and their summaries (metrics) sit below the engine that writes them.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors",),
+    ("errors", "transfer"),
     ("tree", "sampling", "vocab", "threads", "prompts", "packing", "fastpath", "graphs", "trace_check"),
     ("trace", "environment", "models", "kv"),
     ("metrics", "dtypes"),

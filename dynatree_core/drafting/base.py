@@ -19,6 +19,7 @@ import torch
 
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.transfer import to_host, to_list
 from dynatree_core.tree import DraftTree
 from dynatree_core.verify.registry import Capabilities
 from dynatree_core.vocab import TokenMap
@@ -191,10 +192,23 @@ class DraftRequest:
 
 
 def level_top(logp: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
-    """The top-k log-probabilities and tokens of every row of a level, in ONE copy to the host:
-    a per-row `.tolist()` of a GPU tensor is a host sync per node (issue 16, item 2)."""
+    """The top-k log-probabilities and tokens of every row of a level, in ONE copy to the host
+    (a per-row `.tolist()` of a GPU tensor is a host sync per node). Token ids ride along as
+    float32, exact below 2^24 (every vocabulary we load)."""
     top_lp, top_tok = logp.topk(min(k, logp.shape[-1]), dim=-1)
-    return top_lp.tolist(), top_tok.tolist()
+    both = to_list(torch.cat([top_lp.float(), top_tok.float()], dim=-1))
+    width = top_lp.shape[-1]
+    return [row[:width] for row in both], [[int(t) for t in row[width:]] for row in both]
+
+
+def level_q(request: DraftRequest, logp: torch.Tensor) -> torch.Tensor | None:
+    """Sampled drafting: the adjusted draft distribution of every row of a level on the host, in
+    ONE copy (the per-node draws need it there); None for top-k drafting."""
+    if request.draw == "top":
+        return None
+    from dynatree_core.sampling import adjust
+
+    return to_host(adjust(logp, request.sampling))
 
 
 def pick_children(
@@ -204,11 +218,12 @@ def pick_children(
     logp: torch.Tensor,
     k: int,
     top: tuple[list[float], list[int]] | None = None,
+    q: torch.Tensor | None = None,
 ) -> list[tuple]:
     """(token, logp) of up to k children of `node`, best first for "top" (from `top`, the node's
     row of `level_top`, when given); for sampled drafting the k draws from the adjusted draft
-    distribution (recorded on the tree for the verifier), their distinct tokens as children in
-    drawing order, logp = log q_adjusted(token)."""
+    distribution (`q`, the node's row of `level_q`, when given; recorded on the tree for the
+    verifier), their distinct tokens as children in drawing order, logp = log q_adjusted(token)."""
     if request.draw == "top":
         if top is not None:
             return list(zip(top[1][:k], top[0][:k], strict=True))
@@ -216,7 +231,7 @@ def pick_children(
         return list(zip(top_tok.tolist(), top_lp.tolist(), strict=True))
     from dynatree_core.sampling import adjust
 
-    q = adjust(logp, request.sampling).cpu()
+    q = q if q is not None else to_host(adjust(logp, request.sampling))
     k = min(k, int((q > 0).sum())) if request.draw == "without_replacement" else k
     draws = torch.multinomial(q, k, replacement=request.draw == "iid", generator=request.gen).tolist()
     tree.record_draws(node, q, draws)

@@ -8,9 +8,8 @@ import math
 
 import torch
 
-from dynatree_core.drafting.base import Drafter, DraftRequest
+from dynatree_core.drafting.base import Drafter, DraftRequest, level_q, level_top
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.sampling import adjust
 from dynatree_core.tree import DraftTree, Reason, Status
 
 NEG_INF = -math.inf
@@ -71,14 +70,22 @@ def sibling_value(parent_value: float, probs: list[float], rank: int) -> float:
     return parent_value * rejected * r_i
 
 
-def ranked_children(request: DraftRequest, tree: DraftTree, node: int, logp, m: int) -> tuple[list[float], list[int]]:
-    """(probabilities, tokens) of a node's candidate children in rank order: the draft's top m,
-    or, for sampled drafting, m draws without replacement from the adjusted draft distribution
-    (DySpec's sampled tree; the draw order is the rank)."""
+def level_rows(request: DraftRequest, logp, m: int) -> list:
+    """Per row of a draft forward, what `ranked_children` reads, copied to the host in one go:
+    (probabilities, tokens) of the top m, or for sampled drafting (the adjusted distribution, m)."""
     if request.draw == "top":
-        top_lp, top_tok = logp.topk(min(m, logp.shape[-1]))
-        return top_lp.exp().tolist(), top_tok.tolist()
-    q = adjust(logp, request.sampling).cpu()
+        lp_rows, tok_rows = level_top(logp, m)
+        return [([math.exp(lp) for lp in lps], toks) for lps, toks in zip(lp_rows, tok_rows, strict=True)]
+    return [(q, m) for q in level_q(request, logp)]
+
+
+def ranked_children(request: DraftRequest, tree: DraftTree, node: int, row) -> tuple[list[float], list[int]]:
+    """(probabilities, tokens) of a node's candidate children in rank order, from its `level_rows`
+    row: the draft's top m, or, for sampled drafting, m draws without replacement from the
+    adjusted draft distribution (DySpec's sampled tree; the draw order is the rank)."""
+    if request.draw == "top":
+        return row
+    q, m = row
     toks = torch.multinomial(q, min(m, int((q > 0).sum())), replacement=False, generator=request.gen).tolist()
     tree.record_draws(node, q)  # the draws are listed once the tree is built (dyspec.py)
     return [float(q[t]) for t in toks], toks

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 
-from dynatree_core.drafting.base import DraftRequest, Param, Policy, level_top, pick_children, register_policy
+from dynatree_core.drafting.base import DraftRequest, Param, Policy, level_q, level_top, pick_children, register_policy
 from dynatree_core.drafting.common import drafter_of, leaf_reason
 from dynatree_core.tree import DraftTree, Reason, Status
 
@@ -34,11 +34,14 @@ def grow_delayed(
         logp = root_logp if reuse else drafter.expand(tree, frontier)  # ONE draft forward per level
         width = k if level == l1 else 1  # the branch point is the trunk's last node
         lp_rows, tok_rows = level_top(logp, width) if request.draw == "top" else (None, None)
+        q_rows = level_q(request, logp)  # sampled drafting: the level's distributions, one copy
         new = []
         for row, node in enumerate(frontier):
             tree.mark_expanded(node)
             top = None if lp_rows is None else (lp_rows[row], tok_rows[row])
-            for tok, lp in pick_children(request, tree, node, logp[row], width, top):  # top-K, or sampled
+            for tok, lp in pick_children(
+                request, tree, node, logp[row], width, top, None if q_rows is None else q_rows[row]
+            ):  # top-K, or sampled
                 new.append(tree.add(node, tok, lp, reason=reason))
         frontier = new
     if cap <= 0:

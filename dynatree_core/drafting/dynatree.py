@@ -4,6 +4,7 @@ and depth from the draft's confidence, one draft forward per level."""
 from __future__ import annotations
 
 import collections
+import math
 
 from dynatree_core.drafting.base import DraftRequest, Param, Policy, level_top, register_policy
 from dynatree_core.drafting.common import admit_level, drafter_of, leaf_reason, safe_log
@@ -127,9 +128,8 @@ class DynaTreeAdaptive(Policy):
             if not expand:
                 break
             logp = drafter.expand(tree, expand)  # ONE draft forward for the level
-            confidence = logp.max(dim=-1).values.exp().tolist()
-            branches = [self._branch(conf) for conf in confidence]
-            lp_rows, tok_rows = level_top(logp, max(branches))
+            lp_rows, tok_rows = level_top(logp, max(c["b_min"], c["b_mid"], c["b_max"]))  # one copy
+            branches = [self._branch(math.exp(row[0])) for row in lp_rows]  # c(u): the top-1 probability
             candidates = []
             for row, node in enumerate(expand):
                 tree.mark_expanded(node)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import heapq
 import math
 
-from dynatree_core.drafting.base import DraftRequest, Param, Policy, register_policy
+from dynatree_core.drafting.base import DraftRequest, Param, Policy, level_top, register_policy
 from dynatree_core.drafting.common import (
     NEG_INF,
     admit_level,
     drafter_of,
     leaf_reason,
+    level_rows,
     ranked_children,
     safe_log,
     sibling_value,
@@ -73,9 +74,10 @@ class DySpec(Policy):
                         ahead[(parent, rank)] = tree.add(parent, toks[rank], math.log(probs[rank]))
                         run.append(ahead[(parent, rank)])
                 logp = drafter.expand(tree, run)  # ONE forward: needed nodes + draws run ahead
+                rows = level_rows(request, logp, c["max_children"])  # one copy for the forward's rows
                 for row, node in enumerate(run):
                     tree.mark_expanded(node)
-                    children[node] = ranked_children(request, tree, node, logp[row], c["max_children"])
+                    children[node] = ranked_children(request, tree, node, rows[row])
                 for node in pending:
                     take_children(node)
                 pending = []
@@ -140,8 +142,8 @@ class DySpecThreshold(Policy):
         frontier, drafted = [0], 0
         for level in range(cap):
             logp = drafter.expand(tree, frontier)  # ONE draft forward for the level
-            top_lp, top_tok = logp.topk(min(c["max_children"], logp.shape[-1]), dim=-1)
-            prob_rows, tok_rows = top_lp.exp().tolist(), top_tok.tolist()  # one copy per level, not per node
+            lp_rows, tok_rows = level_top(logp, c["max_children"])  # one copy per level, not per node
+            prob_rows = [[math.exp(lp) for lp in row] for row in lp_rows]
             candidates = []
             for row, node in enumerate(frontier):
                 tree.mark_expanded(node)

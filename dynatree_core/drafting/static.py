@@ -11,7 +11,7 @@ cumulative probability, so the budget keeps the most probable nodes.
 
 from __future__ import annotations
 
-from dynatree_core.drafting.base import DraftRequest, Param, Policy, level_top, pick_children, register_policy
+from dynatree_core.drafting.base import DraftRequest, Param, Policy, level_q, level_top, pick_children, register_policy
 from dynatree_core.drafting.common import admit_level, drafter_of, leaf_reason, safe_log, start_tree
 from dynatree_core.tree import DraftTree, Reason
 
@@ -42,11 +42,14 @@ def grow_topk_tree(request: DraftRequest, *, depth: int, branch: int, tau: float
     for level in range(depth_cap):
         logp = drafter.expand(tree, frontier)  # ONE draft forward for the whole level
         lp_rows, tok_rows = level_top(logp, branch) if request.draw == "top" else (None, None)
+        q_rows = level_q(request, logp)  # sampled drafting: the level's distributions, one copy
         candidates = []
         for row, node in enumerate(frontier):
             tree.mark_expanded(node)
             top = None if lp_rows is None else (lp_rows[row], tok_rows[row])
-            for tok, lp in pick_children(request, tree, node, logp[row], branch, top):  # top-B, or sampled
+            for tok, lp in pick_children(
+                request, tree, node, logp[row], branch, top, None if q_rows is None else q_rows[row]
+            ):  # top-B, or sampled
                 candidates.append((tree.cum_logp[node] + lp, node, tok, lp))
         # Alg. 1 line 17: cumulative log-probability below log(tau) is pruned; line 22: the node budget
         frontier = admit_level(tree, candidates, log_tau, budget - drafted)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.fastpath import LeanForward, lean_forward_for
+from dynatree_core.fastpath import LeanForward, fold_groups, fold_mask, lean_forward_for
 
 TOP_K = 64  # sampled rows draw from the top-k (then top-p) of the tempered distribution
 
@@ -57,13 +57,10 @@ def lean_or_fail(model: torch.nn.Module) -> LeanForward:
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, block) -> torch.Tensor:
-    """SDPA for q (B, heads, T, d) over keys/values (B, kv_heads, L, d) with the additive mask
-    (B, 1, T, L): the query heads of one key/value head are folded into the query length."""
+    """Attention for q (B, heads, T, d) over keys/values (B, kv_heads, L, d) with the additive mask
+    (B, 1, T, L), query heads folded per key/value head (fastpath.fold_groups)."""
     b, heads, t, d = q.shape
-    groups = block.groups
-    if groups > 1:
-        q = q.reshape(b, heads // groups, groups * t, d)  # head j*groups+i, row t -> row i*T + t of head j
-        mask = mask.repeat(1, 1, groups, 1)
+    q, mask = fold_groups(q, block.groups), fold_mask(mask, block.groups)
     if t == 1:  # a decoding step: two batched matmuls beat SDPA's kernel ~2x here (memory-bound on the cache)
         scores = torch.matmul(q, keys.transpose(-1, -2)).float() * block.scaling + mask.float()
         out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)

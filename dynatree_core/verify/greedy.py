@@ -12,6 +12,7 @@ import dataclasses
 
 import torch
 
+from dynatree_core.transfer import to_list
 from dynatree_core.tree import DraftTree
 
 
@@ -40,7 +41,7 @@ def verify_greedy(tree: DraftTree, order: list[int], logits: torch.Tensor) -> Ou
     Returns the longest path whose every token is the target's argmax at its parent, plus the
     bonus token.
     """
-    target_tokens = logits.argmax(dim=-1).tolist()
+    target_tokens = to_list(logits.argmax(dim=-1))  # the iteration's one read of the target's choices
     row = {node: i for i, node in enumerate(order)}
     children = verified_children(tree, order)
     accepted, node, trace = [], 0, []

@@ -21,6 +21,7 @@ import torch
 
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.sampling import SamplingConfig, adjust
+from dynatree_core.transfer import to_host, to_list
 from dynatree_core.tree import DraftTree
 from dynatree_core.verify.greedy import Outcome, verified_children
 from dynatree_core.verify.otlp import SOLVERS, acceptance
@@ -48,7 +49,7 @@ def verify_sampling(
     gen: torch.Generator | None,
     draw: str = IID,
 ) -> Outcome:
-    target_tokens = logits.argmax(dim=-1).tolist()
+    target_tokens = to_list(logits.argmax(dim=-1))
     trace: list[dict] = []
     if VERIFIERS[verifier].direction == "bottom-up":
         if verifier == "block" and any(len(d.tokens) > 1 for d in tree.sampled.values()):
@@ -63,7 +64,7 @@ def verify_sampling(
     while True:
         start = len(trace)
         draws = tree.draws(node)
-        p = adjust(logits[row[node]], sampling).cpu()  # only the nodes the walk reaches
+        p = to_host(adjust(logits[row[node]], sampling))  # only the nodes the walk reaches
         if draws:
             y, _ = sample(p, tree.sampled[node].dense(), draws, gen, trace)
         else:

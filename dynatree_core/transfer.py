@@ -1,0 +1,91 @@
+"""Copies between the host and a model's device, and the clocks around forwards, in one place.
+
+On a GPU every copy the host waits for (a device->host read such as `.tolist()`, an upload from
+pageable memory) and every `synchronize` stalls the queue of kernels; one per layer or per node
+adds up to more than the arithmetic of a small model. Code on the decoding path moves data
+through these functions, which count what they do on every device (on a CPU they cost nothing),
+so a test can hold one iteration to a fixed number of host round trips on a machine without a GPU.
+
+`Stopwatch` times a span without synchronising on CUDA: it records events and reads them when
+asked, after the iteration's own sync (a verification's argmax read).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+
+import torch
+
+COUNTS: Counter = Counter()  # "to_device", "to_host", "sync": process-wide, for tests and gpu-check
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One upload (nothing to do when `t` is already there)."""
+    COUNTS["to_device"] += 1
+    return t.to(device, non_blocking=True)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """One device->host read (the host waits for the device)."""
+    COUNTS["to_host"] += 1
+    return t.cpu()
+
+
+def to_list(t: torch.Tensor) -> list:
+    COUNTS["to_host"] += 1
+    return t.tolist()
+
+
+def sync(device: torch.device) -> None:
+    COUNTS["sync"] += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def counting():
+    """The copies and syncs made inside the block: `with counting() as c: ...; c["to_host"]`."""
+    before = Counter(COUNTS)
+    diff: Counter = Counter()
+    try:
+        yield diff
+    finally:
+        diff.update({k: COUNTS[k] - before.get(k, 0) for k in COUNTS})
+
+
+class Stopwatch:
+    """Sums spans of work on one device: perf_counter on a CPU, CUDA events (no sync) on a GPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.done_ms = 0.0
+        self.pending: list[tuple] = []  # (start event, end event) not read yet
+        self._start = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self, minus_ms: float = 0.0) -> None:
+        """End the span; `minus_ms` is time inside it that is not the work (a graph capture)."""
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.pending.append((self._start, end))
+        else:
+            self.done_ms += (time.perf_counter() - self._start) * 1e3
+        self.done_ms -= minus_ms
+
+    @property
+    def ms(self) -> float:
+        """The total so far (on CUDA, waits for the recorded events)."""
+        for start, end in self.pending:
+            end.synchronize()
+            self.done_ms += start.elapsed_time(end)
+        self.pending = []
+        return self.done_ms
