@@ -104,6 +104,13 @@ class BenchReport:
                 f"{tpot} | {split} | {outside} | {e.peak_memory_mb:.0f} | {exact} |"
             )
         note = exactness_note(self.environment.get("dtype", "float32"))
+        paths = self.environment.get("forward_paths") or []
+        if paths:
+            captured = self.environment.get("capture_s") or 0.0
+            out.append(
+                f"\nForwards: {'; '.join(paths)}"
+                + (f" (graph capture {captured:.1f} s, not timed)" if captured else "")
+            )
         return "\n".join(out + ([f"\n{note}"] if note else []))
 
 
@@ -170,6 +177,9 @@ def run_bench(
         "seed": config.seed,
     }
     env = environment(device, dtype, is_packed(pair.target.model), getattr(pair, "dtype_source", ""))
+    runs = [r for rounds in results for rnd in rounds for r in rnd]
+    env["forward_paths"] = sorted({r.forward_path for r in runs if r.forward_path})  # a capture fallback says why
+    env["capture_s"] = round(sum(r.capture_s for r in runs), 3)  # CUDA graph capture, outside every timing
     return BenchReport(env, settings, stats, rows)
 
 

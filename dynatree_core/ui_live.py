@@ -173,6 +173,9 @@ def measured_caption(run: LiveRun) -> str:
         else f"in a thread of the page's process ({threads_caption()})"
     )
     note = exactness_note(run.dtype)
+    path = run.records[-1].forward_path if run.records else ""
+    if "capture failed" in path:  # the GPU fallback: the run goes on without graphs, and says so
+        note = f"{note} Forwards: {path}." if note else f"Forwards: {path}."
     return (
         f"Measured on {run.device}, {run.dtype}, from engine time (drawing excluded): the engine decodes{kind} {where} "
         f"and the page draws its latest iteration every {RENDER_INTERVAL_S} s." + (f" {note}" if note else "")

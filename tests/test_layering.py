@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine", "methods"),
     ("lab", "latency", "session", "settings", "entries"),
     ("compare", "engine_process", "dtype_probe"),
-    ("bench", "live"),
+    ("bench", "live", "gpu_check"),
     ("live_process",),
     ("viz", "training", "ui"),
     ("cli", "ui_live"),

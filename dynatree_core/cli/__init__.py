@@ -1,5 +1,5 @@
 """`python -m dynatree_core ...`: generate text with a policy, compare policies, benchmark, list
-policies, verifiers and presets. parser.py builds the arguments, commands.py runs them.
+policies, verifiers and presets, check a GPU (gpu-check). parser.py builds the arguments, commands.py runs them.
 
 Errors caused by input exit with status 2 and print one line, `error: <message>`, on stderr.
 """
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             "bench": C.cmd_bench,
             "verifiers": C.cmd_verifiers,
             "dtype": C.cmd_dtype,
+            "gpu-check": C.cmd_gpu_check,
         }
         commands[args.command](args)
     except DynaTreeError as exc:

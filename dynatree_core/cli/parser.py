@@ -125,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--no-save", action="store_true", help="measure and print, keep auto as it was")
     dt.add_argument("--json", action="store_true")
     add_flags(dt, ["threads"])
+    gpu = sub.add_parser(
+        "gpu-check", help="check the captured-forward path on this GPU: exactness, fallback, timings (run it first)"
+    )
+    gpu.add_argument(
+        "--device", default="auto", help="auto: the CUDA device, or say so and exit (cpu: the padded path)"
+    )
+    gpu.add_argument("--out", type=Path, default=Path("gpu-check.json"), help="write the JSON report here")
+    gpu.add_argument("--no-embedded", action="store_true", help="tiny models only (skip the embedded pair)")
     pre = sub.add_parser("presets", help="list model pair presets")
     pre.add_argument("--json", action="store_true")
     return parser

@@ -1,0 +1,239 @@
+"""`python -m dynatree_core gpu-check`: does the captured-forward path hold on this GPU?
+
+Run it first on a new GPU machine. For the embedded pair and a tiny random model of each
+architecture the lean forward supports (llama, qwen2, mistral), in float32, it checks:
+
+    policies      every tree policy with graphs == without graphs == plain greedy (`ar`)
+    wide tree     a tree wider than the largest bucket (fixed_tree depth 16, branch 8, budget 256)
+    buffer grows  a run whose cache outgrows its first buffers (graphs dropped, recaptured)
+    interleaved   two runs stepped alternately in one process (their graphs share a pool)
+    fallback      an injected capture failure: the run goes on eagerly, exact, and says why
+
+then measures, on the embedded target: replay vs eager milliseconds per width bucket, capture
+seconds, GPU memory per run and host round trips per iteration (transfer.py's counts). It prints
+a verdict table and writes JSON. Without CUDA it says so in one line and exits 0; `--device cpu`
+runs the same checks on the padded forward run eagerly (what the test suite does, tiny models).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+from dynatree_core import graphs, transfer
+from dynatree_core.drafting.base import POLICIES
+from dynatree_core.engine import DecodeConfig, decode, generate
+from dynatree_core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.methods import make_method
+
+ARCHS = ("llama", "qwen2", "mistral")
+PROMPTS = ([1, 5, 7, 9, 11, 13, 2, 8], [42, 17, 8, 8, 60, 2, 90, 33, 12, 4, 77, 5])
+WIDE = {"depth": 16, "branch": 8, "tau": 0.0, "budget": 256}
+
+
+def tiny_pair(arch: str, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A random tiny target of `arch` (sharpened logits) and a noisy copy as its draft."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        arch,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=0,
+        eos_token_id=None,
+        pad_token_id=0,
+        **({"sliding_window": None} if arch == "mistral" else {}),
+    )
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        target.model.norm.weight.mul_(6.0)
+    draft = copy.deepcopy(target)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+    return target.to(device), draft.to(device)
+
+
+def _run(target, draft, prompt, policy: str, params: dict, *, graphs_on: bool, max_new: int = 32):
+    config = DecodeConfig(max_new_tokens=max_new, graphs=graphs_on)
+    return generate(target, prompt, make_method(policy, params), draft=draft, config=config)
+
+
+def _ar(target, prompt, max_new: int = 32) -> list[int]:
+    return _run(target, None, prompt, "ar", {}, graphs_on=False, max_new=max_new).token_ids
+
+
+def pair_checks(name: str, target, draft, token_map=None) -> list[dict]:
+    """The five checks on one pair; each a row {pair, check, ok, detail}."""
+    rows = []
+
+    def row(check: str, ok: bool, detail: str = "") -> None:
+        rows.append({"pair": name, "check": check, "ok": bool(ok), "detail": detail})
+
+    wants = {tuple(p): _ar(target, p) for p in PROMPTS}
+    bad = []
+    for policy in [n for n in POLICIES if POLICIES[n].needs_draft_model]:
+        for p in PROMPTS:
+            on = _run(target, draft, p, policy, {}, graphs_on=True)
+            off = _run(target, draft, p, policy, {}, graphs_on=False)
+            if not (on.token_ids == off.token_ids == wants[tuple(p)]):
+                bad.append(policy)
+    row("policies", not bad, f"diverged: {', '.join(sorted(set(bad)))}" if bad else f"{len(POLICIES) - 2} policies")
+    wide = _run(target, draft, PROMPTS[0], "fixed_tree", WIDE, graphs_on=True)
+    row("wide tree", wide.token_ids == wants[tuple(PROMPTS[0])], f"up to {WIDE['budget']} nodes a forward")
+    long = _run(target, draft, PROMPTS[1], "fixed_tree", WIDE, graphs_on=True, max_new=200)
+    row("buffer grows", long.token_ids == _ar(target, PROMPTS[1], 200), f"{long.iterations} iterations")
+    runs = [
+        decode(
+            target, p, make_method("fixed_tree", {}), draft=draft, config=DecodeConfig(max_new_tokens=32, graphs=True)
+        )
+        for p in PROMPTS
+    ]
+    outs: list[list[int]] = [[], []]
+    for _ in range(64):  # step them alternately until both end
+        for i, run in enumerate(runs):
+            rec = next(run, None)
+            if rec is not None:
+                outs[i] += rec.committed
+    row("interleaved", all(o == wants[tuple(p)] for o, p in zip(outs, PROMPTS, strict=True)), "two runs")
+    fail = mock.patch.object(graphs.PaddedForward, "_capture", side_effect=RuntimeError("injected capture failure"))
+    with fail, mock.patch.object(graphs, "capture_wanted", return_value=True), _quiet():
+        fell = _run(target, draft, PROMPTS[0], "fixed_tree", {}, graphs_on=True)
+    ok = fell.token_ids == wants[tuple(PROMPTS[0])] and "capture failed" in fell.forward_path
+    row("fallback", ok, fell.forward_path)
+    return rows
+
+
+@contextlib.contextmanager
+def _quiet():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _timed(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
+    transfer.sync(device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    transfer.sync(device)
+    return (time.perf_counter() - t0) / repeats * 1e3
+
+
+@torch.inference_mode()
+def bucket_ms(model, device: torch.device, *, context: int = 256, repeats: int = 20) -> list[dict]:
+    """Per width bucket: one forward of that many rows after `context` tokens, captured vs eager."""
+    out = []
+    prompt = [1 + i % 100 for i in range(context)]
+    for width in graphs.buckets(graphs.MAX_BUCKET):
+        times = {}
+        for mode in (True, False):
+            kv = KVState(model, prompt, capacity=context + graphs.MAX_BUCKET, graphs=mode)
+            see = chain_then_tree_visibility(0, context, torch.zeros(0, 0, dtype=torch.bool))
+            kv.forward(prompt, list(range(context)), see, 1)
+            kv.pending = []
+            rows = chain_then_tree_visibility(context, width, torch.zeros(0, 0, dtype=torch.bool))
+
+            def step(kv=kv, rows=rows, width=width):
+                kv.forward([5] * width, list(range(context, context + width)), rows, 1)
+                kv.keep(list(range(context)))
+
+            step()  # the capture (graphs) or the warm-up (eager)
+            times[mode] = _timed(step, device, repeats)
+        out.append({"width": width, "replay_ms": round(times[True], 3), "eager_ms": round(times[False], 3)})
+    return out
+
+
+def run_measures(target, draft, device: torch.device) -> dict:
+    """Capture seconds, memory per run and host round trips per iteration of one graphs run."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    with transfer.counting() as moved:
+        result = _run(target, draft, PROMPTS[0], "fixed_tree", {}, graphs_on=True, max_new=64)
+    per = {k: round(v / max(result.iterations, 1), 2) for k, v in moved.items()}
+    memory = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
+    return {
+        "forward_path": result.forward_path,
+        "capture_s": round(result.capture_s, 3),
+        "run_memory_mb": None if memory is None else round(memory, 1),
+        "per_iteration": per,
+        "tokens_per_s": round(result.throughput_tps, 1),
+    }
+
+
+def gpu_check(device: str = "auto", *, embedded: bool = True, out: Path | None = None, log=print) -> dict | None:
+    """Run every check (module docstring); returns the report, or None without CUDA."""
+    if device == "auto":
+        if not torch.cuda.is_available():
+            log("gpu-check: no CUDA device here; nothing to check (run it on the GPU machine).")
+            return None
+        device = "cuda"
+    dev = torch.device(device)
+    rows: list[dict] = []
+    for arch in ARCHS:
+        target, draft = tiny_pair(arch, dev)
+        rows += pair_checks(f"tiny {arch}", target, draft)
+        log(f"gpu-check: tiny {arch} done")
+    measures: dict = {}
+    if embedded:
+        from dynatree_core.session import load_pair
+
+        pair = load_pair("embedded", device=device, dtype="float32")
+        target, draft = pair.target.model, pair.draft.model
+        rows += pair_checks("embedded", target, draft)
+        log("gpu-check: embedded pair done")
+        measures = {"buckets": bucket_ms(target, dev), "run": run_measures(target, draft, dev)}
+    report = {"device": str(dev), "name": _device_name(dev), "checks": rows, "measures": measures}
+    report["verdict"] = "pass" if all(r["ok"] for r in rows) else "FAIL"
+    log(verdict_table(report))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
+        log(f"gpu-check: report written to {out}")
+    return report
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (padded forward, not captured)"
+
+
+def verdict_table(report: dict) -> str:
+    lines = [
+        f"gpu-check on {report['name']}: {report['verdict']}",
+        "",
+        "| pair | check | ok | detail |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['pair']} | {r['check']} | {'yes' if r['ok'] else 'NO'} | {r['detail']} |" for r in report["checks"]
+    ]
+    measures = report.get("measures") or {}
+    if measures.get("buckets"):
+        lines += ["", "| width | replay ms | eager ms |", "|---|---|---|"]
+        lines += [f"| {b['width']} | {b['replay_ms']} | {b['eager_ms']} |" for b in measures["buckets"]]
+    if measures.get("run"):
+        run = measures["run"]
+        lines += [
+            "",
+            f"forward path: {run['forward_path']}; capture {run['capture_s']} s; memory per run "
+            f"{run['run_memory_mb']} MB; per iteration {run['per_iteration']}; {run['tokens_per_s']} tokens/s",
+        ]
+    return "\n".join(lines)

@@ -1,0 +1,41 @@
+"""`gpu-check` (gpu_check.py): one line and exit 0 without CUDA; on a CPU with `--device cpu` the
+same checks run on the padded forward (eager), so the command's logic is exercised here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dynatree_core import gpu_check
+from dynatree_core.cli import main
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answer")
+def test_without_cuda_it_says_so_in_one_line_and_exits_0(capsys, tmp_path):
+    assert main(["gpu-check", "--out", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "no CUDA device" in out[0]
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_the_checks_pass_on_the_padded_path_and_a_broken_one_fails(tmp_path, monkeypatch):
+    lines = []
+    report = gpu_check.gpu_check("cpu", embedded=False, out=tmp_path / "r.json", log=lines.append)
+    assert report["verdict"] == "pass", [r for r in report["checks"] if not r["ok"]]
+    checks = {(r["pair"], r["check"]) for r in report["checks"]}
+    assert len(checks) == 15 and ("tiny qwen2", "fallback") in checks
+    assert json.loads((tmp_path / "r.json").read_text())["verdict"] == "pass"
+    assert "| tiny mistral | interleaved | yes |" in lines[-2]
+
+    # a padded forward that lets tree nodes see their siblings: the checks must catch it
+    real = gpu_check.graphs.PaddedForward.__call__
+
+    def broken(self, ids, positions, visible, length, *a, **k):
+        return real(self, ids, positions, torch.ones_like(visible), length, *a, **k)
+
+    monkeypatch.setattr(gpu_check.graphs.PaddedForward, "__call__", broken)
+    target, draft = gpu_check.tiny_pair("llama", torch.device("cpu"))
+    rows = gpu_check.pair_checks("broken", target, draft)
+    assert not next(r for r in rows if r["check"] == "policies")["ok"]
