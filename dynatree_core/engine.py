@@ -25,7 +25,7 @@ from dynatree_core.metrics import memory_mb, summarize, weight_bytes
 from dynatree_core.models import context_length_of
 from dynatree_core.sampling import SamplingConfig
 from dynatree_core.trace import IterationRecord, RunResult
-from dynatree_core.transfer import sync
+from dynatree_core.transfer import sync, to_device
 from dynatree_core.tree import DraftTree, Reason
 from dynatree_core.verify.greedy import verify_greedy
 from dynatree_core.verify.registry import resolve_verifier
@@ -261,7 +261,8 @@ def _commit(
     chain, states = chain_states
     if states is not None:
         rows = list(range(len(chain))) + [len(chain) - 1 + row[n] for n in in_cache]
-        drafter.add_features(states[rows], list(chain[1:]) + list(new_tokens))
+        picked = states[to_device(torch.tensor(rows), states.device)]  # one upload of the row indices
+        drafter.add_features(picked, list(chain[1:]) + list(new_tokens))
     drafter.commit(tree, in_cache, new_tokens)
 
 

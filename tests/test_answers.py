@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from dynatree_core.models import REPO_ROOT as REPO
 from dynatree_core.models import load_model
@@ -86,3 +87,54 @@ def test_ood_set_covers_the_categories_and_shares_no_text_with_training_sources(
     for p in ood:
         shared = _shingles(" ".join([p.text, *(t for turn in p.history for t in turn)])) & training
         assert not shared, f"OOD prompt shares text with the training pool: {' '.join(next(iter(shared)))!r}"
+
+
+def test_windows_count_answer_tokens_only_and_a_rebuilt_map_covers_them(tmp_path, monkeypatch, tiny_target):
+    from dynatree_core.training.answer_data import AnswerCorpus, answer_ids, coverage, frequency_map, token_counts
+
+    monkeypatch.setattr(answers.sources, "build_pool", _pool)
+    monkeypatch.setattr(answers, "SHARD_JOBS", 2)
+    store = answers.AnswerStore(tmp_path / "ids", tmp_path / "features")
+    answers.generate(store, tiny_target, stages=("questions",), batch=2, log=lambda m: None)
+    data = AnswerCorpus(store, stages=("questions",), window=6, heldout=False)
+    seqs = [s for k in store.shards("questions") for s in store.sequences("questions", k)]
+    assert data.tokens() == sum(len(ids) - 1 for ids, _, _ in seqs), "every position with a feature, in windows"
+    x, f, valid, answer = data.batch(np.arange(len(data)), torch.device("cpu"), with_loss_mask=True)
+    for b, (_, _, _, start, length, plen, _) in enumerate(data.rows):  # prompt positions are context only
+        want = [start + j + 1 >= plen and j < length for j in range(x.shape[1])]
+        assert answer[b].tolist() == want, f"window {b}: the loss must count exactly the answer tokens"
+    assert answer.any() and not answer.all()
+    ids = answer_ids(store, ("questions",))
+    vocab = tiny_target.model.config.vocab_size
+    full = frequency_map(token_counts(store, vocab), len(set(ids.tolist())) + 1)
+    assert coverage(full, ids) == 1.0, "a map of every answer token covers every answer token"
+    assert coverage(frequency_map(token_counts(store, vocab), 2), ids) < 1.0
+
+
+def test_the_recipe_runs_end_to_end_for_any_llama_target(tmp_path, monkeypatch, tiny_pair_dirs):
+    """answers -> OOD answers -> vocabulary map -> unrolled training on the answers -> OOD report,
+    through the training CLI, for a target given as --target (a tiny local model)."""
+    import json
+
+    from dynatree_core.training.__main__ import main
+
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(answers.sources, "build_pool", _pool)
+    monkeypatch.setattr(answers, "SHARD_JOBS", 2)
+    monkeypatch.setattr(answers, "FOLLOW_SHARDS", 1)
+    monkeypatch.setattr(answers.sources, "question_from_answer", lambda text: "Why is the sky blue?")
+    target = tiny_pair_dirs[0]
+    main(["answers", "--target", target, "--batch", "4", "--dtype", "float32"])
+    main(["ood-answers", "--target", target, "--dtype", "float32"])
+    main(["vocab-map", "--target", target, "--sizes", "2048", "--current", "", "--out", str(tmp_path / "map")])
+    run = tmp_path / "run"
+    main(
+        ["train-feature", "--data", "answers", "--target", target, "--token-map", str(tmp_path / "map")]
+        + ["--loss", "unrolled", "--steps", "4", "--batch", "2", "--eval-every", "2", "--out", str(run)]
+    )
+    out = tmp_path / "quality.json"
+    main(["feature-quality", "--answers", "--target", target, "--draft", str(run / "draft")]
+         + ["--no-token-draft", "--out", str(out)])  # fmt: skip
+    report = json.loads(out.read_text())
+    assert len(report["out-of-distribution"][str(run / "draft")]["agreement_by_depth"]) == 4
+    assert report["out-of-distribution"]["windows"] >= 64, "every OOD prompt's answer is measured"

@@ -34,6 +34,7 @@ import torch
 from dynatree_core.drafting.base import Drafter
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.transfer import to_device
 from dynatree_core.tree import DraftTree
 from dynatree_core.vocab import OTHER, TokenMap
 
@@ -115,7 +116,7 @@ class FeatureDraft(torch.nn.Module):
 
     def inputs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """(q, H) layer inputs for q (token, feature) pairs: fc([embed(token); feature])."""
-        emb = self.embed(tokens.to(self.embed.weight.device)).to(self.fc.weight.dtype)
+        emb = self.embed(to_device(tokens, self.embed.weight.device)).to(self.fc.weight.dtype)
         return self.fc(torch.cat([emb, features.to(emb.dtype)], dim=-1))
 
     # -- construction and files --

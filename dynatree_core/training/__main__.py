@@ -27,16 +27,21 @@ def _export_parser(sub, name: str, help: str, run: Path, quality: str, recipe: s
     ex.add_argument("--note", default="", help="extra text for the card (e.g. caveats about the compute ledger)")
 
 
-def answer_dirs(target: str, ids_dir: Path | None, features_dir: Path | None) -> tuple[Path, Path]:
-    """Where a target's answer shards live: the embedded target's ids are committed, any other
-    target's stay in the cache (under a directory named after its spec)."""
+def answer_dirs(
+    target: str, ids_dir: Path | None = None, features_dir: Path | None = None, *, ood: bool = False
+) -> tuple[Path, Path]:
+    """Where a target's answer shards live (`ood`: its answers to the OOD set, kept apart): the
+    embedded target's ids are committed, any other target's stay in the cache (under a directory
+    named after its spec); features always live in the cache."""
     slug = "embedded" if target == "embedded" else "".join(c if c.isalnum() else "-" for c in target).strip("-")
-    ids = COMMITTED / "answers" if target == "embedded" else cache_dir() / "draft-data" / slug / "answers"
-    feats = cache_dir() / "draft-data" / slug / "answer-features"
+    name = "ood-answers" if ood else "answers"
+    ids = COMMITTED / name if target == "embedded" else cache_dir() / "draft-data" / slug / name
+    feats = cache_dir() / "draft-data" / slug / ("ood-answer-features" if ood else "answer-features")
     return ids_dir or ids, features_dir or feats
 
 
-def _answer_flags(parser: argparse.ArgumentParser) -> None:
+def _answer_flags(parser: argparse.ArgumentParser, *, ood: bool = False) -> None:
+    parser.set_defaults(ood=ood)
     parser.add_argument("--target", default="embedded", help="a Llama-family target: preset, hub id or directory")
     parser.add_argument("--ids-dir", type=Path, default=None, help="token-id shards (default: by target)")
     parser.add_argument("--features-dir", type=Path, default=None, help="feature shards (default: by target)")
@@ -50,14 +55,17 @@ def _answers(args: argparse.Namespace) -> None:
 
     from dynatree_core.models import load_model
     from dynatree_core.packing import pack_linears, packing_enabled
-    from dynatree_core.training.answers import AnswerStore, generate, relabel
+    from dynatree_core.training.answers import AnswerStore, generate, ood_answers, relabel
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    store = AnswerStore(*answer_dirs(args.target, args.ids_dir, args.features_dir))
+    store = AnswerStore(*answer_dirs(args.target, args.ids_dir, args.features_dir, ood=args.ood))
     target = load_model(args.target, device=args.device, dtype=args.dtype)
     if packing_enabled(target.device, target.dtype):
         pack_linears(target.model)
+    if args.command == "ood-answers":
+        ood_answers(store, target, log=lambda m: print(m, flush=True))
+        return
     if args.command == "answers-relabel":
         print(f"answers-relabel: {relabel(store, target, batch=args.batch)} shards relabelled", flush=True)
         return
@@ -65,6 +73,32 @@ def _answers(args: argparse.Namespace) -> None:
     log = lambda m: print(m, flush=True)  # noqa: E731
     n = generate(store, target, stages=stages, max_shards=args.max_shards, batch=args.batch, seed=args.seed, log=log)
     print(f"answers: {n} shards written to {store.ids_dir}", flush=True)
+
+
+def _vocab_map(args: argparse.Namespace) -> None:
+    import json
+
+    from dynatree_core.models import load_model
+    from dynatree_core.training.answer_data import vocab_report
+    from dynatree_core.training.answers import AnswerStore
+    from dynatree_core.vocab import TokenMap
+
+    target = load_model(args.target, device="cpu", dtype="float32")
+    vocab = target.model.config.get_text_config(decoder=True).vocab_size
+    sizes = [int(n) for n in args.sizes.split(",") if n.strip()]
+    report, maps = vocab_report(
+        AnswerStore(*answer_dirs(args.target)),
+        AnswerStore(*answer_dirs(args.target, ood=True)),
+        sizes,
+        vocab,
+        current=TokenMap.load(args.current) if args.current else None,
+        always=sorted(target.eos_token_ids),
+    )
+    print(json.dumps(report, indent=1))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        maps[sizes[0]].save(args.out)
+        print(f"vocab-map: {args.out / 'token_map.json'} ({sizes[0]} slots)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,6 +121,13 @@ def main(argv: list[str] | None = None) -> None:
     ans.add_argument("--max-shards", type=int, default=None, help="stop after writing this many shards")
     ans.add_argument("--batch", type=int, default=64, help="rows decoded together")
     ans.add_argument("--seed", type=int, default=0)
+    ood = sub.add_parser("ood-answers", help="the target's greedy answers to the OOD prompt set, features kept")
+    _answer_flags(ood, ood=True)
+    vm = sub.add_parser("vocab-map", help="rebuild the draft's reduced vocabulary from the answers; OOD coverage")
+    vm.add_argument("--target", default="embedded")
+    vm.add_argument("--sizes", default="16384,24576,32768", help="map sizes to rebuild and compare")
+    vm.add_argument("--current", type=Path, default=REPO_ROOT / "assets" / "models" / "smollm2-feature-draft")
+    vm.add_argument("--out", type=Path, default=None, help="write the first size's token_map.json into this directory")
     rel = sub.add_parser("answers-relabel", help="recompute missing answer features from the committed ids")
     _answer_flags(rel)
     rel.add_argument("--batch", type=int, default=16)
@@ -132,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     tf.add_argument("--out", type=Path, default=cache_dir() / "draft-runs" / "feature-kd")
     tf.add_argument("--token-map", type=Path, default=REPO_ROOT / "assets" / "models" / "smollm2-draft")
     tf.add_argument("--init-from", type=Path, default=None, help="a saved feature draft to start from (weights only)")
+    tf.add_argument("--data", choices=("corpus", "answers"), default="corpus", help="answers: the answer shards")
+    tf.add_argument("--target", default="embedded", help="the target whose features the draft reads")
     tf.add_argument(
         "--talf-trees", type=Path, default=data_root / "talf_trees.npz", help="target trees for --loss talf"
     )
@@ -144,6 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     fq.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
     fq.add_argument("--features", type=Path, default=data_root / "features")
     fq.add_argument("--out", type=Path, default=None, help="write the numbers as JSON")
+    fq.add_argument("--answers", action="store_true", help="held-out answer shards and the OOD answers, side by side")
+    fq.add_argument("--target", default="embedded")
+    fq.add_argument("--no-token-draft", action="store_true", help="report the feature drafts only")
     _export_parser(
         sub,
         "export-feature",
@@ -168,8 +214,10 @@ def main(argv: list[str] | None = None) -> None:
         "make draft",
     )
     args = parser.parse_args(argv)
-    if args.command in ("answers", "answers-relabel"):
+    if args.command in ("answers", "answers-relabel", "ood-answers"):
         _answers(args)
+    elif args.command == "vocab-map":
+        _vocab_map(args)
     elif args.command == "corpus":
         from dynatree_core.models import load_model
         from dynatree_core.training.corpus import build_corpus
@@ -196,8 +244,14 @@ def main(argv: list[str] | None = None) -> None:
         from dynatree_core.vocab import TokenMap
 
         cfg = FeatureTrainConfig(**{k: getattr(args, k) for k in FeatureTrainConfig.__dataclass_fields__})
-        target = load_model("embedded", device=cfg.device, dtype="float32").model
-        data = FeatureCorpus(args.corpus, args.features)
+        target = load_model(args.target, device=cfg.device, dtype="float32").model
+        if args.data == "answers":
+            from dynatree_core.training.answer_data import AnswerCorpus
+            from dynatree_core.training.answers import AnswerStore
+
+            data = AnswerCorpus(AnswerStore(*answer_dirs(args.target)))
+        else:
+            data = FeatureCorpus(args.corpus, args.features)
         print(f"train-feature: {len(data.train_rows)} training windows, {len(data.eval_rows)} held out", flush=True)
         token_map = TokenMap.load(args.token_map) if args.token_map else None
         trees = None
@@ -227,10 +281,22 @@ def main(argv: list[str] | None = None) -> None:
         from dynatree_core.training.feature import agreement_by_depth, token_draft_agreement
         from dynatree_core.training.feature_data import FeatureCorpus
 
-        target = load_model("embedded", device="cpu", dtype="float32").model
+        target = load_model(args.target, device="cpu", dtype="float32").model
+        token = None if args.no_token_draft else load_model(str(args.token_draft), device="cpu", dtype="float32")
+        if args.answers:
+            from dynatree_core.training.answer_data import AnswerCorpus, agreement_report
+            from dynatree_core.training.answers import AnswerStore
+
+            seen = AnswerCorpus(AnswerStore(*answer_dirs(args.target)))
+            ood = AnswerCorpus(AnswerStore(*answer_dirs(args.target, ood=True)), stages=("ood",), heldout=True)
+            splits = {"in-distribution (held out)": (seen, seen.eval_rows), "out-of-distribution": (ood, ood.eval_rows)}
+            result = agreement_report(target, args.draft, token, splits)
+            print(json.dumps(result, indent=1))
+            if args.out:
+                args.out.write_text(json.dumps(result, indent=1))
+            return
         data = FeatureCorpus(args.corpus, args.features)
         head = target.get_output_embeddings()
-        token = load_model(str(args.token_draft), device="cpu", dtype="float32")
         result = {
             "heldout_windows": len(data.eval_rows),
             "heldout_tokens": int(data.lengths[data.eval_rows].sum()),

@@ -35,6 +35,10 @@ FOLLOW_JOBS = 2000
 STAGES = ("questions", "main", "follow")
 
 
+def _source_index(source: str) -> int:
+    return sources.SOURCES.index(source) if source in sources.SOURCES else -1  # -1: the OOD evaluation set
+
+
 def _ids_dtype(vocab: int):
     return np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32
 
@@ -80,7 +84,7 @@ class AnswerStore:
             ids=ids,
             offsets=offsets,
             prompt_lens=np.asarray([r.prompt_len for r in rows], dtype=np.int32),
-            source=np.asarray([sources.SOURCES.index(j.source) for j in jobs], dtype=np.int8),
+            source=np.asarray([_source_index(j.source) for j in jobs], dtype=np.int8),
             temperature=np.asarray([j.temperature for j in jobs], dtype=np.float16),
         )
         tmp.rename(self.ids_path(stage, k))
@@ -192,12 +196,34 @@ def generate(
     return written
 
 
+def ood_answers(store: AnswerStore, target, *, max_new: int = 256, log=print) -> None:
+    """The target's greedy answers to the out-of-distribution prompt set (assets/prompts/ood/),
+    features kept, as stage "ood" of its own store: what OOD agreement and coverage are measured
+    on. No training stage reads this store."""
+    from dynatree_core.prompts import load_prompts
+
+    if store.shards("ood"):
+        log("answers: the OOD answers exist")
+        return
+    prompts = load_prompts("ood")
+    jobs = [sources.Job(f"ood/{p.domain}", p.text, p.chat, 0.0, max_new, p.history) for p in prompts]
+    ids = [encode_prompt(target.tokenizer, p.text, chat=p.chat, history=p.history) for p in prompts]
+    t0 = time.perf_counter()
+    rows = BatchDecoder(target.model).generate(
+        ids, max_new=[max_new] * len(ids), temperature=[0.0] * len(ids), eos=target.eos_token_ids, seed=0
+    )
+    vocab = target.model.config.get_text_config(decoder=True).vocab_size
+    store.write("ood", 0, rows, jobs, vocab)
+    made = sum(len(r.ids) - r.prompt_len for r in rows)
+    log(f"answers: {len(rows)} OOD answers, {made} tokens in {time.perf_counter() - t0:.0f} s")
+
+
 @torch.inference_mode()
 def relabel(store: AnswerStore, target, *, batch: int = 16, log=print) -> int:
     """Features for the shards that have ids but no (valid) features: teacher-forced, batched."""
     decoder = BatchDecoder(target.model)
     done = 0
-    for stage in STAGES:
+    for stage in (*STAGES, "ood"):
         for k in store.shards(stage):
             if store.has_features(stage, k):
                 continue

@@ -35,6 +35,7 @@ from dynatree_core.models import resolve_device
 from dynatree_core.training.feature_data import FeatureCorpus
 from dynatree_core.training.feature_talf import feature_talf_loss
 from dynatree_core.training.ledger import record
+from dynatree_core.training.unrolled import depth_mask, unrolled_kd_loss
 from dynatree_core.vocab import OTHER, TokenMap
 
 
@@ -54,7 +55,9 @@ class FeatureTrainConfig:
     device: str = "auto"
     ce_share: float = 1.0  # share of positions the CE is taken over (< 1 saves head products on a CPU)
     autocast: str = "bfloat16"  # mixed precision for forward and loss ("" for float32)
-    loss: str = "kd"  # "kd" (EAGLE: regression + CE) or "talf" (tree-aware CE over target trees, feature_talf.py)
+    loss: str = "kd"  # "kd" (EAGLE: regression + CE), "unrolled" (unrolled.py) or "talf" (feature_talf.py)
+    unroll_steps: int = 3  # "unrolled": levels the draft is unrolled over its own predicted features
+    unroll_decay: float = 0.8  # "unrolled": weight of level k is decay^(k-1)
     regression_weight: float = 0.0  # TALF only: add the feature regression (the paper drops it)
 
 
@@ -67,8 +70,10 @@ def feature_kd_loss(
     noise: float,
     ce_weight: float,
     ce_share: float = 1.0,
+    answer: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """The KD loss over a batch of windows (module docstring); and (regression, ce, agreement).
+    `answer` (B, W): the positions whose next token counts (None: every valid one).
     `ce_share` < 1 takes the cross-entropy (two LM-head products per position: most of a step's
     arithmetic on a CPU) over that random share of the valid positions only."""
     inputs = f[:, :-1]
@@ -76,14 +81,15 @@ def feature_kd_loss(
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
     tokens, goal = x[:, 1:], f[:, 1:]
     mask = valid[:, 1:]
+    counted = mask if answer is None else mask & answer[:, 1:]
     width = tokens.shape[1]
     embeds = draft.inputs(tokens, inputs.to(draft.dtype))
     positions = torch.arange(1, width + 1, device=x.device)[None].expand(len(x), -1)
     pred = draft.lm.model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask.long()).last_hidden_state
     pred = pred.float()
-    m = mask.float()
+    m = counted.float()
     reg = (F.smooth_l1_loss(pred, goal, reduction="none").mean(-1) * m).sum() / m.sum().clamp(min=1)
-    rows = mask if ce_share >= 1 else mask & (torch.rand(mask.shape, device=mask.device) < ce_share)
+    rows = counted if ce_share >= 1 else counted & (torch.rand(mask.shape, device=mask.device) < ce_share)
     logq = torch.log_softmax(draft.reduced_logits(pred[rows]), -1)
     with torch.no_grad():
         p = torch.softmax(draft.reduced_logits(goal[rows]), -1)
@@ -91,22 +97,6 @@ def feature_kd_loss(
     hit = (logq.argmax(-1) == p.argmax(-1)).float().mean() if len(p) else torch.tensor(0.0)
     parts = {"regression": float(reg.detach()), "ce": float(ce.detach()), "agreement": float(hit)}
     return reg + ce_weight * ce, parts
-
-
-def depth_mask(levels: int, width: int, valid: torch.Tensor) -> torch.Tensor:
-    """(B, 1, L*W, L*W) additive mask for `levels` stacked copies of a window's pairs: row (k, j)
-    is a tree node at depth k whose root is pair j-k+1. It sees the committed pairs 1..j-k+1 of
-    level 1 (true features), its ancestors (level m at pair j-k+m, m = 2..k-1) and itself."""
-    k = torch.arange(levels).repeat_interleave(width)  # level of each row, 0-based
-    j = torch.arange(width).repeat(levels)  # pair index of each row
-    root = j - k  # the pair the row's chain starts from
-    committed = (k[None, :] == 0) & (j[None, :] <= root[:, None])
-    ancestor = (k[None, :] > 0) & (j[None, :] - k[None, :] == root[:, None]) & (k[None, :] <= k[:, None])
-    see = (committed | ancestor) & (root[:, None] >= 0)
-    see |= torch.eye(levels * width, dtype=torch.bool)
-    see = see[None] & valid.repeat(1, levels)[:, None, :]
-    mask = torch.zeros(see.shape, dtype=torch.float32)
-    return mask.masked_fill_(~see, torch.finfo(torch.float32).min)[:, None]
 
 
 @torch.no_grad()
@@ -200,8 +190,8 @@ def train_feature_draft(
 
     `init_from`: a saved feature draft to start from (weights only: TALF fine-tunes a converged
     KD draft, Alg. 1). `trees`: the target trees (`feature_talf.TargetTrees`) for cfg.loss "talf"."""
-    if cfg.loss not in ("kd", "talf"):
-        raise SystemExit(f"--loss must be kd or talf, not {cfg.loss!r}")
+    if cfg.loss not in ("kd", "talf", "unrolled"):
+        raise SystemExit(f"--loss must be kd, unrolled or talf, not {cfg.loss!r}")
     if cfg.loss == "talf" and trees is None:
         raise SystemExit("--loss talf needs target trees (run talf-label first)")
     device = resolve_device(cfg.device)
@@ -245,11 +235,20 @@ def train_feature_draft(
                     regression_weight=cfg.regression_weight,
                 )
         else:
-            x, f, valid = data.batch(data.sample(rng, cfg.batch, cfg.onpolicy_share), device)
+            rows = data.sample(rng, cfg.batch, cfg.onpolicy_share)
+            answer = None
+            if hasattr(data, "window"):  # answer shards (answer_data.py): the loss counts answer tokens
+                x, f, valid, answer = data.batch(rows, device, with_loss_mask=True)
+            else:
+                x, f, valid = data.batch(rows, device)
+            kd = dict(noise=cfg.noise, ce_weight=cfg.ce_weight, ce_share=cfg.ce_share)
             with _autocast(device, cfg.autocast):
-                loss, parts = feature_kd_loss(
-                    draft, x, f, valid, noise=cfg.noise, ce_weight=cfg.ce_weight, ce_share=cfg.ce_share
-                )
+                if cfg.loss == "unrolled":
+                    loss, parts = unrolled_kd_loss(
+                        draft, x, f, valid, answer, steps=cfg.unroll_steps, decay=cfg.unroll_decay, **kd
+                    )
+                else:
+                    loss, parts = feature_kd_loss(draft, x, f, valid, answer=answer, **kd)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)

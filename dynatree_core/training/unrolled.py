@@ -1,0 +1,115 @@
+"""Training that matches decoding: the feature draft unrolled over its own predicted features.
+
+Plain KD (feature.py) always feeds the draft the target's true feature of the previous position.
+In a drafted tree only depth 1 gets that: a node at depth k >= 2 reads the feature its parent
+*predicted*, a distribution training never showed it, so agreement decays with depth (0.61 /
+0.52 / 0.49 / 0.48 at depths 1-4 for the KD draft). EAGLE-3's training-time test and HASS fix
+this by unrolling the draft during training; here, for `steps` levels over a window of pairs
+(pair j reads (f_j, x_{j+1}) and predicts f_{j+1}):
+
+    level 1:  every pair reads the target's feature                      (plain KD)
+    level k:  pair j reads level k-1's prediction at pair j-1, and attends, exactly as a depth-k
+              tree node whose root is pair j-k+1 does, to the committed pairs <= j-k+1 (level 1)
+              and to its ancestors (pair j-k+m at level m, m = 2..k-1), through the cached keys
+              and values of the earlier levels (`depth_mask`'s rows of level k)
+
+so one extra forward of W rows per level (the earlier levels are read from the cache, never
+recomputed). Each level's loss is the KD loss (regression + soft cross-entropy to the target's
+next feature) over the positions whose root is real and whose next token is an answer token,
+weighted decay^(k-1) (EAGLE-3). The predicted features passed to the next level are detached:
+what the next level learns is to read them, not to move them (and memory stays one level deep).
+
+`unrolled_predictions` is tested to equal drafting every chain separately.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dynatree_core.drafting.feature import FeatureDraft
+
+
+def depth_mask(levels: int, width: int, valid: torch.Tensor) -> torch.Tensor:
+    """(B, 1, L*W, L*W) additive mask for `levels` stacked copies of a window's pairs: row (k, j)
+    is a tree node at depth k whose root is pair j-k+1. It sees the committed pairs 1..j-k+1 of
+    level 1 (true features), its ancestors (level m at pair j-k+m, m = 2..k-1) and itself."""
+    k = torch.arange(levels).repeat_interleave(width)  # level of each row, 0-based
+    j = torch.arange(width).repeat(levels)  # pair index of each row
+    root = j - k  # the pair the row's chain starts from
+    committed = (k[None, :] == 0) & (j[None, :] <= root[:, None])
+    ancestor = (k[None, :] > 0) & (j[None, :] - k[None, :] == root[:, None]) & (k[None, :] <= k[:, None])
+    see = (committed | ancestor) & (root[:, None] >= 0)
+    see |= torch.eye(levels * width, dtype=torch.bool)
+    see = see[None] & valid.repeat(1, levels)[:, None, :]
+    mask = torch.zeros(see.shape, dtype=torch.float32)
+    return mask.masked_fill_(~see, torch.finfo(torch.float32).min)[:, None]
+
+
+def unrolled_predictions(
+    draft: FeatureDraft, x: torch.Tensor, f: torch.Tensor, valid: torch.Tensor, *, steps: int, noise: float = 0.0
+) -> list[torch.Tensor]:
+    """Per level 1..steps, the draft's predicted features (B, W-1, H) at every pair (module docstring).
+    x (B, W) ids, f (B, W, H) target features, valid (B, W) bool."""
+    from transformers import DynamicCache
+
+    inputs = f[:, :-1]
+    if noise > 0:
+        inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
+    tokens, pair_valid = x[:, 1:], valid[:, 1:]
+    batch, width = tokens.shape
+    positions = torch.arange(1, width + 1, device=x.device)[None].expand(batch, -1)
+    cache = DynamicCache()
+    preds: list[torch.Tensor] = []
+    for level in range(1, steps + 1):
+        if level > 1:  # pair j reads level k-1's prediction at pair j-1 (pair 0 has no parent: a placeholder)
+            inputs = torch.cat([f[:, :1], preds[-1][:, :-1].detach().to(f.dtype)], dim=1)
+        mask = depth_mask(level, width, pair_valid.cpu())[:, :, (level - 1) * width :]  # level k's rows
+        out = draft.lm.model(
+            inputs_embeds=draft.inputs(tokens, inputs.to(draft.dtype)),
+            position_ids=positions,
+            attention_mask=mask.to(device=x.device, dtype=draft.dtype),
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state
+        preds.append(out)
+    return preds
+
+
+def unrolled_kd_loss(
+    draft: FeatureDraft,
+    x: torch.Tensor,
+    f: torch.Tensor,
+    valid: torch.Tensor,
+    answer: torch.Tensor | None = None,
+    *,
+    steps: int,
+    noise: float,
+    ce_weight: float,
+    ce_share: float = 1.0,
+    decay: float = 0.8,
+) -> tuple[torch.Tensor, dict]:
+    """The weighted sum over levels of the KD loss (module docstring); and per-level agreement.
+    `answer` (B, W): positions whose next token counts (None: every valid one)."""
+    preds = unrolled_predictions(draft, x, f, valid, steps=steps, noise=noise)
+    goal = f[:, 1:].float()
+    counted = (answer if answer is not None else valid)[:, 1:] & valid[:, 1:]
+    total, weights, parts = 0.0, 0.0, {}
+    for level, pred in enumerate(preds, 1):
+        pred = pred.float()
+        rows = counted.clone()
+        rows[:, : level - 1] = False  # the chain's root must be a real pair
+        if ce_share < 1:
+            rows &= torch.rand(rows.shape, device=rows.device) < ce_share
+        if not bool(rows.any()):
+            continue
+        reg = F.smooth_l1_loss(pred[rows], goal[rows], reduction="none").mean(-1).mean()
+        logq = torch.log_softmax(draft.reduced_logits(pred[rows].to(draft.dtype)), -1)
+        with torch.no_grad():
+            p = torch.softmax(draft.reduced_logits(goal[rows].to(draft.dtype)), -1)
+        ce = -(p * logq.nan_to_num(neginf=0.0)).sum(-1).mean()
+        weight = decay ** (level - 1)
+        total = total + weight * (reg + ce_weight * ce)
+        weights += weight
+        parts[f"agree{level}"] = float((logq.argmax(-1) == p.argmax(-1)).float().mean())
+    return total / max(weights, 1e-9), parts
