@@ -26,7 +26,7 @@ from dynatree_core.errors import DynaTreeError
 from dynatree_core.methods import make_method, method_class
 from dynatree_core.metrics import exactness_note
 from dynatree_core.packing import is_packed
-from dynatree_core.prompts import Prompt
+from dynatree_core.prompts import OOD_PREFIX, Prompt
 from dynatree_core.session import encode_prompt
 
 SUMMARY_FIELDS = (
@@ -81,6 +81,33 @@ class BenchReport:
             writer.writerow({k: json.dumps(v) if isinstance(v, dict) else v for k, v in row.items()})
         return buf.getvalue()
 
+    def by_prompt_set(self) -> list[str]:
+        """When the prompts mix the bundled sets and the OOD set: speedup over ar and tokens per
+        iteration on each side, from the per-prompt rows (means over that side's prompts)."""
+        side = lambda row: "OOD" if str(row["domain"]).startswith(OOD_PREFIX) else "in-distribution"  # noqa: E731
+        sides = sorted({side(r) for r in self.prompts}, reverse=True)
+        if len(sides) < 2:
+            return []
+        mean = lambda vals: statistics.fmean(vals) if vals else 0.0  # noqa: E731
+        per: dict[tuple[str, str], tuple[float, float]] = {}
+        for label in dict.fromkeys(r["label"] for r in self.prompts):
+            for name in sides:
+                rows = [r for r in self.prompts if r["label"] == label and side(r) == name]
+                per[label, name] = (
+                    mean([r["throughput_tps"] for r in rows]),
+                    mean([r["tokens_per_iteration"] for r in rows]),
+                )
+        out = ["", "| policy | " + " | ".join(f"{s} speedup | {s} tokens / iteration" for s in sides) + " |"]
+        out.append("|---|" + "---|---|" * len(sides))
+        for label in dict.fromkeys(r["label"] for r in self.prompts):
+            cells = []
+            for name in sides:
+                base = per.get(("ar", name), (0.0, 0.0))[0]
+                tps, tpi = per[label, name]
+                cells.append(f"{tps / base:.2f} | {tpi:.2f}" if base else f"- | {tpi:.2f}")
+            out.append(f"| {label} | " + " | ".join(cells) + " |")
+        return out
+
     def markdown(self) -> str:
         out = [
             "| policy | verifier | tokens / s | speedup | tokens / iteration | acceptance | accepted length "
@@ -103,6 +130,7 @@ class BenchReport:
                 f"{e.tokens_per_iteration:.2f} | {e.acceptance_rate:.2f} | {e.mean_accepted_length:.2f} | {ttft} | "
                 f"{tpot} | {split} | {outside} | {e.peak_memory_mb:.0f} | {exact} |"
             )
+        out += self.by_prompt_set()
         note = exactness_note(self.environment.get("dtype", "float32"))
         paths = self.environment.get("forward_paths") or []
         if paths:

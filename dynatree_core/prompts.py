@@ -4,6 +4,7 @@ A prompt set is a list of `Prompt(text, chat)`. Specs `load_prompts` understands
   all | chat | code | ...       the bundled sets (assets/prompts/*.jsonl); "all" is every domain
   ood | ood:CATEGORY            the out-of-distribution evaluation set (assets/prompts/ood/): prompts
                                 the draft never trained on, by Spec-Bench category; "ood" is all of them
+  A,B                           several of the above, e.g. "all,ood" (reports show each side apart)
   path.jsonl                    objects with "prompt" and optional "chat"
   path.txt                      one prompt per non-empty line (chat off)
   wikitext2 | pg19              the corpora of the DynaTree papers, through `datasets` (online)
@@ -27,6 +28,7 @@ from dynatree_core.errors import DynaTreeError
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "assets" / "prompts"
 OOD_DIR = PROMPTS_DIR / "ood"
+OOD_PREFIX = "ood/"  # the domain of an OOD prompt: "ood/<category>"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,13 +160,15 @@ def _local_corpus(name: str, location: str, limit: int | None) -> list[Prompt]:
 def load_prompts(spec: str, limit: int | None = None) -> list[Prompt]:
     """The prompts of `spec` (see the module docstring). `limit` only bounds what a corpus loader
     reads (the first N documents); bundled and user files are returned whole."""
+    if "," in spec:  # several sets: "all,ood" (a report then shows each side apart)
+        return [p for part in spec.split(",") if part.strip() for p in load_prompts(part.strip(), limit)]
     name, colon, location = spec.partition(":")
     if name == "ood":
         wanted = [location] if colon else ood_categories()
         unknown = [c for c in wanted if c not in ood_categories()]
         if unknown:
             raise DynaTreeError(f"unknown OOD category {unknown[0]!r}: use one of {', '.join(ood_categories())}")
-        return [p for c in wanted for p in _read_jsonl(OOD_DIR / f"{c}.jsonl", c)]
+        return [p for c in wanted for p in _read_jsonl(OOD_DIR / f"{c}.jsonl", f"{OOD_PREFIX}{c}")]
     if name in CORPORA:
         return _local_corpus(name, location, limit) if colon else _hub_corpus(name, limit)
     if spec == "all":

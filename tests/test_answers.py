@@ -76,7 +76,7 @@ def _shingles(text: str, n: int = 8) -> set[tuple[str, ...]]:
 def test_ood_set_covers_the_categories_and_shares_no_text_with_training_sources():
     assert set(ood_categories()) >= {"multi_turn", "translation", "summarization", "qa", "math", "rag", "code"}
     ood = load_prompts("ood")
-    assert all(len([p for p in ood if p.domain == c]) >= 8 for c in ood_categories())
+    assert all(len([p for p in ood if p.domain == f"ood/{c}"]) >= 8 for c in ood_categories())
     assert any(p.history for p in ood), "multi-turn prompts carry earlier turns"
     lists = sorted((REPO / "assets" / "draft-data" / "answers").glob("*.jobs.gz"))
     assert lists, "the committed job lists of the draft's data are missing"
@@ -138,3 +138,17 @@ def test_the_recipe_runs_end_to_end_for_any_llama_target(tmp_path, monkeypatch, 
     report = json.loads(out.read_text())
     assert len(report["out-of-distribution"][str(run / "draft")]["agreement_by_depth"]) == 4
     assert report["out-of-distribution"]["windows"] >= 64, "every OOD prompt's answer is measured"
+
+
+def test_a_bench_over_both_prompt_sets_reports_each_side_apart():
+    from dynatree_core.bench import BenchReport
+
+    def row(label, domain, tps, tpi):
+        return {"label": label, "domain": domain, "throughput_tps": tps, "tokens_per_iteration": tpi}
+
+    rows = [row("ar", "chat", 10, 1), row("ar", "ood/qa", 10, 1), row("ar", "ood/math", 20, 1)]
+    rows += [row("fixed_tree", "chat", 20, 3), row("fixed_tree", "ood/qa", 15, 2), row("fixed_tree", "ood/math", 30, 2)]
+    lines = BenchReport({}, {}, [], rows).by_prompt_set()
+    assert "| fixed_tree | 2.00 | 3.00 | 1.50 | 2.00 |" in lines, lines
+    assert not BenchReport({}, {}, [], rows[:1] + rows[3:4]).by_prompt_set(), "one side only: no split table"
+    assert {p.domain for p in load_prompts("chat,ood:qa")} == {"chat", "ood/qa"}

@@ -206,7 +206,7 @@ def ood_answers(store: AnswerStore, target, *, max_new: int = 256, log=print) ->
         log("answers: the OOD answers exist")
         return
     prompts = load_prompts("ood")
-    jobs = [sources.Job(f"ood/{p.domain}", p.text, p.chat, 0.0, max_new, p.history) for p in prompts]
+    jobs = [sources.Job(p.domain, p.text, p.chat, 0.0, max_new, p.history) for p in prompts]
     ids = [encode_prompt(target.tokenizer, p.text, chat=p.chat, history=p.history) for p in prompts]
     t0 = time.perf_counter()
     rows = BatchDecoder(target.model).generate(
