@@ -28,6 +28,15 @@ def cpu_info() -> tuple[str, list[str]]:
     return cpu, flags.split()
 
 
+def portable(text: str) -> str:
+    """`text` with this machine's paths made portable: the repository root dropped (paths become
+    relative to it) and the home directory written as ~ (what reports and model cards record)."""
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent) + os.sep
+    return text.replace(root, "").replace(str(Path.home()) + os.sep, "~" + os.sep)
+
+
 def environment(
     device: str, dtype: str, packed: bool = False, dtype_source: str = "", *, forward_path: str = ""
 ) -> dict[str, Any]:

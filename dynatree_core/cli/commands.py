@@ -9,6 +9,7 @@ import sys
 
 from tqdm import tqdm
 
+from dynatree_core.environment import portable
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.settings import RunSpec
 
@@ -179,7 +180,7 @@ def cmd_bench(args) -> None:
         else:
             sweep = dict(setting=setting[0], values=setting[1])
             report = B.run_setting_sweep(pair, entries, chosen, progress=progress, **sweep, **common)
-    report.settings["command"] = "python -m dynatree_core " + shlex.join(args.argv)
+    report.settings["command"] = portable("python -m dynatree_core " + shlex.join(args.argv))
     report.settings["models"] = {"target": target_spec, "draft": draft_spec}
     if args.out is not None:
         args.out.write_text(report.to_json(), encoding="utf-8")
@@ -241,7 +242,7 @@ def cmd_latency(args) -> None:
             pair.dtype_source,
             forward_path=forward_path(model, options["static_cache"], options["fast_forward"], options["graphs"]),
         ),
-        "command": "python -m dynatree_core " + shlex.join(args.argv),
+        "command": portable("python -m dynatree_core " + shlex.join(args.argv)),
         "points": [dataclasses.asdict(p) for p in points],
     }
     if args.out is not None:

@@ -21,6 +21,7 @@ import zlib
 import numpy as np
 import torch
 
+from dynatree_core.environment import portable
 from dynatree_core.training.answers import STAGES, AnswerStore
 from dynatree_core.vocab import TokenMap
 
@@ -136,7 +137,7 @@ def agreement_report(target, drafts: list, token_draft, splits: dict) -> dict:
             }
         for path in drafts:
             draft = FeatureDraft.load(path, target)
-            part[str(path)] = {"agreement_by_depth": agreement_by_depth(draft, head, data, rows)}
+            part[portable(str(path))] = {"agreement_by_depth": agreement_by_depth(draft, head, data, rows)}
         out[name] = part
     return out
 

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from dynatree_core.drafting.feature import FeatureDraft
+from dynatree_core.environment import portable
 from dynatree_core.models import resolve_device
 from dynatree_core.training.feature_data import FeatureCorpus
 from dynatree_core.training.feature_talf import feature_talf_loss
@@ -318,7 +319,7 @@ def model_card(run_dir: Path, quality: dict | None, command: str, note: str = ""
     if note:
         lines += ["", note]
     if quality:
-        lines += ["", "## Measured quality", "", "```json", json.dumps(quality, indent=1), "```"]
+        lines += ["", "## Measured quality", "", "```json", portable(json.dumps(quality, indent=1)), "```"]
     return "\n".join(lines) + "\n"
 
 
