@@ -52,26 +52,38 @@ draft: setup
 	$(PY) -m dynatree_core.training quality --draft $(DRAFT_RUN)/model --out $(DRAFT_RUN)/quality.json --max-new-tokens 48
 	$(PY) -m dynatree_core.training export --run $(DRAFT_RUN) --quality $(DRAFT_RUN)/quality.json
 
-# The feature draft (drafting/feature.py, issue 19): the target's features for the corpus windows,
-# then KD on them (resumable), held-out agreement by depth, export with its card. The defaults are
-# the CPU recipe of the shipped draft (on-policy shards only: ~11 min of labelling; 1500 steps with
-# the cross-entropy on a quarter of the positions: ~1 h on 2 cores). On a GPU (both stages use CUDA
-# when present): FEATURE_LABEL_FLAGS= FEATURE_STEPS=6000 FEATURE_TRAIN_FLAGS="--ce-share 1.0".
-FEATURE_STEPS ?= 1500
-FEATURE_BATCH ?= 32
-FEATURE_LABEL_FLAGS ?= --onpolicy-only
-FEATURE_TRAIN_FLAGS ?= --onpolicy-share 1.0 --ce-share 0.25
-FEATURE_RUN ?= $(HOME)/.cache/dynatree/draft-runs/feature-kd
+# The feature draft (drafting/feature.py) for any Llama-family target (DRAFT_TARGET: a preset, hub
+# id or directory), every stage resumable and run in order:
+#   answers         the target answers ~25,000 prompts from offline sources (sources.py), batched,
+#                   keeping its features as it decodes (token ids of the embedded target are committed
+#                   under assets/draft-data/answers, features go to the cache); hours on 2 CPU cores
+#   ood-answers     its greedy answers to the OOD prompt set (evaluation only, never trained on)
+#   answers-relabel features for committed ids whose features are not in this machine's cache
+#   vocab-map       the reduced vocabulary rebuilt from the answers (OOD coverage printed)
+#   train-feature   unrolled KD on the answers (the draft reads its own predicted features)
+#   feature-quality held-out and OOD agreement by depth, side by side
+# On a GPU every stage uses CUDA when present.
+DRAFT_TARGET ?= embedded
+FEATURE_STEPS ?= 2000
+FEATURE_BATCH ?= 16
+FEATURE_MAP_SIZE ?= 16384
+FEATURE_TRAIN_FLAGS ?= --loss unrolled --unroll-steps 3 --ce-share 0.25
+FEATURE_RUN ?= $(HOME)/.cache/dynatree/draft-runs/feature-answers
 draft-feature: setup
-	$(PY) -m dynatree_core.training feature-label $(FEATURE_LABEL_FLAGS)
-	$(PY) -m dynatree_core.training train-feature --steps $(FEATURE_STEPS) --batch $(FEATURE_BATCH) $(FEATURE_TRAIN_FLAGS) --out $(FEATURE_RUN)
-	$(PY) -m dynatree_core.training feature-quality --draft $(FEATURE_RUN)/draft --out $(FEATURE_RUN)/quality.json
-	$(PY) -m dynatree_core.training export-feature --run $(FEATURE_RUN) --quality $(FEATURE_RUN)/quality.json
+	$(PY) -m dynatree_core.training answers --target $(DRAFT_TARGET)
+	$(PY) -m dynatree_core.training ood-answers --target $(DRAFT_TARGET)
+	$(PY) -m dynatree_core.training answers-relabel --target $(DRAFT_TARGET)
+	$(PY) -m dynatree_core.training vocab-map --target $(DRAFT_TARGET) --sizes $(FEATURE_MAP_SIZE) --out $(FEATURE_RUN)/map
+	$(PY) -m dynatree_core.training train-feature --data answers --target $(DRAFT_TARGET) --token-map $(FEATURE_RUN)/map \
+		--steps $(FEATURE_STEPS) --batch $(FEATURE_BATCH) $(FEATURE_TRAIN_FLAGS) --out $(FEATURE_RUN)
+	$(PY) -m dynatree_core.training feature-quality --answers --target $(DRAFT_TARGET) --draft $(FEATURE_RUN)/draft \
+		--out $(FEATURE_RUN)/quality.json
 
 # TALF fine-tuning of a trained feature draft (the SALF & TALF paper's protocol; BENCHMARKS.md has
 # the KD-only vs KD+TALF comparison at equal steps): the target's beam trees at 8 roots of the
 # first 1024 training windows (~9 min on 2 cores), then 300 steps from $(FEATURE_RUN)/draft
-# (~30 min). Not what ships: it lost to KD at equal steps on this CPU.
+# (~30 min). Not what ships: it lost to KD at equal steps on this CPU. Reads the corpus of
+# the earlier recipe (make draft's corpus.npz and feature-label's features).
 FEATURE_TALF_RUN ?= $(HOME)/.cache/dynatree/draft-runs/feature-talf
 draft-feature-talf: setup
 	$(PY) -m dynatree_core.training talf-label --rows 1024 --roots 8

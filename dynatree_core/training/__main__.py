@@ -91,7 +91,9 @@ def _vocab_map(args: argparse.Namespace) -> None:
         AnswerStore(*answer_dirs(args.target, ood=True)),
         sizes,
         vocab,
-        current=TokenMap.load(args.current) if args.current else None,
+        current=TokenMap.load(args.current or REPO_ROOT / "assets" / "models" / "smollm2-feature-draft")
+        if args.current or args.target == "embedded"
+        else None,
         always=sorted(target.eos_token_ids),
     )
     print(json.dumps(report, indent=1))
@@ -126,7 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     vm = sub.add_parser("vocab-map", help="rebuild the draft's reduced vocabulary from the answers; OOD coverage")
     vm.add_argument("--target", default="embedded")
     vm.add_argument("--sizes", default="16384,24576,32768", help="map sizes to rebuild and compare")
-    vm.add_argument("--current", type=Path, default=REPO_ROOT / "assets" / "models" / "smollm2-feature-draft")
+    vm.add_argument(
+        "--current", type=Path, default=None, help="a draft directory whose map to compare (default: shipped)"
+    )
     vm.add_argument("--out", type=Path, default=None, help="write the first size's token_map.json into this directory")
     rel = sub.add_parser("answers-relabel", help="recompute missing answer features from the committed ids")
     _answer_flags(rel)
@@ -183,7 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     _config_flags(tf, FeatureTrainConfig)
     fq = sub.add_parser("feature-quality", help="held-out agreement by depth: feature draft(s) vs the token draft")
     fq.add_argument("--draft", type=Path, nargs="+", required=True, help="feature draft directories")
-    fq.add_argument("--token-draft", type=Path, default=REPO_ROOT / "assets" / "models" / "smollm2-draft")
+    fq.add_argument(
+        "--token-draft", type=Path, default=None, help="default: the embedded token draft (embedded target)"
+    )
     fq.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
     fq.add_argument("--features", type=Path, default=data_root / "features")
     fq.add_argument("--out", type=Path, default=None, help="write the numbers as JSON")
@@ -282,7 +288,10 @@ def main(argv: list[str] | None = None) -> None:
         from dynatree_core.training.feature_data import FeatureCorpus
 
         target = load_model(args.target, device="cpu", dtype="float32").model
-        token = None if args.no_token_draft else load_model(str(args.token_draft), device="cpu", dtype="float32")
+        spec = args.token_draft or (
+            REPO_ROOT / "assets" / "models" / "smollm2-draft" if args.target == "embedded" else None
+        )
+        token = None if args.no_token_draft or spec is None else load_model(str(spec), device="cpu", dtype="float32")
         if args.answers:
             from dynatree_core.training.answer_data import AnswerCorpus, agreement_report
             from dynatree_core.training.answers import AnswerStore
@@ -297,14 +306,10 @@ def main(argv: list[str] | None = None) -> None:
             return
         data = FeatureCorpus(args.corpus, args.features)
         head = target.get_output_embeddings()
-        result = {
-            "heldout_windows": len(data.eval_rows),
-            "heldout_tokens": int(data.lengths[data.eval_rows].sum()),
-            str(args.token_draft): {
-                "kind": "token",
-                "agreement": token_draft_agreement(token.model, token.token_map, head, data, data.eval_rows),
-            },
-        }
+        result = {"heldout_windows": len(data.eval_rows), "heldout_tokens": int(data.lengths[data.eval_rows].sum())}
+        if token is not None:
+            agreement = token_draft_agreement(token.model, token.token_map, head, data, data.eval_rows)
+            result[str(spec)] = {"kind": "token", "agreement": agreement}
         for path in args.draft:
             draft = FeatureDraft.load(path, target)
             result[str(path)] = {
