@@ -17,6 +17,12 @@ from dynatree_core.errors import DynaTreeError
 __all__ = ["build_parser", "main"]
 
 
+def _gpu_check(args) -> None:
+    from dynatree_core.gpu_check import gpu_check
+
+    gpu_check(args.device, embedded=not args.no_embedded, out=args.out)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.formatwarning = lambda msg, *a, **k: f"warning: {msg}\n"
@@ -36,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             "bench": C.cmd_bench,
             "verifiers": C.cmd_verifiers,
             "dtype": C.cmd_dtype,
-            "gpu-check": C.cmd_gpu_check,
+            "gpu-check": _gpu_check,
         }
         commands[args.command](args)
     except DynaTreeError as exc:

@@ -199,12 +199,6 @@ def cmd_bench(args) -> None:
         print(report.markdown())
 
 
-def cmd_gpu_check(args) -> None:
-    from dynatree_core.gpu_check import gpu_check
-
-    gpu_check(args.device, embedded=not args.no_embedded, out=args.out)
-
-
 def cmd_latency(args) -> None:
     import dataclasses
 
