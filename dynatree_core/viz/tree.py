@@ -25,6 +25,10 @@ COLOURS = {
     "rejected": "#d62728",
     "unreached": "#b0b0b0",
     "pruned": "#ff9f1c",
+    # the stage view (viz/stages.py): before the outcome is known
+    "drafted": "#9467bd",
+    "match": "#98df8a",
+    "mismatch": "#ff9896",
 }
 
 
@@ -88,9 +92,11 @@ def _symbol(tree: DraftTree, node: int) -> str:
     return "circle-open" if tree.status[node] == Status.NOT_EXPANDED and node else "circle"
 
 
-def _display_children(tree: DraftTree, record: IterationRecord) -> dict[int, list[int]]:
+def _display_children(tree: DraftTree, record: IterationRecord, bonus: bool, shown=None) -> dict[int, list[int]]:
     kids = tree.child_map(verified_only=False)
-    if record.bonus_token is not None:
+    if shown is not None:
+        kids = {k: [c for c in v if c in shown] for k, v in kids.items() if k in shown}
+    if bonus and record.bonus_token is not None:
         last = record.accepted[-1] if record.accepted else 0
         kids = {k: list(v) for k, v in kids.items()}
         kids.setdefault(last, []).insert(0, BONUS)  # leftmost under the last accepted node
@@ -103,22 +109,26 @@ def tree_figure(
     *,
     selected: int | None = None,
     height: int = 420,
+    categories: dict[int, str] | None = None,
+    bonus: bool = True,
 ) -> go.Figure:
-    """The draft tree of one iteration. `decode` maps a token id to its text.
+    """The draft tree of one iteration. `decode` maps a token id to its text. `categories` (the
+    stage view, viz/stages.py): draw only these nodes, coloured so; `bonus`: draw the bonus token.
 
     Node markers carry customdata [node id, draft p, cumulative p, depth] (the bonus has id -2).
     """
     tree = record.tree
-    kids = _display_children(tree, record)
+    cats = node_categories(record) if categories is None else categories
+    bonus = bonus and record.bonus_token is not None
+    kids = _display_children(tree, record, bonus, None if categories is None else set(categories))
     pos = tidy_layout(kids)
-    cats = node_categories(record)
     target_at = dict(zip(record.order, record.target_tokens, strict=True))
     fig = go.Figure()
     edges_x: list[float | None] = []
     edges_y: list[float | None] = []
     path_x: list[float | None] = []
     path_y: list[float | None] = []
-    path_nodes = {0, *record.accepted, BONUS}
+    path_nodes = {0, *record.accepted, BONUS} if categories is None or "accepted" in cats.values() else set()
     for parent, children in kids.items():
         for child in children:
             xs, ys = (path_x, path_y) if child in path_nodes and parent in path_nodes else (edges_x, edges_y)
@@ -143,7 +153,7 @@ def tree_figure(
     for node, cat in cats.items():
         name = f"pruned: {tree.reason[node] or 'unspecified'}" if cat == "pruned" else cat
         groups.setdefault(name, []).append(node)
-    if record.bonus_token is not None:
+    if bonus:
         groups["bonus"] = [BONUS]
     order = {cat: i for i, cat in enumerate(COLOURS)}
     for name in sorted(groups, key=lambda g: (order[g.split(":")[0]], g)):
