@@ -5,6 +5,7 @@ and `render`, which places them for one run. app.py keeps the inputs and starts 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 
 import pandas as pd
@@ -37,12 +38,14 @@ from dynatree_core.viz import (
     why_text,
 )
 from dynatree_core.viz.prose import explain_iteration, glossary
+from dynatree_core.viz.stages import Stage, iteration_stages, slot_figure, stage_categories, stage_sentence
 
 # The engine decodes in its own process (or a worker thread); the page draws its latest iteration
 # at most this often. Three figures per page update: one update every 0.6 s keeps the browser near
 # 5 figure updates per second. A browser on the same machine draws on the same CPU cores (measured
 # here: ~0.2 s of CPU per figure update in headless Chromium), which is why the app leaves it a core.
 RENDER_INTERVAL_S = 0.6
+STAGE_PLAY_S = 1.2  # Play stages: seconds per stage
 
 
 def metrics_row(result, tps_label: str) -> None:
@@ -182,15 +185,69 @@ def measured_caption(run: LiveRun) -> str:
     )
 
 
-def tree_and_mask(run: LiveRun, rec: IterationRecord) -> None:
-    """One iteration's draft tree (clickable) beside the attention mask the target received."""
+def stage_control(rec: IterationRecord, running: bool) -> Stage | None:
+    """The stage of the iteration to show (None: the outcome, as while decoding), and Play."""
+    stages = iteration_stages(rec)
+    if running or len(stages) < 2:
+        return None
+    labels = [s.label for s in stages]
+    key = f"stage_{rec.index}"
+    playing = st.session_state.get("stage_play")
+    if playing is not None and playing[0] == rec.index:  # Play: one stage per rerun
+        st.session_state[key] = labels[min(playing[1], len(labels) - 1)]
+    if st.session_state.get(key) not in labels:
+        st.session_state[key] = labels[-1]
+    left, right = st.columns([5, 1])
+    with right:
+        st.button(
+            "Play stages",
+            icon=":material/play_arrow:",
+            help="Step through this iteration's stages.",
+            on_click=_start_play,
+            args=(rec.index, key, labels[0]),
+        )
+    with left:
+        label = st.select_slider("Stage", labels, key=key, help=STAGE_HELP)
+    return stages[labels.index(label)]
+
+
+STAGE_HELP = "The iteration as it stood after each step: the draft grows level by level, then verification and commit."
+
+
+def _start_play(index: int, key: str, first: str) -> None:
+    st.session_state.stage_play = (index, 0)
+    st.session_state[key] = first
+
+
+def _advance_play(rec: IterationRecord) -> None:
+    playing = st.session_state.get("stage_play")
+    if playing is None or playing[0] != rec.index:
+        return
+    if playing[1] + 1 >= len(iteration_stages(rec)):
+        st.session_state.stage_play = None
+        return
+    st.session_state.stage_play = (rec.index, playing[1] + 1)
+    time.sleep(STAGE_PLAY_S)
+    st.rerun()
+
+
+def tree_and_mask(run: LiveRun, rec: IterationRecord, stage: Stage | None = None) -> None:
+    """One iteration's draft tree (clickable) beside the attention mask the target received; at a
+    `stage`, both as they stood after it (the mask once it is built), and the cache at commit."""
+    if stage is not None:
+        st.markdown(f"**{stage.label.capitalize()}.** {stage_sentence(rec, stage, run.text)}")
     left, right = st.columns([3, 2])
     with left:
         st.subheader(f"Draft tree — iteration {rec.index}")
         chart_key = f"tree_{rec.index}"  # one selection per iteration
         selected = clicked_node(st.session_state.get(chart_key))
+        staged = (
+            {}
+            if stage is None
+            else dict(categories=stage_categories(rec, stage), bonus=stage.kind in ("bonus", "commit"))
+        )
         st.plotly_chart(
-            tree_figure(rec, run.text, selected=selected),
+            tree_figure(rec, run.text, selected=selected, **staged),
             width="stretch",
             key=chart_key,
             on_select="rerun",
@@ -198,13 +255,20 @@ def tree_and_mask(run: LiveRun, rec: IterationRecord) -> None:
         )
         node_panel(rec, selected, run.text)
     with right:
-        st.subheader("Attention mask sent to the target")
-        st.plotly_chart(mask_figure(rec, run.text), width="stretch", key="mask")
+        if stage is not None and stage.kind in ("draft", "prune"):
+            st.subheader("Attention mask")
+            st.caption("Built once drafting and pruning are over: one row per verified node, seeing its ancestors.")
+        else:
+            st.subheader("Attention mask sent to the target")
+            st.plotly_chart(mask_figure(rec, run.text), width="stretch", key="mask")
         counts = order_block_counts(rec.tree)
         st.caption(
             f"{len(rec.order)} nodes (root first), positions {rec.position_ids[0]}..{max(rec.position_ids)}; "
             f"non-zero 32x32 blocks: BFS {counts['bfs']}, DFS {counts['dfs']}"
         )
+    if stage is not None and stage.kind == "commit":
+        st.caption("The target's cache slots this forward wrote, and what commit kept")
+        st.plotly_chart(slot_figure(rec, run.text), width="stretch", key="slots")
     if rec.tree.notes.get("salf_mass"):
         st.caption("SALF: probability mass of each drafting step's batch; drafting stops below th.")
         st.plotly_chart(salf_mass_figure(rec.tree.notes["salf_mass"], float(run.params.get("th", 0))), key="salf")
@@ -234,7 +298,8 @@ def render(run: LiveRun | None, running: bool = False) -> None:
         else 1
     )
     rec = run.records[pick - 1]
-    tree_and_mask(run, rec)
+    stage = stage_control(rec, running)
+    tree_and_mask(run, rec, stage)
     with st.expander("What happened in this iteration (draft → verify → commit)"):
         st.markdown(explain_iteration(rec, run.text, run.verifier()))
     verification_view(run, rec, running)
@@ -257,6 +322,7 @@ def render(run: LiveRun | None, running: bool = False) -> None:
     why_view(run, ar_tps, running)
     if running:
         return
+    _advance_play(rec)
     st.download_button(
         "Export run (JSON)",
         run.to_json,  # built on click (a sampled run's draws make it megabytes), not on every rerun

@@ -337,3 +337,46 @@ def test_the_default_pair_drafts_with_the_feature_draft_and_names_its_draft_kind
     run = at.session_state["run"]
     assert run.draft_kind == "feature" and len(run.records[0].tree) == 1 and len(run.records[1].tree) > 1
     assert any("with the feature draft" in c.value for c in at.caption), [c.value for c in at.caption]
+
+
+def test_an_iteration_plays_stage_by_stage(tiny_pair_dirs, monkeypatch):
+    """The stage control redraws the tree as it stood: depth 1 only after the first draft level,
+    the target's matches at verify, the cache strip at commit; Play walks through every stage."""
+    import json
+
+    from dynatree_core import ui_live
+    from dynatree_core.viz.stages import iteration_stages
+
+    monkeypatch.setattr(ui_live, "STAGE_PLAY_S", 0.0)
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    at.run()
+    pick_custom_pair(at, *tiny_pair_dirs)
+    next(w for w in at.number_input if w.label == "tau").set_value(
+        0.0
+    ).run()  # a random tiny draft is unsure: keep nodes
+    _click(at, "Step")
+    rec = at.session_state["run"].records[-1]
+    assert len(rec.order) > 1, "the iteration verified drafted nodes"
+    stage = next(s for s in at.select_slider if s.label == "Stage")
+    assert stage.value == "commit" and stage.options == [s.label for s in iteration_stages(rec)]
+
+    def tree_nodes() -> int:
+        charts = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+        tree = next(c for c in charts if any(t.get("name") == "root" for t in c["data"]))
+        return sum(len(t["customdata"]) for t in tree["data"] if t.get("mode") == "markers+text")
+
+    stage.set_value("draft depth 1").run()
+    assert not at.exception, at.exception
+    assert tree_nodes() == sum(1 for d in rec.tree.depths if d <= 1)
+    assert any("Draft forward 1 proposed" in m.value for m in at.markdown)
+    next(s for s in at.select_slider if s.label == "Stage").set_value("verify").run()
+    names = {t.get("name") for c in at.get("plotly_chart") for t in json.loads(c.proto.spec)["data"]}
+    assert names & {"match", "mismatch"} and "accepted" not in names, names
+    next(s for s in at.select_slider if s.label == "Stage").set_value("commit").run()
+    slots = ("committed chain (kept)", "accepted node (kept)", "dropped")
+    bars = [t for c in at.get("plotly_chart") for t in json.loads(c.proto.spec)["data"] if t.get("name") in slots]
+    assert sum(len(t["x"]) for t in bars) == rec.chain_len + len(rec.order) - 1, "one bar per cache slot written"
+    _click(at, "Play stages")
+    assert not at.exception, at.exception
+    assert next(s for s in at.select_slider if s.label == "Stage").value == "commit", "Play ends at commit"
+    assert at.session_state["stage_play"] is None

@@ -121,3 +121,38 @@ def stage_sentence(rec: IterationRecord, stage: Stage, decode: Callable[[int], s
         f"Commit: {len(rec.committed)} token(s) join the text; the cache keeps the accepted path's {kept} "
         f"slot(s) in place and drops {dropped}, recomputing nothing."
     )
+
+
+def slot_figure(rec: IterationRecord, decode: Callable[[int], str] = str, *, height: int = 150):
+    """The cache slots the iteration's target forward wrote, as a strip: the chain's (kept), then
+    one per verified node, green where commit keeps it in place and grey where it is dropped."""
+    import plotly.graph_objects as go
+
+    slots = cache_slots(rec)
+    colours = {"chain": "#1f77b4", True: "#2ca02c", False: "#c7c7c7"}
+    fig = go.Figure()
+    for name, key in (("committed chain (kept)", "chain"), ("accepted node (kept)", True), ("dropped", False)):
+        chosen = [
+            s for s in slots if (s["what"] == "chain") == (key == "chain") and (key == "chain" or s["kept"] == key)
+        ]
+        tokens = [rec.tree.tokens[s["node"]] if s["node"] is not None else None for s in chosen]
+        fig.add_trace(
+            go.Bar(
+                x=[str(s["slot"]) for s in chosen],
+                y=[1] * len(chosen),
+                marker_color=colours[key],
+                name=name,
+                text=["" if t is None else visible(decode(t)) for t in tokens],
+                hovertemplate="slot %{x}<extra>" + name + "</extra>",
+            )
+        )
+    fig.update_layout(
+        height=height,
+        barmode="stack",
+        bargap=0.05,
+        margin=dict(l=10, r=10, t=30, b=10),
+        yaxis=dict(visible=False),
+        xaxis=dict(title="cache slot", type="category"),
+        legend=dict(orientation="h", y=1.3),
+    )
+    return fig
