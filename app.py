@@ -25,6 +25,7 @@ from dynatree_core.prompts import load_prompts
 from dynatree_core.session import encode_prompt
 from dynatree_core.settings import RunSpec
 from dynatree_core.ui import (
+    REPLAY_INTERVAL_S,
     advance,
     cached_pair,
     engine_process,
@@ -34,6 +35,9 @@ from dynatree_core.ui import (
     live_engine_mode,
     model_picker,
     param_widgets,
+    prewarm,
+    replay_run,
+    replay_step,
     setting_widget,
     show_run_error,
 )
@@ -198,6 +202,9 @@ def baseline_view() -> None:
 @st.fragment
 def live_view() -> None:
     run_clicked, step_clicked, pause_clicked, reset_clicked, imported = live_buttons()
+    if state.run is None and not state.get("replay_seen"):  # opens alive: the recorded run plays
+        state.run, state.replay_seen = replay_run(), True
+        prewarm(target_spec, draft_spec, device, dtype)  # the live pair loads meanwhile
     run: LiveRun | None = state.run
     if reset_clicked and run is not None:
         run.close()  # the worker ends after its current iteration; the run is discarded either way
@@ -226,8 +233,11 @@ def live_view() -> None:
     if run is not None and run.idle_paused and not alive:
         st.info("Paused: this page stopped watching the run for a while. Press **Run** to go on.")
     state.drawn_at = time.monotonic()
+    replaying = run is not None and run is state.get("replay_run") and replay_step(run)
     render(None if run is None else run.snapshot(), running=alive)
-    if alive:  # the fragment alone reruns, unless this is a full run (a sidebar change)
+    if replaying:
+        time.sleep(REPLAY_INTERVAL_S)
+    if alive or replaying:  # the fragment alone reruns, unless this is a full run (a sidebar change)
         ctx = get_script_run_ctx()
         st.rerun(scope="fragment" if ctx is not None and ctx.fragment_ids_this_run else "app")
 

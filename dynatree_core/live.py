@@ -220,12 +220,7 @@ class LiveRun:
         return self.token_texts[token]
 
     def _all_tokens(self) -> set[int]:
-        out: set[int] = set()
-        for r in self.records[:]:
-            out.update(r.tree.tokens, r.committed, r.target_tokens)
-            if r.bonus_token is not None:
-                out.add(r.bonus_token)
-        return out
+        return drawn_tokens(self.records[:])
 
     @property
     def token_ids(self) -> list[int]:
@@ -248,10 +243,7 @@ class LiveRun:
 
     def to_json(self, text: str = "") -> str:
         """The run as RunResult JSON (records included) plus its settings, for export."""
-        out = self.result(text).to_dict(with_records=True)
-        out["settings"] = self.settings
-        out["token_texts"] = {str(t): self.text(t) for t in sorted(self._all_tokens())}
-        return json.dumps(out)
+        return run_file(self.result(text), self.settings, self.text)
 
     @classmethod
     def from_json(cls, data: str | bytes) -> LiveRun:
@@ -285,6 +277,32 @@ class LiveRun:
             done=True,
             token_texts=texts,
         )
+
+
+def drawn_tokens(records: list[IterationRecord]) -> set[int]:
+    """Every token a run's records can show: trees, commits, the target's choices, bonuses."""
+    out: set[int] = set()
+    for r in records:
+        out.update(r.tree.tokens, r.committed, r.target_tokens)
+        if r.bonus_token is not None:
+            out.add(r.bonus_token)
+    return out
+
+
+def run_file(result: RunResult, settings: dict[str, Any], decode: Callable[[int], str]) -> str:
+    """A run as the app exports and imports it: the RunResult with its records, the settings the
+    page asked for and the text of every token it draws (so a replay needs no tokenizer)."""
+    out = result.to_dict(with_records=True)
+    out["settings"] = settings
+    out["token_texts"] = {str(t): decode(t) for t in sorted(drawn_tokens(result.records) | set(result.prompt_ids))}
+    return json.dumps(out)
+
+
+def export_run(path, result: RunResult, spec: RunSpec, policy: Policy, prompt: str, chat: bool, tokenizer) -> None:
+    """Write a CLI run as the app's run file (its settings as the live page records them)."""
+    settings = {**dataclasses.asdict(spec), "policy": policy.name, "params": policy.config, "prompt": prompt}
+    settings["chat"] = chat
+    path.write_text(run_file(result, settings, lambda t: tokenizer.decode([t])))
 
 
 def _spec_of(settings: dict[str, Any]) -> RunSpec | None:

@@ -9,6 +9,7 @@ import contextlib
 import math
 import os
 import threading
+from pathlib import Path
 
 import streamlit as st
 import torch
@@ -57,17 +58,62 @@ def _close_engine(engine: EngineProcess) -> None:
 
 
 @st.cache_resource(max_entries=2, show_spinner=False, validate=lambda engine: engine.alive, on_release=_close_engine)
+def _engine(target: str, draft: str | None, device: str, dtype: str) -> EngineProcess:
+    return EngineProcess(PairSpec(target, draft, device, dtype))  # loads (and warms up) in its own process
+
+
 def engine_process(target: str, draft: str | None, device: str, dtype: str) -> EngineProcess:
     """The child process that decodes the live page's runs on this pair, started once and shared
-    by every session (it runs one forward at a time). A dead one is started again; an evicted
-    one is closed. Raises DynaTreeError when its models cannot load."""
-    engine = EngineProcess(PairSpec(target, draft, device, dtype))
+    by every session (it runs one forward at a time), once it is ready. A dead one is started
+    again; an evicted one is closed. Raises DynaTreeError when its models cannot load."""
+    engine = _engine(target, draft, device, dtype)
     try:
         engine.wait_ready()
     except BaseException:
-        engine.close()
+        engine.close()  # dead: the cache starts a new one next time
         raise
     return engine
+
+
+def prewarm(target: str, draft: str | None, device: str, dtype: str) -> None:
+    """Start the pair's engine process loading and warming up, without waiting for it (the
+    opening replay plays meanwhile, so the first live iterations run at full speed)."""
+    with contextlib.suppress(Exception):  # a bad setting shows its message when the user starts a run
+        if target and live_engine_mode() == "process":
+            _engine(target, draft, device, dtype)
+
+
+REPLAY_FILE = Path(__file__).resolve().parent.parent / "assets" / "replay" / "welcome.json"
+REPLAY_INTERVAL_S = 1.0  # the opening replay shows one iteration per this many seconds
+
+
+def replay_run() -> LiveRun | None:
+    """The recorded run the live page opens on (assets/replay/), this session's own copy; None
+    when the file is missing or unreadable, or DYNATREE_REPLAY=0 (the page then opens on its form)."""
+    if os.environ.get("DYNATREE_REPLAY", "1") == "0":
+        return None
+    try:
+        run = LiveRun.from_json(REPLAY_FILE.read_bytes())
+    except (OSError, ValueError):
+        return None
+    st.session_state.replay_run, st.session_state.replay_at = run, 1
+    return run
+
+
+def replay_step(run: LiveRun) -> bool:
+    """Show the replay's next iteration (through the iteration slider's state); True while more follow."""
+    n = len(run.records)
+    at = st.session_state.get("replay_at", n)
+    st.info(
+        f"Replay of a recorded run ({run.policy_name}, {run.draft_kind or 'no'} draft, measured when it was "
+        "recorded): press **Run** or **Step** to decode your prompt live.",
+        icon=":material/replay:",
+    )
+    if at > n:
+        return False
+    st.session_state[f"scrub_{n}"] = at
+    st.session_state.replay_at = at + 1
+    return at < n
 
 
 @st.cache_resource(max_entries=2, show_spinner=False)

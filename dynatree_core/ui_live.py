@@ -292,10 +292,9 @@ def render(run: LiveRun | None, running: bool = False) -> None:
     if run.done:
         st.info(stop_text(run.records[-1].stop), icon=":material/flag:")
     n = len(run.records)
+    st.session_state.setdefault(f"scrub_{n}", n)  # the last iteration, unless a replay or the user moved it
     pick = (
-        st.slider("Iteration", 1, n, n, key=f"scrub_{n}", help="Go back to any iteration's tree and mask.")
-        if n > 1
-        else 1
+        st.slider("Iteration", 1, n, key=f"scrub_{n}", help="Go back to any iteration's tree and mask.") if n > 1 else 1
     )
     rec = run.records[pick - 1]
     stage = stage_control(rec, running)

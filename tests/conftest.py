@@ -7,6 +7,7 @@ argmax can only differ through a logic error, never through a near-tie in roundi
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,10 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+# The live page opens on a replay of a recorded run (assets/replay/) that plays for ~20 s; the
+# app tests start from the form instead, and test_app.py turns the replay on where it is tested.
+os.environ.setdefault("DYNATREE_REPLAY", "0")
 
 VOCAB = 96
 ARCHS = ("llama", "gpt_neox", "qwen2", "gpt2")

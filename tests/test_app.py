@@ -380,3 +380,28 @@ def test_an_iteration_plays_stage_by_stage(tiny_pair_dirs, monkeypatch):
     assert not at.exception, at.exception
     assert next(s for s in at.select_slider if s.label == "Stage").value == "commit", "Play ends at commit"
     assert at.session_state["stage_play"] is None
+
+
+def test_the_page_opens_on_a_replay_that_plays_before_any_model_loads(monkeypatch):
+    import json
+
+    from dynatree_core import ui
+
+    monkeypatch.setenv("DYNATREE_REPLAY", "1")
+    monkeypatch.setattr(ui, "REPLAY_INTERVAL_S", 0.0)
+    monkeypatch.setenv("DYNATREE_LIVE_ENGINE", "thread")  # nothing to prewarm in a separate process
+
+    def no_models(*args, **kwargs):
+        raise AssertionError("the replay must not load a model")
+
+    monkeypatch.setattr(ui, "load_pair", no_models)
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    at.run()
+    assert not at.exception, at.exception
+    run = at.session_state["run"]
+    assert run is not None and run.imported and len(run.records) > 5, "the recorded run is loaded"
+    assert any("Replay of a recorded run" in i.value for i in at.info)
+    charts = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    assert any(any(t.get("name") == "root" for t in c["data"]) for c in charts), "a tree is drawn"
+    assert at.session_state["replay_at"] > len(run.records), "it played every iteration"
+    assert at.session_state[f"scrub_{len(run.records)}"] == len(run.records)

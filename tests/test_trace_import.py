@@ -184,3 +184,26 @@ def test_a_sampled_runs_draws_import_sparse_and_a_hostile_vocabulary_size_is_ref
     next(iter(rec["tree"]["sampled"].values()))["size"] = 10**12
     with pytest.raises(ValueError, match="tree.sampled size"):
         LiveRun.from_json(json.dumps(raw))
+
+
+def test_a_cli_run_exported_for_the_app_imports_back_with_its_settings_and_texts(tiny_pair_dirs, tmp_path):
+    """`generate --export FILE` writes what the live page imports (its opening replay is one)."""
+    from dynatree_core.cli import main
+
+    out = tmp_path / "run.json"
+    code = main(["generate", "--target", tiny_pair_dirs[0], "--draft", tiny_pair_dirs[1], "--prompt", "Hello there",
+                 "--max-new-tokens", "12", "--export", str(out)])  # fmt: skip
+    assert code == 0
+    run = LiveRun.from_json(out.read_bytes())
+    assert run.spec is not None and run.settings["policy"] == "fixed_tree" and run.settings["prompt"] == "Hello there"
+    assert run.records and all(run.token_texts.get(t) is not None for r in run.records for t in r.committed)
+    assert all(t in run.token_texts for t in run.prompt_ids), "the prompt's text travels too"
+
+
+def test_the_bundled_replay_imports_and_accepts_several_tokens_per_iteration():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "assets" / "replay" / "welcome.json"
+    run = LiveRun.from_json(path.read_bytes())
+    assert len(run.records) >= 10 and run.result().tokens_per_iteration >= 2.0
+    assert run.spec is not None and run.settings["target"] == "embedded"

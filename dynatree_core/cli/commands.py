@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import sys
@@ -15,8 +16,7 @@ from dynatree_core.settings import RunSpec
 
 
 class _Progress:
-    """A tqdm bar on stderr, fed by the library's progress callbacks (done, total, label); a new
-    total starts a new bar. Use as a context manager, so the bar closes when the work ends."""
+    """A tqdm bar on stderr fed by progress callbacks (done, total, label); a context manager."""
 
     def __init__(self, unit: str = "run"):
         self.unit, self.bar = unit, None
@@ -66,8 +66,7 @@ def _read_prompt(args) -> str:
 
 
 def _refuse_long_prompt(target_spec: str, prompt: str, chat: bool | None) -> None:
-    """A prompt the target's context cannot hold is refused from its tokenizer and config alone,
-    before the models load (the engine refuses it too, later, with the same message)."""
+    """A prompt the target's context cannot hold is refused before the models load (tokenizer, config)."""
     from dynatree_core.models import peek_model
     from dynatree_core.session import encode_prompt
 
@@ -340,6 +339,11 @@ def cmd_generate(args) -> None:
                 **pair.drafting(policy),
             )
         )
+    if args.export:  # the app's run file: a replay (live.export_run)
+        from dynatree_core.live import export_run
+
+        models = dataclasses.replace(spec, target=target_spec, draft=draft_spec)  # as resolved, not as typed
+        export_run(args.export, results[0], models, policy, prompt, chat, target.tokenizer)
     if args.json:
         if args.num_samples == 1:
             print(results[0].to_json(with_records=args.trace))

@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(gen, ("order",))
     gen.add_argument("--json", action="store_true", help="print the RunResult as one JSON object")
     gen.add_argument("--trace", action="store_true", help="with --json: include per-iteration records")
+    gen.add_argument("--export", type=Path, default=None, help="write the run as the app imports it (a replay)")
     cmp = sub.add_parser("compare", help="compare 1-6 policies on one prompt (ar and HF generate as references)")
     _run_arguments(cmp)
     cmp.add_argument(
