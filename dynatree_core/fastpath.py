@@ -175,6 +175,15 @@ class _Block:
         self.heads = attn.q_proj.out_features // attn.head_dim
         self.qk_heads = self.heads + attn.k_proj.out_features // attn.head_dim
 
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's second half: x + down(silu(gate(n2(x))) * up(n2(x)))."""
+        h = self.norm2(x)
+        if self.gate_up is not None:
+            gate, up = self.gate_up(h).split(self.mlp_size, dim=-1)
+        else:
+            gate, up = self.gate(h), self.up(h)
+        return x + self.down(F.silu(gate) * up)
+
     def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k, v as (B, heads, q, head_dim) for h (B, q, hidden), RoPE applied to q and k (one
         rotation when fused). The engine runs B = 1; batched data generation (training/) more."""
@@ -223,13 +232,7 @@ class LeanForward:
             attn = F.scaled_dot_product_attention(
                 fold_groups(q, block.groups), keys, values, attn_mask=folded, scale=block.scaling
             ).view(q.shape)
-            x = x + block.o(attn.transpose(1, 2).reshape(1, ids.shape[1], -1))
-            h = block.norm2(x)
-            if block.gate_up is not None:
-                gate, up = block.gate_up(h).split(block.mlp_size, dim=-1)
-            else:
-                gate, up = block.gate(h), block.up(h)
-            x = x + block.down(F.silu(gate) * up)
+            x = block.mlp(x + block.o(attn.transpose(1, 2).reshape(1, ids.shape[1], -1)))
         if hidden:
             states = self.norm(x[0])
             return self.head(states[-logits_to_keep:]), states

@@ -94,13 +94,7 @@ def _forward(
             kbuf[rows, :, slots] = k[:, :, 0]
             vbuf[rows, :, slots] = v[:, :, 0]
         attn = _attend(q, kbuf[:, :, :length], vbuf[:, :, :length], mask, block)
-        x = x + block.o(attn.transpose(1, 2).reshape(b, width, -1))
-        h = block.norm2(x)
-        if block.gate_up is not None:
-            gate, up = block.gate_up(h).split(block.mlp_size, dim=-1)
-        else:
-            gate, up = block.gate(h), block.up(h)
-        x = x + block.down(F.silu(gate) * up)
+        x = block.mlp(x + block.o(attn.transpose(1, 2).reshape(b, width, -1)))
     return lean.norm(x)
 
 
