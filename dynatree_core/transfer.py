@@ -83,7 +83,9 @@ class Stopwatch:
 
     @property
     def ms(self) -> float:
-        """The total so far (on CUDA, waits for the recorded events)."""
+        """The total so far (on CUDA, waits for the recorded events: one sync, counted)."""
+        if self.pending:
+            COUNTS["sync"] += 1
         for start, end in self.pending:
             end.synchronize()
             self.done_ms += start.elapsed_time(end)
