@@ -122,7 +122,7 @@ def agreement_by_depth(
     device = device or next(draft.parameters()).device
     hits, total = np.zeros(depths), np.zeros(depths)
     for start in range(0, len(rows), batch):
-        x, f, valid = data.batch(rows[start : start + batch], device)
+        x, f, valid, counted = _with_counted(data, rows[start : start + batch], device)
         tokens, pair_valid = x[:, 1:], valid[:, 1:]  # pair j reads (f_{j-1}, x_j), predicts x_{j+1}
         width = tokens.shape[1]
         greedy = target_head(f[:, 1:].to(target_head.weight.dtype)).argmax(-1)
@@ -136,7 +136,7 @@ def agreement_by_depth(
             pick = draft.reduced_logits(pred).argmax(-1)
             if draft.token_map is not None:
                 pick = draft.token_map.draft_to_target.to(device)[pick]
-            ok = pair_valid.clone()
+            ok = counted[:, 1:].clone()
             ok[:, : level - 1] = False  # the chain's root must be a real pair
             hits[level - 1] += float(((pick == greedy) & ok).sum())
             total[level - 1] += float(ok.sum())
@@ -154,7 +154,7 @@ def token_draft_agreement(
     device = target_head.weight.device
     hits = total = 0.0
     for start in range(0, len(rows), 4):
-        x, f, valid = data.batch(rows[start : start + 4], device)
+        x, f, valid, counted = _with_counted(data, rows[start : start + 4], device)
         greedy = target_head(f.to(target_head.weight.dtype)).argmax(-1)
         ids = token_map.to_draft(x) if token_map is not None else x
         logits = draft(input_ids=ids, attention_mask=valid.long()).logits.float()
@@ -163,9 +163,19 @@ def token_draft_agreement(
             pick = token_map.draft_to_target.to(device)[logits.argmax(-1)]
         else:
             pick = logits.argmax(-1)
-        hits += float(((pick == greedy) & valid).sum())
-        total += float(valid.sum())
+        hits += float(((pick == greedy) & counted).sum())
+        total += float(counted.sum())
     return hits / max(total, 1.0)
+
+
+def _with_counted(data, rows, device):
+    """x, f, valid and the positions whose prediction counts: every valid one, or for answer
+    shards (answer_data.py) those whose next token is part of the target's answer (what a draft
+    is asked to draft; a prompt's own text is context only)."""
+    if hasattr(data, "window"):
+        return data.batch(rows, device, with_loss_mask=True)
+    x, f, valid = data.batch(rows, device)
+    return x, f, valid, valid
 
 
 def _autocast(device: torch.device, dtype: str):
