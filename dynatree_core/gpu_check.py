@@ -30,6 +30,7 @@ import torch
 from dynatree_core import graphs, transfer
 from dynatree_core.drafting.base import POLICIES
 from dynatree_core.engine import DecodeConfig, decode, generate
+from dynatree_core.errors import DynaTreeError
 from dynatree_core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.methods import make_method
 
@@ -186,7 +187,10 @@ def gpu_check(device: str = "auto", *, embedded: bool = True, out: Path | None =
             log("gpu-check: no CUDA device here; nothing to check (run it on the GPU machine).")
             return None
         device = "cuda"
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise DynaTreeError(f"gpu-check: {device!r} is not a device (auto, cuda, cuda:N or cpu)") from exc
     rows: list[dict] = []
     for arch in ARCHS:
         target, draft = tiny_pair(arch, dev)

@@ -39,3 +39,8 @@ def test_the_checks_pass_on_the_padded_path_and_a_broken_one_fails(tmp_path, mon
     target, draft = gpu_check.tiny_pair("llama", torch.device("cpu"))
     rows = gpu_check.pair_checks("broken", target, draft)
     assert not next(r for r in rows if r["check"] == "policies")["ok"]
+
+
+def test_a_device_that_does_not_exist_is_a_message(capsys):
+    assert main(["gpu-check", "--device", "nonsense"]) == 2
+    assert "is not a device" in capsys.readouterr().err

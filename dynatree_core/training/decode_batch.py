@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dynatree_core.engine import vocab_size
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.fastpath import LeanForward, fold_groups, fold_mask, lean_forward_for
 
@@ -198,8 +199,7 @@ class BatchDecoder:
         temps = torch.zeros(size, device=self.device)
         limit = torch.zeros(size, dtype=torch.long, device=self.device)
         made = torch.zeros(size, dtype=torch.long, device=self.device)
-        logits = torch.zeros(size, self.lean.head(torch.zeros(1, self.hidden, dtype=self.model.dtype)).shape[-1])
-        logits = logits.to(self.device)
+        logits = torch.zeros(size, vocab_size(self.model), device=self.device)
         answers: list[list[int]] = [[] for _ in range(n)]
         feats: list[list[np.ndarray]] = [[] for _ in range(n)]
 

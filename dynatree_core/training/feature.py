@@ -122,7 +122,7 @@ def agreement_by_depth(
     device = device or next(draft.parameters()).device
     hits, total = np.zeros(depths), np.zeros(depths)
     for start in range(0, len(rows), batch):
-        x, f, valid, counted = _with_counted(data, rows[start : start + batch], device)
+        x, f, valid, counted = data.batch(rows[start : start + batch], device, with_loss_mask=True)
         tokens, pair_valid = x[:, 1:], valid[:, 1:]  # pair j reads (f_{j-1}, x_j), predicts x_{j+1}
         width = tokens.shape[1]
         greedy = target_head(f[:, 1:].to(target_head.weight.dtype)).argmax(-1)
@@ -154,7 +154,7 @@ def token_draft_agreement(
     device = target_head.weight.device
     hits = total = 0.0
     for start in range(0, len(rows), 4):
-        x, f, valid, counted = _with_counted(data, rows[start : start + 4], device)
+        x, f, valid, counted = data.batch(rows[start : start + 4], device, with_loss_mask=True)
         greedy = target_head(f.to(target_head.weight.dtype)).argmax(-1)
         ids = token_map.to_draft(x) if token_map is not None else x
         logits = draft(input_ids=ids, attention_mask=valid.long()).logits.float()
@@ -166,16 +166,6 @@ def token_draft_agreement(
         hits += float(((pick == greedy) & counted).sum())
         total += float(counted.sum())
     return hits / max(total, 1.0)
-
-
-def _with_counted(data, rows, device):
-    """x, f, valid and the positions whose prediction counts: every valid one, or for answer
-    shards (answer_data.py) those whose next token is part of the target's answer (what a draft
-    is asked to draft; a prompt's own text is context only)."""
-    if hasattr(data, "window"):
-        return data.batch(rows, device, with_loss_mask=True)
-    x, f, valid = data.batch(rows, device)
-    return x, f, valid, valid
 
 
 def _autocast(device: torch.device, dtype: str):
@@ -247,11 +237,8 @@ def train_feature_draft(
                 )
         else:
             rows = data.sample(rng, cfg.batch, cfg.onpolicy_share)
-            answer = None
-            if hasattr(data, "window"):  # answer shards (answer_data.py): the loss counts answer tokens
-                x, f, valid, answer = data.batch(rows, device, with_loss_mask=True)
-            else:
-                x, f, valid = data.batch(rows, device)
+            # answer shards (answer_data.py) count answer tokens only; the corpus every valid position
+            x, f, valid, answer = data.batch(rows, device, with_loss_mask=True)
             kd = dict(noise=cfg.noise, ce_weight=cfg.ce_weight, ce_share=cfg.ce_share)
             with _autocast(device, cfg.autocast):
                 if cfg.loss == "unrolled":

@@ -98,14 +98,16 @@ class FeatureCorpus:
     def features(self, rows: np.ndarray, width: int) -> np.ndarray:
         return np.stack([self.shards[int(r) // SHARD][int(r) % SHARD, :width] for r in rows])
 
-    def batch(self, rows: np.ndarray, device: torch.device):
-        """x (B, W) target ids, f (B, W, H) float32 features, valid (B, W) bool."""
+    def batch(self, rows: np.ndarray, device: torch.device, *, with_loss_mask: bool = False):
+        """x (B, W) target ids, f (B, W, H) float32 features, valid (B, W) bool; with
+        `with_loss_mask` also the positions whose prediction counts (here: every valid one)."""
         length = torch.from_numpy(self.lengths[rows].astype(np.int64))
         width = int(length.max())
         x = torch.from_numpy(self.ids[rows, :width].astype(np.int64))
         f = torch.from_numpy(self.features(rows, width).astype(np.float32))
         valid = torch.arange(width)[None, :] < length[:, None]
-        return x.to(device), f.to(device), valid.to(device)
+        out = (x.to(device), f.to(device), valid.to(device))
+        return (*out, out[2]) if with_loss_mask else out
 
     def sample(self, rng: np.random.Generator, n: int, onpolicy_share: float) -> np.ndarray:
         onp = self.train_rows[self.source[self.train_rows] == 0]
