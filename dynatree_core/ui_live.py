@@ -286,6 +286,7 @@ def render(run: LiveRun | None, running: bool = False) -> None:
             else "Press **Run** to decode live, or **Step** for one iteration at a time."
         )
         return
+    running = running and not run.done  # the worker may end between its flag and the snapshot: drawn finished
     result = run.result()
     metrics_row(result, "Tokens / s (engine time)")
     st.caption(measured_caption(run))

@@ -405,3 +405,24 @@ def test_the_page_opens_on_a_replay_that_plays_before_any_model_loads(monkeypatc
     assert any(any(t.get("name") == "root" for t in c["data"]) for c in charts), "a tree is drawn"
     assert at.session_state["replay_at"] > len(run.records), "it played every iteration"
     assert at.session_state[f"scrub_{len(run.records)}"] == len(run.records)
+
+
+def test_a_run_that_finished_after_its_worker_flag_was_read_is_drawn_finished():
+    """The live loop reads `worker_running` before the snapshot; a worker that ends in between
+    gives a done snapshot drawn with running=True. It is drawn finished: the same drawing that says
+    "Finished" offers the export (a browser test once saw the one without the other)."""
+
+    def page():
+        from dynatree_core.live import LiveRun
+        from dynatree_core.ui import REPLAY_FILE
+        from dynatree_core.ui_live import render
+
+        run = LiveRun.from_json(REPLAY_FILE.read_bytes())
+        assert run.done
+        render(run, running=True)
+
+    at = AppTest.from_function(page, default_timeout=60)
+    at.run()
+    assert not at.exception, at.exception
+    assert any(b.label == "Export run (JSON)" for b in at.get("download_button")), "finished: export offered"
+    assert any(b.label == "Measure AR reference" and not b.disabled for b in at.button)
