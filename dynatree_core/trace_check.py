@@ -98,7 +98,9 @@ def check_run(raw: dict) -> None:
 
 
 def _check_sampled(sampled, n: int) -> None:
-    """tree.sampled: per node with drawn children, the draws and q's nonzero entries (base64)."""
+    """tree.sampled: per node with drawn children, the draws and q: float16 weights, zlib'd, in
+    base64 (`w16`; inflated within 2 * size bytes by tree.SampledDraw), or an older file's nonzero
+    entries (`ids`, `q`)."""
     if not isinstance(sampled, dict) or len(sampled) > n:
         raise ValueError("tree.sampled must map nodes to their draws")
     for key, draw in sampled.items():
@@ -106,8 +108,9 @@ def _check_sampled(sampled, n: int) -> None:
             raise ValueError("tree.sampled must map node ids of the tree to their draws")
         _ints(draw.get("tokens"), "tree.sampled tokens", most=MAX_NODES)
         _int(draw.get("size"), "tree.sampled size", lo=1, hi=MAX_VOCAB)
-        if not (isinstance(draw.get("ids"), str) and isinstance(draw.get("q"), str)):
-            raise ValueError("tree.sampled must hold q's ids and values as base64 strings")
+        legacy = isinstance(draw.get("ids"), str) and isinstance(draw.get("q"), str)
+        if not (isinstance(draw.get("w16"), str) or legacy):
+            raise ValueError("tree.sampled must hold q as base64 strings")
 
 
 def check_record(rec: dict) -> None:

@@ -17,8 +17,8 @@ models or caches: it holds integers and floats and builds masks and orders from 
 Sampled drafting (temperature > 0) also leaves, at every node whose children were drawn, a
 `SampledDraw`: the adjusted draft distribution q they were drawn from and the draws with
 multiplicity in drawing order. They are the sampling verifiers' inputs (verify/sampling.py)
-and part of the tree's export (exactly: q's nonzero entries as float32), so an imported run
-can be verified again (`verify.sampling.analyze` on the imported tree).
+and part of the tree's export (exactly: q is rounded to float16 before anything is drawn from it),
+so an imported run can be verified again (`verify.sampling.analyze` on the imported tree).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import math
+import zlib
 from enum import StrEnum
 
 import numpy as np
@@ -56,42 +57,75 @@ class Reason(StrEnum):
 
 @dataclasses.dataclass
 class SampledDraw:
-    """How one node's children were drawn: q (the adjusted draft distribution over the target's
-    vocabulary) and the drawn tokens with multiplicity, in drawing order. Drafting stores q dense;
-    an imported draw keeps it sparse (its nonzero entries) until a verifier reads it (`dense()`),
-    so a long imported run costs what its file holds, not a vocabulary per node."""
+    """How one node's children were drawn: q, the adjusted draft distribution they were drawn
+    from, and the drawn tokens with multiplicity, in drawing order.
 
-    q: torch.Tensor
+    q is held as float16 weights w (`of` rounds the adjusted distribution once, before anything is
+    drawn) and read as w / sum(w) in float64 (`dense()`): the distribution the draws come from and
+    the verifier divides by is exactly what an export holds, at 2 bytes an entry before zlib. An
+    imported draw keeps its compressed bytes (checked on import) until a verifier reads it, so a
+    long imported run costs what its file holds. Files written before float16 weights carry q's
+    nonzero entries as float32 (`ids`, `q`); they import sparse and export the same way."""
+
+    weights: torch.Tensor | None  # (V,) float16 (or a legacy file's sparse float32); None while packed
     tokens: list[int] = dataclasses.field(default_factory=list)
+    packed: bytes | None = dataclasses.field(default=None, repr=False)  # zlib'd little-endian float16
+    size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.weights is not None:
+            self.size = int(self.weights.shape[-1])
+
+    @classmethod
+    def of(cls, q: torch.Tensor, tokens: list[int] | None = None) -> SampledDraw:
+        """A draw from the adjusted distribution q (any float dtype), rounded to float16 first."""
+        return cls(q.detach().to("cpu", torch.float16).reshape(-1), list(tokens or []))
 
     def dense(self) -> torch.Tensor:
-        return self.q.to_dense() if self.q.is_sparse else self.q
+        """q over the vocabulary, float64, summing to 1."""
+        w = self.weights if self.weights is not None else _unpack(self.packed, self.size)
+        w = (w.to_dense() if w.is_sparse else w).double()
+        return w / w.sum()
 
     def to_dict(self) -> dict:
-        """q's nonzero entries, exactly: little-endian int32 ids and float32 values in base64."""
-        if self.q.is_sparse:
-            q = self.q.detach().cpu().coalesce()
-            ids, values = q.indices()[0], q.values().to(torch.float32)
-        else:
-            dense = self.q.detach().to("cpu", torch.float32).reshape(-1)
-            ids = dense.nonzero().reshape(-1)
-            values = dense[ids]
-        return {
-            "tokens": [int(t) for t in self.tokens],
-            "size": self.q.shape[-1],
-            "ids": _b64(ids.to(torch.int32)),
-            "q": _b64(values.contiguous()),
-        }
+        out = {"tokens": [int(t) for t in self.tokens], "size": self.size}
+        if self.weights is not None and self.weights.is_sparse:  # a legacy file's draw, written back as it came
+            q = self.weights.coalesce()
+            return out | {"ids": _b64(q.indices()[0].to(torch.int32)), "q": _b64(q.values().to(torch.float32))}
+        if self.packed is None:
+            raw = self.weights.numpy().astype("<f2").tobytes()
+            self.packed = zlib.compress(raw, 6)
+        return out | {"w16": base64.b64encode(self.packed).decode("ascii")}
 
     @classmethod
     def from_dict(cls, data: dict) -> SampledDraw:
+        size, tokens = int(data["size"]), [int(t) for t in data["tokens"]]
+        if "w16" in data:
+            packed = base64.b64decode(data["w16"].encode("ascii"), validate=True)
+            _unpack(packed, size)  # refused now, not when a verifier first reads it
+            return cls(None, tokens, packed=packed, size=size)
         ids = _unb64(data["ids"], torch.int32).long()
         values = _unb64(data["q"], torch.float32)
-        size = int(data["size"])
         if ids.numel() != values.numel() or (ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= size)):
             raise ValueError("a sampled draw's q does not fit its vocabulary")
-        q = torch.sparse_coo_tensor(ids[None], values, (size,), check_invariants=True).coalesce()
-        return cls(q, [int(t) for t in data["tokens"]])
+        if ids.numel() == 0 or not bool(torch.isfinite(values).all() and (values >= 0).all() and values.sum() > 0):
+            raise ValueError("a sampled draw's q is not a distribution")
+        return cls(torch.sparse_coo_tensor(ids[None], values, (size,), check_invariants=True).coalesce(), tokens)
+
+
+def _unpack(packed: bytes, size: int) -> torch.Tensor:
+    """zlib'd float16 weights -> (size,) tensor; at most 2 * size bytes are ever inflated."""
+    inflate = zlib.decompressobj()
+    try:
+        raw = inflate.decompress(packed, 2 * size + 1)
+    except zlib.error:
+        raise ValueError("a sampled draw's q is not zlib-compressed float16") from None
+    if len(raw) != 2 * size or inflate.unconsumed_tail or not inflate.eof:
+        raise ValueError("a sampled draw's q does not fit its vocabulary")
+    w = torch.from_numpy(np.frombuffer(raw, dtype="<f2").astype(np.float16))
+    if not bool(torch.isfinite(w).all() and (w >= 0).all() and w.float().sum() > 0):
+        raise ValueError("a sampled draw's q is not a distribution")
+    return w
 
 
 _WIRE = {torch.int32: "<i4", torch.float32: "<f4"}  # little-endian on the wire, whatever the host
@@ -170,8 +204,9 @@ class DraftTree:
             self.reason[n] = str(getattr(reason, "value", reason))
 
     def record_draws(self, node: int, q: torch.Tensor, tokens: list[int] | None = None) -> SampledDraw:
-        """Sampled drafting: `node`'s children are drawn from q (`tokens`: the draws so far)."""
-        self.sampled[node] = SampledDraw(q, list(tokens or []))
+        """Sampled drafting: `node`'s children will be drawn from q as recorded (rounded to
+        float16: draw from the returned draw's `dense()`); `tokens`: the draws so far."""
+        self.sampled[node] = SampledDraw.of(q, tokens)
         return self.sampled[node]
 
     def draws(self, node: int) -> list[int]:

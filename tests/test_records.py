@@ -116,7 +116,7 @@ def test_an_imported_sampled_run_carries_its_draws_and_can_be_verified_again(pol
         assert rec.tree.sampled.keys() == old.tree.sampled.keys()
         for node, d in rec.tree.sampled.items():
             assert d.tokens == old.tree.sampled[node].tokens
-            assert d.q.is_sparse and torch.equal(d.dense(), old.tree.sampled[node].q.float())
+            assert d.weights is None and torch.equal(d.dense(), old.tree.sampled[node].dense()), "exact, packed"
         if rec.tree.sampled:
             paths = [context[:-1] + [rec.tree.tokens[n] for n in rec.tree.path(node)] for node in rec.order]
             with torch.inference_mode():  # the target at every verified node, one path at a time

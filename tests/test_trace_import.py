@@ -8,6 +8,7 @@ import functools
 import json
 
 import pytest
+import torch
 from conftest import noisy_copy, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -173,12 +174,12 @@ def test_mutated_exports_are_refused_or_drawn(sampled, data):
 
 
 def test_a_sampled_runs_draws_import_sparse_and_a_hostile_vocabulary_size_is_refused():
-    """The exported draws come back (q kept sparse until a verifier reads it); a draw claiming a
+    """The exported draws come back (q kept compressed until a verifier reads it); a draw claiming a
     vocabulary of 10^12 entries is refused before anything is allocated."""
     run = LiveRun.from_json(exported(True))
     draws = [d for rec in run.records for d in rec.tree.sampled.values()]
-    assert draws and all(d.q.is_sparse and d.tokens for d in draws)
-    assert all(abs(float(d.dense().sum()) - 1.0) < 1e-4 for d in draws)
+    assert draws and all(d.weights is None and d.packed and d.tokens for d in draws)
+    assert all(abs(float(d.dense().sum()) - 1.0) < 1e-12 for d in draws)
     raw = json.loads(exported(True))
     rec = next(r for r in raw["records"] if r["tree"].get("sampled"))
     next(iter(rec["tree"]["sampled"].values()))["size"] = 10**12
@@ -207,3 +208,76 @@ def test_the_bundled_replay_imports_and_accepts_several_tokens_per_iteration():
     run = LiveRun.from_json(path.read_bytes())
     assert len(run.records) >= 10 and run.result().tokens_per_iteration >= 2.0
     assert run.spec is not None and run.settings["target"] == "embedded"
+
+
+def _draw_dict(weights: bytes, size: int) -> dict:
+    import base64
+    import zlib
+
+    return {"tokens": [1], "size": size, "w16": base64.b64encode(zlib.compress(weights)).decode("ascii")}
+
+
+def test_a_draws_compressed_q_is_checked_before_it_is_kept():
+    """q travels as zlib'd float16 weights: a file whose q inflates past its vocabulary (a zlib
+    bomb), falls short of it, is not zlib, or is not a distribution is refused on import, and no
+    more than 2 * size bytes are ever inflated."""
+    import numpy as np
+
+    from dynatree_core.tree import SampledDraw
+
+    ok = SampledDraw.from_dict(_draw_dict(np.full(8, 0.125, "<f2").tobytes(), 8))
+    assert ok.weights is None and torch.equal(ok.dense(), torch.full((8,), 0.125, dtype=torch.float64))
+    bomb = _draw_dict(bytes(200 * 2**20), 8)  # 200 MB of zeros in ~200 KB
+    for bad, match in (
+        (bomb, "does not fit"),
+        (_draw_dict(np.full(7, 0.125, "<f2").tobytes(), 8), "does not fit"),
+        (_draw_dict(np.array([0.5, np.nan], "<f2").tobytes(), 2), "not a distribution"),
+        (_draw_dict(np.array([0.5, -0.5], "<f2").tobytes(), 2), "not a distribution"),
+        (_draw_dict(np.zeros(2, "<f2").tobytes(), 2), "not a distribution"),
+        ({"tokens": [1], "size": 2, "w16": "AAAA"}, "not zlib"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            SampledDraw.from_dict(bad)
+
+
+def test_a_draw_from_a_file_written_before_float16_weights_imports_and_exports_as_it_came():
+    """Older exports hold q's nonzero entries as float32 ids and values: they still import (q
+    read normalised) and are written back in the same form, bit for bit."""
+    import base64
+
+    import numpy as np
+
+    from dynatree_core.tree import SampledDraw
+
+    legacy = {
+        "tokens": [3, 3],
+        "size": 10,
+        "ids": base64.b64encode(np.array([3, 7], "<i4").tobytes()).decode("ascii"),
+        "q": base64.b64encode(np.array([0.75, 0.25], "<f4").tobytes()).decode("ascii"),
+    }
+    draw = SampledDraw.from_dict(legacy)
+    assert draw.to_dict() == legacy
+    assert draw.dense().tolist() == [0, 0, 0, 0.75, 0, 0, 0, 0.25, 0, 0]
+
+
+@pytest.mark.slow
+def test_a_512_token_sampled_run_of_the_embedded_pair_exports_under_the_limit_and_imports_back(tmp_path):
+    """Every export imports back: a 512-token run at temperature 1, top-p 1 (every draw's q spans
+    the vocabulary) with the app's default policy, exported by the CLI, fits the import limit,
+    reads back with every draw's q a distribution, and writes its records out again unchanged."""
+    from dynatree_core.cli import main
+    from dynatree_core.trace_check import MAX_BYTES
+
+    out = tmp_path / "run.json"
+    code = main(["generate", "--prompt", "Tell me a story about a dragon.", "--max-new-tokens", "512",
+                 "--temperature", "1", "--top-p", "1", "--seed", "3", "--export", str(out)])  # fmt: skip
+    assert code == 0
+    data = out.read_bytes()
+    assert len(data) < MAX_BYTES, f"{len(data) / 2**20:.1f} MB"
+    run = LiveRun.from_json(data)
+    assert run.settings["policy"] == "fixed_tree" and sum(len(r.committed) for r in run.records) == 512
+    draws = [d for rec in run.records for d in rec.tree.sampled.values()]
+    assert len(draws) > 100 and all(abs(float(d.dense().sum()) - 1) < 1e-12 for d in draws)
+    assert all(d.dense()[t] > 0 for d in draws for t in d.tokens), "every draw is possible under its q"
+    again, first = json.loads(run.to_json()), json.loads(data)
+    assert all(again[k] == first[k] for k in ("records", "settings", "token_texts", "prompt_ids"))

@@ -208,7 +208,7 @@ def level_q(request: DraftRequest, logp: torch.Tensor) -> torch.Tensor | None:
         return None
     from dynatree_core.sampling import adjust
 
-    return to_host(adjust(logp, request.sampling))
+    return to_host(adjust(logp, request.sampling).to(torch.float16))  # rounded once: what a draw records
 
 
 def pick_children(
@@ -231,11 +231,11 @@ def pick_children(
         return list(zip(top_tok.tolist(), top_lp.tolist(), strict=True))
     from dynatree_core.sampling import adjust
 
-    q = q if q is not None else to_host(adjust(logp, request.sampling))
+    draw = tree.record_draws(node, q if q is not None else to_host(adjust(logp, request.sampling)))
+    q = draw.dense()  # the recorded q, exactly as the verifier and an export will read it
     k = min(k, int((q > 0).sum())) if request.draw == "without_replacement" else k
-    draws = torch.multinomial(q, k, replacement=request.draw == "iid", generator=request.gen).tolist()
-    tree.record_draws(node, q, draws)
-    return [(tok, math.log(float(q[tok]))) for tok in dict.fromkeys(draws)]
+    draw.tokens.extend(torch.multinomial(q, k, replacement=request.draw == "iid", generator=request.gen).tolist())
+    return [(tok, math.log(float(q[tok]))) for tok in dict.fromkeys(draw.tokens)]
 
 
 class Tunable:

@@ -86,6 +86,6 @@ def ranked_children(request: DraftRequest, tree: DraftTree, node: int, row) -> t
     if request.draw == "top":
         return row
     q, m = row
+    q = tree.record_draws(node, q).dense()  # the draws are listed once the tree is built (dyspec.py)
     toks = torch.multinomial(q, min(m, int((q > 0).sum())), replacement=False, generator=request.gen).tolist()
-    tree.record_draws(node, q)  # the draws are listed once the tree is built (dyspec.py)
     return [float(q[t]) for t in toks], toks
