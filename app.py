@@ -25,6 +25,8 @@ from dynatree_core.prompts import load_prompts
 from dynatree_core.session import encode_prompt
 from dynatree_core.settings import RunSpec
 from dynatree_core.ui import (
+    POSTER_FRAMES,
+    PREWARM_FRAME,
     REPLAY_INTERVAL_S,
     advance,
     cached_pair,
@@ -204,7 +206,8 @@ def live_view() -> None:
     run_clicked, step_clicked, pause_clicked, reset_clicked, imported = live_buttons()
     if state.run is None and not state.get("replay_seen"):  # opens alive: the recorded run plays
         state.run, state.replay_seen = replay_run(), True
-        prewarm(target_spec, draft_spec, device, dtype)  # the live pair loads meanwhile
+        if state.run is None:
+            prewarm(target_spec, draft_spec, device, dtype)
     run: LiveRun | None = state.run
     if reset_clicked and run is not None:
         run.close()  # the worker ends after its current iteration; the run is discarded either way
@@ -234,7 +237,10 @@ def live_view() -> None:
         st.info("Paused: this page stopped watching the run for a while. Press **Run** to go on.")
     state.drawn_at = time.monotonic()
     replaying = run is not None and run is state.get("replay_run") and replay_step(run)
-    render(None if run is None else run.snapshot(), running=alive)
+    first_frames = replaying and state.get("replay_at", 0) <= POSTER_FRAMES + 1  # drawn before plotly has loaded
+    render(None if run is None else run.snapshot(), running=alive, poster=first_frames)
+    if replaying and state.get("replay_at") == PREWARM_FRAME:  # the live pair loads while the replay plays,
+        prewarm(target_spec, draft_spec, device, dtype)  # once its first frames are drawn (both share the cores)
     if replaying:
         time.sleep(REPLAY_INTERVAL_S)
     if alive or replaying:  # the fragment alone reruns, unless this is a full run (a sidebar change)

@@ -85,6 +85,8 @@ def prewarm(target: str, draft: str | None, device: str, dtype: str) -> None:
 
 REPLAY_FILE = Path(__file__).resolve().parent.parent / "assets" / "replay" / "welcome.json"
 REPLAY_INTERVAL_S = 1.0  # the opening replay shows one iteration per this many seconds
+PREWARM_FRAME = 3  # the replay frame after which the live pair starts loading (the first drawings go first)
+POSTER_FRAMES = 3  # the replay's first frames draw the tree as an image: the browser is still loading plotly
 
 
 def replay_run() -> LiveRun | None:

@@ -39,6 +39,7 @@ from dynatree_core.viz import (
 )
 from dynatree_core.viz.prose import explain_iteration, glossary
 from dynatree_core.viz.stages import Stage, iteration_stages, slot_figure, stage_categories, stage_sentence
+from dynatree_core.viz.svg import figure_svg
 
 # The engine decodes in its own process (or a worker thread); the page draws its latest iteration
 # at most this often. Three figures per page update: one update every 0.6 s keeps the browser near
@@ -231,9 +232,10 @@ def _advance_play(rec: IterationRecord) -> None:
     st.rerun()
 
 
-def tree_and_mask(run: LiveRun, rec: IterationRecord, stage: Stage | None = None) -> None:
+def tree_and_mask(run: LiveRun, rec: IterationRecord, stage: Stage | None = None, poster: bool = False) -> None:
     """One iteration's draft tree (clickable) beside the attention mask the target received; at a
-    `stage`, both as they stood after it (the mask once it is built), and the cache at commit."""
+    `stage`, both as they stood after it (the mask once it is built), and the cache at commit.
+    `poster`: the tree as static SVG, drawn before the browser has loaded plotly (viz/svg.py)."""
     if stage is not None:
         st.markdown(f"**{stage.label.capitalize()}.** {stage_sentence(rec, stage, run.text)}")
     left, right = st.columns([3, 2])
@@ -246,13 +248,11 @@ def tree_and_mask(run: LiveRun, rec: IterationRecord, stage: Stage | None = None
             if stage is None
             else dict(categories=stage_categories(rec, stage), bonus=stage.kind in ("bonus", "commit"))
         )
-        st.plotly_chart(
-            tree_figure(rec, run.text, selected=selected, **staged),
-            width="stretch",
-            key=chart_key,
-            on_select="rerun",
-            selection_mode="points",
-        )
+        figure = tree_figure(rec, run.text, selected=selected, **staged)
+        if poster:
+            st.image(figure_svg(figure), width="stretch", alt=f"Draft tree of iteration {rec.index}")
+        else:
+            st.plotly_chart(figure, width="stretch", key=chart_key, on_select="rerun", selection_mode="points")
         node_panel(rec, selected, run.text)
     with right:
         if stage is not None and stage.kind in ("draft", "prune"):
@@ -260,7 +260,10 @@ def tree_and_mask(run: LiveRun, rec: IterationRecord, stage: Stage | None = None
             st.caption("Built once drafting and pruning are over: one row per verified node, seeing its ancestors.")
         else:
             st.subheader("Attention mask sent to the target")
-            st.plotly_chart(mask_figure(rec, run.text), width="stretch", key="mask")
+            if poster:
+                st.caption("Drawn in a moment, with the rest of the page.")
+            else:
+                st.plotly_chart(mask_figure(rec, run.text), width="stretch", key="mask")
         counts = order_block_counts(rec.tree)
         st.caption(
             f"{len(rec.order)} nodes (root first), positions {rec.position_ids[0]}..{max(rec.position_ids)}; "
@@ -274,11 +277,13 @@ def tree_and_mask(run: LiveRun, rec: IterationRecord, stage: Stage | None = None
         st.plotly_chart(salf_mass_figure(rec.tree.notes["salf_mass"], float(run.params.get("th", 0))), key="salf")
 
 
-def render(run: LiveRun | None, running: bool = False) -> None:
+def render(run: LiveRun | None, running: bool = False, poster: bool = False) -> None:
     """The run's latest (or scrubbed-to) iteration. `running`: its worker is decoding, so the page
     draws only what changes each iteration (metrics, tree, mask, text, charts); the verification
     trace, the speed analysis and the export (which serialises every record) wait until the run
-    pauses or finishes: every drawing costs the engine CPU time and, in Python, the GIL."""
+    pauses or finishes: every drawing costs the engine CPU time and, in Python, the GIL.
+    `poster`: the page's first drawings: the tree as an SVG image and no chart or table, whose
+    browser code (plotly's is ~4.7 MB) would hold the page back for seconds on a slow machine."""
     if run is None or not run.records:
         st.info(
             "Decoding the first iteration..."
@@ -299,9 +304,13 @@ def render(run: LiveRun | None, running: bool = False) -> None:
     )
     rec = run.records[pick - 1]
     stage = stage_control(rec, running)
-    tree_and_mask(run, rec, stage)
+    tree_and_mask(run, rec, stage, poster)
     with st.expander("What happened in this iteration (draft → verify → commit)"):
         st.markdown(explain_iteration(rec, run.text, run.verifier()))
+    if poster:  # no chart or table yet: the browser draws this before it loads their code
+        st.subheader("Generated text")
+        st.html(text_html(run.records, run.text))
+        return
     verification_view(run, rec, running)
     with st.expander("Glossary of tree terms"):
         st.markdown(glossary())

@@ -395,9 +395,12 @@ def test_the_page_opens_on_a_replay_that_plays_before_any_model_loads(monkeypatc
         raise AssertionError("the replay must not load a model")
 
     monkeypatch.setattr(ui, "load_pair", no_models)
+    warmed = []  # the replay frame at which the live pair started loading
+    monkeypatch.setattr(ui, "prewarm", lambda *args: warmed.append(ui.st.session_state["replay_at"]))
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     at.run()
     assert not at.exception, at.exception
+    assert warmed == [ui.PREWARM_FRAME], "the pair starts loading once, after the replay's first frames are drawn"
     run = at.session_state["run"]
     assert run is not None and run.imported and len(run.records) > 5, "the recorded run is loaded"
     assert any("Replay of a recorded run" in i.value for i in at.info)

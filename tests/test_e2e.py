@@ -7,7 +7,9 @@ where it fails instead. Screenshots go to tests/output/.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -37,8 +39,9 @@ def _browser_missing() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def app_url():
+@contextlib.contextmanager
+def _serve(**env: str):
+    """`streamlit run app.py` on a free port with `env` added; yields its URL."""
     missing = _browser_missing()
     if missing:
         if os.environ.get("DYNATREE_REQUIRE_BROWSER") == "1":
@@ -48,7 +51,8 @@ def app_url():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     OUTPUT.mkdir(parents=True, exist_ok=True)
-    log = open(OUTPUT / "streamlit.log", "w")  # noqa: SIM115 (closed below)
+    log_path = OUTPUT / f"streamlit-{port}.log"
+    log = open(log_path, "w")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "streamlit", "run", "app.py",
@@ -58,6 +62,7 @@ def app_url():
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
+        env=os.environ | env,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
@@ -69,13 +74,27 @@ def app_url():
             except OSError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"streamlit did not start: {(OUTPUT / 'streamlit.log').read_text()[-2000:]}")
+                pytest.fail(f"streamlit did not start: {log_path.read_text()[-2000:]}")
             time.sleep(0.5)
         yield url
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    """The app as the tests drive it: no opening replay (conftest sets DYNATREE_REPLAY=0)."""
+    with _serve() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def replay_url():
+    """The app as a visitor opens it: on the recorded run."""
+    with _serve(DYNATREE_REPLAY="1") as url:
+        yield url
 
 
 def _idle(page, timeout_ms: int = 120_000) -> None:
@@ -167,6 +186,115 @@ def test_run_with_the_embedded_models_updates_live(app_url):
         assert other.get_by_text("Press Run", exact=False).count()
         assert other.locator("[data-testid=stMetric]").count() == 0
         assert int(_metric(page, "Iterations")) == final
+        browser.close()
+
+
+SCREENSHOTS = ROOT / "assets" / "screenshots"  # the README's pictures: retaken by every run of the test below
+
+
+def _tree_points(page) -> int:
+    """Nodes drawn in the page's first chart (the draft tree): plotly draws one path per marker."""
+    return page.locator("[data-testid=stPlotlyChart]").first.locator(".scatterlayer .points path.point").count()
+
+
+def _stage_shown(page, label: str):
+    """The stage sentence's bold label (the collapsed "what happened" prose has some of the same words)."""
+    return page.locator("strong:visible").filter(has_text=re.compile(rf"^{re.escape(label.capitalize())}\.$"))
+
+
+def _picture(page, top, name: str) -> None:
+    """A README picture: the viewport (1400 x 1250) with `top` (a locator) at its top."""
+    size = page.viewport_size
+    page.set_viewport_size({"width": 1400, "height": 1250})
+    top.first.evaluate(
+        "node => { node.scrollIntoView({block: 'start'});"
+        " document.querySelector('[data-testid=stMain]').scrollBy(0, -70); }"  # below the page's header bar
+    )
+    page.wait_for_timeout(1500)  # the charts resize and settle
+    page.screenshot(path=str(SCREENSHOTS / name))
+    page.set_viewport_size(size)
+
+
+def _until(check, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def test_the_page_opens_on_a_replay_and_an_iteration_plays_stage_by_stage(replay_url):
+    """A visitor's first screen: the recorded run (assets/replay/) is drawn at once, before any
+    model is loaded, and plays to its last iteration. There every stage of the iteration shows on
+    its own: the tree holds exactly that stage's nodes in that stage's colours, the mask appears
+    once it is built, the cache strip at commit; Play steps through the stages. The README's two
+    pictures are taken here."""
+    from playwright.sync_api import sync_playwright
+
+    from dynatree_core.live import LiveRun
+    from dynatree_core.ui import REPLAY_FILE, REPLAY_INTERVAL_S
+    from dynatree_core.viz import tree_figure
+    from dynatree_core.viz.stages import iteration_stages, stage_categories
+
+    run = LiveRun.from_json(REPLAY_FILE.read_bytes())
+    rec = run.records[-1]
+    stages = iteration_stages(rec)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        opened = time.monotonic()
+        page.goto(replay_url)
+        poster = "document.querySelector(\"[data-testid=stImage] img[alt^='Draft tree']\")?.src"  # the first drawing
+        src = page.wait_for_function(f"() => {poster}", timeout=60_000).json_value()
+        first_tree_s = time.monotonic() - opened
+        assert src.startswith("data:image/svg+xml;base64,")
+        assert base64.b64decode(src.split(",", 1)[1]).count(b"<circle ") > len(run.records[0].tree.tokens) // 2
+        assert page.get_by_text("Replay of a recorded run", exact=False).count()
+        (OUTPUT / "e2e-first-tree.json").write_text(json.dumps({"first_tree_s": round(first_tree_s, 2)}))
+        last = page.get_by_text(f"Draft tree — iteration {len(run.records)}", exact=True)
+        last.wait_for(timeout=int((len(run.records) * REPLAY_INTERVAL_S + 120) * 1000))
+        _idle(page)
+        SCREENSHOTS.mkdir(exist_ok=True)
+        _picture(page, page.locator("[data-testid=stMetric]"), "live-page.png")
+
+        slider = page.get_by_role("slider", name="Stage")
+        slider.focus()
+        page.keyboard.press("Home")
+        for i, stage in enumerate(stages):
+            if i:
+                slider.focus()
+                page.keyboard.press("ArrowRight")
+            _stage_shown(page, stage.label).wait_for(timeout=30_000)
+            _idle(page)
+            fig = tree_figure(
+                rec, run.text, categories=stage_categories(rec, stage), bonus=stage.kind in ("bonus", "commit")
+            )
+            want = {t.name: len(t.x) for t in fig.data if "markers" in (t.mode or "")}
+            assert _until(lambda want=want: _tree_points(page) == sum(want.values())), (stage.label, want)
+            texts = page.locator("[data-testid=stPlotlyChart]").first.locator(".legendtext")
+            legend = set(texts.evaluate_all("nodes => nodes.map(n => n.textContent)"))
+            assert set(want) - {"root"} <= legend, (stage.label, want, legend)
+            built = stage.kind not in ("draft", "prune")
+            assert page.get_by_text("Attention mask sent to the target", exact=True).count() == built, stage.label
+            assert page.get_by_text("The target's cache slots", exact=False).count() == (stage.kind == "commit")
+            assert page.locator("[data-testid=stException]").count() == 0
+            if stage.kind == "verify":
+                _picture(page, page.locator("[data-testid=stMain] [data-testid=stSlider]"), "stage-view.png")
+
+        seen: list[str] = []
+        page.get_by_role("button", name="Play stages").click()
+        deadline = time.monotonic() + len(stages) * 1.2 + 120
+        while time.monotonic() < deadline:
+            for stage in stages:
+                if _stage_shown(page, stage.label).count() and stage.label not in seen[-1:]:
+                    seen.append(stage.label)
+            if seen[-1:] == ["commit"] and len(seen) > 1:
+                break
+            time.sleep(0.1)
+        labels = [s.label for s in stages]
+        assert len(seen) >= 3 and seen[-1] == "commit", seen
+        assert [labels.index(x) for x in seen] == sorted(labels.index(x) for x in seen), f"played out of order: {seen}"
         browser.close()
 
 

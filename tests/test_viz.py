@@ -209,3 +209,27 @@ def test_speed_breakdown_is_the_iteration_arithmetic():
     assert "smaller node budget" in why_text(slow) and slow["expected_speedup"] < 1
     assert "Measure the latency profile" in why_text(speed_breakdown(records))
     assert speed_breakdown([]) == {}
+
+
+def test_the_static_tree_draws_every_node_edge_label_and_legend_entry_of_the_plotly_tree():
+    """The first drawing of the page (viz/svg.py) is the same tree as the interactive chart: one
+    marker per node of each marker trace, the edges, the labels (escaped) and the legend."""
+    import re
+
+    from dynatree_core.live import LiveRun
+    from dynatree_core.ui import REPLAY_FILE
+    from dynatree_core.viz import tree_figure
+    from dynatree_core.viz.svg import figure_svg
+
+    run = LiveRun.from_json(REPLAY_FILE.read_bytes())
+    for rec in run.records[:3]:
+        last = rec.tree.tokens[-1]
+        fig = tree_figure(rec, lambda t, last=last: "<&>" if t == last else run.text(t))
+        svg = figure_svg(fig)
+        markers = sum(len(t.x) for t in fig.data if "markers" in t.mode)
+        legend = [t.name for t in fig.data if t.name and t.showlegend is not False and "markers" in t.mode]
+        shapes = len(re.findall(r"<circle |<rect |<polygon ", svg))
+        assert shapes == markers + len(legend), (shapes, markers, legend)
+        assert svg.count("<path ") == sum(1 for t in fig.data if "lines" in t.mode and len(t.x or ()) > 1)
+        assert "&lt;&amp;&gt;" in svg and "<&>" not in svg
+        assert all(f">{name}</text>" in svg for name in legend)
