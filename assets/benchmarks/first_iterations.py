@@ -1,0 +1,110 @@
+"""Are the first live iterations as fast as the rest? Measured in the browser, from the repo root,
+nothing else running (needs Debian's chromium and the playwright package):
+
+    PYTHONPATH=. .venv/bin/python assets/benchmarks/first_iterations.py [--tokens 512]
+
+For each way the page can open (on the replay, whose frames give the engine process time to load
+and warm up the pair, and on the form, DYNATREE_REPLAY=0, which loads the pair when Run is
+pressed), a fresh `streamlit run app.py` is driven in Chromium: the opening replay (if any) is
+left to finish, then Run decodes one prompt with the embedded pair and the page's defaults, and
+the run is exported from the page. From the export's engine timings (each iteration's draft +
+verify + commit + overhead, what the running tokens/s chart plots) it prints the tokens/s of
+iterations 1-10 against iterations 11 to the end, their ratio, and the first 15 iterations' ms
+per token (iteration 1 includes the prompt's prefill). The browser and the server share the
+machine's cores with the engine process: the page's drawing slows the engine while it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from playwright.sync_api import sync_playwright
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def serve(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port",
+           str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=os.environ | env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(240):
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                return proc, url
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError("streamlit did not start")
+
+
+def idle(page) -> None:
+    page.get_by_role("button", name="Run", exact=True).wait_for(timeout=600_000)
+    page.wait_for_selector("[data-testid=stApp][data-test-script-state=notRunning]", timeout=600_000)
+
+
+def one_run(browser, url: str, replay: bool, tokens: int) -> dict:
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(url)
+    idle(page)
+    if replay:  # the replay plays to its end (the engine loads meanwhile)
+        page.get_by_text("Draft tree — iteration 21", exact=True).wait_for(timeout=300_000)
+        idle(page)
+    prompt = page.get_by_label("Prompt", exact=True)
+    prompt.fill(PROMPT)
+    prompt.press("Control+Enter")
+    idle(page)
+    slider = page.get_by_role("slider", name="Max new tokens")
+    slider.focus()
+    page.keyboard.press("End")
+    for _ in range(512 - tokens):
+        page.keyboard.press("ArrowLeft")
+    idle(page)
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.get_by_text("Finished:", exact=False).wait_for(timeout=900_000)
+    idle(page)
+    with page.expect_download() as download:
+        page.get_by_role("button", name="Export run (JSON)").click()
+    run = json.loads(Path(download.value.path()).read_text())
+    page.close()
+    records = run["records"]
+    tok = [len(r["committed"]) for r in records]
+    ms = [r["draft_ms"] + r["verify_ms"] + r["commit_ms"] + r["overhead_ms"] for r in records]
+    first = 1000 * sum(tok[:10]) / sum(ms[:10])
+    rest = 1000 * sum(tok[10:]) / sum(ms[10:])
+    return {"iterations": len(records), "tokens": sum(tok), "first10_tok_s": round(first, 1),
+            "rest_tok_s": round(rest, 1), "ratio": round(first / rest, 3),
+            "first15_ms_per_token": [round(m / t) for m, t in zip(ms[:15], tok[:15], strict=True)]}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--cases", type=int, default=2, help="1: the replay case only")
+    args = parser.parse_args()
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+        cases = (("opens on the replay", {"DYNATREE_REPLAY": "1"}), ("opens on the form", {"DYNATREE_REPLAY": "0"}))
+        for name, env in cases[: args.cases]:
+            proc, url = serve(env)
+            try:
+                print(name, json.dumps(one_run(browser, url, env["DYNATREE_REPLAY"] == "1", args.tokens)), flush=True)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+        browser.close()
+
+
+if __name__ == "__main__":
+    main()
