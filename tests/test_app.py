@@ -99,8 +99,12 @@ def test_ar_reference_turns_throughput_into_speedup(tiny_pair_dirs):
     _click(at, "Measure AR reference")
     assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
     charts = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
-    names = {t.get("name") for c in charts for t in c["data"]}
-    assert "speedup vs AR" in names, names
+    trace = next((t for c in charts for t in c["data"] if t.get("name") == "speedup vs AR"), None)
+    assert trace is not None, "the throughput chart turned into a speedup chart"
+    (ar_tps,) = at.session_state["ar_tps"].values()
+    rec = at.session_state["run"].records[0]
+    assert ar_tps > 0 and trace["x"] == [1]
+    assert trace["y"] == pytest.approx([1000 * len(rec.committed) / rec.wall_ms / ar_tps]), "run tokens/s over AR's"
 
 
 @pytest.mark.parametrize("button", ["Step", "Run"])  # Run: the error is raised in the worker thread

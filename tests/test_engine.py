@@ -249,7 +249,15 @@ def test_cpu_memory_counts_weights_and_the_largest_caches():
     prompt, n = PROMPTS[0], 20
     config = DecodeConfig(max_new_tokens=n, static_cache=False)
     ar = generate(target, prompt, make_method("ar"), config=config)
-    per_token = kv_bytes_per_token(target)
+    # Expected sizes from the tiny Llama's config by hand (conftest._config: hidden 32, MLP 64,
+    # 2 layers, 4 query / 2 key-value heads of 8, vocabulary 96, untied head, float64), not from
+    # the helpers under test: K and V x 2 layers x 2 kv heads x 8 dims x 8 bytes.
+    per_token = 2 * 2 * 2 * 8 * 8
+    layer = 32 * 32 * 2 + 32 * (2 * 8) * 2 + 32 * 64 * 3 + 2 * 32  # q, o; k, v (GQA); gate, up, down; norms
+    params = 96 * 32 * 2 + 2 * layer + 32  # embedding, head, layers, final norm
+    rotary = 2 * 4  # inv_freq and original_inv_freq: head_dim / 2 each
+    assert kv_bytes_per_token(target) == per_token
+    assert weight_bytes(target) == (params + rotary) * 8
     # AR's concatenated cache peaks at prompt + n - 1 tokens (the last token is never fed back)
     assert ar.peak_memory_mb == pytest.approx((weight_bytes(target) + per_token * (len(prompt) + n - 1)) / 2**20)
     hf = generate(target, prompt, make_method("hf_generate"), config=config)

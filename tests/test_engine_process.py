@@ -47,11 +47,18 @@ def _start(engine, policy="fixed_tree", max_new=24) -> ProcessRun:
     return ProcessRun.start_in(engine, PROMPT, make_method(policy), settings={"p": 1}, config=_config(engine, max_new))
 
 
-def test_the_child_reports_what_it_loaded(engine):
+def test_the_child_reports_what_it_loaded(engine, pair):
+    """What the child sends back describes the pair it loaded: the same tokenizer (it decodes and
+    encodes like the one loaded here), EOS ids and context length as this process reads them."""
+    import os
+
     info = engine.wait_ready()
     assert info.device == "cpu" and info.dtype == "float32" and info.has_draft and not info.draft_is_stand_in
-    assert info.threads == torch.get_num_threads() and info.pid != 0 and engine.alive
-    assert info.tokenizer.decode([42]) == engine.wait_ready().tokenizer.decode([42])
+    assert info.threads == torch.get_num_threads() and info.pid not in (0, os.getpid()) and engine.alive
+    here = pair.target.tokenizer
+    assert [info.tokenizer.decode([t]) for t in range(64)] == [here.decode([t]) for t in range(64)]
+    assert info.tokenizer("Hello there")["input_ids"] == here("Hello there")["input_ids"]
+    assert info.eos_token_ids == pair.target.eos_token_ids and info.context_length == pair.target.context_length
 
 
 @pytest.mark.parametrize("policy", ["fixed_tree", "dynatree", "linear"])

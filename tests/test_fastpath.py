@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from conftest import hf_greedy, noisy_copy, tiny_model
+from conftest import ARCHS, hf_greedy, noisy_copy, tiny_model
 
 from dynatree_core.engine import DecodeConfig, generate
 from dynatree_core.fastpath import FUSE_MAX_BYTES, LeanForward, lean_forward_for, supports_lean
@@ -61,10 +61,10 @@ def _tree_forward(kv: KVState, tree: DraftTree, root_pos: int) -> tuple[torch.Te
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("path", ["static", "lean"])
+@pytest.mark.parametrize(
+    ("arch", "path"), [(a, "static") for a in ARCHS] + [(a, "lean") for a in LEAN_ARCHS]
+)  # the lean forward covers Llama-family models only
 def test_tree_forward_logits_equal_the_reference_path(arch, path):
-    if path == "lean" and arch not in LEAN_ARCHS:
-        pytest.skip("the lean forward covers Llama-family models only")
     model, prompt = tiny_model(arch), [3, 1, 4, 1, 5, 9]
     ref, mine = KVState(model, prompt, **PATHS["dynamic"]), KVState(model, prompt, **PATHS[path])
     assert (mine.lean is not None) == (path == "lean"), "the lean forward runs exactly where asked"

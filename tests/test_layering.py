@@ -78,10 +78,28 @@ def test_imports_point_down_only(path):
     assert not upward, f"{path.relative_to(ROOT)} imports sideways or upward: " + "; ".join(upward)
 
 
+def _top_level_imports(path: Path) -> set[str]:
+    """The first component of every module the file imports, at any depth (AST, not text)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+    return out
+
+
 def test_the_library_never_imports_the_app_or_its_pages():
     for path in _library_files():
-        text = path.read_text(encoding="utf-8")
-        assert "import app" not in text and "from pages" not in text and "import pages" not in text, path
+        assert not _top_level_imports(path) & {"app", "pages"}, path
+
+
+def test_the_app_import_check_reads_imports_not_text(tmp_path):
+    """It fails on a planted import in a function body, and not on a string or comment naming one."""
+    bad, fine = tmp_path / "bad.py", tmp_path / "fine.py"
+    bad.write_text("def f():\n    import pages.lab as lab\n    return lab\n")
+    fine.write_text('"""Not `import app`: the app imports us."""\n# from pages import x\nx = "import app"\n')
+    assert _top_level_imports(bad) & {"app", "pages"} and not _top_level_imports(fine) & {"app", "pages"}
 
 
 def test_the_checker_catches_an_upward_function_local_import(tmp_path):

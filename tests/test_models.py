@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import VOCAB, tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -118,7 +119,9 @@ def test_chat_mode_without_template_is_a_clear_error(tiny_dirs):
 
 def test_device_and_dtype_resolution():
     assert resolve_device("cpu").type == "cpu"
-    assert resolve_dtype("auto", resolve_device("cpu")).is_floating_point
+    assert resolve_dtype("auto", resolve_device("cpu")) is torch.float32, "the rule: float32 on CPU (exact greedy)"
+    assert resolve_dtype("bfloat16", resolve_device("cpu")) is torch.bfloat16
+    assert resolve_dtype("float16", resolve_device("cpu")) is torch.float16
     with pytest.raises(DynaTreeError):
         resolve_dtype("float8", resolve_device("cpu"))
     with pytest.raises(DynaTreeError):

@@ -53,14 +53,28 @@ def test_greedy_decoding_through_packed_models_is_exact(arch, policy_name, param
         assert tree.token_ids == ar, f"{policy_name} through packed linears diverged from AR"
 
 
-def test_load_pair_packs_on_cpu_unless_switched_off(tiny_pair_dirs, monkeypatch):
-    from dynatree_core.environment import environment
+def _bench_says_packed(tiny_pair_dirs, tmp_path) -> bool:
+    """What a bench report's environment says of the pair it loaded (the number a reader trusts)."""
+    import json
+
+    from dynatree_core.cli import main
+
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--target", tiny_pair_dirs[0], "--draft", tiny_pair_dirs[1], "--dtype", "float32",
+                 "--policies", "ar", "--limit", "1", "--max-new-tokens", "2", "--repeats", "1",
+                 "--out", str(out)])  # fmt: skip
+    assert code == 0
+    return json.loads(out.read_text())["environment"]["packed_linears"]
+
+
+def test_load_pair_packs_on_cpu_unless_switched_off_and_reports_say_which(tiny_pair_dirs, monkeypatch, tmp_path):
     from dynatree_core.session import load_pair
 
     pair = load_pair(*tiny_pair_dirs, device="cpu", dtype="float32")
     assert is_packed(pair.target.model) and is_packed(pair.draft.model)
     assert isinstance(pair.target.model.lm_head, PackedLinear)
-    assert environment("cpu", "float32", is_packed(pair.target.model))["packed_linears"] is True
+    assert _bench_says_packed(tiny_pair_dirs, tmp_path) is True
     assert not is_packed(load_pair(*tiny_pair_dirs, device="cpu", dtype="float32", pack=False).target.model)
     monkeypatch.setenv("DYNATREE_PACK", "0")
     assert not is_packed(load_pair(*tiny_pair_dirs, device="cpu", dtype="float32").target.model)
+    assert _bench_says_packed(tiny_pair_dirs, tmp_path) is False
