@@ -1,6 +1,6 @@
 """The engine in its own process, so that drawing a page never takes time from decoding.
 
-Measured (issue 18, assets/benchmarks/drawing_contention.py): a 1-thread engine in a thread of
+Measured (assets/benchmarks/drawing_contention.py): a 1-thread engine in a thread of
 a process whose Python draws a third of the time lost ~37% of its speed (the GIL); the same
 engine in a child process lost nothing. `EngineProcess` is that child for the live app. It loads
 one model pair, keeps any number of runs (one `engine.decode` generator each, so every run keeps

@@ -3,7 +3,7 @@
 `LiveRun` wraps the engine's generator. Each `step()` runs exactly one iteration (one target
 forward) under a lock, because the models are shared by every session of the app process.
 `start_worker()` runs the same steps in a background thread, so the engine decodes at its own
-speed while the page draws the latest iteration at its own cadence (issue 18): the worker only
+speed while the page draws the latest iteration at its own cadence: the worker only
 appends to `records` and sets `done` after the last append, so a reader that reads `done` first
 and then copies the list (`snapshot()`) always sees a consistent run. `pause()` takes effect after
 the current iteration; a worker whose page stops calling `beat()` pauses itself, so a closed tab

@@ -53,8 +53,8 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
-        # The embedded pair drafts with the measured winner, the feature draft (BENCHMARKS.md,
-        # issue 19); the token draft stays selectable and is the HF baselines' assistant.
+        # The embedded pair drafts with the measured winner, the feature draft (BENCHMARKS.md);
+        # the token draft stays selectable and is the HF baselines' assistant.
         *(
             [
                 Preset(

@@ -1,4 +1,4 @@
-"""One registry for the run settings that a CLI flag and a page widget share (issue 17).
+"""One registry for the run settings that a CLI flag and a page widget share.
 
 Each `Setting` says once what a setting is: its name (the `RunSpec` field, `--name-with-dashes`
 on the CLI), type, range or choices, default, label and help. The CLI's flags (`add_flags`) and

@@ -118,7 +118,7 @@ def test_the_app_and_pages_never_reseed_the_process_wide_generator():
 
 
 def test_no_module_over_400_lines_and_no_page_over_250():
-    """Files a newcomer can read in one sitting (issue 17): library modules and app.py at most 400
+    """Files a newcomer can read in one sitting: library modules and app.py at most 400
     lines, the pages at most 250."""
     long = [
         f"{p.relative_to(ROOT)}: {n} lines"

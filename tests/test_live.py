@@ -103,7 +103,7 @@ def test_export_carries_token_texts_so_an_imported_run_shows_words():
     assert replay.text(10**6) == f"<{10**6}>"
 
 
-# ----- the background worker (issue 18: the engine runs ahead, the page draws at its own cadence) ---
+# ----- the background worker (the engine runs ahead, the page draws at its own cadence) -----------
 
 
 def _worker_run(max_new_tokens: int = 24, prompt=(5, 9, 11, 3)):

@@ -332,7 +332,7 @@ def test_the_registry_lists_the_built_in_policies_in_its_explicit_order():
 
 
 def test_a_levels_top_k_copied_once_equals_each_nodes_own_top_k():
-    """level_top (one host copy per level, issue 16) gives every row what a per-node top-k gave."""
+    """level_top (one host copy per level) gives every row what a per-node top-k gave."""
     import torch
 
     from dynatree_core.drafting.base import DraftRequest, level_top, pick_children

@@ -27,3 +27,42 @@ def test_reports_record_paths_relative_to_the_repository_and_home():
     assert portable(f"--draft {REPO}/assets/models/x --out {Path.home()}/runs/a.json") == (
         "--draft assets/models/x --out ~/runs/a.json"
     )
+
+
+ISSUE_NUMBER = re.compile(r"\bissues? ?#?\d+", re.IGNORECASE)
+
+
+def _tracked_text_files() -> list[Path]:
+    import subprocess
+
+    names = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    out = []
+    for name in names:
+        path = REPO / name
+        if path.suffix in {".py", ".md", ".toml", ".json", ".csv", ".txt", ".cfg", ".yml", ".jinja"} or path.name in {
+            "Makefile",
+            "run",
+        }:
+            out.append(path)
+    return out
+
+
+def test_names_and_docs_say_what_not_when():
+    """No issue numbers in code, docstrings, test names, docs or reports: a reader has only the
+    repository, where "issue 18" means nothing. Name the subject (or the BENCHMARKS section)."""
+    files = _tracked_text_files()
+    assert len(files) > 100, "the listing found the repository's files"
+    offenders = [
+        f"{p.relative_to(REPO)}: {m.group(0)!r}"
+        for p in files
+        if p.is_file() and p.name != "test_shipped_files.py"
+        for m in [ISSUE_NUMBER.search(p.read_text(errors="replace"))]
+        if m
+    ]
+    assert not offenders, offenders
+
+
+def test_the_issue_number_check_sees_the_usual_spellings():
+    for text in ("(issue 18)", "Issue 8: benchmarks", "issues 3 and 5", "issue #12", "issue19"):
+        assert ISSUE_NUMBER.search(text), text
+    assert not ISSUE_NUMBER.search("an issue with 3 tokens; tissue 4")

@@ -1,4 +1,4 @@
-"""Cost of one draft level in the decoding loop: token draft vs feature draft (issue 19), run from
+"""Cost of one draft level in the decoding loop: token draft vs feature draft, run from
 the repo root:
 
     PYTHONPATH=. .venv/bin/python assets/benchmarks/draft_levels.py [--rounds 2] [--max-new-tokens 64]

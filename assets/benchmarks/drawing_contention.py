@@ -1,4 +1,4 @@
-"""What drawing in Python costs the engine: a decoding thread vs a decoding process (issue 18).
+"""What drawing in Python costs the engine: a decoding thread vs a decoding process.
 
     .venv/bin/python assets/benchmarks/drawing_contention.py [--rounds 3]
 

@@ -1,4 +1,4 @@
-"""Live page vs CLI decoding speed on this machine (issue 18), run from the repo root:
+"""Live page vs CLI decoding speed on this machine, run from the repo root:
 
     .venv/bin/python assets/benchmarks/live_page.py [--runs 3] [--max-new-tokens 64] [--policy fixed_tree]
         [--busy] [--app-threads N] [--live-engine process|thread] [--cli-threads N]

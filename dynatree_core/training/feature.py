@@ -3,7 +3,7 @@
 Stage `feature-label` (feature_data.py) stores the target's final hidden states at every window
 position; the target's soft labels are head(f), recomputed from them here over the draft's vocabulary.
 
-Stage `train-feature` (EAGLE, Li et al. 2024, sec. 4.2; the probe in issue 19): for each window
+Stage `train-feature` (EAGLE, Li et al. 2024, sec. 4.2): for each window
 position j >= 1 the draft reads (f_{j-1} + U(-noise, noise), x_j) and predicts f_j;
 
     loss = smooth_l1(pred_j, f_j) + ce_weight * CE(softmax(head(f_j)), log_softmax(head(pred_j)))
@@ -13,7 +13,7 @@ proposed, so left out of both). The target's embedding and the LM head rows are 
 the decoder layer train. AdamW, linear warm-up, cosine decay. Resumable (`checkpoint.pt`), and
 every stage's compute goes to the ledger (ledger.py).
 
-`agreement_by_depth` is the held-out measure issue 19 reports: top-1 agreement of the draft's
+`agreement_by_depth` is the held-out measure BENCHMARKS.md reports: top-1 agreement of the draft's
 best real token with the target's greedy token at tree depth 1 (true input features) and deeper
 (the draft's own predicted features along the node's ancestors, as in a drafted tree).
 """

@@ -1,4 +1,4 @@
-"""Measured quality of a draft against the embedded target (issue 3's goals).
+"""Measured quality of a draft against the embedded target.
 
   agreement            top-1 agreement with the target's greedy token on held-out generations
   tokens_per_iteration fixed_tree and linear (default parameters), greedy, bundled prompts;
