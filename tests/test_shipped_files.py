@@ -66,3 +66,15 @@ def test_the_issue_number_check_sees_the_usual_spellings():
     for text in ("(issue 18)", "Issue 8: benchmarks", "issues 3 and 5", "issue #12", "issue19"):
         assert ISSUE_NUMBER.search(text), text
     assert not ISSUE_NUMBER.search("an issue with 3 tokens; tissue 4")
+
+
+def test_the_readme_is_short_and_every_doc_it_links_exists_and_is_linked():
+    """README: what it is, the two commands, a tour, the glossary, links; the rest is in docs/ by
+    topic, each page reachable from the README, no link dangling."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 200
+    assert "make run" in readme and "make test" in readme and "## Glossary" in readme
+    links = set(re.findall(r"\]\(([^)#]+)\)", readme))
+    assert all((REPO / link).exists() for link in links), [link for link in links if not (REPO / link).exists()]
+    docs = {f"docs/{p.name}" for p in (REPO / "docs").glob("*.md")}
+    assert docs and docs <= links, f"not linked from the README: {sorted(docs - links)}"

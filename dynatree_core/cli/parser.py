@@ -80,7 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--policy", action="append", default=[], metavar="NAME[:K=V,...][@VERIFIER]", help="repeatable, with parameters"
     )
-    bench.add_argument("--prompts", default="all", help="bundled set name, 'all', or a .jsonl / .txt path")
+    bench.add_argument(
+        "--prompts",
+        default="all",
+        help="bundled set name ('ood': prompts from sources no draft trains on; 'ood:<category>'), 'all', "
+        "several joined by commas, or a .jsonl / .txt path",
+    )
     bench.add_argument("--limit", type=int, default=8, help="N: first N prompts, spread over the domains (0: all)")
     bench.add_argument(
         "--max-prompt-tokens", type=int, default=None, help="L_max: cut each prompt to its first L tokens"
