@@ -54,13 +54,14 @@ def idle(page) -> None:
     page.wait_for_selector("[data-testid=stApp][data-test-script-state=notRunning]", timeout=600_000)
 
 
-def one_run(browser, url: str, replay: bool, tokens: int) -> dict:
+def one_run(browser, url: str, replay: bool, tokens: int, settle_s: float = 0.0) -> dict:
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(url)
     idle(page)
     if replay:  # the replay plays to its end (the engine loads meanwhile)
         page.get_by_text("Draft tree — iteration 21", exact=True).wait_for(timeout=300_000)
         idle(page)
+    time.sleep(settle_s)  # more time for the engine to load and warm up before Run
     prompt = page.get_by_label("Prompt", exact=True)
     prompt.fill(PROMPT)
     prompt.press("Control+Enter")
@@ -92,6 +93,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--cases", type=int, default=2, help="1: the replay case only")
+    parser.add_argument("--settle", type=float, default=0.0, help="seconds to wait before pressing Run")
     args = parser.parse_args()
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
@@ -99,7 +101,8 @@ def main() -> None:
         for name, env in cases[: args.cases]:
             proc, url = serve(env)
             try:
-                print(name, json.dumps(one_run(browser, url, env["DYNATREE_REPLAY"] == "1", args.tokens)), flush=True)
+                result = one_run(browser, url, env["DYNATREE_REPLAY"] == "1", args.tokens, args.settle)
+                print(name, json.dumps(result), flush=True)
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)
