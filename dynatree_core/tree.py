@@ -108,8 +108,7 @@ class SampledDraw:
         values = _unb64(data["q"], torch.float32)
         if ids.numel() != values.numel() or (ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= size)):
             raise ValueError("a sampled draw's q does not fit its vocabulary")
-        if ids.numel() == 0 or not bool(torch.isfinite(values).all() and (values >= 0).all() and values.sum() > 0):
-            raise ValueError("a sampled draw's q is not a distribution")
+        _check_weights(values)
         return cls(torch.sparse_coo_tensor(ids[None], values, (size,), check_invariants=True).coalesce(), tokens)
 
 
@@ -123,9 +122,14 @@ def _unpack(packed: bytes, size: int) -> torch.Tensor:
     if len(raw) != 2 * size or inflate.unconsumed_tail or not inflate.eof:
         raise ValueError("a sampled draw's q does not fit its vocabulary")
     w = torch.from_numpy(np.frombuffer(raw, dtype="<f2").astype(np.float16))
-    if not bool(torch.isfinite(w).all() and (w >= 0).all() and w.float().sum() > 0):
-        raise ValueError("a sampled draw's q is not a distribution")
+    _check_weights(w)
     return w
+
+
+def _check_weights(w: torch.Tensor) -> None:
+    """Finite, nonnegative, not all zero: weights that normalise to a distribution."""
+    if w.numel() == 0 or not bool(torch.isfinite(w).all() and (w >= 0).all() and w.float().sum() > 0):
+        raise ValueError("a sampled draw's q is not a distribution")
 
 
 _WIRE = {torch.int32: "<i4", torch.float32: "<f4"}  # little-endian on the wire, whatever the host
