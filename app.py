@@ -1,7 +1,7 @@
 """DynaTree Explorer: watch tree speculative decoding happen, one iteration at a time.
 
-Thin by design: widgets -> settings -> LiveRun (dynatree_core.live) -> figures (dynatree_core.viz).
-Runs decode in an engine process per model pair (dynatree_core.engine_process), shared by every
+Thin by design: widgets -> settings -> LiveRun (dynatree_core.live.run) -> figures (dynatree_core.viz).
+Runs decode in an engine process per model pair (dynatree_core.live.engine_process), shared by every
 browser session and running one forward at a time; DYNATREE_LIVE_ENGINE=thread decodes in this
 process instead (models loaded once, forwards take a lock). Per-run state (the LiveRun) lives in
 st.session_state, so two tabs run independently.
@@ -16,34 +16,26 @@ import time
 import streamlit as st
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
-from dynatree_core.engine import DecodeConfig, generate
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.methods import catalogue, is_baseline, make_method, method_class
+from dynatree_core.decoding.pairs import encode_prompt
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.live import LiveRun
-from dynatree_core.live_process import ProcessRun
-from dynatree_core.methods import catalogue, is_baseline, make_method, method_class
-from dynatree_core.prompts import load_prompts
-from dynatree_core.session import encode_prompt
-from dynatree_core.settings import RunSpec
-from dynatree_core.ui import (
-    POSTER_FRAMES,
-    PREWARM_FRAME,
-    REPLAY_INTERVAL_S,
+from dynatree_core.live.process_run import ProcessRun
+from dynatree_core.live.run import LiveRun
+from dynatree_core.measure.prompt_sets import load_prompts
+from dynatree_core.measure.run_settings import RunSpec
+from dynatree_core.ui.live_view import RENDER_INTERVAL_S, metrics_row, render
+from dynatree_core.ui.replay import POSTER_FRAMES, PREWARM_FRAME, REPLAY_INTERVAL_S, replay_run, replay_step
+from dynatree_core.ui.resources import cached_pair, engine_process, forward_lock, live_engine_mode, prewarm
+from dynatree_core.ui.widgets import (
     advance,
-    cached_pair,
-    engine_process,
-    forward_lock,
     import_run,
     live_buttons,
-    live_engine_mode,
     model_picker,
     param_widgets,
-    prewarm,
-    replay_run,
-    replay_step,
     setting_widget,
     show_run_error,
 )
-from dynatree_core.ui_live import RENDER_INTERVAL_S, metrics_row, render
 
 st.set_page_config(page_title="DynaTree Explorer", page_icon="🌳", layout="wide")
 
@@ -118,7 +110,7 @@ def prepare():
 
 
 def start_in_process() -> tuple[LiveRun, bool]:
-    """A run decoded by the pair's engine process (ui.engine_process): the models load there, this
+    """A run decoded by the pair's engine process (ui/resources.py): the models load there, this
     process gets their tokenizer. (run, the draft is a stand-in)."""
     policy = make_method(policy_name, params)
     with st.spinner(f"Starting the engine process with {target_spec} (the first load converts it, ~30 s)..."):

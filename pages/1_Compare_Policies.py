@@ -1,4 +1,4 @@
-"""Compare drafting policies side by side on one prompt and one model pair (dynatree_core.compare):
+"""Compare drafting policies side by side on one prompt and one model pair (dynatree_core.measure.compare):
 fair timing (same models, warm-up discarded, interleaved rounds, ar and HF generate as references),
 a live view while it runs, a results table and charts, a correctness badge, CSV/JSON export."""
 
@@ -9,14 +9,15 @@ import time
 import pandas as pd
 import streamlit as st
 
-from dynatree_core.compare import Comparison, compare
-from dynatree_core.entries import Entry, labelled, schedule
+from dynatree_core.decoding.methods import candidates
+from dynatree_core.decoding.pairs import encode_prompt
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.methods import candidates
-from dynatree_core.prompts import load_prompts
-from dynatree_core.session import encode_prompt
-from dynatree_core.settings import RunSpec
-from dynatree_core.ui import cached_pair, forward_lock, model_picker, param_widgets, setting_widget
+from dynatree_core.measure.compare import Comparison, compare
+from dynatree_core.measure.entries import Entry, labelled, schedule
+from dynatree_core.measure.prompt_sets import load_prompts
+from dynatree_core.measure.run_settings import RunSpec
+from dynatree_core.ui.resources import cached_pair, forward_lock
+from dynatree_core.ui.widgets import model_picker, param_widgets, setting_widget
 from dynatree_core.viz import compare_figures, tree_figure
 
 st.set_page_config(page_title="Compare policies", page_icon="⚖️", layout="wide")

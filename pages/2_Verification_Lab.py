@@ -1,18 +1,19 @@
 """Verification Lab: run one verifier many times on the current run's context and compare the
-empirical next-token histogram with the target's distribution (dynatree_core.lab)."""
+empirical next-token histogram with the target's distribution (dynatree_core.measure.lab)."""
 
 from __future__ import annotations
 
 import pandas as pd
 import streamlit as st
 
+from dynatree_core.core.sampling_config import SamplingConfig
+from dynatree_core.decoding.engine import DecodeConfig
+from dynatree_core.decoding.methods import verifier_for
 from dynatree_core.drafting import make_policy
-from dynatree_core.engine import DecodeConfig
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.lab import chi_square_critical, run_lab
-from dynatree_core.methods import verifier_for
-from dynatree_core.sampling import SamplingConfig
-from dynatree_core.ui import cached_pair, forward_lock, setting_widget
+from dynatree_core.measure.lab import chi_square_critical, run_lab
+from dynatree_core.ui.resources import cached_pair, forward_lock
+from dynatree_core.ui.widgets import setting_widget
 from dynatree_core.verify.registry import VERIFIERS
 from dynatree_core.viz import acceptance_by_depth, acceptance_figure, first_token_figure, visible
 

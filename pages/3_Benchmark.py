@@ -1,4 +1,4 @@
-"""Benchmark: run a small benchmark or parameter sweep from the browser (dynatree_core.bench, the
+"""Benchmark: run a small benchmark or parameter sweep from the browser (dynatree_core.measure.bench, the
 same protocol as `python -m dynatree_core bench`), and view or compare saved result files."""
 
 from __future__ import annotations
@@ -8,13 +8,14 @@ import json
 import pandas as pd
 import streamlit as st
 
-from dynatree_core.bench import parse_sweep, run_bench, sweep_entries
-from dynatree_core.entries import Entry
+from dynatree_core.decoding.methods import candidates, method_class
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.methods import candidates, method_class
-from dynatree_core.prompts import CORPORA, bundled_sets, choose_prompts
-from dynatree_core.settings import RunSpec
-from dynatree_core.ui import cached_pair, forward_lock, model_picker, setting_widget
+from dynatree_core.measure.bench import parse_sweep, run_bench, sweep_entries
+from dynatree_core.measure.entries import Entry
+from dynatree_core.measure.prompt_sets import CORPORA, bundled_sets, choose_prompts
+from dynatree_core.measure.run_settings import RunSpec
+from dynatree_core.ui.resources import cached_pair, forward_lock
+from dynatree_core.ui.widgets import model_picker, setting_widget
 from dynatree_core.viz.bench import saved_results_figure, sweep_figures
 
 st.set_page_config(page_title="Benchmark", page_icon="⏱️", layout="wide")

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from dynatree_core.models import REPO_ROOT as REPO
-from dynatree_core.models import load_model
-from dynatree_core.prompts import load_prompts, ood_categories
+from dynatree_core.core.models import REPO_ROOT as REPO
+from dynatree_core.core.models import load_model
+from dynatree_core.measure.prompt_sets import load_prompts, ood_categories
 from dynatree_core.training import answers, sources
 from dynatree_core.training.decode_batch import BatchDecoder
 
@@ -141,7 +141,7 @@ def test_the_recipe_runs_end_to_end_for_any_llama_target(tmp_path, monkeypatch, 
 
 
 def test_a_bench_over_both_prompt_sets_reports_each_side_apart():
-    from dynatree_core.bench import BenchReport
+    from dynatree_core.measure.bench import BenchReport
 
     def row(label, domain, tps, tpi):
         return {"label": label, "domain": domain, "throughput_tps": tps, "tokens_per_iteration": tpi}

@@ -122,7 +122,7 @@ def test_a_prompt_longer_than_the_context_is_an_error_and_keeps_the_inputs(tiny_
 
 
 def test_every_policy_renders_its_parameters():
-    from dynatree_core.methods import catalogue
+    from dynatree_core.decoding.methods import catalogue
 
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=60)
     at.run()
@@ -251,9 +251,9 @@ def test_presets_only_hides_custom_models(monkeypatch):
 def test_run_decodes_in_a_worker_and_the_scrubber_reaches_every_iteration(tiny_pair_dirs):
     """Run starts the worker; the page reruns until it has drawn the finished run, whose tokens are
     engine.generate's with the same settings; the scrubber then shows every iteration's tree."""
-    from dynatree_core.engine import DecodeConfig, generate
-    from dynatree_core.methods import make_method
-    from dynatree_core.ui import cached_pair
+    from dynatree_core.decoding.engine import DecodeConfig, generate
+    from dynatree_core.decoding.methods import make_method
+    from dynatree_core.ui.resources import cached_pair
 
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     at.run()
@@ -279,7 +279,7 @@ def test_run_decodes_in_a_worker_and_the_scrubber_reaches_every_iteration(tiny_p
 
 
 def test_reset_stops_a_running_worker(tiny_pair_dirs, monkeypatch):
-    from dynatree_core.ui import forward_lock
+    from dynatree_core.ui.resources import forward_lock
 
     monkeypatch.setenv("DYNATREE_LIVE_ENGINE", "thread")  # the in-process worker, held by the lock
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
@@ -299,9 +299,9 @@ def test_reset_stops_a_running_worker(tiny_pair_dirs, monkeypatch):
 def test_runs_decode_in_the_engine_process_and_reset_frees_them(tiny_pair_dirs):
     """By default the page's runs live in the pair's engine process: the caption says so, and a
     run discarded with Reset (even while decoding) is freed there."""
-    from dynatree_core.engine_process import call
-    from dynatree_core.live_process import ProcessRun
-    from dynatree_core.ui import engine_process
+    from dynatree_core.live.engine_process import call
+    from dynatree_core.live.process_run import ProcessRun
+    from dynatree_core.ui.resources import engine_process
 
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     at.run()
@@ -348,7 +348,7 @@ def test_an_iteration_plays_stage_by_stage(tiny_pair_dirs, monkeypatch):
     the target's matches at verify, the cache strip at commit; Play walks through every stage."""
     import json
 
-    from dynatree_core import ui_live
+    from dynatree_core.ui import live_view as ui_live
     from dynatree_core.viz.stages import iteration_stages
 
     monkeypatch.setattr(ui_live, "STAGE_PLAY_S", 0.0)
@@ -389,22 +389,22 @@ def test_an_iteration_plays_stage_by_stage(tiny_pair_dirs, monkeypatch):
 def test_the_page_opens_on_a_replay_that_plays_before_any_model_loads(monkeypatch):
     import json
 
-    from dynatree_core import ui
+    from dynatree_core.ui import replay, resources
 
     monkeypatch.setenv("DYNATREE_REPLAY", "1")
-    monkeypatch.setattr(ui, "REPLAY_INTERVAL_S", 0.0)
+    monkeypatch.setattr(replay, "REPLAY_INTERVAL_S", 0.0)
     monkeypatch.setenv("DYNATREE_LIVE_ENGINE", "thread")  # nothing to prewarm in a separate process
 
     def no_models(*args, **kwargs):
         raise AssertionError("the replay must not load a model")
 
-    monkeypatch.setattr(ui, "load_pair", no_models)
+    monkeypatch.setattr(resources, "load_pair", no_models)
     warmed = []  # the replay frame at which the live pair started loading
-    monkeypatch.setattr(ui, "prewarm", lambda *args: warmed.append(ui.st.session_state["replay_at"]))
+    monkeypatch.setattr(resources, "prewarm", lambda *args: warmed.append(resources.st.session_state["replay_at"]))
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     at.run()
     assert not at.exception, at.exception
-    assert warmed == [ui.PREWARM_FRAME], "the pair starts loading once, after the replay's first frames are drawn"
+    assert warmed == [replay.PREWARM_FRAME], "the pair starts loading once, after the replay's first frames are drawn"
     run = at.session_state["run"]
     assert run is not None and run.imported and len(run.records) > 5, "the recorded run is loaded"
     assert any("Replay of a recorded run" in i.value for i in at.info)
@@ -420,9 +420,9 @@ def test_a_run_that_finished_after_its_worker_flag_was_read_is_drawn_finished():
     "Finished" offers the export (a browser test once saw the one without the other)."""
 
     def page():
-        from dynatree_core.live import LiveRun
-        from dynatree_core.ui import REPLAY_FILE
-        from dynatree_core.ui_live import render
+        from dynatree_core.live.run import LiveRun
+        from dynatree_core.ui.live_view import render
+        from dynatree_core.ui.replay import REPLAY_FILE
 
         run = LiveRun.from_json(REPLAY_FILE.read_bytes())
         assert run.done

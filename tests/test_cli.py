@@ -273,9 +273,9 @@ def test_verifiers_json_and_sampled_generation(capsys, tiny_pair_dirs):
 
 
 def test_dtype_probe_picks_the_fastest_exact_dtype_and_auto_uses_it(capsys, tiny_pair_dirs, tmp_path, monkeypatch):
-    from dynatree_core.dtypes import CHOICE_FILE, DtypeRow, choose
+    from dynatree_core.decoding.dtype_choice import CHOICE_FILE, DtypeRow, choose
+    from dynatree_core.decoding.pairs import load_pair
     from dynatree_core.errors import DynaTreeError
-    from dynatree_core.session import load_pair
 
     rows = [DtypeRow("float32", 10, 12, 4, 4), DtypeRow("bfloat16", 20, 25, 3, 4), DtypeRow("float16", 9, 11, 4, 4)]
     assert choose(rows).dtype == "float32"  # bfloat16 is faster but changed one output
@@ -324,7 +324,7 @@ def test_generate_refuses_a_prompt_longer_than_the_context_before_loading_the_mo
     capsys, tiny_pair_dirs, monkeypatch
 ):
     """The tokenizer and config alone show the prompt cannot fit (context 512): exit 2, no model load."""
-    import dynatree_core.session as session
+    import dynatree_core.decoding.pairs as session
 
     target, draft = tiny_pair_dirs
     loads = []

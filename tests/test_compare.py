@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import pytest
 from conftest import noisy_copy, tiny_model
 
-from dynatree_core.compare import Comparison, check_outputs, compare, run_schedule
-from dynatree_core.engine import DecodeConfig, generate
-from dynatree_core.entries import Entry, labelled, schedule
+from dynatree_core.core.sampling_config import SamplingConfig
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.methods import make_method
+from dynatree_core.decoding.pairs import ModelPair
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.methods import make_method
-from dynatree_core.sampling import SamplingConfig
-from dynatree_core.session import ModelPair
+from dynatree_core.measure.compare import Comparison, check_outputs, compare, run_schedule
+from dynatree_core.measure.entries import Entry, labelled, schedule
 
 PROMPT = [1, 5, 7, 9]
 

@@ -158,7 +158,8 @@ def test_run_with_the_embedded_models_updates_live(app_url):
         assert export.count() == 1, "the finished run offers its export"
         final = int(_metric(page, "Iterations"))
         assert final >= max(seen) and float(_metric(page, "Tokens / iteration")) >= 1.0
-        assert page.locator("[data-testid=stPlotlyChart]").count() >= 3  # tree, mask, running charts
+        charts = page.locator("[data-testid=stPlotlyChart]")
+        assert _until(lambda: charts.count() >= 3, 60), charts.count()  # tree, mask, running charts
         assert page.locator("[data-testid=stMetric]").count() == 5
         assert page.locator("[data-testid=stException]").count() == 0
         assert re.search(r"Measured on cpu, float32", page.content())
@@ -232,8 +233,8 @@ def test_the_page_opens_on_a_replay_and_an_iteration_plays_stage_by_stage(replay
     pictures are taken here."""
     from playwright.sync_api import sync_playwright
 
-    from dynatree_core.live import LiveRun
-    from dynatree_core.ui import REPLAY_FILE, REPLAY_INTERVAL_S
+    from dynatree_core.live.run import LiveRun
+    from dynatree_core.ui.replay import REPLAY_FILE, REPLAY_INTERVAL_S
     from dynatree_core.viz import tree_figure
     from dynatree_core.viz.stages import iteration_stages, stage_categories
 
@@ -333,8 +334,9 @@ def test_compare_page_shows_progress_live_trees_and_results(app_url):
         assert live_trees >= 1, "no live tree was drawn while the comparison ran"
         page.wait_for_selector("[data-testid=stApp][data-test-script-state=notRunning]", timeout=60_000)
         assert page.get_by_text("Exact:", exact=False).count()
-        assert page.locator("[data-testid=stDataFrame]").count() == 1
-        assert page.locator("[data-testid=stPlotlyChart]").count() >= 4
+        # Streamlit loads the table's and charts' code lazily: they can appear after the script stopped.
+        frames, charts = page.locator("[data-testid=stDataFrame]"), page.locator("[data-testid=stPlotlyChart]")
+        assert _until(lambda: frames.count() == 1 and charts.count() >= 4, 60), (frames.count(), charts.count())
         assert page.locator("[data-testid=stException]").count() == 0
         _screenshot(page, "e2e-compare.png")
         browser.close()

@@ -7,9 +7,7 @@ import functools
 import pytest
 import torch
 
-from dynatree_core.engine import DecodeConfig, generate
-from dynatree_core.methods import catalogue, make_method
-from dynatree_core.models import (
+from dynatree_core.core.models import (
     EMBEDDED,
     EMBEDDED_DRAFT_DIR,
     EMBEDDED_FEATURE_DRAFT_DIR,
@@ -17,7 +15,9 @@ from dynatree_core.models import (
     check_tokenizers_compatible,
     load_model,
 )
-from dynatree_core.session import encode_prompt, load_pair
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.methods import catalogue, make_method
+from dynatree_core.decoding.pairs import encode_prompt, load_pair
 
 pytestmark = pytest.mark.slow
 

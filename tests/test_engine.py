@@ -8,10 +8,10 @@ import pytest
 import torch
 from conftest import ARCHS, hf_greedy, noisy_copy, tiny_model
 
-from dynatree_core.engine import DecodeConfig, decode, generate
+from dynatree_core.core.tree import Status
+from dynatree_core.decoding.engine import DecodeConfig, decode, generate
+from dynatree_core.decoding.methods import make_method
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.methods import make_method
-from dynatree_core.tree import Status
 
 PROMPTS = ([1, 5, 7, 9, 11], [3], [42, 17, 8, 8, 8, 8, 60, 2, 90, 33, 12, 4])
 POLICIES = (
@@ -78,7 +78,7 @@ def test_node_order_does_not_change_output(order):
 
 def _count_forwards(model: torch.nn.Module) -> tuple[list[int], object]:
     """Count the model's forwards with a hook on its rotary embedding, which both the stock HF
-    forward and the lean forward (fastpath.py) call exactly once per forward; models without
+    forward and the lean forward (core/fastpath.py) call exactly once per forward; models without
     one are counted at the model itself (they always take the HF forward)."""
     calls: list[int] = []
     base = getattr(model, "model", None)
@@ -211,9 +211,9 @@ def test_records_describe_what_the_target_saw(arch_name):
 
 
 def test_reduced_vocabulary_draft_stays_exact_and_agrees():
-    """A draft over a token subset (vocab.py) maps ids in and log-probs out; output stays exact,
+    """A draft over a token subset (core/vocab.py) maps ids in and log-probs out; output stays exact,
     and with the target's own weights restricted to the subset it still gets accepted."""
-    from dynatree_core.vocab import TokenMap
+    from dynatree_core.core.vocab import TokenMap
 
     target = tiny_model("llama")
     subset = list(range(0, 96, 2)) + [1, 3, 5]  # half the vocabulary
@@ -242,8 +242,8 @@ def test_reduced_vocabulary_draft_stays_exact_and_agrees():
 
 
 def test_cpu_memory_counts_weights_and_the_largest_caches():
-    from dynatree_core.kv import SLACK
-    from dynatree_core.metrics import kv_bytes_per_token, weight_bytes
+    from dynatree_core.core.kv import SLACK
+    from dynatree_core.runs.metrics import kv_bytes_per_token, weight_bytes
 
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.01)
     prompt, n = PROMPTS[0], 20

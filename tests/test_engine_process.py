@@ -1,4 +1,4 @@
-"""The live page's engine process (engine_process.py, live_process.ProcessRun): the same runs as the engine
+"""The live page's engine process (live/engine_process.py, live/process_run.py): the same runs as the engine
 in this process, the same controls (step, run, pause, reset), and every failure a message."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import time
 import pytest
 import torch
 
-from dynatree_core.engine import DecodeConfig, generate
-from dynatree_core.engine_process import EngineProcess, PairSpec, call
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.methods import make_method
+from dynatree_core.decoding.pairs import load_pair
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.live_process import ProcessRun
-from dynatree_core.methods import make_method
-from dynatree_core.session import load_pair
+from dynatree_core.live.engine_process import EngineProcess, PairSpec, call
+from dynatree_core.live.process_run import ProcessRun
 
 PROMPT = [1, 17, 4, 99, 250, 7]
 

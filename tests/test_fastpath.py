@@ -14,12 +14,12 @@ import pytest
 import torch
 from conftest import ARCHS, hf_greedy, noisy_copy, tiny_model
 
-from dynatree_core.engine import DecodeConfig, generate
-from dynatree_core.fastpath import FUSE_MAX_BYTES, LeanForward, lean_forward_for, supports_lean
-from dynatree_core.kv import SLACK, KVState, SlotLayer, chain_then_tree_visibility
-from dynatree_core.methods import make_method
-from dynatree_core.packing import pack_linears
-from dynatree_core.tree import DraftTree
+from dynatree_core.core.fastpath import FUSE_MAX_BYTES, LeanForward, lean_forward_for, supports_lean
+from dynatree_core.core.kv import SLACK, KVState, SlotLayer, chain_then_tree_visibility
+from dynatree_core.core.packing import pack_linears
+from dynatree_core.core.tree import DraftTree
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.methods import make_method
 
 PATHS = {"dynamic": dict(static=False, fast=False), "static": dict(static=True, fast=False), "lean": {}}
 LEAN_ARCHS = ("llama", "qwen2")

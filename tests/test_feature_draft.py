@@ -8,13 +8,13 @@ import torch
 from conftest import ARCHS, hf_greedy, tiny_model
 from test_engine import POLICIES, PROMPTS
 
+from dynatree_core.core.tree import Reason, Status
+from dynatree_core.core.vocab import TokenMap
+from dynatree_core.decoding.engine import DecodeConfig, decode, generate
+from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting import POLICIES as REGISTRY
 from dynatree_core.drafting.feature import FeatureDraft, FeatureDrafter
-from dynatree_core.engine import DecodeConfig, decode, generate
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.methods import make_method
-from dynatree_core.tree import Reason, Status
-from dynatree_core.vocab import TokenMap
 
 PATHS = {"lean": dict(), "static": dict(fast_forward=False), "dynamic": dict(static_cache=False)}
 
@@ -182,9 +182,9 @@ def test_hf_assisted_refuses_a_feature_draft():
 def test_a_saved_feature_draft_loads_as_a_pair_runs_exact_and_says_its_kind(tiny_pair_dirs, tmp_path):
     """load_pair attaches a feature-draft directory to the target (packed on CPU); runs report
     draft_kind, and the engine process (the live page) says which kind it loaded."""
-    from dynatree_core.engine_process import EngineProcess, PairSpec
-    from dynatree_core.packing import is_packed
-    from dynatree_core.session import load_pair
+    from dynatree_core.core.packing import is_packed
+    from dynatree_core.decoding.pairs import load_pair
+    from dynatree_core.live.engine_process import EngineProcess, PairSpec
 
     target_dir = tiny_pair_dirs[0]
     base = load_pair(target_dir, need_draft=False, pack=False)

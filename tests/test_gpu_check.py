@@ -1,4 +1,4 @@
-"""`gpu-check` (gpu_check.py): one line and exit 0 without CUDA; on a CPU with `--device cpu` the
+"""`gpu-check` (measure/gpu_check.py): one line and exit 0 without CUDA; on a CPU with `--device cpu` the
 same checks run on the padded forward (eager), so the command's logic is exercised here."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from dynatree_core import gpu_check
 from dynatree_core.cli import main
+from dynatree_core.measure import gpu_check
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answer")

@@ -1,4 +1,4 @@
-"""Captured forwards (graphs.py): the fixed-shape padded forward against the unpadded lean one.
+"""Captured forwards (core/graphs.py): the fixed-shape padded forward against the unpadded lean one.
 
 On CUDA the padded forward is replayed as one CUDA graph per width bucket; on a CPU the same
 arithmetic runs eagerly (KVState(graphs=True)), which is what these tests pin down: padded rows,
@@ -15,13 +15,13 @@ import torch
 from conftest import hf_greedy, noisy_copy, tiny_model
 from test_fastpath import LEAN_ARCHS, _branching_tree, _prefill, _tree_forward
 
-from dynatree_core import graphs
+from dynatree_core.core import graphs
+from dynatree_core.core.graphs import bucket_for, buckets, graphs_enabled
+from dynatree_core.core.kv import KVState, chain_then_tree_visibility, forward_path
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting.base import POLICIES
 from dynatree_core.drafting.feature import FeatureDraft
-from dynatree_core.engine import DecodeConfig, generate
-from dynatree_core.graphs import bucket_for, buckets, graphs_enabled
-from dynatree_core.kv import KVState, chain_then_tree_visibility, forward_path
-from dynatree_core.methods import make_method
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # attention over more (masked) keys: same math, other summation blocks
 
@@ -122,7 +122,7 @@ def test_captured_graphs_on_cuda_are_exact_and_replayed():
 
 
 def test_reduced_precision_reports_say_outputs_may_differ_at_near_ties():
-    from dynatree_core.metrics import exactness_note
+    from dynatree_core.runs.metrics import exactness_note
 
     assert exactness_note("float32") is None and exactness_note("torch.float32") is None
     assert "near-ties" in exactness_note("bfloat16") and "float32 is token-identical" in exactness_note("float16")
@@ -263,7 +263,7 @@ def test_rope_types_with_data_dependent_updates_are_never_captured():
 
 @torch.inference_mode()
 def test_compaction_uploads_its_indices_once_whatever_the_depth_of_the_model():
-    from dynatree_core.transfer import counting
+    from dynatree_core.core.transfer import counting
 
     for layers in (2, 6):
         model = copy.deepcopy(tiny_model("llama"))
@@ -277,10 +277,10 @@ def test_compaction_uploads_its_indices_once_whatever_the_depth_of_the_model():
 
 
 def test_an_iteration_reads_the_device_once_per_draft_forward_plus_once_for_verification():
-    """Host round trips per iteration, counted through transfer.py (each is a sync on a GPU):
+    """Host round trips per iteration, counted through core/transfer.py (each is a sync on a GPU):
     one read per draft level (its top-k), one for the target's choices; uploads: ids/positions and
     the mask per forward, one index upload per compaction; six timing syncs (the phase boundaries)."""
-    from dynatree_core.transfer import counting
+    from dynatree_core.core.transfer import counting
 
     target, draft, prompt = tiny_model("llama"), noisy_copy("llama", 0.01), [1, 5, 7, 9, 11]
     for policy in ("fixed_tree", "dynatree", "dyspec_threshold", "eagle2", "salf"):

@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from dynatree_core.kv import KVState, chain_then_tree_visibility
-from dynatree_core.tree import DraftTree
+from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.core.tree import DraftTree
 
 
 def _causal_logits(model, tokens):

@@ -7,9 +7,9 @@ import threading
 import pytest
 from conftest import noisy_copy, tiny_model
 
-from dynatree_core.engine import DecodeConfig, generate
-from dynatree_core.live import LiveRun
-from dynatree_core.methods import make_method
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.methods import make_method
+from dynatree_core.live.run import LiveRun
 
 
 def test_stepping_reproduces_the_full_run_and_stops():
@@ -212,7 +212,7 @@ def test_a_worker_whose_page_stops_polling_pauses_itself():
 def test_a_run_keeps_its_run_spec_and_an_imported_file_gets_it_back_when_the_registry_accepts_it():
     import dataclasses
 
-    from dynatree_core.settings import RunSpec
+    from dynatree_core.measure.run_settings import RunSpec
 
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
     spec = RunSpec(target="tiny", draft="tiny-draft", max_new_tokens=4, temperature=0.5, top_k=7, seed=3)

@@ -8,8 +8,8 @@ import itertools
 import pytest
 import torch
 
+from dynatree_core.core.sampling_config import SamplingConfig, adjust
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.sampling import SamplingConfig, adjust
 from dynatree_core.verify.otlp import SOLVERS, spectr_rho
 
 IID = ("nss", "naive", "spectr", "specinfer", "khisti")

@@ -1,4 +1,4 @@
-"""oneDNN pre-packed linears (packing.py): same numbers as nn.Linear up to rounding, exact greedy
+"""oneDNN pre-packed linears (core/packing.py): same numbers as nn.Linear up to rounding, exact greedy
 decoding through them, and load_pair packs on CPU unless told not to."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import ARCHS, noisy_copy, tiny_model
 
-from dynatree_core.engine import DecodeConfig, generate
-from dynatree_core.methods import make_method
-from dynatree_core.packing import PackedLinear, is_packed, pack_linears
+from dynatree_core.core.packing import PackedLinear, is_packed, pack_linears
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.methods import make_method
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -68,7 +68,7 @@ def _bench_says_packed(tiny_pair_dirs, tmp_path) -> bool:
 
 
 def test_load_pair_packs_on_cpu_unless_switched_off_and_reports_say_which(tiny_pair_dirs, monkeypatch, tmp_path):
-    from dynatree_core.session import load_pair
+    from dynatree_core.decoding.pairs import load_pair
 
     pair = load_pair(*tiny_pair_dirs, device="cpu", dtype="float32")
     assert is_packed(pair.target.model) and is_packed(pair.draft.model)

@@ -12,9 +12,9 @@ import types
 import pytest
 import torch
 
+from dynatree_core.core.tree import DraftTree, Status
 from dynatree_core.drafting import POLICIES, DraftRequest, make_policy
 from dynatree_core.drafting.common import sibling_value
-from dynatree_core.tree import DraftTree, Status
 
 VOCAB = 12
 
@@ -318,9 +318,9 @@ def test_delayed_auto_shares_the_root_forward_with_its_tree():
 
 
 def test_the_registry_lists_the_built_in_policies_in_its_explicit_order():
-    from dynatree_core.baselines import BASELINES, Baseline
+    from dynatree_core.decoding.baselines import BASELINES, Baseline
+    from dynatree_core.decoding.methods import catalogue
     from dynatree_core.drafting import ORDER, POLICIES, Policy
-    from dynatree_core.methods import catalogue
 
     assert tuple(POLICIES)[: len(ORDER)] == ORDER
     assert list(catalogue()) == [*POLICIES, *BASELINES]  # the black boxes last
@@ -335,8 +335,8 @@ def test_a_levels_top_k_copied_once_equals_each_nodes_own_top_k():
     """level_top (one host copy per level) gives every row what a per-node top-k gave."""
     import torch
 
+    from dynatree_core.core.tree import DraftTree
     from dynatree_core.drafting.base import DraftRequest, level_top, pick_children
-    from dynatree_core.tree import DraftTree
 
     logp = torch.log_softmax(torch.randn(5, 300, generator=torch.Generator().manual_seed(0)), -1)
     lp_rows, tok_rows = level_top(logp, 4)
@@ -351,11 +351,11 @@ def test_a_levels_top_k_copied_once_equals_each_nodes_own_top_k():
 def test_a_registered_baseline_is_listed_and_run_through_generate_like_the_built_in_ones(monkeypatch):
     """The Baseline protocol: one `run` call, its own registry; methods.catalogue lists it after the
     policies, make_method builds it, engine.generate dispatches to it and decode refuses to step it."""
-    from dynatree_core import baselines
-    from dynatree_core.engine import DecodeConfig, decode, generate
+    from dynatree_core.decoding import baselines
+    from dynatree_core.decoding.engine import DecodeConfig, decode, generate
+    from dynatree_core.decoding.methods import catalogue, make_method, verifier_for
     from dynatree_core.errors import DynaTreeError
-    from dynatree_core.methods import catalogue, make_method, verifier_for
-    from dynatree_core.trace import RunResult
+    from dynatree_core.runs.records import RunResult
 
     calls = []
 
@@ -389,8 +389,8 @@ def test_a_registered_baseline_is_listed_and_run_through_generate_like_the_built
 
 def test_verifier_resolution_reads_a_policys_capabilities_as_data():
     """verify/registry.resolve_verifier decides on Capabilities alone (no policy object, no probing)."""
+    from dynatree_core.core.sampling_config import SamplingConfig
     from dynatree_core.errors import DynaTreeError
-    from dynatree_core.sampling import SamplingConfig
     from dynatree_core.verify.registry import Capabilities, resolve_verifier
 
     warm = SamplingConfig(temperature=0.8)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from dynatree_core.decoding.pairs import encode_prompt
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.prompts import load_prompts
-from dynatree_core.session import encode_prompt
+from dynatree_core.measure.prompt_sets import load_prompts
 
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "models" / "smollm2-draft"
 

@@ -3,7 +3,7 @@
 import pytest
 
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.prompts import bundled_sets, choose_prompts, load_prompts
+from dynatree_core.measure.prompt_sets import bundled_sets, choose_prompts, load_prompts
 
 
 def test_bundled_sets_cover_the_domains():
@@ -37,7 +37,7 @@ WIKI_RAW = (
 
 
 def test_wikitext_articles_split_at_titles_and_skip_stubs():
-    from dynatree_core.prompts import wikitext_articles
+    from dynatree_core.measure.prompt_sets import wikitext_articles
 
     articles = list(wikitext_articles(WIKI_RAW.splitlines(keepends=True)))
     assert len(articles) == 2  # the stub is under MIN_DOCUMENT_CHARS

@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import noisy_copy, tiny_model
 
-from dynatree_core.engine import DecodeConfig, generate
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.methods import catalogue, make_method
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.methods import catalogue, make_method
-from dynatree_core.trace import RunResult
+from dynatree_core.runs.records import RunResult
 
 
 def test_run_result_round_trips_through_json():
@@ -72,8 +72,8 @@ def test_every_default_is_within_its_range():
 def test_sampled_records_round_trip_and_older_records_still_load():
     """Traces and the analysis survive JSON; records saved before they existed load with defaults;
     a record missing a required field is refused by name."""
-    from dynatree_core.sampling import SamplingConfig
-    from dynatree_core.trace import IterationRecord
+    from dynatree_core.core.sampling_config import SamplingConfig
+    from dynatree_core.runs.records import IterationRecord
 
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
     config = DecodeConfig(
@@ -98,7 +98,7 @@ def test_an_imported_sampled_run_carries_its_draws_and_can_be_verified_again(pol
     """Sampled drafting's draws (q and the drawn tokens) are exported exactly with the tree, so a
     run read back from JSON verifies again: the analysis recomputed on the imported trees, with
     the target's distributions at their nodes, equals what the run recorded."""
-    from dynatree_core.sampling import SamplingConfig
+    from dynatree_core.core.sampling_config import SamplingConfig
     from dynatree_core.verify.registry import resolve_verifier
     from dynatree_core.verify.sampling import analyze
 

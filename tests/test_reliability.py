@@ -10,9 +10,9 @@ import pytest
 from conftest import hf_greedy, noisy_copy, pick_custom_pair, tiny_model
 from streamlit.testing.v1 import AppTest
 
-from dynatree_core.engine import DecodeConfig, generate
-from dynatree_core.live import LiveRun
-from dynatree_core.methods import make_method
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.methods import make_method
+from dynatree_core.live.run import LiveRun
 
 PROMPTS = ([1, 5, 7, 9, 11], [3], [42, 17, 8, 8, 60, 2], [9, 9, 9], [70, 1, 2, 3, 4, 5, 6])
 POLICIES = ("fixed_tree", "dynatree", "linear", "salf", "dyspec")
@@ -68,7 +68,7 @@ def test_interleaved_app_sessions_against_one_process(tiny_pair_dirs, sessions):
     for _ in range(3):  # round-robin: every session one step, three times
         for at in apps:
             next(b for b in at.button if b.label.endswith("Step")).click().run()
-    from dynatree_core.ui import cached_pair
+    from dynatree_core.ui.resources import cached_pair
 
     pair = cached_pair(tiny_pair_dirs[0], tiny_pair_dirs[1], "auto", "auto")
     seen_prompts = set()
@@ -90,7 +90,7 @@ def test_fifty_runs_in_one_process_leave_no_cache_alive(monkeypatch):
     import gc
     import weakref
 
-    from dynatree_core import kv
+    from dynatree_core.core import kv
 
     alive: list[weakref.ref] = []
     for cls in (kv.KVState, kv.SlotLayer):
@@ -154,8 +154,8 @@ def test_finished_runs_say_why_they_stopped():
 
 
 def test_every_policy_parameter_at_and_beyond_its_range():
+    from dynatree_core.decoding.methods import catalogue
     from dynatree_core.errors import DynaTreeError
-    from dynatree_core.methods import catalogue
 
     for name, cls in catalogue().items():
         for p in cls.params:
@@ -179,8 +179,8 @@ def test_model_failures_are_messages(tmp_path, monkeypatch, tiny_pair_dirs):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from dynatree_core.core.models import load_model
     from dynatree_core.errors import DynaTreeError
-    from dynatree_core.models import load_model
 
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(DynaTreeError, match="no weights"):
@@ -233,8 +233,8 @@ def test_app_prompts_at_the_edges(tiny_pair_dirs, prompt, outcome):
     errors = [e.value for e in at.error]
     if outcome == "run":
         assert not errors and len(at.session_state["run"].records) == 1
-        from dynatree_core.session import encode_prompt
-        from dynatree_core.ui import cached_pair
+        from dynatree_core.decoding.pairs import encode_prompt
+        from dynatree_core.ui.resources import cached_pair
 
         tok = cached_pair(tiny_pair_dirs[0], tiny_pair_dirs[1], "auto", "auto").target.tokenizer
         special = set(tok.all_special_ids)

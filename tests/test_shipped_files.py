@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from dynatree_core.environment import portable
+from dynatree_core.runs.environment import portable
 
 REPO = Path(__file__).resolve().parent.parent
 MACHINE_PATH = re.compile(r"(?<![\w.~])/(root|home/\w+|work)/")

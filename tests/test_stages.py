@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from conftest import noisy_copy, tiny_model
 
-from dynatree_core.engine import DecodeConfig, generate
-from dynatree_core.methods import make_method
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.methods import make_method
 from dynatree_core.viz.stages import cache_slots, iteration_stages, stage_categories, stage_sentence
 from dynatree_core.viz.tree import node_categories, tree_figure
 

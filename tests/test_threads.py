@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from dynatree_core import threads as T
 from dynatree_core.cli import main
+from dynatree_core.core import threads as T
 from dynatree_core.errors import DynaTreeError
 
 

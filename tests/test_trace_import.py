@@ -13,10 +13,10 @@ from conftest import noisy_copy, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynatree_core.engine import DecodeConfig
-from dynatree_core.live import LiveRun
-from dynatree_core.methods import make_method
-from dynatree_core.sampling import SamplingConfig
+from dynatree_core.core.sampling_config import SamplingConfig
+from dynatree_core.decoding.engine import DecodeConfig
+from dynatree_core.decoding.methods import make_method
+from dynatree_core.live.run import LiveRun
 from dynatree_core.viz import (
     acceptance_by_depth,
     mask_figure,
@@ -102,7 +102,7 @@ def test_hostile_files_are_refused_with_a_message(data, needle):
 
 
 def test_files_over_the_size_limit_are_refused_before_parsing(monkeypatch):
-    import dynatree_core.trace_check as tc
+    import dynatree_core.runs.validate as tc
 
     monkeypatch.setattr(tc, "MAX_BYTES", 1000)
     with pytest.raises(ValueError, match="limit is"):
@@ -223,7 +223,7 @@ def test_a_draws_compressed_q_is_checked_before_it_is_kept():
     more than 2 * size bytes are ever inflated."""
     import numpy as np
 
-    from dynatree_core.tree import SampledDraw
+    from dynatree_core.core.tree import SampledDraw
 
     ok = SampledDraw.from_dict(_draw_dict(np.full(8, 0.125, "<f2").tobytes(), 8))
     assert ok.weights is None and torch.equal(ok.dense(), torch.full((8,), 0.125, dtype=torch.float64))
@@ -247,7 +247,7 @@ def test_a_draw_from_a_file_written_before_float16_weights_imports_and_exports_a
 
     import numpy as np
 
-    from dynatree_core.tree import SampledDraw
+    from dynatree_core.core.tree import SampledDraw
 
     legacy = {
         "tokens": [3, 3],
@@ -266,7 +266,7 @@ def test_a_512_token_sampled_run_of_the_embedded_pair_exports_under_the_limit_an
     the vocabulary) with the app's default policy, exported by the CLI, fits the import limit,
     reads back with every draw's q a distribution, and writes its records out again unchanged."""
     from dynatree_core.cli import main
-    from dynatree_core.trace_check import MAX_BYTES
+    from dynatree_core.runs.validate import MAX_BYTES
 
     out = tmp_path / "run.json"
     code = main(["generate", "--prompt", "Tell me a story about a dragon.", "--max-new-tokens", "512",

@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import VOCAB, tiny_model
 
+from dynatree_core.core.vocab import TokenMap
 from dynatree_core.training.corpus import label_shard
 from dynatree_core.training.train import TrainConfig, init_draft, kd_loss
-from dynatree_core.vocab import TokenMap
 
 
 def test_kd_loss_matches_a_naive_computation():

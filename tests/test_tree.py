@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from dynatree_core.tree import DraftTree, Reason, Status
+from dynatree_core.core.tree import DraftTree, Reason, Status
 
 
 def random_tree(seed: int, n: int = 30) -> DraftTree:

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from dynatree_core.trace import IterationRecord
-from dynatree_core.tree import DraftTree, Reason
+from dynatree_core.core.tree import DraftTree, Reason
+from dynatree_core.runs.records import IterationRecord
 from dynatree_core.viz import (
     BONUS,
     COLOURS,
@@ -216,8 +216,8 @@ def test_the_static_tree_draws_every_node_edge_label_and_legend_entry_of_the_plo
     marker per node of each marker trace, the edges, the labels (escaped) and the legend."""
     import re
 
-    from dynatree_core.live import LiveRun
-    from dynatree_core.ui import REPLAY_FILE
+    from dynatree_core.live.run import LiveRun
+    from dynatree_core.ui.replay import REPLAY_FILE
     from dynatree_core.viz import tree_figure
     from dynatree_core.viz.svg import figure_svg
 

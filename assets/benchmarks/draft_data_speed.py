@@ -25,8 +25,8 @@ import time
 import numpy as np
 import torch
 
-from dynatree_core.models import REPO_ROOT, load_model
-from dynatree_core.packing import pack_linears
+from dynatree_core.core.models import REPO_ROOT, load_model
+from dynatree_core.core.packing import pack_linears
 from dynatree_core.training.answers import encode_job
 from dynatree_core.training.decode_batch import BatchDecoder
 from dynatree_core.training.sources import load_jobs

@@ -19,10 +19,10 @@ import statistics
 
 import torch
 
+from dynatree_core.core.threads import configure_threads
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.pairs import encode_prompt, load_pair
 from dynatree_core.drafting import make_policy
-from dynatree_core.engine import DecodeConfig, generate
-from dynatree_core.session import encode_prompt, load_pair
-from dynatree_core.threads import configure_threads
 
 
 def main() -> None:

@@ -31,9 +31,9 @@ def load():
     sys.path.insert(0, str(ROOT))
     import torch
 
+    from dynatree_core.decoding.engine import DecodeConfig, generate
+    from dynatree_core.decoding.pairs import encode_prompt, load_pair
     from dynatree_core.drafting import make_policy
-    from dynatree_core.engine import DecodeConfig, generate
-    from dynatree_core.session import encode_prompt, load_pair
 
     torch.set_num_threads(1)
     pair = load_pair("embedded", None, device="cpu", dtype="float32")

@@ -30,9 +30,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from dynatree_core.kv import KVState, chain_then_tree_visibility  # noqa: E402
-from dynatree_core.session import load_pair  # noqa: E402
-from dynatree_core.threads import configure_threads  # noqa: E402
+from dynatree_core.core.kv import KVState, chain_then_tree_visibility  # noqa: E402
+from dynatree_core.core.threads import configure_threads  # noqa: E402
+from dynatree_core.decoding.pairs import load_pair  # noqa: E402
 
 PATHS = {"lean": (True, True), "static": (True, False), "dynamic": (False, False)}  # (static, fast)
 

@@ -13,9 +13,9 @@ import types
 import torch
 import torch.nn.functional as F
 
-from dynatree_core import fastpath
-from dynatree_core.kv import KVState, chain_then_tree_visibility
-from dynatree_core.session import load_pair
+from dynatree_core.core import fastpath
+from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.decoding.pairs import load_pair
 
 pair = load_pair("embedded", dtype="float32", need_draft=False)
 model = pair.target.model

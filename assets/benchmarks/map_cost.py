@@ -20,13 +20,13 @@ import statistics
 import numpy as np
 import torch
 
+from dynatree_core.core.models import EMBEDDED_FEATURE_DRAFT_DIR
+from dynatree_core.core.packing import pack_linears
+from dynatree_core.core.vocab import TokenMap
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.pairs import encode_prompt, load_pair
 from dynatree_core.drafting.base import make_policy
 from dynatree_core.drafting.feature import FeatureDraft
-from dynatree_core.engine import DecodeConfig, generate
-from dynatree_core.models import EMBEDDED_FEATURE_DRAFT_DIR
-from dynatree_core.packing import pack_linears
-from dynatree_core.session import encode_prompt, load_pair
-from dynatree_core.vocab import TokenMap
 
 
 def grown(base: TokenMap, size: int, counts: np.ndarray | None) -> TokenMap:

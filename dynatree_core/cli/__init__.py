@@ -2,6 +2,8 @@
 policies, verifiers and presets, check a GPU (gpu-check). parser.py builds the arguments, commands.py runs them.
 
 Errors caused by input exit with status 2 and print one line, `error: <message>`, on stderr.
+
+May import: errors, core, runs, verify, drafting, decoding, measure, live, viz, training.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ __all__ = ["build_parser", "main"]
 
 
 def _gpu_check(args) -> None:
-    from dynatree_core.gpu_check import gpu_check
+    from dynatree_core.measure.gpu_check import gpu_check
 
     gpu_check(args.device, embedded=not args.no_embedded, out=args.out)
 
@@ -30,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded in reports
         if hasattr(args, "threads"):  # a command that runs models: decide torch's threads first
-            from dynatree_core.threads import configure_threads
+            from dynatree_core.core.threads import configure_threads
 
             configure_threads(args.threads)
         commands = {

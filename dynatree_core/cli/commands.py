@@ -10,9 +10,9 @@ import sys
 
 from tqdm import tqdm
 
-from dynatree_core.environment import portable
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.settings import RunSpec
+from dynatree_core.measure.run_settings import RunSpec
+from dynatree_core.runs.environment import portable
 
 
 class _Progress:
@@ -67,8 +67,8 @@ def _read_prompt(args) -> str:
 
 def _refuse_long_prompt(target_spec: str, prompt: str, chat: bool | None) -> None:
     """A prompt the target's context cannot hold is refused before the models load (tokenizer, config)."""
-    from dynatree_core.models import peek_model
-    from dynatree_core.session import encode_prompt
+    from dynatree_core.core.models import peek_model
+    from dynatree_core.decoding.pairs import encode_prompt
 
     peeked = peek_model(target_spec)
     if peeked is None:
@@ -91,7 +91,7 @@ def _parse_params(items: list[str]) -> dict[str, str]:
 
 
 def cmd_policies(args) -> None:
-    from dynatree_core.methods import catalogue
+    from dynatree_core.decoding.methods import catalogue
 
     described = [cls.describe() for cls in catalogue().values()]
     if args.json:
@@ -118,7 +118,7 @@ def cmd_verifiers(args) -> None:
 
 
 def cmd_presets(args) -> None:
-    from dynatree_core.models import PRESETS
+    from dynatree_core.core.models import PRESETS
 
     rows = [vars(p) for p in PRESETS.values()]
     if args.json:
@@ -129,11 +129,11 @@ def cmd_presets(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from dynatree_core import bench as B
-    from dynatree_core.entries import Entry, parse_spec
-    from dynatree_core.methods import REFERENCES, candidates, make_method
-    from dynatree_core.prompts import choose_prompts
-    from dynatree_core.session import load_pair
+    from dynatree_core.decoding.methods import REFERENCES, candidates, make_method
+    from dynatree_core.decoding.pairs import load_pair
+    from dynatree_core.measure import bench as B
+    from dynatree_core.measure.entries import Entry, parse_spec
+    from dynatree_core.measure.prompt_sets import choose_prompts
     from dynatree_core.viz.bench import grid_figure, setting_figure, sweep_figures, write_figure
 
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
@@ -201,11 +201,11 @@ def cmd_bench(args) -> None:
 def cmd_latency(args) -> None:
     import dataclasses
 
-    from dynatree_core.environment import environment
-    from dynatree_core.kv import forward_path
-    from dynatree_core.latency import profile
-    from dynatree_core.packing import is_packed
-    from dynatree_core.session import load_pair
+    from dynatree_core.core.kv import forward_path
+    from dynatree_core.core.packing import is_packed
+    from dynatree_core.decoding.pairs import load_pair
+    from dynatree_core.runs.environment import environment
+    from dynatree_core.runs.latency import profile
     from dynatree_core.viz.bench import latency_figure
 
     try:
@@ -254,7 +254,7 @@ def cmd_latency(args) -> None:
 
 def _resolve_models(args) -> tuple[str, str | None]:
     """--preset fills in --target/--draft; explicit flags win."""
-    from dynatree_core.models import EMBEDDED, PRESETS
+    from dynatree_core.core.models import EMBEDDED, PRESETS
 
     if args.preset is None:
         return args.target or EMBEDDED, args.draft
@@ -267,9 +267,9 @@ def _resolve_models(args) -> tuple[str, str | None]:
 def cmd_dtype(args) -> None:
     import dataclasses
 
-    from dynatree_core.dtype_probe import probe
-    from dynatree_core.dtypes import choose, save_choice
-    from dynatree_core.models import resolve_device
+    from dynatree_core.core.models import resolve_device
+    from dynatree_core.decoding.dtype_choice import choose, save_choice
+    from dynatree_core.measure.dtype_probe import probe
 
     if args.max_new_tokens < 1 or args.limit < 1:
         raise DynaTreeError("--max-new-tokens and --limit must be at least 1")
@@ -280,7 +280,7 @@ def cmd_dtype(args) -> None:
                      policy=args.policy, dtypes=dtypes, progress=progress)  # fmt: skip
     best = choose(rows)
     if not args.no_save:
-        from dynatree_core.session import default_draft_for
+        from dynatree_core.decoding.pairs import default_draft_for
 
         save_choice(resolve_device(args.device), target_spec, draft_spec or default_draft_for(target_spec), best, rows)
     if args.json:
@@ -297,9 +297,9 @@ def cmd_dtype(args) -> None:
 def cmd_generate(args) -> None:
     import torch
 
-    from dynatree_core.engine import generate
-    from dynatree_core.methods import make_method, verifier_for
-    from dynatree_core.session import encode_prompt, load_pair
+    from dynatree_core.decoding.engine import generate
+    from dynatree_core.decoding.methods import make_method, verifier_for
+    from dynatree_core.decoding.pairs import encode_prompt, load_pair
 
     prompt = _read_prompt(args)
     policy = make_method(args.policy, _parse_params(args.param))  # validate before loading models
@@ -340,7 +340,7 @@ def cmd_generate(args) -> None:
             )
         )
     if args.export:  # the app's run file: a replay (live.export_run)
-        from dynatree_core.live import export_run
+        from dynatree_core.live.run import export_run
 
         models = dataclasses.replace(spec, target=target_spec, draft=draft_spec)  # as resolved, not as typed
         export_run(args.export, results[0], models, policy, prompt, chat, target.tokenizer)
@@ -361,9 +361,9 @@ def cmd_generate(args) -> None:
 
 
 def cmd_compare(args) -> None:
-    from dynatree_core.compare import compare
-    from dynatree_core.entries import parse_entries
-    from dynatree_core.session import encode_prompt, load_pair
+    from dynatree_core.decoding.pairs import encode_prompt, load_pair
+    from dynatree_core.measure.compare import compare
+    from dynatree_core.measure.entries import parse_entries
 
     prompt = _read_prompt(args)
     entries = parse_entries(args.policy or ["linear", "fixed_tree", "dynatree", "salf"])

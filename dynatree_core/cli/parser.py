@@ -1,5 +1,5 @@
 """The CLI's arguments: one parser, the shared flags generated from the run-settings registry
-(settings.py) and written once per group (run, models, engine)."""
+(measure/run_settings.py) and written once per group (run, models, engine)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.settings import add_flags
+from dynatree_core.measure.run_settings import add_flags
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,5 +1,8 @@
 """Drafting policies. Importing this package registers every built-in policy (the black-box
-baselines are baselines.py; methods.py lists both)."""
+baselines are decoding/baselines.py; decoding/methods.py lists both).
+
+May import: errors, core, runs, verify.
+"""
 
 from dynatree_core.drafting import delayed, dynatree, dyspec, eagle2, salf, static  # noqa: F401
 from dynatree_core.drafting.base import POLICIES, Drafter, DraftRequest, Param, Policy, make_policy, register_policy

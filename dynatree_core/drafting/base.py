@@ -17,12 +17,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.core.transfer import to_host, to_list
+from dynatree_core.core.tree import DraftTree
+from dynatree_core.core.vocab import TokenMap
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.kv import KVState, chain_then_tree_visibility
-from dynatree_core.transfer import to_host, to_list
-from dynatree_core.tree import DraftTree
 from dynatree_core.verify.registry import Capabilities
-from dynatree_core.vocab import TokenMap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +206,7 @@ def level_q(request: DraftRequest, logp: torch.Tensor) -> torch.Tensor | None:
     ONE copy (the per-node draws need it there); None for top-k drafting."""
     if request.draw == "top":
         return None
-    from dynatree_core.sampling import adjust
+    from dynatree_core.core.sampling_config import adjust
 
     return to_host(adjust(logp, request.sampling).to(torch.float16))  # rounded once: what a draw records
 
@@ -229,7 +229,7 @@ def pick_children(
             return list(zip(top[1][:k], top[0][:k], strict=True))
         top_lp, top_tok = logp.topk(k)
         return list(zip(top_tok.tolist(), top_lp.tolist(), strict=True))
-    from dynatree_core.sampling import adjust
+    from dynatree_core.core.sampling_config import adjust
 
     draw = tree.record_draws(node, q if q is not None else to_host(adjust(logp, request.sampling)))
     q = draw.dense()  # the recorded q, exactly as the verifier and an export will read it
@@ -241,7 +241,7 @@ def pick_children(
 class Tunable:
     """What every runnable method shares, drafting policy or baseline: a name, a one-line
     summary, `Param` specs validated on construction into `self.config`, and whether it needs a
-    draft model. Policies (below) draft trees for our engine; baselines (baselines.py) run as one
+    draft model. Policies (below) draft trees for our engine; baselines (decoding/baselines.py) run as one
     black-box call."""
 
     name: ClassVar[str] = ""

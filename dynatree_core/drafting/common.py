@@ -8,9 +8,9 @@ import math
 
 import torch
 
+from dynatree_core.core.tree import DraftTree, Reason, Status
 from dynatree_core.drafting.base import Drafter, DraftRequest, level_q, level_top
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.tree import DraftTree, Reason, Status
 
 NEG_INF = -math.inf
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 import time
 
+from dynatree_core.core.tree import DraftTree, Reason, Status
 from dynatree_core.drafting.base import DraftRequest, Param, Policy, level_q, level_top, pick_children, register_policy
 from dynatree_core.drafting.common import drafter_of, leaf_reason
-from dynatree_core.tree import DraftTree, Reason, Status
 
 
 def grow_delayed(

@@ -6,10 +6,10 @@ from __future__ import annotations
 import collections
 import math
 
+from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.drafting.base import DraftRequest, Param, Policy, level_top, register_policy
 from dynatree_core.drafting.common import admit_level, drafter_of, leaf_reason, safe_log
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.tree import DraftTree, Reason
 
 
 # ----- DynaTree ----------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import heapq
 import math
 
+from dynatree_core.core.tree import DraftTree, Reason, Status
 from dynatree_core.drafting.base import DraftRequest, Param, Policy, level_top, register_policy
 from dynatree_core.drafting.common import (
     NEG_INF,
@@ -18,7 +19,6 @@ from dynatree_core.drafting.common import (
     sibling_value,
     start_tree,
 )
-from dynatree_core.tree import DraftTree, Reason, Status
 
 
 @register_policy

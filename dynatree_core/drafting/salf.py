@@ -6,9 +6,9 @@ from __future__ import annotations
 import heapq
 import math
 
+from dynatree_core.core.tree import DraftTree, Reason, Status
 from dynatree_core.drafting.base import DraftRequest, Param, Policy, level_top, register_policy
 from dynatree_core.drafting.common import NEG_INF, drafter_of
-from dynatree_core.tree import DraftTree, Reason, Status
 
 
 # ----- SALF --------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dynatree_core.models import REPO_ROOT, cache_dir
+from dynatree_core.core.models import REPO_ROOT, cache_dir
 
 # Token ids (uint16) are small and committed, so training can continue on a fresh machine;
 # labels, target trees and checkpoints are recomputed into the cache.
@@ -53,8 +53,8 @@ def _answer_flags(parser: argparse.ArgumentParser, *, ood: bool = False) -> None
 def _answers(args: argparse.Namespace) -> None:
     import torch
 
-    from dynatree_core.models import load_model
-    from dynatree_core.packing import pack_linears, packing_enabled
+    from dynatree_core.core.models import load_model
+    from dynatree_core.core.packing import pack_linears, packing_enabled
     from dynatree_core.training.answers import AnswerStore, generate, ood_answers, relabel
 
     if args.threads:
@@ -78,10 +78,10 @@ def _answers(args: argparse.Namespace) -> None:
 def _vocab_map(args: argparse.Namespace) -> None:
     import json
 
-    from dynatree_core.models import load_model
+    from dynatree_core.core.models import load_model
+    from dynatree_core.core.vocab import TokenMap
     from dynatree_core.training.answer_data import vocab_report
     from dynatree_core.training.answers import AnswerStore
-    from dynatree_core.vocab import TokenMap
 
     target = load_model(args.target, device="cpu", dtype="float32")
     vocab = target.model.config.get_text_config(decoder=True).vocab_size
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "vocab-map":
         _vocab_map(args)
     elif args.command == "corpus":
-        from dynatree_core.models import load_model
+        from dynatree_core.core.models import load_model
         from dynatree_core.training.corpus import build_corpus
 
         tok = load_model("embedded", device="cpu", dtype="float32").tokenizer
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
 
         label_corpus(args.corpus, args.labels, shards=args.shards, device=args.device, batch=args.batch)
     elif args.command == "feature-label":
-        from dynatree_core.models import load_model
+        from dynatree_core.core.models import load_model
         from dynatree_core.training.feature_data import label_features, onpolicy_shards
 
         dtype = "bfloat16" if args.dtype == "auto" else args.dtype
@@ -244,10 +244,10 @@ def main(argv: list[str] | None = None) -> None:
         shards = onpolicy_shards(args.corpus) if args.onpolicy_only else None
         label_features(args.corpus, args.features, target, shards=shards, batch=args.batch)
     elif args.command == "train-feature":
-        from dynatree_core.models import load_model
+        from dynatree_core.core.models import load_model
+        from dynatree_core.core.vocab import TokenMap
         from dynatree_core.training.feature import FeatureTrainConfig, train_feature_draft
         from dynatree_core.training.feature_data import FeatureCorpus
-        from dynatree_core.vocab import TokenMap
 
         cfg = FeatureTrainConfig(**{k: getattr(args, k) for k in FeatureTrainConfig.__dataclass_fields__})
         target = load_model(args.target, device=cfg.device, dtype="float32").model
@@ -282,8 +282,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "feature-quality":
         import json
 
+        from dynatree_core.core.models import load_model
         from dynatree_core.drafting.feature import FeatureDraft
-        from dynatree_core.models import load_model
         from dynatree_core.training.feature import agreement_by_depth, token_draft_agreement
         from dynatree_core.training.feature_data import FeatureCorpus
 
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "export-feature":
         import json
 
-        from dynatree_core.models import EMBEDDED_FEATURE_DRAFT_DIR, load_model
+        from dynatree_core.core.models import EMBEDDED_FEATURE_DRAFT_DIR, load_model
         from dynatree_core.training.feature import export_feature_draft
 
         target = load_model("embedded", device="cpu", dtype="float32").model
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.out:
             args.out.write_text(json.dumps(result, indent=1))
     elif args.command == "export":
-        from dynatree_core.models import EMBEDDED_DRAFT_DIR
+        from dynatree_core.core.models import EMBEDDED_DRAFT_DIR
         from dynatree_core.training.export import export
 
         export(

@@ -10,7 +10,7 @@ its place, stable as data grows) is held out: the in-distribution check. Out-of-
 numbers come from a separate store of the target's answers to the OOD prompt set
 (assets/prompts/ood/), which no training stage reads.
 
-`token_counts` / `frequency_map` / `coverage`: the draft's reduced vocabulary (vocab.py) as the
+`token_counts` / `frequency_map` / `coverage`: the draft's reduced vocabulary (core/vocab.py) as the
 most frequent answer tokens, and the share of a text's tokens such a map can propose.
 """
 
@@ -21,9 +21,9 @@ import zlib
 import numpy as np
 import torch
 
-from dynatree_core.environment import portable
+from dynatree_core.core.vocab import TokenMap
+from dynatree_core.runs.environment import portable
 from dynatree_core.training.answers import STAGES, AnswerStore
-from dynatree_core.vocab import TokenMap
 
 WINDOW = 512
 HELDOUT_EVERY = 50

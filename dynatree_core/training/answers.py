@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dynatree_core.session import encode_prompt
+from dynatree_core.decoding.pairs import encode_prompt
 from dynatree_core.training import sources
 from dynatree_core.training.corpus import checksum
 from dynatree_core.training.decode_batch import BatchDecoder
@@ -200,7 +200,7 @@ def ood_answers(store: AnswerStore, target, *, max_new: int = 256, log=print) ->
     """The target's greedy answers to the out-of-distribution prompt set (assets/prompts/ood/),
     features kept, as stage "ood" of its own store: what OOD agreement and coverage are measured
     on. No training stage reads this store."""
-    from dynatree_core.prompts import load_prompts
+    from dynatree_core.measure.prompt_sets import load_prompts
 
     if store.shards("ood"):
         log("answers: the OOD answers exist")

@@ -136,7 +136,7 @@ def label_corpus(
 ) -> None:
     """Compute missing label shards (resumable: existing shards are skipped); batched, on CUDA
     when one is present (`device` "auto")."""
-    from dynatree_core.models import load_model
+    from dynatree_core.core.models import load_model
 
     data = np.load(corpus)
     ids, lengths = data["ids"], data["lengths"]

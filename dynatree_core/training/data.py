@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dynatree_core.session import encode_prompt
+from dynatree_core.decoding.pairs import encode_prompt
 from dynatree_core.training.ledger import record
 from dynatree_core.training.prompts import sample_prompts
 
@@ -77,7 +77,7 @@ def run(
 ) -> None:
     """Generate the missing chunks; `batch` sequences per HF generate call, on CUDA when one is
     present (`device` "auto"; the chunk's seed fixes its prompts and samples on either device)."""
-    from dynatree_core.models import load_model
+    from dynatree_core.core.models import load_model
 
     if threads:
         torch.set_num_threads(threads)

@@ -3,7 +3,7 @@
 A feature draft (drafting/feature.py) learns from the target's own answers and the target's
 final hidden states along them. Generating the answers with HF `generate` and then labelling
 them in a second teacher-forced pass computes every hidden state twice; here the target decodes
-a batch of prompts through its lean blocks (fastpath.py) over preallocated KV buffers, and the
+a batch of prompts through its lean blocks (core/fastpath.py) over preallocated KV buffers, and the
 post-norm hidden state of every row it reads is the feature, kept as it goes:
 
     prefill: rows (B, P), left-padded   -> features of the prompt positions, first next-token logits
@@ -31,9 +31,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dynatree_core.engine import vocab_size
+from dynatree_core.core.fastpath import LeanForward, fold_groups, fold_mask, lean_forward_for
+from dynatree_core.decoding.engine import vocab_size
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.fastpath import LeanForward, fold_groups, fold_mask, lean_forward_for
 
 TOP_K = 64  # sampled rows draw from the top-k (then top-p) of the tempered distribution
 

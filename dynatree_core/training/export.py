@@ -22,7 +22,7 @@ def model_card(name: str, run_dir: Path, quality: dict | None, command: str, not
         "A small Llama-architecture causal LM distilled from SmolLM2-135M-Instruct (the embedded",
         "target) on this project's CPU, used as the default draft of the `embedded` preset.",
         f"Reduced vocabulary: {cfg['vocab']} slots (slot 0 = OTHER, the rest map to target ids via",
-        "`token_map.json`; see `dynatree_core/vocab.py`). Weights in bfloat16.",
+        "`token_map.json`; see `dynatree_core/core/vocab.py`). Weights in bfloat16.",
         "",
         "## How it was trained",
         "",

@@ -30,14 +30,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dynatree_core.core.models import resolve_device
+from dynatree_core.core.vocab import OTHER, TokenMap
 from dynatree_core.drafting.feature import FeatureDraft
-from dynatree_core.environment import portable
-from dynatree_core.models import resolve_device
+from dynatree_core.runs.environment import portable
 from dynatree_core.training.feature_data import FeatureCorpus
 from dynatree_core.training.feature_talf import feature_talf_loss
 from dynatree_core.training.ledger import record
 from dynatree_core.training.unrolled import depth_mask, unrolled_kd_loss
-from dynatree_core.vocab import OTHER, TokenMap
 
 
 @dataclasses.dataclass

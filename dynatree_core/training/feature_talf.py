@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dynatree_core.vocab import OTHER
+from dynatree_core.core.vocab import OTHER
 
 TREE_KEYS = ("roots", "tokens", "parents", "depths", "topk_ids", "topk_logp")
 

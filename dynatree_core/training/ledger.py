@@ -17,7 +17,7 @@ import torch
 
 
 def ledger_path() -> Path:
-    from dynatree_core.models import cache_dir
+    from dynatree_core.core.models import cache_dir
 
     return cache_dir() / "draft-runs" / "compute.jsonl"
 

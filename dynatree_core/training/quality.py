@@ -17,17 +17,17 @@ from pathlib import Path
 
 import torch
 
+from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.core.models import load_model
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.pairs import encode_prompt
 from dynatree_core.drafting import make_policy
-from dynatree_core.engine import DecodeConfig, generate
-from dynatree_core.kv import KVState, chain_then_tree_visibility
-from dynatree_core.models import load_model
-from dynatree_core.prompts import load_prompts
-from dynatree_core.session import encode_prompt
+from dynatree_core.measure.prompt_sets import load_prompts
 
 
 def heldout_agreement(draft_dir: Path, corpus: Path, labels: Path) -> float:
+    from dynatree_core.core.vocab import TokenMap
     from dynatree_core.training.train import LabelledCorpus, evaluate
-    from dynatree_core.vocab import TokenMap
 
     draft = load_model(str(draft_dir), device="cpu", dtype="float32")
     data = LabelledCorpus(corpus, labels, 49152)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dynatree_core.kv import KVState
+from dynatree_core.core.kv import KVState
 from dynatree_core.training.ledger import record
 
 
@@ -150,7 +150,7 @@ def label_trees(
     import time
     from pathlib import Path
 
-    from dynatree_core.models import load_model
+    from dynatree_core.core.models import load_model
 
     out_path = Path(out_path)
     data = np.load(corpus_path)

@@ -1,6 +1,6 @@
 """Distil a small Llama-architecture draft from the target's top-k labels (KD, optionally + TALF).
 
-The draft is a stock `LlamaForCausalLM` over a reduced vocabulary (vocab.py): slot 0 is OTHER,
+The draft is a stock `LlamaForCausalLM` over a reduced vocabulary (core/vocab.py): slot 0 is OTHER,
 slots 1..N-1 are the target tokens ranked most useful (target argmax counts on on-policy text,
 then input frequency). Its tied embeddings start as a PCA projection of the target's, so its LM
 head starts close to the target's. Loss per position: cross-entropy to the target's top-k
@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from dynatree_core.core.vocab import OTHER, TokenMap
 from dynatree_core.training.corpus import SHARD, TOPK, shard_valid
 from dynatree_core.training.ledger import record
-from dynatree_core.vocab import OTHER, TokenMap
 
 
 @dataclasses.dataclass
@@ -240,7 +240,7 @@ def train(
     init_from: Path | None = None,
 ) -> Path:
     """Train (or resume) a draft; returns the directory of the saved model."""
-    from dynatree_core.models import load_model
+    from dynatree_core.core.models import load_model
 
     out.mkdir(parents=True, exist_ok=True)
     target = load_model(target_spec, device="cpu", dtype="float32")

@@ -1,5 +1,8 @@
 """Verifiers: decide which drafted nodes the target accepts. They see trees and target
-distributions only, never models or caches."""
+distributions only, never models or caches.
+
+May import: errors, core.
+"""
 
 from dynatree_core.verify.greedy import Outcome, verify_greedy
 

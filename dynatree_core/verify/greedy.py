@@ -12,8 +12,8 @@ import dataclasses
 
 import torch
 
-from dynatree_core.transfer import to_list
-from dynatree_core.tree import DraftTree
+from dynatree_core.core.transfer import to_list
+from dynatree_core.core.tree import DraftTree
 
 
 @dataclasses.dataclass

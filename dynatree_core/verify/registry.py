@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from dynatree_core.core.sampling_config import SamplingConfig
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.sampling import SamplingConfig
 
 # drafting structures a verifier can be lossless on
 SINGLE_PATH, IID, WITHOUT_REPLACEMENT, DETERMINISTIC = "single_path", "iid", "without_replacement", "deterministic"

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
+from dynatree_core.core.sampling_config import SamplingConfig, adjust
+from dynatree_core.core.transfer import to_host, to_list
+from dynatree_core.core.tree import DraftTree
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.sampling import SamplingConfig, adjust
-from dynatree_core.transfer import to_host, to_list
-from dynatree_core.tree import DraftTree
 from dynatree_core.verify.greedy import Outcome, verified_children
 from dynatree_core.verify.otlp import SOLVERS, acceptance
 from dynatree_core.verify.registry import IID, VERIFIERS, WITHOUT_REPLACEMENT

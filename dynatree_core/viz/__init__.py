@@ -7,13 +7,15 @@
   bench.py     benchmark sweeps, saved reports, the latency profile; writing figures to files
   prose.py     the words beside them (why a run is faster or not, why it stopped)
 
-The analysis the figures draw (acceptance by depth, the speed breakdown) lives in metrics.py;
+The analysis the figures draw (acceptance by depth, the speed breakdown) lives in runs/metrics.py;
 this package re-exports it with the figures.
+
+May import: errors, core, runs, verify, drafting, decoding, measure.
 """
 
 from __future__ import annotations
 
-from dynatree_core.metrics import acceptance_by_depth, speed_breakdown
+from dynatree_core.runs.metrics import acceptance_by_depth, speed_breakdown
 from dynatree_core.viz.compare import compare_figures
 from dynatree_core.viz.mask import block_count, mask_figure, order_block_counts
 from dynatree_core.viz.prose import STOP_TEXT, stop_text, why_text

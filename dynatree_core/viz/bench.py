@@ -8,9 +8,9 @@ import plotly.colors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dynatree_core.bench import BenchReport
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.latency import LatencyPoint
+from dynatree_core.measure.bench import BenchReport
+from dynatree_core.runs.latency import LatencyPoint
 
 
 def grid_figure(report: BenchReport, sweeps: list[tuple[str, list[str]]]):

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import plotly.graph_objects as go
 
-from dynatree_core.trace import IterationRecord
-from dynatree_core.tree import DraftTree
+from dynatree_core.core.tree import DraftTree
+from dynatree_core.runs.records import IterationRecord
 from dynatree_core.viz.tree import visible
 
 

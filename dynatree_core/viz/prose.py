@@ -7,7 +7,7 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
-from dynatree_core.trace import IterationRecord
+from dynatree_core.runs.records import IterationRecord
 from dynatree_core.verify.registry import VERIFIERS
 from dynatree_core.viz.tree import visible
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import plotly.graph_objects as go
 
-from dynatree_core.trace import IterationRecord
+from dynatree_core.runs.records import IterationRecord
 from dynatree_core.viz.tree import COLOURS, visible
 
 

@@ -24,8 +24,8 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from dynatree_core.trace import IterationRecord
-from dynatree_core.tree import Status
+from dynatree_core.core.tree import Status
+from dynatree_core.runs.records import IterationRecord
 from dynatree_core.viz.tree import node_categories, visible
 
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import plotly.graph_objects as go
 
-from dynatree_core.trace import IterationRecord
-from dynatree_core.tree import DraftTree, Status
+from dynatree_core.core.tree import DraftTree, Status
+from dynatree_core.runs.records import IterationRecord
 
 COLOURS = {
     "root": "#4c4c4c",

@@ -23,12 +23,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from dynatree_core.core.vocab import TokenMap
 from dynatree_core.drafting.base import Param, Tunable
 from dynatree_core.drafting.feature import is_feature_draft
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.metrics import kv_bytes_per_token, memory_mb, ratio, weight_bytes
-from dynatree_core.trace import RunResult
-from dynatree_core.vocab import TokenMap
+from dynatree_core.runs.metrics import kv_bytes_per_token, memory_mb, ratio, weight_bytes
+from dynatree_core.runs.records import RunResult
 
 
 class Baseline(Tunable):

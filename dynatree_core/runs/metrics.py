@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dynatree_core.trace import IterationRecord, RunResult
+from dynatree_core.runs.records import IterationRecord, RunResult
 
 
 def exactness_note(dtype: str) -> str | None:

@@ -22,13 +22,13 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from dynatree_core.baselines import Baseline
-from dynatree_core.engine import DecodeConfig, generate
-from dynatree_core.entries import Entry, labelled, schedule
+from dynatree_core.decoding.baselines import Baseline
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.methods import REFERENCES, make_method, verifier_for
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.methods import REFERENCES, make_method, verifier_for
-from dynatree_core.metrics import depth_reach
-from dynatree_core.trace import IterationRecord, RunResult
+from dynatree_core.measure.entries import Entry, labelled, schedule
+from dynatree_core.runs.metrics import depth_reach
+from dynatree_core.runs.records import IterationRecord, RunResult
 
 COMPARE_VERSION = 1
 

@@ -1,132 +1,22 @@
-"""Streamlit pieces shared by the app and its pages: process-wide resources (loaded model pairs,
-the lock that keeps two sessions from running forwards on the same model at once, torch's
-thread count) and the policy parameter widgets built from the registry. The only core module
-importing Streamlit."""
+"""Widgets shared by the app and its pages: the policy parameters and run settings built from
+their registries (one definition for a CLI flag and its widget), the model picker, and the live
+page's run controls."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
-import threading
-from pathlib import Path
 
 import streamlit as st
 import torch
 
-from dynatree_core.engine_process import EngineProcess, PairSpec
+from dynatree_core.core.models import PRESETS, presets_only
+from dynatree_core.decoding.methods import method_class
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.live import LiveRun
-from dynatree_core.live_process import ProcessRun
-from dynatree_core.methods import method_class
-from dynatree_core.models import PRESETS, presets_only
-from dynatree_core.session import load_pair
-from dynatree_core.settings import SETTINGS
-from dynatree_core.threads import ENV, available_cores, configure_threads
-
-
-@st.cache_resource(show_spinner=False)
-def engine_threads() -> int:
-    """torch's thread count for this app process, applied once before any model loads
-    (threads.py: DYNATREE_THREADS, else one core fewer than the machine has, left to the
-    browser and the server). Raises DynaTreeError on a bad DYNATREE_THREADS."""
-    return configure_threads(role="app")
-
-
-def threads_caption(threads: int | None = None) -> str:
-    """The engine's thread count in words, for the pages' captions (default: this process's)."""
-    n = torch.get_num_threads() if threads is None else threads
-    return f"{n} torch thread{'s' if n != 1 else ''} of {available_cores()} cores ({ENV} to change)"
-
-
-LIVE_ENGINE_ENV = "DYNATREE_LIVE_ENGINE"
-LIVE_ENGINES = ("process", "thread")
-
-
-def live_engine_mode() -> str:
-    """Where the live page decodes: "process" (default; a child process per model pair,
-    engine_process.py, so drawing never takes the engine's time) or "thread" (a worker thread of
-    the app process: the reference, measured slower while the page draws). DYNATREE_LIVE_ENGINE."""
-    mode = os.environ.get(LIVE_ENGINE_ENV, "").strip().lower() or "process"
-    if mode not in LIVE_ENGINES:
-        raise DynaTreeError(f"{LIVE_ENGINE_ENV}={mode!r}; choose one of: {', '.join(LIVE_ENGINES)}")
-    return mode
-
-
-def _close_engine(engine: EngineProcess) -> None:
-    engine.close()
-
-
-@st.cache_resource(max_entries=2, show_spinner=False, validate=lambda engine: engine.alive, on_release=_close_engine)
-def _engine(target: str, draft: str | None, device: str, dtype: str) -> EngineProcess:
-    return EngineProcess(PairSpec(target, draft, device, dtype))  # loads (and warms up) in its own process
-
-
-def engine_process(target: str, draft: str | None, device: str, dtype: str) -> EngineProcess:
-    """The child process that decodes the live page's runs on this pair, started once and shared
-    by every session (it runs one forward at a time), once it is ready. A dead one is started
-    again; an evicted one is closed. Raises DynaTreeError when its models cannot load."""
-    engine = _engine(target, draft, device, dtype)
-    try:
-        engine.wait_ready()
-    except BaseException:
-        engine.close()  # dead: the cache starts a new one next time
-        raise
-    return engine
-
-
-def prewarm(target: str, draft: str | None, device: str, dtype: str) -> None:
-    """Start the pair's engine process loading and warming up, without waiting for it (the
-    opening replay plays meanwhile, so the first live iterations run at full speed)."""
-    with contextlib.suppress(Exception):  # a bad setting shows its message when the user starts a run
-        if target and live_engine_mode() == "process":
-            _engine(target, draft, device, dtype)
-
-
-REPLAY_FILE = Path(__file__).resolve().parent.parent / "assets" / "replay" / "welcome.json"
-REPLAY_INTERVAL_S = 1.0  # the opening replay shows one iteration per this many seconds
-PREWARM_FRAME = 3  # the replay frame after which the live pair starts loading (the first drawings go first)
-POSTER_FRAMES = 3  # the replay's first frames draw the tree as an image: the browser is still loading plotly
-
-
-def replay_run() -> LiveRun | None:
-    """The recorded run the live page opens on (assets/replay/), this session's own copy; None
-    when the file is missing or unreadable, or DYNATREE_REPLAY=0 (the page then opens on its form)."""
-    if os.environ.get("DYNATREE_REPLAY", "1") == "0":
-        return None
-    try:
-        run = LiveRun.from_json(REPLAY_FILE.read_bytes())
-    except (OSError, ValueError):
-        return None
-    st.session_state.replay_run, st.session_state.replay_at = run, 1
-    return run
-
-
-def replay_step(run: LiveRun) -> bool:
-    """Show the replay's next iteration (through the iteration slider's state); True while more follow."""
-    n = len(run.records)
-    at = st.session_state.get("replay_at", n)
-    st.info(
-        f"Replay of a recorded run ({run.policy_name}, {run.draft_kind or 'no'} draft, measured when it was "
-        "recorded): press **Run** or **Step** to decode your prompt live.",
-        icon=":material/replay:",
-    )
-    if at > n:
-        return False
-    st.session_state[f"scrub_{n}"] = at
-    st.session_state.replay_at = at + 1
-    return at < n
-
-
-@st.cache_resource(max_entries=2, show_spinner=False)
-def cached_pair(target: str, draft: str | None, device: str, dtype: str):
-    engine_threads()  # every page loads its models here (the Verification Lab has no model picker)
-    return load_pair(target, draft, device=device, dtype=dtype)
-
-
-@st.cache_resource
-def forward_lock() -> threading.Lock:
-    return threading.Lock()
+from dynatree_core.live.process_run import ProcessRun
+from dynatree_core.live.run import LiveRun
+from dynatree_core.measure.run_settings import SETTINGS
+from dynatree_core.ui.resources import engine_threads, forward_lock
 
 
 def param_widgets(policy_name: str, key_prefix: str = "param") -> dict:
@@ -197,20 +87,6 @@ def model_picker(key_prefix: str = "") -> tuple[str, str | None, str, str]:
     device = setting_widget("device", key=k("device"))
     dtype = setting_widget("dtype", key=k("dtype"))
     return target, draft, device, dtype
-
-
-@st.cache_data(show_spinner=False, max_entries=4)
-def latency_points(target: str, draft: str | None, device: str, dtype: str) -> list:
-    """The pair's forward latency profile on this device (context 128, 1-64 tokens), measured once
-    per pair and kept for every session (it takes a few seconds on CPU)."""
-    from dynatree_core.latency import profile
-
-    pair = cached_pair(target, draft, device, dtype)
-    models = {"target": pair.target.model}
-    if pair.draft is not None and not pair.draft_is_stand_in:
-        models["draft"] = pair.draft.model
-    with forward_lock():
-        return profile(models, tokens=(1, 2, 4, 8, 16, 32, 64), contexts=(128,), repeats=3)
 
 
 # ----- the live page's run controls (app.py) ----------------------------------------------------

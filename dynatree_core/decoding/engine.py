@@ -16,21 +16,21 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from dynatree_core.baselines import Baseline
+from dynatree_core.core.kv import KVState, chain_then_tree_visibility, forward_path
+from dynatree_core.core.models import context_length_of
+from dynatree_core.core.sampling_config import SamplingConfig
+from dynatree_core.core.transfer import sync, to_device
+from dynatree_core.core.tree import DraftTree, Reason
+from dynatree_core.core.vocab import TokenMap
+from dynatree_core.decoding.baselines import Baseline
 from dynatree_core.drafting.base import Drafter, DraftRequest, Policy
 from dynatree_core.drafting.feature import FeatureDrafter, is_feature_draft
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.kv import KVState, chain_then_tree_visibility, forward_path
-from dynatree_core.metrics import memory_mb, summarize, weight_bytes
-from dynatree_core.models import context_length_of
-from dynatree_core.sampling import SamplingConfig
-from dynatree_core.trace import IterationRecord, RunResult
-from dynatree_core.transfer import sync, to_device
-from dynatree_core.tree import DraftTree, Reason
+from dynatree_core.runs.metrics import memory_mb, summarize, weight_bytes
+from dynatree_core.runs.records import IterationRecord, RunResult
 from dynatree_core.verify.greedy import verify_greedy
 from dynatree_core.verify.registry import resolve_verifier
 from dynatree_core.verify.sampling import analyze, verify_sampling
-from dynatree_core.vocab import TokenMap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +43,10 @@ class DecodeConfig:
     verifier: str = "auto"  # greedy at T=0; else specinfer (i.i.d. draws), without_replacement, or nss
     seed: int = 0  # seeds the draft's and the verifier's random draws
     analyze: bool = False  # per-node expected acceptance / reach probabilities (the app's; costs time)
-    # How forwards run (kv.py, fastpath.py); None: on unless DYNATREE_STATIC_CACHE / DYNATREE_FAST_FORWARD=0
+    # How forwards run (core/kv.py, core/fastpath.py); None: on unless DYNATREE_STATIC_CACHE / DYNATREE_FAST_FORWARD=0
     static_cache: bool | None = None  # preallocated per-run KV buffers, compacted in place
     fast_forward: bool | None = None  # the lean forward over them (Llama-family models)
-    graphs: bool | None = None  # fixed-shape forwards, one CUDA graph per width (graphs.py; default: on CUDA)
+    graphs: bool | None = None  # fixed-shape forwards, one CUDA graph per width (core/graphs.py; default: on CUDA)
 
 
 def _clock(device: torch.device) -> float:
@@ -167,7 +167,7 @@ def _iteration(
 ) -> IterationRecord:
     """One draft -> verify -> commit step. `budget`: tokens this iteration may commit."""
     verifier, draw, gen = sampling_state
-    captured = _capture_s(target_kv, drafter)  # graph captures (graphs.py) are set-up, not the iteration's work
+    captured = _capture_s(target_kv, drafter)  # graph captures (core/graphs.py) are set-up, not the iteration's work
     t0 = _clock(device)
     draft_forwards = drafter.forwards if drafter else 0
     draft_forward_ms = drafter.kv.forward_ms if drafter else 0.0

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from dynatree_core.decoding.methods import make_method, method_class
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.methods import make_method, method_class
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str], str]:

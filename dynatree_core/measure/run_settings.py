@@ -2,7 +2,7 @@
 
 Each `Setting` says once what a setting is: its name (the `RunSpec` field, `--name-with-dashes`
 on the CLI), type, range or choices, default, label and help. The CLI's flags (`add_flags`) and
-the pages' widgets (`ui.setting_widget`) are generated from it, so a range or a default cannot
+the pages' widgets (`ui.widgets.setting_widget`) are generated from it, so a range or a default cannot
 drift between the app, the compare page, the benchmark page and the commands. `RunSpec` is the
 frozen value they produce (checked against the registry) and `RunSpec.decode_config` the
 engine's `DecodeConfig` for it.
@@ -15,10 +15,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from dynatree_core.engine import DecodeConfig
+from dynatree_core.core.models import DTYPES
+from dynatree_core.core.sampling_config import SamplingConfig
+from dynatree_core.decoding.engine import DecodeConfig
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.models import DTYPES
-from dynatree_core.sampling import SamplingConfig
 from dynatree_core.verify.registry import VERIFIERS
 
 
@@ -33,7 +33,7 @@ class Setting:
     hi: float | None = None
     step: float | None = None
     choices: tuple[str, ...] = ()
-    widget: str = "slider"  # how a page shows it: slider, number, select, radio, or "models" (ui.model_picker)
+    widget: str = "slider"  # how a page shows it: slider, number, select, radio, or "models" (ui.widgets.model_picker)
     hi_binds: bool = True  # False: `hi` is the widget's top only, the CLI may ask for more
     offered: tuple[str, ...] = ()  # what a page's select offers when `choices` do not bind (the CLI takes more)
 
@@ -57,7 +57,7 @@ class Setting:
 SETTINGS: dict[str, Setting] = {
     s.name: s
     for s in (
-        # the models and where they run: the pages place them with ui.model_picker, the CLI's
+        # the models and where they run: the pages place them with ui.widgets.model_picker, the CLI's
         # model flags (cli/parser.py) add --preset and --no-pack
         Setting(
             "target", str, None, "Target", "target: embedded (default), hub id, local dir or .gguf", widget="models"

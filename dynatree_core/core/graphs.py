@@ -42,7 +42,7 @@ import weakref
 
 import torch
 
-from dynatree_core.transfer import to_device
+from dynatree_core.core.transfer import to_device
 
 MAX_BUCKET = 128
 # rope types whose update has no data-dependent branch (longrope switches factors on the longest

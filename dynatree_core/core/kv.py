@@ -28,8 +28,8 @@ import os
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from dynatree_core.core.transfer import Stopwatch, to_device
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.transfer import Stopwatch, to_device
 
 SLACK = 128  # slots beyond prompt + new tokens: room for one iteration's tree before the buffer grows
 
@@ -131,8 +131,8 @@ def forward_path(
 ) -> str:
     """How KVState runs this model's forwards: "lean+graphs" (captured, CUDA), "lean+padded" (the
     same fixed shapes run eagerly), "lean", "static" (HF forward, static cache) or "dynamic"."""
-    from dynatree_core.fastpath import fast_forward_enabled, supports_lean
-    from dynatree_core.graphs import capture_wanted, graphs_enabled
+    from dynatree_core.core.fastpath import fast_forward_enabled, supports_lean
+    from dynatree_core.core.graphs import capture_wanted, graphs_enabled
 
     if not (static_cache_enabled(static) and _full_attention_only(model)):
         return "dynamic"
@@ -166,8 +166,8 @@ class KVState:
         fast: bool | None = None,
         graphs: bool | None = None,
     ):
-        from dynatree_core.fastpath import lean_forward_for
-        from dynatree_core.graphs import PaddedForward, capture_wanted, graphs_enabled
+        from dynatree_core.core.fastpath import lean_forward_for
+        from dynatree_core.core.graphs import PaddedForward, capture_wanted, graphs_enabled
 
         self.model = model
         self.static = static_cache_enabled(static) and _full_attention_only(model)

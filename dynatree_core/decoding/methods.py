@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from dynatree_core import drafting  # noqa: F401  (registers the built-in policies)
-from dynatree_core.baselines import BASELINES, Baseline
+from dynatree_core.decoding.baselines import BASELINES, Baseline
 from dynatree_core.drafting.base import POLICIES, Policy, Tunable
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.verify.registry import resolve_verifier

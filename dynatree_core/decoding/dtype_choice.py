@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from dynatree_core.environment import cpu_info
+from dynatree_core.core.models import cache_dir
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.models import cache_dir
+from dynatree_core.runs.environment import cpu_info
 
 CHOICE_FILE = "dtype-choice.json"
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from dynatree_core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_CONTEXTS = (128, 512)

@@ -18,16 +18,16 @@ import json
 import statistics
 from typing import Any
 
-from dynatree_core.compare import EntryStats, measure
-from dynatree_core.engine import DecodeConfig
-from dynatree_core.entries import Entry
-from dynatree_core.environment import environment
+from dynatree_core.core.packing import is_packed
+from dynatree_core.decoding.engine import DecodeConfig
+from dynatree_core.decoding.methods import make_method, method_class
+from dynatree_core.decoding.pairs import encode_prompt
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.methods import make_method, method_class
-from dynatree_core.metrics import exactness_note
-from dynatree_core.packing import is_packed
-from dynatree_core.prompts import OOD_PREFIX, Prompt
-from dynatree_core.session import encode_prompt
+from dynatree_core.measure.compare import EntryStats, measure
+from dynatree_core.measure.entries import Entry
+from dynatree_core.measure.prompt_sets import OOD_PREFIX, Prompt
+from dynatree_core.runs.environment import environment
+from dynatree_core.runs.metrics import exactness_note
 
 SUMMARY_FIELDS = (
     "label", "policy", "verifier", "params", "throughput_tps", "throughput_std", "speedup", "tokens_per_iteration",

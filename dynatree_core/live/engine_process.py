@@ -50,7 +50,7 @@ class PairSpec:
     draft: str | None
     device: str = "auto"
     dtype: str = "auto"
-    threads: int | None = None  # None: threads.py decides (DYNATREE_THREADS, else the app's default)
+    threads: int | None = None  # None: core/threads.py decides (DYNATREE_THREADS, else the app's default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +93,8 @@ def _warm_up(pair, generate, make_method) -> float:
     lean-forward construction, allocator and oneDNN caches) land here, not in a user's run."""
     import time
 
-    from dynatree_core.engine import DecodeConfig
-    from dynatree_core.session import encode_prompt
+    from dynatree_core.decoding.engine import DecodeConfig
+    from dynatree_core.decoding.pairs import encode_prompt
 
     t0 = time.perf_counter()
     try:
@@ -115,10 +115,10 @@ def serve(commands, out, spec: PairSpec) -> None:
 
     import torch
 
-    from dynatree_core.engine import decode, draft_kind, generate
-    from dynatree_core.methods import make_method
-    from dynatree_core.session import load_pair
-    from dynatree_core.threads import configure_threads
+    from dynatree_core.core.threads import configure_threads
+    from dynatree_core.decoding.engine import decode, draft_kind, generate
+    from dynatree_core.decoding.methods import make_method
+    from dynatree_core.decoding.pairs import load_pair
 
     try:
         threads = configure_threads(spec.threads, role="app")

@@ -12,11 +12,7 @@ import threading
 import warnings
 from collections.abc import Callable
 
-from dynatree_core.baselines import Baseline
-from dynatree_core.drafting.feature import FeatureDraft, is_feature_draft, is_feature_draft_dir
-from dynatree_core.dtypes import saved_choice
-from dynatree_core.errors import DynaTreeError
-from dynatree_core.models import (
+from dynatree_core.core.models import (
     EMBEDDED,
     PRESETS,
     LoadedModel,
@@ -25,7 +21,11 @@ from dynatree_core.models import (
     load_model,
     resolve_device,
 )
-from dynatree_core.packing import pack_linears, packing_enabled
+from dynatree_core.core.packing import pack_linears, packing_enabled
+from dynatree_core.decoding.baselines import Baseline
+from dynatree_core.decoding.dtype_choice import saved_choice
+from dynatree_core.drafting.feature import FeatureDraft, is_feature_draft, is_feature_draft_dir
+from dynatree_core.errors import DynaTreeError
 
 
 @dataclasses.dataclass
@@ -92,8 +92,8 @@ def load_pair(
     """Load target and draft. Without a draft spec, use the preset's draft, else the target
     itself as a stand-in (correct but never faster; a warning says so). A directory holding a
     feature draft (drafting/feature.py) is attached to the loaded target. On CPU the linear
-    layers are pre-packed for oneDNN unless `pack` is False or DYNATREE_PACK=0 (packing.py).
-    dtype "auto" takes the dtype a saved probe chose for this device and pair (dtypes.py), else
+    layers are pre-packed for oneDNN unless `pack` is False or DYNATREE_PACK=0 (core/packing.py).
+    dtype "auto" takes the dtype a saved probe chose for this device and pair (dtype_choice.py), else
     the static rule (models.resolve_dtype); both models always share one dtype."""
     source = "asked"
     if dtype == "auto":

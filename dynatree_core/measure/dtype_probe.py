@@ -1,17 +1,18 @@
 """The dtype probe: decode with AR and a tree policy in every candidate dtype and keep the rows.
 
-It runs the whole stack (loading a pair, the engine, the bundled prompts), so it sits above the
-session layer; `dtypes.py` below keeps the choice store that `load_pair(dtype="auto")` reads.
+It runs the whole stack (loading a pair, the engine, the bundled prompts), so it sits above
+decoding/; `decoding/dtype_choice.py` below keeps the choice store that `load_pair(dtype="auto")`
+reads.
 """
 
 from __future__ import annotations
 
+from dynatree_core.core.models import resolve_device
+from dynatree_core.decoding.dtype_choice import DtypeRow, candidates
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.pairs import encode_prompt, load_pair
 from dynatree_core.drafting import make_policy
-from dynatree_core.dtypes import DtypeRow, candidates
-from dynatree_core.engine import DecodeConfig, generate
-from dynatree_core.models import resolve_device
-from dynatree_core.prompts import choose_prompts
-from dynatree_core.session import encode_prompt, load_pair
+from dynatree_core.measure.prompt_sets import choose_prompts
 
 
 def probe(

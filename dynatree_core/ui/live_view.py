@@ -11,15 +11,15 @@ from collections.abc import Callable
 import pandas as pd
 import streamlit as st
 
-from dynatree_core.engine import DecodeConfig, generate
-from dynatree_core.engine_process import call
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.methods import make_method
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.live import LiveRun
-from dynatree_core.live_process import ProcessRun
-from dynatree_core.methods import make_method
-from dynatree_core.metrics import exactness_note
-from dynatree_core.trace import IterationRecord
-from dynatree_core.ui import cached_pair, engine_process, forward_lock, latency_points, threads_caption
+from dynatree_core.live.engine_process import call
+from dynatree_core.live.process_run import ProcessRun
+from dynatree_core.live.run import LiveRun
+from dynatree_core.runs.metrics import exactness_note
+from dynatree_core.runs.records import IterationRecord
+from dynatree_core.ui.resources import cached_pair, engine_process, forward_lock, latency_points, threads_caption
 from dynatree_core.viz import (
     acceptance_by_depth,
     acceptance_figure,

@@ -11,7 +11,7 @@ import os
 import platform
 from typing import Any
 
-from dynatree_core.threads import threads_source
+from dynatree_core.core.threads import threads_source
 
 
 @functools.cache
@@ -33,7 +33,7 @@ def portable(text: str) -> str:
     relative to it) and the home directory written as ~ (what reports and model cards record)."""
     from pathlib import Path
 
-    root = str(Path(__file__).resolve().parent.parent) + os.sep
+    root = str(Path(__file__).resolve().parents[2]) + os.sep
     return text.replace(root, "").replace(str(Path.home()) + os.sep, "~" + os.sep)
 
 
@@ -41,7 +41,7 @@ def environment(
     device: str, dtype: str, packed: bool = False, dtype_source: str = "", *, forward_path: str = ""
 ) -> dict[str, Any]:
     """What a result was measured on: hardware, library versions, threads (and where that number
-    came from), device, dtype, whether the linear layers ran pre-packed for oneDNN (packing.py)
+    came from), device, dtype, whether the linear layers ran pre-packed for oneDNN (core/packing.py)
     and how forwards ran (kv.forward_path: lean / static / dynamic)."""
     import torch
     import transformers

@@ -10,7 +10,7 @@ architecture the lean forward supports (llama, qwen2, mistral), in float32, it c
     fallback      an injected capture failure: the run goes on eagerly, exact, and says why
 
 then measures, on the embedded target: replay vs eager milliseconds per width bucket, capture
-seconds, GPU memory per run and host round trips per iteration (transfer.py's counts). It prints
+seconds, GPU memory per run and host round trips per iteration (core/transfer.py's counts). It prints
 a verdict table and writes JSON. Without CUDA it says so in one line and exits 0; `--device cpu`
 runs the same checks on the padded forward run eagerly (what the test suite does, tiny models).
 """
@@ -27,12 +27,12 @@ from unittest import mock
 
 import torch
 
-from dynatree_core import graphs, transfer
+from dynatree_core.core import graphs, transfer
+from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.decoding.engine import DecodeConfig, decode, generate
+from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting.base import POLICIES
-from dynatree_core.engine import DecodeConfig, decode, generate
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.kv import KVState, chain_then_tree_visibility
-from dynatree_core.methods import make_method
 
 ARCHS = ("llama", "qwen2", "mistral")
 PROMPTS = ([1, 5, 7, 9, 11, 13, 2, 8], [42, 17, 8, 8, 60, 2, 90, 33, 12, 4, 77, 5])
@@ -198,7 +198,7 @@ def gpu_check(device: str = "auto", *, embedded: bool = True, out: Path | None =
         log(f"gpu-check: tiny {arch} done")
     measures: dict = {}
     if embedded:
-        from dynatree_core.session import load_pair
+        from dynatree_core.decoding.pairs import load_pair
 
         pair = load_pair("embedded", device=device, dtype="float32")
         target, draft = pair.target.model, pair.draft.model

@@ -1,4 +1,4 @@
-"""ProcessRun: a LiveRun (live.py) decoded by an `EngineProcess` (engine_process.py), the live
+"""ProcessRun: a LiveRun (run.py) decoded by an `EngineProcess` (engine_process.py), the live
 page's default. The models, the KV caches and the decoding loop live in a child process, so
 drawing the page never takes time (or the GIL) from decoding."""
 
@@ -11,12 +11,12 @@ import time
 import weakref
 from typing import Any
 
+from dynatree_core.decoding.engine import DecodeConfig
 from dynatree_core.drafting.base import Policy
-from dynatree_core.engine import DecodeConfig
-from dynatree_core.engine_process import EngineProcess, StartRun
-from dynatree_core.live import IDLE_TIMEOUT_S, LiveRun
-from dynatree_core.settings import RunSpec
-from dynatree_core.trace import IterationRecord
+from dynatree_core.live.engine_process import EngineProcess, StartRun
+from dynatree_core.live.run import IDLE_TIMEOUT_S, LiveRun
+from dynatree_core.measure.run_settings import RunSpec
+from dynatree_core.runs.records import IterationRecord
 
 
 @dataclasses.dataclass

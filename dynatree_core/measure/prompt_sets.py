@@ -26,7 +26,7 @@ from pathlib import Path
 
 from dynatree_core.errors import DynaTreeError
 
-PROMPTS_DIR = Path(__file__).resolve().parent.parent / "assets" / "prompts"
+PROMPTS_DIR = Path(__file__).resolve().parents[2] / "assets" / "prompts"
 OOD_DIR = PROMPTS_DIR / "ood"
 OOD_PREFIX = "ood/"  # the domain of an OOD prompt: "ood/<category>"
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dynatree_core.tree import DraftTree
+from dynatree_core.core.tree import DraftTree
 
 TRACE_VERSION = 1
 
@@ -42,7 +42,7 @@ class IterationRecord:
     stop: str | None = None  # "eos", "max_new_tokens" or "context_limit" on the last iteration
     verifier: str = "greedy"
     draft_forward_ms: float = 0.0  # part of draft_ms spent inside draft model forwards
-    capture_ms: float = 0.0  # CUDA graph captures this iteration (graphs.py), left out of the timings above
+    capture_ms: float = 0.0  # CUDA graph captures this iteration (core/graphs.py), left out of the timings above
     forward_path: str = ""  # how the target's forward ran (kv.KVState.path; a capture fallback says why)
     # the verifier's steps: {"kind": "test" | "residual" | "sample" | "argmax", "node", ...}
     verification: list[dict] = dataclasses.field(default_factory=list)
@@ -115,7 +115,7 @@ class RunResult:
     stop_reason: str
     device: str = "cpu"
     dtype: str = "float32"
-    threads: int = 0  # torch intra-op threads the run used (threads.py); 0: not recorded
+    threads: int = 0  # torch intra-op threads the run used (core/threads.py); 0: not recorded
     forward_path: str = ""  # how forwards ran (kv.KVState.path: lean+graphs, lean, ...); HF baselines: "hf"
     capture_s: float = 0.0  # seconds of CUDA graph capture, kept out of every timing above
     draft_kind: str = ""  # "token" (a standalone draft LM) or "feature" (drafting/feature.py); "" without a draft

@@ -13,11 +13,11 @@ from collections.abc import Callable
 
 import torch
 
+from dynatree_core.core.sampling_config import adjust
+from dynatree_core.core.vocab import TokenMap
+from dynatree_core.decoding.engine import DecodeConfig, decode
 from dynatree_core.drafting.base import Policy
-from dynatree_core.engine import DecodeConfig, decode
-from dynatree_core.sampling import adjust
-from dynatree_core.trace import IterationRecord
-from dynatree_core.vocab import TokenMap
+from dynatree_core.runs.records import IterationRecord
 
 
 @dataclasses.dataclass

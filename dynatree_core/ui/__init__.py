@@ -1,0 +1,7 @@
+"""The Streamlit pieces of the app and its pages, and the only package that imports Streamlit:
+process-wide resources such as loaded pairs and engine processes (resources.py), the widgets
+built from the registries (widgets.py), the opening replay (replay.py) and the live page's
+sections (live_view.py).
+
+May import: errors, core, runs, verify, drafting, decoding, measure, live, viz, training.
+"""

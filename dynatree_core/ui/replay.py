@@ -1,0 +1,45 @@
+"""The recorded run the live page opens on (assets/replay/), played one iteration per
+REPLAY_INTERVAL_S before any model loads; the live pair starts loading after PREWARM_FRAME."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import streamlit as st
+
+from dynatree_core.live.run import LiveRun
+
+REPLAY_FILE = Path(__file__).resolve().parents[2] / "assets" / "replay" / "welcome.json"
+REPLAY_INTERVAL_S = 1.0  # the opening replay shows one iteration per this many seconds
+PREWARM_FRAME = 3  # the replay frame after which the live pair starts loading (the first drawings go first)
+POSTER_FRAMES = 3  # the replay's first frames draw the tree as an image: the browser is still loading plotly
+
+
+def replay_run() -> LiveRun | None:
+    """The recorded run the live page opens on (assets/replay/), this session's own copy; None
+    when the file is missing or unreadable, or DYNATREE_REPLAY=0 (the page then opens on its form)."""
+    if os.environ.get("DYNATREE_REPLAY", "1") == "0":
+        return None
+    try:
+        run = LiveRun.from_json(REPLAY_FILE.read_bytes())
+    except (OSError, ValueError):
+        return None
+    st.session_state.replay_run, st.session_state.replay_at = run, 1
+    return run
+
+
+def replay_step(run: LiveRun) -> bool:
+    """Show the replay's next iteration (through the iteration slider's state); True while more follow."""
+    n = len(run.records)
+    at = st.session_state.get("replay_at", n)
+    st.info(
+        f"Replay of a recorded run ({run.policy_name}, {run.draft_kind or 'no'} draft, measured when it was "
+        "recorded): press **Run** or **Step** to decode your prompt live.",
+        icon=":material/replay:",
+    )
+    if at > n:
+        return False
+    st.session_state[f"scrub_{n}"] = at
+    st.session_state.replay_at = at + 1
+    return at < n
