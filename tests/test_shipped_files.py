@@ -29,7 +29,7 @@ def test_reports_record_paths_relative_to_the_repository_and_home():
     )
 
 
-ISSUE_NUMBER = re.compile(r"\bissues? ?#?\d+", re.IGNORECASE)
+ISSUE_NUMBER = re.compile(r"\bissues?\s*#?\d+", re.IGNORECASE)  # \s: also across a line break
 
 
 def _tracked_text_files() -> list[Path]:
@@ -63,7 +63,7 @@ def test_names_and_docs_say_what_not_when():
 
 
 def test_the_issue_number_check_sees_the_usual_spellings():
-    for text in ("(issue 18)", "Issue 8: benchmarks", "issues 3 and 5", "issue #12", "issue19"):
+    for text in ("(issue 18)", "Issue 8: benchmarks", "issues 3 and 5", "issue #12", "issue19", "issue\n    19"):
         assert ISSUE_NUMBER.search(text), text
     assert not ISSUE_NUMBER.search("an issue with 3 tokens; tissue 4")
 
