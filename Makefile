@@ -79,7 +79,7 @@ draft-feature: setup
 	$(PY) -m dynatree_core.training feature-quality --answers --target $(DRAFT_TARGET) --draft $(FEATURE_RUN)/draft \
 		--out $(FEATURE_RUN)/quality.json
 
-# TALF fine-tuning of a trained feature draft (the SALF & TALF paper's protocol; BENCHMARKS.md has
+# TALF fine-tuning of a trained feature draft (the SALF & TALF paper's protocol; docs/benchmark-log.md has
 # the KD-only vs KD+TALF comparison at equal steps): the target's beam trees at 8 roots of the
 # first 1024 training windows (~9 min on 2 cores), then 300 steps from $(FEATURE_RUN)/draft
 # (~30 min). Not what ships: it lost to KD at equal steps on this CPU. Reads the corpus of

@@ -60,8 +60,8 @@ def test_shipped_drafts_load_offline_with_the_targets_tokenizer():
 
 
 def test_the_default_pair_drafts_with_the_feature_draft_and_lends_hf_the_token_draft():
-    """The embedded pair's default is the measured winner (the feature draft, BENCHMARKS.md, "The
-    default switch"); HF's assisted generation cannot run a feature draft, so it gets the token draft."""
+    """The embedded pair's default is the measured winner (the feature draft, docs/benchmark-log.md,
+    "The default switch"); HF's assisted generation cannot run a feature draft, so it gets the token draft."""
     from dynatree_core.drafting.feature import is_feature_draft
 
     assert PRESETS["embedded"].draft == str(EMBEDDED_FEATURE_DRAFT_DIR)

@@ -73,6 +73,7 @@ def one_run(browser, url: str, replay: bool, tokens: int, settle_s: float = 0.0)
         page.keyboard.press("ArrowLeft")
     idle(page)
     page.get_by_role("button", name="Run", exact=True).click()
+    page.get_by_text("Finished:", exact=False).wait_for(state="detached", timeout=120_000)  # the replay's
     page.get_by_text("Finished:", exact=False).wait_for(timeout=900_000)
     idle(page)
     with page.expect_download() as download:

@@ -13,7 +13,7 @@ Prints median and minimum ms per point and writes them as JSON.
 What it does not show: inside the decoding loop every draft level runs right after the target's
 forward has streamed ~500 MB of weights through the caches, so the draft's first level reads its
 weights from DRAM; the per-level cost the engine records (`draft_forward_ms / draft_forwards`) is
-therefore higher than these back-to-back timings (BENCHMARKS.md, "Live at engine speed").
+therefore higher than these back-to-back timings (docs/benchmark-log.md, "Live at engine speed").
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Captured forwards: the lean forward at fixed shapes, replayed as one CUDA graph per width.
 
 On a GPU a 135M-parameter model is launch-bound: HF's eager forward issues hundreds of small
-kernels per token and a 1-token step costs 22-41 ms where the arithmetic takes ~3 (BENCHMARKS.md).
+kernels per token, and a forward costs 19-33 ms on a lent H100 whatever its width from 1 to 256
+tokens (docs/benchmark-log.md, "Latency profile").
 Engines that do this well capture the forward once per width and replay it (gpt-fast; SGLang's
 CUDA-graph runner captures the EAGLE verify forward at a fixed number of draft tokens). A graph
 replays fixed shapes over fixed addresses, so `PaddedForward` runs the lean forward (fastpath.py)

@@ -1,4 +1,4 @@
-"""Pre-packed linear layers for CPU inference (profiled in BENCHMARKS.md, "Profiling and making the engine fast").
+"""Pre-packed linear layers for CPU inference (docs/benchmark-log.md, "Profiling and making the engine fast").
 
 On CPU, `F.linear` hands each call to a GEMM that re-packs the weight into its blocked layout
 every time. For one token that is a cheap GEMV, but a forward over 2-16 tokens (a tree

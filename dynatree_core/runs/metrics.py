@@ -21,7 +21,8 @@ def exactness_note(dtype: str) -> str | None:
 
     The algorithm is exact in any dtype; the arithmetic is not. A tree forward computes a token's
     logits in a different batch shape than `ar`'s 1-token forward, and in bfloat16/float16 the
-    rounding differs enough to flip the argmax where two tokens nearly tie (BENCHMARKS.md, "Captured forwards")."""
+    rounding differs enough to flip the argmax where two tokens nearly tie (docs/benchmark-log.md,
+    "Captured forwards")."""
     if str(dtype).removeprefix("torch.") in ("float32", "float64"):
         return None
     return (
