@@ -232,17 +232,21 @@ def _advance_play(rec: IterationRecord) -> None:
     st.rerun()
 
 
-def tree_and_mask(run: LiveRun, rec: IterationRecord, stage: Stage | None = None, poster: bool = False) -> None:
+def tree_and_mask(
+    run: LiveRun, rec: IterationRecord, stage: Stage | None = None, poster: bool = False, running: bool = False
+) -> None:
     """One iteration's draft tree (clickable) beside the attention mask the target received; at a
     `stage`, both as they stood after it (the mask once it is built), and the cache at commit.
-    `poster`: the tree as static SVG, drawn before the browser has loaded plotly (viz/svg.py)."""
+    `poster`: the tree as static SVG, drawn before the browser has loaded plotly (viz/svg.py).
+    `running`: one chart for every iteration, updated in place (plotly's react, not a new plot per
+    iteration: the browser draws on the engine's cores) and not selectable until the run stops."""
     if stage is not None:
         st.markdown(f"**{stage.label.capitalize()}.** {stage_sentence(rec, stage, run.text)}")
     left, right = st.columns([3, 2])
     with left:
         st.subheader(f"Draft tree — iteration {rec.index}")
-        chart_key = f"tree_{rec.index}"  # one selection per iteration
-        selected = clicked_node(st.session_state.get(chart_key))
+        chart_key = "tree_running" if running else f"tree_{rec.index}"  # one selection per iteration
+        selected = None if running else clicked_node(st.session_state.get(chart_key))
         staged = (
             {}
             if stage is None
@@ -252,7 +256,12 @@ def tree_and_mask(run: LiveRun, rec: IterationRecord, stage: Stage | None = None
         if poster:
             st.image(figure_svg(figure), width="stretch", alt=f"Draft tree of iteration {rec.index}")
         else:
-            st.plotly_chart(figure, width="stretch", key=chart_key, on_select="rerun", selection_mode="points")
+            st.plotly_chart(
+                figure,
+                width="stretch",
+                key=chart_key,
+                **({} if running else dict(on_select="rerun", selection_mode="points")),
+            )
         node_panel(rec, selected, run.text)
     with right:
         if stage is not None and stage.kind in ("draft", "prune"):
@@ -304,7 +313,7 @@ def render(run: LiveRun | None, running: bool = False, poster: bool = False) -> 
     )
     rec = run.records[pick - 1]
     stage = stage_control(rec, running)
-    tree_and_mask(run, rec, stage, poster)
+    tree_and_mask(run, rec, stage, poster, running)
     with st.expander("What happened in this iteration (draft → verify → commit)"):
         st.markdown(explain_iteration(rec, run.text, run.verifier()))
     if poster:  # no chart or table yet: the browser draws this before it loads their code
