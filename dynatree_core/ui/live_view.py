@@ -262,7 +262,10 @@ def tree_and_mask(
                 key=chart_key,
                 **({} if running else dict(on_select="rerun", selection_mode="points")),
             )
-        node_panel(rec, selected, run.text)
+        if running:
+            st.caption("Click a node once the run pauses or finishes, for its path and the target's prediction.")
+        else:
+            node_panel(rec, selected, run.text)
     with right:
         if stage is not None and stage.kind in ("draft", "prune"):
             st.subheader("Attention mask")
