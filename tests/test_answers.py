@@ -138,6 +138,20 @@ def test_the_recipe_runs_end_to_end_for_any_llama_target(tmp_path, monkeypatch, 
     report = json.loads(out.read_text())
     assert len(report["out-of-distribution"][str(run / "draft")]["agreement_by_depth"]) == 4
     assert report["out-of-distribution"]["windows"] >= 64, "every OOD prompt's answer is measured"
+    with pytest.raises(SystemExit, match="--dest"):  # never over the shipped draft of another target
+        main(["export-feature", "--target", target, "--run", str(run)])
+    shipped = tmp_path / "shipped"
+    main(["export-feature", "--target", target, "--run", str(run), "--dest", str(shipped), "--quality", str(out)])
+    card = (shipped / "README.md").read_text()
+    curve = json.loads((run / "curve.json").read_text())
+    seen, positions = curve["curve"][-1]["seen"], curve["data"]["training_answer_positions"]
+    assert seen > 0 and positions > 0 and f"{seen / positions:.2f} passes" in card
+    assert "unrolled over the draft's own predicted features for 3 levels" in card
+    assert "| **all** |" in card and "| out-of-distribution |" in card and "**this draft**" in card
+    assert str(tmp_path) not in card, "the card names no path of the machine"
+    from dynatree_core.drafting.feature import FeatureDraft
+
+    FeatureDraft.load(shipped, load_model(target, device="cpu", dtype="float32").model)  # loads for that target
 
 
 def test_a_bench_over_both_prompt_sets_reports_each_side_apart():

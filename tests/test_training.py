@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -246,7 +247,7 @@ def test_feature_training_reduces_the_loss_resumes_and_saves(tmp_path):
     by_depth = agreement_by_depth(loaded, target.get_output_embeddings(), data, data.eval_rows, depths=3)
     assert len(by_depth) == 3 and all(0.0 <= a <= 1.0 for a in by_depth)
     assert by_depth == agreement_by_depth(draft, target.get_output_embeddings(), data, data.eval_rows, depths=3)
-    from dynatree_core.training.feature import export_feature_draft
+    from dynatree_core.training.feature_card import export_feature_draft
 
     export_feature_draft(out, tmp_path / "shipped", target, quality={"agreement": 0.5}, command="make draft-feature")
     card = (tmp_path / "shipped" / "README.md").read_text()
@@ -256,6 +257,34 @@ def test_feature_training_reduces_the_loss_resumes_and_saves(tmp_path):
     from safetensors.torch import load_file
 
     assert "lm.lm_head.weight" not in load_file(tmp_path / "shipped" / "feature_draft.safetensors"), "head rows saved"
+
+
+def test_a_wall_time_budget_ends_training_resumes_and_decays_the_rate_over_time(tmp_path, monkeypatch):
+    """budget_s: equal-compute runs. The clock is faked (each step costs 10 s), so the run stops
+    after exactly 5 steps whatever the step limit, resumes with the time spent so far, and the
+    cosine schedule follows the time, not the step limit."""
+    import dynatree_core.training.feature as feature_mod
+    from dynatree_core.training.feature import FeatureTrainConfig, train_feature_draft
+
+    clock = iter(range(0, 100_000, 10))  # every read 10 s later; a step reads it at its start and end
+    monkeypatch.setattr(feature_mod.time, "perf_counter", lambda: float(next(clock)))
+    target, _, data, _ = _feature_setup(tmp_path)
+    token_map = TokenMap([-1, *range(1, VOCAB)], VOCAB)
+    cfg = FeatureTrainConfig(
+        steps=1000, batch=2, lr=1e-2, warmup=1, eval_every=1000, log_every=1, device="cpu", budget_s=50.0
+    )
+    logs: list[str] = []
+    train_feature_draft(
+        target, token_map, data, tmp_path / "run", dataclasses.replace(cfg, budget_s=30.0), log=logs.append
+    )
+    train_feature_draft(target, token_map, data, tmp_path / "run", cfg, log=logs.append)
+    assert any("resumed at step 3" in m for m in logs)
+    steps = [m for m in logs if " loss " in m]
+    assert len(steps) == 5, logs
+    curve = json.loads((tmp_path / "run" / "curve.json").read_text())["curve"]
+    assert [c["step"] for c in curve] == [3, 5] and curve[-1]["train_s"] >= 50
+    rates = [float(m.split(" lr ")[1].split()[0]) for m in steps]
+    assert rates[0] == pytest.approx(1e-2) and rates[-1] < rates[2] < rates[0]  # decays with the time spent
 
 
 def test_agreement_by_depth_equals_drafting_each_chain_separately(tmp_path):

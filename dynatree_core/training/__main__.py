@@ -18,13 +18,14 @@ def _config_flags(parser: argparse.ArgumentParser, config_class) -> None:
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
 
 
-def _export_parser(sub, name: str, help: str, run: Path, quality: str, recipe: str) -> None:
+def _export_parser(sub, name: str, help: str, run: Path, quality: str, recipe: str) -> argparse.ArgumentParser:
     ex = sub.add_parser(name, help=help)
     ex.add_argument("--run", type=Path, default=run)
     ex.add_argument("--dest", type=Path, default=None)
     ex.add_argument("--quality", type=Path, default=None, help=f"JSON written by `{quality} --out`")
     ex.add_argument("--recipe", default=recipe, help="the command that produced it (for the card)")
     ex.add_argument("--note", default="", help="extra text for the card (e.g. caveats about the compute ledger)")
+    return ex
 
 
 def answer_dirs(
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     fq.add_argument("--answers", action="store_true", help="held-out answer shards and the OOD answers, side by side")
     fq.add_argument("--target", default="embedded")
     fq.add_argument("--no-token-draft", action="store_true", help="report the feature drafts only")
-    _export_parser(
+    exf = _export_parser(
         sub,
         "export-feature",
         "ship a trained feature draft into assets/models/ with its card",
@@ -204,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         "feature-quality",
         "make draft-feature",
     )
+    exf.add_argument("--target", default="embedded", help="the target the draft reads (not embedded: give --dest)")
     qu = sub.add_parser("quality", help="measure a draft: agreement, tokens/iteration, step cost")
     qu.add_argument("--draft", type=Path, nargs="+", required=True, help="one or more draft directories")
     qu.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
@@ -252,12 +254,14 @@ def main(argv: list[str] | None = None) -> None:
         cfg = FeatureTrainConfig(**{k: getattr(args, k) for k in FeatureTrainConfig.__dataclass_fields__})
         target = load_model(args.target, device=cfg.device, dtype="float32").model
         if args.data == "answers":
-            from dynatree_core.training.answer_data import AnswerCorpus
+            from dynatree_core.training.answer_data import AnswerCorpus, source_summary
             from dynatree_core.training.answers import AnswerStore
 
-            data = AnswerCorpus(AnswerStore(*answer_dirs(args.target)))
+            store = AnswerStore(*answer_dirs(args.target))
+            data = AnswerCorpus(store)
+            about = {"kind": "answers", **data.describe(), "sources": source_summary(store)}
         else:
-            data = FeatureCorpus(args.corpus, args.features)
+            data, about = FeatureCorpus(args.corpus, args.features), None
         print(f"train-feature: {len(data.train_rows)} training windows, {len(data.eval_rows)} held out", flush=True)
         token_map = TokenMap.load(args.token_map) if args.token_map else None
         trees = None
@@ -276,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg,
             init_from=args.init_from,
             trees=trees,
+            about=about,
             log=lambda m: print(m, flush=True),
         )
         print(f"train-feature: saved {args.out / 'draft'}")
@@ -323,10 +328,12 @@ def main(argv: list[str] | None = None) -> None:
         import json
 
         from dynatree_core.core.models import EMBEDDED_FEATURE_DRAFT_DIR, load_model
-        from dynatree_core.training.feature import export_feature_draft
+        from dynatree_core.training.feature_card import export_feature_draft
 
-        target = load_model("embedded", device="cpu", dtype="float32").model
+        target = load_model(args.target, device="cpu", dtype="float32").model
         quality = json.loads(args.quality.read_text()) if args.quality and args.quality.exists() else None
+        if args.dest is None and args.target != "embedded":
+            raise SystemExit("export-feature: a draft for another target needs --dest (the default is the shipped one)")
         dest = args.dest or EMBEDDED_FEATURE_DRAFT_DIR
         export_feature_draft(args.run, dest, target, quality=quality, command=args.recipe, note=args.note)
         print(f"export-feature: {dest}")

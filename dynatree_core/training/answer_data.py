@@ -24,6 +24,7 @@ import torch
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.runs.environment import portable
 from dynatree_core.training.answers import STAGES, AnswerStore
+from dynatree_core.training.sources import SOURCES
 
 WINDOW = 512
 HELDOUT_EVERY = 50
@@ -87,6 +88,37 @@ class AnswerCorpus:
         """n training windows (every window here is on-policy: the share is accepted for the
         FeatureCorpus interface)."""
         return rng.choice(self.train_rows, n, replace=len(self.train_rows) < n)
+
+    def answer_tokens(self, rows: np.ndarray) -> int:
+        """Loss positions of `rows`: window positions whose next token belongs to the answer."""
+        r = self.rows[rows]
+        start, length, plen = r[:, 3], r[:, 4], r[:, 5]
+        return int(np.clip(start + length - np.maximum(start, plen - 1), 0, None).sum())
+
+    def describe(self) -> dict:
+        """What the card and curve.json say about the training data."""
+        return {
+            "training_windows": int(len(self.train_rows)),
+            "training_positions": self.tokens(self.train_rows),
+            "training_answer_positions": self.answer_tokens(self.train_rows),
+            "heldout_windows": int(len(self.eval_rows)),
+        }
+
+
+def source_summary(store: AnswerStore, stages: tuple[str, ...] = STAGES) -> dict[str, dict[str, int]]:
+    """Per source kind (sources.SOURCES): prompts answered, prompt tokens and answer tokens."""
+    out: dict[str, dict[str, int]] = {}
+    for stage in stages:
+        for k in store.shards(stage):
+            for ids, plen, src in store.sequences(stage, k):
+                row = out.setdefault(
+                    SOURCES[src] if 0 <= src < len(SOURCES) else "ood",
+                    dict.fromkeys(("prompts", "prompt_tokens", "answer_tokens"), 0),
+                )
+                row["prompts"] += 1
+                row["prompt_tokens"] += plen
+                row["answer_tokens"] += len(ids) - plen
+    return out
 
 
 def token_counts(store: AnswerStore, vocab: int, *, answers_only: bool = True) -> np.ndarray:

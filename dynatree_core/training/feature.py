@@ -60,6 +60,7 @@ class FeatureTrainConfig:
     unroll_steps: int = 3  # "unrolled": levels the draft is unrolled over its own predicted features
     unroll_decay: float = 0.8  # "unrolled": weight of level k is decay^(k-1)
     regression_weight: float = 0.0  # TALF only: add the feature regression (the paper drops it)
+    budget_s: float = 0.0  # > 0: stop after this much training wall time, cosine over time (equal-compute runs)
 
 
 def feature_kd_loss(
@@ -185,12 +186,15 @@ def train_feature_draft(
     *,
     init_from: Path | None = None,
     trees=None,
+    about: dict | None = None,
     log=print,
 ) -> FeatureDraft:
     """KD or TALF training (resumable from `out/checkpoint.pt`); saves the draft to `out/draft`.
 
     `init_from`: a saved feature draft to start from (weights only: TALF fine-tunes a converged
-    KD draft, Alg. 1). `trees`: the target trees (`feature_talf.TargetTrees`) for cfg.loss "talf"."""
+    KD draft, Alg. 1). `trees`: the target trees (`feature_talf.TargetTrees`) for cfg.loss "talf".
+    `about`: what to record of the data in curve.json (the model card reads it), beside the loss
+    positions trained on so far (`seen`), from which the card counts passes over the data."""
     if cfg.loss not in ("kd", "talf", "unrolled"):
         raise SystemExit(f"--loss must be kd, unrolled or talf, not {cfg.loss!r}")
     if cfg.loss == "talf" and trees is None:
@@ -206,19 +210,29 @@ def train_feature_draft(
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step, curve = 0, []
+    spent, seen = 0.0, 0  # training wall seconds (evaluations excluded); loss positions trained on
     ckpt = out / "checkpoint.pt"
     if ckpt.exists():
         state = torch.load(ckpt, map_location=device, weights_only=False)
         draft.load_state_dict(state["model"], strict=False)
         opt.load_state_dict(state["opt"])
         step, curve = state["step"], state["curve"]
+        spent, seen = state.get("spent_s", 0.0), state.get("seen", 0)
         log(f"train-feature: resumed at step {step}")
     rng = np.random.default_rng(cfg.seed + step)
     torch.manual_seed(cfg.seed + step)
     head = target.get_output_embeddings()
     t_last, tokens_since = time.perf_counter(), 0
-    while step < cfg.steps:
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+
+    def done() -> bool:
+        return step >= cfg.steps or (cfg.budget_s > 0 and spent >= cfg.budget_s)
+
+    while not done():
+        # cosine decay over the steps, or over the wall-time budget when one is set: two losses of
+        # different cost per step then get the same compute and each a complete schedule
+        progress = min(spent / cfg.budget_s, 1.0) if cfg.budget_s > 0 else step / cfg.steps
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * progress))
+        t_step = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = lr
         if cfg.loss == "talf":  # windows with target trees (on-policy first: see talf.label_trees)
@@ -247,84 +261,42 @@ def train_feature_draft(
                     )
                 else:
                     loss, parts = feature_kd_loss(draft, x, f, valid, answer=answer, **kd)
+            seen += int((answer[:, 1:] & valid[:, 1:]).sum())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         step += 1
+        spent += time.perf_counter() - t_step
         tokens_since += int(valid.sum())
-        if step % cfg.log_every == 0 or step == cfg.steps:
+        if step % cfg.log_every == 0 or done():
             dt = time.perf_counter() - t_last
             record("train-feature", dt, tokens=tokens_since, item=f"steps to {step}", run=str(out))
             terms = " ".join(f"{k} {v:.3f}" for k, v in parts.items())
             rate = tokens_since / dt
             log(f"train-feature: step {step} loss {loss.item():.4f} {terms} lr {lr:.2e} ({rate:.0f} tokens/s)")
             t_last, tokens_since = time.perf_counter(), 0
-        if step % cfg.eval_every == 0 or step == cfg.steps:
+        if step % cfg.eval_every == 0 or done():
             draft.eval()
             rows = data.eval_rows
             by_depth = agreement_by_depth(draft, head, data, rows, device=device) if len(rows) else []
             draft.train()
-            curve.append({"step": step, "loss": loss.item(), "heldout_agreement_by_depth": by_depth})
+            point = {
+                "step": step,
+                "loss": loss.item(),
+                "train_s": round(spent, 1),
+                "seen": seen,
+                "heldout_agreement_by_depth": by_depth,
+            }
+            curve.append(point)
             log(f"train-feature: step {step} held-out agreement by depth {[round(a, 3) for a in by_depth]}")
-            torch.save({"model": draft.state_dict(), "opt": opt.state_dict(), "step": step, "curve": curve}, ckpt)
-            (out / "curve.json").write_text(json.dumps({"config": dataclasses.asdict(cfg), "curve": curve}, indent=1))
+            state = {"model": draft.state_dict(), "opt": opt.state_dict(), "step": step, "curve": curve}
+            torch.save(state | {"spent_s": spent, "seen": seen}, ckpt)
+            t_last = time.perf_counter()  # the evaluation's time is not training throughput
+            info = {"config": dataclasses.asdict(cfg), "curve": curve}
+            if about is not None or init_from is not None:
+                info["data"] = dict(about or {}) | ({"init_from": portable(str(init_from))} if init_from else {})
+            (out / "curve.json").write_text(json.dumps(info, indent=1))
     draft.eval()
     draft.save(out / "draft")
     return draft
-
-
-def model_card(run_dir: Path, quality: dict | None, command: str, note: str = "") -> str:
-    """The shipped feature draft's README: recipe, data, compute (the ledger), curve, quality."""
-    from dynatree_core.training.ledger import totals
-
-    info = json.loads((run_dir / "curve.json").read_text())
-    cfg, curve = info["config"], info["curve"]
-    lines = [
-        "# smollm2-feature-draft: the embedded target's feature-level (EAGLE-style) draft",
-        "",
-        "A one-layer head over SmolLM2-135M-Instruct's own final hidden states (dynatree_core/drafting/feature.py):",
-        "fc([embedding(next token); target feature]) -> one Llama decoder layer (hidden 576) -> predicted feature",
-        "-> the target's LM head rows for the 16,384-token map (frozen; rebuilt from the target at load).",
-        "Saved: fc and the layer (bfloat16); load attaches them to the loaded target.",
-        "",
-        "## How it was trained",
-        "",
-        "- loss: smooth L1 to the target's next feature + "
-        f"{cfg['ce_weight']} x soft cross-entropy to head(next feature) over the reduced vocabulary"
-        + (f", taken over a random {cfg['ce_share']:.0%} of positions" if cfg.get("ce_share", 1) < 1 else ""),
-        f"- input-feature noise U(-{cfg['noise']}, {cfg['noise']}); AdamW lr {cfg['lr']}, warm-up {cfg['warmup']}, "
-        f"cosine; {cfg['steps']} steps of {cfg['batch']} windows (<= 320 tokens); "
-        f"autocast {cfg.get('autocast') or 'off'}; seed {cfg['seed']}",
-        f"- data: the committed corpus's windows whose target features were labelled; {cfg['onpolicy_share']:.0%} "
-        "of each batch from the target's own sampled generations; chunk 0 held out",
-        f"- command: `{command}`",
-        "",
-        "## Learning curve (held-out top-1 agreement with the target's greedy token, by tree depth)",
-        "",
-        "| step | depth 1 | depth 2 | depth 3 | depth 4 |",
-        "|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {c['step']} | " + " | ".join(f"{a:.3f}" for a in c["heldout_agreement_by_depth"]) + " |" for c in curve
-    ]
-    spent = {k: v for k, v in totals().items() if k in ("feature-label", "train-feature")}
-    if spent:
-        lines += ["", "## Compute (measured; the recipe's ledger)", "", "| stage | wall s | items | tokens |"]
-        lines += ["|---|---|---|---|"]
-        lines += [f"| {k} | {v['seconds']:.0f} | {v['items']} | {v['tokens']} |" for k, v in spent.items()]
-    if note:
-        lines += ["", note]
-    if quality:
-        lines += ["", "## Measured quality", "", "```json", portable(json.dumps(quality, indent=1)), "```"]
-    return "\n".join(lines) + "\n"
-
-
-def export_feature_draft(
-    run_dir: Path, dest: Path, target: torch.nn.Module, *, quality: dict | None, command: str, note: str = ""
-) -> None:
-    """Copy the run's draft into `dest` (bfloat16 weights, no head rows) with its model card."""
-    draft = FeatureDraft.load(run_dir / "draft", target)
-    draft.save(dest, dtype=torch.bfloat16)
-    (dest / "README.md").write_text(model_card(run_dir, quality, command, note))
-    (dest / "curve.json").write_text((run_dir / "curve.json").read_text())

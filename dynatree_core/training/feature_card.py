@@ -1,0 +1,149 @@
+"""Ship a trained feature draft: bfloat16 weights (no head rows) and its model card.
+
+The card says what the draft is, what it was trained on (each source's prompts and tokens, the
+positions it trained on and how many passes over them), how (loss, schedule, steps, wall time, the
+starting draft) and how well it agrees with the target by tree depth, in distribution and on the
+out-of-distribution prompt set (`feature-quality --answers --out`), with the command that made it.
+Paths in it are written relative to the repository or home (runs/environment.portable).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dynatree_core.drafting.feature import FeatureDraft
+from dynatree_core.runs.environment import portable
+from dynatree_core.training.ledger import totals
+
+
+def _loss_line(cfg: dict) -> str:
+    kd = (
+        "smooth L1 to the target's next feature + "
+        f"{cfg['ce_weight']} x soft cross-entropy to head(next feature) over the reduced vocabulary"
+        + (f", taken over a random {cfg['ce_share']:.0%} of positions" if cfg.get("ce_share", 1) < 1 else "")
+    )
+    if cfg.get("loss") == "unrolled":
+        return (
+            f"- loss: unrolled over the draft's own predicted features for {cfg['unroll_steps']} levels "
+            f"(training-time test, EAGLE-3 / HASS; level k weighted {cfg['unroll_decay']}^(k-1)); each level: {kd}"
+        )
+    return f"- loss ({cfg.get('loss', 'kd')}): {kd}"
+
+
+def _data_lines(info: dict, curve: list[dict]) -> list[str]:
+    data = info.get("data")
+    if not data or "sources" not in data:
+        cfg = info["config"]
+        return [
+            f"- data: the committed corpus's windows whose target features were labelled; {cfg['onpolicy_share']:.0%} "
+            "of each batch from the target's own sampled generations; chunk 0 held out"
+        ]
+    seen = curve[-1].get("seen", 0) if curve else 0
+    positions = data.get("training_answer_positions", 0)
+    lines = [
+        "- data: the target's own answers (ids and final hidden states, `python -m dynatree_core.training "
+        "answers`) to prompts from these offline sources; about one sequence in 50 held out (in-distribution "
+        "check); the out-of-distribution prompt set (`assets/prompts/ood/`) is never trained on",
+        f"- trained on {data['training_windows']} windows, {positions:,} answer positions "
+        f"(the loss positions; {data['training_positions']:,} with the prompts as context); "
+        f"{seen:,} loss positions seen = **{seen / max(positions, 1):.2f} passes**"
+        + (f"; started from `{data['init_from']}`" if data.get("init_from") else ""),
+        "",
+        "| source | prompts | prompt tokens | answer tokens |",
+        "|---|---|---|---|",
+    ]
+    rows = sorted(data["sources"].items(), key=lambda kv: -kv[1]["answer_tokens"])
+    lines += [f"| {k} | {v['prompts']:,} | {v['prompt_tokens']:,} | {v['answer_tokens']:,} |" for k, v in rows]
+    total = {k: sum(v[k] for _, v in rows) for k in ("prompts", "prompt_tokens", "answer_tokens")}
+    lines += [f"| **all** | {total['prompts']:,} | {total['prompt_tokens']:,} | {total['answer_tokens']:,} |", ""]
+    return lines
+
+
+def _label(name: str, run_dir: Path) -> str:
+    """A draft's name in the quality table: "this draft", or its run's folder name, not a path."""
+    path = Path(name).expanduser()
+    if path == run_dir / "draft" or path.resolve() == (run_dir / "draft").resolve():
+        return "**this draft**"
+    return path.parent.name if path.name == "draft" else path.name or name
+
+
+def _quality_lines(quality: dict, run_dir: Path) -> list[str]:
+    """agreement_report's JSON ({split: {model: {...}}}) as one table; other JSON verbatim."""
+    splits = {k: v for k, v in quality.items() if isinstance(v, dict) and "windows" in v}
+    if not splits:
+        return ["```json", portable(json.dumps(quality, indent=1)), "```"]
+    lines = ["| split | windows | draft | depth 1 | depth 2 | depth 3 | depth 4 |", "|---|---|---|---|---|---|---|"]
+    for split, part in splits.items():
+        for name, res in part.items():
+            if not isinstance(res, dict):
+                continue
+            depths = res.get("agreement_by_depth") or [res["agreement"]] * 4  # a token draft: the same at any depth
+            cells = " | ".join(f"{a:.3f}" for a in depths[:4])
+            lines.append(f"| {split} | {part['windows']} | {_label(name, run_dir)} | {cells} |")
+    return lines
+
+
+def model_card(
+    run_dir: Path, quality: dict | None, command: str, note: str = "", *, map_size: int | None = None
+) -> str:
+    """The shipped feature draft's README: what it is, data, recipe, curve, compute, quality."""
+    info = json.loads((run_dir / "curve.json").read_text())
+    cfg, curve = info["config"], info["curve"]
+    slots = f"{map_size:,}-token map" if map_size else "draft's token map"
+    spent = curve[-1].get("train_s") if curve else None
+    lines = [
+        "# Feature-level (EAGLE-style) draft",
+        "",
+        "A one-layer head over the target's own final hidden states (dynatree_core/drafting/feature.py):",
+        "fc([embedding(next token); target feature]) -> one Llama decoder layer -> predicted feature",
+        f"-> the target's LM head rows for the {slots} (frozen; rebuilt from the target at load).",
+        "Saved: fc and the layer (bfloat16); load attaches them to the loaded target.",
+        "",
+        "## How it was trained",
+        "",
+        _loss_line(cfg),
+        f"- input-feature noise U(-{cfg['noise']}, {cfg['noise']}); AdamW lr {cfg['lr']}, warm-up {cfg['warmup']}, "
+        + (f"cosine over a {cfg['budget_s']:.0f} s wall-time budget" if cfg.get("budget_s") else "cosine")
+        + f"; {curve[-1]['step'] if curve else cfg['steps']} steps of {cfg['batch']} windows"
+        + (f" ({spent:.0f} s of training)" if spent else "")
+        + f"; autocast {cfg.get('autocast') or 'off'}; seed {cfg['seed']}",
+        *_data_lines(info, curve),
+        f"- command: `{command}`",
+        "",
+        "## Learning curve (held-out top-1 agreement with the target's greedy token, by tree depth)",
+        "",
+        "| step | depth 1 | depth 2 | depth 3 | depth 4 |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {c['step']} | " + " | ".join(f"{a:.3f}" for a in c["heldout_agreement_by_depth"]) + " |" for c in curve
+    ]
+    ledger = {
+        k: v
+        for k, v in totals(run=run_dir).items()
+        if k in ("answers", "answers-relabel", "feature-label", "train-feature")
+    }
+    if ledger:
+        lines += ["", "## Compute (measured; the recipe's ledger: the data stages and this run's training)", ""]
+        lines += ["| stage | wall s | items | tokens |", "|---|---|---|---|"]
+        lines += [f"| {k} | {v['seconds']:.0f} | {v['items']} | {v['tokens']} |" for k, v in ledger.items()]
+    if note:
+        lines += ["", note]
+    if quality:
+        lines += ["", "## Measured quality (top-1 agreement with the target's greedy token, by tree depth)", ""]
+        lines += _quality_lines(quality, run_dir)
+    return "\n".join(lines) + "\n"
+
+
+def export_feature_draft(
+    run_dir: Path, dest: Path, target: torch.nn.Module, *, quality: dict | None, command: str, note: str = ""
+) -> None:
+    """Copy the run's draft into `dest` (bfloat16 weights, no head rows) with its model card."""
+    draft = FeatureDraft.load(run_dir / "draft", target)
+    draft.save(dest, dtype=torch.bfloat16)
+    size = len(draft.token_map) if draft.token_map is not None else None
+    (dest / "README.md").write_text(model_card(run_dir, quality, command, note, map_size=size))
+    (dest / "curve.json").write_text(portable((run_dir / "curve.json").read_text()))
