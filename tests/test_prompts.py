@@ -102,6 +102,9 @@ def test_prompts_are_chosen_round_robin_over_the_domains(tmp_path):
     assert [p.domain for p in first] == domains, "one prompt per domain before any domain's second"
     assert first[0] == every[0] and len(choose_prompts("all", 0)) == len(every)
     assert choose_prompts("all", 2 * len(domains))[len(domains)].domain == domains[0]
+    second = choose_prompts("all", len(domains), skip=len(domains))  # a split with no prompt of the first
+    assert second == choose_prompts("all", 2 * len(domains))[len(domains) :]
+    assert not {p.text for p in second} & {p.text for p in first}
     path = tmp_path / "mine.txt"
     path.write_text("one\ntwo\nthree\n")
     assert [p.text for p in choose_prompts(str(path), 2)] == ["one", "two"]

@@ -160,7 +160,7 @@ def cmd_bench(args) -> None:
     if args.warmup < 0:
         raise DynaTreeError(f"--warmup must be >= 0, got {args.warmup}")
     spec = RunSpec.of(args)
-    chosen = choose_prompts(args.prompts, args.limit)
+    chosen = choose_prompts(args.prompts, args.limit, args.skip)
     target_spec, draft_spec = _resolve_models(args)
     pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype, pack=not args.no_pack)
     config = spec.decode_config(

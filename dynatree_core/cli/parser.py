@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--limit", type=int, default=8, help="N: first N prompts, spread over the domains (0: all)")
     bench.add_argument(
+        "--skip", type=int, default=0, help="leave out the first K prompts of that order (a split apart from --skip 0)"
+    )
+    bench.add_argument(
         "--max-prompt-tokens", type=int, default=None, help="L_max: cut each prompt to its first L tokens"
     )
     add_flags(bench, ("max_new_tokens",))  # T: new tokens per run

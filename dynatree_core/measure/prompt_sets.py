@@ -185,11 +185,13 @@ def load_prompts(spec: str, limit: int | None = None) -> list[Prompt]:
     return [Prompt(line, False, path.stem) for line in lines]
 
 
-def choose_prompts(spec: str, n: int) -> list[Prompt]:
-    """The first `n` prompts of `spec` taken round-robin over its domains (n <= 0: all of them):
-    the one rule by which the CLI's bench, the benchmark page and the dtype probe pick prompts."""
+def choose_prompts(spec: str, n: int, skip: int = 0) -> list[Prompt]:
+    """The first `n` prompts of `spec` taken round-robin over its domains (n <= 0: all of them),
+    after the first `skip` of that order: the one rule by which the CLI's bench, the benchmark page
+    and the dtype probe pick prompts (`skip` keeps a tuning split apart from a reported one)."""
     by_domain: dict[str, list[Prompt]] = {}
     for p in load_prompts(spec, limit=n if n > 0 else None):
         by_domain.setdefault(p.domain, []).append(p)
     spread = [p for group in itertools.zip_longest(*by_domain.values()) for p in group if p is not None]
+    spread = spread[max(skip, 0) :]
     return spread[:n] if n > 0 else spread
