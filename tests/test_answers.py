@@ -60,6 +60,18 @@ def test_stages_write_resumable_shards_whose_features_equal_a_separate_forward(t
     np.testing.assert_allclose(np.load(store.features_path("main", 1)).astype(np.float32), stored, atol=2e-2)
 
 
+def test_main_shards_caps_the_main_stage_in_all_so_a_rerun_writes_nothing(tmp_path, monkeypatch, tiny_target):
+    monkeypatch.setattr(answers.sources, "build_pool", _pool)
+    monkeypatch.setattr(answers, "SHARD_JOBS", 2)
+    monkeypatch.setattr(answers.sources, "question_from_answer", lambda text: "Why is the sky blue?")
+    store = answers.AnswerStore(tmp_path / "ids", tmp_path / "features")
+    run = dict(stages=("questions", "main"), main_shards=2, batch=2, log=lambda m: None)
+    assert answers.generate(store, tiny_target, max_shards=3, **run) == 3  # 2 question shards, then 1 of main
+    assert answers.generate(store, tiny_target, **run) == 1, "resumed: main ends at 2 shards in all, not 2 more"
+    assert [len(store.shards(s)) for s in ("questions", "main")] == [2, 2]
+    assert answers.generate(store, tiny_target, **run) == 0
+
+
 def test_the_source_pool_has_every_offline_kind_it_can_find():
     questions, pool = sources.build_pool(0, sizes=dict.fromkeys(sources.SOURCES[:6], 20), log=lambda m: None)
     kinds = {j.source for j in pool}

@@ -72,7 +72,8 @@ def _answers(args: argparse.Namespace) -> None:
         return
     stages = tuple(s for s in args.stages.split(",") if s)
     log = lambda m: print(m, flush=True)  # noqa: E731
-    n = generate(store, target, stages=stages, max_shards=args.max_shards, batch=args.batch, seed=args.seed, log=log)
+    n = generate(store, target, stages=stages, max_shards=args.max_shards, main_shards=args.main_shards,
+                 batch=args.batch, seed=args.seed, log=log)  # fmt: skip
     print(f"answers: {n} shards written to {store.ids_dir}", flush=True)
 
 
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     _answer_flags(ans)
     ans.add_argument("--stages", default="questions,main,follow", help="comma-separated, run in order")
     ans.add_argument("--max-shards", type=int, default=None, help="stop after writing this many shards")
+    ans.add_argument("--main-shards", type=int, default=None, help="the main stage's shards in all (default: all)")
     ans.add_argument("--batch", type=int, default=64, help="rows decoded together")
     ans.add_argument("--seed", type=int, default=0)
     ood = sub.add_parser("ood-answers", help="the target's greedy answers to the OOD prompt set, features kept")

@@ -150,11 +150,14 @@ def generate(
     *,
     stages: tuple[str, ...] = STAGES,
     max_shards: int | None = None,
+    main_shards: int | None = None,
     batch: int = 64,
     seed: int = 0,
     log=print,
 ) -> int:
-    """Decode the missing shards of `stages`, in order; returns the number of shards written."""
+    """Decode the missing shards of `stages`, in order; returns the number of shards written.
+    `max_shards`: at most this many in this call; `main_shards`: the main stage ends at this many
+    shards in all (a recipe that stops there reproduces the same data, and a rerun writes none)."""
     decoder = BatchDecoder(target.model)
     vocab = target.model.config.get_text_config(decoder=True).vocab_size
     written = 0
@@ -164,7 +167,10 @@ def generate(
             log(f"answers: stage {stage} waits for the one before it")
             break
         have = set(store.shards(stage))
-        for k in range(_n_shards(len(jobs))):
+        n_shards = _n_shards(len(jobs))
+        if stage == "main" and main_shards is not None:
+            n_shards = min(n_shards, main_shards)
+        for k in range(n_shards):
             if k in have or (max_shards is not None and written >= max_shards):
                 continue
             part = jobs[k * SHARD_JOBS : (k + 1) * SHARD_JOBS]
@@ -191,7 +197,7 @@ def generate(
                 f"{made / dt:.0f} answer tokens/s, {(made + read) / dt:.0f} featurised tokens/s"
             )
             written += 1
-        if len(store.shards(stage)) < _n_shards(len(jobs)):
+        if len(store.shards(stage)) < n_shards:
             break  # later stages build on this one
     return written
 
