@@ -54,23 +54,24 @@ draft: setup
 
 # The feature draft (drafting/feature.py) for any Llama-family target (DRAFT_TARGET: a preset, hub
 # id or directory), every stage resumable and run in order:
-#   answers         the target answers ~25,000 prompts from offline sources (sources.py), batched,
+#   answers         the target answers 20,408 prompts from offline sources (sources.py), batched,
 #                   keeping its features as it decodes (token ids of the embedded target are committed
 #                   under assets/draft-data/answers, features go to the cache); hours on 2 CPU cores
 #   ood-answers     its greedy answers to the OOD prompt set (evaluation only, never trained on)
 #   answers-relabel features for committed ids whose features are not in this machine's cache
 #   vocab-map       the reduced vocabulary rebuilt from the answers (OOD coverage printed)
-#   train-feature   unrolled KD on the answers (the draft reads its own predicted features)
+#   train-feature   KD on the answer tokens (beat the unrolled loss at equal compute: BENCHMARKS.md)
 #   feature-quality held-out and OOD agreement by depth, side by side
 # On a GPU every stage uses CUDA when present.
 DRAFT_TARGET ?= embedded
+ANSWER_MAIN_SHARDS ?= 34
 FEATURE_STEPS ?= 2000
 FEATURE_BATCH ?= 16
 FEATURE_MAP_SIZE ?= 16384
-FEATURE_TRAIN_FLAGS ?= --loss unrolled --unroll-steps 3 --ce-share 0.25
+FEATURE_TRAIN_FLAGS ?= --loss kd --ce-share 0.25 --lr 5e-4 --warmup 10
 FEATURE_RUN ?= $(HOME)/.cache/dynatree/draft-runs/feature-answers
 draft-feature: setup
-	$(PY) -m dynatree_core.training answers --target $(DRAFT_TARGET)
+	$(PY) -m dynatree_core.training answers --target $(DRAFT_TARGET) --stages questions,main --main-shards $(ANSWER_MAIN_SHARDS)
 	$(PY) -m dynatree_core.training ood-answers --target $(DRAFT_TARGET)
 	$(PY) -m dynatree_core.training answers-relabel --target $(DRAFT_TARGET)
 	$(PY) -m dynatree_core.training vocab-map --target $(DRAFT_TARGET) --sizes $(FEATURE_MAP_SIZE) --out $(FEATURE_RUN)/map

@@ -287,6 +287,30 @@ def test_a_wall_time_budget_ends_training_resumes_and_decays_the_rate_over_time(
     assert rates[0] == pytest.approx(1e-2) and rates[-1] < rates[2] < rates[0]  # decays with the time spent
 
 
+def test_a_run_killed_between_evaluations_resumes_from_its_last_log_line(tmp_path, monkeypatch):
+    import dynatree_core.training.feature as feature_mod
+    from dynatree_core.training.feature import FeatureTrainConfig, train_feature_draft
+
+    target, _, data, _ = _feature_setup(tmp_path)
+    token_map = TokenMap([-1, *range(1, VOCAB)], VOCAB)
+    cfg = FeatureTrainConfig(steps=8, batch=2, lr=1e-2, warmup=1, eval_every=1000, log_every=3, device="cpu")
+    calls = []
+
+    def killed_at_step_8(stage, seconds, **kw):  # a kill at the third log point (step 8), before its checkpoint
+        calls.append(kw["item"])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(feature_mod, "record", killed_at_step_8)
+    with pytest.raises(KeyboardInterrupt):
+        train_feature_draft(target, token_map, data, tmp_path / "run", cfg, log=lambda m: None)
+    assert calls == ["steps to 3", "steps to 6", "steps to 8"]
+    logs: list[str] = []
+    monkeypatch.setattr(feature_mod, "record", lambda *a, **k: None)
+    train_feature_draft(target, token_map, data, tmp_path / "run", cfg, log=logs.append)
+    assert any("resumed at step 6" in m for m in logs), logs
+
+
 def test_agreement_by_depth_equals_drafting_each_chain_separately(tmp_path):
     """Depth 1 and 2 of agreement_by_depth against a naive loop: for every pair j, a causal
     forward over the true pairs up to the root, then the child read with the root's predicted

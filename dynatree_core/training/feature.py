@@ -227,6 +227,10 @@ def train_feature_draft(
     def done() -> bool:
         return step >= cfg.steps or (cfg.budget_s > 0 and spent >= cfg.budget_s)
 
+    def checkpoint() -> None:  # at every log line too: a run stopped between evaluations loses little
+        state = {"model": draft.state_dict(), "opt": opt.state_dict(), "step": step, "curve": curve}
+        torch.save(state | {"spent_s": spent, "seen": seen}, ckpt)
+
     while not done():
         # cosine decay over the steps, or over the wall-time budget when one is set: two losses of
         # different cost per step then get the same compute and each a complete schedule
@@ -275,6 +279,7 @@ def train_feature_draft(
             terms = " ".join(f"{k} {v:.3f}" for k, v in parts.items())
             rate = tokens_since / dt
             log(f"train-feature: step {step} loss {loss.item():.4f} {terms} lr {lr:.2e} ({rate:.0f} tokens/s)")
+            checkpoint()
             t_last, tokens_since = time.perf_counter(), 0
         if step % cfg.eval_every == 0 or done():
             draft.eval()
@@ -290,8 +295,7 @@ def train_feature_draft(
             }
             curve.append(point)
             log(f"train-feature: step {step} held-out agreement by depth {[round(a, 3) for a in by_depth]}")
-            state = {"model": draft.state_dict(), "opt": opt.state_dict(), "step": step, "curve": curve}
-            torch.save(state | {"spent_s": spent, "seen": seen}, ckpt)
+            checkpoint()
             t_last = time.perf_counter()  # the evaluation's time is not training throughput
             info = {"config": dataclasses.asdict(cfg), "curve": curve}
             if about is not None or init_from is not None:
