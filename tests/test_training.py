@@ -472,3 +472,21 @@ def test_talf_fine_tunes_a_kd_draft_on_target_trees_and_lowers_the_tree_loss(tmp
     assert tree_loss(draft) < 0.8 * start, (start, tree_loss(draft))
     with pytest.raises(SystemExit, match="target trees"):
         train_feature_draft(target, token_map, data, tmp_path / "x", cfg, trees=None, log=logs.append)
+
+
+def test_init_from_keeps_the_starting_layer_and_takes_the_head_of_this_runs_token_map(tmp_path):
+    """A draft started from a saved one (--init-from) keeps its fc and layer, while its frozen head
+    is the target's rows for the run's own token map, even when the saved draft used another map."""
+    from dynatree_core.drafting.feature import FeatureDraft
+    from dynatree_core.training.feature import FeatureTrainConfig, train_feature_draft
+
+    target, _, data, _ = _feature_setup(tmp_path)
+    start_map = TokenMap([-1, *range(1, VOCAB)], VOCAB)
+    run_map = TokenMap([-1, *range(VOCAB - 1, 0, -1)], VOCAB)  # same size, other order
+    start = FeatureDraft.from_target(target, start_map, seed=3)
+    start.save(tmp_path / "start")
+    cfg = FeatureTrainConfig(steps=1, batch=2, lr=0.0, warmup=1, eval_every=100, log_every=1, device="cpu")
+    draft = train_feature_draft(target, run_map, data, tmp_path / "run", cfg, init_from=tmp_path / "start", log=print)
+    rows = target.get_output_embeddings().weight.detach().float()[run_map.draft_to_target.clamp(min=0)]
+    torch.testing.assert_close(draft.lm.lm_head.weight.float(), rows.to(draft.lm.lm_head.weight.device))
+    torch.testing.assert_close(draft.fc.weight.float(), start.fc.weight.float())

@@ -204,7 +204,10 @@ def train_feature_draft(
     draft = FeatureDraft.from_target(target, token_map, seed=cfg.seed).float().to(device).train()
     if init_from is not None and not (out / "checkpoint.pt").exists():
         start = FeatureDraft.load(init_from, target)
-        draft.load_state_dict({k: v.float() for k, v in start.state_dict().items()})
+        # fc and the layer only: the head is the target's rows for this run's token map (frozen),
+        # which may differ from the starting draft's map
+        weights = {k: v.float() for k, v in start.state_dict().items() if not k.startswith("lm.lm_head")}
+        draft.load_state_dict(weights, strict=False)
         log(f"train-feature: initialised from {init_from}")
     draft.lm.lm_head.weight.requires_grad_(False)  # the target's rows, frozen (EAGLE)
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -229,7 +232,8 @@ def train_feature_draft(
 
     def checkpoint() -> None:  # at every log line too: a run stopped between evaluations loses little
         state = {"model": draft.state_dict(), "opt": opt.state_dict(), "step": step, "curve": curve}
-        torch.save(state | {"spent_s": spent, "seen": seen}, ckpt)
+        torch.save(state | {"spent_s": spent, "seen": seen}, ckpt.with_suffix(".tmp"))
+        ckpt.with_suffix(".tmp").replace(ckpt)  # atomic: a run killed while saving keeps the last one
 
     while not done():
         # cosine decay over the steps, or over the wall-time budget when one is set: two losses of
