@@ -152,9 +152,19 @@ def test_the_recipe_runs_end_to_end_for_any_llama_target(tmp_path, monkeypatch, 
     assert report["out-of-distribution"]["windows"] >= 64, "every OOD prompt's answer is measured"
     with pytest.raises(SystemExit, match="--dest"):  # never over the shipped draft of another target
         main(["export-feature", "--target", target, "--run", str(run)])
+    stage2 = tmp_path / "stage-2"  # a second stage from the first one's weights (KD), as the recipe runs
+    main(
+        ["train-feature", "--data", "answers", "--target", target, "--token-map", str(tmp_path / "map")]
+        + ["--init-from", str(run / "draft"), "--steps", "2", "--batch", "2", "--eval-every", "2", "--out", str(stage2)]
+    )
     shipped = tmp_path / "shipped"
+    main(["export-feature", "--target", target, "--run", str(stage2), "--dest", str(shipped)])
+    staged = (shipped / "README.md").read_text()
+    assert "| 1 (run) | unrolled | 4 |" in staged and "| 2 (this run) | kd | 2 |" in staged, staged
+    assert "| random initialisation |" in staged and "| the previous stage |" in staged
     main(["export-feature", "--target", target, "--run", str(run), "--dest", str(shipped), "--quality", str(out)])
     card = (shipped / "README.md").read_text()
+    assert "Trained in stages" not in card, "a one-stage run has no stage table"
     curve = json.loads((run / "curve.json").read_text())
     seen, positions = curve["curve"][-1]["seen"], curve["data"]["training_answer_positions"]
     assert seen > 0 and positions > 0 and f"{seen / positions:.2f} passes" in card

@@ -62,6 +62,34 @@ def _data_lines(info: dict, curve: list[dict]) -> list[str]:
     return lines
 
 
+def _stages(run_dir: Path, info: dict) -> list[str]:
+    """A draft trained in stages (each run started from the last one's `draft`): one row per run,
+    oldest first, while the starting draft is a run folder with its curve.json beside it; the
+    first row says what the first stage started from (a shipped draft, or nothing)."""
+    chain = [(run_dir, info)]
+    while len(chain) < 16:
+        start = (chain[-1][1].get("data") or {}).get("init_from")
+        path = Path(start).expanduser() if start else None
+        if path is None or path.name != "draft" or not (path.parent / "curve.json").exists():
+            break
+        chain.append((path.parent, json.loads((path.parent / "curve.json").read_text())))
+    if len(chain) < 2:
+        return []
+    lines = ["", "Trained in stages, each from the previous stage's weights:", ""]
+    lines += ["| stage | loss | steps | training s | passes | started from |", "|---|---|---|---|---|---|"]
+    for k, (folder, part) in enumerate(reversed(chain), 1):
+        data, last = part.get("data") or {}, (part["curve"] or [{}])[-1]
+        passes = last.get("seen", 0) / max(data.get("training_answer_positions", 0), 1)
+        start = f"`{data['init_from']}`" if data.get("init_from") else "random initialisation"
+        start = "the previous stage" if k > 1 else start
+        name = "this run" if folder == run_dir else folder.name
+        lines.append(
+            f"| {k} ({name}) | {part['config'].get('loss', 'kd')} | {last.get('step', 0)} "
+            f"| {last.get('train_s', 0):.0f} | {passes:.2f} | {start} |"
+        )
+    return lines + [""]
+
+
 def _label(name: str, run_dir: Path) -> str:
     """A draft's name in the quality table: "this draft", or its run's folder name, not a path."""
     path = Path(name).expanduser()
@@ -111,6 +139,7 @@ def model_card(
         + (f" ({spent:.0f} s of training)" if spent else "")
         + f"; autocast {cfg.get('autocast') or 'off'}; seed {cfg['seed']}",
         *_data_lines(info, curve),
+        *_stages(run_dir, info),
         f"- command: `{command}`",
         "",
         "## Learning curve (held-out top-1 agreement with the target's greedy token, by tree depth)",
