@@ -60,35 +60,43 @@ draft: setup
 #   ood-answers     its greedy answers to the OOD prompt set (evaluation only, never trained on)
 #   answers-relabel features for committed ids whose features are not in this machine's cache
 #   vocab-map       the reduced vocabulary rebuilt from the answers (OOD coverage printed)
-#   train-feature   KD on the answer tokens (beat the unrolled loss at equal compute: BENCHMARKS.md)
+#   train-feature   KD on the answer tokens (beat the unrolled loss at equal compute: BENCHMARKS.md),
+#                   in stages of FEATURE_BUDGETS seconds of training each (cosine over each), the
+#                   first from FEATURE_INIT (for the embedded target the first feature draft, trained
+#                   on the sampled corpus; empty: from scratch), each next one from the last's weights
 #   feature-quality held-out and OOD agreement by depth, side by side
-# On a GPU every stage uses CUDA when present.
+# On a GPU every stage uses CUDA when present. The wall-time budgets make a faster machine train
+# more steps in the same stage.
 DRAFT_TARGET ?= embedded
 ANSWER_MAIN_SHARDS ?= 34
-FEATURE_STEPS ?= 2000
-FEATURE_BATCH ?= 16
-FEATURE_MAP_SIZE ?= 16384
+FEATURE_BUDGETS ?= 1800 3600
+FEATURE_BATCH ?= 32
+FEATURE_MAP_SIZE ?= 24576
 FEATURE_TRAIN_FLAGS ?= --loss kd --ce-share 0.25 --lr 5e-4 --warmup 10
+FEATURE_INIT ?= $(if $(filter embedded,$(DRAFT_TARGET)),assets/models/smollm2-feature-draft-corpus)
 FEATURE_RUN ?= $(HOME)/.cache/dynatree/draft-runs/feature-answers
 draft-feature: setup
 	$(PY) -m dynatree_core.training answers --target $(DRAFT_TARGET) --stages questions,main --main-shards $(ANSWER_MAIN_SHARDS)
 	$(PY) -m dynatree_core.training ood-answers --target $(DRAFT_TARGET)
 	$(PY) -m dynatree_core.training answers-relabel --target $(DRAFT_TARGET)
 	$(PY) -m dynatree_core.training vocab-map --target $(DRAFT_TARGET) --sizes $(FEATURE_MAP_SIZE) --out $(FEATURE_RUN)/map
-	$(PY) -m dynatree_core.training train-feature --data answers --target $(DRAFT_TARGET) --token-map $(FEATURE_RUN)/map \
-		--steps $(FEATURE_STEPS) --batch $(FEATURE_BATCH) $(FEATURE_TRAIN_FLAGS) --out $(FEATURE_RUN)
-	$(PY) -m dynatree_core.training feature-quality --answers --target $(DRAFT_TARGET) --draft $(FEATURE_RUN)/draft \
+	init="$(FEATURE_INIT)"; k=0; for budget in $(FEATURE_BUDGETS); do k=$$((k + 1)); \
+		$(PY) -m dynatree_core.training train-feature --data answers --target $(DRAFT_TARGET) --token-map $(FEATURE_RUN)/map \
+			$${init:+--init-from $$init} --budget-s $$budget --steps 1000000 --batch $(FEATURE_BATCH) --eval-every 1000000 \
+			$(FEATURE_TRAIN_FLAGS) --out $(FEATURE_RUN)/stage-$$k || exit 1; \
+		init=$(FEATURE_RUN)/stage-$$k/draft; done; \
+	$(PY) -m dynatree_core.training feature-quality --answers --target $(DRAFT_TARGET) --draft $$init \
 		--out $(FEATURE_RUN)/quality.json
 
 # TALF fine-tuning of a trained feature draft (the SALF & TALF paper's protocol; docs/benchmark-log.md has
 # the KD-only vs KD+TALF comparison at equal steps): the target's beam trees at 8 roots of the
-# first 1024 training windows (~9 min on 2 cores), then 300 steps from $(FEATURE_RUN)/draft
+# first 1024 training windows (~9 min on 2 cores), then 300 steps from the last stage's draft
 # (~30 min). Not what ships: it lost to KD at equal steps on this CPU. Reads the corpus of
 # the earlier recipe (make draft's corpus.npz and feature-label's features).
 FEATURE_TALF_RUN ?= $(HOME)/.cache/dynatree/draft-runs/feature-talf
 draft-feature-talf: setup
 	$(PY) -m dynatree_core.training talf-label --rows 1024 --roots 8
-	$(PY) -m dynatree_core.training train-feature --loss talf --init-from $(FEATURE_RUN)/draft --steps 300 --batch 32 --lr 2e-4 --warmup 20 --ce-share 0.25 --out $(FEATURE_TALF_RUN)
+	$(PY) -m dynatree_core.training train-feature --loss talf --init-from $(FEATURE_RUN)/stage-$(words $(FEATURE_BUDGETS))/draft --steps 300 --batch 32 --lr 2e-4 --warmup 20 --ce-share 0.25 --out $(FEATURE_TALF_RUN)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -161,6 +161,7 @@ def test_the_recipe_runs_end_to_end_for_any_llama_target(tmp_path, monkeypatch, 
     main(["export-feature", "--target", target, "--run", str(stage2), "--dest", str(shipped)])
     staged = (shipped / "README.md").read_text()
     assert "| 1 (run) | unrolled | 4 |" in staged and "| 2 (this run) | kd | 2 |" in staged, staged
+    assert "started from" not in staged.split("Trained in stages")[0], "the stage table names the start"
     assert "| random initialisation |" in staged and "| the previous stage |" in staged
     main(["export-feature", "--target", target, "--run", str(run), "--dest", str(shipped), "--quality", str(out)])
     card = (shipped / "README.md").read_text()

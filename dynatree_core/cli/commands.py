@@ -180,7 +180,7 @@ def cmd_bench(args) -> None:
             sweep = dict(setting=setting[0], values=setting[1])
             report = B.run_setting_sweep(pair, entries, chosen, progress=progress, **sweep, **common)
     report.settings["command"] = portable("python -m dynatree_core " + shlex.join(args.argv))
-    report.settings["models"] = {"target": target_spec, "draft": draft_spec}
+    report.settings["models"] = {"target": portable(target_spec), "draft": draft_spec and portable(draft_spec)}
     if args.out is not None:
         args.out.write_text(report.to_json(), encoding="utf-8")
         args.out.with_suffix(".csv").write_text(report.csv(), encoding="utf-8")

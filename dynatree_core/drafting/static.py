@@ -88,8 +88,10 @@ class FixedTree(Policy):
     draws = ("top", "iid", "without_replacement")
     summary = "DynaTree base: top-B branching to depth D, threshold pruning, node budget"
     params = (
-        Param("depth", int, 6, 1, 16, "Maximum tree depth D (draft levels per iteration)"),
-        Param("branch", int, 2, 1, 8, "Children per expanded node B (top-B of the draft)"),
+        # depth 3, branch 3: the measured best on the OOD tuning prompts with the shipped draft on
+        # CPU (assets/benchmarks/ood_defaults.py; BENCHMARKS, "Defaults fitted on OOD prompts")
+        Param("depth", int, 3, 1, 16, "Maximum tree depth D (draft levels per iteration)"),
+        Param("branch", int, 3, 1, 8, "Children per expanded node B (top-B of the draft)"),
         Param(
             "tau",
             float,

@@ -33,7 +33,7 @@ def _loss_line(cfg: dict) -> str:
     return f"- loss ({cfg.get('loss', 'kd')}): {kd}"
 
 
-def _data_lines(info: dict, curve: list[dict]) -> list[str]:
+def _data_lines(info: dict, curve: list[dict], staged: bool = False) -> list[str]:
     data = info.get("data")
     if not data or "sources" not in data:
         cfg = info["config"]
@@ -50,7 +50,7 @@ def _data_lines(info: dict, curve: list[dict]) -> list[str]:
         f"- trained on {data['training_windows']} windows, {positions:,} answer positions "
         f"(the loss positions; {data['training_positions']:,} with the prompts as context); "
         f"{seen:,} loss positions seen = **{seen / max(positions, 1):.2f} passes**"
-        + (f"; started from `{data['init_from']}`" if data.get("init_from") else ""),
+        + (f"; started from `{data['init_from']}`" if data.get("init_from") and not staged else ""),
         "",
         "| source | prompts | prompt tokens | answer tokens |",
         "|---|---|---|---|",
@@ -121,6 +121,7 @@ def model_card(
     info = json.loads((run_dir / "curve.json").read_text())
     cfg, curve = info["config"], info["curve"]
     slots = f"{map_size:,}-token map" if map_size else "draft's token map"
+    stages = _stages(run_dir, info)  # a draft trained in stages: their table names the first start
     spent = curve[-1].get("train_s") if curve else None
     lines = [
         "# Feature-level (EAGLE-style) draft",
@@ -138,8 +139,8 @@ def model_card(
         + f"; {curve[-1]['step'] if curve else cfg['steps']} steps of {cfg['batch']} windows"
         + (f" ({spent:.0f} s of training)" if spent else "")
         + f"; autocast {cfg.get('autocast') or 'off'}; seed {cfg['seed']}",
-        *_data_lines(info, curve),
-        *_stages(run_dir, info),
+        *_data_lines(info, curve, staged=bool(stages)),
+        *stages,
         f"- command: `{command}`",
         "",
         "## Learning curve (held-out top-1 agreement with the target's greedy token, by tree depth)",
