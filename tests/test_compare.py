@@ -59,8 +59,8 @@ def test_warm_up_results_are_discarded_and_rounds_share_seeds():
 
 
 def test_labels_are_unique_and_name_what_differs():
-    entries = labelled([Entry("fixed_tree"), Entry("fixed_tree", {"depth": 3}), Entry("fixed_tree"), Entry("salf")])
-    assert [e.label for e in entries] == ["fixed_tree", "fixed_tree (depth=3)", "fixed_tree #2", "salf"]
+    entries = labelled([Entry("fixed_tree"), Entry("fixed_tree", {"depth": 5}), Entry("fixed_tree"), Entry("salf")])
+    assert [e.label for e in entries] == ["fixed_tree", "fixed_tree (depth=5)", "fixed_tree #2", "salf"]
     by_verifier = labelled([Entry("delayed", verifier="nss"), Entry("delayed", verifier="naive")])
     assert [e.label for e in by_verifier] == ["delayed@nss", "delayed@naive"]
 

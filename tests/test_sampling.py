@@ -132,7 +132,7 @@ def test_invalid_pairings_are_refused():
     with pytest.raises(DynaTreeError, match="single|one drafted path"):
         block = DecodeConfig(max_new_tokens=4, sampling=SAMPLING, verifier="block")
         generate(target, PROMPT, make_method("fixed_tree"), draft=draft, config=block)
-    with pytest.raises(DynaTreeError, match=r"budget >= 126"):  # 2 + 4 + ... + 64: the budget can bind
+    with pytest.raises(DynaTreeError, match=r"budget >= 39"):  # 3 + 9 + 27 > 32: the budget can bind
         walk = DecodeConfig(max_new_tokens=4, sampling=SAMPLING, verifier="traversal")
         generate(target, PROMPT, make_method("fixed_tree"), draft=draft, config=walk)
     auto = DecodeConfig(max_new_tokens=4, sampling=SAMPLING)  # auto: nss on a deterministic tree
