@@ -232,8 +232,9 @@ def train_feature_draft(
 
     def checkpoint() -> None:  # at every log line too: a run stopped between evaluations loses little
         state = {"model": draft.state_dict(), "opt": opt.state_dict(), "step": step, "curve": curve}
-        torch.save(state | {"spent_s": spent, "seen": seen}, ckpt.with_suffix(".tmp"))
-        ckpt.with_suffix(".tmp").replace(ckpt)  # atomic: a run killed while saving keeps the last one
+        tmp = ckpt.with_suffix(".tmp")  # written whole, then renamed: a run killed while saving keeps the last one
+        torch.save(state | {"spent_s": spent, "seen": seen}, tmp)
+        tmp.replace(ckpt)
 
     while not done():
         # cosine decay over the steps, or over the wall-time budget when one is set: two losses of

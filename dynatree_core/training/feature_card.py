@@ -80,8 +80,13 @@ def _stages(run_dir: Path, info: dict) -> list[str]:
     for k, (folder, part) in enumerate(reversed(chain), 1):
         data, last = part.get("data") or {}, (part["curve"] or [{}])[-1]
         passes = last.get("seen", 0) / max(data.get("training_answer_positions", 0), 1)
-        start = f"`{data['init_from']}`" if data.get("init_from") else "random initialisation"
-        start = "the previous stage" if k > 1 else start
+        start = (
+            "the previous stage"
+            if k > 1
+            else f"`{data['init_from']}`"
+            if data.get("init_from")
+            else "random initialisation"
+        )
         name = "this run" if folder == run_dir else folder.name
         lines.append(
             f"| {k} ({name}) | {part['config'].get('loss', 'kd')} | {last.get('step', 0)} "
