@@ -433,3 +433,29 @@ def test_a_run_that_finished_after_its_worker_flag_was_read_is_drawn_finished():
     assert not at.exception, at.exception
     assert any(b.label == "Export run (JSON)" for b in at.get("download_button")), "finished: export offered"
     assert any(b.label == "Measure AR reference" and not b.disabled for b in at.button)
+
+
+def test_a_running_page_draws_only_the_texts_tail_and_the_whole_text_once_stopped():
+    """While the worker decodes, the page draws the last TEXT_TAIL_TOKENS tokens (its drawing cost
+    stays flat as the run grows); paused or finished, the whole text."""
+
+    def page(running: bool):
+        from dynatree_core.live.run import LiveRun
+        from dynatree_core.ui import live_view
+        from dynatree_core.ui.replay import REPLAY_FILE
+
+        run = LiveRun.from_json(REPLAY_FILE.read_bytes())
+        run.done = not running
+        tail, live_view.TEXT_TAIL_TOKENS = live_view.TEXT_TAIL_TOKENS, 10  # the recorded run is shorter
+        try:
+            live_view.render(run, running=running)
+        finally:
+            live_view.TEXT_TAIL_TOKENS = tail
+
+    for running in (True, False):
+        at = AppTest.from_function(page, args=(running,), default_timeout=60)
+        at.run()
+        assert not at.exception, at.exception
+        texts = [h.proto.body for h in at.get("html") if "iteration 21:" in h.proto.body]
+        assert len(texts) == 1
+        assert ("earlier tokens" in texts[0]) == running and ("iteration 1:" in texts[0]) != running

@@ -130,6 +130,19 @@ def test_text_marks_accepted_and_bonus_tokens_and_escapes_html():
     assert "⏎<br>" in out
 
 
+def test_text_tail_keeps_the_last_iterations_and_counts_the_rest():
+    from dataclasses import replace
+
+    from dynatree_core.viz import text_html
+
+    recs = [replace(sample_record(), index=i) for i in range(1, 6)]  # 3 tokens committed each
+    decode = {11: "x", 13: "y", 99: "z"}.get
+    out = text_html(recs, decode=decode, tail=4)  # 4 tokens need the last two iterations
+    assert "… 9 earlier tokens (3 iterations) …" in out
+    assert "iteration 3:" not in out and out.count("iteration 4:") == 3 and out.count("iteration 5:") == 3
+    assert text_html(recs, decode=decode, tail=100) == text_html(recs, decode=decode)  # short: all of it
+
+
 def test_run_charts_series():
     from dynatree_core.viz import run_charts
 

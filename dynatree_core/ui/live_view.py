@@ -46,6 +46,7 @@ from dynatree_core.viz.svg import figure_svg
 # 5 figure updates per second. A browser on the same machine draws on the same CPU cores (measured
 # here: ~0.2 s of CPU per figure update in headless Chromium), which is why the app leaves it a core.
 RENDER_INTERVAL_S = 0.6
+TEXT_TAIL_TOKENS = 120  # a running page draws this much text: its drawing cost stays flat as the run grows
 STAGE_PLAY_S = 1.2  # Play stages: seconds per stage
 
 
@@ -327,7 +328,9 @@ def render(run: LiveRun | None, running: bool = False, poster: bool = False) -> 
     with st.expander("Glossary of tree terms"):
         st.markdown(glossary())
     st.subheader("Generated text")
-    st.html(text_html(run.records, run.text))
+    if running:
+        st.caption(f"While decoding: the last {TEXT_TAIL_TOKENS} tokens; the whole text when the run pauses or ends.")
+    st.html(text_html(run.records, run.text, tail=TEXT_TAIL_TOKENS if running else None))
     ref_key = json.dumps({k: v for k, v in run.settings.items() if k not in ("policy", "params", "order")})
     if st.button(
         "Measure AR reference",

@@ -12,10 +12,21 @@ from dynatree_core.runs.records import IterationRecord
 from dynatree_core.viz.tree import COLOURS, visible
 
 
-def text_html(records: list[IterationRecord], decode: Callable[[int], str] = str) -> str:
-    """The generated text: accepted draft tokens and bonus tokens marked, iterations separated."""
+def text_html(records: list[IterationRecord], decode: Callable[[int], str] = str, tail: int | None = None) -> str:
+    """The generated text: accepted draft tokens and bonus tokens marked, iterations separated.
+    `tail`: only the last iterations holding at least that many tokens, after a count of the rest
+    (a running page draws a constant amount of text however long the run grows)."""
+    start = 0
+    if tail is not None:
+        start, kept = len(records), 0
+        while start > 0 and kept < tail:
+            start -= 1
+            kept += len(records[start].committed)
     parts = []
-    for rec in records:
+    if start:
+        earlier = sum(len(r.committed) for r in records[:start])
+        parts.append(f'<span style="color:#888">… {earlier} earlier tokens ({start} iterations) … </span>')
+    for rec in records[start:]:
         spans = []
         for i, tok in enumerate(rec.committed):
             kind = "accepted" if i < len(rec.accepted) else "bonus"
