@@ -30,7 +30,7 @@ DRAFTS = {
     "first feature draft": MODELS / "smollm2-feature-draft-corpus",
     "shipped feature draft": MODELS / "smollm2-feature-draft",
 }
-POLICIES = ("linear", "fixed_tree", "dynatree", "salf", "eagle2")
+POLICIES = ("linear", "fixed_tree", "dynatree", "salf", "eagle2", "dyspec_threshold", "dyspec", "delayed_auto")
 
 
 def main() -> None:

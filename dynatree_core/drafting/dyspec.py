@@ -39,7 +39,9 @@ class DySpec(Policy):
     draws = ("top", "without_replacement")  # sampled: each node's children are draws without replacement
     summary = "DySpec: greedy heap expansion by estimated acceptance, up to a node budget"
     params = (
-        Param("budget", int, 32, 1, 256, "Drafted nodes in the tree (the speculative budget)"),
+        # budget 8: the measured best on the OOD tuning prompts with the shipped draft on CPU
+        # (assets/benchmarks/ood_defaults.py; BENCHMARKS, "Defaults fitted on OOD prompts")
+        Param("budget", int, 8, 1, 256, "Drafted nodes in the tree (the speculative budget)"),
         Param("depth", int, 12, 1, 32, "Depth cap"),
         Param("max_children", int, 8, 1, 64, "Children looked at per node (top of the draft distribution)"),
         Param("batch", int, 8, 1, 64, "Nodes per draft forward: the node needed now plus the best draws, run ahead"),
@@ -128,8 +130,10 @@ class DySpecThreshold(Policy):
     name = "dyspec_threshold"
     summary = "DySpec layer by layer: every draw with estimated value >= threshold"
     params = (
-        Param("threshold", float, 0.02, 0.0, 1.0, "Keep draws whose estimated acceptance >= threshold", log_scale=True),
-        Param("budget", int, 32, 1, 256, "Node budget: most drafted nodes sent to the target"),
+        # threshold 0.05, budget 12: the measured best on the OOD tuning prompts with the shipped draft on CPU
+        # (assets/benchmarks/ood_defaults.py; BENCHMARKS, "Defaults fitted on OOD prompts")
+        Param("threshold", float, 0.05, 0.0, 1.0, "Keep draws whose estimated acceptance >= threshold", log_scale=True),
+        Param("budget", int, 12, 1, 256, "Node budget: most drafted nodes sent to the target"),
         Param("depth", int, 12, 1, 32, "Depth cap"),
         Param("max_children", int, 8, 1, 64, "Children looked at per node"),
     )
