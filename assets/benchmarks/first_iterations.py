@@ -61,7 +61,6 @@ def one_run(browser, url: str, replay: bool, tokens: int, settle_s: float = 0.0)
     if replay:  # the replay plays to its end (the engine loads meanwhile)
         page.get_by_text("Draft tree — iteration 21", exact=True).wait_for(timeout=300_000)
         idle(page)
-    time.sleep(settle_s)  # more time for the engine to load and warm up before Run
     prompt = page.get_by_label("Prompt", exact=True)
     prompt.fill(PROMPT)
     prompt.press("Control+Enter")
@@ -72,6 +71,7 @@ def one_run(browser, url: str, replay: bool, tokens: int, settle_s: float = 0.0)
     for _ in range(512 - tokens):
         page.keyboard.press("ArrowLeft")
     idle(page)
+    time.sleep(settle_s)  # more time for the engine and the browser to finish their work before Run
     page.get_by_role("button", name="Run", exact=True).click()
     page.get_by_text("Finished:", exact=False).wait_for(state="detached", timeout=120_000)  # the replay's
     page.get_by_text("Finished:", exact=False).wait_for(timeout=900_000)
