@@ -39,9 +39,9 @@ class DySpec(Policy):
     draws = ("top", "without_replacement")  # sampled: each node's children are draws without replacement
     summary = "DySpec: greedy heap expansion by estimated acceptance, up to a node budget"
     params = (
-        # budget 8: the measured best on the OOD tuning prompts with the shipped draft on CPU
-        # (assets/benchmarks/ood_defaults.py; BENCHMARKS, "Defaults fitted on OOD prompts")
-        Param("budget", int, 8, 1, 256, "Drafted nodes in the tree (the speculative budget)"),
+        # budget 3: the measured best on the OOD tuning prompts with the shipped draft on CPU
+        # (assets/benchmarks/ood_defaults.py, then budgets 2-8; BENCHMARKS, "Defaults fitted on OOD prompts")
+        Param("budget", int, 3, 1, 256, "Drafted nodes in the tree (the speculative budget)"),
         Param("depth", int, 12, 1, 32, "Depth cap"),
         Param("max_children", int, 8, 1, 64, "Children looked at per node (top of the draft distribution)"),
         Param("batch", int, 8, 1, 64, "Nodes per draft forward: the node needed now plus the best draws, run ahead"),
