@@ -329,7 +329,7 @@ def render(run: LiveRun | None, running: bool = False, poster: bool = False) -> 
         st.markdown(glossary())
     st.subheader("Generated text")
     if running:
-        st.caption(f"While decoding: the last {TEXT_TAIL_TOKENS} tokens; the whole text when the run pauses or ends.")
+        st.caption(f"While decoding: at most the last {TEXT_TAIL_TOKENS} tokens; all of it once the run stops.")
     st.html(text_html(run.records, run.text, tail=TEXT_TAIL_TOKENS if running else None))
     ref_key = json.dumps({k: v for k, v in run.settings.items() if k not in ("policy", "params", "order")})
     if st.button(
