@@ -52,8 +52,13 @@ def test_eos_ends_a_row_and_is_kept():
 def test_teacher_forced_features_equal_hf():
     model = tiny_model("qwen2")
     seqs = [PROMPTS[1] + [4, 4, 9], PROMPTS[0]]
-    for seq, feats in zip(seqs, BatchDecoder(model).teacher_forced(seqs), strict=True):
-        np.testing.assert_allclose(feats.astype(np.float64), hf_features(model, seq)[:-1], rtol=2e-3, atol=2e-3)
+    for seq, row in zip(seqs, BatchDecoder(model).teacher_forced(seqs, taps=(0, 1)), strict=True):
+        want = hf_features(model, seq)[:-1]
+        np.testing.assert_allclose(row["features"].double().numpy(), want, rtol=2e-3, atol=2e-3)
+        with torch.no_grad():
+            hidden = model.base_model(input_ids=torch.tensor([seq[:-1]]), output_hidden_states=True).hidden_states
+        for i in (0, 1):  # the tapped layer inputs (core/taps.py) come out of the same forward
+            np.testing.assert_allclose(row["taps"][:, i].double().numpy(), hidden[i][0].double().numpy(), atol=1e-6)
 
 
 def test_sampling_follows_temperature_and_is_seeded():

@@ -218,15 +218,20 @@ class LeanForward:
         logits_to_keep: int,
         *,
         embeds: torch.Tensor | None = None,
-        hidden: bool = False,
+        hidden: bool | tuple[int, ...] = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`embeds` (1, q, hidden): inputs instead of the ids' embeddings; `hidden`: also return
-        the final (post-norm) hidden states of all q rows (see KVState.forward)."""
+        the final (post-norm) hidden states of all q rows, or for a tuple of taps (core/taps.py)
+        those states stacked (q, len(taps), hidden) (see KVState.forward)."""
         x = F.embedding(ids, self.embed.weight) if embeds is None else embeds  # (1, q, hidden)
         cos, sin = self.rotary(x, positions)  # (1, q, head_dim) each
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         folded = fold_mask(mask, self.blocks[0].groups)  # once per forward: every layer has the same groups
-        for block, cache in zip(self.blocks, layers, strict=True):
+        taps = hidden if isinstance(hidden, tuple) else ()
+        tapped = {}
+        for i, (block, cache) in enumerate(zip(self.blocks, layers, strict=True)):
+            if i in taps:
+                tapped[i] = x[0]
             q, k, v = block.project(block.norm1(x), cos, sin)  # (1, heads, q, head_dim), q and k rotated
             keys, values = cache.update(k, v)  # views of slots 0 .. L + q
             attn = F.scaled_dot_product_attention(
@@ -235,5 +240,13 @@ class LeanForward:
             x = block.mlp(x + block.o(attn.transpose(1, 2).reshape(1, ids.shape[1], -1)))
         if hidden:
             states = self.norm(x[0])
+            if taps:
+                return self.head(states[-logits_to_keep:]), stack_taps(taps, tapped, states)
             return self.head(states[-logits_to_keep:]), states
         return self.head(self.norm(x[0, -logits_to_keep:]))
+
+
+def stack_taps(taps: tuple[int, ...], inputs: dict[int, torch.Tensor], final: torch.Tensor) -> torch.Tensor:
+    """(q, len(taps), hidden): the layer inputs `inputs[i]` (q, hidden) in the taps' order, FINAL
+    (core/taps.py) read as the final post-norm states."""
+    return torch.stack([final if t < 0 else inputs[t] for t in taps], dim=1)

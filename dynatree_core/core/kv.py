@@ -28,6 +28,7 @@ import os
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from dynatree_core.core.fastpath import stack_taps
 from dynatree_core.core.transfer import Stopwatch, to_device
 from dynatree_core.errors import DynaTreeError
 
@@ -170,7 +171,8 @@ class KVState:
         from dynatree_core.core.graphs import PaddedForward, capture_wanted, graphs_enabled
 
         self.model = model
-        self.static = static_cache_enabled(static) and _full_attention_only(model)
+        own = getattr(model, "own_forward", None)  # a draft that is no stock model runs its own forward
+        self.static = own is not None or (static_cache_enabled(static) and _full_attention_only(model))
         if self.static:
             n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
             slots = (capacity or len(prompt_ids)) + SLACK
@@ -179,9 +181,9 @@ class KVState:
             from transformers import DynamicCache
 
             self.cache = DynamicCache(config=model.config)
-        self.lean = lean_forward_for(model, fast) if self.static else None
+        self.lean = own or (lean_forward_for(model, fast) if self.static else None)
         self.padded = None  # fixed-shape forwards, captured as CUDA graphs on a GPU (graphs.py)
-        if self.lean is not None and graphs_enabled(self.device, graphs):
+        if own is None and self.lean is not None and graphs_enabled(self.device, graphs):
             capture = capture_wanted(self.device, model)
             self.padded = PaddedForward(self.lean, self.cache.layers, model, capture=capture)
         self.length = 0  # tokens whose KV is in the cache
@@ -226,7 +228,7 @@ class KVState:
         logits_to_keep: int,
         *,
         embeds: torch.Tensor | None = None,
-        hidden: bool = False,
+        hidden: bool | tuple[int, ...] = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One forward over `token_ids`, appended to the cache.
 
@@ -238,7 +240,8 @@ class KVState:
             embeds: (q, hidden) input vectors to use instead of the tokens' embeddings (a feature
                 draft builds its own inputs from a token and a target feature).
             hidden: also return the final hidden states of all q rows: the model's output after
-                its final norm, i.e. what its LM head reads (the features a feature draft learns).
+                its final norm, i.e. what its LM head reads (the features a feature draft learns);
+                a tuple of taps (core/taps.py) returns (q, len(taps), hidden) states instead.
         Returns:
             (logits_to_keep, vocab) float32 logits, and with `hidden` the (q, hidden) states.
         """
@@ -247,7 +250,8 @@ class KVState:
             raise ValueError(f"mask shape {tuple(visible.shape)} != {(q, self.length + q)}")
         device = self.device
         dtype = self.model.dtype
-        if self.padded is not None and self.padded.fits(q):
+        taps = hidden if isinstance(hidden, tuple) else ()
+        if self.padded is not None and self.padded.fits(q) and not taps:  # captured forwards hand out final states only
             captured = self.padded.capture_s
             self.watch.start()
             logits, states = self.padded(
@@ -273,9 +277,12 @@ class KVState:
                 attention_mask=mask[None, None],
                 past_key_values=self.cache,
                 use_cache=True,
+                output_hidden_states=bool(taps),
             )
             states = base.last_hidden_state[0]
             logits = self.model.get_output_embeddings()(states[-logits_to_keep:])
+            if taps:  # transformers' hidden_states[i] is the input of layer i (core/taps.py)
+                states = stack_taps(taps, {t: base.hidden_states[t][0] for t in taps if t >= 0}, states)
         else:
             out = self.model(
                 input_ids=ids,

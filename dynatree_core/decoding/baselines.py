@@ -25,7 +25,7 @@ import torch
 
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.drafting.base import Param, Tunable
-from dynatree_core.drafting.feature import is_feature_draft
+from dynatree_core.drafting.heads import is_head
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.runs.metrics import kv_bytes_per_token, memory_mb, ratio, weight_bytes
 from dynatree_core.runs.records import RunResult
@@ -77,7 +77,7 @@ class HFBaseline(Baseline):
             raise DynaTreeError("the prompt is empty")
         if self.needs_draft_model and draft is None:
             raise DynaTreeError(f"policy {self.name!r} needs a draft model")
-        if self.needs_draft_model and is_feature_draft(draft):
+        if self.needs_draft_model and is_head(draft):
             raise DynaTreeError(
                 f"{self.name} runs Hugging Face's assisted generation, which needs a standalone draft LM; "
                 "this draft is a feature draft (it reads the target's hidden states): use the token draft"

@@ -24,7 +24,8 @@ from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.baselines import Baseline
 from dynatree_core.drafting.base import Drafter, DraftRequest, Policy
-from dynatree_core.drafting.feature import FeatureDrafter, is_feature_draft
+from dynatree_core.core.taps import FINAL
+from dynatree_core.drafting.heads import head_drafter, head_kind, is_head
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.runs.metrics import memory_mb, summarize, weight_bytes
 from dynatree_core.runs.records import IterationRecord, RunResult
@@ -59,10 +60,10 @@ def _capture_s(target_kv: KVState, drafter: Drafter | None) -> float:
 
 
 def draft_kind(draft: torch.nn.Module | None) -> str:
-    """ "feature" for a feature draft (drafting/feature.py), "token" for a standalone draft LM."""
+    """A head's kind ("feature", "fused": drafting/heads.py), "token" for a standalone draft LM."""
     if draft is None:
         return ""
-    return "feature" if is_feature_draft(draft) else "token"
+    return head_kind(draft) if is_head(draft) else "token"
 
 
 def vocab_size(model: torch.nn.Module) -> int:
@@ -116,8 +117,8 @@ def decode(
     weights = weight_bytes(target)  # CPU memory accounting (metrics.memory_mb)
     if policy.needs_draft_model:
         vocab = min(vocab_size(draft), vocab_size(target))
-        if is_feature_draft(draft):  # reads the target's features; carries its own token map
-            drafter = FeatureDrafter(draft, vocab, kv=KVState(draft.lm, [], **paths))
+        if is_head(draft):  # reads the target's features; carries its own token map
+            drafter = head_drafter(draft, vocab, **paths)
         else:
             drafter = Drafter(draft, prompt_ids, vocab, draft_token_map, kv=KVState(draft, prompt_ids, **paths))
         weights += weight_bytes(draft)
@@ -191,7 +192,8 @@ def _iteration(
     tokens = chain + [tree.tokens[n] for n in order[1:]]
     t2 = _clock(device)
     features = drafter is not None and drafter.wants_features  # the same forward also returns hidden states
-    out = target_kv.forward(tokens, positions, visible, logits_to_keep=len(order), hidden=features)  # ONE forward
+    hidden = (drafter.taps if drafter.taps != (FINAL,) else True) if features else False
+    out = target_kv.forward(tokens, positions, visible, logits_to_keep=len(order), hidden=hidden)  # ONE forward
     logits, states = out if features else (out, None)
     t3 = _clock(device)
     verify_capture_ms = (_capture_s(target_kv, drafter) - captured) * 1e3 - draft_capture_ms

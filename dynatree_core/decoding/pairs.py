@@ -24,7 +24,7 @@ from dynatree_core.core.models import (
 from dynatree_core.core.packing import pack_linears, packing_enabled
 from dynatree_core.decoding.baselines import Baseline
 from dynatree_core.decoding.dtype_choice import saved_choice
-from dynatree_core.drafting.feature import FeatureDraft, is_feature_draft, is_feature_draft_dir
+from dynatree_core.drafting.heads import is_head, is_head_dir, load_head
 from dynatree_core.errors import DynaTreeError
 
 
@@ -58,7 +58,7 @@ class ModelPair:
         every caller: no draft for policies that need none; HF baselines get the token draft)."""
         model = self.draft
         wants_assistant = isinstance(policy, Baseline) and policy.needs_draft_model
-        if wants_assistant and model is not None and is_feature_draft(model.model) and self.assistant:
+        if wants_assistant and model is not None and is_head(model.model) and self.assistant:
             model = self.assistant  # else HF's baseline says why it cannot run a feature draft
         if model is None or not policy.needs_draft_model:
             return {"draft": None, "draft_token_map": None}
@@ -75,7 +75,7 @@ def default_draft_for(target_spec: str) -> str | None:
 def token_draft_for(target_spec: str) -> str | None:
     """The first preset's standalone (token) draft for this target: the HF baselines' assistant."""
     for preset in PRESETS.values():
-        if preset.target == target_spec and preset.draft and not is_feature_draft_dir(preset.draft):
+        if preset.target == target_spec and preset.draft and not is_head_dir(preset.draft):
             return preset.draft
     return None
 
@@ -112,9 +112,9 @@ def load_pair(
             stacklevel=2,
         )
         return ModelPair(target, target, draft_is_stand_in=True, dtype_source=source)
-    if is_feature_draft_dir(draft_spec):  # reads the target's features: built on the target it serves
+    if is_head_dir(draft_spec):  # reads the target's features: built on the target it serves
         check_spec_allowed(draft_spec)
-        head = FeatureDraft.load(draft_spec, target.model)
+        head = load_head(draft_spec, target.model)
         if pack and packing_enabled(target.device, target.dtype):
             pack_linears(head)
         draft = LoadedModel(

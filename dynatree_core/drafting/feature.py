@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.core.taps import FINAL
 from dynatree_core.core.transfer import to_device
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.core.vocab import OTHER, TokenMap
@@ -226,9 +227,10 @@ class FeatureDrafter(Drafter):
     """
 
     wants_features = True
+    taps: tuple[int, ...] = (FINAL,)  # which target hidden states the verification forward hands over
 
     def __init__(self, draft: FeatureDraft, vocab_size: int, *, kv: KVState):
-        super().__init__(draft.lm, [], vocab_size, draft.token_map, kv=kv)
+        super().__init__(kv.model, [], vocab_size, draft.token_map, kv=kv)
         kv.pending = []  # the cache reads pairs, never bare tokens
         self.draft = draft
         self.pending_features: list[torch.Tensor] = []  # (n_i, H) blocks, in order
@@ -256,14 +258,13 @@ class FeatureDrafter(Drafter):
             if not self.pending_tokens:
                 raise DynaTreeError("the feature draft has no target features yet: it drafts from the second iteration")
             self.slots, self.out = {}, {}
-            feats = torch.cat(self.pending_features).to(self.draft.dtype)
+            feats = torch.cat(self.pending_features)
             tokens = torch.tensor(self.pending_tokens)
             n = len(self.pending_tokens)
             visible = chain_then_tree_visibility(kv.length, n, torch.zeros(0, 0, dtype=torch.bool))
             positions = list(range(kv.length + 1, kv.length + 1 + n))
-            logits, states = kv.forward(
-                self.pending_tokens, positions, visible, 1, embeds=self.draft.inputs(tokens, feats), hidden=True
-            )
+            rows = self._pair_rows(tokens, feats, fused=True)
+            logits, states = kv.forward(self.pending_tokens, positions, visible, 1, embeds=rows, hidden=True)
             self.pending_features, self.pending_tokens = [], []
             self.committed = kv.length
             self.root_position = positions[-1]
@@ -276,13 +277,17 @@ class FeatureDrafter(Drafter):
             tokens = [tree.tokens[n] for n in nodes]
             feats = torch.stack([self.out[tree.parents[n]] for n in nodes])
             start = kv.length
-            logits, states = kv.forward(
-                tokens, positions, visible, q, embeds=self.draft.inputs(torch.tensor(tokens), feats), hidden=True
-            )
+            rows = self._pair_rows(torch.tensor(tokens), feats, fused=False)
+            logits, states = kv.forward(tokens, positions, visible, q, embeds=rows, hidden=True)
             for i, n in enumerate(nodes):
                 self.slots[n] = start + i
                 self.out[n] = states[i]
         return self._logp(logits)
+
+    def _pair_rows(self, tokens: torch.Tensor, features: torch.Tensor, *, fused: bool) -> torch.Tensor:
+        """The layer's input rows for (token, feature) pairs: the target's features (`fused`: as
+        the target handed them over) or a parent node's predicted one; here both read the same way."""
+        return self.draft.inputs(tokens, features)
 
     def commit(self, tree: DraftTree, accepted: list[int], new_tokens: list[int]) -> None:
         """Keep the committed entries (through the root's pair); the new pairs come from

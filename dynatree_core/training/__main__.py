@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from dynatree_core.core.models import REPO_ROOT, cache_dir
+from dynatree_core.runs.environment import portable
 
 # Token ids (uint16) are small and committed, so training can continue on a fresh machine;
 # labels, target trees and checkpoints are recomputed into the cache.
@@ -15,7 +16,16 @@ COMMITTED = REPO_ROOT / "assets" / "draft-data"
 def _config_flags(parser: argparse.ArgumentParser, config_class) -> None:
     """One --flag per field of a training config dataclass, with its default."""
     for field in config_class.__dataclass_fields__.values():
-        parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
+        kind = _flag_bool if isinstance(field.default, bool) else type(field.default)
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=field.default)
+
+
+def _flag_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, not {text!r}")
 
 
 def _export_parser(sub, name: str, help: str, run: Path, quality: str, recipe: str) -> argparse.ArgumentParser:
@@ -68,13 +78,78 @@ def _answers(args: argparse.Namespace) -> None:
         ood_answers(store, target, log=lambda m: print(m, flush=True))
         return
     if args.command == "answers-relabel":
-        print(f"answers-relabel: {relabel(store, target, batch=args.batch)} shards relabelled", flush=True)
+        n_layers = target.model.config.get_text_config(decoder=True).num_hidden_layers
+        taps = parse_taps(args.taps, n_layers)
+        stages = tuple(s for s in args.stages.split(",") if s)
+        n = relabel(store, target, batch=args.batch, taps=taps, teacher=args.teacher, stages=stages, log=print_now)
+        print(f"answers-relabel: {n} shards relabelled", flush=True)
         return
     stages = tuple(s for s in args.stages.split(",") if s)
     log = lambda m: print(m, flush=True)  # noqa: E731
     n = generate(store, target, stages=stages, max_shards=args.max_shards, main_shards=args.main_shards,
                  batch=args.batch, seed=args.seed, log=log)  # fmt: skip
     print(f"answers: {n} shards written to {store.ids_dir}", flush=True)
+
+
+def print_now(message: str) -> None:
+    print(message, flush=True)
+
+
+def parse_taps(spec: str, n_layers: int) -> tuple[int, ...]:
+    """--taps: "" (none), "eagle3" (core/taps.eagle3_taps) or comma-separated layer inputs."""
+    from dynatree_core.core.taps import check_taps, eagle3_taps
+
+    if not spec:
+        return ()
+    if spec == "eagle3":
+        return eagle3_taps(n_layers)
+    try:
+        return check_taps(tuple(int(t) for t in spec.split(",")), n_layers)
+    except ValueError as exc:
+        raise SystemExit(f"--taps: {exc}") from None
+
+
+def _train_packed(args: argparse.Namespace) -> None:
+    import numpy as np
+
+    from dynatree_core.core.models import load_model
+    from dynatree_core.core.vocab import TokenMap
+    from dynatree_core.drafting.feature import FeatureDraft
+    from dynatree_core.drafting.fused import FusedDraft
+    from dynatree_core.training.answer_data import source_summary
+    from dynatree_core.training.answers import AnswerStore
+    from dynatree_core.training.packed import PackedAnswers
+    from dynatree_core.training.step import PackedTrainConfig, train_packed
+
+    cfg = PackedTrainConfig(**{k: getattr(args, k) for k in PackedTrainConfig.__dataclass_fields__})
+    target = load_model(args.target, device=cfg.device, dtype="float32").model
+    n_layers = target.config.get_text_config(decoder=True).num_hidden_layers
+    taps = parse_taps(args.taps, n_layers) if args.kind == "fused" else None
+    token_map = TokenMap.load(args.token_map)
+    store = AnswerStore(*answer_dirs(args.target))
+    data = PackedAnswers(store, token_map, taps=taps)
+    ood = PackedAnswers(AnswerStore(*answer_dirs(args.target, ood=True)), token_map, taps=taps, stages=("ood",), heldout=True)
+    if not len(data.train_rows):
+        what = f"--taps {args.taps} --teacher" if taps else "--teacher"
+        raise SystemExit(f"train-packed: no answer shard has its teacher (and taps); run `answers-relabel {what}` first")
+    heldout = np.random.default_rng(0).permutation(data.eval_rows)[: cfg.eval_windows]
+    evals = {"heldout": (data, np.sort(heldout)), "ood": (ood, ood.eval_rows)} if len(ood.eval_rows) else {"heldout": (data, heldout)}
+    if args.kind == "fused":
+        draft = FusedDraft.from_target(target, token_map, taps=taps, seed=cfg.seed)
+        start = FusedDraft.load(args.init_from, target) if args.init_from else None
+    else:
+        draft = FeatureDraft.from_target(target, token_map, seed=cfg.seed)
+        start = FeatureDraft.load(args.init_from, target) if args.init_from else None
+    if start is not None and not (args.out / "checkpoint.pt").exists():
+        draft.load_state_dict({k: v for k, v in start.state_dict().items() if "lm_head" not in k}, strict=False)
+        print_now(f"train-packed: initialised from {args.init_from}")
+    pairs = data.answer_pairs()
+    print_now(f"train-packed: {args.kind} kind, {len(data.train_rows)} training windows ({pairs:,} answer pairs), "
+              f"{len(heldout)} held-out and {len(ood.eval_rows)} OOD windows evaluated")  # fmt: skip
+    about = {"kind": "answers", **data.windows.describe(), "sources": source_summary(store)}
+    if args.init_from:
+        about["init_from"] = portable(str(args.init_from))
+    train_packed(draft, data, args.out, cfg, target_head=target.get_output_embeddings(), evals=evals, about=about, log=print_now)
 
 
 def _vocab_map(args: argparse.Namespace) -> None:
@@ -138,6 +213,10 @@ def main(argv: list[str] | None = None) -> None:
     rel = sub.add_parser("answers-relabel", help="recompute missing answer features from the committed ids")
     _answer_flags(rel)
     rel.add_argument("--batch", type=int, default=16)
+    rel.add_argument("--taps", default="", help='also the inputs of these layers: "eagle3" or e.g. "2,15,27"')
+    rel.add_argument("--teacher", action="store_true", help="also the compact teacher at every loss position")
+    rel.add_argument("--stages", default="questions,main,follow,ood", help="comma-separated, in this order")
+    rel.add_argument("--ood", action="store_true", help="the OOD answers' store (ood-answers), not the training one")
     cor = sub.add_parser("corpus", help="assemble training windows (docs, fortunes, on-policy chunks)")
     cor.add_argument("--out", type=Path, default=COMMITTED / "corpus.npz")
     cor.add_argument("--chunks-dir", type=Path, default=COMMITTED / "onpolicy")
@@ -188,6 +267,16 @@ def main(argv: list[str] | None = None) -> None:
     from dynatree_core.training.feature import FeatureTrainConfig
 
     _config_flags(tf, FeatureTrainConfig)
+    tp = sub.add_parser("train-packed", help="the cheap step over packed answer windows, a long resumable schedule")
+    tp.add_argument("--kind", choices=("feature", "fused"), default="fused", help="fused: EAGLE-3's three taps")
+    tp.add_argument("--target", default="embedded", help="the target whose answers and states the draft reads")
+    tp.add_argument("--taps", default="eagle3", help='fused kind: "eagle3" or comma-separated layer inputs')
+    tp.add_argument("--token-map", type=Path, default=REPO_ROOT / "assets" / "models" / "smollm2-feature-draft")
+    tp.add_argument("--init-from", type=Path, default=None, help="a saved draft of the same kind (weights only)")
+    tp.add_argument("--out", type=Path, default=cache_dir() / "draft-runs" / "packed")
+    from dynatree_core.training.step import PackedTrainConfig
+
+    _config_flags(tp, PackedTrainConfig)
     fq = sub.add_parser("feature-quality", help="held-out agreement by depth: feature draft(s) vs the token draft")
     fq.add_argument("--draft", type=Path, nargs="+", required=True, help="feature draft directories")
     fq.add_argument(
@@ -286,6 +375,8 @@ def main(argv: list[str] | None = None) -> None:
             log=lambda m: print(m, flush=True),
         )
         print(f"train-feature: saved {args.out / 'draft'}")
+    elif args.command == "train-packed":
+        _train_packed(args)
     elif args.command == "feature-quality":
         import json
 

@@ -26,7 +26,7 @@ import torch
 from dynatree_core.decoding.pairs import encode_prompt
 from dynatree_core.training import sources
 from dynatree_core.training.corpus import checksum
-from dynatree_core.training.decode_batch import BatchDecoder
+from dynatree_core.training.decode_batch import BatchDecoder, host_f16
 from dynatree_core.training.ledger import record
 
 SHARD_JOBS = 512
@@ -55,11 +55,37 @@ class AnswerStore:
     def features_path(self, stage: str, k: int) -> Path:
         return self.features_dir / f"{stage}_{k:05d}.npy"
 
+    def taps_path(self, stage: str, k: int, taps: tuple[int, ...]) -> Path:
+        """The tapped layer inputs (core/taps.py), float16 (tokens - sequences, len(taps), H)."""
+        return self.features_dir / f"{stage}_{k:05d}.taps-{'-'.join(str(t) for t in taps)}.npy"
+
+    def teacher_path(self, stage: str, k: int) -> Path:
+        """The compact teacher (`compact_teacher`) at the shard's loss positions."""
+        return self.features_dir / f"{stage}_{k:05d}.teacher.npz"
+
     def has_features(self, stage: str, k: int) -> bool:
-        path, check = self.features_path(stage, k), self.features_path(stage, k).with_suffix(".sum")
+        return self._valid(self.features_path(stage, k), stage, k)
+
+    def has_taps(self, stage: str, k: int, taps: tuple[int, ...]) -> bool:
+        return self._valid(self.taps_path(stage, k, taps), stage, k)
+
+    def has_teacher(self, stage: str, k: int) -> bool:
+        return self._valid(self.teacher_path(stage, k), stage, k)
+
+    def _valid(self, path: Path, stage: str, k: int) -> bool:
+        """The file exists and was made from the shard's current ids (its `.sum` says so)."""
+        check = path.with_suffix(".sum")
         if not (path.exists() and check.exists() and self.ids_path(stage, k).exists()):
             return False
         return check.read_text().strip() == str(checksum(np.load(self.ids_path(stage, k))["ids"]))
+
+    def _write_part(self, path: Path, save, ids: np.ndarray) -> None:
+        """`save(tmp)` writes the part; renamed into place, then its checksum: a killed run leaves no half file."""
+        self.features_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.stem + ".tmp" + path.suffix)
+        save(tmp)
+        tmp.rename(path)
+        path.with_suffix(".sum").write_text(str(checksum(ids)))
 
     def shards(self, stage: str) -> list[int]:
         return sorted(int(p.stem.split("_")[1]) for p in self.ids_dir.glob(f"{stage}_*.npz"))
@@ -90,12 +116,13 @@ class AnswerStore:
         tmp.rename(self.ids_path(stage, k))
 
     def write_features(self, stage: str, k: int, feats: list[np.ndarray], ids: np.ndarray) -> None:
-        self.features_dir.mkdir(parents=True, exist_ok=True)
-        path = self.features_path(stage, k)
-        tmp = path.with_suffix(".tmp.npy")
-        np.save(tmp, np.concatenate(feats))
-        tmp.rename(path)
-        path.with_suffix(".sum").write_text(str(checksum(ids)))
+        self._write_part(self.features_path(stage, k), lambda tmp: np.save(tmp, np.concatenate(feats)), ids)
+
+    def write_taps(self, stage: str, k: int, taps: tuple[int, ...], parts: list[np.ndarray], ids: np.ndarray) -> None:
+        self._write_part(self.taps_path(stage, k, taps), lambda tmp: np.save(tmp, np.concatenate(parts)), ids)
+
+    def write_teacher(self, stage: str, k: int, teacher: dict[str, np.ndarray], ids: np.ndarray) -> None:
+        self._write_part(self.teacher_path(stage, k), lambda tmp: np.savez(tmp, **teacher), ids)
 
 
 def _stage_jobs(store: AnswerStore, stage: str, tokenizer, seed: int, log) -> list[sources.Job] | None:
@@ -224,27 +251,83 @@ def ood_answers(store: AnswerStore, target, *, max_new: int = 256, log=print) ->
     log(f"answers: {len(rows)} OOD answers, {made} tokens in {time.perf_counter() - t0:.0f} s")
 
 
+TEACHER_K = 32  # the teacher's top-k kept per loss position (the rest of its mass is renormalised away)
+
+
+def compact_teacher(logits: torch.Tensor, k: int = TEACHER_K) -> dict[str, torch.Tensor]:
+    """The target's next-token distribution at n positions, kept small: its top-k token ids
+    ("ids", (n, k) int64) and logits ("logits", (n, k) float32) and the log-sum-exp over its whole
+    vocabulary ("lse", (n,) float32), so p(top-k) = exp(logits - lse) and the mass they cover is known.
+    A training step then needs no target LM head at all (SpecForge's compact teacher keeps the
+    draft vocabulary's slice; the top-k is smaller still, and any token map can be applied later)."""
+    top = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    return {"ids": top.indices, "logits": top.values.float(), "lse": torch.logsumexp(logits.float(), dim=-1)}
+
+
+def _teacher_arrays(rows: int, k: int, vocab: int) -> dict[str, np.ndarray]:
+    return {
+        "ids": np.zeros((rows, k), dtype=_ids_dtype(vocab)),
+        "logits": np.zeros((rows, k), dtype=np.float16),
+        "lse": np.full(rows, np.nan, dtype=np.float32),  # NaN: not a loss position (the prompt's context)
+    }
+
+
 @torch.inference_mode()
-def relabel(store: AnswerStore, target, *, batch: int = 16, log=print) -> int:
-    """Features for the shards that have ids but no (valid) features: teacher-forced, batched."""
+def relabel(
+    store: AnswerStore,
+    target,
+    *,
+    batch: int = 16,
+    taps: tuple[int, ...] = (),
+    teacher: bool = False,
+    stages: tuple[str, ...] = (*STAGES, "ood"),
+    log=print,
+) -> int:
+    """What the shards that have ids lack, teacher-forced in one batched forward per group of
+    sequences: the final features; with `taps` the inputs of those layers (the fused kind's
+    features); with `teacher` the compact teacher at every loss position (row p of a sequence
+    whose next token p + 1 is part of its answer). Returns the number of shards written to."""
     decoder = BatchDecoder(target.model)
+    vocab = target.model.config.get_text_config(decoder=True).vocab_size
     done = 0
-    for stage in (*STAGES, "ood"):
+    for stage in stages:
         for k in store.shards(stage):
-            if store.has_features(stage, k):
+            want_f = not store.has_features(stage, k)
+            want_t = bool(taps) and not store.has_taps(stage, k, taps)
+            want_h = teacher and not store.has_teacher(stage, k)
+            if not (want_f or want_t or want_h):
                 continue
             t0 = time.perf_counter()
-            seqs = [ids.tolist() for ids, _, _ in store.sequences(stage, k)]
-            order = np.argsort([len(s) for s in seqs])
+            seqs = store.sequences(stage, k)
+            order = np.argsort([len(s) for s, _, _ in seqs])
+            starts = np.cumsum([0] + [max(len(s) - 1, 0) for s, _, _ in seqs])
             feats: list[np.ndarray | None] = [None] * len(seqs)
+            tapped: list[np.ndarray | None] = [None] * len(seqs)
+            labels = _teacher_arrays(int(starts[-1]), TEACHER_K, vocab)
             for start in range(0, len(seqs), batch):
                 part = order[start : start + batch]
-                for i, f in zip(part, decoder.teacher_forced([seqs[i] for i in part]), strict=True):
-                    feats[i] = f
+                rows = decoder.teacher_forced([seqs[i][0].tolist() for i in part], taps=taps if want_t else ())
+                for i, row in zip(part, rows, strict=True):
+                    feats[i] = host_f16(row["features"])
+                    if want_t:
+                        tapped[i] = host_f16(row["taps"])
+                    first = max(seqs[i][1] - 1, 0)  # the row whose next token is the answer's first
+                    if want_h and first < len(row["features"]):
+                        top = compact_teacher(decoder.lean.head(row["features"][first:]))
+                        at = slice(starts[i] + first, starts[i + 1])
+                        labels["ids"][at] = top["ids"].cpu().numpy()
+                        labels["logits"][at] = top["logits"].cpu().numpy()
+                        labels["lse"][at] = top["lse"].cpu().numpy()
             ids = np.load(store.ids_path(stage, k))["ids"]
-            store.write_features(stage, k, feats, ids)
-            tokens, dt = sum(len(s) for s in seqs), time.perf_counter() - t0
+            if want_f:
+                store.write_features(stage, k, feats, ids)
+            if want_t:
+                store.write_taps(stage, k, taps, tapped, ids)
+            if want_h:
+                store.write_teacher(stage, k, labels, ids)
+            tokens, dt = sum(len(s) for s, _, _ in seqs), time.perf_counter() - t0
             record("answers-relabel", dt, tokens=tokens, item=f"{stage} {k}")
-            log(f"answers: relabelled {stage} shard {k}: {tokens} tokens in {dt:.0f} s ({tokens / dt:.0f} tokens/s)")
+            what = ", ".join(n for n, w in (("features", want_f), ("taps", want_t), ("teacher", want_h)) if w)
+            log(f"answers: relabelled {stage} shard {k} ({what}): {tokens} tokens in {dt:.0f} s ({tokens / dt:.0f} tokens/s)")
             done += 1
     return done

@@ -77,16 +77,22 @@ def _forward(
     mask: torch.Tensor,
     caches: list[tuple[torch.Tensor, torch.Tensor]],
     slots: torch.Tensor | None = None,
+    *,
+    taps: tuple[int, ...] = (),
+    tapped: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Rows ids (B, T) at `positions` (B, T), reading the first L cache slots through `mask`
     (B, 1, T, L). Keys/values go to slots 0 .. T (slots None: a prefill) or, for one token per
-    row (T = 1), to each row's slot in `slots` (B,). Returns the post-norm states (B, T, H)."""
+    row (T = 1), to each row's slot in `slots` (B,). Returns the post-norm states (B, T, H);
+    the inputs of the layers in `taps` (core/taps.py) are appended to `tapped`, in layer order."""
     x = F.embedding(ids, lean.embed.weight)
     cos, sin = lean.rotary(x, positions)
     cos, sin = cos[:, None], sin[:, None]
     b, width, length = ids.shape[0], ids.shape[1], mask.shape[-1]
     rows = torch.arange(b, device=ids.device)
-    for block, (kbuf, vbuf) in zip(lean.blocks, caches, strict=True):
+    for i, (block, (kbuf, vbuf)) in enumerate(zip(lean.blocks, caches, strict=True)):
+        if i in taps:
+            tapped.append(x)
         q, k, v = block.project(block.norm1(x), cos, sin)
         if slots is None:
             kbuf[:, :, :width] = k
@@ -146,9 +152,12 @@ class BatchDecoder:
             for _ in self.lean.blocks
         ]
 
-    def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Right-padded prompts through the target: states (r, W, H) and their caches (r, ., W, .).
-        A row reads its own prompt causally; the padding after it is never read by real rows."""
+    def _prefill(
+        self, prompts: list[list[int]], taps: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
+        """Right-padded prompts through the target: states (r, W, H), their caches (r, ., W, .)
+        and, with `taps`, the tapped layer inputs (r, W, len(taps), H) (else None). A row reads
+        its own prompt causally; the padding after it is never read by real rows."""
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
         for i, p in enumerate(prompts):
@@ -157,19 +166,33 @@ class BatchDecoder:
         positions = slots[None].expand(len(prompts), -1)
         mask = _additive((slots[None, :] <= slots[:, None])[None, None], self.model.dtype)  # (1, 1, W, W)
         caches = self._buffers(len(prompts), width)
-        states = []
+        states, tapped = [], []
         for r0 in range(0, len(prompts), self.prefill_rows):
             r1 = min(r0 + self.prefill_rows, len(prompts))
             part = [(k[r0:r1], v[r0:r1]) for k, v in caches]
-            states.append(_forward(self.lean, ids[r0:r1], positions[r0:r1], mask.expand(r1 - r0, -1, -1, -1), part))
-        return torch.cat(states), caches
+            rows: list[torch.Tensor] = []
+            block = mask.expand(r1 - r0, -1, -1, -1)
+            states.append(_forward(self.lean, ids[r0:r1], positions[r0:r1], block, part, taps=taps, tapped=rows))
+            if taps:
+                tapped.append(torch.stack(rows, dim=2))
+        return torch.cat(states), caches, (torch.cat(tapped) if taps else None)
 
     @torch.inference_mode()
-    def teacher_forced(self, sequences: list[list[int]]) -> list[np.ndarray]:
-        """(len(s) - 1, H) float16 features of every sequence but its last position (what a
-        decoded row yields), from one prefill."""
-        states, _ = self._prefill([s[:-1] if len(s) > 1 else s for s in sequences])
-        return [_host(states[i, : max(len(s) - 1, 0)]) for i, s in enumerate(sequences)]
+    def teacher_forced(
+        self, sequences: list[list[int]], *, taps: tuple[int, ...] = ()
+    ) -> list[dict[str, torch.Tensor]]:
+        """Per sequence, from one prefill over all but its last position (what a decoded row yields):
+        "features" (len(s) - 1, H) post-norm states and, with `taps`, "taps" (len(s) - 1,
+        len(taps), H), the inputs of those layers. Tensors in the target's dtype, on its device."""
+        states, _, tapped = self._prefill([s[:-1] if len(s) > 1 else s for s in sequences], taps)
+        out = []
+        for i, s in enumerate(sequences):
+            n = max(len(s) - 1, 0)
+            row = {"features": states[i, :n]}
+            if taps:
+                row["taps"] = tapped[i, :n]
+            out.append(row)
+        return out
 
     @torch.inference_mode()
     def generate(
@@ -208,7 +231,7 @@ class BatchDecoder:
             if not take:
                 return
             rows = torch.tensor(free[: len(take)], device=self.device)
-            states, small = self._prefill([prompts[j] for j in take])
+            states, small, _ = self._prefill([prompts[j] for j in take])
             width = states.shape[1]
             for (k, v), (sk, sv) in zip(caches, small, strict=True):
                 k[rows, :, :width] = sk
@@ -216,7 +239,7 @@ class BatchDecoder:
             ends = torch.tensor([len(prompts[j]) for j in take], device=self.device)
             logits[rows] = self.lean.head(states[torch.arange(len(take)), ends - 1]).float()
             for i, j in enumerate(take):
-                feats[j].append(_host(states[i, : len(prompts[j])]))
+                feats[j].append(host_f16(states[i, : len(prompts[j])]))
             job[rows] = torch.tensor(take, device=self.device)
             lens[rows] = ends
             temps[rows] = torch.tensor([float(temperature[j]) for j in take], device=self.device)
@@ -252,7 +275,7 @@ class BatchDecoder:
                     self.lean, token[:, None], lens[:, None], _additive(visible, self.model.dtype), caches, lens
                 )[:, 0]
                 logits = self.lean.head(out).float()
-                host = _host(out)
+                host = host_f16(out)
                 for r, i in enumerate(job.tolist()):
                     if i >= 0:  # the feature of the token just read
                         feats[i].append(host[r : r + 1])
@@ -268,5 +291,5 @@ class BatchDecoder:
         return out
 
 
-def _host(states: torch.Tensor) -> np.ndarray:
+def host_f16(states: torch.Tensor) -> np.ndarray:
     return states.float().cpu().numpy().astype(np.float16)

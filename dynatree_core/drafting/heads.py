@@ -1,0 +1,44 @@
+"""Drafts that read the target's own hidden states ("heads"), whatever their kind, behind one door.
+
+`is_head_dir(spec)` tells a directory holding one from a standalone draft LM; `load_head` builds
+it on the target it serves (checked against it: width, layers, vocabulary); `head_drafter` makes
+its per-run drafter, whose `taps` say which of the target's hidden states the verification
+forward hands over (core/taps.py). Kinds: the feature draft (feature.py: the final state) and
+the fused-feature draft (fused.py: EAGLE-3's three layers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dynatree_core.core.kv import KVState
+from dynatree_core.drafting import feature, fused
+
+
+def is_head(model: torch.nn.Module | None) -> bool:
+    return isinstance(model, (feature.FeatureDraft, fused.FusedDraft))
+
+
+def head_kind(model: torch.nn.Module) -> str:
+    return model.kind
+
+
+def is_head_dir(spec: str | None) -> bool:
+    return feature.is_feature_draft_dir(spec) or fused.is_fused_draft_dir(spec)
+
+
+def load_head(spec: str, target: torch.nn.Module) -> torch.nn.Module:
+    """The head saved in directory `spec`, attached to `target` (DynaTreeError when it does not fit)."""
+    path = Path(spec).expanduser()
+    if fused.is_fused_draft_dir(str(path)):
+        return fused.FusedDraft.load(path, target)
+    return feature.FeatureDraft.load(path, target)
+
+
+def head_drafter(draft: torch.nn.Module, vocab: int, **paths) -> feature.FeatureDrafter:
+    """The per-run drafter of a head, over its own KV cache (`paths`: KVState's forward options)."""
+    if isinstance(draft, fused.FusedDraft):
+        return fused.FusedDrafter(draft, vocab, kv=KVState(draft, [], **paths))
+    return feature.FeatureDrafter(draft, vocab, kv=KVState(draft.lm, [], **paths))

@@ -1,0 +1,262 @@
+"""The cheap training step (training/packed.py, step.py) and the fused-feature draft (drafting/fused.py):
+packed rows compute what separate windows compute, the query-side shortcut changes nothing, the
+compact teacher is the target's distribution, the fused draft is exact with every policy and its
+training forward is its drafting forward, and a stopped long run resumes the same schedule."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import ARCHS, hf_greedy, tiny_model
+from test_answers import _pool
+from test_engine import POLICIES, PROMPTS
+
+from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.core.models import load_model
+from dynatree_core.core.taps import FINAL, eagle3_taps
+from dynatree_core.core.vocab import TokenMap
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.methods import make_method
+from dynatree_core.drafting import POLICIES as REGISTRY
+from dynatree_core.drafting.feature import FeatureDraft
+from dynatree_core.drafting.fused import FusedDraft
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.training import answers
+from dynatree_core.training.packed import PackedAnswers, PackedBatch, level_mask, pack_rows
+from dynatree_core.training.step import PackedTrainConfig, soft_ce, train_packed, unrolled_outputs
+from dynatree_core.training.unrolled import depth_mask, unrolled_predictions
+
+TAPS = (0, 1, FINAL)  # the tiny targets have 2 layers: both layer inputs and the final state
+DRAFTED = [(n, p) for n, p in POLICIES if n in REGISTRY and REGISTRY[n].needs_draft_model]
+
+
+def _full_map(vocab: int = 96) -> TokenMap:
+    return TokenMap([-1, *range(vocab)], vocab)
+
+
+def _packed(windows, hidden: int, *, taps: int = 0, row: int = 12) -> PackedBatch:
+    """Windows (ids (n,), states (n, [taps,] H)) packed in order into rows of `row` pair slots."""
+    shape = (1, row, taps, hidden) if taps else (1, row, hidden)
+    tokens, positions = torch.zeros(1, row, dtype=torch.long), torch.zeros(1, row, dtype=torch.long)
+    inputs, seg = torch.zeros(shape, dtype=torch.float64), torch.full((1, row), -1)
+    at = 0
+    for s, (x, f) in enumerate(windows):
+        n = len(x) - 1
+        tokens[0, at : at + n], inputs[0, at : at + n] = x[1:], f[:-1]
+        positions[0, at : at + n], seg[0, at : at + n] = torch.arange(1, n + 1), s
+        at += n
+    real = seg >= 0
+    return PackedBatch(tokens, inputs, None, positions, seg, real, real, None, None, int(real.sum()))
+
+
+def test_first_fit_decreasing_never_overflows_a_row_and_keeps_every_window():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        lengths = rng.integers(1, 513, size=int(rng.integers(1, 40))).tolist()
+        rows = pack_rows(lengths, 512)
+        assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in r) <= 512 for r in rows)
+        assert len(rows) <= max(1, -(-2 * sum(lengths) // 512)), "FFD uses at most about twice the optimum"
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_each_window_of_a_packed_row_gets_the_depth_mask_it_would_get_alone(level):
+    seg = torch.tensor([[0] * 6 + [1] * 4 + [-1] * 2])
+    mask = level_mask(seg, level)
+    alone = depth_mask(level, 6, torch.ones(1, 6, dtype=torch.bool))[:, :, (level - 1) * 6 :]
+    first = torch.cat([mask[:, :, :6, m * 12 : m * 12 + 6] for m in range(level)], -1)
+    assert torch.equal(first, alone)
+    blocked = torch.finfo(torch.float32).min
+    assert (mask[0, 0, 6:10][:, [m * 12 + j for m in range(level) for j in range(6)]] == blocked).all(), (
+        "no window sees another"
+    )
+
+
+def _two_windows(hidden: int, taps: int = 0):
+    gen = torch.Generator().manual_seed(3)
+    shape = lambda n: (n, taps, hidden) if taps else (n, hidden)  # noqa: E731
+    return [
+        (torch.randint(0, 96, (n,), generator=gen), torch.randn(shape(n), dtype=torch.float64, generator=gen))
+        for n in (7, 5)
+    ]
+
+
+def test_packed_levels_equal_the_unrolled_predictions_of_each_window_alone():
+    draft = FeatureDraft.from_target(tiny_model("llama"), _full_map()).double()
+    windows = _two_windows(32)
+    with torch.no_grad():
+        outs = unrolled_outputs(draft, _packed(windows, 32), 3)
+        at = 0
+        for x, f in windows:
+            n = len(x) - 1
+            alone = unrolled_predictions(draft, x[None], f[None], torch.ones(1, n + 1, dtype=torch.bool), steps=3)
+            for level in range(3):  # rows whose chain starts inside the window
+                torch.testing.assert_close(outs[level][0, at + level : at + n], alone[level][0, level:n])
+            at += n
+
+
+@pytest.mark.parametrize("kind", ["feature", "fused"])
+def test_computing_only_what_the_last_level_needs_changes_no_output(kind):
+    target = tiny_model("llama")
+    if kind == "fused":
+        draft, batch = FusedDraft.from_target(target, _full_map(), taps=TAPS).double(), _packed(_two_windows(32, 3), 32, taps=3)
+    else:
+        draft, batch = FeatureDraft.from_target(target, _full_map()).double(), _packed(_two_windows(32), 32)
+    last = torch.zeros(1, 12, dtype=torch.bool)
+    last[0, [2, 4, 5, 8, 9]] = True
+    with torch.no_grad():
+        full = unrolled_outputs(draft, batch, 3)
+        part, valid = unrolled_outputs(draft, batch, 3, last=last)[-1]
+    torch.testing.assert_close(part[valid], full[2][last])
+
+
+def test_the_fused_training_forward_is_its_drafting_forward():
+    """Level 1 over a window's pairs equals the drafter's forward (own_forward over the static
+    cache) reading the same pairs causally: training teaches the function that drafts."""
+    target = tiny_model("llama")
+    draft = FusedDraft.from_target(target, _full_map(), taps=TAPS).double()
+    x, f = _two_windows(32, 3)[0]
+    with torch.no_grad():
+        trained = unrolled_outputs(draft, _packed([(x, f)], 32, taps=3, row=6), 1)[0][0]
+        kv = KVState(draft, [])
+        rows = draft.pair_inputs(x[1:], draft.fuse(f[:-1]))
+        visible = chain_then_tree_visibility(0, 6, torch.zeros(0, 0, dtype=torch.bool))
+        logits, states = kv.forward(x[1:].tolist(), list(range(1, 7)), visible, 6, embeds=rows, hidden=True)
+    torch.testing.assert_close(states, trained)
+    torch.testing.assert_close(logits, draft.lm_head(draft.norm(trained)).float())
+
+
+@pytest.mark.parametrize("policy_name,params", DRAFTED)
+def test_greedy_output_equals_target_greedy_with_a_fused_draft(arch, policy_name, params):
+    target = tiny_model(arch)
+    draft = FusedDraft.from_target(target, _full_map(), taps=TAPS, seed=1)
+    for prompt in PROMPTS:
+        result = generate(
+            target, prompt, make_method(policy_name, params), draft=draft, config=DecodeConfig(max_new_tokens=24)
+        )
+        assert result.token_ids == hf_greedy(target, prompt, 24), f"{policy_name} {params} diverged"
+        assert result.draft_kind == "fused"
+
+
+def test_the_taps_handed_over_equal_the_targets_hidden_states(monkeypatch):
+    from dynatree_core.drafting.fused import FusedDrafter
+
+    pairs = []
+    original = FusedDrafter.add_features
+    monkeypatch.setattr(FusedDrafter, "add_features", lambda self, f, t: (pairs.append(f.clone()), original(self, f, t)))
+    target = tiny_model("llama")
+    prompt = PROMPTS[1]
+    result = generate(target, prompt, make_method("fixed_tree"), draft=FusedDraft.from_target(target, _full_map(), taps=TAPS))
+    sequence = prompt + result.token_ids
+    got = torch.cat(pairs)
+    with torch.no_grad():
+        out = target.base_model(input_ids=torch.tensor([sequence[:-1]]), output_hidden_states=True)
+    want = torch.stack([out.hidden_states[0][0], out.hidden_states[1][0], out.last_hidden_state[0]], dim=1)
+    torch.testing.assert_close(got, want[: len(got)], rtol=1e-9, atol=1e-9)
+
+
+def test_a_saved_fused_draft_loads_drafts_the_same_and_refuses_another_target(tmp_path):
+    target = tiny_model("llama")
+    token_map = TokenMap([-1, *range(0, 96, 2)], 96)
+    draft = FusedDraft.from_target(target, token_map, taps=TAPS, seed=2)
+    draft.save(tmp_path / "d")
+    loaded = FusedDraft.load(tmp_path / "d", target)
+    config = DecodeConfig(max_new_tokens=16)
+    runs = [generate(target, PROMPTS[0], make_method("dynatree"), draft=d, config=config) for d in (draft, loaded)]
+    assert [r.tree.tokens for r in runs[0].records] == [r.tree.tokens for r in runs[1].records]
+    with pytest.raises(DynaTreeError, match="hidden size"):
+        FusedDraft.load(tmp_path / "d", _wide_target())
+
+
+def _wide_target():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_eagle3_taps_are_the_published_layers():
+    assert eagle3_taps(30) == (2, 15, 27) and eagle3_taps(32) == (2, 16, 29)
+    with pytest.raises(ValueError):
+        eagle3_taps(2)
+
+
+def test_soft_cross_entropy_leaves_other_out_and_equals_the_explicit_sum():
+    draft = FeatureDraft.from_target(tiny_model("llama"), _full_map()).double()
+    h = torch.randn(5, 32, dtype=torch.float64)
+    slots = torch.randint(1, 97, (5, 3))
+    p = torch.softmax(torch.randn(5, 3, dtype=torch.float64), -1)
+    ce, _ = soft_ce(draft, h, slots, p)
+    logq = torch.log_softmax(draft.reduced_logits(h), -1)
+    torch.testing.assert_close(ce.double(), -(p * logq.gather(1, slots)).sum(-1).mean(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def tiny_store(tmp_path, monkeypatch, tiny_pair_dirs):
+    monkeypatch.setattr(answers.sources, "build_pool", _pool)
+    monkeypatch.setattr(answers, "SHARD_JOBS", 2)
+    target = load_model(tiny_pair_dirs[0], device="cpu", dtype="float32")
+    store = answers.AnswerStore(tmp_path / "ids", tmp_path / "features")
+    answers.generate(store, target, stages=("questions",), batch=2, log=lambda m: None)
+    answers.relabel(store, target, taps=(0, 1), teacher=True, log=lambda m: None)
+    return store, target
+
+
+def test_relabel_stores_the_taps_and_the_compact_teacher_of_a_plain_forward(tiny_store):
+    store, target = tiny_store
+    ids, plen, _ = store.sequences("questions", 0)[0]
+    with torch.no_grad():
+        out = target.model(input_ids=torch.tensor([ids[:-1].tolist()]), output_hidden_states=True)
+    n = len(ids) - 1
+    taps = np.load(store.taps_path("questions", 0, (0, 1)))[:n].astype(np.float32)
+    np.testing.assert_allclose(taps[:, 0], out.hidden_states[0][0].numpy(), atol=2e-3)
+    np.testing.assert_allclose(taps[:, 1], out.hidden_states[1][0].numpy(), atol=2e-3, rtol=1e-2)
+    teacher = np.load(store.teacher_path("questions", 0))
+    loss_rows = np.arange(plen - 1, n)
+    logits = out.logits[0].float()
+    assert (teacher["ids"][loss_rows, 0] == logits[loss_rows].argmax(-1).numpy()).all()
+    np.testing.assert_allclose(teacher["lse"][loss_rows], torch.logsumexp(logits[loss_rows], -1).numpy(), rtol=1e-3)
+    assert np.isnan(teacher["lse"][: plen - 1]).all(), "no teacher at the prompt's context positions"
+    assert answers.relabel(store, target, taps=(0, 1), teacher=True, log=lambda m: None) == 0, "nothing left to do"
+
+
+@pytest.mark.parametrize("taps", [None, (0, 1)])
+def test_packed_batches_count_the_answer_pairs_and_the_teacher_sums_to_one(tiny_store, taps):
+    store, target = tiny_store
+    vocab = target.model.config.vocab_size
+    data = PackedAnswers(store, TokenMap([-1, *range(vocab)], vocab), taps=taps, stages=("questions",), heldout=False)
+    rows = data.train_rows
+    batch = data.batch(rows)
+    assert int(batch.answer.sum()) == data.answer_pairs(rows), "every answer pair, nothing of the prompts"
+    assert batch.pairs == int((batch.seg >= 0).sum()) and batch.seg.shape[1] == 512
+    p = batch.teacher_p[batch.counted].sum(-1)
+    torch.testing.assert_close(p, torch.ones_like(p))
+    assert (batch.teacher_p[~batch.counted] == 0).all()
+
+
+def test_a_stopped_run_resumes_the_same_schedule_and_its_curve_is_saved(tiny_store, tmp_path):
+    store, target = tiny_store
+    vocab = target.model.config.vocab_size
+    token_map = TokenMap([-1, *range(vocab)], vocab)
+    data = PackedAnswers(store, token_map, stages=("questions",), heldout=False)
+    evals = {"heldout": (data, data.train_rows[:2])}
+    ticks = iter(range(10**6))
+    clock = lambda: float(next(ticks))  # noqa: E731: every reading advances one second
+    cfg = PackedTrainConfig(passes=6.0, pairs_per_step=8, log_every=1, eval_every_s=4, stop_after_s=5, warmup=1)
+    out = tmp_path / "run"
+    draft = FeatureDraft.from_target(target.model, token_map)
+    train_packed(draft, data, out, cfg, target_head=target.model.get_output_embeddings(), evals=evals, clock=clock, log=lambda m: None)
+    first = torch.load(out / "checkpoint.pt", weights_only=False)["state"]
+    assert not (out / "draft").exists() and 0 < first["seen"] < 6 * data.answer_pairs()
+    cfg.stop_after_s = 0
+    draft = FeatureDraft.from_target(target.model, token_map)
+    train_packed(draft, data, out, cfg, target_head=target.model.get_output_embeddings(), evals=evals, clock=clock, log=lambda m: None)
+    done = torch.load(out / "checkpoint.pt", weights_only=False)["state"]
+    assert done["step"] > first["step"] and done["seen"] >= 6 * data.answer_pairs(), "the schedule ran to its end"
+    assert (out / "draft").exists()
+    curve = json.loads((out / "curve.json").read_text())["curve"]
+    assert [p["step"] for p in curve] == sorted(p["step"] for p in curve) and len(curve) >= 3
+    assert all(len(p["heldout"]) == 4 for p in curve)
