@@ -49,7 +49,9 @@ def test_stages_write_resumable_shards_whose_features_equal_a_separate_forward(t
     decoder = BatchDecoder(tiny_target.model)
     stored = np.load(store.features_path("main", 1))
     seqs = store.sequences("main", 1)
-    want = np.concatenate([host_f16(r["features"]) for r in decoder.teacher_forced([ids.tolist() for ids, _, _ in seqs])])
+    want = np.concatenate(
+        [host_f16(r["features"]) for r in decoder.teacher_forced([ids.tolist() for ids, _, _ in seqs])]
+    )
     assert stored.shape == (sum(len(ids) - 1 for ids, _, _ in seqs), tiny_target.model.config.hidden_size)
     np.testing.assert_allclose(stored.astype(np.float32), want.astype(np.float32), atol=2e-2, rtol=1e-2)
     assert all(store.has_features(s, k) for s in answers.STAGES for k in store.shards(s))

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import ARCHS, hf_greedy, tiny_model
+from conftest import hf_greedy, tiny_model
 from test_answers import _pool
 from test_engine import POLICIES, PROMPTS
 
@@ -102,7 +102,10 @@ def test_packed_levels_equal_the_unrolled_predictions_of_each_window_alone():
 def test_computing_only_what_the_last_level_needs_changes_no_output(kind):
     target = tiny_model("llama")
     if kind == "fused":
-        draft, batch = FusedDraft.from_target(target, _full_map(), taps=TAPS).double(), _packed(_two_windows(32, 3), 32, taps=3)
+        draft, batch = (
+            FusedDraft.from_target(target, _full_map(), taps=TAPS).double(),
+            _packed(_two_windows(32, 3), 32, taps=3),
+        )
     else:
         draft, batch = FeatureDraft.from_target(target, _full_map()).double(), _packed(_two_windows(32), 32)
     last = torch.zeros(1, 12, dtype=torch.bool)
@@ -146,10 +149,14 @@ def test_the_taps_handed_over_equal_the_targets_hidden_states(monkeypatch):
 
     pairs = []
     original = FusedDrafter.add_features
-    monkeypatch.setattr(FusedDrafter, "add_features", lambda self, f, t: (pairs.append(f.clone()), original(self, f, t)))
+    monkeypatch.setattr(
+        FusedDrafter, "add_features", lambda self, f, t: (pairs.append(f.clone()), original(self, f, t))
+    )
     target = tiny_model("llama")
     prompt = PROMPTS[1]
-    result = generate(target, prompt, make_method("fixed_tree"), draft=FusedDraft.from_target(target, _full_map(), taps=TAPS))
+    result = generate(
+        target, prompt, make_method("fixed_tree"), draft=FusedDraft.from_target(target, _full_map(), taps=TAPS)
+    )
     sequence = prompt + result.token_ids
     got = torch.cat(pairs)
     with torch.no_grad():
@@ -174,7 +181,9 @@ def test_a_saved_fused_draft_loads_drafts_the_same_and_refuses_another_target(tm
 def _wide_target():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -244,16 +253,37 @@ def test_a_stopped_run_resumes_the_same_schedule_and_its_curve_is_saved(tiny_sto
     data = PackedAnswers(store, token_map, stages=("questions",), heldout=False)
     evals = {"heldout": (data, data.train_rows[:2])}
     ticks = iter(range(10**6))
-    clock = lambda: float(next(ticks))  # noqa: E731: every reading advances one second
+
+    def clock() -> float:  # every reading advances one second
+        return float(next(ticks))
+
     cfg = PackedTrainConfig(passes=6.0, pairs_per_step=8, log_every=1, eval_every_s=4, stop_after_s=5, warmup=1)
     out = tmp_path / "run"
     draft = FeatureDraft.from_target(target.model, token_map)
-    train_packed(draft, data, out, cfg, target_head=target.model.get_output_embeddings(), evals=evals, clock=clock, log=lambda m: None)
+    train_packed(
+        draft,
+        data,
+        out,
+        cfg,
+        target_head=target.model.get_output_embeddings(),
+        evals=evals,
+        clock=clock,
+        log=lambda m: None,
+    )
     first = torch.load(out / "checkpoint.pt", weights_only=False)["state"]
     assert not (out / "draft").exists() and 0 < first["seen"] < 6 * data.answer_pairs()
     cfg.stop_after_s = 0
     draft = FeatureDraft.from_target(target.model, token_map)
-    train_packed(draft, data, out, cfg, target_head=target.model.get_output_embeddings(), evals=evals, clock=clock, log=lambda m: None)
+    train_packed(
+        draft,
+        data,
+        out,
+        cfg,
+        target_head=target.model.get_output_embeddings(),
+        evals=evals,
+        clock=clock,
+        log=lambda m: None,
+    )
     done = torch.load(out / "checkpoint.pt", weights_only=False)["state"]
     assert done["step"] > first["step"] and done["seen"] >= 6 * data.answer_pairs(), "the schedule ran to its end"
     assert (out / "draft").exists()

@@ -19,12 +19,12 @@ import torch
 from dynatree_core.core.kv import KVState, chain_then_tree_visibility, forward_path
 from dynatree_core.core.models import context_length_of
 from dynatree_core.core.sampling_config import SamplingConfig
+from dynatree_core.core.taps import FINAL
 from dynatree_core.core.transfer import sync, to_device
 from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.baselines import Baseline
 from dynatree_core.drafting.base import Drafter, DraftRequest, Policy
-from dynatree_core.core.taps import FINAL
 from dynatree_core.drafting.heads import head_drafter, head_kind, is_head
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.runs.metrics import memory_mb, summarize, weight_bytes

@@ -229,7 +229,9 @@ def check_fits(hidden: int, taps, target: torch.nn.Module, *, where: str) -> Non
     """DynaTreeError (one line) unless a head of width `hidden` reading `taps` fits `target`."""
     config = target.config.get_text_config(decoder=True)
     if hidden != config.hidden_size:
-        raise DynaTreeError(f"the draft in {where} has width {hidden}; the target's hidden size is {config.hidden_size}")
+        raise DynaTreeError(
+            f"the draft in {where} has width {hidden}; the target's hidden size is {config.hidden_size}"
+        )
     try:
         check_taps(tuple(taps), config.num_hidden_layers)
     except ValueError as exc:

@@ -328,6 +328,7 @@ def relabel(
             tokens, dt = sum(len(s) for s, _, _ in seqs), time.perf_counter() - t0
             record("answers-relabel", dt, tokens=tokens, item=f"{stage} {k}")
             what = ", ".join(n for n, w in (("features", want_f), ("taps", want_t), ("teacher", want_h)) if w)
-            log(f"answers: relabelled {stage} shard {k} ({what}): {tokens} tokens in {dt:.0f} s ({tokens / dt:.0f} tokens/s)")
+            rate = f"{tokens} tokens in {dt:.0f} s ({tokens / dt:.0f} tokens/s)"
+            log(f"answers: relabelled {stage} shard {k} ({what}): {rate}")
             done += 1
     return done

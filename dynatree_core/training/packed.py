@@ -127,7 +127,7 @@ class PackedAnswers:
         self.teacher: list[dict[str, np.ndarray]] = []
         keep = []
         parts = [(s, k) for s in stages for k in store.shards(s) if store.has_features(s, k)]
-        for part, (stage, k) in enumerate(parts):
+        for stage, k in parts:
             ok = store.has_teacher(stage, k) and (taps is None or store.has_taps(stage, k, taps))
             keep.append(ok)
             self.inputs.append(np.load(store.taps_path(stage, k, taps), mmap_mode="r") if ok and taps else None)

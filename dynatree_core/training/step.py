@@ -51,7 +51,9 @@ class PackedTrainConfig:
     level_decay: float = 0.8
     regression_weight: float = 1.0  # feature kind: smooth L1 to the next feature (0 for the fused kind)
     ce_weight: float = 0.1  # feature kind's weight of the CE beside the regression (fused kind: CE alone)
-    ce_share: float = 1.0  # CE over this random share of the counted pairs (fused kind: its whole loss), fewer head products
+    ce_share: float = (
+        1.0  # CE over this random share of the counted pairs (fused kind: its whole loss), fewer head products
+    )
     noise: float = 0.0  # uniform noise on the level-1 input states (EAGLE sec. 4.2)
     autocast: str = "bfloat16"  # "" for float32
     train_head: bool = False  # fused kind: train its head too (EAGLE-3 does; frozen = the target's rows)
@@ -267,10 +269,8 @@ def train_packed(
     device = torch.device(cfg.device)
     out.mkdir(parents=True, exist_ok=True)
     draft = draft.float().to(device).train()
-    if isinstance(draft, FusedDraft):
-        frozen = [] if cfg.train_head else ["lm_head"]
-    else:
-        frozen = ["lm.lm_head"]  # the feature kind's head is the target's rows, always frozen
+    # the feature kind's head is the target's rows, always frozen; the fused kind's may train
+    frozen = ([] if cfg.train_head else ["lm_head"]) if isinstance(draft, FusedDraft) else ["lm.lm_head"]
     for name, param in draft.named_parameters():
         param.requires_grad_(not any(name.startswith(f) for f in frozen))
     params = [p for p in draft.parameters() if p.requires_grad]
