@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 STREAMLIT_FLAGS ?= --server.address localhost
 
-.PHONY: setup run test test-fast lint format clean draft draft-feature draft-feature-talf
+.PHONY: setup run test test-fast fuzz lint format clean draft draft-feature draft-feature-talf
 
 setup: $(STAMP)
 
@@ -26,6 +26,13 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
+
+# The property tests with FUZZ_EXAMPLES random examples each (and hypothesis's example database,
+# so a failure found once is replayed first); `make test` runs them derandomized (tests/conftest.py).
+# Run it before stopping whenever import validation or drawing code changed.
+FUZZ_EXAMPLES ?= 5000
+fuzz: setup
+	DYNATREE_FUZZ=$(FUZZ_EXAMPLES) $(PY) -m pytest -m property -q
 
 lint: setup
 	$(PY) -m ruff check .

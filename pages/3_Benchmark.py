@@ -14,6 +14,7 @@ from dynatree_core.measure.bench import parse_sweep, run_bench, sweep_entries
 from dynatree_core.measure.entries import Entry
 from dynatree_core.measure.prompt_sets import CORPORA, bundled_sets, choose_prompts
 from dynatree_core.measure.run_settings import RunSpec
+from dynatree_core.runs.validate import check_bench_rows, check_size_and_depth
 from dynatree_core.ui.resources import cached_pair, forward_lock
 from dynatree_core.ui.widgets import model_picker, setting_widget
 from dynatree_core.viz.bench import saved_results_figure, sweep_figures
@@ -121,10 +122,10 @@ files = st.file_uploader(
 rows = []
 for f in files or []:
     try:
-        data = json.loads(f.getvalue())
-        rows += [{"file": f.name, **r} for r in data["results"]]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        st.error(f"{f.name}: not a benchmark report (no 'results' list)")
+        check_size_and_depth(f.getvalue())
+        rows += [{"file": f.name, **r} for r in check_bench_rows(json.loads(f.getvalue()))]
+    except (json.JSONDecodeError, ValueError, RecursionError) as exc:
+        st.error(f"{f.name}: {exc}")
 if rows:
     table = pd.DataFrame(rows)
     keep = ["file", "label", "verifier", "throughput_tps", "throughput_std", "speedup", "tokens_per_iteration"]

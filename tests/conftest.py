@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -22,6 +23,25 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+# Property tests (hypothesis) are derandomized unless DYNATREE_FUZZ is set: a CI result depends on
+# the code alone (a fixed search per test, no example database). `make fuzz` sets DYNATREE_FUZZ to
+# the examples each property test draws (5,000 there), at random, with hypothesis's database, so a
+# failure it finds is replayed first next time. docs/testing.md says which tests these are.
+FUZZ_EXAMPLES = int(os.environ.get("DYNATREE_FUZZ", "0") or 0)
+settings.register_profile(
+    "deterministic", derandomize=True, database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "fuzz", max_examples=max(FUZZ_EXAMPLES, 1), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile("fuzz" if FUZZ_EXAMPLES else "deterministic")
+
+
+def examples(n: int) -> settings:
+    """A property test's settings: `n` examples in the deterministic profile, the fuzz profile's under `make fuzz`."""
+    return settings(max_examples=FUZZ_EXAMPLES or n)
+
 
 # The live page opens on a replay of a recorded run (assets/replay/) that plays for ~20 s; the
 # app tests start from the form instead, and test_app.py turns the replay on where it is tested.

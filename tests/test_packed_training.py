@@ -257,7 +257,9 @@ def test_a_stopped_run_resumes_the_same_schedule_and_its_curve_is_saved(tiny_sto
     def clock() -> float:  # every reading advances one second
         return float(next(ticks))
 
-    cfg = PackedTrainConfig(passes=6.0, pairs_per_step=8, log_every=1, eval_every_s=4, stop_after_s=5, warmup=1)
+    cfg = PackedTrainConfig(
+        passes=6.0, pairs_per_step=8, log_every=1, eval_every_s=4, stop_after_s=5, warmup=1, eval_first=True
+    )
     out = tmp_path / "run"
     draft = FeatureDraft.from_target(target.model, token_map)
     train_packed(

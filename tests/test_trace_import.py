@@ -9,8 +9,8 @@ import json
 
 import pytest
 import torch
-from conftest import noisy_copy, tiny_model
-from hypothesis import HealthCheck, given, settings
+from conftest import examples, noisy_copy, tiny_model
+from hypothesis import given
 from hypothesis import strategies as st
 
 from dynatree_core.core.sampling_config import SamplingConfig
@@ -29,7 +29,7 @@ from dynatree_core.viz import (
     why_text,
 )
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = examples(150)  # conftest: derandomized here, 5,000 random examples under `make fuzz`
 
 
 @functools.cache
@@ -118,6 +118,57 @@ def test_a_file_from_another_format_version_is_refused_with_the_versions_this_on
             LiveRun.from_json(json.dumps(raw))
 
 
+def test_the_found_log_probability_of_710_is_refused_naming_the_iteration_and_the_node():
+    """A random draw of the fuzz test found this file: logp 710 was accepted, then overflowed
+    math.exp while the tree was drawn (OverflowError). Refused now, with where it is."""
+    raw = json.loads(exported(False))
+    raw["records"][0]["tree"]["logp"][1] = 710.0
+    with pytest.raises(ValueError, match=r"record 0 \(iteration 1\): node 1: tree.logp is 710.0"):
+        LiveRun.from_json(json.dumps(raw))
+    raw = json.loads(exported(False))
+    raw["records"][0]["tree"]["cum_logp"][1] = 800.0
+    with pytest.raises(ValueError, match="node 1: tree.cum_logp is 800.0"):
+        LiveRun.from_json(json.dumps(raw))
+
+
+def test_every_value_outside_its_domain_is_refused_with_its_field():
+    plain, sampled = json.loads(exported(False)), json.loads(exported(True))
+
+    def tree_of(r):
+        return r["tree"]
+
+    def first_step(r, kind):
+        return next(s for s in r["verification"] if s["kind"] == kind)
+
+    cases = [
+        (plain, "a log-probability is at most 0", lambda r: tree_of(r)["logp"].__setitem__(1, 0.5)),
+        (
+            plain,
+            "tree.cum_logp is",
+            lambda r: tree_of(r)["cum_logp"].__setitem__(1, -0.001 + (tree_of(r)["cum_logp"][1] or 0)),
+        ),
+        (plain, "tree.depths is", lambda r: tree_of(r)["depths"].__setitem__(1, 3)),
+        (plain, "the root has depth 0", lambda r: tree_of(r)["logp"].__setitem__(0, -1.0)),
+        (plain, "mask row is not its ancestors", lambda r: r["mask"].__setitem__(1, "0" * len(r["mask"][1]))),
+        (plain, "is not the root's", lambda r: r["position_ids"].__setitem__(1, r["position_ids"][1] + 1)),
+        (plain, "tree.tokens", lambda r: tree_of(r)["tokens"].__setitem__(1, 96)),
+        (plain, "target_tokens", lambda r: r["target_tokens"].__setitem__(0, 10**6)),
+        (plain, "draft_forward_ms must not be negative", lambda r: r.__setitem__("draft_forward_ms", -0.1)),
+        (sampled, "a probability lies in", lambda r: first_step(r, "test").__setitem__("prob", 1.5)),
+        (sampled, "a probability lies in", lambda r: first_step(r, "test").__setitem__("u", -0.2)),
+        (sampled, "a probability lies in", lambda r: r["analysis"]["0"].__setitem__("reach", 2.0)),
+    ]
+    for raw, needle, mutate in cases:
+        bad = copy.deepcopy(raw)
+        assert bad["vocab_size"] == 96, "a run file names its target's vocabulary"
+        record = next(
+            r for r in bad["records"] if len(r["tree"]["tokens"]) > 2 and len(r["order"]) > 2 and r["verification"]
+        )
+        mutate(record)
+        with pytest.raises(ValueError, match=needle):
+            LiveRun.from_json(json.dumps(bad))
+
+
 def test_record_inconsistencies_are_refused():
     raw = json.loads(exported(False))
     cases = {
@@ -143,12 +194,14 @@ JSON = st.recursive(
 )
 
 
+@pytest.mark.property
 @FUZZ
 @given(JSON)
 def test_arbitrary_json_is_refused_or_drawn(value):
     replay_or_refuse(json.dumps(value))
 
 
+@pytest.mark.property
 @FUZZ
 @given(st.booleans(), st.data())
 def test_mutated_exports_are_refused_or_drawn(sampled, data):

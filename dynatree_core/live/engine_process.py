@@ -65,8 +65,9 @@ class EngineInfo:
     context_length: int
     has_draft: bool
     draft_is_stand_in: bool
-    draft_kind: str  # "token" / "feature" / "" (engine.draft_kind)
+    draft_kind: str  # "token" / "feature" / "fused" / "" (engine.draft_kind)
     pid: int
+    vocab_size: int | None = None  # the target's vocabulary (run files record it)
     warmup_s: float = 0.0  # the warm-up decode before "ready" (first-call costs kept out of live runs)
 
 
@@ -116,7 +117,7 @@ def serve(commands, out, spec: PairSpec) -> None:
     import torch
 
     from dynatree_core.core.threads import configure_threads
-    from dynatree_core.decoding.engine import decode, draft_kind, generate
+    from dynatree_core.decoding.engine import decode, draft_kind, generate, vocab_size
     from dynatree_core.decoding.methods import make_method
     from dynatree_core.decoding.pairs import load_pair
 
@@ -143,6 +144,7 @@ def serve(commands, out, spec: PairSpec) -> None:
                 draft_is_stand_in=pair.draft_is_stand_in,
                 draft_kind=draft_kind(pair.draft.model if pair.draft is not None else None),
                 pid=os.getpid(),
+                vocab_size=vocab_size(target.model),
                 warmup_s=warmup_s,
             ),
         )

@@ -60,6 +60,7 @@ class ProcessRun(LiveRun):
             dtype=info.dtype,
             threads=info.threads,
             draft_kind=info.draft_kind if policy.needs_draft_model else "",
+            vocab_size=info.vocab_size,
             _decode=lambda tok: tokenizer.decode([tok]),
         )
         run._engine = engine

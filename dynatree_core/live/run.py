@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from dynatree_core.core.vocab import TokenMap
-from dynatree_core.decoding.engine import DecodeConfig, decode, draft_kind
+from dynatree_core.decoding.engine import DecodeConfig, decode, draft_kind, vocab_size
 from dynatree_core.decoding.methods import make_method, verifier_for
 from dynatree_core.drafting.base import Policy
 from dynatree_core.errors import DynaTreeError
@@ -60,6 +60,7 @@ class LiveRun:
     threads: int = 0  # torch threads of the thread that ran the last iteration (0: not recorded)
     draft_kind: str = ""  # "token" / "feature" (engine.draft_kind); "" without a draft
     imported: bool = False  # replayed from an exported file (measured elsewhere)
+    vocab_size: int | None = None  # the target's vocabulary: every token id a file holds lies below it
     error: Exception | None = None  # what ended the run, in step() or its worker (it is then done)
     idle_paused: bool = False  # the worker paused itself: its page stopped calling beat()
     _decode: Callable[[int], str] | None = dataclasses.field(default=None, repr=False)
@@ -94,6 +95,7 @@ class LiveRun:
             device=str(target.get_input_embeddings().weight.device),
             dtype=str(target.dtype).removeprefix("torch."),
             draft_kind=draft_kind(draft) if policy.needs_draft_model else "",
+            vocab_size=vocab_size(target),
             _decode=detokenize,
             _steps=steps,
         )
@@ -243,7 +245,7 @@ class LiveRun:
 
     def to_json(self, text: str = "") -> str:
         """The run as RunResult JSON (records included) plus its settings, for export."""
-        return run_file(self.result(text), self.settings, self.text)
+        return run_file(self.result(text), self.settings, self.text, vocab=self.vocab_size)
 
     @classmethod
     def from_json(cls, data: str | bytes) -> LiveRun:
@@ -276,6 +278,7 @@ class LiveRun:
             imported=True,
             done=True,
             token_texts=texts,
+            vocab_size=raw.get("vocab_size"),
         )
 
 
@@ -289,20 +292,27 @@ def drawn_tokens(records: list[IterationRecord]) -> set[int]:
     return out
 
 
-def run_file(result: RunResult, settings: dict[str, Any], decode: Callable[[int], str]) -> str:
+def run_file(
+    result: RunResult, settings: dict[str, Any], decode: Callable[[int], str], *, vocab: int | None = None
+) -> str:
     """A run as the app exports and imports it: the RunResult with its records, the settings the
-    page asked for and the text of every token it draws (so a replay needs no tokenizer)."""
+    page asked for, the text of every token it draws (so a replay needs no tokenizer) and the
+    target's vocabulary size (import checks every token id against it)."""
     out = result.to_dict(with_records=True)
     out["settings"] = settings
+    if vocab is not None:
+        out["vocab_size"] = vocab
     out["token_texts"] = {str(t): decode(t) for t in sorted(drawn_tokens(result.records) | set(result.prompt_ids))}
     return json.dumps(out)
 
 
-def export_run(path, result: RunResult, spec: RunSpec, policy: Policy, prompt: str, chat: bool, tokenizer) -> None:
+def export_run(
+    path, result: RunResult, spec: RunSpec, policy: Policy, prompt: str, chat: bool, tokenizer, *, vocab=None
+) -> None:
     """Write a CLI run as the app's run file (its settings as the live page records them)."""
     settings = {**dataclasses.asdict(spec), "policy": policy.name, "params": policy.config, "prompt": prompt}
     settings["chat"] = chat
-    path.write_text(run_file(result, settings, lambda t: tokenizer.decode([t])))
+    path.write_text(run_file(result, settings, lambda t: tokenizer.decode([t]), vocab=vocab))
 
 
 def _spec_of(settings: dict[str, Any]) -> RunSpec | None:

@@ -29,6 +29,7 @@ from dynatree_core.errors import DynaTreeError
 from dynatree_core.measure.entries import Entry, labelled, schedule
 from dynatree_core.runs.metrics import depth_reach
 from dynatree_core.runs.records import IterationRecord, RunResult
+from dynatree_core.runs.validate import check_comparison, check_size_and_depth
 
 COMPARE_VERSION = 1
 
@@ -88,6 +89,10 @@ class Comparison:
         if not isinstance(data, dict) or "entries" not in data or "correctness" not in data:
             raise DynaTreeError("not a DynaTree comparison file (no entries / correctness)")
         try:
+            check_comparison(data)
+        except ValueError as exc:
+            raise DynaTreeError(f"comparison file refused: {exc}") from None
+        try:
             entries = [EntryStats(**e) for e in data["entries"]]
             return cls(
                 prompt=data["prompt"],
@@ -103,8 +108,9 @@ class Comparison:
     @classmethod
     def from_json(cls, text: str | bytes) -> Comparison:
         try:
+            check_size_and_depth(text)
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, ValueError, RecursionError) as exc:
             raise DynaTreeError(f"not a JSON file: {exc}") from exc
         return cls.from_dict(data)
 

@@ -63,6 +63,10 @@ def _show(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+LOGP_SLACK = 1e-6  # a log-probability may exceed 0 by float rounding, never more
+CUM_SLACK = 1e-6  # |cum_logp - (parent's cum_logp + logp)|, relative to 1 or the value's size
+
+
 def check_run(raw: dict) -> None:
     """Types, ranges and consistency of a run file's top level and of every record."""
     for name in ("policy", "text", "stop_reason", "device", "dtype", "forward_path", "draft_kind"):
@@ -85,6 +89,11 @@ def check_run(raw: dict) -> None:
     for key, value in texts.items():
         if not (isinstance(key, str) and key.lstrip("-").isdigit() and isinstance(value, str)):
             raise ValueError("token_texts must map token ids to strings")
+    vocab = MAX_TOKEN_ID
+    if raw.get("vocab_size") is not None:  # the target's vocabulary, when the file names it
+        vocab = _int(raw["vocab_size"], "vocab_size", lo=1, hi=MAX_VOCAB) - 1
+        for name in ("prompt_ids", "token_ids"):
+            _ints(raw.get(name, []), name, hi=vocab)
     records = raw.get("records", [])
     if not isinstance(records, list) or len(records) > MAX_RECORDS:
         raise ValueError(f"records must be a list of at most {MAX_RECORDS}")
@@ -92,12 +101,14 @@ def check_run(raw: dict) -> None:
         if not isinstance(rec, dict):
             raise ValueError(f"record {i} is not an object")
         try:
-            check_record(rec)
+            check_record(rec, vocab=vocab)
         except ValueError as exc:
-            raise ValueError(f"record {i}: {exc}") from None
+            index = rec.get("index")
+            where = f"record {i} (iteration {index})" if type(index) is int else f"record {i}"
+            raise ValueError(f"{where}: {exc}") from None
 
 
-def _check_sampled(sampled, n: int) -> None:
+def _check_sampled(sampled, n: int, vocab: int = MAX_TOKEN_ID) -> None:
     """tree.sampled: per node with drawn children, the draws and q: float16 weights, zlib'd, in
     base64 (`w16`; inflated within 2 * size bytes by tree.SampledDraw), or an older file's nonzero
     entries (`ids`, `q`)."""
@@ -106,23 +117,67 @@ def _check_sampled(sampled, n: int) -> None:
     for key, draw in sampled.items():
         if not (isinstance(key, str) and key.isdigit() and int(key) < n and isinstance(draw, dict)):
             raise ValueError("tree.sampled must map node ids of the tree to their draws")
-        _ints(draw.get("tokens"), "tree.sampled tokens", most=MAX_NODES)
+        _ints(draw.get("tokens"), "tree.sampled tokens", hi=vocab, most=MAX_NODES)
         _int(draw.get("size"), "tree.sampled size", lo=1, hi=MAX_VOCAB)
         legacy = isinstance(draw.get("ids"), str) and isinstance(draw.get("q"), str)
         if not (isinstance(draw.get("w16"), str) or legacy):
             raise ValueError("tree.sampled must hold q as base64 strings")
 
 
-def check_record(rec: dict) -> None:
+def _node_domains(tree: dict, parents: list[int], depths: list[int]) -> None:
+    """Depths follow the parents; log-probabilities are <= 0 and each cumulative one is its
+    parent's plus its own, as the engine computes it (core/tree.py; null stands for -inf)."""
+    logp, cum = tree["logp"], tree["cum_logp"]
+    if depths[0] != 0 or logp[0] != 0 or cum[0] != 0:
+        raise ValueError("node 0: the root has depth 0 and log-probabilities 0")
+    for i in range(1, len(parents)):
+        p = parents[i]
+        if depths[i] != depths[p] + 1:
+            raise ValueError(f"node {i}: tree.depths is {depths[i]}, its parent {p} is at depth {depths[p]}")
+        if logp[i] is not None and logp[i] > LOGP_SLACK:
+            raise ValueError(f"node {i}: tree.logp is {_show(logp[i])}; a log-probability is at most 0")
+        want = None if logp[i] is None or cum[p] is None else cum[p] + logp[i]
+        if (want is None) != (cum[i] is None) or (
+            want is not None and abs(cum[i] - want) > CUM_SLACK * max(1.0, abs(want))
+        ):
+            raise ValueError(
+                f"node {i}: tree.cum_logp is {_show(cum[i])}, but its parent's ({_show(cum[p])}) plus its "
+                f"own logp ({_show(logp[i])}) is {_show(want)}"
+            )
+
+
+def _probability(value, name: str) -> float:
+    x = _num(value, name)
+    if not -LOGP_SLACK <= x <= 1 + LOGP_SLACK:
+        raise ValueError(f"{name} is {_show(value)}; a probability lies in [0, 1]")
+    return x
+
+
+def _mask_matches_tree(mask: list[str], order: list[int], parents: list[int]) -> None:
+    """mask[a][b] is '1' exactly when order[b] is order[a] or one of its ancestors."""
+    for a, node in enumerate(order):
+        seen, n = set(), node
+        while n != -1:
+            seen.add(n)
+            n = parents[n]
+        want = "".join("1" if order[b] in seen else "0" for b in range(len(order)))
+        if mask[a] != want:
+            raise ValueError(f"node {node}: its mask row is not its ancestors and itself")
+
+
+def check_record(rec: dict, *, vocab: int = MAX_TOKEN_ID) -> None:
+    """One iteration's record; `vocab`: the largest token id the run's vocabulary holds."""
     tree = rec.get("tree")
     if not isinstance(tree, dict):
         raise ValueError("tree must be an object")
-    tokens = _ints(tree.get("tokens"), "tree.tokens", most=MAX_NODES)
+    tokens = _ints(tree.get("tokens"), "tree.tokens", hi=vocab, most=MAX_NODES)
     n = len(tokens)
     if n == 0:
         raise ValueError("the tree has no root")
     parents = _ints(tree.get("parents"), "tree.parents", lo=-1, hi=MAX_NODES, most=MAX_NODES)
-    _ints(tree.get("depths"), "tree.depths", hi=MAX_NODES, most=MAX_NODES)
+    depths = _ints(tree.get("depths"), "tree.depths", hi=MAX_NODES, most=MAX_NODES)
+    if len(depths) != n:
+        raise ValueError("tree.depths must give one depth per node")
     for name in ("logp", "cum_logp"):
         values = tree.get(name)
         if not isinstance(values, list) or len(values) != n:
@@ -142,7 +197,8 @@ def check_record(rec: dict) -> None:
             _num(v, "tree.notes")
     if len(parents) != n or any((i == 0) != (p == -1) or p >= i for i, p in enumerate(parents)):
         raise ValueError("tree.parents must point from each node to an earlier one (root: -1)")
-    _check_sampled(tree.get("sampled") or {}, n)
+    _node_domains(tree, parents, depths)
+    _check_sampled(tree.get("sampled") or {}, n, vocab)
 
     order = _ints(rec.get("order"), "order", hi=n - 1, most=n)
     if not order or order[0] != 0 or len(set(order)) != len(order):
@@ -153,18 +209,25 @@ def check_record(rec: dict) -> None:
         raise ValueError("mask must hold one string of '0'/'1' per verified node, as long as the order")
     if any(set(r) - {"0", "1"} for r in mask):
         raise ValueError("mask rows may only hold '0' and '1'")
-    _ints(rec.get("position_ids"), "position_ids", hi=2**31, most=m)
-    if len(rec["position_ids"]) != m:
+    _mask_matches_tree(mask, order, parents)
+    positions = _ints(rec.get("position_ids"), "position_ids", hi=2**31, most=m)
+    if len(positions) != m:
         raise ValueError("position_ids must give one position per verified node")
+    for node, pos in zip(order, positions, strict=True):
+        if pos - positions[0] != depths[node]:
+            raise ValueError(f"node {node}: position {pos} is not the root's ({positions[0]}) plus its depth")
     accepted = _ints(rec.get("accepted"), "accepted", hi=n - 1, most=m)
     if not set(accepted) <= set(order[1:]):
         raise ValueError("accepted nodes must be verified non-root nodes")
-    _ints(rec.get("committed"), "committed", most=m + 1)
-    targets = _ints(rec.get("target_tokens"), "target_tokens", most=m)
+    for k, node in enumerate(accepted):
+        if parents[node] != (accepted[k - 1] if k else 0):
+            raise ValueError(f"node {node}: accepted, but its parent is not the root or the accepted node before it")
+    _ints(rec.get("committed"), "committed", hi=vocab, most=m + 1)
+    targets = _ints(rec.get("target_tokens"), "target_tokens", hi=vocab, most=m)
     if len(targets) != m:
         raise ValueError("target_tokens must give one token per verified node")
     if rec.get("bonus_token") is not None:
-        _int(rec["bonus_token"], "bonus_token")
+        _int(rec["bonus_token"], "bonus_token", hi=vocab)
     _int(rec.get("index"), "index", lo=1, hi=10**9)
     for name in ("prefix_len", "chain_len"):
         _int(rec.get(name), name, hi=2**31)
@@ -173,8 +236,8 @@ def check_record(rec: dict) -> None:
         if _num(rec.get(name), name) < 0:
             raise ValueError(f"{name} must not be negative")
     for name in ("draft_forward_ms", "capture_ms"):
-        if name in rec:
-            _num(rec[name], name)
+        if name in rec and _num(rec[name], name) < 0:
+            raise ValueError(f"{name} must not be negative")
     for name in ("stop", "verifier", "forward_path"):
         if rec.get(name) is not None and not isinstance(rec[name], str):
             raise ValueError(f"{name} must be a string")
@@ -182,28 +245,28 @@ def check_record(rec: dict) -> None:
     if not isinstance(steps, list) or len(steps) > 4 * MAX_NODES:
         raise ValueError("verification must be a list of steps")
     for step in steps:
-        _check_step(step, n)
+        _check_step(step, n, vocab)
     analysis = rec.get("analysis", {})
     if not isinstance(analysis, dict):
         raise ValueError("analysis must map nodes to objects")
     for key, info in analysis.items():
-        if not (key.isdigit() and int(key) < n and isinstance(info, dict) and "reach" in info):
+        if not (isinstance(key, str) and key.isdigit() and int(key) < n and isinstance(info, dict) and "reach" in info):
             raise ValueError("analysis must map node ids to {reach, expected_acceptance}")
         for name, value in info.items():
-            _num(value, f"analysis.{name}")
+            _probability(value, f"node {key}: analysis.{name}")
 
 
 # the fields each kind of verification step carries (verify/otlp.py, traversal.py, greedy.py)
 _STEP_FIELDS = {
-    "test": {"token": "token?", "prob": "num", "u": "num", "accepted": "bool", "node": "node?", "child": "node?"},
-    "residual": {"top": "top", "node": "node?", "weight": "num"},
+    "test": {"token": "token?", "prob": "prob", "u": "prob", "accepted": "bool", "node": "node?", "child": "node?"},
+    "residual": {"top": "top", "node": "node?", "weight": "prob"},
     "sample": {"token": "token", "source": "str", "node": "node?"},
     "argmax": {"token": "token", "node": "node?", "child": "node?"},
 }
 _REQUIRED = {"test": {"prob", "u", "accepted"}, "residual": {"top"}, "sample": {"token", "source"}, "argmax": {"token"}}
 
 
-def _check_step(step, n: int) -> None:
+def _check_step(step, n: int, vocab: int = MAX_TOKEN_ID) -> None:
     if not isinstance(step, dict) or step.get("kind") not in _STEP_FIELDS:
         raise ValueError(f"verification steps must be objects of kind {', '.join(_STEP_FIELDS)}")
     kind = step["kind"]
@@ -223,12 +286,14 @@ def _check_step(step, n: int) -> None:
             continue
         if expected == "num":
             _num(value, f"{kind}.{name}")
+        elif expected == "prob":
+            _probability(value, f"{kind}.{name}")
         elif expected == "bool" and not isinstance(value, bool):
             raise ValueError(f"{kind}.{name} must be true or false")
         elif expected == "str" and not isinstance(value, str):
             raise ValueError(f"{kind}.{name} must be a string")
         elif expected == "token":
-            _int(value, f"{kind}.{name}")
+            _int(value, f"{kind}.{name}", hi=vocab)
         elif expected == "node":
             _int(value, f"{kind}.{name}", hi=n - 1)
         elif expected == "top":
@@ -237,5 +302,101 @@ def _check_step(step, n: int) -> None:
             for pair in value:
                 if not (isinstance(pair, list) and len(pair) == 2):
                     raise ValueError(f"{kind}.top must list (token, probability) pairs")
-                _int(pair[0], f"{kind}.top token")
-                _num(pair[1], f"{kind}.top probability")
+                _int(pair[0], f"{kind}.top token", hi=vocab)
+                _probability(pair[1], f"{kind}.top probability")
+
+
+# ----- comparison files (measure/compare.py) and benchmark reports (measure/bench.py) ----------------
+
+MAX_ENTRIES = 64
+_NONNEGATIVE = (
+    "throughput_tps", "throughput_std", "speedup", "tokens_per_iteration", "mean_accepted_length", "iterations",
+    "ttft_ms", "tpot_ms", "draft_ms_per_iteration", "verify_ms_per_iteration", "overhead_ms_per_iteration",
+    "peak_memory_mb", "tree_size_mean", "tree_size_max",
+)  # fmt: skip
+_SHARES = ("acceptance_rate", "outside_forwards_share")
+
+
+def _plain_map(value, name: str) -> None:
+    if not (
+        isinstance(value, dict) and all(isinstance(v, (str, int, float, bool)) or v is None for v in value.values())
+    ):
+        raise ValueError(f"{name} must map names to plain values")
+
+
+def _measure_fields(row: dict, where: str) -> None:
+    """The numbers a comparison entry or a benchmark row may carry, each in its domain."""
+    for name in _NONNEGATIVE:
+        if row.get(name) is not None and _num(row[name], f"{where}: {name}") < 0:
+            raise ValueError(f"{where}: {name} must not be negative, got {_show(row[name])}")
+    for name in _SHARES:
+        if row.get(name) is not None:
+            _probability(row[name], f"{where}: {name}")
+    if row.get("memory_overhead") is not None and _num(row["memory_overhead"], f"{where}: memory_overhead") < -1:
+        raise ValueError(f"{where}: memory_overhead is below -1 (less than no memory)")
+
+
+def check_comparison(data: dict) -> None:
+    """A comparison file's values, field by field (ValueError naming the entry and the field)."""
+    if not isinstance(data.get("prompt"), str):
+        raise ValueError("prompt must be a string")
+    _ints(data.get("prompt_ids"), "prompt_ids")
+    for name in ("models", "settings"):
+        _plain_map(data.get(name), name)
+    correct = data.get("correctness")
+    if not (
+        isinstance(correct, dict)
+        and "ok" in correct
+        and correct["ok"] in (True, False, None)
+        and isinstance(correct.get("message"), str)
+    ):
+        raise ValueError("correctness must hold ok (true, false or null) and a message")
+    for name in ("max_new_tokens", "temperature", "repetitions"):
+        _num(data["settings"].get(name), f"settings.{name}")
+    entries = data.get("entries")
+    if not isinstance(entries, list) or not 1 <= len(entries) <= MAX_ENTRIES:
+        raise ValueError(f"entries must be a list of 1 to {MAX_ENTRIES}")
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ValueError(f"entry {i} is not an object")
+        where = f"entry {i} ({_show(entry.get('label'))})"
+        for name in ("label", "policy", "verifier", "text"):
+            if not isinstance(entry.get(name), str):
+                raise ValueError(f"{where}: {name} must be a string")
+        _plain_map(entry.get("params"), f"{where}: params")
+        _int(entry.get("runs"), f"{where}: runs", hi=10**6)
+        if entry.get("exact") is not None:
+            _int(entry["exact"], f"{where}: exact", hi=entry["runs"])
+        _measure_fields(entry, where)
+        for name in ("throughput_tps", "speedup", "tokens_per_iteration", "acceptance_rate"):
+            _num(entry.get(name), f"{where}: {name}")  # required
+        _ints(entry.get("accepted_lengths"), f"{where}: accepted_lengths", hi=MAX_NODES)
+        _ints(entry.get("committed_per_iteration"), f"{where}: committed_per_iteration", hi=MAX_NODES)
+        depths = entry.get("acceptance_by_depth")
+        if not isinstance(depths, list) or len(depths) > MAX_NODES:
+            raise ValueError(f"{where}: acceptance_by_depth must be a list")
+        for d, value in enumerate(depths, 1):
+            _probability(value, f"{where}: acceptance_by_depth[depth {d}]")
+        runs = entry.get("token_ids")
+        if not isinstance(runs, list) or len(runs) > 10_000:
+            raise ValueError(f"{where}: token_ids must list each run's tokens")
+        for r, ids in enumerate(runs):
+            _ints(ids, f"{where}: token_ids[{r}]")
+        if not runs and not entry["text"]:
+            raise ValueError(f"{where}: neither text nor token_ids")
+
+
+def check_bench_rows(data) -> list[dict]:
+    """A benchmark report's result rows (`bench --out`, the Benchmark page's download), checked."""
+    rows = data.get("results") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or len(rows) > 10_000:
+        raise ValueError("not a benchmark report (no 'results' list)")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or not isinstance(row.get("label"), str):
+            raise ValueError(f"result {i} has no label")
+        where = f"result {i} ({_show(row['label'])})"
+        _num(row.get("throughput_tps"), f"{where}: throughput_tps")
+        if row.get("verifier") is not None and not isinstance(row["verifier"], str):
+            raise ValueError(f"{where}: verifier must be a string")
+        _measure_fields(row, where)
+    return rows

@@ -61,7 +61,9 @@ class PackedTrainConfig:
     log_every: int = 10
     eval_every_s: float = 1800.0  # training seconds between held-out / OOD evaluations (<= 0: none)
     eval_windows: int = 96  # held-out windows in each evaluation (OOD: all of them)
+    eval_first: bool = False  # also evaluate before the first step (the curve's starting point)
     stop_after_s: float = 0.0  # > 0: end this process after this much training time (the schedule stays)
+    budget_s: float = 0.0  # > 0: the schedule is this much training time instead of `passes` (equal-compute runs)
     device: str = "cpu"
 
 
@@ -277,7 +279,9 @@ def train_packed(
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     pass_pairs = max(data.answer_pairs(), 1)
     total_pairs = cfg.passes * pass_pairs
-    state = {"step": 0, "seen": 0, "spent_s": 0.0, "pass": 0, "cursor": 0, "curve": [], "next_eval_s": 0.0}
+    # the first evaluation after one interval (a run from a trained draft measures its start with --eval-first)
+    first_eval = 0.0 if cfg.eval_first else cfg.eval_every_s
+    state = {"step": 0, "seen": 0, "spent_s": 0.0, "pass": 0, "cursor": 0, "curve": [], "next_eval_s": first_eval}
     ckpt = out / "checkpoint.pt"
     if ckpt.exists():
         saved = torch.load(ckpt, map_location=device, weights_only=False)
@@ -315,15 +319,19 @@ def train_packed(
 
     torch.manual_seed(cfg.seed + state["step"])
     started, t_log, pairs_since = state["spent_s"], clock(), 0
+
+    def progress() -> float:  # of the whole schedule, 0..1: by pairs seen, or by training time under a budget
+        return state["spent_s"] / cfg.budget_s if cfg.budget_s > 0 else state["seen"] / total_pairs
+
     for batch, epoch, cursor in prefetch(batches):
-        if state["seen"] >= total_pairs or (cfg.stop_after_s > 0 and state["spent_s"] - started >= cfg.stop_after_s):
+        if progress() >= 1 or (cfg.stop_after_s > 0 and state["spent_s"] - started >= cfg.stop_after_s):
             break
         if cfg.eval_every_s > 0 and state["spent_s"] >= state["next_eval_s"]:
             evaluate()
             state["next_eval_s"] = state["spent_s"] + cfg.eval_every_s
             t_log = clock()
         t0 = clock()
-        lr = lr_at(cfg, state["step"], state["seen"] / total_pairs)
+        lr = lr_at(cfg, state["step"], progress())
         for group in opt.param_groups:
             group["lr"] = lr
         batch = batch.to(device)
@@ -349,7 +357,7 @@ def train_packed(
             )
             checkpoint()
             t_log, pairs_since = clock(), 0
-    finished = state["seen"] >= total_pairs
+    finished = progress() >= 1
     if cfg.eval_every_s > 0:
         evaluate()
     checkpoint()
@@ -358,5 +366,5 @@ def train_packed(
         draft.save(out / "draft")
         log(f"train-packed: the schedule is complete; saved {out / 'draft'}")
     else:
-        log(f"train-packed: stopped at {state['seen'] / total_pairs:.1%} of the schedule; rerun to continue")
+        log(f"train-packed: stopped at {progress():.1%} of the schedule; rerun to continue")
     return draft
