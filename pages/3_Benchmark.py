@@ -14,7 +14,8 @@ from dynatree_core.measure.bench import parse_sweep, run_bench, sweep_entries
 from dynatree_core.measure.entries import Entry
 from dynatree_core.measure.prompt_sets import CORPORA, bundled_sets, choose_prompts
 from dynatree_core.measure.run_settings import RunSpec
-from dynatree_core.runs.validate import check_bench_rows, check_size_and_depth
+from dynatree_core.runs.validate import check_size_and_depth
+from dynatree_core.runs.validate_reports import check_bench_rows
 from dynatree_core.ui.resources import cached_pair, forward_lock
 from dynatree_core.ui.widgets import model_picker, setting_widget
 from dynatree_core.viz.bench import saved_results_figure, sweep_figures

@@ -21,7 +21,7 @@ from dynatree_core.decoding.engine import DecodeConfig
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.measure.compare import Comparison, compare
 from dynatree_core.measure.entries import Entry
-from dynatree_core.runs.validate import check_bench_rows
+from dynatree_core.runs.validate_reports import check_bench_rows
 from dynatree_core.viz import compare_figures
 from dynatree_core.viz.bench import saved_results_figure
 

@@ -17,6 +17,7 @@ Run it alone on the machine (torch jobs sharing 2 cores slow each other ~10x).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -36,6 +37,14 @@ from dynatree_core.training.packed import PackedAnswers
 from dynatree_core.training.step import PackedTrainConfig, packed_loss
 
 MAP = REPO_ROOT / "assets" / "models" / "smollm2-feature-draft"
+
+
+def old_loss(draft, x, f, valid, kd):
+    return feature_kd_loss(draft, x, f, valid, **kd)[0]
+
+
+def new_loss(draft, batch, cfg):
+    return packed_loss(draft, batch, cfg, parts=False)[0]
 
 
 def main() -> None:
@@ -83,12 +92,12 @@ def main() -> None:
             for i, group in enumerate(groups):
                 if side == "before":
                     x, f, valid, ans = padded.batch(group, cpu, with_loss_mask=True)
-                    step = train_step(before, lambda: feature_kd_loss(before, x, f, valid, noise=0.1, ce_weight=0.1,
-                                                                        ce_share=args.ce_share, answer=ans)[0])  # fmt: skip
+                    kd = dict(noise=0.1, ce_weight=0.1, ce_share=args.ce_share, answer=ans)
+                    step = train_step(before, functools.partial(old_loss, before, x, f, valid, kd))
                     n_read, n_answer = int(valid.sum()), int((ans[:, 1:] & valid[:, 1:]).sum())
                 else:
                     batch = packed.batch(group)
-                    step = train_step(after, lambda: packed_loss(after, batch, cfg, parts=False)[0])
+                    step = train_step(after, functools.partial(new_loss, after, batch, cfg))
                     n_read, n_answer = batch.pairs + len(group), int(batch.answer.sum())
                 t0 = time.perf_counter()
                 step()
@@ -98,9 +107,7 @@ def main() -> None:
             result[side].append({"positions_per_s": read / elapsed, "answer_positions_per_s": answer / elapsed})
             print(f"round {r} {side}: {read / elapsed:.0f} positions/s, {answer / elapsed:.0f} answer positions/s",
                   flush=True)  # fmt: skip
-    summary = {
-        side: {k: float(np.mean([p[k] for p in points])) for k in points[0]} for side, points in result.items()
-    }
+    summary = {side: {k: float(np.mean([p[k] for p in points])) for k in points[0]} for side, points in result.items()}
     summary["ratio"] = {k: summary["after"][k] / summary["before"][k] for k in summary["before"]}
     summary["config"] = vars(args)
     print(json.dumps(summary, indent=1))

@@ -344,8 +344,9 @@ def cmd_generate(args) -> None:
         from dynatree_core.live.run import export_run
 
         models = dataclasses.replace(spec, target=target_spec, draft=draft_spec)  # as resolved, not as typed
-        vocab = vocab_size(target.model)
-        export_run(args.export, results[0], models, policy, prompt, chat, target.tokenizer, vocab=vocab)
+        export_run(
+            args.export, results[0], models, policy, prompt, chat, target.tokenizer, vocab=vocab_size(target.model)
+        )
     if args.json:
         if args.num_samples == 1:
             print(results[0].to_json(with_records=args.trace))

@@ -29,7 +29,8 @@ from dynatree_core.errors import DynaTreeError
 from dynatree_core.measure.entries import Entry, labelled, schedule
 from dynatree_core.runs.metrics import depth_reach
 from dynatree_core.runs.records import IterationRecord, RunResult
-from dynatree_core.runs.validate import check_comparison, check_size_and_depth
+from dynatree_core.runs.validate import check_size_and_depth
+from dynatree_core.runs.validate_reports import check_comparison
 
 COMPARE_VERSION = 1
 
