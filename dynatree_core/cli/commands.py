@@ -340,13 +340,10 @@ def cmd_generate(args) -> None:
             )
         )
     if args.export:  # the app's run file: a replay (live.export_run)
-        from dynatree_core.decoding.engine import vocab_size
         from dynatree_core.live.run import export_run
 
         models = dataclasses.replace(spec, target=target_spec, draft=draft_spec)  # as resolved, not as typed
-        export_run(
-            args.export, results[0], models, policy, prompt, chat, target.tokenizer, vocab=vocab_size(target.model)
-        )
+        export_run(args.export, results[0], models, policy, prompt, chat, target)
     if args.json:
         if args.num_samples == 1:
             print(results[0].to_json(with_records=args.trace))

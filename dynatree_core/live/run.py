@@ -306,13 +306,13 @@ def run_file(
     return json.dumps(out)
 
 
-def export_run(
-    path, result: RunResult, spec: RunSpec, policy: Policy, prompt: str, chat: bool, tokenizer, *, vocab=None
-) -> None:
-    """Write a CLI run as the app's run file (its settings as the live page records them)."""
+def export_run(path, result: RunResult, spec: RunSpec, policy: Policy, prompt: str, chat: bool, target) -> None:
+    """Write a CLI run as the app's run file (its settings as the live page records them);
+    `target`: the loaded target (its tokenizer writes the token texts, its vocabulary the bound)."""
     settings = {**dataclasses.asdict(spec), "policy": policy.name, "params": policy.config, "prompt": prompt}
     settings["chat"] = chat
-    path.write_text(run_file(result, settings, lambda t: tokenizer.decode([t]), vocab=vocab))
+    decode_one = lambda t: target.tokenizer.decode([t])  # noqa: E731
+    path.write_text(run_file(result, settings, decode_one, vocab=vocab_size(target.model)))
 
 
 def _spec_of(settings: dict[str, Any]) -> RunSpec | None:
