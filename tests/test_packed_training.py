@@ -292,3 +292,13 @@ def test_a_stopped_run_resumes_the_same_schedule_and_its_curve_is_saved(tiny_sto
     curve = json.loads((out / "curve.json").read_text())["curve"]
     assert [p["step"] for p in curve] == sorted(p["step"] for p in curve) and len(curve) >= 3
     assert all(len(p["heldout"]) == 4 for p in curve)
+
+
+def test_a_fused_draft_for_another_target_is_one_error_line_in_the_cli(capsys, tiny_pair_dirs, tmp_path):
+    from test_cli import run_cli
+
+    FusedDraft.from_target(_wide_target(), _full_map(), taps=TAPS).save(tmp_path / "wide")
+    code, _, err = run_cli(capsys, "generate", "--target", tiny_pair_dirs[0], "--draft", str(tmp_path / "wide"),
+                           "--prompt", "hi", "--max-new-tokens", "4")  # fmt: skip
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and "hidden size" in lines[0] and "Traceback" not in err, err
