@@ -302,3 +302,32 @@ def test_a_fused_draft_for_another_target_is_one_error_line_in_the_cli(capsys, t
                            "--prompt", "hi", "--max-new-tokens", "4")  # fmt: skip
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(lines) == 1 and "hidden size" in lines[0] and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("kind", ["feature", "fused"])
+def test_a_packed_run_exports_with_a_card_of_its_passes_and_learning_curve(tiny_store, tmp_path, monkeypatch, kind):
+    from dynatree_core.drafting.heads import load_head
+    from dynatree_core.training.feature_card import export_feature_draft
+
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path / "cache"))
+    store, target = tiny_store
+    vocab = target.model.config.vocab_size
+    token_map = TokenMap([-1, *range(vocab)], vocab)
+    taps = (0, 1) if kind == "fused" else None
+    data = PackedAnswers(store, token_map, taps=taps, stages=("questions",), heldout=False)
+    cfg = PackedTrainConfig(passes=2.0, pairs_per_step=16, log_every=1, eval_every_s=1e-9, eval_first=True, levels=2)
+    draft = (
+        FusedDraft.from_target(target.model, token_map, taps=taps)
+        if taps
+        else FeatureDraft.from_target(target.model, token_map)
+    )
+    about = {"training_answer_positions": data.answer_pairs(), "training_windows": len(data.train_rows)}
+    head = target.model.get_output_embeddings()
+    train_packed(draft, data, tmp_path / "run", cfg, target_head=head, evals={"heldout": (data, data.train_rows[:2])},
+                 about=about, log=lambda m: None)  # fmt: skip
+    export_feature_draft(tmp_path / "run", tmp_path / "out", target.model, quality=None, command="train-packed ...")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "passes**" in card and "| step | passes | training s | held out |" in card
+    assert "unrolled over the draft's own outputs for 2 levels" in card
+    assert ("Fused-feature" in card) == (kind == "fused") and str(tmp_path) not in card
+    assert load_head(str(tmp_path / "out"), target.model).kind == kind

@@ -14,9 +14,26 @@ from pathlib import Path
 
 import torch
 
-from dynatree_core.drafting.feature import FeatureDraft
+from dynatree_core.drafting.heads import load_head
 from dynatree_core.runs.environment import portable
 from dynatree_core.training.ledger import totals
+
+
+def _packed_loss_line(cfg: dict, kind: str) -> str:
+    """The loss of a `train-packed` run (training/step.py)."""
+    ce = "soft cross-entropy to the compact teacher (the target's top-32, renormalised over the map)"
+    share = f" over a random {cfg['ce_share']:.0%} of the answer positions" if cfg.get("ce_share", 1) < 1 else ""
+    level = (
+        f"{ce}{share}"
+        if kind == "fused"
+        else f"{cfg['regression_weight']} x smooth L1 to the target's next feature + {cfg['ce_weight']} x {ce}{share}"
+    )
+    if cfg.get("levels", 1) > 1:
+        return (
+            f"- loss: unrolled over the draft's own outputs for {cfg['levels']} levels (training-time test; level k "
+            f"weighted {cfg['level_decay']}^(k-1)); each level: {level}"
+        )
+    return f"- loss: {level}"
 
 
 def _loss_line(cfg: dict) -> str:
@@ -124,6 +141,8 @@ def model_card(
 ) -> str:
     """The shipped feature draft's README: what it is, data, recipe, curve, compute, quality."""
     info = json.loads((run_dir / "curve.json").read_text())
+    if "levels" in info["config"]:  # a train-packed run (training/step.py)
+        return _packed_card(run_dir, info, quality, command, note, map_size=map_size)
     cfg, curve = info["config"], info["curve"]
     slots = f"{map_size:,}-token map" if map_size else "draft's token map"
     stages = _stages(run_dir, info)  # a draft trained in stages: their table names the first start
@@ -156,11 +175,13 @@ def model_card(
     lines += [
         f"| {c['step']} | " + " | ".join(f"{a:.3f}" for a in c["heldout_agreement_by_depth"]) + " |" for c in curve
     ]
-    ledger = {
-        k: v
-        for k, v in totals(run=run_dir).items()
-        if k in ("answers", "answers-relabel", "feature-label", "train-feature")
-    }
+    return _closing(lines, run_dir, quality, note)
+
+
+def _closing(lines: list[str], run_dir: Path, quality: dict | None, note: str) -> str:
+    """The card's compute ledger, note and measured quality."""
+    stages = ("answers", "answers-relabel", "feature-label", "train-feature", "train-packed")
+    ledger = {k: v for k, v in totals(run=run_dir).items() if k in stages}
     if ledger:
         lines += ["", "## Compute (measured; the recipe's ledger: the data stages and this run's training)", ""]
         lines += ["| stage | wall s | items | tokens |", "|---|---|---|---|"]
@@ -173,11 +194,53 @@ def model_card(
     return "\n".join(lines) + "\n"
 
 
+def _packed_card(run_dir: Path, info: dict, quality, command: str, note: str, *, map_size: int | None) -> str:
+    """The card of a `train-packed` run: its kind, loss, schedule, passes and learning curve."""
+    cfg, curve, kind = info["config"], info["curve"], info.get("kind", "feature")
+    last = curve[-1] if curve else {}
+    data = info.get("data") or {}
+    passes = last.get("seen", 0) / max(data.get("training_answer_positions", 0), 1)
+    head = (
+        "a fused-feature (EAGLE-3) head: fc over the target's normed layer inputs, EAGLE-3's layer, "
+        "its own norm and head"
+        if kind == "fused"
+        else "a one-layer feature-level (EAGLE-style) head over the target's final hidden states"
+    )
+    schedule = f"a {cfg['budget_s']:.0f} s budget" if cfg.get("budget_s") else f"{cfg['passes']} passes"
+    lines = [
+        f"# {'Fused-feature' if kind == 'fused' else 'Feature-level'} draft",
+        "",
+        f"{head} (dynatree_core/drafting/{'fused' if kind == 'fused' else 'feature'}.py)"
+        + (f", over a {map_size:,}-token map." if map_size else "."),
+        "",
+        "## How it was trained",
+        "",
+        _packed_loss_line(cfg, kind),
+        f"- packed windows ({cfg['pairs_per_step']} pair slots a step), the compact teacher, autocast "
+        f"{cfg.get('autocast') or 'off'}; AdamW lr {cfg['lr']}, warm-up {cfg['warmup']} steps, "
+        "then cosine to zero over "
+        f"{schedule}; {last.get('step', 0)} steps, {last.get('train_s', 0):.0f} s of training"
+        + (f"; started from `{data['init_from']}`" if data.get("init_from") else "; from random initialisation"),
+        *(_data_lines(info, curve, staged=True) if "sources" in data else [f"- **{passes:.2f} passes**"]),
+        f"- command: `{command}`",
+        "",
+        "## Learning curve (top-1 agreement with the target's greedy token, depth 1 / 2 / 3 / 4)",
+        "",
+        "| step | passes | training s | held out | out-of-distribution |",
+        "|---|---|---|---|---|",
+    ]
+    total = max(data.get("training_answer_positions", 0), 1)
+    for c in curve:
+        cells = [" / ".join(f"{a:.3f}" for a in c.get(split, [])) or "-" for split in ("heldout", "ood")]
+        lines.append(f"| {c['step']} | {c['seen'] / total:.2f} | {c['train_s']:.0f} | {cells[0]} | {cells[1]} |")
+    return _closing(lines, run_dir, quality, note)
+
+
 def export_feature_draft(
     run_dir: Path, dest: Path, target: torch.nn.Module, *, quality: dict | None, command: str, note: str = ""
 ) -> None:
     """Copy the run's draft into `dest` (bfloat16 weights, no head rows) with its model card."""
-    draft = FeatureDraft.load(run_dir / "draft", target)
+    draft = load_head(str(run_dir / "draft"), target)
     draft.save(dest, dtype=torch.bfloat16)
     size = len(draft.token_map) if draft.token_map is not None else None
     (dest / "README.md").write_text(model_card(run_dir, quality, command, note, map_size=size))
