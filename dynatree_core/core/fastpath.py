@@ -125,7 +125,10 @@ def _fused(modules: list[torch.nn.Module]) -> Callable[[torch.Tensor], torch.Ten
 
 
 def _rms_norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """RMSNorm exactly as transformers computes it (in float32, then scaled in the model's dtype)."""
+    """RMSNorm exactly as transformers computes it (in float32, then scaled in the model's dtype);
+    an Identity (a layer without that norm: EAGLE-1's first) passes x through."""
+    if isinstance(module, torch.nn.Identity):
+        return lambda x: x
     weight, eps = module.weight, module.variance_epsilon
 
     def norm(x: torch.Tensor) -> torch.Tensor:

@@ -129,15 +129,19 @@ class FeatureDraft(torch.nn.Module):
         *,
         seed: int = 0,
         intermediate_size: int | None = None,
+        input_norm: bool = True,
     ) -> FeatureDraft:
         """A new (untrained) feature draft for `target`: random fc and layer, the LM head copied
-        from the target's head rows (the token map's rows when given), in the target's dtype."""
+        from the target's head rows (the token map's rows when given), in the target's dtype.
+        `input_norm` False drops the layer's input norm (EAGLE-1's layout: fc feeds attention directly)."""
         from transformers import LlamaForCausalLM
 
         vocab = len(token_map) if token_map is not None else _text_config(target).vocab_size
         torch.manual_seed(seed)
         lm = LlamaForCausalLM(head_config(target, vocab, intermediate_size=intermediate_size))
         lm.model.norm = torch.nn.Identity()
+        if not input_norm:
+            lm.model.layers[0].input_layernorm = torch.nn.Identity()
         lm.model.embed_tokens = torch.nn.Embedding(1, lm.config.hidden_size)  # unused: inputs come from fc
         hidden = lm.config.hidden_size
         fc = torch.nn.Linear(2 * hidden, hidden, bias=True)
@@ -171,6 +175,7 @@ class FeatureDraft(torch.nn.Module):
             "llama_config": self.lm.config.to_dict(),
             "dtype": str(dtype).removeprefix("torch."),
             "head": "saved" if with_head else "target rows",
+            "input_norm": not isinstance(self.lm.model.layers[0].input_layernorm, torch.nn.Identity),
         }
         (out / CONFIG_FILE).write_text(json.dumps(config, indent=1))
         if self.token_map is not None:
@@ -194,7 +199,9 @@ class FeatureDraft(torch.nn.Module):
                 f"the feature draft in {path} reads features of width {config.hidden_size}; "
                 f"the target's are {_text_config(target).hidden_size}"
             )
-        draft = cls.from_target(target, token_map, intermediate_size=config.intermediate_size)
+        draft = cls.from_target(
+            target, token_map, intermediate_size=config.intermediate_size, input_norm=meta.get("input_norm", True)
+        )
         state = load_file(str(path / WEIGHTS_FILE))
         lm_state = {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
         lm_state["model.embed_tokens.weight"] = draft.lm.model.embed_tokens.weight.detach()

@@ -38,6 +38,7 @@ from dynatree_core.drafting.feature import FeatureDrafter, head_config
 from dynatree_core.errors import DynaTreeError
 
 CONFIG_FILE = "fused_draft.json"
+FC_NORMS = ("per_tap", "none", "concat")
 WEIGHTS_FILE = "fused_draft.safetensors"
 KIND = "fused"
 
@@ -94,15 +95,33 @@ class FusedDraft(torch.nn.Module):
 
     kind = KIND
 
-    def __init__(self, config, taps: tuple[int, ...], embed: torch.nn.Module, token_map: TokenMap):
+    def __init__(
+        self,
+        config,
+        taps: tuple[int, ...],
+        embed: torch.nn.Module,
+        token_map: TokenMap,
+        *,
+        fc_norm: str = "per_tap",
+        norm_before_residual: bool = False,
+    ):
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-        hidden = config.hidden_size
+        hidden, eps = config.hidden_size, config.rms_norm_eps
         self.llama_config = config
         self.taps = tuple(taps)
         self.token_map = token_map
-        self.fc_norm = torch.nn.ModuleList(LlamaRMSNorm(hidden, eps=config.rms_norm_eps) for _ in taps)
+        # how the taps are normed before fc: one RMSNorm each (EAGLE 3.1 `fc_norm`, the default here),
+        # "none" (SafeAILab's EAGLE-3) or "concat", one over all of them (speculators' `norm_before_fc`)
+        if fc_norm not in FC_NORMS:
+            raise DynaTreeError(f"fc_norm must be one of {', '.join(FC_NORMS)}, not {fc_norm!r}")
+        self.fc_norm_kind = fc_norm
+        self.norm_before_residual = norm_before_residual  # speculators: the residual is hidden_norm(h)
+        if fc_norm == "per_tap":
+            self.fc_norm = torch.nn.ModuleList(LlamaRMSNorm(hidden, eps=eps) for _ in taps)
+        elif fc_norm == "concat":
+            self.input_norm = LlamaRMSNorm(len(taps) * hidden, eps=eps)
         self.fc = torch.nn.Linear(len(taps) * hidden, hidden, bias=False)
         self.midlayer = FusedLayer(config)
         self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
@@ -128,8 +147,15 @@ class FusedDraft(torch.nn.Module):
     # -- the computation --
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """(..., len(taps), H) target layer inputs -> (..., H) level-1 hidden inputs g."""
-        parts = [norm(taps[..., i, :].to(self.dtype)) for i, norm in enumerate(self.fc_norm)]
-        return self.fc(torch.cat(parts, dim=-1))
+        taps = taps.to(self.dtype)
+        if self.fc_norm_kind == "per_tap":
+            return self.fc(torch.cat([norm(taps[..., i, :]) for i, norm in enumerate(self.fc_norm)], dim=-1))
+        flat = taps.flatten(-2)
+        return self.fc(self.input_norm(flat) if self.fc_norm_kind == "concat" else flat)
+
+    def residual(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the layer adds its attention output to: the hidden input (or its norm, speculators)."""
+        return self.midlayer.hidden_norm(hidden) if self.norm_before_residual else hidden
 
     def token_embeds(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed(to_device(tokens, self.embed.weight.device)).to(self.dtype)
@@ -148,7 +174,7 @@ class FusedDraft(torch.nn.Module):
         q, k, v = self.midlayer.project(embeds, hidden, cos, sin)
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        return self.midlayer.finish(hidden, q, k, v, mask), (k, v)
+        return self.midlayer.finish(self.residual(hidden), q, k, v, mask), (k, v)
 
     def own_forward(self, ids, positions, mask, layers, logits_to_keep, *, embeds=None, hidden=False):
         """The static-cache forward KVState runs for this kind (core/kv.py): `embeds` (1, q, 2H) =
@@ -159,7 +185,7 @@ class FusedDraft(torch.nn.Module):
         cos, sin = self.rotary(hid, positions)
         q, k, v = self.midlayer.project(emb, hid, cos, sin)
         keys, values = layers[0].update(k, v)
-        h = self.midlayer.finish(hid, q, keys, values, mask)[0]  # (q, H)
+        h = self.midlayer.finish(self.residual(hid), q, keys, values, mask)[0]  # (q, H)
         logits = self.lm_head(self.norm(h[-logits_to_keep:]))
         return (logits, h) if hidden else logits
 
@@ -200,6 +226,8 @@ class FusedDraft(torch.nn.Module):
         meta = {
             "kind": KIND,
             "taps": list(self.taps),
+            "fc_norm": self.fc_norm_kind,
+            "norm_before_residual": self.norm_before_residual,
             "llama_config": self.llama_config.to_dict(),
             "dtype": str(dtype).removeprefix("torch."),
         }
@@ -219,7 +247,11 @@ class FusedDraft(torch.nn.Module):
             raise DynaTreeError(f"{path} is not a fused-feature draft ({CONFIG_FILE} missing or unreadable)") from exc
         config = LlamaConfig.from_dict(meta["llama_config"])
         check_fits(config.hidden_size, meta["taps"], target, where=str(path))
-        draft = cls(config, tuple(meta["taps"]), target.get_input_embeddings(), TokenMap.load(path))
+        options = {
+            "fc_norm": meta.get("fc_norm", "per_tap"),
+            "norm_before_residual": meta.get("norm_before_residual", False),
+        }
+        draft = cls(config, tuple(meta["taps"]), target.get_input_embeddings(), TokenMap.load(path), **options)
         draft.load_state_dict(load_file(str(path / WEIGHTS_FILE)), strict=False)
         device = target.get_input_embeddings().weight.device
         return draft.to(device=device, dtype=target.dtype).eval()

@@ -4,7 +4,8 @@
 it on the target it serves (checked against it: width, layers, vocabulary); `head_drafter` makes
 its per-run drafter, whose `taps` say which of the target's hidden states the verification
 forward hands over (core/taps.py). Kinds: the feature draft (feature.py: the final state) and
-the fused-feature draft (fused.py: EAGLE-3's three layers).
+the fused-feature draft (fused.py: EAGLE-3's three layers); published EAGLE-1 and EAGLE-3 heads
+are read into those two kinds (published.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 
 from dynatree_core.core.kv import KVState
-from dynatree_core.drafting import feature, fused
+from dynatree_core.drafting import feature, fused, published
 
 
 def is_head(model: torch.nn.Module | None) -> bool:
@@ -26,7 +27,7 @@ def head_kind(model: torch.nn.Module) -> str:
 
 
 def is_head_dir(spec: str | None) -> bool:
-    return feature.is_feature_draft_dir(spec) or fused.is_fused_draft_dir(spec)
+    return feature.is_feature_draft_dir(spec) or fused.is_fused_draft_dir(spec) or published.is_published_head_dir(spec)
 
 
 def load_head(spec: str, target: torch.nn.Module) -> torch.nn.Module:
@@ -34,7 +35,9 @@ def load_head(spec: str, target: torch.nn.Module) -> torch.nn.Module:
     path = Path(spec).expanduser()
     if fused.is_fused_draft_dir(str(path)):
         return fused.FusedDraft.load(path, target)
-    return feature.FeatureDraft.load(path, target)
+    if feature.is_feature_draft_dir(str(path)):
+        return feature.FeatureDraft.load(path, target)
+    return published.load_published(path, target)
 
 
 def head_drafter(draft: torch.nn.Module, vocab: int, **paths) -> feature.FeatureDrafter:

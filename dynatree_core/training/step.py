@@ -106,7 +106,7 @@ def level_forward(draft, tokens, hidden, positions, mask, past=None, select=None
     layer, rotary = _layer_of(draft)
     attn = layer.self_attn
     if isinstance(draft, FusedDraft):
-        resid = hidden
+        resid = draft.residual(hidden)
         x = torch.cat([layer.input_layernorm(draft.token_embeds(tokens)), layer.hidden_norm(hidden)], dim=-1)
     else:
         resid = draft.inputs(tokens, hidden)

@@ -1,0 +1,259 @@
+"""Published EAGLE heads (drafting/published.py): tiny checkpoints written in each published layout
+(its own config keys and weight names, random weights, a tiny Llama target) load, their logits
+equal a naive forward written here from the layout's definition, every tree policy drafts with
+them exactly, a fused draft exported in the eagle3 layout loads back with the same logits, and a
+head that does not fit its target is one clear error."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import hf_greedy
+from safetensors.torch import save_file
+from test_engine import POLICIES, PROMPTS
+
+from dynatree_core.core.taps import eagle3_taps
+from dynatree_core.core.vocab import TokenMap
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.methods import make_method
+from dynatree_core.drafting import POLICIES as REGISTRY
+from dynatree_core.drafting.fused import FusedDraft
+from dynatree_core.drafting.heads import is_head_dir, load_head
+from dynatree_core.drafting.published import export_eagle3, layout_of
+from dynatree_core.errors import DynaTreeError
+
+H, V, L, HEADS, KV, MLP_SIZE = 32, 96, 8, 4, 2, 64
+DRAFTED = [(n, p) for n, p in POLICIES if n in REGISTRY and REGISTRY[n].needs_draft_model]
+LAYOUTS = ("eagle1", "eagle3-safeailab", "eagle3-specforge", "eagle3-speculators")
+
+
+@pytest.fixture(scope="module")
+def target():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=MLP_SIZE, num_hidden_layers=L,
+                         num_attention_heads=HEADS, num_key_value_heads=KV, max_position_embeddings=512)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float64).eval()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(6.0)  # sharpened, as conftest's tiny models
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _rand(*shape, scale=0.2):
+    return torch.randn(*shape, dtype=torch.float32) * scale
+
+
+def _layer(prefix: str, width: int, *, input_norm: bool = True, hidden_norm: bool = False) -> dict:
+    w = {
+        f"{prefix}self_attn.q_proj.weight": _rand(HEADS * 8, width),
+        f"{prefix}self_attn.k_proj.weight": _rand(KV * 8, width),
+        f"{prefix}self_attn.v_proj.weight": _rand(KV * 8, width),
+        f"{prefix}self_attn.o_proj.weight": _rand(H, HEADS * 8),
+        f"{prefix}mlp.gate_proj.weight": _rand(MLP_SIZE, H),
+        f"{prefix}mlp.up_proj.weight": _rand(MLP_SIZE, H),
+        f"{prefix}mlp.down_proj.weight": _rand(H, MLP_SIZE),
+        f"{prefix}post_attention_layernorm.weight": 1 + _rand(H, scale=0.1),
+    }
+    if input_norm:
+        w[f"{prefix}input_layernorm.weight"] = 1 + _rand(H, scale=0.1)
+    if hidden_norm:
+        w[f"{prefix}hidden_norm.weight"] = 1 + _rand(H, scale=0.1)
+    return w
+
+
+def _llama_fields() -> dict:
+    return dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=H, intermediate_size=MLP_SIZE,
+                num_attention_heads=HEADS, num_key_value_heads=KV, num_hidden_layers=1, rms_norm_eps=1e-6,
+                max_position_embeddings=512, vocab_size=V, rope_theta=10000.0, tie_word_embeddings=False)  # fmt: skip
+
+
+def write_head(tmp_path, layout: str, target, draft_vocab: int = 40):
+    """A random head in `layout`'s files; returns (directory, its weights, the taps it reads)."""
+    torch.manual_seed(1)
+    out = tmp_path / layout
+    out.mkdir()
+    embed = target.model.embed_tokens.weight.detach().float()
+    used = torch.sort(torch.randperm(V)[:draft_vocab]).values
+    if layout == "eagle1":
+        w = _layer("layers.0.", H, input_norm=False) | {"fc.weight": _rand(H, 2 * H), "fc.bias": _rand(H)}
+        w["embed_tokens.weight"] = embed.clone()
+        torch.save(w, out / "pytorch_model.bin")
+        (out / "config.json").write_text(json.dumps(_llama_fields() | {"bias": True}))
+        return out, w, None
+    prefix = "layers.0." if layout == "eagle3-speculators" else "midlayer."
+    w = _layer(prefix, 2 * H, hidden_norm=True) | {"fc.weight": _rand(H, 3 * H), "norm.weight": 1 + _rand(H, scale=0.1)}
+    w |= {"lm_head.weight": _rand(draft_vocab, H, scale=1.0), "d2t": used - torch.arange(draft_vocab)}
+    w["t2d"] = torch.zeros(V, dtype=torch.bool).index_fill_(0, used, True)
+    fields = _llama_fields() | {"draft_vocab_size": draft_vocab}
+    taps = eagle3_taps(L)
+    if layout == "eagle3-specforge":
+        taps = (1, 4, 6)
+        fields["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [t - 1 for t in taps]}
+        w |= {f"fc_norm.{i}.weight": 1 + _rand(H, scale=0.1) for i in range(3)}
+    if layout == "eagle3-speculators":
+        taps = (2, 3, 5)
+        fields = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+                  "transformer_layer_config": _llama_fields(), "draft_vocab_size": draft_vocab,
+                  "norm_before_residual": True, "eagle_aux_hidden_state_layer_ids": list(taps)}  # fmt: skip
+        w["embed_tokens.weight"] = embed.clone()
+        w["input_norm.weight"] = 1 + _rand(3 * H, scale=0.1)
+    if layout == "eagle3-safeailab":
+        torch.save(w, out / "pytorch_model.bin")
+    else:
+        save_file({k: v.contiguous() for k, v in w.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(fields))
+    return out, w, taps
+
+
+def _rms(x, weight, eps=1e-6):
+    return weight * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x, positions, dim=8, base=10000.0):
+    inv = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = positions[:, None].double() * inv[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    half = dim // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+def naive_layer(w: dict, prefix: str, x_attn, resid, positions):
+    """One Llama decoder layer as the layouts define it, causal over the rows (float64)."""
+    g = lambda n: w[prefix + n].double()  # noqa: E731
+    t = x_attn.shape[0]
+    q = (x_attn @ g("self_attn.q_proj.weight").T).view(t, HEADS, 8).transpose(0, 1)
+    k = (x_attn @ g("self_attn.k_proj.weight").T).view(t, KV, 8).transpose(0, 1)
+    v = (x_attn @ g("self_attn.v_proj.weight").T).view(t, KV, 8).transpose(0, 1)
+    q, k = _rope(q, positions), _rope(k, positions)
+    k, v = k.repeat_interleave(HEADS // KV, 0), v.repeat_interleave(HEADS // KV, 0)
+    scores = q @ k.transpose(1, 2) / math.sqrt(8) + torch.full((t, t), -math.inf).triu(1)
+    a = (torch.softmax(scores, -1) @ v).transpose(0, 1).reshape(t, -1)
+    h = resid + a @ g("self_attn.o_proj.weight").T
+    m = _rms(h, g("post_attention_layernorm.weight"))
+    mlp = (torch.nn.functional.silu(m @ g("mlp.gate_proj.weight").T) * (m @ g("mlp.up_proj.weight").T)) @ g(
+        "mlp.down_proj.weight"
+    ).T
+    return h + mlp
+
+
+def naive_logits(layout: str, w: dict, taps, target, ids: list[int]) -> torch.Tensor:
+    """(n - 1, V) target-vocabulary logits of the head at level 1 over the pairs of `ids`: pair j
+    reads the target's state(s) at j and the token j + 1 (-inf where the draft cannot propose)."""
+    with torch.no_grad():
+        out = target.model(input_ids=torch.tensor([ids[:-1]]), output_hidden_states=True)
+    embed = w["embed_tokens.weight"].double() if "embed_tokens.weight" in w else target.model.embed_tokens.weight
+    e = embed[torch.tensor(ids[1:])]
+    positions = torch.arange(1, len(ids))
+    if layout == "eagle1":
+        f = out.last_hidden_state[0]
+        x = torch.cat([e, f], -1) @ w["fc.weight"].double().T + w["fc.bias"].double()
+        h = naive_layer(w, "layers.0.", x, x, positions)
+        return h @ target.lm_head.weight.T
+    states = [out.hidden_states[t][0] for t in taps]
+    if "fc_norm.0.weight" in w:
+        states = [_rms(s, w[f"fc_norm.{i}.weight"].double()) for i, s in enumerate(states)]
+    cat = torch.cat(states, -1)
+    if "input_norm.weight" in w:
+        cat = _rms(cat, w["input_norm.weight"].double())
+    prefix = "layers.0." if layout == "eagle3-speculators" else "midlayer."
+    g = cat @ w["fc.weight"].double().T
+    hidden = _rms(g, w[prefix + "hidden_norm.weight"].double())
+    x = torch.cat([_rms(e, w[prefix + "input_layernorm.weight"].double()), hidden], -1)
+    resid = hidden if layout == "eagle3-speculators" else g  # norm_before_residual
+    h = naive_layer(w, prefix, x, resid, positions)
+    draft_logits = _rms(h, w["norm.weight"].double()) @ w["lm_head.weight"].double().T
+    full = torch.full((len(ids) - 1, V), -math.inf, dtype=torch.float64)
+    full[:, torch.arange(len(w["d2t"])) + w["d2t"]] = draft_logits
+    return full
+
+
+def head_logits(draft, target, ids: list[int]) -> torch.Tensor:
+    """The loaded head's level-1 logits over the pairs of `ids`, through its drafting forward."""
+    from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+    from dynatree_core.drafting.heads import head_drafter
+
+    drafter = head_drafter(draft, V)
+    with torch.no_grad():
+        out = target.model(input_ids=torch.tensor([ids[:-1]]), output_hidden_states=True)
+        taps = drafter.taps  # the final state alone (EAGLE-1) or layer inputs (EAGLE-3)
+        final = out.last_hidden_state[0]
+        feats = final if taps == (-1,) else torch.stack([out.hidden_states[t][0] for t in taps], 1)
+        rows = drafter._pair_rows(torch.tensor(ids[1:]), feats, fused=True)
+        n = len(ids) - 1
+        kv = drafter.kv
+        assert isinstance(kv, KVState)
+        visible = chain_then_tree_visibility(0, n, torch.zeros(0, 0, dtype=torch.bool))
+        logits = kv.forward(ids[1:], list(range(1, n + 1)), visible, n, embeds=rows)
+    return logits if draft.token_map is None else draft.token_map.to_target_logp(logits)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_published_layout_loads_and_its_logits_equal_a_naive_forward(tmp_path, target, layout):
+    path, w, taps = write_head(tmp_path, layout, target)
+    assert layout_of(path) == {"eagle1": "eagle1", "eagle3-speculators": "speculators"}.get(layout, "eagle3")
+    assert is_head_dir(str(path))
+    draft = load_head(str(path), target)
+    assert draft.kind == ("feature" if layout == "eagle1" else "fused")
+    if taps is not None:
+        assert draft.taps == taps, "the layer ids are read in the layout's own convention"
+    ids = [5, 17, 3, 44, 9, 60, 2, 31]
+    want = naive_logits(layout, w, taps, target, ids)
+    got = head_logits(draft, target, ids)
+    if layout == "eagle1":
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    else:  # compare as log-probabilities over the draft's tokens (the engine's view)
+        finite = torch.isfinite(want)
+        assert torch.equal(finite, torch.isfinite(got)), "the draft proposes exactly d2t's tokens"
+        torch.testing.assert_close(got.double()[finite], torch.log_softmax(want, -1)[finite], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("policy_name,params", DRAFTED)
+def test_every_tree_policy_is_greedy_exact_with_each_published_layout(tmp_path, target, layout, policy_name, params):
+    path, _, _ = write_head(tmp_path, layout, target)
+    draft = load_head(str(path), target)
+    for prompt in PROMPTS[:2]:
+        result = generate(
+            target, prompt, make_method(policy_name, params), draft=draft, config=DecodeConfig(max_new_tokens=16)
+        )
+        assert result.token_ids == hf_greedy(target, prompt, 16), f"{layout} {policy_name} diverged"
+
+
+def test_a_fused_draft_exports_to_eagle3_and_loads_back_with_identical_logits(tmp_path, target):
+    token_map = TokenMap([-1, *range(0, V, 3)], V)
+    draft = FusedDraft.from_target(target, token_map, seed=3)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.copy_(p.to(torch.bfloat16).to(p.dtype))  # the export stores bfloat16: compare what survives it
+    out = export_eagle3(draft, tmp_path / "eagle3", target_name="tiny")
+    config = json.loads((out / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(draft.taps)
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [t - 1 for t in draft.taps]
+    assert layout_of(out) == "eagle3" and config["draft_vocab_size"] == len(token_map) - 1
+    back = load_head(str(out), target)
+    ids = [5, 17, 3, 44, 9, 60, 2, 31]
+    torch.testing.assert_close(head_logits(back, target, ids), head_logits(draft, target, ids))
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (lambda f: f.__setitem__("hidden_size", 64), "hidden size"),
+        (lambda f: f.__setitem__("vocab_size", 200), "vocabulary"),
+        (lambda f: f.__setitem__("eagle_config", {"eagle_aux_hidden_state_layer_ids": [1, 4, 40]}), "layers"),
+        (lambda f: f.__setitem__("num_hidden_layers", 2), "one layer only"),
+    ],
+)
+def test_a_head_that_does_not_fit_its_target_is_one_clear_error(tmp_path, target, change, needle):
+    path, _, _ = write_head(tmp_path, "eagle3-specforge", target)
+    fields = json.loads((path / "config.json").read_text())
+    change(fields)
+    (path / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(DynaTreeError, match=needle):
+        load_head(str(path), target)
