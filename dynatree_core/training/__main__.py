@@ -161,6 +161,10 @@ def main(argv: list[str] | None = None) -> None:
         "make draft-feature",
     )
     exf.add_argument("--target", default="embedded", help="the target the draft reads (not embedded: give --dest)")
+    exf.add_argument(
+        "--layout", choices=("dynatree", "eagle3"), default="dynatree",
+        help="eagle3: the layout SGLang and vLLM load (a fused-kind draft only; needs --dest)",
+    )  # fmt: skip
     qu = sub.add_parser("quality", help="measure a draft: agreement, tokens/iteration, step cost")
     qu.add_argument("--draft", type=Path, nargs="+", required=True, help="one or more draft directories")
     qu.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
@@ -289,6 +293,21 @@ def main(argv: list[str] | None = None) -> None:
 
         target = load_model(args.target, device="cpu", dtype="float32").model
         quality = json.loads(args.quality.read_text()) if args.quality and args.quality.exists() else None
+        if args.layout == "eagle3":
+            from dynatree_core.drafting.heads import load_head
+            from dynatree_core.drafting.published import export_eagle3
+            from dynatree_core.errors import DynaTreeError
+
+            draft = load_head(str(args.run / "draft" if (args.run / "draft").is_dir() else args.run), target)
+            if args.dest is None or draft.kind != "fused":
+                raise SystemExit(
+                    "export-feature --layout eagle3: a fused-kind draft (train-packed --kind fused) and --dest"
+                )
+            try:
+                print(f"export-feature: {export_eagle3(draft, args.dest, target_name=args.target)}")
+            except DynaTreeError as exc:
+                raise SystemExit(f"export-feature: {exc}") from None
+            return
         if args.dest is None and args.target != "embedded":
             raise SystemExit("export-feature: a draft for another target needs --dest (the default is the shipped one)")
         dest = args.dest or EMBEDDED_FEATURE_DRAFT_DIR
