@@ -15,7 +15,7 @@ from conftest import examples
 from hypothesis import given
 from hypothesis import strategies as st
 from test_compare import PROMPT, tiny_pair
-from test_trace_import import JSON
+from test_trace_import import mutate_json
 
 from dynatree_core.decoding.engine import DecodeConfig
 from dynatree_core.errors import DynaTreeError
@@ -111,32 +111,12 @@ def test_benchmark_rows_outside_their_domain_are_refused():
             check_bench_rows(data)
 
 
-def _mutate(data, raw):
-    """One to three random replacements or deletions somewhere inside `raw` (in place)."""
-    for _ in range(data.draw(st.integers(1, 3))):
-        node, key = raw, None
-        for _depth in range(data.draw(st.integers(1, 5))):
-            children = list(node.keys()) if isinstance(node, dict) else list(range(len(node)))
-            if not children:
-                break
-            key = data.draw(st.sampled_from(children))
-            if not isinstance(node[key], (dict, list)):
-                break
-            node, key = node[key], None
-        if key is None:
-            continue
-        if isinstance(node, dict) and data.draw(st.booleans()):
-            del node[key]
-        else:
-            node[key] = data.draw(JSON)
-
-
 @pytest.mark.property
 @examples(100)
 @given(st.data())
 def test_mutated_comparisons_are_refused_or_drawn(data):
     raw = json.loads(saved_comparison())
-    _mutate(data, raw)
+    mutate_json(data, [raw])
     import_or_refuse(json.dumps(raw))
 
 
@@ -145,6 +125,6 @@ def test_mutated_comparisons_are_refused_or_drawn(data):
 @given(st.data())
 def test_mutated_benchmark_reports_are_refused_or_drawn(data):
     raw = bench_report()
-    _mutate(data, raw)
+    mutate_json(data, [raw])
     with contextlib.suppress(ValueError):  # refused: fine; accepted: it must draw
         draw_bench(json.loads(json.dumps(raw)))

@@ -206,9 +206,16 @@ def test_arbitrary_json_is_refused_or_drawn(value):
 @given(st.booleans(), st.data())
 def test_mutated_exports_are_refused_or_drawn(sampled, data):
     raw = json.loads(exported(sampled))
+    record = data.draw(st.sampled_from(raw["records"]))
+    mutate_json(data, [raw, record, record, record["tree"]])
+    replay_or_refuse(json.dumps(raw))
+
+
+def mutate_json(data, starts: list) -> None:
+    """One to three random replacements or deletions, each at a random place below one of `starts`
+    (objects or lists inside one JSON document, changed in place)."""
     for _ in range(data.draw(st.integers(1, 3))):
-        record = data.draw(st.sampled_from(raw["records"]))
-        node, key = data.draw(st.sampled_from([raw, record, record, record["tree"]])), None
+        node, key = data.draw(st.sampled_from(starts)), None
         for _depth in range(data.draw(st.integers(1, 6))):  # walk down to a random place
             children = list(node.keys()) if isinstance(node, dict) else list(range(len(node)))
             if not children:
@@ -223,7 +230,6 @@ def test_mutated_exports_are_refused_or_drawn(sampled, data):
             del node[key]
         else:
             node[key] = data.draw(JSON)
-    replay_or_refuse(json.dumps(raw))
 
 
 def test_a_sampled_runs_draws_import_sparse_and_a_hostile_vocabulary_size_is_refused():

@@ -188,10 +188,7 @@ class FeatureDraft(torch.nn.Module):
         from transformers import LlamaConfig
 
         path = Path(directory)
-        try:
-            meta = json.loads((path / CONFIG_FILE).read_text())
-        except (OSError, ValueError) as exc:
-            raise DynaTreeError(f"{path} is not a feature draft ({CONFIG_FILE} missing or unreadable)") from exc
+        meta = read_meta(path, CONFIG_FILE, "a feature draft")
         token_map = TokenMap.load(path)
         config = LlamaConfig.from_dict(meta["llama_config"])
         if config.hidden_size != _text_config(target).hidden_size:
@@ -209,6 +206,14 @@ class FeatureDraft(torch.nn.Module):
         draft.lm.load_state_dict(lm_state)
         draft.fc.load_state_dict({k.removeprefix("fc."): v for k, v in state.items() if k.startswith("fc.")})
         return draft.to(dtype=target.dtype).eval()
+
+
+def read_meta(path: Path, name: str, what: str) -> dict:
+    """A saved draft's JSON description (DynaTreeError naming `what` when it is missing or unreadable)."""
+    try:
+        return json.loads((path / name).read_text())
+    except (OSError, ValueError) as exc:
+        raise DynaTreeError(f"{path} is not {what} ({name} missing or unreadable)") from exc
 
 
 def is_feature_draft(model: torch.nn.Module | None) -> bool:

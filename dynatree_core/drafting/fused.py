@@ -34,7 +34,7 @@ from dynatree_core.core.kv import KVState
 from dynatree_core.core.taps import check_taps, eagle3_taps
 from dynatree_core.core.transfer import to_device
 from dynatree_core.core.vocab import OTHER, TokenMap
-from dynatree_core.drafting.feature import FeatureDrafter, head_config
+from dynatree_core.drafting.feature import FeatureDrafter, head_config, read_meta
 from dynatree_core.errors import DynaTreeError
 
 CONFIG_FILE = "fused_draft.json"
@@ -241,10 +241,7 @@ class FusedDraft(torch.nn.Module):
         from transformers import LlamaConfig
 
         path = Path(directory)
-        try:
-            meta = json.loads((path / CONFIG_FILE).read_text())
-        except (OSError, ValueError) as exc:
-            raise DynaTreeError(f"{path} is not a fused-feature draft ({CONFIG_FILE} missing or unreadable)") from exc
+        meta = read_meta(path, CONFIG_FILE, "a fused-feature draft")
         config = LlamaConfig.from_dict(meta["llama_config"])
         check_fits(config.hidden_size, meta["taps"], target, where=str(path))
         options = {
