@@ -83,6 +83,10 @@ def test_comparison_values_outside_their_domain_are_refused_naming_entry_and_fie
         ("acceptance_rate is 1.5", lambda e: e.__setitem__("acceptance_rate", 1.5)),
         ("acceptance_by_depth\\[depth 1\\]", lambda e: e.__setitem__("acceptance_by_depth", [2.0])),
         ("tpot_ms must be a finite number", lambda e: e.__setitem__("tpot_ms", "fast")),
+        (
+            "peak_memory_mb must be a finite number",
+            lambda e: e.__setitem__("peak_memory_mb", None),
+        ),  # found by make fuzz
         ("accepted_lengths", lambda e: e.__setitem__("accepted_lengths", [-1])),
         ("neither text nor token_ids", lambda e: (e.__setitem__("text", ""), e.__setitem__("token_ids", []))),
     ]
