@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 STREAMLIT_FLAGS ?= --server.address localhost
 
-.PHONY: setup run test test-fast fuzz lint format clean draft draft-feature draft-feature-talf
+.PHONY: setup run test test-fast fuzz lint format clean draft draft-feature draft-feature-long draft-feature-talf
 
 setup: $(STAMP)
 
@@ -94,6 +94,20 @@ draft-feature: setup
 		init=$(FEATURE_RUN)/stage-$$k/draft; done; \
 	$(PY) -m dynatree_core.training feature-quality --answers --target $(DRAFT_TARGET) --draft $$init \
 		--out $(FEATURE_RUN)/quality.json
+
+# The long schedule with the cheap step (docs/training.md, "The cheap step"): the compact teacher
+# for every answer shard (a fresh machine recomputes the features too: ~1.5 h on 2 cores), then 15
+# passes of KD over the answers with packed windows, cosine to zero over the whole run, held-out and
+# OOD agreement every 30 minutes of training. Many hours on 2 cores: run it in the background;
+# rerunning the same command resumes every stage (checkpoint.pt keeps the schedule's place).
+LONG_RUN ?= $(HOME)/.cache/dynatree/draft-runs/long-feature
+LONG_FLAGS ?= --kind feature --levels 1 --ce-share 0.25 --passes 15 --lr 5e-4 --warmup 50 --eval-every-s 1800 --eval-first true
+draft-feature-long: setup
+	$(PY) -m dynatree_core.training answers-relabel --target $(DRAFT_TARGET) --teacher --stages questions,main
+	$(PY) -m dynatree_core.training answers-relabel --target $(DRAFT_TARGET) --teacher --ood
+	$(PY) -m dynatree_core.training train-packed --target $(DRAFT_TARGET) $(LONG_FLAGS) --log-every 20 \
+		$(if $(filter embedded,$(DRAFT_TARGET)),--init-from assets/models/smollm2-feature-draft,--token-map $(FEATURE_RUN)/map) \
+		--out $(LONG_RUN)
 
 # TALF fine-tuning of a trained feature draft (the SALF & TALF paper's protocol; docs/benchmark-log.md has
 # the KD-only vs KD+TALF comparison at equal steps): the target's beam trees at 8 roots of the
