@@ -257,3 +257,20 @@ def test_a_head_that_does_not_fit_its_target_is_one_clear_error(tmp_path, target
     (path / "config.json").write_text(json.dumps(fields))
     with pytest.raises(DynaTreeError, match=needle):
         load_head(str(path), target)
+
+
+def test_export_feature_writes_a_fused_run_in_the_eagle3_layout(tmp_path, tiny_pair_dirs):
+    from dynatree_core.core.models import load_model
+    from dynatree_core.training.__main__ import main
+
+    target = load_model(tiny_pair_dirs[0], device="cpu", dtype="float32").model
+    vocab = target.config.vocab_size
+    FusedDraft.from_target(target, TokenMap([-1, *range(0, vocab, 7)], vocab), taps=(1, 1, 1)).save(
+        tmp_path / "run" / "draft"
+    )
+    main(["export-feature", "--layout", "eagle3", "--target", tiny_pair_dirs[0], "--run", str(tmp_path / "run"),
+          "--dest", str(tmp_path / "eagle3")])  # fmt: skip
+    assert layout_of(tmp_path / "eagle3") == "eagle3"
+    assert load_head(str(tmp_path / "eagle3"), target).taps == (1, 1, 1)
+    with pytest.raises(SystemExit, match="--dest"):
+        main(["export-feature", "--layout", "eagle3", "--target", tiny_pair_dirs[0], "--run", str(tmp_path / "run")])
