@@ -261,31 +261,17 @@ def test_a_stopped_run_resumes_the_same_schedule_and_its_curve_is_saved(tiny_sto
         passes=6.0, pairs_per_step=8, log_every=1, eval_every_s=4, stop_after_s=5, warmup=1, eval_first=True
     )
     out = tmp_path / "run"
-    draft = FeatureDraft.from_target(target.model, token_map)
-    train_packed(
-        draft,
-        data,
-        out,
-        cfg,
-        target_head=target.model.get_output_embeddings(),
-        evals=evals,
-        clock=clock,
-        log=lambda m: None,
-    )
+
+    def run() -> None:  # a fresh process's draft: everything else comes from the checkpoint
+        draft = FeatureDraft.from_target(target.model, token_map)
+        head = target.model.get_output_embeddings()
+        train_packed(draft, data, out, cfg, target_head=head, evals=evals, clock=clock, log=lambda m: None)
+
+    run()
     first = torch.load(out / "checkpoint.pt", weights_only=False)["state"]
     assert not (out / "draft").exists() and 0 < first["seen"] < 6 * data.answer_pairs()
     cfg.stop_after_s = 0
-    draft = FeatureDraft.from_target(target.model, token_map)
-    train_packed(
-        draft,
-        data,
-        out,
-        cfg,
-        target_head=target.model.get_output_embeddings(),
-        evals=evals,
-        clock=clock,
-        log=lambda m: None,
-    )
+    run()
     done = torch.load(out / "checkpoint.pt", weights_only=False)["state"]
     assert done["step"] > first["step"] and done["seen"] >= 6 * data.answer_pairs(), "the schedule ran to its end"
     assert (out / "draft").exists()

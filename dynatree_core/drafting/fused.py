@@ -267,10 +267,6 @@ def check_fits(hidden: int, taps, target: torch.nn.Module, *, where: str) -> Non
         raise DynaTreeError(f"the draft in {where} reads target layers {list(taps)}: {exc}") from None
 
 
-def is_fused_draft(model: torch.nn.Module | None) -> bool:
-    return isinstance(model, FusedDraft)
-
-
 def is_fused_draft_dir(spec: str | None) -> bool:
     return bool(spec) and (Path(spec).expanduser() / CONFIG_FILE).is_file()
 
