@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     rel.add_argument("--teacher", action="store_true", help="also the compact teacher at every loss position")
     rel.add_argument("--stages", default="questions,main,follow,ood", help="comma-separated, in this order")
     rel.add_argument("--ood", action="store_true", help="the OOD answers' store (ood-answers), not the training one")
+    wr = sub.add_parser("answers-written", help="human-written text as teacher-forced assistant turns (stage written)")
+    _answer_flags(wr)
+    wr.add_argument("--seed", type=int, default=0)
     cor = sub.add_parser("corpus", help="assemble training windows (docs, fortunes, on-policy chunks)")
     cor.add_argument("--out", type=Path, default=COMMITTED / "corpus.npz")
     cor.add_argument("--chunks-dir", type=Path, default=COMMITTED / "onpolicy")
@@ -138,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     tp.add_argument("--token-map", type=Path, default=REPO_ROOT / "assets" / "models" / "smollm2-feature-draft")
     tp.add_argument("--init-from", type=Path, default=None, help="a saved draft of the same kind (weights only)")
     tp.add_argument("--out", type=Path, default=cache_dir() / "draft-runs" / "packed")
+    tp.add_argument("--stages", default="questions,main,follow", help='answer stages to train on ("written": text)')
     from dynatree_core.training.step import PackedTrainConfig
 
     _config_flags(tp, PackedTrainConfig)
@@ -181,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         "make draft",
     )
     args = parser.parse_args(argv)
-    if args.command in ("answers", "answers-relabel", "ood-answers"):
+    if args.command in ("answers", "answers-relabel", "ood-answers", "answers-written"):
         _answers(args)
     elif args.command == "vocab-map":
         _vocab_map(args)

@@ -41,7 +41,17 @@ def _answers(args: argparse.Namespace) -> None:
     if packing_enabled(target.device, target.dtype):
         pack_linears(target.model)
     if args.command == "ood-answers":
-        ood_answers(store, target, log=lambda m: print(m, flush=True))
+        ood_answers(store, target, log=print_now)
+        return
+    if args.command == "answers-written":
+        from dynatree_core.training.written import write_written
+
+        vocab = target.model.config.get_text_config(decoder=True).vocab_size
+        end = target.tokenizer.eos_token_id  # the end of an assistant turn (e.g. <|im_end|>)
+        end = min(target.eos_token_ids) if end is None else end
+        n = write_written(store, target.tokenizer, end, vocab, seed=args.seed, log=print_now)
+        print_now(f"answers-written: {n} shards written to {portable(str(store.ids_dir))}; "
+                  "next: answers-relabel --stages written --teacher")  # fmt: skip
         return
     if args.command == "answers-relabel":
         n_layers = target.model.config.get_text_config(decoder=True).num_hidden_layers
@@ -83,7 +93,7 @@ def _train_packed(args: argparse.Namespace) -> None:
     from dynatree_core.drafting.feature import FeatureDraft
     from dynatree_core.drafting.fused import FusedDraft
     from dynatree_core.training.answer_data import source_summary
-    from dynatree_core.training.answers import AnswerStore
+    from dynatree_core.training.answers import STAGES, AnswerStore
     from dynatree_core.training.packed import PackedAnswers
     from dynatree_core.training.step import PackedTrainConfig, train_packed
 
@@ -93,7 +103,8 @@ def _train_packed(args: argparse.Namespace) -> None:
     taps = parse_taps(args.taps, n_layers) if args.kind == "fused" else None
     token_map = TokenMap.load(args.token_map)
     store = AnswerStore(*answer_dirs(args.target))
-    data = PackedAnswers(store, token_map, taps=taps)
+    stages = tuple(s for s in args.stages.split(",") if s)
+    data = PackedAnswers(store, token_map, taps=taps, stages=stages)
     ood = PackedAnswers(
         AnswerStore(*answer_dirs(args.target, ood=True)), token_map, taps=taps, stages=("ood",), heldout=True
     )
@@ -102,7 +113,9 @@ def _train_packed(args: argparse.Namespace) -> None:
         raise SystemExit(
             f"train-packed: no answer shard has its teacher (and taps); run `answers-relabel {what}` first"
         )
-    heldout = np.random.default_rng(0).permutation(data.eval_rows)[: cfg.eval_windows]
+    # the held-out check reads the answer stages only, so runs on different stages compare
+    answer_rows = data.eval_rows[np.isin(data.windows.stage_of(data.eval_rows), STAGES)]
+    heldout = np.random.default_rng(0).permutation(answer_rows)[: cfg.eval_windows]
     evals = (
         {"heldout": (data, np.sort(heldout)), "ood": (ood, ood.eval_rows)}
         if len(ood.eval_rows)
@@ -120,7 +133,7 @@ def _train_packed(args: argparse.Namespace) -> None:
     pairs = data.answer_pairs()
     print_now(f"train-packed: {args.kind} kind, {len(data.train_rows)} training windows ({pairs:,} answer pairs), "
               f"{len(heldout)} held-out and {len(ood.eval_rows)} OOD windows evaluated")  # fmt: skip
-    about = {"kind": "answers", **data.windows.describe(), "sources": source_summary(store)}
+    about = {"kind": "answers", **data.windows.describe(), "sources": source_summary(store, stages)}
     if args.init_from:
         about["init_from"] = portable(str(args.init_from))
     train_packed(

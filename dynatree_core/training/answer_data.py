@@ -37,6 +37,7 @@ class AnswerCorpus:
         self.window = window
         self.features: list[np.ndarray] = []
         self.ids: list[np.ndarray] = []
+        self.stages: list[str] = []  # the stage of each part
         rows = []  # (part, start in ids/features, length, answer start within the window, heldout)
         for stage in stages:
             for k in store.shards(stage):
@@ -45,6 +46,7 @@ class AnswerCorpus:
                 data = np.load(store.ids_path(stage, k))
                 part = len(self.ids)
                 self.ids.append(data["ids"])
+                self.stages.append(stage)
                 self.features.append(np.load(store.features_path(stage, k), mmap_mode="r"))
                 off, plens = data["offsets"], data["prompt_lens"]
                 for i in range(len(off) - 1):
@@ -88,6 +90,10 @@ class AnswerCorpus:
         """n training windows (every window here is on-policy: the share is accepted for the
         FeatureCorpus interface)."""
         return rng.choice(self.train_rows, n, replace=len(self.train_rows) < n)
+
+    def stage_of(self, rows: np.ndarray) -> np.ndarray:
+        """The stage name of each window of `rows`."""
+        return np.asarray(self.stages, dtype=object)[self.rows[rows, 0]] if len(rows) else np.zeros(0, dtype=object)
 
     def answer_tokens(self, rows: np.ndarray) -> int:
         """Loss positions of `rows`: window positions whose next token belongs to the answer."""

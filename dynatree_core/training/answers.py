@@ -100,18 +100,24 @@ class AnswerStore:
         ]
 
     def write(self, stage: str, k: int, rows, jobs: list[sources.Job], vocab: int) -> None:
+        """A decoded shard: its features, then its ids (the ids last: they mark the shard done)."""
         ids = np.concatenate([r.ids for r in rows]).astype(_ids_dtype(vocab))
-        offsets = np.cumsum([0] + [len(r.ids) for r in rows]).astype(np.int64)
         self.write_features(stage, k, [r.features for r in rows], ids)
+        temps = np.asarray([j.temperature for j in jobs], dtype=np.float16)
+        self.write_ids(stage, k, [(r.ids, r.prompt_len) for r in rows], [j.source for j in jobs], temps, vocab)
+
+    def write_ids(self, stage: str, k: int, seqs, kinds: list[str], temperature: np.ndarray, vocab: int) -> None:
+        """The shard's ids file: `seqs` (ids, prompt length), each sequence's source kind and
+        temperature (NaN: not sampled from the target, e.g. written text)."""
         self.ids_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.ids_dir / f"{stage}_{k:05d}.tmp.npz"
         np.savez_compressed(
             tmp,
-            ids=ids,
-            offsets=offsets,
-            prompt_lens=np.asarray([r.prompt_len for r in rows], dtype=np.int32),
-            source=np.asarray([_source_index(j.source) for j in jobs], dtype=np.int8),
-            temperature=np.asarray([j.temperature for j in jobs], dtype=np.float16),
+            ids=np.concatenate([np.asarray(ids) for ids, _ in seqs]).astype(_ids_dtype(vocab)),
+            offsets=np.cumsum([0] + [len(ids) for ids, _ in seqs]).astype(np.int64),
+            prompt_lens=np.asarray([plen for _, plen in seqs], dtype=np.int32),
+            source=np.asarray([_source_index(s) for s in kinds], dtype=np.int8),
+            temperature=temperature,
         )
         tmp.rename(self.ids_path(stage, k))
 

@@ -11,6 +11,7 @@ the temperature to answer it with (greedy or sampled) and a token limit. Kinds o
     fortunes       quotations and jokes (Debian's fortunes)
     self-instruct  user questions the target wrote itself from seed topics (answered in a later stage)
     multi-turn     follow-up requests on the target's own earlier answers (a later stage)
+    written-*      the texts themselves as assistant turns, teacher-forced (written.py)
 
 `build_pool` is deterministic for a given machine's files and seed; the pool is saved next to the
 data so a run that resumes elsewhere answers the same prompts. The out-of-distribution set
@@ -32,7 +33,10 @@ from pathlib import Path
 
 from dynatree_core.training.prompts import TOPICS, sample_prompts
 
-SOURCES = ("templates", "debian", "pydoc", "stdlib", "manpages", "fortunes", "self-instruct", "multi-turn")
+SOURCES = (
+    *("templates", "debian", "pydoc", "stdlib", "manpages", "fortunes", "self-instruct", "multi-turn"),
+    *("written-pydoc", "written-stdlib", "written-manpages", "written-fortunes"),  # written.py: text, not answers
+)
 DOCS_DIR = Path("/usr/share/doc/python3.11/html/_sources")
 FORTUNES_DIR = Path("/usr/share/games/fortunes")
 MAN_DIR = Path("/usr/share/man")
