@@ -22,29 +22,37 @@ from dynatree_core.decoding.pairs import encode_prompt
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.live.process_run import ProcessRun
 from dynatree_core.live.run import LiveRun
-from dynatree_core.measure.prompt_sets import load_prompts
 from dynatree_core.measure.run_settings import RunSpec
 from dynatree_core.ui.live_view import RENDER_INTERVAL_S, metrics_row, render
 from dynatree_core.ui.replay import POSTER_FRAMES, PREWARM_FRAME, REPLAY_INTERVAL_S, replay_run, replay_step
 from dynatree_core.ui.resources import cached_pair, engine_process, forward_lock, live_engine_mode, prewarm
 from dynatree_core.ui.widgets import (
     advance,
+    compact_top,
     import_run,
     live_buttons,
     model_picker,
     param_widgets,
+    prompt_inputs,
     setting_widget,
     show_run_error,
 )
 
 st.set_page_config(page_title="DynaTree Explorer", page_icon="🌳", layout="wide")
+ABOUT = (
+    "Tree speculative decoding, live: a small draft model proposes a tree of possible next tokens, the target "
+    "model checks the whole tree in one forward pass, and the longest branch it agrees with is kept, plus one "
+    "token of its own. The prompt and every setting are in the sidebar."
+)
 
 
 # ----- inputs ------------------------------------------------------------------------------------
-st.title(":material/account_tree: DynaTree Explorer")
-st.caption("Tree speculative decoding, live: the draft proposes a token tree, the target verifies it in one forward.")
+compact_top()
+st.title(":material/account_tree: DynaTree Explorer", help=ABOUT)
 
 with st.sidebar:
+    st.header("Prompt")
+    prompt, chat = prompt_inputs("", default="Explain what speculative decoding is in two sentences.")
     st.header("Models")
     target_spec, draft_spec, device, dtype = model_picker()
     st.header("Drafting")
@@ -74,18 +82,6 @@ with st.sidebar:
         order=order,
         seed=seed,
     )
-
-examples = load_prompts("all")
-example = st.selectbox(
-    "Example prompts", ["(your own)"] + [f"[{p.domain}] {p.text[:80]}" for p in examples], help="Fills the prompt box."
-)
-default_prompt = "Explain what speculative decoding is in two sentences."
-if example != "(your own)":
-    default_prompt = examples[[f"[{p.domain}] {p.text[:80]}" for p in examples].index(example)].text
-prompt = st.text_area(
-    "Prompt", default_prompt, height=90, key=f"prompt_{example}", help="What the target continues (or answers)."
-)
-chat = st.toggle("Chat template", value=True, help="Wrap the prompt as a user turn (instruct models).")
 
 # What the page asked for, as the run keeps it (LiveRun.settings): a change asks for a restart
 settings = {**dataclasses.asdict(spec), "policy": policy_name, "params": params, "prompt": prompt, "chat": chat}
@@ -230,7 +226,7 @@ def live_view() -> None:
     state.drawn_at = time.monotonic()
     replaying = run is not None and run is state.get("replay_run") and replay_step(run)
     first_frames = replaying and state.get("replay_at", 0) <= POSTER_FRAMES + 1  # drawn before plotly has loaded
-    render(None if run is None else run.snapshot(), running=alive, poster=first_frames)
+    render(None if run is None else run.snapshot(), running=alive, poster=first_frames, replaying=replaying)
     if replaying and state.get("replay_at") == PREWARM_FRAME:  # the live pair loads while the replay plays,
         prewarm(target_spec, draft_spec, device, dtype)  # once its first frames are drawn (both share the cores)
     if replaying:

@@ -14,11 +14,10 @@ from dynatree_core.decoding.pairs import encode_prompt
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.measure.compare import Comparison, compare
 from dynatree_core.measure.entries import Entry, labelled, schedule
-from dynatree_core.measure.prompt_sets import load_prompts
 from dynatree_core.measure.run_settings import RunSpec
 from dynatree_core.ui.resources import cached_pair, forward_lock
-from dynatree_core.ui.widgets import model_picker, param_widgets, setting_widget
-from dynatree_core.viz import compare_figures, tree_figure
+from dynatree_core.ui.widgets import model_picker, param_widgets, prompt_inputs, setting_widget
+from dynatree_core.viz import compare_figures, legend_html, tree_figure
 
 st.set_page_config(page_title="Compare policies", page_icon="⚖️", layout="wide")
 st.title("Compare drafting policies")
@@ -29,6 +28,7 @@ st.caption(
 )
 CHOICES = candidates()
 DEFAULTS = ["linear", "fixed_tree", "dynatree", "salf", "dyspec", "eagle2"]
+COLUMN_PX = 230  # a live tree's width at four columns on a laptop screen (1366 px, sidebar open)
 
 with st.sidebar:
     st.header("Models")
@@ -55,12 +55,7 @@ with st.sidebar:
     )
     include_hf = st.toggle("HF generate reference", True, key="cmp_hf", help="Time HF's plain generate as well.")
 
-prompts = load_prompts("all")
-example = st.selectbox(  # opens on the first bundled prompt, so Compare works at once
-    "Example prompt", ["(your own)", *[p.text for p in prompts[:12]]], index=1, key="cmp_example"
-)
-prompt = st.text_area("Prompt", "" if example == "(your own)" else example, height=80, key=f"cmp_prompt_{example}")
-chat = st.toggle("Chat template", value=True, key="cmp_chat")
+prompt, chat = prompt_inputs("cmp_", height=80)  # opens on the first bundled prompt, so Compare works at once
 
 count = st.number_input("Policies to compare", 2, 6, 4, key="cmp_count")
 entries = []
@@ -75,8 +70,10 @@ entries = labelled(entries)  # unique labels when a policy appears twice
 
 
 def live_view(labels: list[str], decode):
-    """One column per compared policy: its latest tree and running tokens/s (black boxes: none)."""
+    """One column per compared policy: its latest tree and running tokens/s (black boxes: none),
+    under one legend for the row; each small tree labels the tokens that fit (all in the hover)."""
     slots, stats = {}, {}
+    st.html(legend_html())
     cols = st.columns(len(labels))
     for label, col in zip(labels, cols, strict=True):
         with col:
@@ -91,7 +88,8 @@ def live_view(labels: list[str], decode):
             return
         last["t"] = time.monotonic()
         figure, text = slots[label]
-        figure.plotly_chart(tree_figure(rec, decode, height=220), width="stretch", key=f"live_{label}_{time.time_ns()}")
+        small = tree_figure(rec, decode, height=220, compact_px=COLUMN_PX * 4 // len(labels))
+        figure.plotly_chart(small, width="stretch", key=f"live_{label}_{time.time_ns()}")
         tokens, ms = stats[label]
         text.caption(f"iteration {rec.index}: {tokens / ms * 1000:.1f} tokens/s so far")
 

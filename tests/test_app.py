@@ -275,7 +275,7 @@ def test_run_decodes_in_a_worker_and_the_scrubber_reaches_every_iteration(tiny_p
     assert n > 1, "a one-iteration run does not exercise the scrubber"
     for i in (*range(1, n + 1), n):
         next(s for s in at.slider if s.label == "Iteration").set_value(i).run()
-        assert any(h.value == f"Draft tree — iteration {i}" for h in at.subheader), f"iteration {i} not drawn"
+        assert any(h.value == f"#### Draft tree — iteration {i}" for h in at.markdown), f"iteration {i} not drawn"
 
 
 def test_reset_stops_a_running_worker(tiny_pair_dirs, monkeypatch):
@@ -407,7 +407,7 @@ def test_the_page_opens_on_a_replay_that_plays_before_any_model_loads(monkeypatc
     assert warmed == [replay.PREWARM_FRAME], "the pair starts loading once, after the replay's first frames are drawn"
     run = at.session_state["run"]
     assert run is not None and run.imported and len(run.records) > 5, "the recorded run is loaded"
-    assert any("Replay of a recorded run" in i.value for i in at.info)
+    assert any("Replay finished" in i.value for i in at.info)
     charts = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
     assert any(any(t.get("name") == "root" for t in c["data"]) for c in charts), "a tree is drawn"
     assert at.session_state["replay_at"] > len(run.records), "it played every iteration"
@@ -459,3 +459,54 @@ def test_a_running_page_draws_only_the_texts_tail_and_the_whole_text_once_stoppe
         texts = [h.proto.body for h in at.get("html") if "iteration 21:" in h.proto.body]
         assert len(texts) == 1
         assert ("earlier tokens" in texts[0]) == running and ("iteration 1:" in texts[0]) != running
+
+
+def test_the_replay_banner_counts_frames_and_finished_comes_only_at_the_end():
+    """While the opening replay plays, the banner names the iteration of how many and the page
+    never says "Finished"; the metrics say they cover the iterations up to the one on show."""
+
+    def page(frame: int, replaying: bool):
+        import streamlit as st
+
+        from dynatree_core.live.run import LiveRun
+        from dynatree_core.ui.live_view import render
+        from dynatree_core.ui.replay import REPLAY_FILE, replay_banner
+
+        run = LiveRun.from_json(REPLAY_FILE.read_bytes())
+        st.session_state[f"scrub_{len(run.records)}"] = frame
+        st.info(replay_banner(run, frame))
+        render(run, replaying=replaying)
+
+    from dynatree_core.live.run import LiveRun
+    from dynatree_core.ui.replay import REPLAY_FILE
+
+    run = LiveRun.from_json(REPLAY_FILE.read_bytes())
+    n = len(run.records)
+    for frame, replaying in ((1, True), (n // 2, True), (n, False)):
+        at = AppTest.from_function(page, args=(frame, replaying), default_timeout=60)
+        at.run()
+        assert not at.exception, at.exception
+        infos = [i.value for i in at.info]
+        finished = any("Finished:" in i for i in infos)
+        assert finished == (frame == n), (frame, infos)
+        banner = infos[0]
+        assert (f"iteration {frame} of {n}" in banner) == (frame < n) and ("Replay finished" in banner) == (frame == n)
+        scope = " ".join(c.value for c in at.caption)
+        assert (f"Iterations 1-{frame} of {n}" in scope) == (frame < n) and ("Whole run" in scope) == (frame == n)
+        shown = run.result(upto=frame)
+        assert at.metric[3].value == str(frame) and at.metric[4].value == str(shown.new_tokens), "the frame's metrics"
+
+
+def test_the_example_selector_says_your_own_once_the_prompt_is_edited():
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=60)
+    at.run()
+    pick = next(s for s in at.selectbox if s.label == "Example prompts")
+    assert pick.value == "(your own)"
+    example = pick.options[2]
+    pick.set_value(example).run()
+    box = next(t for t in at.text_area if t.label == "Prompt")
+    assert box.value and box.value[:40] in example, "an example fills the prompt box"
+    box.set_value(box.value + " Please be brief.").run()
+    assert next(s for s in at.selectbox if s.label == "Example prompts").value == "(your own)"
+    assert next(t for t in at.text_area if t.label == "Prompt").value.endswith("Please be brief."), "the edit is kept"
+    assert not at.exception

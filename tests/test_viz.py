@@ -246,3 +246,27 @@ def test_the_static_tree_draws_every_node_edge_label_and_legend_entry_of_the_plo
         assert svg.count("<path ") == sum(1 for t in fig.data if "lines" in t.mode and len(t.x or ()) > 1)
         assert "&lt;&amp;&gt;" in svg and "<&>" not in svg
         assert all(f">{name}</text>" in svg for name in legend)
+
+
+def test_a_compact_tree_has_no_legend_and_labels_only_the_tokens_that_fit():
+    """The compare page's small multiples: one legend for the row (legend_html), so none per tree;
+    a token whose label would overlap a neighbour's is left to the hover, at every width."""
+    from dynatree_core.viz import fitting_labels, legend_html
+
+    rec = sample_record()
+    decode = lambda t: f"token{t}"  # noqa: E731  eight characters: a wide label
+    wide, narrow = (tree_figure(rec, decode, compact_px=px) for px in (2000, 120))
+    for fig in (wide, narrow):
+        markers = [tr for tr in fig.data if tr.mode == "markers+text"]
+        assert all(tr.showlegend is False for tr in fig.data), "no legend in a small multiple"
+        assert sorted(r[0] for tr in markers for r in tr.customdata) == sorted([*range(len(rec.tree)), BONUS])
+        hovers = {row[0]: h for tr in markers for h, row in zip(tr.hovertext, tr.customdata, strict=True)}
+        assert all(f"token{rec.tree.tokens[n]}" in hovers[n] for n in range(len(rec.tree))), "every token in the hover"
+    labels = lambda fig: [x for tr in fig.data if tr.mode == "markers+text" for x in tr.text]  # noqa: E731
+    assert all(labels(wide)), "2000 px: every label fits"
+    assert "" in labels(narrow) and any(labels(narrow)), "120 px: some labels go to the hover, not all"
+    pos = {0: (0.0, 0), 1: (0.0, 1), 2: (1.0, 1), 3: (10.0, 1)}
+    fits = fitting_labels(pos, lambda n: "abcd", 60 + 100)  # 10 px per x unit; labels 34 px wide
+    assert fits == {0, 3}, "1 and 2 sit 10 px apart: neither label fits; 3 is far from both"
+    html = legend_html()
+    assert all(COLOURS[c] in html for c in ("root", "accepted", "bonus", "rejected", "unreached", "pruned"))

@@ -228,8 +228,9 @@ class LiveRun:
     def token_ids(self) -> list[int]:
         return [t for r in self.records[:] for t in r.committed]
 
-    def result(self, text: str = "") -> RunResult:
-        records = self.records[:]  # one length, even while the worker appends
+    def result(self, text: str = "", upto: int | None = None) -> RunResult:
+        """The run's summary over its records (`upto`: the first this many only)."""
+        records = self.records[:upto]  # one length, even while the worker appends
         return summarize(
             records,
             policy=self.policy_name,

@@ -50,6 +50,22 @@ TEXT_TAIL_TOKENS = 120  # a running page draws this much text: its drawing cost 
 STAGE_PLAY_S = 1.2  # Play stages: seconds per stage
 
 
+def frame_metrics(run: LiveRun, shown: int, *, finished: bool) -> None:
+    """The metrics of iterations 1..`shown` (the iteration on show), saying whether that is the
+    whole run; then how the run ended (once it has) and where it was measured."""
+    n = len(run.records)
+    whole = shown == n
+    if whole:
+        scope = f"Whole run so far: {n} iterations." if not finished else f"Whole run: {n} iterations."
+    else:
+        scope = f"Iterations 1-{shown} of {n} (up to the one on show)."
+    st.caption(f"**{scope}**")
+    metrics_row(run.result(upto=shown), "Tokens / s (engine time)")
+    if finished:
+        st.info(stop_text(run.records[-1].stop), icon=":material/flag:")
+    st.caption(measured_caption(run))
+
+
 def metrics_row(result, tps_label: str) -> None:
     m = st.columns(5)
     m[0].metric("Tokens / iteration", f"{result.tokens_per_iteration:.2f}")
@@ -199,7 +215,7 @@ def stage_control(rec: IterationRecord, running: bool) -> Stage | None:
         st.session_state[key] = labels[min(playing[1], len(labels) - 1)]
     if st.session_state.get(key) not in labels:
         st.session_state[key] = labels[-1]
-    left, right = st.columns([5, 1])
+    left, right = st.columns([3, 1])
     with right:
         st.button(
             "Play stages",
@@ -245,7 +261,7 @@ def tree_and_mask(
         st.markdown(f"**{stage.label.capitalize()}.** {stage_sentence(rec, stage, run.text)}")
     left, right = st.columns([3, 2])
     with left:
-        st.subheader(f"Draft tree — iteration {rec.index}")
+        st.markdown(f"#### Draft tree — iteration {rec.index}")
         chart_key = "tree_running" if running else f"tree_{rec.index}"  # one selection per iteration
         selected = None if running else clicked_node(st.session_state.get(chart_key))
         staged = (
@@ -269,10 +285,10 @@ def tree_and_mask(
             node_panel(rec, selected, run.text)
     with right:
         if stage is not None and stage.kind in ("draft", "prune"):
-            st.subheader("Attention mask")
+            st.markdown("#### Attention mask")
             st.caption("Built once drafting and pruning are over: one row per verified node, seeing its ancestors.")
         else:
-            st.subheader("Attention mask sent to the target")
+            st.markdown("#### Attention mask sent to the target")
             if poster:
                 st.caption("Drawn in a moment, with the rest of the page.")
             else:
@@ -290,13 +306,16 @@ def tree_and_mask(
         st.plotly_chart(salf_mass_figure(rec.tree.notes["salf_mass"], float(run.params.get("th", 0))), key="salf")
 
 
-def render(run: LiveRun | None, running: bool = False, poster: bool = False) -> None:
-    """The run's latest (or scrubbed-to) iteration. `running`: its worker is decoding, so the page
-    draws only what changes each iteration (metrics, tree, mask, text, charts); the verification
-    trace, the speed analysis and the export (which serialises every record) wait until the run
-    pauses or finishes: every drawing costs the engine CPU time and, in Python, the GIL.
-    `poster`: the page's first drawings: the tree as an SVG image and no chart or table, whose
-    browser code (plotly's is ~4.7 MB) would hold the page back for seconds on a slow machine."""
+def render(run: LiveRun | None, running: bool = False, poster: bool = False, replaying: bool = False) -> None:
+    """The run's latest (or scrubbed-to) iteration: the iteration and stage controls, then the tree
+    beside the mask (the first screen), then the metrics of the iterations up to the one on show.
+    `running`: its worker is decoding, so the page draws only what changes each iteration (metrics,
+    tree, mask, text, charts); the verification trace, the speed analysis and the export (which
+    serialises every record) wait until the run pauses or finishes: every drawing costs the engine
+    CPU time and, in Python, the GIL. `poster`: the page's first drawings: the tree as an SVG image
+    and no chart or table, whose browser code (plotly's is ~4.7 MB) would hold the page back for
+    seconds on a slow machine. `replaying`: the opening replay is playing (more frames follow),
+    so the run is not presented as finished yet."""
     if run is None or not run.records:
         st.info(
             "Decoding the first iteration..."
@@ -305,19 +324,20 @@ def render(run: LiveRun | None, running: bool = False, poster: bool = False) -> 
         )
         return
     running = running and not run.done  # the worker may end between its flag and the snapshot: drawn finished
-    result = run.result()
-    metrics_row(result, "Tokens / s (engine time)")
-    st.caption(measured_caption(run))
-    if run.done:
-        st.info(stop_text(run.records[-1].stop), icon=":material/flag:")
     n = len(run.records)
     st.session_state.setdefault(f"scrub_{n}", n)  # the last iteration, unless a replay or the user moved it
-    pick = (
-        st.slider("Iteration", 1, n, key=f"scrub_{n}", help="Go back to any iteration's tree and mask.") if n > 1 else 1
-    )
+    scrub, stages = st.columns([2, 3])
+    with scrub:
+        pick = (
+            st.slider("Iteration", 1, n, key=f"scrub_{n}", help="Go back to any iteration's tree and mask.")
+            if n > 1
+            else 1
+        )
     rec = run.records[pick - 1]
-    stage = stage_control(rec, running)
+    with stages:
+        stage = stage_control(rec, running)
     tree_and_mask(run, rec, stage, poster, running)
+    frame_metrics(run, pick, finished=run.done and not replaying)
     with st.expander("What happened in this iteration (draft → verify → commit)"):
         st.markdown(explain_iteration(rec, run.text, run.verifier()))
     if poster:  # no chart or table yet: the browser draws this before it loads their code

@@ -33,13 +33,18 @@ def replay_step(run: LiveRun) -> bool:
     """Show the replay's next iteration (through the iteration slider's state); True while more follow."""
     n = len(run.records)
     at = st.session_state.get("replay_at", n)
-    st.info(
-        f"Replay of a recorded run ({run.policy_name}, {run.draft_kind or 'no'} draft, measured when it was "
-        "recorded): press **Run** or **Step** to decode your prompt live.",
-        icon=":material/replay:",
-    )
+    st.info(replay_banner(run, at), icon=":material/replay:")
     if at > n:
         return False
     st.session_state[f"scrub_{n}"] = at
     st.session_state.replay_at = at + 1
     return at < n
+
+
+def replay_banner(run: LiveRun, at: int) -> str:
+    """What the banner says at replay frame `at` (past the last: the replay is over)."""
+    n = len(run.records)
+    what = f"a recorded {run.policy_name} run ({run.draft_kind or 'no'} draft)"
+    if at < n:
+        return f"**Replay: iteration {at} of {n}** of {what}. Press **Run** or **Step** to decode your own prompt."
+    return f"**Replay finished** ({n} iterations) of {what}. Press **Run** or **Step** to decode your own prompt."

@@ -15,6 +15,7 @@ from dynatree_core.decoding.methods import method_class
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.live.process_run import ProcessRun
 from dynatree_core.live.run import LiveRun
+from dynatree_core.measure.prompt_sets import load_prompts
 from dynatree_core.measure.run_settings import SETTINGS
 from dynatree_core.ui.resources import engine_threads, forward_lock
 
@@ -89,10 +90,46 @@ def model_picker(key_prefix: str = "") -> tuple[str, str | None, str, str]:
     return target, draft, device, dtype
 
 
+OWN_PROMPT = "(your own)"
+
+
+def prompt_inputs(prefix: str, *, default: str | None = None, height: int = 90) -> tuple[str, bool]:
+    """The example selector, the prompt box and the chat toggle: (prompt, chat). An example fills
+    the box; editing the box sets the selector back to "(your own)", so it never names an example
+    the box no longer holds. `default`: the box's first text (None: the first example's)."""
+    examples = {f"[{p.domain}] {p.text[:80]}": p.text for p in load_prompts("all")}
+    state, pick, box = st.session_state, f"{prefix}example", f"{prefix}prompt"
+    if box not in state:
+        first = next(iter(examples))
+        state[pick] = OWN_PROMPT if default is not None else first
+        state[box] = default if default is not None else examples[first]
+
+    def picked() -> None:
+        if state[pick] != OWN_PROMPT:
+            state[box] = examples[state[pick]]
+
+    def edited() -> None:
+        if examples.get(state[pick]) != state[box]:
+            state[pick] = OWN_PROMPT
+
+    st.selectbox("Example prompts", [OWN_PROMPT, *examples], key=pick, on_change=picked, help="Fills the prompt box.")
+    prompt = st.text_area(
+        "Prompt", key=box, height=height, on_change=edited, help="What the target continues (or answers)."
+    )
+    chat = st.toggle("Chat template", value=True, key=f"{prefix}chat", help="Wrap the prompt as a user turn.")
+    return prompt, chat
+
+
 # ----- the live page's run controls (app.py) ----------------------------------------------------
+def compact_top() -> None:
+    """Less empty space above the page's first line (Streamlit keeps 6rem under its header), so a
+    laptop screen holds the tree: the first viewport is the lesson."""
+    st.html("<style>[data-testid=stMainBlockContainer]{padding-top:3.2rem;padding-bottom:2rem}</style>")
+
+
 def live_buttons():
-    """The run's buttons and the import box: (run, step, pause, reset, imported file)."""
-    cols = st.columns(5)
+    """The run's buttons and the import box (in a popover): (run, step, pause, reset, imported file)."""
+    cols = st.columns([1, 1, 1.2, 1, 1.3])
     run_clicked = cols[0].button(
         "Run", icon=":material/play_arrow:", type="primary", help="Decode until the end, drawing as it goes."
     )
@@ -101,12 +138,10 @@ def live_buttons():
     )
     pause_clicked = cols[2].button("Pause run", icon=":material/pause:", help="Pause after the current iteration.")
     reset_clicked = cols[3].button("Reset", icon=":material/restart_alt:", help="Discard this run.")
-    imported = cols[4].file_uploader(
-        "Import run JSON",
-        type="json",
-        label_visibility="collapsed",
-        help="Replay an exported run without loading any model.",
-    )
+    with cols[4].popover("Import run", icon=":material/upload_file:", help="Replay an exported run JSON."):
+        imported = st.file_uploader(
+            "Import run JSON", type="json", help="Replay an exported run without loading any model."
+        )
     return run_clicked, step_clicked, pause_clicked, reset_clicked, imported
 
 

@@ -111,9 +111,13 @@ def tree_figure(
     height: int = 420,
     categories: dict[int, str] | None = None,
     bonus: bool = True,
+    compact_px: int | None = None,
 ) -> go.Figure:
     """The draft tree of one iteration. `decode` maps a token id to its text. `categories` (the
     stage view, viz/stages.py): draw only these nodes, coloured so; `bonus`: draw the bonus token.
+    `compact_px`: a small multiple about this many pixels wide (the compare page's columns): no
+    legend (the page draws one for the row, `legend_html`), token labels only where they fit
+    beside their neighbours (`fitting_labels`), every token still in the hover.
 
     Node markers carry customdata [node id, draft p, cumulative p, depth] (the bonus has id -2).
     """
@@ -156,6 +160,9 @@ def tree_figure(
     if bonus:
         groups["bonus"] = [BONUS]
     order = {cat: i for i, cat in enumerate(COLOURS)}
+    shown = (
+        None if compact_px is None else fitting_labels(pos, lambda n: visible(decode(_token(record, n))), compact_px)
+    )
     for name in sorted(groups, key=lambda g: (order[g.split(":")[0]], g)):
         nodes, cat = groups[name], name.split(":")[0]
         text, hover, custom, symbols = [], [], [], []
@@ -175,7 +182,7 @@ def tree_figure(
                     detail += f"<br>target predicts next: {visible(decode(target_at[n]))}"
                 symbols.append(_symbol(tree, n))
             label = visible(decode(token))
-            text.append(label)
+            text.append(label if shown is None or n in shown else "")
             probs = "" if p is None else f"<br>p {p:.3f} · cumulative p {cum:.3g}"
             hover.append(f"<b>{label}</b> (id {token})<br>{cat} · depth {depth}{probs}<br>{detail}")
             custom.append([n, p, cum, depth])
@@ -198,12 +205,14 @@ def tree_figure(
                 name=name,
             )
         )
+    if compact_px is not None:
+        fig.update_traces(showlegend=False)
     fig.update_layout(
         height=height,
-        margin=dict(l=10, r=10, t=30, b=10),
+        margin=dict(l=10, r=10, t=30 if compact_px is None else 10, b=10),
         xaxis=dict(visible=False),
         yaxis=dict(
-            title="depth",
+            title="depth" if compact_px is None else None,
             tickvals=[-d for d in range(max(p[1] for p in pos.values()) + 1)],
             ticktext=[str(d) for d in range(max(p[1] for p in pos.values()) + 1)],
         ),
@@ -212,6 +221,54 @@ def tree_figure(
         clickmode="event+select",
     )
     return fig
+
+
+def _token(record: IterationRecord, node: int) -> int:
+    return record.bonus_token if node == BONUS else record.tree.tokens[node]
+
+
+CHAR_PX = 7.5  # a token label's width per character at the figure's font size
+SIDE_PX = 60  # a figure's margins and depth axis, not available to the tree
+
+
+def fitting_labels(pos: dict[int, tuple[float, int]], label: Callable[[int], str], width_px: int) -> set[int]:
+    """The nodes whose label fits between its neighbours on the same level when the tree is drawn
+    `width_px` wide: the gap to each neighbour holds half of both labels (as if all were shown)."""
+    xs = [x for x, _ in pos.values()]
+    px = max(width_px - SIDE_PX, 1) / max(max(xs) - min(xs), 1.0)
+    levels: dict[int, list[int]] = {}
+    for node, (_, depth) in pos.items():
+        levels.setdefault(depth, []).append(node)
+    fits = set()
+    for nodes in levels.values():
+        nodes.sort(key=lambda n: pos[n][0])
+        half = [len(label(n)) * CHAR_PX / 2 + 2 for n in nodes]
+        for i, n in enumerate(nodes):
+            left = i == 0 or (pos[n][0] - pos[nodes[i - 1]][0]) * px >= half[i] + half[i - 1]
+            right = i == len(nodes) - 1 or (pos[nodes[i + 1]][0] - pos[n][0]) * px >= half[i] + half[i + 1]
+            if left and right:
+                fits.add(n)
+    return fits
+
+
+LEGEND = {
+    "root": ("●", "the committed text so far"),
+    "accepted": ("●", "the target agreed"),
+    "bonus": ("★", "the target's own next token"),
+    "rejected": ("●", "the target chose another token"),
+    "unreached": ("●", "verified, below a rejection"),
+    "pruned": ("✕", "not sent to the target"),
+}
+
+
+def legend_html() -> str:
+    """One legend for a row of small trees (`tree_figure(compact_px=...)`): the outcome colours."""
+    items = [
+        f'<span title="{what}" style="margin-right:1.1em;white-space:nowrap">'
+        f'<span style="color:{COLOURS[cat]};font-size:1.1em">{mark}</span> {cat}</span>'
+        for cat, (mark, what) in LEGEND.items()
+    ]
+    return f'<div style="font-size:0.85rem;line-height:1.8">{"".join(items)}</div>'
 
 
 def node_details(record: IterationRecord, node: int, decode: Callable[[int], str] = str) -> dict[str, str]:
