@@ -510,3 +510,21 @@ def test_the_example_selector_says_your_own_once_the_prompt_is_edited():
     assert next(s for s in at.selectbox if s.label == "Example prompts").value == "(your own)"
     assert next(t for t in at.text_area if t.label == "Prompt").value.endswith("Please be brief."), "the edit is kept"
     assert not at.exception
+
+
+def test_the_first_drawings_hold_no_chart_at_any_stage():
+    """The replay's first frames (poster) draw no plotly chart, not even the commit stage's cache
+    strip: the browser would load plotly's ~4.7 MB before showing anything of the drawing."""
+
+    def page():
+        from dynatree_core.live.run import LiveRun
+        from dynatree_core.ui.live_view import render
+        from dynatree_core.ui.replay import REPLAY_FILE
+
+        render(LiveRun.from_json(REPLAY_FILE.read_bytes()), poster=True)
+
+    at = AppTest.from_function(page, default_timeout=60)
+    at.run()
+    assert not at.exception, at.exception
+    assert next(s for s in at.select_slider if s.label == "Stage").value == "commit"
+    assert not at.get("plotly_chart") and len(at.get("image")) == 1, "the tree as an image, no chart"

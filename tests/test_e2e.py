@@ -203,14 +203,14 @@ def _stage_shown(page, label: str):
     return page.locator("strong:visible").filter(has_text=re.compile(rf"^{re.escape(label.capitalize())}\.$"))
 
 
-def _picture(page, top, name: str) -> None:
-    """A README picture: the viewport (1400 x 1250) with `top` (a locator) at its top."""
+LAPTOP = {"width": 1366, "height": 768}  # the common classroom and projector size: the README's pictures
+
+
+def _picture(page, name: str) -> None:
+    """A README picture: what a 1366 x 768 laptop screen shows, from the top of the page."""
     size = page.viewport_size
-    page.set_viewport_size({"width": 1400, "height": 1250})
-    top.first.evaluate(
-        "node => { node.scrollIntoView({block: 'start'});"
-        " document.querySelector('[data-testid=stMain]').scrollBy(0, -70); }"  # below the page's header bar
-    )
+    page.set_viewport_size(LAPTOP)
+    page.evaluate("document.querySelector('[data-testid=stMain]').scrollTo(0, 0)")
     page.wait_for_timeout(1500)  # the charts resize and settle
     page.screenshot(path=str(SCREENSHOTS / name))
     page.set_viewport_size(size)
@@ -251,13 +251,13 @@ def test_the_page_opens_on_a_replay_and_an_iteration_plays_stage_by_stage(replay
         first_tree_s = time.monotonic() - opened
         assert src.startswith("data:image/svg+xml;base64,")
         assert base64.b64decode(src.split(",", 1)[1]).count(b"<circle ") > len(run.records[0].tree.tokens) // 2
-        assert page.get_by_text("Replay of a recorded run", exact=False).count()
+        assert page.get_by_text(re.compile(rf"Replay: iteration \d+ of {len(run.records)}")).count()
         (OUTPUT / "e2e-first-tree.json").write_text(json.dumps({"first_tree_s": round(first_tree_s, 2)}))
         last = page.get_by_text(f"Draft tree — iteration {len(run.records)}", exact=True)
         last.wait_for(timeout=int((len(run.records) * REPLAY_INTERVAL_S + 120) * 1000))
         _idle(page)
         SCREENSHOTS.mkdir(exist_ok=True)
-        _picture(page, page.locator("[data-testid=stMetric]"), "live-page.png")
+        _picture(page, "live-page.png")
 
         slider = page.get_by_role("slider", name="Stage")
         slider.focus()
@@ -281,7 +281,7 @@ def test_the_page_opens_on_a_replay_and_an_iteration_plays_stage_by_stage(replay
             assert page.get_by_text("The target's cache slots", exact=False).count() == (stage.kind == "commit")
             assert page.locator("[data-testid=stException]").count() == 0
             if stage.kind == "verify":
-                _picture(page, page.locator("[data-testid=stMain] [data-testid=stSlider]"), "stage-view.png")
+                _picture(page, "stage-view.png")
 
         page.get_by_role("button", name="Play stages").click()
         _stage_shown(page, stages[0].label).wait_for(timeout=30_000)  # Play starts over (the page showed commit)
@@ -297,6 +297,89 @@ def test_the_page_opens_on_a_replay_and_an_iteration_plays_stage_by_stage(replay
         labels = [s.label for s in stages]
         assert len(seen) >= 3 and seen[-1] == "commit", seen
         assert [labels.index(x) for x in seen] == sorted(labels.index(x) for x in seen), f"played out of order: {seen}"
+        browser.close()
+
+
+# The first tree node on the page and its box in page pixels: a marker of the poster (the SVG image
+# the replay's first frames draw, viz/svg.py; node markers carry a stroke, legend dots do not),
+# else a marker of the interactive chart. Null until one is drawn with a size.
+FIRST_NODE = """() => {
+  const img = document.querySelector("[data-testid=stImage] img[alt^='Draft tree']");
+  if (img && img.src.startsWith("data:image/svg+xml;base64,")) {
+    const svg = atob(img.src.split(",")[1]);
+    const node = svg.match(/<circle cx="([0-9.]+)" cy="([0-9.]+)" r="([0-9.]+)"[^>]*stroke-width/);
+    const w = +svg.match(/width="([0-9]+)"/)[1], h = +svg.match(/height="([0-9]+)"/)[1];
+    const box = img.getBoundingClientRect();
+    if (node && box.width > 0 && box.height > 0) {
+      const sx = box.width / w, sy = box.height / h, r = +node[3];
+      return {x: box.x + (+node[1] - r) * sx, y: box.y + (+node[2] - r) * sy, width: 2 * r * sx,
+              height: 2 * r * sy, via: "poster"};
+    }
+  }
+  const point = document.querySelector("[data-testid=stPlotlyChart] .scatterlayer .points path.point");
+  const box = point && point.getBoundingClientRect();
+  return box && box.width > 0 ? {x: box.x, y: box.y, width: box.width, height: box.height, via: "chart"} : null;
+}"""
+
+# What the replay says at one moment, read in one go (the current run's elements, not stale ones):
+# the banner, whether "Finished" shows, the metrics' scope line and the iterations metric.
+REPLAY_STATE = """() => {
+  const live = [...document.querySelectorAll("[data-testid=stElementContainer]:not([data-stale=true])")];
+  const text = sel => live.flatMap(e => [...e.querySelectorAll(sel)]).map(n => n.innerText);
+  const alerts = text("[data-testid=stAlert]");
+  const metric = live.flatMap(e => [...e.querySelectorAll("[data-testid=stMetric]")])
+    .find(m => m.innerText.startsWith("Iterations"));
+  return {banner: alerts.find(a => a.includes("Replay")) || "", finished: alerts.some(a => a.includes("Finished:")),
+          scope: text("[data-testid=stCaptionContainer]").find(c => /Iterations 1-|Whole run/.test(c)) || "",
+          iterations: metric ? metric.querySelector("[data-testid=stMetricValue]").innerText : ""};
+}"""
+
+
+@pytest.mark.parametrize("screen", [LAPTOP, {"width": 1920, "height": 1080}], ids=["1366x768", "1920x1080"])
+def test_a_new_visitor_sees_the_tree_in_the_first_screen_and_a_replay_that_agrees_with_itself(replay_url, screen):
+    """Opened with nothing clicked or scrolled: a drawn tree node lies inside the viewport within
+    3 s of the title. Then, frame by frame, the banner names the iteration of how many, "Finished"
+    shows only once the replay is over, and the metrics say they cover iterations 1..k."""
+    from playwright.sync_api import sync_playwright
+
+    from dynatree_core.live.run import LiveRun
+    from dynatree_core.ui.replay import REPLAY_FILE, REPLAY_INTERVAL_S
+
+    n = len(LiveRun.from_json(REPLAY_FILE.read_bytes()).records)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport=screen)
+        page.goto(replay_url)
+        page.locator("h1").filter(has_text="DynaTree Explorer").wait_for(timeout=120_000)
+        titled = time.monotonic()
+        inside = f"""() => {{ const b = ({FIRST_NODE})();
+          return b && b.x >= 0 && b.y >= 0 && b.x + b.width <= {screen["width"]} && b.y + b.height <= {screen["height"]}
+            ? b : null; }}"""
+        node = page.wait_for_function(inside, polling=50, timeout=60_000).json_value()
+        seen_s = time.monotonic() - titled
+        assert page.evaluate("document.querySelector('[data-testid=stMain]').scrollTop") == 0, "nothing scrolled"
+        name = f"e2e-first-screen-{screen['width']}x{screen['height']}"
+        (OUTPUT / f"{name}.json").write_text(json.dumps({"node_after_title_s": round(seen_s, 2), "node": node}))
+        page.screenshot(path=str(OUTPUT / f"{name}.png"))
+        assert seen_s <= 3.0, f"the first tree node showed {seen_s:.1f} s after the title"
+
+        states, deadline = [], time.monotonic() + n * REPLAY_INTERVAL_S + 120
+        while time.monotonic() < deadline:
+            state = page.evaluate(REPLAY_STATE)
+            states.append(state)
+            if "Replay finished" in state["banner"] and state["finished"]:
+                break
+            time.sleep(0.1)
+        playing = [s for s in states if re.search(r"iteration \d+ of", s["banner"])]
+        assert len({s["banner"] for s in playing}) >= 3, "the banner did not count the frames"
+        for s in playing:
+            k = int(re.search(rf"iteration (\d+) of {n}\b", s["banner"]).group(1))
+            assert not s["finished"], f"'Finished' shown while the replay plays frame {k}: {s}"
+            if s["scope"]:  # the metrics of the frame on show (drawn below the tree, a moment after the banner)
+                assert f"Iterations 1-{k} of {n}" in s["scope"], s
+        assert states[-1]["finished"] and "Whole run" in states[-1]["scope"], states[-1]
+        assert states[-1]["iterations"] == str(n)
+        assert page.get_by_text("Deploy", exact=True).count() == 0, "the toolbar offers no Deploy"
         browser.close()
 
 

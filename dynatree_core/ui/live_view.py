@@ -298,6 +298,8 @@ def tree_and_mask(
             f"{len(rec.order)} nodes (root first), positions {rec.position_ids[0]}..{max(rec.position_ids)}; "
             f"non-zero 32x32 blocks: BFS {counts['bfs']}, DFS {counts['dfs']}"
         )
+    if poster:  # no chart yet: plotly's code (~4.7 MB) would hold back the whole first drawing
+        return
     if stage is not None and stage.kind == "commit":
         st.caption("The target's cache slots this forward wrote, and what commit kept")
         st.plotly_chart(slot_figure(rec, run.text), width="stretch", key="slots")
