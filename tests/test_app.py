@@ -275,7 +275,7 @@ def test_run_decodes_in_a_worker_and_the_scrubber_reaches_every_iteration(tiny_p
     assert n > 1, "a one-iteration run does not exercise the scrubber"
     for i in (*range(1, n + 1), n):
         next(s for s in at.slider if s.label == "Iteration").set_value(i).run()
-        assert any(h.value == f"#### Draft tree — iteration {i}" for h in at.markdown), f"iteration {i} not drawn"
+        assert any(h.value == f"##### Draft tree — iteration {i}" for h in at.markdown), f"iteration {i} not drawn"
 
 
 def test_reset_stops_a_running_worker(tiny_pair_dirs, monkeypatch):

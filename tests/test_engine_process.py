@@ -75,7 +75,9 @@ def test_steps_then_the_worker_reproduce_the_engine_in_this_process(engine, pair
 
 
 def test_pause_stops_after_the_current_iteration_and_run_resumes_to_the_same_output(engine, pair):
-    run = _start(engine, max_new=80)
+    # long enough that no machine finishes it between the second record and the pause (80 tokens,
+    # ~30 tiny-model iterations of a few ms each, could race a pause on a fast, quiet machine)
+    run = _start(engine, max_new=320)
     assert run.start_worker()
     run.wait(60, records=2)
     run.pause()
@@ -87,7 +89,7 @@ def test_pause_stops_after_the_current_iteration_and_run_resumes_to_the_same_out
         run.start_worker()
         run.step()
     assert run.wait(120) and run.done
-    assert run.token_ids == _reference(pair, "fixed_tree", 80).token_ids
+    assert run.token_ids == _reference(pair, "fixed_tree", 320).token_ids
 
 
 def test_a_pause_overtaken_by_run_does_not_stop_the_new_run(engine):

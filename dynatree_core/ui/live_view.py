@@ -261,7 +261,7 @@ def tree_and_mask(
         st.markdown(f"**{stage.label.capitalize()}.** {stage_sentence(rec, stage, run.text)}")
     left, right = st.columns([3, 2])
     with left:
-        st.markdown(f"#### Draft tree — iteration {rec.index}")
+        st.markdown(f"##### Draft tree — iteration {rec.index}")
         chart_key = "tree_running" if running else f"tree_{rec.index}"  # one selection per iteration
         selected = None if running else clicked_node(st.session_state.get(chart_key))
         staged = (
@@ -285,10 +285,10 @@ def tree_and_mask(
             node_panel(rec, selected, run.text)
     with right:
         if stage is not None and stage.kind in ("draft", "prune"):
-            st.markdown("#### Attention mask")
+            st.markdown("##### Attention mask")
             st.caption("Built once drafting and pruning are over: one row per verified node, seeing its ancestors.")
         else:
-            st.markdown("#### Attention mask sent to the target")
+            st.markdown("##### Attention mask sent to the target")
             if poster:
                 st.caption("Drawn in a moment, with the rest of the page.")
             else:
