@@ -528,3 +528,36 @@ def test_the_first_drawings_hold_no_chart_at_any_stage():
     assert not at.exception, at.exception
     assert next(s for s in at.select_slider if s.label == "Stage").value == "commit"
     assert not at.get("plotly_chart") and len(at.get("image")) == 1, "the tree as an image, no chart"
+
+
+def test_a_published_eagle3_head_drafts_in_the_app_and_one_for_another_target_is_a_message(tiny_pair_dirs, tmp_path):
+    """The custom draft field takes a directory in a published layout (here EAGLE-3, written by
+    export_eagle3): Step draws its tree. A head made for another target is one message, no traceback."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dynatree_core.core.models import load_model
+    from dynatree_core.core.vocab import TokenMap
+    from dynatree_core.drafting.fused import FusedDraft
+    from dynatree_core.drafting.published import export_eagle3
+
+    tiny = load_model(tiny_pair_dirs[0], device="cpu", dtype="float32").model
+    vocab = tiny.config.vocab_size
+    token_map = TokenMap([-1, *range(0, vocab, 5)], vocab)
+    export_eagle3(FusedDraft.from_target(tiny, token_map, taps=(1, 1, 1)), tmp_path / "head")
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))  # fmt: skip
+    export_eagle3(FusedDraft.from_target(other, token_map, taps=(1, 1, 1)), tmp_path / "other-head")
+
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=180)
+    at.run()
+    pick_custom_pair(at, tiny_pair_dirs[0], str(tmp_path / "head"))
+    _click(at, "Step")
+    assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
+    run = at.session_state["run"]
+    assert run.draft_kind == "fused" and len(run.records) == 1
+    assert any("fused draft" in c.value for c in at.caption)
+    _click(at, "Reset")
+    pick_custom_pair(at, tiny_pair_dirs[0], str(tmp_path / "other-head"))
+    _click(at, "Step")
+    assert not at.exception, at.exception
+    assert len(at.error) == 1 and "hidden" in at.error[0].value.lower(), [e.value for e in at.error]

@@ -274,3 +274,76 @@ def test_export_feature_writes_a_fused_run_in_the_eagle3_layout(tmp_path, tiny_p
     assert load_head(str(tmp_path / "eagle3"), target).taps == (1, 1, 1)
     with pytest.raises(SystemExit, match="--dest"):
         main(["export-feature", "--layout", "eagle3", "--target", tiny_pair_dirs[0], "--run", str(tmp_path / "run")])
+
+
+def warm_hub_cache(monkeypatch, tmp_path, repo: str, files) -> None:
+    """`files` (a directory) as the Hugging Face cache's snapshot of hub repo `repo`, with the hub
+    unreachable (HF_HUB_OFFLINE): what a user who downloaded a head once has, offline."""
+    import shutil
+
+    import huggingface_hub.constants as hub
+
+    cache, rev = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = cache / f"models--{repo.replace('/', '--')}"
+    shutil.copytree(files, repo_dir / "snapshots" / rev)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(rev)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def test_a_head_named_by_a_hub_id_loads_from_a_warm_cache_offline(tmp_path, target, monkeypatch):
+    from dynatree_core.drafting.published import hub_head_dir
+
+    path, _, _ = write_head(tmp_path, "eagle3-specforge", target)
+    warm_hub_cache(monkeypatch, tmp_path, "someone/tiny-eagle3", path)
+    cached = hub_head_dir("someone/tiny-eagle3")
+    assert cached is not None and layout_of(cached) == "eagle3"
+    ids = [5, 17, 3, 44, 9, 60]
+    torch.testing.assert_close(head_logits(load_head(str(cached), target), target, ids),
+                               head_logits(load_head(str(path), target), target, ids))  # fmt: skip
+    assert hub_head_dir("someone/not-downloaded") is None, "not cached offline: the LM loader's clear error follows"
+    assert hub_head_dir(str(path)) is None and hub_head_dir("embedded") is None, "paths and presets are not hub ids"
+    lm = tmp_path / "lm"
+    lm.mkdir()
+    (lm / "config.json").write_text(json.dumps(_llama_fields() | {"num_hidden_layers": 4}))
+    warm_hub_cache(monkeypatch, tmp_path / "other", "someone/small-lm", lm)
+    assert hub_head_dir("someone/small-lm") is None, "a standalone LM is not a head (no weights fetched for it)"
+
+
+def test_load_pair_drafts_with_a_hub_id_head_and_a_missing_one_is_one_error(tmp_path, tiny_pair_dirs, monkeypatch):
+    from dynatree_core.core.models import load_model
+    from dynatree_core.decoding.pairs import load_pair
+
+    tiny = load_model(tiny_pair_dirs[0], device="cpu", dtype="float32").model
+    vocab = tiny.config.vocab_size
+    export_eagle3(FusedDraft.from_target(tiny, TokenMap([-1, *range(0, vocab, 5)], vocab), taps=(1, 1, 1)),
+                  tmp_path / "export")  # fmt: skip
+    warm_hub_cache(monkeypatch, tmp_path, "someone/tiny-pair-eagle3", tmp_path / "export")
+    pair = load_pair(tiny_pair_dirs[0], "someone/tiny-pair-eagle3", device="cpu", dtype="float32")
+    assert pair.draft.model.kind == "fused" and pair.draft.model.taps == (1, 1, 1)
+    ids = pair.target.tokenizer("The quick brown fox")["input_ids"]
+    out = generate(pair.target.model, ids, make_method("fixed_tree"), draft=pair.draft.model,
+                   config=DecodeConfig(max_new_tokens=12))  # fmt: skip
+    assert out.token_ids == hf_greedy(pair.target.model, ids, 12)
+    with pytest.raises(DynaTreeError, match="not in the local HF cache"):
+        load_pair(tiny_pair_dirs[0], "someone/never-downloaded", device="cpu", dtype="float32")
+
+
+def test_the_presets_name_public_pairs_with_their_heads_and_say_they_need_network(capsys):
+    from dynatree_core.cli import main
+    from dynatree_core.core.models import PRESETS
+    from dynatree_core.decoding.pairs import token_draft_for
+
+    heads = [p for p in PRESETS.values() if p.head]
+    assert {p.draft.split("/")[0] for p in heads} >= {"yuhuili", "lmsys", "RedHatAI"}, "SafeAILab, SpecForge, vLLM"
+    assert all(not p.offline for p in heads)
+    assert token_draft_for("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.2-1B-Instruct", (
+        "a head is never the HF baselines' assistant"
+    )
+    main(["presets"])
+    lines = capsys.readouterr().out.splitlines()
+    for p in PRESETS.values():
+        line = next(x for x in lines if x.startswith(f"{p.name}:"))
+        assert ("needs network" in line) == (not p.offline), line
+        assert ("(head)" in line) == p.head, line

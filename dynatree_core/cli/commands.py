@@ -125,7 +125,10 @@ def cmd_presets(args) -> None:
         print(json.dumps(rows, indent=2))
         return
     for p in rows:
-        print(f"{p['name']}: target {p['target']}, draft {p['draft'] or '(none yet)'} - {p['description']}")
+        where = "offline" if p["offline"] else "needs network (downloads from the hub, or a warm HF cache)"
+        kind = " (head)" if p["head"] else ""
+        draft = portable(p["draft"]) if p["draft"] else "(none yet)"
+        print(f"{p['name']}: target {p['target']}, draft {draft}{kind} - {p['description']}; {where}")
 
 
 def cmd_bench(args) -> None:

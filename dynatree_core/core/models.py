@@ -41,13 +41,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    """A named target/draft pair. `draft=None` means no draft model exists for it yet."""
+    """A named target/draft pair. `draft=None` means no draft model exists for it yet; `head`:
+    the draft is a head reading the target's hidden states (drafting/heads.py), not a standalone
+    LM; `offline`: everything ships with the project (the others download from the hub)."""
 
     name: str
     target: str
     draft: str | None
     description: str
     offline: bool = False
+    head: bool = False
 
 
 PRESETS: dict[str, Preset] = {
@@ -98,6 +101,43 @@ PRESETS: dict[str, Preset] = {
             "meta-llama/Llama-3.1-8B-Instruct",
             "meta-llama/Llama-3.2-1B-Instruct",
             "Llama 3 instruct pair (GPU, gated on the hub)",
+        ),
+        # Published EAGLE heads on the targets they were trained for (docs/published-heads.md):
+        # the drafts the serving engines use, read into this project's head kinds.
+        *(
+            Preset(name, target, head, f"{what} (GPU; the target is gated on the hub)", head=True)
+            for name, target, head, what in [
+                (
+                    "vicuna-7b/eagle",
+                    "lmsys/vicuna-7b-v1.3",
+                    "yuhuili/EAGLE-Vicuna-7B-v1.3",
+                    "Vicuna 7B with SafeAILab's EAGLE-1 head",
+                ),
+                (
+                    "llama-3-8b/eagle",
+                    "meta-llama/Meta-Llama-3-8B-Instruct",
+                    "yuhuili/EAGLE-LLaMA3-Instruct-8B",
+                    "Llama 3 8B with SafeAILab's EAGLE-1 head",
+                ),
+                (
+                    "llama-3.1-8b/eagle3",
+                    "meta-llama/Llama-3.1-8B-Instruct",
+                    "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+                    "Llama 3.1 8B with SafeAILab's EAGLE-3 head",
+                ),
+                (
+                    "llama-3.1-8b/eagle3-specforge",
+                    "meta-llama/Llama-3.1-8B-Instruct",
+                    "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B",
+                    "Llama 3.1 8B with SpecForge's EAGLE-3 head (SGLang)",
+                ),
+                (
+                    "llama-3.1-8b/eagle3-speculators",
+                    "meta-llama/Llama-3.1-8B-Instruct",
+                    "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3",
+                    "Llama 3.1 8B with vLLM speculators' EAGLE-3 head",
+                ),
+            ]  # fmt: skip
         ),
     ]
 }

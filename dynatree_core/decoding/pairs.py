@@ -25,6 +25,7 @@ from dynatree_core.core.packing import pack_linears, packing_enabled
 from dynatree_core.decoding.baselines import Baseline
 from dynatree_core.decoding.dtype_choice import saved_choice
 from dynatree_core.drafting.heads import is_head, is_head_dir, load_head
+from dynatree_core.drafting.published import hub_head_dir
 from dynatree_core.errors import DynaTreeError
 
 
@@ -75,7 +76,7 @@ def default_draft_for(target_spec: str) -> str | None:
 def token_draft_for(target_spec: str) -> str | None:
     """The first preset's standalone (token) draft for this target: the HF baselines' assistant."""
     for preset in PRESETS.values():
-        if preset.target == target_spec and preset.draft and not is_head_dir(preset.draft):
+        if preset.target == target_spec and preset.draft and not preset.head and not is_head_dir(preset.draft):
             return preset.draft
     return None
 
@@ -112,9 +113,10 @@ def load_pair(
             stacklevel=2,
         )
         return ModelPair(target, target, draft_is_stand_in=True, dtype_source=source)
-    if is_head_dir(draft_spec):  # reads the target's features: built on the target it serves
-        check_spec_allowed(draft_spec)
-        head = load_head(draft_spec, target.model)
+    check_spec_allowed(draft_spec)
+    head_dir = draft_spec if is_head_dir(draft_spec) else hub_head_dir(draft_spec)
+    if head_dir:  # reads the target's features: built on the target it serves
+        head = load_head(str(head_dir), target.model)
         if pack and packing_enabled(target.device, target.dtype):
             pack_linears(head)
         draft = LoadedModel(

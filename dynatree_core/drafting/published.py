@@ -26,6 +26,7 @@ vocabulary, the layers it reads; a head of more than one layer is refused (not s
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -70,6 +71,47 @@ def layout_of(path: str | Path) -> str | None:
 
 def is_published_head_dir(spec: str | None) -> bool:
     return bool(spec) and layout_of(spec) is not None
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HEAD_FILES = ["*.json", "*.safetensors", "*.bin"]  # a head's config and weights (and a tokenizer's json, if any)
+
+
+def _could_be_head(config: dict) -> bool:
+    """What a published head's config.json says before its weights are fetched (layout_of decides after)."""
+    return (
+        config.get("speculators_model_type") == "eagle3"
+        or "draft_vocab_size" in config
+        or config.get("num_hidden_layers") == 1
+    )
+
+
+def hub_head_dir(spec: str | None) -> Path | None:
+    """The local directory of a published head named by a hub id ("org/name"): downloaded when the
+    hub answers, else read from the local Hugging Face cache (offline: a warm cache). None when
+    `spec` is a path, is not within reach, or names a model that is not a head (the caller then
+    loads it as a standalone draft LM, whose loader gives the clear offline error). Only the
+    config is fetched before the answer is known; a head's weights after."""
+    if not spec or not HUB_ID.match(spec) or Path(spec).expanduser().exists():
+        return None
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError
+
+    from dynatree_core.core.models import hub_reachable
+
+    offline = not hub_reachable()
+    try:
+        config = json.loads(Path(hf_hub_download(spec, "config.json", local_files_only=offline)).read_text())
+        if not isinstance(config, dict) or not _could_be_head(config):
+            return None
+        path = Path(snapshot_download(spec, allow_patterns=HEAD_FILES, local_files_only=offline))
+    except GatedRepoError as exc:
+        raise DynaTreeError(
+            f"{spec}: the hub refuses access (a gated repository: log in with `hf auth login`)"
+        ) from exc
+    except (OSError, ValueError, EntryNotFoundError):  # not cached offline, no such repo, no config: not a head
+        return None
+    return path if layout_of(path) else None
 
 
 def load_published(spec: str | Path, target: torch.nn.Module) -> FeatureDraft | FusedDraft:
