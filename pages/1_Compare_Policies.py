@@ -28,7 +28,7 @@ st.caption(
 )
 CHOICES = candidates()
 DEFAULTS = ["linear", "fixed_tree", "dynatree", "salf", "dyspec", "eagle2"]
-COLUMN_PX = 230  # a live tree's width at four columns on a laptop screen (1366 px, sidebar open)
+COLUMN_PX = 200  # a live tree's width at four columns on a laptop screen (1366 px, sidebar open: ~210)
 
 with st.sidebar:
     st.header("Models")

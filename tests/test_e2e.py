@@ -383,24 +383,46 @@ def test_a_new_visitor_sees_the_tree_in_the_first_screen_and_a_replay_that_agree
         browser.close()
 
 
-def test_compare_page_shows_progress_live_trees_and_results(app_url):
+# Per chart on the page: its legend entries, its drawn token labels and how many pairs of them overlap.
+CHART_LABELS = """() => [...document.querySelectorAll("[data-testid=stPlotlyChart]")].map(chart => {
+  const boxes = [...chart.querySelectorAll(".textpoint text")].filter(t => t.textContent.trim())
+    .map(t => t.getBoundingClientRect()).filter(b => b.width > 0);
+  let overlaps = 0;
+  for (let i = 0; i < boxes.length; i++) for (let j = i + 1; j < boxes.length; j++) {
+    const a = boxes[i], b = boxes[j];
+    if (a.left < b.right - 1 && b.left < a.right - 1 && a.top < b.bottom - 1 && b.top < a.bottom - 1) overlaps++;
+  }
+  return {legend: chart.querySelectorAll(".legend .traces").length, labels: boxes.length, overlaps,
+          width: Math.round(chart.getBoundingClientRect().width), height: Math.round(chart.getBoundingClientRect().height)};
+})"""
+
+
+@pytest.mark.parametrize("screen", [LAPTOP, {"width": 1920, "height": 1080}], ids=["1366x768", "1920x1080"])
+def test_compare_page_shows_progress_live_trees_and_results(app_url, screen):
     """The comparison page in a real browser: four policies (the page's defaults) on the embedded
-    pair; the progress text is seen advancing and live trees are drawn while it runs; the results
-    carry the exactness badge, the table and the charts."""
+    pair; the progress text is seen advancing and live trees are drawn while it runs, four to a
+    row under one shared legend, none with a legend of its own and no two token labels
+    overlapping; the results carry the exactness badge, the table and the charts. The example
+    selector says "(your own)" once the prompt is edited."""
     from playwright.sync_api import Error as PlaywrightError
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        page = browser.new_page(viewport=screen)
         page.goto(f"{app_url}/Compare_Policies")
         page.get_by_role("button", name="Compare").wait_for(timeout=120_000)
         prompt = page.get_by_label("Prompt", exact=True)
         prompt.fill("Why is the sky blue? Answer in one sentence.")
         prompt.press("Control+Enter")
         page.wait_for_selector("[data-testid=stApp][data-test-script-state=notRunning]", timeout=60_000)
+        examples = page.locator("[data-testid=stSelectbox]").filter(has_text="Example prompts")
+        shown = examples.evaluate(
+            "e => e.innerText + ' ' + [...e.querySelectorAll('input')].map(i => i.value).join(' ')"
+        )
+        assert "(your own)" in shown, f"an edited prompt is no longer the example: {shown!r}"
         page.get_by_role("button", name="Compare").click()
-        done, live_trees = set(), 0
+        done, live, seen, shared = set(), [], 0, set()
         deadline = time.monotonic() + 900
         while time.monotonic() < deadline:
             with contextlib.suppress(PlaywrightError):
@@ -408,20 +430,28 @@ def test_compare_page_shows_progress_live_trees_and_results(app_url):
                 match = re.search(r"(\d+)/(\d+) runs", text)
                 if match:
                     done.add(int(match.group(1)))
-                live_trees = max(live_trees, page.locator("[data-testid=stPlotlyChart]").count())
+                charts = page.evaluate(CHART_LABELS)
+                live += [c for c in charts if c["width"] and c["height"] < 300]  # the live trees: 220 px tall
+                seen = max(seen, len(charts))
+                if charts:  # the row's one legend (viz legend_html) stands above the live trees
+                    shared.add(page.locator("[data-testid=stHtml]").filter(has_text="unreached").count())
             if page.get_by_text("Results", exact=True).count():
                 break
             time.sleep(0.3)
         assert page.get_by_text("Results", exact=True).count(), "the comparison did not finish in time"
         assert len(done) >= 3, f"progress seen only at {sorted(done)}"
-        assert live_trees >= 1, "no live tree was drawn while the comparison ran"
+        assert seen >= 1 and live, "no live tree was drawn while the comparison ran"
+        assert all(c["legend"] == 0 for c in live), "a live tree carries its own legend"
+        assert all(c["overlaps"] == 0 for c in live), [c for c in live if c["overlaps"]]
+        assert any(c["labels"] for c in live), "no token label drawn at all"
+        assert shared == {1}, f"shared legends seen beside live trees: {shared}"
         page.wait_for_selector("[data-testid=stApp][data-test-script-state=notRunning]", timeout=60_000)
         assert page.get_by_text("Exact:", exact=False).count()
         # Streamlit loads the table's and charts' code lazily: they can appear after the script stopped.
         frames, charts = page.locator("[data-testid=stDataFrame]"), page.locator("[data-testid=stPlotlyChart]")
         assert _until(lambda: frames.count() == 1 and charts.count() >= 4, 60), (frames.count(), charts.count())
         assert page.locator("[data-testid=stException]").count() == 0
-        _screenshot(page, "e2e-compare.png")
+        _screenshot(page, f"e2e-compare-{screen['width']}x{screen['height']}.png")
         browser.close()
 
 

@@ -69,7 +69,8 @@ def test_shards_resume_relabel_and_train_beside_the_answers(fake_sources, target
     np.testing.assert_array_equal(np.load(store.ids_path(written.STAGE, 0))["ids"], first)
     assert np.isnan(np.load(store.ids_path(written.STAGE, 0))["temperature"]).all(), "not sampled from the target"
 
-    assert answers.relabel(store, target, teacher=True, stages=(written.STAGE,), log=lambda m: None) == 3
+    relabel = lambda **kw: answers.relabel(store, target, teacher=True, stages=(written.STAGE,), log=print, **kw)  # noqa: E731
+    assert relabel(max_shards=2) == 2 and relabel() == 1, "a capped call stops; the next one finishes"
     data = PackedAnswers(store, TokenMap([-1, *range(vocab)], vocab), stages=(written.STAGE,), heldout=False)
     seqs = [s for k in store.shards(written.STAGE) for s in store.sequences(written.STAGE, k)]
     turn = sum(len(ids) - plen for ids, plen, _ in seqs)

@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     rel.add_argument("--teacher", action="store_true", help="also the compact teacher at every loss position")
     rel.add_argument("--stages", default="questions,main,follow,ood", help="comma-separated, in this order")
     rel.add_argument("--ood", action="store_true", help="the OOD answers' store (ood-answers), not the training one")
+    rel.add_argument("--max-shards", type=int, default=None, help="relabel at most this many shards in this call")
     wr = sub.add_parser("answers-written", help="human-written text as teacher-forced assistant turns (stage written)")
     _answer_flags(wr)
     wr.add_argument("--seed", type=int, default=0)

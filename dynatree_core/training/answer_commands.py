@@ -57,7 +57,8 @@ def _answers(args: argparse.Namespace) -> None:
         n_layers = target.model.config.get_text_config(decoder=True).num_hidden_layers
         taps = parse_taps(args.taps, n_layers)
         stages = tuple(s for s in args.stages.split(",") if s)
-        n = relabel(store, target, batch=args.batch, taps=taps, teacher=args.teacher, stages=stages, log=print_now)
+        n = relabel(store, target, batch=args.batch, taps=taps, teacher=args.teacher, stages=stages,
+                    max_shards=args.max_shards, log=print_now)  # fmt: skip
         print(f"answers-relabel: {n} shards relabelled", flush=True)
         return
     stages = tuple(s for s in args.stages.split(",") if s)

@@ -287,12 +287,14 @@ def relabel(
     taps: tuple[int, ...] = (),
     teacher: bool = False,
     stages: tuple[str, ...] = (*STAGES, "ood"),
+    max_shards: int | None = None,
     log=print,
 ) -> int:
     """What the shards that have ids lack, teacher-forced in one batched forward per group of
     sequences: the final features; with `taps` the inputs of those layers (the fused kind's
     features); with `teacher` the compact teacher at every loss position (row p of a sequence
-    whose next token p + 1 is part of its answer). Returns the number of shards written to."""
+    whose next token p + 1 is part of its answer). `max_shards`: at most this many in this call.
+    Returns the number of shards written to."""
     decoder = BatchDecoder(target.model)
     vocab = target.model.config.get_text_config(decoder=True).vocab_size
     done = 0
@@ -303,6 +305,8 @@ def relabel(
             want_h = teacher and not store.has_teacher(stage, k)
             if not (want_f or want_t or want_h):
                 continue
+            if max_shards is not None and done >= max_shards:
+                return done
             t0 = time.perf_counter()
             seqs = store.sequences(stage, k)
             order = np.argsort([len(s) for s, _, _ in seqs])
