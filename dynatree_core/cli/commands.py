@@ -126,9 +126,8 @@ def cmd_presets(args) -> None:
         return
     for p in rows:
         where = "offline" if p["offline"] else "needs network (downloads from the hub, or a warm HF cache)"
-        kind = " (head)" if p["head"] else ""
-        draft = portable(p["draft"]) if p["draft"] else "(none yet)"
-        print(f"{p['name']}: target {p['target']}, draft {draft}{kind} - {p['description']}; {where}")
+        draft = (portable(p["draft"]) + (" (head)" if p["head"] else "")) if p["draft"] else "(none yet)"
+        print(f"{p['name']}: target {p['target']}, draft {draft} - {p['description']}; {where}")
 
 
 def cmd_bench(args) -> None:
