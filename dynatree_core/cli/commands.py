@@ -120,11 +120,9 @@ def cmd_verifiers(args) -> None:
 def cmd_presets(args) -> None:
     from dynatree_core.core.models import PRESETS
 
-    rows = [vars(p) for p in PRESETS.values()]
     if args.json:
-        print(json.dumps(rows, indent=2))
-        return
-    for p in rows:
+        return print(json.dumps([vars(p) for p in PRESETS.values()], indent=2))
+    for p in map(vars, PRESETS.values()):
         where = "offline" if p["offline"] else "needs network (downloads from the hub, or a warm HF cache)"
         draft = (portable(p["draft"]) + (" (head)" if p["head"] else "")) if p["draft"] else "(none yet)"
         print(f"{p['name']}: target {p['target']}, draft {draft} - {p['description']}; {where}")
