@@ -180,13 +180,19 @@ def test_run_with_the_embedded_models_updates_live(app_url):
         assert page.get_by_text("target after this node").count()
         _screenshot(page, "e2e-node-details.png")
 
+        # The metrics cover the iterations up to the one on show (iteration 1 now), and say so.
+        assert int(_metric(page, "Iterations")) == 1 and page.get_by_text(f"Iterations 1-1 of {final}").count()
+
         # A second tab is a second session: it does not see (or disturb) the first tab's run.
         other = browser.new_context().new_page()
         other.goto(app_url)
         _idle(other)
         assert other.get_by_text("Press Run", exact=False).count()
         assert other.locator("[data-testid=stMetric]").count() == 0
-        assert int(_metric(page, "Iterations")) == final
+        scrub.focus()
+        page.keyboard.press("End")
+        page.get_by_text(f"Draft tree — iteration {final}", exact=True).wait_for(timeout=60_000)
+        assert int(_metric(page, "Iterations")) == final and page.get_by_text("Whole run:", exact=False).count()
         browser.close()
 
 
@@ -392,8 +398,9 @@ CHART_LABELS = """() => [...document.querySelectorAll("[data-testid=stPlotlyChar
     const a = boxes[i], b = boxes[j];
     if (a.left < b.right - 1 && b.left < a.right - 1 && a.top < b.bottom - 1 && b.top < a.bottom - 1) overlaps++;
   }
+  const box = chart.getBoundingClientRect();
   return {legend: chart.querySelectorAll(".legend .traces").length, labels: boxes.length, overlaps,
-          width: Math.round(chart.getBoundingClientRect().width), height: Math.round(chart.getBoundingClientRect().height)};
+          width: Math.round(box.width), height: Math.round(box.height)};
 })"""
 
 
