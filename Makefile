@@ -101,11 +101,14 @@ draft-feature: setup
 # OOD agreement every 30 minutes of training. Many hours on 2 cores: run it in the background;
 # rerunning the same command resumes every stage (checkpoint.pt keeps the schedule's place).
 LONG_RUN ?= $(HOME)/.cache/dynatree/draft-runs/long-feature
+# The answers plus the first 8 shards of human-written text (stage "written", ids committed): the mix that
+# measured ahead of answers alone at equal compute (docs/benchmark-log.md, "Human-written text").
+LONG_STAGES ?= questions,main,written:8
 LONG_FLAGS ?= --kind feature --levels 1 --ce-share 0.25 --passes 15 --lr 5e-4 --warmup 50 --eval-every-s 1800 --eval-first true
 draft-feature-long: setup
-	$(PY) -m dynatree_core.training answers-relabel --target $(DRAFT_TARGET) --teacher --stages questions,main
+	$(PY) -m dynatree_core.training answers-relabel --target $(DRAFT_TARGET) --teacher --stages $(LONG_STAGES)
 	$(PY) -m dynatree_core.training answers-relabel --target $(DRAFT_TARGET) --teacher --ood
-	$(PY) -m dynatree_core.training train-packed --target $(DRAFT_TARGET) $(LONG_FLAGS) --log-every 20 \
+	$(PY) -m dynatree_core.training train-packed --target $(DRAFT_TARGET) $(LONG_FLAGS) --stages $(LONG_STAGES) --log-every 20 \
 		$(if $(filter embedded,$(DRAFT_TARGET)),--init-from assets/models/smollm2-feature-draft,--token-map $(FEATURE_RUN)/map) \
 		--out $(LONG_RUN)
 

@@ -11,6 +11,7 @@ from dynatree_core.core.models import load_model
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.pairs import encode_prompt
 from dynatree_core.training import answers, sources, written
+from dynatree_core.training.answer_commands import stage_spec
 from dynatree_core.training.answer_data import source_summary
 from dynatree_core.training.packed import PackedAnswers
 
@@ -76,6 +77,9 @@ def test_shards_resume_relabel_and_train_beside_the_answers(fake_sources, target
     turn = sum(len(ids) - plen for ids, plen, _ in seqs)
     assert data.answer_pairs() == turn, "the loss positions are the assistant turns' tokens, nothing of the requests"
     assert set(data.windows.stage_of(data.train_rows)) == {written.STAGE}
+    cut = answers.AnswerStore(store.ids_dir, store.features_dir, limits={written.STAGE: 2})
+    assert cut.shards(written.STAGE) == [0, 1], "a run's data set: the stage's first shards only"
+    assert stage_spec("questions,main,written:2") == (("questions", "main", "written"), {"written": 2})
     summary = source_summary(store, (written.STAGE,))
     assert summary["written-pydoc"]["prompts"] == 2 and sum(v["answer_tokens"] for v in summary.values()) == turn
 

@@ -36,7 +36,8 @@ def _answers(args: argparse.Namespace) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    store = AnswerStore(*answer_dirs(args.target, args.ids_dir, args.features_dir, ood=args.ood))
+    stages, limits = stage_spec(getattr(args, "stages", ""))
+    store = AnswerStore(*answer_dirs(args.target, args.ids_dir, args.features_dir, ood=args.ood), limits)
     target = load_model(args.target, device=args.device, dtype=args.dtype)
     if packing_enabled(target.device, target.dtype):
         pack_linears(target.model)
@@ -56,16 +57,27 @@ def _answers(args: argparse.Namespace) -> None:
     if args.command == "answers-relabel":
         n_layers = target.model.config.get_text_config(decoder=True).num_hidden_layers
         taps = parse_taps(args.taps, n_layers)
-        stages = tuple(s for s in args.stages.split(",") if s)
         n = relabel(store, target, batch=args.batch, taps=taps, teacher=args.teacher, stages=stages,
                     max_shards=args.max_shards, log=print_now)  # fmt: skip
         print(f"answers-relabel: {n} shards relabelled", flush=True)
         return
-    stages = tuple(s for s in args.stages.split(",") if s)
     log = lambda m: print(m, flush=True)  # noqa: E731
     n = generate(store, target, stages=stages, max_shards=args.max_shards, main_shards=args.main_shards,
                  batch=args.batch, seed=args.seed, log=log)  # fmt: skip
     print(f"answers: {n} shards written to {store.ids_dir}", flush=True)
+
+
+def stage_spec(spec: str) -> tuple[tuple[str, ...], dict[str, int]]:
+    """--stages "questions,main,written:8": the stages in order, and those cut to their first N shards."""
+    stages, limits = [], {}
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        name, _, n = part.partition(":")
+        if n and not n.isdigit():
+            raise SystemExit(f"--stages: {part!r}: write a stage as NAME or NAME:SHARDS")
+        stages.append(name)
+        if n:
+            limits[name] = int(n)
+    return tuple(stages), limits
 
 
 def print_now(message: str) -> None:
@@ -103,8 +115,8 @@ def _train_packed(args: argparse.Namespace) -> None:
     n_layers = target.config.get_text_config(decoder=True).num_hidden_layers
     taps = parse_taps(args.taps, n_layers) if args.kind == "fused" else None
     token_map = TokenMap.load(args.token_map)
-    store = AnswerStore(*answer_dirs(args.target))
-    stages = tuple(s for s in args.stages.split(",") if s)
+    stages, limits = stage_spec(args.stages)
+    store = AnswerStore(*answer_dirs(args.target), limits)
     data = PackedAnswers(store, token_map, taps=taps, stages=stages)
     ood = PackedAnswers(
         AnswerStore(*answer_dirs(args.target, ood=True)), token_map, taps=taps, stages=("ood",), heldout=True

@@ -46,8 +46,9 @@ def _ids_dtype(vocab: int):
 class AnswerStore:
     """The shards of one data directory (ids) and its features directory."""
 
-    def __init__(self, ids_dir: Path, features_dir: Path):
-        self.ids_dir, self.features_dir = ids_dir, features_dir
+    def __init__(self, ids_dir: Path, features_dir: Path, limits: dict[str, int] | None = None):
+        """`limits`: stage -> only its first this-many shards are seen (a run's fixed data set)."""
+        self.ids_dir, self.features_dir, self.limits = ids_dir, features_dir, dict(limits or {})
 
     def ids_path(self, stage: str, k: int) -> Path:
         return self.ids_dir / f"{stage}_{k:05d}.npz"
@@ -88,7 +89,9 @@ class AnswerStore:
         path.with_suffix(".sum").write_text(str(checksum(ids)))
 
     def shards(self, stage: str) -> list[int]:
-        return sorted(int(p.stem.split("_")[1]) for p in self.ids_dir.glob(f"{stage}_*.npz"))
+        found = sorted(int(p.stem.split("_")[1]) for p in self.ids_dir.glob(f"{stage}_*.npz") if ".tmp" not in p.stem)
+        limit = self.limits.get(stage)
+        return [k for k in found if limit is None or k < limit]
 
     def sequences(self, stage: str, k: int) -> list[tuple[np.ndarray, int, int]]:
         """(ids, prompt length, source index) of every sequence of a shard."""
