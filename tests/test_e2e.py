@@ -389,8 +389,13 @@ def test_a_new_visitor_sees_the_tree_in_the_first_screen_and_a_replay_that_agree
         browser.close()
 
 
-# Per chart on the page: its legend entries, its drawn token labels and how many pairs of them overlap.
-CHART_LABELS = """() => [...document.querySelectorAll("[data-testid=stPlotlyChart]")].map(chart => {
+# One snapshot of the page (one evaluate, so the parts agree): per chart its legend entries, its drawn
+# token labels and how many pairs of them overlap, and how many shared legends (viz legend_html) are
+# shown. Elements Streamlit marks stale (a rerun is replacing them) are left out: after the comparison
+# the page reruns, and for a moment the old live trees stay while the legend above them is replaced.
+CHART_LABELS = """() => {
+const fresh = e => !e.closest("[data-stale=true]");
+const charts = [...document.querySelectorAll("[data-testid=stPlotlyChart]")].filter(fresh).map(chart => {
   const boxes = [...chart.querySelectorAll(".textpoint text")].filter(t => t.textContent.trim())
     .map(t => t.getBoundingClientRect()).filter(b => b.width > 0);
   let overlaps = 0;
@@ -401,7 +406,11 @@ CHART_LABELS = """() => [...document.querySelectorAll("[data-testid=stPlotlyChar
   const box = chart.getBoundingClientRect();
   return {legend: chart.querySelectorAll(".legend .traces").length, labels: boxes.length, overlaps,
           width: Math.round(box.width), height: Math.round(box.height)};
-})"""
+});
+const legends = [...document.querySelectorAll("[data-testid=stHtml]")].filter(fresh)
+  .filter(e => e.innerText.includes("unreached")).length;
+return {charts, legends};
+}"""
 
 
 @pytest.mark.parametrize("screen", [LAPTOP, {"width": 1920, "height": 1080}], ids=["1366x768", "1920x1080"])
@@ -437,11 +446,12 @@ def test_compare_page_shows_progress_live_trees_and_results(app_url, screen):
                 match = re.search(r"(\d+)/(\d+) runs", text)
                 if match:
                     done.add(int(match.group(1)))
-                charts = page.evaluate(CHART_LABELS)
-                live += [c for c in charts if c["width"] and c["height"] < 300]  # the live trees: 220 px tall
-                seen = max(seen, len(charts))
-                if charts:  # the row's one legend (viz legend_html) stands above the live trees
-                    shared.add(page.locator("[data-testid=stHtml]").filter(has_text="unreached").count())
+                snap = page.evaluate(CHART_LABELS)
+                trees = [c for c in snap["charts"] if c["width"] and c["height"] < 300]  # live trees: 220 px tall
+                live += trees
+                seen = max(seen, len(snap["charts"]))
+                if trees:  # the row's one legend (viz legend_html) stands above the live trees
+                    shared.add(snap["legends"])
             if page.get_by_text("Results", exact=True).count():
                 break
             time.sleep(0.3)
