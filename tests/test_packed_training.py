@@ -317,3 +317,9 @@ def test_a_packed_run_exports_with_a_card_of_its_passes_and_learning_curve(tiny_
     assert "unrolled over the draft's own outputs for 2 levels" in card
     assert ("Fused-feature" in card) == (kind == "fused") and str(tmp_path) not in card
     assert load_head(str(tmp_path / "out"), target.model).kind == kind
+    if kind == "fused":  # its head stayed frozen (train_head off): shipped as the target's rows, not saved
+        from safetensors import safe_open
+
+        assert json.loads((tmp_path / "out" / "fused_draft.json").read_text())["head"] == "target rows"
+        with safe_open(str(tmp_path / "out" / "fused_draft.safetensors"), "pt") as f:
+            assert "lm_head.weight" not in f.keys()

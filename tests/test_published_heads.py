@@ -173,12 +173,12 @@ def naive_logits(layout: str, w: dict, taps, target, ids: list[int]) -> torch.Te
     return full
 
 
-def head_logits(draft, target, ids: list[int]) -> torch.Tensor:
+def head_logits(draft, target, ids: list[int], vocab: int = V) -> torch.Tensor:
     """The loaded head's level-1 logits over the pairs of `ids`, through its drafting forward."""
     from dynatree_core.core.kv import KVState, chain_then_tree_visibility
     from dynatree_core.drafting.heads import head_drafter
 
-    drafter = head_drafter(draft, V)
+    drafter = head_drafter(draft, vocab)
     with torch.no_grad():
         out = target.model(input_ids=torch.tensor([ids[:-1]]), output_hidden_states=True)
         taps = drafter.taps  # the final state alone (EAGLE-1) or layer inputs (EAGLE-3)
@@ -265,13 +265,20 @@ def test_export_feature_writes_a_fused_run_in_the_eagle3_layout(tmp_path, tiny_p
 
     target = load_model(tiny_pair_dirs[0], device="cpu", dtype="float32").model
     vocab = target.config.vocab_size
-    FusedDraft.from_target(target, TokenMap([-1, *range(0, vocab, 7)], vocab), taps=(1, 1, 1)).save(
-        tmp_path / "run" / "draft"
-    )
+    FusedDraft.from_target(target, TokenMap([-1, *range(0, vocab, 7)], vocab), taps=(1, 1, 1), seed=5).save(
+        tmp_path / "run" / "draft", with_head=False
+    )  # a frozen head is saved as "the target's rows" and rebuilt at load
+    meta = json.loads((tmp_path / "run" / "draft" / "fused_draft.json").read_text())
+    assert meta["head"] == "target rows"
+    draft = load_head(str(tmp_path / "run" / "draft"), target)
     main(["export-feature", "--layout", "eagle3", "--target", tiny_pair_dirs[0], "--run", str(tmp_path / "run"),
-          "--dest", str(tmp_path / "eagle3")])  # fmt: skip
+          "--dest", str(tmp_path / "eagle3"), "--dtype", "float32"])  # fmt: skip
     assert layout_of(tmp_path / "eagle3") == "eagle3"
-    assert load_head(str(tmp_path / "eagle3"), target).taps == (1, 1, 1)
+    assert json.loads((tmp_path / "eagle3" / "config.json").read_text())["torch_dtype"] == "float32"
+    back = load_head(str(tmp_path / "eagle3"), target)
+    assert back.taps == (1, 1, 1)
+    ids = [5, 17, 3, 44, 9, 60, 2, 31]
+    assert torch.equal(head_logits(back, target, ids, vocab), head_logits(draft, target, ids, vocab))
     with pytest.raises(SystemExit, match="--dest"):
         main(["export-feature", "--layout", "eagle3", "--target", tiny_pair_dirs[0], "--run", str(tmp_path / "run")])
 
@@ -335,9 +342,10 @@ def test_the_presets_name_public_pairs_with_their_heads_and_say_they_need_networ
     from dynatree_core.core.models import PRESETS
     from dynatree_core.decoding.pairs import token_draft_for
 
-    heads = [p for p in PRESETS.values() if p.head]
+    heads = [p for p in PRESETS.values() if p.head and not p.offline]
     assert {p.draft.split("/")[0] for p in heads} >= {"yuhuili", "lmsys", "RedHatAI"}, "SafeAILab, SpecForge, vLLM"
-    assert all(not p.offline for p in heads)
+    assert [p.name for p in PRESETS.values() if p.head and p.offline] == ["embedded-eagle3"], "the shipped fused draft"
+    assert token_draft_for("embedded") == PRESETS["embedded-token"].draft, "the fused draft is not the assistant"
     assert token_draft_for("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.2-1B-Instruct", (
         "a head is never the HF baselines' assistant"
     )

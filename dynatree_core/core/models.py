@@ -31,6 +31,7 @@ from dynatree_core.core.presets import (  # noqa: F401  (re-exported: where call
     EMBEDDED,
     EMBEDDED_DRAFT_DIR,
     EMBEDDED_FEATURE_DRAFT_DIR,
+    EMBEDDED_FUSED_DRAFT_DIR,
     PRESETS,
     REPO_ROOT,
     Preset,

@@ -10,6 +10,7 @@ EMBEDDED = "embedded"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED_DRAFT_DIR = REPO_ROOT / "assets" / "models" / "smollm2-draft"
 EMBEDDED_FEATURE_DRAFT_DIR = REPO_ROOT / "assets" / "models" / "smollm2-feature-draft"  # drafting/feature.py
+EMBEDDED_FUSED_DRAFT_DIR = REPO_ROOT / "assets" / "models" / "smollm2-fused-draft"  # drafting/fused.py (EAGLE-3 form)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,21 @@ PRESETS: dict[str, Preset] = {
             str(EMBEDDED_DRAFT_DIR) if EMBEDDED_DRAFT_DIR.exists() else None,
             "SmolLM2-135M-Instruct (bundled, offline) with the project's token-level draft (a standalone 9M LM)",
             offline=True,
+        ),
+        *(
+            [
+                Preset(
+                    "embedded-eagle3",
+                    EMBEDDED,
+                    str(EMBEDDED_FUSED_DRAFT_DIR),
+                    "SmolLM2-135M-Instruct (bundled, offline) with the project's EAGLE-3-form (fused-feature) draft,"
+                    " the form SGLang and vLLM serve (weaker than the default)",
+                    offline=True,
+                    head=True,
+                )
+            ]
+            if EMBEDDED_FUSED_DRAFT_DIR.exists()
+            else []
         ),
         Preset(
             "pythia-2.8b/70m",

@@ -204,10 +204,9 @@ class FusedDraft(torch.nn.Module):
         taps = check_taps(taps or eagle3_taps(config.num_hidden_layers), config.num_hidden_layers)
         torch.manual_seed(seed)
         draft = cls(head_config(target, len(token_map)), taps, target.get_input_embeddings(), token_map)
-        head = getattr(target.get_output_embeddings(), "weight", None)
+        rows = target_rows(target, token_map)
         with torch.no_grad():
-            if head is not None and head.shape[-1] == config.hidden_size:
-                rows = head.detach().float()[token_map.draft_to_target.clamp(min=0).to(head.device)]
+            if rows is not None:
                 draft.lm_head.weight.copy_(rows.to(draft.lm_head.weight.device))
             norm = getattr(getattr(target, "model", None), "norm", None)
             if getattr(norm, "weight", None) is not None and norm.weight.shape[-1] == config.hidden_size:
@@ -215,19 +214,23 @@ class FusedDraft(torch.nn.Module):
         device = target.get_input_embeddings().weight.device
         return draft.to(device=device, dtype=target.dtype).eval()
 
-    def save(self, directory: str | Path, *, dtype: torch.dtype | None = None) -> None:
+    def save(self, directory: str | Path, *, with_head: bool = True, dtype: torch.dtype | None = None) -> None:
+        """The draft's weights and description; without `with_head` the head is left out (a frozen
+        head is the target's rows for the map's tokens, rebuilt from the target at load)."""
         from safetensors.torch import save_file
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         dtype = dtype or self.dtype
-        state = {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
+        skip = ("rotary.",) if with_head else ("rotary.", "lm_head.")
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith(skip)}
         save_file({k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}, str(out / WEIGHTS_FILE))
         meta = {
             "kind": KIND,
             "taps": list(self.taps),
             "fc_norm": self.fc_norm_kind,
             "norm_before_residual": self.norm_before_residual,
+            "head": "saved" if with_head else "target rows",
             "llama_config": self.llama_config.to_dict(),
             "dtype": str(dtype).removeprefix("torch."),
         }
@@ -249,9 +252,26 @@ class FusedDraft(torch.nn.Module):
             "norm_before_residual": meta.get("norm_before_residual", False),
         }
         draft = cls(config, tuple(meta["taps"]), target.get_input_embeddings(), TokenMap.load(path), **options)
-        draft.load_state_dict(load_file(str(path / WEIGHTS_FILE)), strict=False)
+        state = load_file(str(path / WEIGHTS_FILE))
+        if "lm_head.weight" not in state:  # saved without its head: the target's rows (save)
+            rows = target_rows(target, draft.token_map)
+            if rows is None:
+                raise DynaTreeError(
+                    f"the fused draft in {path} uses the target's head rows; this target has no such head"
+                )
+            state["lm_head.weight"] = rows
+        draft.load_state_dict(state, strict=False)
         device = target.get_input_embeddings().weight.device
         return draft.to(device=device, dtype=target.dtype).eval()
+
+
+def target_rows(target: torch.nn.Module, token_map: TokenMap) -> torch.Tensor | None:
+    """The target's LM head rows for the map's slots (float32, OTHER's slot holds row 0), or None
+    when the target has no head of its hidden width."""
+    head = getattr(target.get_output_embeddings(), "weight", None)
+    if head is None or head.shape[-1] != target.config.get_text_config(decoder=True).hidden_size:
+        return None
+    return head.detach().float()[token_map.draft_to_target.clamp(min=0).to(head.device)].cpu()
 
 
 def check_fits(hidden: int, taps, target: torch.nn.Module, *, where: str) -> None:

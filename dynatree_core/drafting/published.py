@@ -229,9 +229,12 @@ def _eagle3(path: Path, fields: dict, state: dict, target: torch.nn.Module, *, s
     return draft.to(device=device, dtype=target.dtype).eval()
 
 
-def export_eagle3(draft: FusedDraft, dest: str | Path, *, target_name: str = "") -> Path:
+def export_eagle3(
+    draft: FusedDraft, dest: str | Path, *, target_name: str = "", dtype: torch.dtype = torch.bfloat16
+) -> Path:
     """Write `draft` in the eagle3 layout (SafeAILab / SpecForge names; `config.json` +
-    `model.safetensors`, bfloat16) that SGLang (`--speculative-algorithm EAGLE3`) and vLLM
+    `model.safetensors`, bfloat16 unless `dtype`: float32 keeps every weight as it is, so the
+    file reads back with identical logits) that SGLang (`--speculative-algorithm EAGLE3`) and vLLM
     (`"method": "eagle3"`) load: both engines' layer-id keys, d2t as offsets, t2d as a mask."""
     from safetensors.torch import save_file
 
@@ -249,14 +252,14 @@ def export_eagle3(draft: FusedDraft, dest: str | Path, *, target_name: str = "")
     t2d[slots] = True
     state = {k: v for k, v in draft.state_dict().items() if not k.startswith("rotary.")}
     state["lm_head.weight"] = state["lm_head.weight"][1:]
-    state = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in state.items()}
+    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
     state["d2t"], state["t2d"] = d2t.long().contiguous(), t2d
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     fields = draft.llama_config.to_dict() | {
         "architectures": ["LlamaForCausalLMEagle3"],
         "vocab_size": draft.token_map.target_vocab,  # the target's; the head's own rows are draft_vocab_size
         "draft_vocab_size": len(slots),
-        "torch_dtype": "bfloat16",
+        "torch_dtype": str(dtype).removeprefix("torch."),
         "eagle_aux_hidden_state_layer_ids": list(draft.taps),  # vLLM: the input of layer i
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [t - 1 for t in draft.taps], "use_aux_hidden_state": True},
         "dynatree": {"taps": list(draft.taps), "fc_norm": draft.fc_norm_kind, "target": target_name},

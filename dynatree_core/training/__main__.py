@@ -170,6 +170,10 @@ def main(argv: list[str] | None = None) -> None:
         "--layout", choices=("dynatree", "eagle3"), default="dynatree",
         help="eagle3: the layout SGLang and vLLM load (a fused-kind draft only; needs --dest)",
     )  # fmt: skip
+    exf.add_argument(
+        "--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+        help="eagle3 layout: the weights' dtype (float32 reads back with identical logits)",
+    )  # fmt: skip
     qu = sub.add_parser("quality", help="measure a draft: agreement, tokens/iteration, step cost")
     qu.add_argument("--draft", type=Path, nargs="+", required=True, help="one or more draft directories")
     qu.add_argument("--corpus", type=Path, default=COMMITTED / "corpus.npz")
@@ -299,6 +303,8 @@ def main(argv: list[str] | None = None) -> None:
         target = load_model(args.target, device="cpu", dtype="float32").model
         quality = json.loads(args.quality.read_text()) if args.quality and args.quality.exists() else None
         if args.layout == "eagle3":
+            import torch
+
             from dynatree_core.drafting.heads import load_head
             from dynatree_core.drafting.published import export_eagle3
             from dynatree_core.errors import DynaTreeError
@@ -309,7 +315,9 @@ def main(argv: list[str] | None = None) -> None:
                     "export-feature --layout eagle3: a fused-kind draft (train-packed --kind fused) and --dest"
                 )
             try:
-                print(f"export-feature: {export_eagle3(draft, args.dest, target_name=args.target)}")
+                print(
+                    f"export-feature: {export_eagle3(draft, args.dest, target_name=args.target, dtype=getattr(torch, args.dtype))}"
+                )
             except DynaTreeError as exc:
                 raise SystemExit(f"export-feature: {exc}") from None
             return

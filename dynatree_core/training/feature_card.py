@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from dynatree_core.drafting.fused import target_rows
 from dynatree_core.drafting.heads import load_head
 from dynatree_core.runs.environment import portable
 from dynatree_core.training.ledger import totals
@@ -241,7 +242,12 @@ def export_feature_draft(
 ) -> None:
     """Copy the run's draft into `dest` (bfloat16 weights, no head rows) with its model card."""
     draft = load_head(str(run_dir / "draft"), target)
-    draft.save(dest, dtype=torch.bfloat16)
+    if draft.kind == "fused":  # a frozen head is the target's rows: left out, rebuilt at load
+        rows = target_rows(target, draft.token_map)
+        frozen = rows is not None and torch.equal(draft.lm_head.weight.detach().float().cpu(), rows)
+        draft.save(dest, with_head=not frozen, dtype=torch.bfloat16)
+    else:
+        draft.save(dest, dtype=torch.bfloat16)
     size = len(draft.token_map) if draft.token_map is not None else None
     (dest / "README.md").write_text(model_card(run_dir, quality, command, note, map_size=size))
     (dest / "curve.json").write_text(portable((run_dir / "curve.json").read_text()))
