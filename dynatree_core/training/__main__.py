@@ -315,9 +315,8 @@ def main(argv: list[str] | None = None) -> None:
                     "export-feature --layout eagle3: a fused-kind draft (train-packed --kind fused) and --dest"
                 )
             try:
-                print(
-                    f"export-feature: {export_eagle3(draft, args.dest, target_name=args.target, dtype=getattr(torch, args.dtype))}"
-                )
+                out = export_eagle3(draft, args.dest, target_name=args.target, dtype=getattr(torch, args.dtype))
+                print(f"export-feature: {out}")
             except DynaTreeError as exc:
                 raise SystemExit(f"export-feature: {exc}") from None
             return
