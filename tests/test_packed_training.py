@@ -254,8 +254,9 @@ def test_a_stopped_run_resumes_the_same_schedule_and_its_curve_is_saved(tiny_sto
     evals = {"heldout": (data, data.train_rows[:2])}
     ticks = iter(range(10**6))
 
-    def clock() -> float:  # every reading advances one second
-        return float(next(ticks))
+    def clock() -> float:  # every reading advances one second; around reading 24 the run stands still two days
+        t = next(ticks)
+        return float(t + 86_400 * ((t >= 24) + (t >= 25)))  # (one of the two jumps falls inside a step)
 
     cfg = PackedTrainConfig(
         passes=6.0, pairs_per_step=8, log_every=1, eval_every_s=4, stop_after_s=5, warmup=1, eval_first=True
@@ -278,6 +279,18 @@ def test_a_stopped_run_resumes_the_same_schedule_and_its_curve_is_saved(tiny_sto
     curve = json.loads((out / "curve.json").read_text())["curve"]
     assert [p["step"] for p in curve] == sorted(p["step"] for p in curve) and len(curve) >= 3
     assert all(len(p["heldout"]) == 4 for p in curve)
+    assert done["spent_s"] <= done["step"], "the day the process stood still is not training time"
+
+
+def test_a_paused_step_counts_the_recent_median_and_a_slow_one_counts_in_full():
+    from dynatree_core.training.step import counted_s
+
+    recent: list[float] = []
+    assert counted_s(500.0, recent) == 500.0, "without a history every second counts"
+    recent.clear()
+    assert [counted_s(dt, recent) for dt in (1.0, 1.2, 0.9, 1.1, 1.0)] == [1.0, 1.2, 0.9, 1.1, 1.0]
+    assert counted_s(3_600.0, recent) == 1.0, "an hour stopped (SIGSTOP) counts as a typical step"
+    assert counted_s(4.0, recent) == 4.0, "a slower step (a busy machine, an eval) is still training time"
 
 
 def test_a_fused_draft_for_another_target_is_one_error_line_in_the_cli(capsys, tiny_pair_dirs, tmp_path):

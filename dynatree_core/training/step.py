@@ -253,6 +253,19 @@ def lr_at(cfg: PackedTrainConfig, step: int, progress: float) -> float:
     return cfg.lr * min(1.0, (step + 1) / max(cfg.warmup, 1)) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
+PAUSED = 10.0  # a step this many times its recent median was paused (SIGSTOP) or starved: not training
+
+
+def counted_s(dt: float, recent: list[float]) -> float:
+    """The training seconds a step of wall time `dt` counts: `dt`, unless it took over PAUSED times
+    the median of the recent steps (the process was stopped while the suite ran), then that median.
+    Keeps a background run's curve, eval interval and ledger in training time; `recent` is updated."""
+    typical = sorted(recent)[len(recent) // 2] if len(recent) >= 5 else None
+    counted = typical if typical is not None and dt > PAUSED * typical else dt
+    recent[:] = [*recent[-19:], counted]
+    return counted
+
+
 def train_packed(
     draft,
     data: PackedAnswers,
@@ -318,7 +331,7 @@ def train_packed(
             epoch, cursor = epoch + 1, 0
 
     torch.manual_seed(cfg.seed + state["step"])
-    started, t_log, pairs_since = state["spent_s"], clock(), 0
+    started, pairs_since, block_s, recent = state["spent_s"], 0, 0.0, []
 
     def progress() -> float:  # of the whole schedule, 0..1: by pairs seen, or by training time under a budget
         return state["spent_s"] / cfg.budget_s if cfg.budget_s > 0 else state["seen"] / total_pairs
@@ -329,7 +342,6 @@ def train_packed(
         if cfg.eval_every_s > 0 and state["spent_s"] >= state["next_eval_s"]:
             evaluate()
             state["next_eval_s"] = state["spent_s"] + cfg.eval_every_s
-            t_log = clock()
         t0 = clock()
         lr = lr_at(cfg, state["step"], progress())
         for group in opt.param_groups:
@@ -345,10 +357,11 @@ def train_packed(
         state["step"] += 1
         state["seen"] += int(batch.answer.sum())
         state["pass"], state["cursor"] = epoch, cursor  # a resumed run starts after this batch
-        state["spent_s"] += clock() - t0
-        pairs_since += batch.pairs
+        dt = counted_s(clock() - t0, recent)
+        state["spent_s"] += dt
+        pairs_since, block_s = pairs_since + batch.pairs, block_s + dt
         if state["step"] % cfg.log_every == 0:
-            dt = clock() - t_log
+            dt, block_s = block_s, 0.0  # training time of the block's steps (pauses left out)
             record("train-packed", dt, tokens=pairs_since, item=f"steps to {state['step']}", run=str(out))
             terms = " ".join(f"{k} {v:.3f}" for k, v in parts.items())
             log(
@@ -356,7 +369,7 @@ def train_packed(
                 f"pass {state['seen'] / pass_pairs:.2f} ({pairs_since / dt:.0f} pairs/s)"
             )
             checkpoint()
-            t_log, pairs_since = clock(), 0
+            pairs_since = 0
     finished = progress() >= 1
     if cfg.eval_every_s > 0:
         evaluate()
