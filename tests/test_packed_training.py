@@ -336,3 +336,15 @@ def test_a_packed_run_exports_with_a_card_of_its_passes_and_learning_curve(tiny_
         assert json.loads((tmp_path / "out" / "fused_draft.json").read_text())["head"] == "target rows"
         with safe_open(str(tmp_path / "out" / "fused_draft.safetensors"), "pt") as f:
             assert "lm_head.weight" not in set(f.keys())
+
+
+def test_the_card_says_which_rows_are_human_written_text_and_counts_passes_over_all_of_them():
+    from dynatree_core.training.feature_card import _data_lines
+
+    row = {"prompts": 10, "prompt_tokens": 100, "answer_tokens": 400}
+    data = {"training_windows": 4, "training_positions": 1_000, "training_answer_positions": 800}
+    answers_only = _data_lines({"data": {**data, "sources": {"pydoc": row}}}, [{"seen": 1_600}])
+    mixed = _data_lines({"data": {**data, "sources": {"pydoc": row, "written-pydoc": row}}}, [{"seen": 1_600}])
+    assert not any("human-written" in line for line in answers_only)
+    assert any("`written-*` are human-written text" in line for line in mixed)
+    assert any("**2.00 passes**" in line for line in mixed) and "| **all** | 20 | 200 | 800 |" in mixed

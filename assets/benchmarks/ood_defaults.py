@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parents[2]
 GRIDS = {
     "fixed_tree": {"depth": "3,4,5,6,8", "branch": "1,2,3", "tau": "0.01,0.03,0.1,0.2", "budget": "8,12,16,32"},
     "dynatree": {"d0": "3,4,5,6", "tau_h": "0.7,0.9,0.95", "b_max": "2,3,4", "budget": "12,16,32"},
-    "salf": {"nodes": "8,12,16,32", "batch": "4,8,16", "th": "0.3,0.6,0.8"},
+    "salf": {"nodes": "6,8,12,16,32", "batch": "4,8,16", "th": "0.3,0.6,0.8"},
     "eagle2": {"depth": "3,4,6", "topk": "2,4,6", "total": "8,12,16,24"},
     "dyspec_threshold": {"threshold": "0.02,0.05,0.1,0.2", "budget": "12,16,32", "max_children": "4,8"},
-    "dyspec": {"budget": "8,12,16,32", "batch": "4,8"},
+    "dyspec": {"budget": "2,3,4,8,12", "batch": "4,8"},
     "delayed_auto": {"k_max": "2,4", "l1_max": "4,6", "l2_max": "3,6"},
 }
 

@@ -77,6 +77,13 @@ def _data_lines(info: dict, curve: list[dict], staged: bool = False) -> list[str
     lines += [f"| {k} | {v['prompts']:,} | {v['prompt_tokens']:,} | {v['answer_tokens']:,} |" for k, v in rows]
     total = {k: sum(v[k] for _, v in rows) for k in ("prompts", "prompt_tokens", "answer_tokens")}
     lines += [f"| **all** | {total['prompts']:,} | {total['prompt_tokens']:,} | {total['answer_tokens']:,} |", ""]
+    if any(k.startswith("written-") for k in data["sources"]):
+        lines += [
+            "Rows `written-*` are human-written text, not the target's answers (training/written.py): documentation, "
+            "manual pages, code and fortunes as the assistant's turn after a short request, passed once through the "
+            "target teacher-forced; the loss still follows the target's own next-token distribution there.",
+            "",
+        ]
     return lines
 
 
