@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 STREAMLIT_FLAGS ?= --server.address localhost
 
-.PHONY: setup run test test-fast fuzz lint format clean draft draft-feature draft-feature-long draft-feature-talf
+.PHONY: setup run test test-fast fuzz lint format clean draft draft-feature draft-feature-stages draft-feature-long draft-feature-talf
 
 setup: $(STAMP)
 
@@ -60,17 +60,19 @@ draft: setup
 	$(PY) -m dynatree_core.training export --run $(DRAFT_RUN) --quality $(DRAFT_RUN)/quality.json
 
 # The feature draft (drafting/feature.py) for any Llama-family target (DRAFT_TARGET: a preset, hub
-# id or directory), every stage resumable and run in order:
+# id or directory): `make draft-feature` runs the first stages, then the long schedule from their
+# draft, then measures it. Every stage is resumable: rerunning the command continues where it stopped.
+# The first stages (`make draft-feature-stages`):
 #   answers         the target answers 20,408 prompts from offline sources (sources.py), batched,
 #                   keeping its features as it decodes (token ids of the embedded target are committed
 #                   under assets/draft-data/answers, features go to the cache); hours on 2 CPU cores
 #   ood-answers     its greedy answers to the OOD prompt set (evaluation only, never trained on)
 #   answers-relabel features for committed ids whose features are not in this machine's cache
 #   vocab-map       the reduced vocabulary rebuilt from the answers (OOD coverage printed)
-#   train-feature   KD on the answer tokens (beat the unrolled loss at equal compute: BENCHMARKS.md),
-#                   in stages of FEATURE_BUDGETS seconds of training each (cosine over each), the
-#                   first from FEATURE_INIT (for the embedded target the first feature draft, trained
-#                   on the sampled corpus; empty: from scratch), each next one from the last's weights
+#   train-feature   KD on the answer tokens in stages of FEATURE_BUDGETS seconds of training each
+#                   (cosine over each), the first from FEATURE_INIT (for the embedded target the first
+#                   feature draft, trained on the sampled corpus; empty: from scratch), each next one
+#                   from the last's weights
 #   feature-quality held-out and OOD agreement by depth, side by side
 # On a GPU every stage uses CUDA when present. The wall-time budgets make a faster machine train
 # more steps in the same stage.
@@ -82,7 +84,8 @@ FEATURE_MAP_SIZE ?= 24576
 FEATURE_TRAIN_FLAGS ?= --loss kd --ce-share 0.25 --lr 5e-4 --warmup 10
 FEATURE_INIT ?= $(if $(filter embedded,$(DRAFT_TARGET)),assets/models/smollm2-feature-draft-corpus)
 FEATURE_RUN ?= $(HOME)/.cache/dynatree/draft-runs/feature-answers
-draft-feature: setup
+FEATURE_STAGES_DRAFT = $(FEATURE_RUN)/stage-$(words $(FEATURE_BUDGETS))/draft
+draft-feature-stages: setup
 	$(PY) -m dynatree_core.training answers --target $(DRAFT_TARGET) --stages questions,main --main-shards $(ANSWER_MAIN_SHARDS)
 	$(PY) -m dynatree_core.training ood-answers --target $(DRAFT_TARGET)
 	$(PY) -m dynatree_core.training answers-relabel --target $(DRAFT_TARGET)
@@ -96,21 +99,34 @@ draft-feature: setup
 		--out $(FEATURE_RUN)/quality.json
 
 # The long schedule with the cheap step (docs/training.md, "The cheap step"): the compact teacher
-# for every answer shard (a fresh machine recomputes the features too: ~1.5 h on 2 cores), then 15
-# passes of KD over the answers with packed windows, cosine to zero over the whole run, held-out and
-# OOD agreement every 30 minutes of training. Many hours on 2 cores: run it in the background;
-# rerunning the same command resumes every stage (checkpoint.pt keeps the schedule's place).
+# for every answer shard and the written text (its ids are written first where missing: committed for
+# the embedded target; a fresh machine recomputes the features too: ~2.5 h
+# on 2 cores), then 15 passes of KD with packed windows, cosine to zero over the whole run, held-out
+# and OOD agreement every 30 minutes of training, from LONG_INIT (the first stages' draft). Many
+# hours on 2 cores: run it in the background; rerunning the same command resumes every stage
+# (checkpoint.pt keeps the schedule's place). The shipped draft's run started from the draft the
+# first stages had shipped before it (git history of assets/models/smollm2-feature-draft; resume it
+# with LONG_INIT=<a copy of that directory>).
 LONG_RUN ?= $(HOME)/.cache/dynatree/draft-runs/long-feature
+LONG_INIT ?= $(FEATURE_STAGES_DRAFT)
 # The answers plus the first 8 shards of human-written text (stage "written", ids committed): the mix that
 # measured ahead of answers alone at equal compute (docs/benchmark-log.md, "Human-written text").
 LONG_STAGES ?= questions,main,written:8
 LONG_FLAGS ?= --kind feature --levels 1 --ce-share 0.25 --passes 15 --lr 5e-4 --warmup 50 --eval-every-s 1800 --eval-first true
 draft-feature-long: setup
+	$(PY) -m dynatree_core.training answers-written --target $(DRAFT_TARGET)
 	$(PY) -m dynatree_core.training answers-relabel --target $(DRAFT_TARGET) --teacher --stages $(LONG_STAGES)
 	$(PY) -m dynatree_core.training answers-relabel --target $(DRAFT_TARGET) --teacher --ood
 	$(PY) -m dynatree_core.training train-packed --target $(DRAFT_TARGET) $(LONG_FLAGS) --stages $(LONG_STAGES) --log-every 20 \
-		$(if $(filter embedded,$(DRAFT_TARGET)),--init-from assets/models/smollm2-feature-draft,--token-map $(FEATURE_RUN)/map) \
-		--out $(LONG_RUN)
+		--init-from $(LONG_INIT) --out $(LONG_RUN)
+
+# The shipped feature draft: the first stages, the long schedule from their draft, its quality. Then
+# `python -m dynatree_core.training export-feature --run $(LONG_RUN) --quality $(LONG_RUN)/quality.json`
+# ships it (docs/training.md).
+draft-feature: draft-feature-stages
+	$(MAKE) draft-feature-long
+	$(PY) -m dynatree_core.training feature-quality --answers --no-token-draft --target $(DRAFT_TARGET) \
+		--draft $(LONG_RUN)/draft --out $(LONG_RUN)/quality.json
 
 # TALF fine-tuning of a trained feature draft (the SALF & TALF paper's protocol; docs/benchmark-log.md has
 # the KD-only vs KD+TALF comparison at equal steps): the target's beam trees at 8 roots of the
