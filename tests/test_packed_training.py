@@ -330,6 +330,13 @@ def test_a_packed_run_exports_with_a_card_of_its_passes_and_learning_curve(tiny_
     assert "unrolled over the draft's own outputs for 2 levels" in card
     assert ("Fused-feature" in card) == (kind == "fused") and str(tmp_path) not in card
     assert load_head(str(tmp_path / "out"), target.model).kind == kind
+    assert "from random initialisation" in card and "shipped in" not in card
+    info = json.loads((tmp_path / "run" / "curve.json").read_text())
+    info["data"]["init_from"] = str(tmp_path / "out")  # the run started from the draft it now replaces
+    (tmp_path / "run" / "curve.json").write_text(json.dumps(info))
+    export_feature_draft(tmp_path / "run", tmp_path / "out", target.model, quality=None, command="train-packed ...")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "started from the draft shipped in" in card and "git history" in card
     if kind == "fused":  # its head stayed frozen (train_head off): shipped as the target's rows, not saved
         from safetensors import safe_open
 

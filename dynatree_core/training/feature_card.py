@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from dynatree_core.core.models import REPO_ROOT
 from dynatree_core.drafting.fused import target_rows
 from dynatree_core.drafting.heads import load_head
 from dynatree_core.runs.environment import portable
@@ -145,12 +146,19 @@ def _quality_lines(quality: dict, run_dir: Path) -> list[str]:
 
 
 def model_card(
-    run_dir: Path, quality: dict | None, command: str, note: str = "", *, map_size: int | None = None
+    run_dir: Path,
+    quality: dict | None,
+    command: str,
+    note: str = "",
+    *,
+    map_size: int | None = None,
+    replaces_start: bool = False,
 ) -> str:
-    """The shipped feature draft's README: what it is, data, recipe, curve, compute, quality."""
+    """The shipped feature draft's README: what it is, data, recipe, curve, compute, quality.
+    `replaces_start`: the draft is shipped over the one it started from (a packed run)."""
     info = json.loads((run_dir / "curve.json").read_text())
     if "levels" in info["config"]:  # a train-packed run (training/step.py)
-        return _packed_card(run_dir, info, quality, command, note, map_size=map_size)
+        return _packed_card(run_dir, info, quality, command, note, map_size=map_size, replaces_start=replaces_start)
     cfg, curve = info["config"], info["curve"]
     slots = f"{map_size:,}-token map" if map_size else "draft's token map"
     stages = _stages(run_dir, info)  # a draft trained in stages: their table names the first start
@@ -202,7 +210,9 @@ def _closing(lines: list[str], run_dir: Path, quality: dict | None, note: str) -
     return "\n".join(lines) + "\n"
 
 
-def _packed_card(run_dir: Path, info: dict, quality, command: str, note: str, *, map_size: int | None) -> str:
+def _packed_card(
+    run_dir: Path, info: dict, quality, command: str, note: str, *, map_size: int | None, replaces_start: bool
+) -> str:
     """The card of a `train-packed` run: its kind, loss, schedule, passes and learning curve."""
     cfg, curve, kind = info["config"], info["curve"], info.get("kind", "feature")
     last = curve[-1] if curve else {}
@@ -228,7 +238,14 @@ def _packed_card(run_dir: Path, info: dict, quality, command: str, note: str, *,
         f"{cfg.get('autocast') or 'off'}; AdamW lr {cfg['lr']}, warm-up {cfg['warmup']} steps, "
         "then cosine to zero over "
         f"{schedule}; {last.get('step', 0)} steps, {last.get('train_s', 0):.0f} s of training"
-        + (f"; started from `{data['init_from']}`" if data.get("init_from") else "; from random initialisation"),
+        + (
+            f"; started from the draft shipped in `{data['init_from']}` before this one (its weights and card: "
+            "that directory's git history)"
+            if replaces_start
+            else f"; started from `{data['init_from']}`"
+            if data.get("init_from")
+            else "; from random initialisation"
+        ),
         *(_data_lines(info, curve, staged=True) if "sources" in data else [f"- **{passes:.2f} passes**"]),
         f"- command: `{command}`",
         "",
@@ -256,5 +273,8 @@ def export_feature_draft(
     else:
         draft.save(dest, dtype=torch.bfloat16)
     size = len(draft.token_map) if draft.token_map is not None else None
-    (dest / "README.md").write_text(model_card(run_dir, quality, command, note, map_size=size))
+    start = (json.loads((run_dir / "curve.json").read_text()).get("data") or {}).get("init_from")
+    replaces = bool(start) and (REPO_ROOT / Path(start).expanduser()).resolve() == dest.resolve()
+    card = model_card(run_dir, quality, command, note, map_size=size, replaces_start=replaces)
+    (dest / "README.md").write_text(card)
     (dest / "curve.json").write_text(portable((run_dir / "curve.json").read_text()))
