@@ -99,14 +99,13 @@ draft-feature-stages: setup
 		--out $(FEATURE_RUN)/quality.json
 
 # The long schedule with the cheap step (docs/training.md, "The cheap step"): the compact teacher
-# for every answer shard and the written text (its ids are written first where missing: committed for
-# the embedded target; a fresh machine recomputes the features too: ~2.5 h
-# on 2 cores), then 15 passes of KD with packed windows, cosine to zero over the whole run, held-out
-# and OOD agreement every 30 minutes of training, from LONG_INIT (the first stages' draft). Many
-# hours on 2 cores: run it in the background; rerunning the same command resumes every stage
-# (checkpoint.pt keeps the schedule's place). The shipped draft's run started from the draft the
-# first stages had shipped before it (git history of assets/models/smollm2-feature-draft; resume it
-# with LONG_INIT=<a copy of that directory>).
+# for every answer shard and the written text (its ids are written first where missing; committed
+# for the embedded target; a fresh machine recomputes the features too: ~2.5 h on 2 cores), then 15
+# passes of KD with packed windows, cosine to zero over the whole run, held-out and OOD agreement
+# every 30 minutes of training, from LONG_INIT (the first stages' draft). Many hours on 2 cores: run
+# it in the background; rerunning the same command resumes every stage (checkpoint.pt keeps the
+# schedule's place). The embedded target's run started from the draft the first stages had shipped
+# (assets/models/smollm2-feature-draft until the run's draft is exported there; then git history).
 LONG_RUN ?= $(HOME)/.cache/dynatree/draft-runs/long-feature
 LONG_INIT ?= $(FEATURE_STAGES_DRAFT)
 # The answers plus the first 8 shards of human-written text (stage "written", ids committed): the mix that

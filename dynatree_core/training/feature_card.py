@@ -152,13 +152,13 @@ def model_card(
     note: str = "",
     *,
     map_size: int | None = None,
-    replaces_start: bool = False,
+    dest: Path | None = None,
 ) -> str:
     """The shipped feature draft's README: what it is, data, recipe, curve, compute, quality.
-    `replaces_start`: the draft is shipped over the one it started from (a packed run)."""
+    `dest`: where it ships (a packed run shipped over the draft it started from says so)."""
     info = json.loads((run_dir / "curve.json").read_text())
     if "levels" in info["config"]:  # a train-packed run (training/step.py)
-        return _packed_card(run_dir, info, quality, command, note, map_size=map_size, replaces_start=replaces_start)
+        return _packed_card(run_dir, info, quality, command, note, map_size=map_size, dest=dest)
     cfg, curve = info["config"], info["curve"]
     slots = f"{map_size:,}-token map" if map_size else "draft's token map"
     stages = _stages(run_dir, info)  # a draft trained in stages: their table names the first start
@@ -211,12 +211,14 @@ def _closing(lines: list[str], run_dir: Path, quality: dict | None, note: str) -
 
 
 def _packed_card(
-    run_dir: Path, info: dict, quality, command: str, note: str, *, map_size: int | None, replaces_start: bool
+    run_dir: Path, info: dict, quality, command: str, note: str, *, map_size: int | None, dest: Path | None
 ) -> str:
     """The card of a `train-packed` run: its kind, loss, schedule, passes and learning curve."""
     cfg, curve, kind = info["config"], info["curve"], info.get("kind", "feature")
     last = curve[-1] if curve else {}
     data = info.get("data") or {}
+    start = data.get("init_from")
+    replaces_start = bool(start and dest) and (REPO_ROOT / Path(start).expanduser()).resolve() == dest.resolve()
     passes = last.get("seen", 0) / max(data.get("training_answer_positions", 0), 1)
     head = (
         "a fused-feature (EAGLE-3) head: fc over the target's normed layer inputs, EAGLE-3's layer, "
@@ -273,8 +275,5 @@ def export_feature_draft(
     else:
         draft.save(dest, dtype=torch.bfloat16)
     size = len(draft.token_map) if draft.token_map is not None else None
-    start = (json.loads((run_dir / "curve.json").read_text()).get("data") or {}).get("init_from")
-    replaces = bool(start) and (REPO_ROOT / Path(start).expanduser()).resolve() == dest.resolve()
-    card = model_card(run_dir, quality, command, note, map_size=size, replaces_start=replaces)
-    (dest / "README.md").write_text(card)
+    (dest / "README.md").write_text(model_card(run_dir, quality, command, note, map_size=size, dest=dest))
     (dest / "curve.json").write_text(portable((run_dir / "curve.json").read_text()))
