@@ -76,6 +76,26 @@ def test_tree_forward_logits_equal_the_reference_path(arch, path):
 
 
 @torch.inference_mode()
+def test_lean_forward_takes_attention_output_in_cuda_layout(monkeypatch):
+    """CUDA's attention kernels return (B, heads, T, d) laid out rows-major (a transposed view),
+    which `.view` cannot reshape (seen on the first H200 run of gpu-check); the lean forward must
+    give the same logits whatever the output's strides."""
+    model, prompt = tiny_model("llama"), [3, 1, 4, 1, 5, 9]
+    ref, mine = KVState(model, prompt, **PATHS["dynamic"]), KVState(model, prompt)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def strided(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # same values, CUDA's layout
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", strided)
+    torch.testing.assert_close(_prefill(mine, prompt[:-1]), _prefill(ref, prompt[:-1]), rtol=1e-9, atol=1e-9)
+    got, _ = _tree_forward(mine, _branching_tree(prompt[-1]), len(prompt) - 1)
+    want, _ = _tree_forward(ref, _branching_tree(prompt[-1]), len(prompt) - 1)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+@torch.inference_mode()
 @pytest.mark.parametrize("path", ["static", "lean"])
 @pytest.mark.parametrize("accepted", [[], [1], [1, 3], [2, 4]])
 def test_static_compaction_equals_recomputation(arch, path, accepted):

@@ -239,7 +239,7 @@ class LeanForward:
             keys, values = cache.update(k, v)  # views of slots 0 .. L + q
             attn = F.scaled_dot_product_attention(
                 fold_groups(q, block.groups), keys, values, attn_mask=folded, scale=block.scaling
-            ).view(q.shape)
+            ).reshape(q.shape)  # CUDA kernels return it strided (rows, heads) major: a view would fail
             x = block.mlp(x + block.o(attn.transpose(1, 2).reshape(1, ids.shape[1], -1)))
         if hidden:
             states = self.norm(x[0])
