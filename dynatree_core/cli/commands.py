@@ -134,7 +134,6 @@ def cmd_bench(args) -> None:
     from dynatree_core.measure import bench as B
     from dynatree_core.measure.entries import Entry, parse_spec
     from dynatree_core.measure.prompt_sets import choose_prompts
-    from dynatree_core.viz.bench import grid_figure, setting_figure, sweep_figures, write_figure
 
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     specs = [(n, {}, "auto") for n in names] + [parse_spec(s) for s in args.policy]
@@ -184,14 +183,17 @@ def cmd_bench(args) -> None:
     if args.out is not None:
         args.out.write_text(report.to_json(), encoding="utf-8")
         args.out.with_suffix(".csv").write_text(report.csv(), encoding="utf-8")
-        figures = sweep_figures(report, param_sweeps) if param_sweeps and not args.grid else {}
-        if args.grid:
-            figures["-".join(n for n, _ in param_sweeps[:2])] = grid_figure(report, param_sweeps)
-        if setting is not None:
-            figures[setting[0]] = setting_figure(report, *setting)
-        for name, fig in figures.items():
-            for path in write_figure(fig, args.out.with_name(f"{args.out.stem}.sweep-{name}"), png=args.png):
-                print(f"wrote {path}", file=sys.stderr)
+        if param_sweeps or setting is not None:  # a sweep's figures: the only use of plotly here
+            from dynatree_core.viz.bench import grid_figure, setting_figure, sweep_figures, write_figure
+
+            figures = sweep_figures(report, param_sweeps) if param_sweeps and not args.grid else {}
+            if args.grid:
+                figures["-".join(n for n, _ in param_sweeps[:2])] = grid_figure(report, param_sweeps)
+            if setting is not None:
+                figures[setting[0]] = setting_figure(report, *setting)
+            for name, fig in figures.items():
+                for path in write_figure(fig, args.out.with_name(f"{args.out.stem}.sweep-{name}"), png=args.png):
+                    print(f"wrote {path}", file=sys.stderr)
     if args.json:
         print(report.to_json())
     else:
@@ -199,8 +201,6 @@ def cmd_bench(args) -> None:
 
 
 def cmd_latency(args) -> None:
-    import dataclasses
-
     from dynatree_core.core.kv import forward_path
     from dynatree_core.core.packing import is_packed
     from dynatree_core.decoding.pairs import load_pair
@@ -265,8 +265,6 @@ def _resolve_models(args) -> tuple[str, str | None]:
 
 
 def cmd_dtype(args) -> None:
-    import dataclasses
-
     from dynatree_core.core.models import resolve_device
     from dynatree_core.decoding.dtype_choice import choose, save_choice
     from dynatree_core.measure.dtype_probe import probe
