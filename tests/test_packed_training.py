@@ -6,6 +6,7 @@ training forward is its drafting forward, and a stopped long run resumes the sam
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -326,7 +327,7 @@ def test_a_packed_run_exports_with_a_card_of_its_passes_and_learning_curve(tiny_
                  about=about, log=lambda m: None)  # fmt: skip
     export_feature_draft(tmp_path / "run", tmp_path / "out", target.model, quality=None, command="train-packed ...")
     card = (tmp_path / "out" / "README.md").read_text()
-    assert "passes**" in card and "| step | passes | training s | held out |" in card
+    assert "passes**" in card and "| stage | step | passes (all stages) | training s (all stages) |" in card
     assert "unrolled over the draft's own outputs for 2 levels" in card
     assert ("Fused-feature" in card) == (kind == "fused") and str(tmp_path) not in card
     assert load_head(str(tmp_path / "out"), target.model).kind == kind
@@ -337,6 +338,16 @@ def test_a_packed_run_exports_with_a_card_of_its_passes_and_learning_curve(tiny_
     export_feature_draft(tmp_path / "run", tmp_path / "out", target.model, quality=None, command="train-packed ...")
     card = (tmp_path / "out" / "README.md").read_text()
     assert "started from the draft shipped in" in card and "git history" in card
+    info["data"]["init_from"] = str(tmp_path / "run" / "draft")  # a second stage from the first one's draft
+    shutil.copytree(tmp_path / "run", tmp_path / "stage2")
+    (tmp_path / "stage2" / "curve.json").write_text(json.dumps(info))
+    export_feature_draft(tmp_path / "stage2", tmp_path / "out", target.model, quality=None, command="make ...")
+    card = (tmp_path / "out" / "README.md").read_text()
+    end = info["curve"][-1]
+    each = end["seen"] / about["training_answer_positions"]
+    assert "| 1 (run) | unrolled (2 levels) |" in card and "| 2 (this run) |" in card and "shipped in" in card
+    assert f"| 2 | {end['step']} | {2 * each:.2f} | {2 * end['train_s']:.0f} |" in card  # counted over both stages
+    assert f"**{2 * each:.2f} passes**" in card
     if kind == "fused":  # its head stayed frozen (train_head off): shipped as the target's rows, not saved
         from safetensors import safe_open
 

@@ -88,10 +88,9 @@ def _data_lines(info: dict, curve: list[dict], staged: bool = False) -> list[str
     return lines
 
 
-def _stages(run_dir: Path, info: dict) -> list[str]:
-    """A draft trained in stages (each run started from the last one's `draft`): one row per run,
-    oldest first, while the starting draft is a run folder with its curve.json beside it; the
-    first row says what the first stage started from (a shipped draft, or nothing)."""
+def _chain(run_dir: Path, info: dict) -> list[tuple[Path, dict]]:
+    """The run and the runs it started from, oldest first, while each start is a run folder's
+    `draft` with its curve.json beside it (a draft trained in stages)."""
     chain = [(run_dir, info)]
     while len(chain) < 16:
         start = (chain[-1][1].get("data") or {}).get("init_from")
@@ -99,23 +98,36 @@ def _stages(run_dir: Path, info: dict) -> list[str]:
         if path is None or path.name != "draft" or not (path.parent / "curve.json").exists():
             break
         chain.append((path.parent, json.loads((path.parent / "curve.json").read_text())))
+    return chain[::-1]
+
+
+def _loss_name(cfg: dict) -> str:
+    if "levels" in cfg:  # a train-packed run
+        return "kd" if cfg["levels"] == 1 else f"unrolled ({cfg['levels']} levels)"
+    return cfg.get("loss", "kd")
+
+
+def _stages(run_dir: Path, info: dict, first_start: str | None = None) -> list[str]:
+    """A draft trained in stages: one row per run, oldest first; the first row says what the
+    first stage started from (`first_start`, else its init_from, or nothing)."""
+    chain = _chain(run_dir, info)
     if len(chain) < 2:
         return []
     lines = ["", "Trained in stages, each from the previous stage's weights:", ""]
     lines += ["| stage | loss | steps | training s | passes | started from |", "|---|---|---|---|---|---|"]
-    for k, (folder, part) in enumerate(reversed(chain), 1):
+    for k, (folder, part) in enumerate(chain, 1):
         data, last = part.get("data") or {}, (part["curve"] or [{}])[-1]
         passes = last.get("seen", 0) / max(data.get("training_answer_positions", 0), 1)
         start = (
             "the previous stage"
             if k > 1
-            else f"`{data['init_from']}`"
+            else first_start or f"`{data['init_from']}`"
             if data.get("init_from")
             else "random initialisation"
         )
         name = "this run" if folder == run_dir else folder.name
         lines.append(
-            f"| {k} ({name}) | {part['config'].get('loss', 'kd')} | {last.get('step', 0)} "
+            f"| {k} ({name}) | {_loss_name(part['config'])} | {last.get('step', 0)} "
             f"| {last.get('train_s', 0):.0f} | {passes:.2f} | {start} |"
         )
     return lines + [""]
@@ -197,9 +209,10 @@ def model_card(
 def _closing(lines: list[str], run_dir: Path, quality: dict | None, note: str) -> str:
     """The card's compute ledger, note and measured quality."""
     stages = ("answers", "answers-relabel", "feature-label", "train-feature", "train-packed")
-    ledger = {k: v for k, v in totals(run=run_dir).items() if k in stages}
+    runs = [folder for folder, _ in _chain(run_dir, json.loads((run_dir / "curve.json").read_text()))]
+    ledger = {k: v for k, v in totals(run=runs).items() if k in stages}
     if ledger:
-        lines += ["", "## Compute (measured; the recipe's ledger: the data stages and this run's training)", ""]
+        lines += ["", "## Compute (measured; the recipe's ledger: the data stages and this draft's training runs)", ""]
         lines += ["| stage | wall s | items | tokens |", "|---|---|---|---|"]
         lines += [f"| {k} | {v['seconds']:.0f} | {v['items']} | {v['tokens']} |" for k, v in ledger.items()]
     if note:
@@ -217,9 +230,16 @@ def _packed_card(
     cfg, curve, kind = info["config"], info["curve"], info.get("kind", "feature")
     last = curve[-1] if curve else {}
     data = info.get("data") or {}
-    start = data.get("init_from")
+    chain = _chain(run_dir, info)  # a run started from an earlier run's draft: every stage is shown
+    start = (chain[0][1].get("data") or {}).get("init_from")
     replaces_start = bool(start and dest) and (REPO_ROOT / Path(start).expanduser()).resolve() == dest.resolve()
-    passes = last.get("seen", 0) / max(data.get("training_answer_positions", 0), 1)
+    shipped_start = (
+        f"the draft shipped in `{start}` before this one (its weights and card: that directory's git history)"
+        if replaces_start
+        else None
+    )
+    seen = sum((part["curve"] or [{}])[-1].get("seen", 0) for _, part in chain)
+    passes = seen / max(data.get("training_answer_positions", 0), 1)
     head = (
         "a fused-feature (EAGLE-3) head: fc over the target's normed layer inputs, EAGLE-3's layer, "
         "its own norm and head"
@@ -235,31 +255,40 @@ def _packed_card(
         "",
         "## How it was trained",
         "",
+        *(["The last stage:", ""] if len(chain) > 1 else []),
         _packed_loss_line(cfg, kind),
         f"- packed windows ({cfg['pairs_per_step']} pair slots a step), the compact teacher, autocast "
         f"{cfg.get('autocast') or 'off'}; AdamW lr {cfg['lr']}, warm-up {cfg['warmup']} steps, "
         "then cosine to zero over "
         f"{schedule}; {last.get('step', 0)} steps, {last.get('train_s', 0):.0f} s of training"
         + (
-            f"; started from the draft shipped in `{data['init_from']}` before this one (its weights and card: "
-            "that directory's git history)"
-            if replaces_start
+            "; started from the previous stage (below)"
+            if len(chain) > 1
+            else f"; started from {shipped_start}"
+            if shipped_start
             else f"; started from `{data['init_from']}`"
             if data.get("init_from")
             else "; from random initialisation"
         ),
-        *(_data_lines(info, curve, staged=True) if "sources" in data else [f"- **{passes:.2f} passes**"]),
+        *_stages(run_dir, info, first_start=shipped_start),
+        *(_data_lines(info, [{"seen": seen}], staged=True) if "sources" in data else [f"- **{passes:.2f} passes**"]),
         f"- command: `{command}`",
         "",
         "## Learning curve (top-1 agreement with the target's greedy token, depth 1 / 2 / 3 / 4)",
         "",
-        "| step | passes | training s | held out | out-of-distribution |",
-        "|---|---|---|---|---|",
+        "| stage | step | passes (all stages) | training s (all stages) | held out | out-of-distribution |",
+        "|---|---|---|---|---|---|",
     ]
-    total = max(data.get("training_answer_positions", 0), 1)
-    for c in curve:
-        cells = [" / ".join(f"{a:.3f}" for a in c.get(split, [])) or "-" for split in ("heldout", "ood")]
-        lines.append(f"| {c['step']} | {c['seen'] / total:.2f} | {c['train_s']:.0f} | {cells[0]} | {cells[1]} |")
+    total, seen_before, s_before = max(data.get("training_answer_positions", 0), 1), 0, 0.0
+    for k, (_, part) in enumerate(chain, 1):
+        for c in part["curve"]:
+            cells = [" / ".join(f"{a:.3f}" for a in c.get(split, [])) or "-" for split in ("heldout", "ood")]
+            lines.append(
+                f"| {k} | {c['step']} | {(seen_before + c['seen']) / total:.2f} | {s_before + c['train_s']:.0f} "
+                f"| {cells[0]} | {cells[1]} |"
+            )
+        end = (part["curve"] or [{}])[-1]
+        seen_before, s_before = seen_before + end.get("seen", 0), s_before + end.get("train_s", 0.0)
     return _closing(lines, run_dir, quality, note)
 
 

@@ -32,12 +32,14 @@ def record(stage: str, seconds: float, path: Path | None = None, **info) -> None
         f.write(json.dumps(entry) + "\n")
 
 
-def totals(path: Path | None = None, run: Path | None = None) -> dict[str, dict[str, float]]:
+def totals(path: Path | None = None, run: Path | list[Path] | None = None) -> dict[str, dict[str, float]]:
     """{stage: {"seconds": s, "items": n, "tokens": t}} summed over the ledger (empty if none).
 
-    With `run`, training entries of other runs (experiments, ablations) are left out.
+    With `run` (a run folder, or the stages of one draft), training entries of other runs
+    (experiments, ablations) are left out.
     """
     path = path or ledger_path()
+    runs = None if run is None else {Path(r) for r in (run if isinstance(run, list) else [run])}
     out: dict[str, dict[str, float]] = {}
     if not path.exists():
         return out
@@ -45,7 +47,7 @@ def totals(path: Path | None = None, run: Path | None = None) -> dict[str, dict[
         if not line.strip():
             continue
         entry = json.loads(line)
-        if run is not None and "run" in entry and Path(entry["run"]) != Path(run):
+        if runs is not None and "run" in entry and Path(entry["run"]) not in runs:
             continue
         row = out.setdefault(entry["stage"], {"seconds": 0.0, "items": 0, "tokens": 0})
         row["seconds"] += entry["seconds"]
