@@ -329,12 +329,15 @@ def test_a_512_token_sampled_run_of_the_embedded_pair_exports_under_the_limit_an
 
     out = tmp_path / "run.json"
     code = main(["generate", "--prompt", "Tell me a story about a dragon.", "--max-new-tokens", "512",
-                 "--temperature", "1", "--top-p", "1", "--seed", "3", "--export", str(out)])  # fmt: skip
+                 "--temperature", "1", "--top-p", "1", "--seed", "1", "--export", str(out)])  # fmt: skip
     assert code == 0
     data = out.read_bytes()
     assert len(data) < MAX_BYTES, f"{len(data) / 2**20:.1f} MB"
     run = LiveRun.from_json(data)
-    assert run.settings["policy"] == "fixed_tree" and sum(len(r.committed) for r in run.records) == 512
+    n = sum(len(r.committed) for r in run.records)  # a new shipped draft moves where a seed's story ends:
+    assert run.settings["policy"] == "fixed_tree" and n == 512, (
+        f"the story ended at {n} tokens: pick a seed that runs on"
+    )
     draws = [d for rec in run.records for d in rec.tree.sampled.values()]
     assert len(draws) > 100 and all(abs(float(d.dense().sum()) - 1) < 1e-12 for d in draws)
     assert all(d.dense()[t] > 0 for d in draws for t in d.tokens), "every draw is possible under its q"
