@@ -203,13 +203,12 @@ def model_card(
     lines += [
         f"| {c['step']} | " + " | ".join(f"{a:.3f}" for a in c["heldout_agreement_by_depth"]) + " |" for c in curve
     ]
-    return _closing(lines, run_dir, quality, note)
+    return _closing(lines, run_dir, quality, note, [folder for folder, _ in _chain(run_dir, info)])
 
 
-def _closing(lines: list[str], run_dir: Path, quality: dict | None, note: str) -> str:
-    """The card's compute ledger, note and measured quality."""
+def _closing(lines: list[str], run_dir: Path, quality: dict | None, note: str, runs: list[Path]) -> str:
+    """The card's compute ledger (the data stages and `runs`, this draft's training runs), note and quality."""
     stages = ("answers", "answers-relabel", "feature-label", "train-feature", "train-packed")
-    runs = [folder for folder, _ in _chain(run_dir, json.loads((run_dir / "curve.json").read_text()))]
     ledger = {k: v for k, v in totals(run=runs).items() if k in stages}
     if ledger:
         lines += ["", "## Compute (measured; the recipe's ledger: the data stages and this draft's training runs)", ""]
@@ -289,7 +288,7 @@ def _packed_card(
             )
         end = (part["curve"] or [{}])[-1]
         seen_before, s_before = seen_before + end.get("seen", 0), s_before + end.get("train_s", 0.0)
-    return _closing(lines, run_dir, quality, note)
+    return _closing(lines, run_dir, quality, note, [folder for folder, _ in chain])
 
 
 def export_feature_draft(
