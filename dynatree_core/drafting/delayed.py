@@ -92,7 +92,7 @@ class DelayedAuto(Policy):
     params = (
         Param("k_max", int, 4, 1, 8, "Largest K considered"),
         Param("l1_max", int, 6, 0, 16, "Largest trunk L1 considered"),
-        Param("l2_max", int, 6, 1, 16, "Largest branch length L2 considered"),
+        Param("l2_max", int, 3, 1, 16, "Largest branch length L2 considered"),
         Param("k", int, 2, 1, 8, "K used until the latency profile is measured"),
         Param("l1", int, 2, 0, 16, "L1 used until the latency profile is measured"),
         Param("l2", int, 3, 0, 16, "L2 used until the latency profile is measured"),
