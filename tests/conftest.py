@@ -101,6 +101,15 @@ def _fingerprint(model: torch.nn.Module) -> tuple:
 
 
 @pytest.fixture(autouse=True)
+def _private_compute_ledger(tmp_path, monkeypatch):
+    """Training stages append their measured time to the compute ledger in the user's cache, and a
+    shipped draft's card sums it: a test's tiny stages go to a ledger of its own."""
+    from dynatree_core.training import ledger
+
+    monkeypatch.setattr(ledger, "ledger_path", lambda: tmp_path / "draft-runs" / "compute.jsonl")
+
+
+@pytest.fixture(autouse=True)
 def _shared_models_stay_unchanged():
     """The cached tiny models are shared by every test: one that mutates them (a leaked spy, an
     in-place weight change, a cast or a move) fails here, naming the model, instead of breaking

@@ -332,6 +332,7 @@ def test_a_packed_run_exports_with_a_card_of_its_passes_and_learning_curve(tiny_
     assert ("Fused-feature" in card) == (kind == "fused") and str(tmp_path) not in card
     assert load_head(str(tmp_path / "out"), target.model).kind == kind
     assert "from random initialisation" in card and "shipped in" not in card
+    assert "autocast bfloat16, on the CPU;" in card
     info = json.loads((tmp_path / "run" / "curve.json").read_text())
     info["data"]["init_from"] = str(tmp_path / "out")  # the run started from the draft it now replaces
     (tmp_path / "run" / "curve.json").write_text(json.dumps(info))
@@ -339,6 +340,7 @@ def test_a_packed_run_exports_with_a_card_of_its_passes_and_learning_curve(tiny_
     card = (tmp_path / "out" / "README.md").read_text()
     assert "started from the draft shipped in" in card and "git history" in card
     info["data"]["init_from"] = str(tmp_path / "run" / "draft")  # a second stage from the first one's draft
+    info["config"]["device"] = "cuda"  # ... trained on a GPU: the card says where each stage ran
     shutil.copytree(tmp_path / "run", tmp_path / "stage2")
     (tmp_path / "stage2" / "curve.json").write_text(json.dumps(info))
     export_feature_draft(tmp_path / "stage2", tmp_path / "out", target.model, quality=None, command="make ...")
@@ -346,6 +348,8 @@ def test_a_packed_run_exports_with_a_card_of_its_passes_and_learning_curve(tiny_
     end = info["curve"][-1]
     each = end["seen"] / about["training_answer_positions"]
     assert "| 1 (run) | unrolled (2 levels) |" in card and "| 2 (this run) |" in card and "shipped in" in card
+    assert "| CPU | the draft shipped in" in card and "| GPU (cuda) | the previous stage |" in card
+    assert "autocast bfloat16, on the GPU (cuda);" in card
     assert f"| 2 | {end['step']} | {2 * each:.2f} | {2 * end['train_s']:.0f} |" in card  # counted over both stages
     assert f"**{2 * each:.2f} passes**" in card
     if kind == "fused":  # its head stayed frozen (train_head off): shipped as the target's rows, not saved

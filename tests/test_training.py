@@ -145,6 +145,18 @@ def test_compute_ledger_sums_stages_and_reaches_the_model_card(tmp_path, monkeyp
     assert "| label | 16 | 2 | 150 |" in card and "| total | 46 " in card
 
 
+def test_a_tests_training_stages_leave_the_users_ledger_alone(tmp_path, monkeypatch):
+    from dynatree_core.core.models import cache_dir
+    from dynatree_core.training.ledger import ledger_path, record, totals
+
+    monkeypatch.delenv("DYNATREE_CACHE")  # without this module's cache override: the cache a user's run writes to
+    users = cache_dir() / "draft-runs" / "compute.jsonl"
+    before = users.read_bytes() if users.exists() else None
+    record("answers", 0.5, tokens=12, item="questions 0")
+    assert (users.read_bytes() if users.exists() else None) == before
+    assert ledger_path() != users and totals()["answers"]["tokens"] == 12
+
+
 def test_batches_can_oversample_onpolicy_windows():
     from dynatree_core.training.train import LabelledCorpus
 
@@ -161,8 +173,8 @@ def test_batches_can_oversample_onpolicy_windows():
 
 # ----- the feature draft's training (training/feature.py) -----------------------------------------
 @pytest.fixture(autouse=True)
-def _private_ledger(tmp_path, monkeypatch):
-    """Training stages append to the compute ledger in the cache: tests write to their own."""
+def _private_cache(tmp_path, monkeypatch):
+    """Training stages write to the cache (runs, data): these tests to their own."""
     monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path / "cache"))
 
 

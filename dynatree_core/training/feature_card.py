@@ -107,6 +107,12 @@ def _loss_name(cfg: dict) -> str:
     return cfg.get("loss", "kd")
 
 
+def _device(cfg: dict) -> str:
+    """Where a run trained, from its config (runs before the key existed trained on the CPU)."""
+    device = str(cfg.get("device") or "cpu")
+    return "CPU" if device == "cpu" else f"GPU ({device})" if device.startswith("cuda") else device
+
+
 def _stages(run_dir: Path, info: dict, first_start: str | None = None) -> list[str]:
     """A draft trained in stages: one row per run, oldest first; the first row says what the
     first stage started from (`first_start`, else its init_from, or nothing)."""
@@ -114,7 +120,10 @@ def _stages(run_dir: Path, info: dict, first_start: str | None = None) -> list[s
     if len(chain) < 2:
         return []
     lines = ["", "Trained in stages, each from the previous stage's weights:", ""]
-    lines += ["| stage | loss | steps | training s | passes | started from |", "|---|---|---|---|---|---|"]
+    lines += [
+        "| stage | loss | steps | training s | passes | trained on | started from |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for k, (folder, part) in enumerate(chain, 1):
         data, last = part.get("data") or {}, (part["curve"] or [{}])[-1]
         passes = last.get("seen", 0) / max(data.get("training_answer_positions", 0), 1)
@@ -128,7 +137,7 @@ def _stages(run_dir: Path, info: dict, first_start: str | None = None) -> list[s
         name = "this run" if folder == run_dir else folder.name
         lines.append(
             f"| {k} ({name}) | {_loss_name(part['config'])} | {last.get('step', 0)} "
-            f"| {last.get('train_s', 0):.0f} | {passes:.2f} | {start} |"
+            f"| {last.get('train_s', 0):.0f} | {passes:.2f} | {_device(part['config'])} | {start} |"
         )
     return lines + [""]
 
@@ -257,7 +266,7 @@ def _packed_card(
         *(["The last stage:", ""] if len(chain) > 1 else []),
         _packed_loss_line(cfg, kind),
         f"- packed windows ({cfg['pairs_per_step']} pair slots a step), the compact teacher, autocast "
-        f"{cfg.get('autocast') or 'off'}; AdamW lr {cfg['lr']}, warm-up {cfg['warmup']} steps, "
+        f"{cfg.get('autocast') or 'off'}, on the {_device(cfg)}; AdamW lr {cfg['lr']}, warm-up {cfg['warmup']} steps, "
         "then cosine to zero over "
         f"{schedule}; {last.get('step', 0)} steps, {last.get('train_s', 0):.0f} s of training"
         + (
