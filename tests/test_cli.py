@@ -312,6 +312,16 @@ def test_png_export_without_kaleido_is_a_clear_error(tmp_path, monkeypatch):
 
     fig = go.Figure(go.Scatter(x=[1, 2], y=[3, 4]))
     assert write_figure(fig, tmp_path / "f") == [str(tmp_path / "f.html")]
+    write_figure(fig, tmp_path / "f2")  # a second figure in the folder: plotly.js is not copied again
+    script = tmp_path / "plotly.min.js"
+    assert script.stat().st_size > 1_000_000 and sorted(p.name for p in tmp_path.iterdir()) == [
+        "f.html",
+        "f2.html",
+        "plotly.min.js",
+    ]
+    for page in ("f.html", "f2.html"):
+        html = (tmp_path / page).read_text()
+        assert len(html) < 50_000 and 'src="plotly.min.js"' in html
 
     def no_kaleido(*args, **kwargs):
         raise ValueError("Image export using the 'kaleido' engine requires the kaleido package")
