@@ -113,10 +113,9 @@ def _device(cfg: dict) -> str:
     return "CPU" if device == "cpu" else f"GPU ({device})" if device.startswith("cuda") else device
 
 
-def _stages(run_dir: Path, info: dict, first_start: str | None = None) -> list[str]:
-    """A draft trained in stages: one row per run, oldest first; the first row says what the
-    first stage started from (`first_start`, else its init_from, or nothing)."""
-    chain = _chain(run_dir, info)
+def _stages(chain: list[tuple[Path, dict]], run_dir: Path, first_start: str | None = None) -> list[str]:
+    """A draft trained in stages (`chain`, from `_chain`): one row per run, oldest first; the first
+    row says what the first stage started from (`first_start`, else its init_from, or nothing)."""
     if len(chain) < 2:
         return []
     lines = ["", "Trained in stages, each from the previous stage's weights:", ""]
@@ -182,7 +181,8 @@ def model_card(
         return _packed_card(run_dir, info, quality, command, note, map_size=map_size, dest=dest)
     cfg, curve = info["config"], info["curve"]
     slots = f"{map_size:,}-token map" if map_size else "draft's token map"
-    stages = _stages(run_dir, info)  # a draft trained in stages: their table names the first start
+    chain = _chain(run_dir, info)
+    stages = _stages(chain, run_dir)  # a draft trained in stages: their table names the first start
     spent = curve[-1].get("train_s") if curve else None
     lines = [
         "# Feature-level (EAGLE-style) draft",
@@ -212,7 +212,7 @@ def model_card(
     lines += [
         f"| {c['step']} | " + " | ".join(f"{a:.3f}" for a in c["heldout_agreement_by_depth"]) + " |" for c in curve
     ]
-    return _closing(lines, run_dir, quality, note, [folder for folder, _ in _chain(run_dir, info)])
+    return _closing(lines, run_dir, quality, note, [folder for folder, _ in chain])
 
 
 def _closing(lines: list[str], run_dir: Path, quality: dict | None, note: str, runs: list[Path]) -> str:
@@ -278,7 +278,7 @@ def _packed_card(
             if data.get("init_from")
             else "; from random initialisation"
         ),
-        *_stages(run_dir, info, first_start=shipped_start),
+        *_stages(chain, run_dir, first_start=shipped_start),
         *(_data_lines(info, [{"seen": seen}], staged=True) if "sources" in data else [f"- **{passes:.2f} passes**"]),
         f"- command: `{command}`",
         "",
