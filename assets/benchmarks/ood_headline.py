@@ -57,10 +57,9 @@ def main() -> None:
         rows = {r["policy"]: r for r in report.summary_rows()}
         hf_tps = rows["hf_generate"]["throughput_tps"] if i == 0 else hf_tps
         base = max(rows["ar"]["throughput_tps"], hf_tps or 0.0)
+        where = Path(path).resolve()
         passes[name] = {
-            "draft": str(Path(path).resolve().relative_to(REPO_ROOT))
-            if Path(path).resolve().is_relative_to(REPO_ROOT)
-            else name,
+            "draft": str(where.relative_to(REPO_ROOT)) if where.is_relative_to(REPO_ROOT) else name,
             "ar_tps": rows["ar"]["throughput_tps"],
             "policies": {
                 p: {
