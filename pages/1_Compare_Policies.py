@@ -12,7 +12,7 @@ import streamlit as st
 from dynatree_core.decoding.methods import candidates
 from dynatree_core.decoding.pairs import encode_prompt
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.measure.compare import Comparison, compare
+from dynatree_core.measure.compare import Comparison, compare, reference_entries
 from dynatree_core.measure.entries import Entry, labelled, schedule
 from dynatree_core.measure.run_settings import RunSpec
 from dynatree_core.ui.resources import cached_pair, forward_lock
@@ -53,7 +53,12 @@ with st.sidebar:
         verifier=verifier,
         seed=seed,
     )
-    include_hf = st.toggle("HF generate reference", True, key="cmp_hf", help="Time HF's plain generate as well.")
+    include_hf = st.toggle(
+        "HF generate references",
+        True,
+        key="cmp_hf",
+        help="Time HF's generate as well: eager, and with a static cache (compiled on CUDA).",
+    )
 
 prompt, chat = prompt_inputs("cmp_", height=80)  # opens on the first bundled prompt, so Compare works at once
 
@@ -109,7 +114,7 @@ if st.button("Compare", type="primary", icon=":material/compare_arrows:"):
             config = spec.decode_config(
                 eos_token_ids=pair.target.eos_token_ids, context_length=pair.target.context_length
             )
-            total = len(schedule(len(entries) + 1 + include_hf, repetitions))
+            total = len(schedule(len(entries) + len(reference_entries(include_hf)), repetitions))
             bar = st.progress(0.0, text=f"0/{total} runs")
             on_record = live_view([e.label for e in entries], lambda t: pair.target.tokenizer.decode([t]))
             with forward_lock():

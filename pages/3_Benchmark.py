@@ -52,7 +52,9 @@ with c:
     max_new = setting_widget("max_new_tokens", key="bench_tokens")  # T
 max_prompt = d.number_input("Prompt cut (L_max)", 0, 8192, 0, step=64, key="bench_lmax", help="0: whole prompts")
 repeats = e.slider("Rounds (R)", 1, 5, 1, key="bench_repeats")
-include_hf = f.toggle("HF generate reference", True, key="bench_hf")
+include_hf = f.toggle(
+    "HF generate references", True, key="bench_hf", help="HF generate eager and with a static cache (compiled on CUDA)."
+)
 prompt_spec = prompt_set
 if prompt_set in CORPORA or prompt_set == A_FILE:
     where = st.text_input(

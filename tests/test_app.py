@@ -102,6 +102,9 @@ def test_ar_reference_turns_throughput_into_speedup(tiny_pair_dirs):
     trace = next((t for c in charts for t in c["data"] if t.get("name") == "speedup vs AR"), None)
     assert trace is not None, "the throughput chart turned into a speedup chart"
     (ar_tps,) = at.session_state["ar_tps"].values()
+    (refs,) = at.session_state["ar_refs"].values()
+    assert set(refs) == {"ar", "hf_static"} and ar_tps == max(tps for tps, _ in refs.values()), "the faster reference"
+    assert refs["hf_static"][1].startswith("hf+static"), "the static-cache reference says how it ran"
     rec = at.session_state["run"].records[0]
     assert ar_tps > 0 and trace["x"] == [1]
     assert trace["y"] == pytest.approx([1000 * len(rec.committed) / rec.wall_ms / ar_tps]), "run tokens/s over AR's"

@@ -149,16 +149,16 @@ def test_bench_reports_policies_against_the_best_reference(capsys, tiny_pair_dir
         "--limit", "3", "--max-new-tokens", "6", "--repeats", "2", "--max-prompt-tokens", "8", "--out", str(out),
     )  # fmt: skip
     assert code == 0, err
-    assert "| linear | greedy |" in printed and "35/35" in err  # markdown table; a progress bar on stderr
+    assert "| linear | greedy |" in printed and "42/42" in err  # markdown table; a progress bar on stderr
     report = json.loads(out.read_text())
     rows = {r["label"]: r for r in report["results"]}
-    assert list(rows) == ["ar (our loop)", "hf_generate", "linear", "fixed_tree", "hf_assisted"]
+    assert list(rows) == ["ar (our loop)", "hf_generate", "hf_static", "linear", "fixed_tree", "hf_assisted"]
     for r in rows.values():
         assert {"policy", "throughput_tps", "speedup", "tokens_per_iteration", "acceptance_rate"} <= set(r)
         assert r["exact"] == r["runs"] == 6  # 3 prompts x 2 rounds, all equal to ar's output
-    assert max(rows["ar (our loop)"]["speedup"], rows["hf_generate"]["speedup"]) == 1.0
+    assert max(rows[r]["speedup"] for r in ("ar (our loop)", "hf_generate", "hf_static")) == 1.0
     assert rows["fixed_tree"]["params"]["depth"] == 3 and rows["ar (our loop)"]["memory_overhead"] == 0.0
-    assert len(report["prompts"]) == 5 * 3 and all(p["prompt_tokens"] > 0 for p in report["prompts"])
+    assert len(report["prompts"]) == 6 * 3 and all(p["prompt_tokens"] > 0 for p in report["prompts"])
     env = report["environment"]
     assert {"cpu", "torch", "transformers", "torch_threads", "device", "dtype"} <= set(env)
     assert report["settings"]["repeats"] == 2 and report["settings"]["command"].startswith(

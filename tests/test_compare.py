@@ -72,11 +72,13 @@ def test_comparison_numbers_agree_with_running_each_policy_alone():
     seen = []
     result = compare(pair, entries, PROMPT, config=config, repetitions=2, on_record=lambda *a: seen.append(a[0]))
     labels = [e.label for e in result.entries]
-    assert labels == ["ar (our loop)", "hf_generate", "linear", "fixed_tree"]
+    assert labels == ["ar (our loop)", "hf_generate", "hf_static", "linear", "fixed_tree"]
     assert result.correctness["ok"] is True and result.correctness["checked"]
     assert all(s.exact == s.runs == 2 for s in result.entries) and result.entries[0].memory_overhead == 0.0
-    assert {"linear", "fixed_tree", "ar (our loop)"} <= set(seen) and "hf_generate" not in seen
-    for stats, entry in zip(result.entries[2:], entries, strict=True):
+    assert (
+        {"linear", "fixed_tree", "ar (our loop)"} <= set(seen) and "hf_generate" not in seen and "hf_static" not in seen
+    )
+    for stats, entry in zip(result.entries[3:], entries, strict=True):
         alone = generate(
             pair.target.model, PROMPT, make_method(entry.policy, entry.params), draft=pair.draft.model, config=config
         )
@@ -90,15 +92,16 @@ def test_comparison_numbers_agree_with_running_each_policy_alone():
         assert 0 < stats.outside_forwards_share < 1
         assert all(0 <= r.draft_forward_ms <= r.draft_ms for r in alone.records)
         assert any(r.draft_forward_ms > 0 for r in alone.records)
-    best = max(e.throughput_tps for e in result.entries[:2])
-    assert result.entries[2].speedup == pytest.approx(result.entries[2].throughput_tps / best)
+    best = max(e.throughput_tps for e in result.entries[:3])  # the fastest of the three references
+    assert result.entries[3].speedup == pytest.approx(result.entries[3].throughput_tps / best)
+    assert result.entries[2].policy == "hf_static" and result.entries[2].verifier == "hf"
     hf = result.entries[1]
     assert hf.tree_size_mean is None and hf.verifier == "hf" and hf.ttft_ms is None
     again = Comparison.from_json(result.to_json())
     assert again.to_dict() == result.to_dict()
     rows = result.table()
-    assert rows[1]["TTFT ms"] is None and rows[2]["TTFT ms"] > 0
-    assert result.csv().splitlines()[0].startswith("policy,verifier,tokens/s") and len(rows) == 4
+    assert rows[1]["TTFT ms"] is None and rows[2]["TTFT ms"] is None and rows[3]["TTFT ms"] > 0
+    assert result.csv().splitlines()[0].startswith("policy,verifier,tokens/s") and len(rows) == 5
     assert "| linear |" in result.markdown()
 
 
@@ -146,7 +149,13 @@ def test_cli_compare_json_schema_and_csv(tmp_path, capsys, tiny_pair_dirs):
     assert code == 0, err
     data = json.loads(out)
     assert data["version"] == 1 and data["correctness"]["ok"] is True
-    assert [e["label"] for e in data["entries"]] == ["ar (our loop)", "hf_generate", "linear", "fixed_tree"]
+    assert [e["label"] for e in data["entries"]] == [
+        "ar (our loop)",
+        "hf_generate",
+        "hf_static",
+        "linear",
+        "fixed_tree",
+    ]
     fields = {f.name for f in dataclasses.fields(Comparison.from_dict(data).entries[0])}
     assert all(set(e) == fields for e in data["entries"])
     assert out_csv.read_text().startswith("policy,verifier,tokens/s")
@@ -178,8 +187,8 @@ def test_compare_page_runs_two_policies_and_shows_results(tiny_pair_dirs):
     next(b for b in at.button if b.label == "Compare").click().run()
     assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
     result = at.session_state["comparison"]
-    assert [e.label for e in result.entries] == ["ar (our loop)", "hf_generate", "linear", "fixed_tree"]
-    assert len(at.dataframe[0].value) == 4
+    assert [e.label for e in result.entries] == ["ar (our loop)", "hf_generate", "hf_static", "linear", "fixed_tree"]
+    assert len(at.dataframe[0].value) == 5
     assert any("Exact" in s.value for s in at.success)
     assert len(at.get("plotly_chart")) >= 4
 

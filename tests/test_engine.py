@@ -36,6 +36,7 @@ POLICIES = (
     ("hf_assisted", {}),
     ("hf_prompt_lookup", {}),
     ("hf_generate", {}),
+    ("hf_static", {}),
 )
 DRAFTS = ("same", "noisy", "unrelated")
 

@@ -145,8 +145,12 @@ def test_a_run_nobody_watches_pauses_itself(engine):
 
 def test_the_ar_reference_runs_in_the_child(engine, pair):
     config = _config(engine, 16)
-    ref = call(engine, "ar", (PROMPT, config), 120)
+    ref = call(engine, "ar", (PROMPT, config, "ar"), 120)
     assert ref.token_ids == _reference(pair, "ar", 16).token_ids and ref.throughput_tps > 0
+    static = call(engine, "ar", (PROMPT, config, "hf_static"), 120)
+    assert static.token_ids == ref.token_ids and static.forward_path.startswith("hf+static")
+    with pytest.raises(DynaTreeError, match="not an AR reference"):
+        call(engine, "ar", (PROMPT, config, "fixed_tree"), 120)
 
 
 def test_a_pair_that_cannot_load_is_a_message():

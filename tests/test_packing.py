@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import ARCHS, noisy_copy, tiny_model
 
-from dynatree_core.core.packing import PackedLinear, is_packed, pack_linears
+from dynatree_core.core.packing import PackedLinear, _packs, is_packed, pack_linears, packing_enabled
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
 
@@ -19,6 +19,8 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_linear(dtype, tol, bias):
+    if not _packs(dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} on this CPU (packing_enabled says no there)")
     torch.manual_seed(0)
     linear = torch.nn.Linear(24, 40, bias=bias).to(dtype)
     packed = PackedLinear(linear)
@@ -31,6 +33,23 @@ def test_packed_linear_matches_linear(dtype, tol, bias):
     assert torch.equal(packed.weight, linear.weight.detach())  # the dense view reads back the weight
     clone = copy.deepcopy(packed)  # oneDNN tensors have no storage: __deepcopy__ rebuilds
     torch.testing.assert_close(clone(x), packed(x))
+
+
+def test_a_dtype_onednn_cannot_pack_here_is_not_packed(monkeypatch):
+    """Some CPUs with AVX512-BF16 lack what oneDNN's bfloat16 packing needs (AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT): packing_enabled must say no there instead of load_pair raising."""
+    assert packing_enabled(torch.device("cpu"), torch.bfloat16) == _packs(torch.bfloat16)
+
+    def refuse(weight, _):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    _packs.cache_clear()
+    try:
+        assert not packing_enabled(torch.device("cpu"), torch.bfloat16)
+    finally:
+        monkeypatch.undo()
+        _packs.cache_clear()
 
 
 def _packed_f32(arch: str, model: torch.nn.Module) -> torch.nn.Module:

@@ -324,7 +324,7 @@ def test_the_registry_lists_the_built_in_policies_in_its_explicit_order():
 
     assert tuple(POLICIES)[: len(ORDER)] == ORDER
     assert list(catalogue()) == [*POLICIES, *BASELINES]  # the black boxes last
-    assert list(BASELINES) == ["hf_assisted", "hf_prompt_lookup", "hf_generate"]
+    assert list(BASELINES) == ["hf_assisted", "hf_prompt_lookup", "hf_generate", "hf_static"]
     assert all(issubclass(c, Policy) and not issubclass(c, Baseline) for c in POLICIES.values())
     assert all(issubclass(c, Baseline) and not issubclass(c, Policy) for c in BASELINES.values())
     assert all(c.describe()["black_box"] for c in BASELINES.values())

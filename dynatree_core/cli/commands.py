@@ -46,6 +46,7 @@ def _forward_options(args) -> dict:
         "static_cache": False if args.no_static_cache else None,
         "fast_forward": False if args.no_fast_forward else None,
         "graphs": False if args.no_graphs else None,
+        "width_invariant": {"on": True, "off": False}.get(args.width_invariant),
     }
 
 

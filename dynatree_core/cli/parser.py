@@ -46,6 +46,13 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-fast-forward", action="store_true", help="the stock HF forward instead of the lean one")
     p.add_argument("--no-graphs", action="store_true", help="CUDA: eager forwards instead of captured CUDA graphs")
+    p.add_argument(
+        "--width-invariant",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the target's rows get the bits they would get alone, so trees match ar exactly in any dtype "
+        "(auto: on for bfloat16/float16, off for float32; DYNATREE_INVARIANT=0/1 sets auto's choice)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy", action="append", default=[], metavar="NAME[:K=V,...]", help="repeatable; the same policy may repeat"
     )
     cmp.add_argument("--repetitions", type=int, default=3, help="measured runs per policy (after one warm-up)")
-    cmp.add_argument("--no-hf", action="store_true", help="skip the HF generate reference")
+    cmp.add_argument("--no-hf", action="store_true", help="skip the HF generate references (eager and static cache)")
     cmp.add_argument("--json", action="store_true", help="print the comparison as JSON")
     cmp.add_argument("--csv", type=Path, default=None, help="also write the table as CSV here")
     ver = sub.add_parser("verifiers", help="list verification algorithms and the drafting each accepts")
@@ -96,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(bench, ("max_new_tokens",))  # T: new tokens per run
     bench.add_argument("--repeats", type=int, default=1, help="R: measured rounds over all prompts")
     bench.add_argument("--warmup", type=int, default=1, help="W: discarded warm-up runs per policy")
-    bench.add_argument("--no-hf", action="store_true", help="skip the HF generate reference")
+    bench.add_argument("--no-hf", action="store_true", help="skip the HF generate references (eager and static cache)")
     add_flags(bench, ("temperature", "top_p", "top_k", "verifier"))  # sampled: round r uses seed r
     _model_arguments(bench)
     _engine_arguments(bench)

@@ -28,6 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from dynatree_core.core.invariant import RopeTable, RowGroups, sequence_attention
+
 LEAN_TYPES = ("llama", "qwen2", "mistral")  # model_type values whose decoder layer is the Llama block
 
 
@@ -207,6 +209,7 @@ class LeanForward:
         base = model.model
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
+        self.rope_table = RopeTable(base.rotary_emb)  # width-invariant forwards look cos/sin up
         self.blocks = [_Block(layer, fuse) for layer in base.layers]
         # a feature draft has no final norm of its own (its features are already post-norm)
         self.norm = (lambda x: x) if isinstance(base.norm, torch.nn.Identity) else _rms_norm(base.norm)
@@ -222,14 +225,17 @@ class LeanForward:
         *,
         embeds: torch.Tensor | None = None,
         hidden: bool | tuple[int, ...] = False,
+        rows: RowGroups | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`embeds` (1, q, hidden): inputs instead of the ids' embeddings; `hidden`: also return
         the final (post-norm) hidden states of all q rows, or for a tuple of taps (core/taps.py)
-        those states stacked (q, len(taps), hidden) (see KVState.forward)."""
+        those states stacked (q, len(taps), hidden) (see KVState.forward); `rows`: attend with
+        core/invariant.py's width-invariant attention over each row's own keys (`mask` unused)."""
         x = F.embedding(ids, self.embed.weight) if embeds is None else embeds  # (1, q, hidden)
-        cos, sin = self.rotary(x, positions)  # (1, q, head_dim) each
+        rope = self.rotary(x, positions) if rows is None else self.rope_table(x, positions, rows.positions_end)
+        cos, sin = rope  # (1, q, head_dim) each
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
-        folded = fold_mask(mask, self.blocks[0].groups)  # once per forward: every layer has the same groups
+        folded = None if rows is not None else fold_mask(mask, self.blocks[0].groups)  # once per forward
         taps = hidden if isinstance(hidden, tuple) else ()
         tapped = {}
         for i, (block, cache) in enumerate(zip(self.blocks, layers, strict=True)):
@@ -237,9 +243,12 @@ class LeanForward:
                 tapped[i] = x[0]
             q, k, v = block.project(block.norm1(x), cos, sin)  # (1, heads, q, head_dim), q and k rotated
             keys, values = cache.update(k, v)  # views of slots 0 .. L + q
-            attn = F.scaled_dot_product_attention(
-                fold_groups(q, block.groups), keys, values, attn_mask=folded, scale=block.scaling
-            ).reshape(q.shape)  # CUDA kernels return it strided (rows, heads) major: a view would fail
+            if rows is not None:
+                attn = sequence_attention(q, keys, values, rows, block.scaling)
+            else:
+                attn = F.scaled_dot_product_attention(
+                    fold_groups(q, block.groups), keys, values, attn_mask=folded, scale=block.scaling
+                ).reshape(q.shape)  # CUDA kernels return it strided (rows, heads) major: a view would fail
             x = block.mlp(x + block.o(attn.transpose(1, 2).reshape(1, ids.shape[1], -1)))
         if hidden:
             states = self.norm(x[0])

@@ -29,6 +29,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from dynatree_core.core.fastpath import stack_taps
+from dynatree_core.core.invariant import RowGroups, width_verdict
 from dynatree_core.core.transfer import Stopwatch, to_device
 from dynatree_core.errors import DynaTreeError
 
@@ -155,6 +156,10 @@ class KVState:
         static: preallocated per-layer buffers (default: on, unless DYNATREE_STATIC_CACHE=0).
         fast: the lean forward over those buffers where the architecture allows (fastpath.py;
             default: on, unless DYNATREE_FAST_FORWARD=0); else the stock HF forward.
+        graphs: fixed-shape forwards, captured on CUDA (graphs.py).
+        invariant: width-invariant forwards (invariant.py): each row's logits are the bits it
+            would get alone, so a tree's path nodes match `ar` exactly in any dtype. Needs the
+            lean forward (else ignored: `path` says so); replaces the fixed-shape forwards.
     """
 
     def __init__(
@@ -166,6 +171,7 @@ class KVState:
         static: bool | None = None,
         fast: bool | None = None,
         graphs: bool | None = None,
+        invariant: bool = False,
     ):
         from dynatree_core.core.fastpath import lean_forward_for
         from dynatree_core.core.graphs import PaddedForward, capture_wanted, graphs_enabled
@@ -183,7 +189,11 @@ class KVState:
             self.cache = DynamicCache(config=model.config)
         self.lean = own or (lean_forward_for(model, fast) if self.static else None)
         self.padded = None  # fixed-shape forwards, captured as CUDA graphs on a GPU (graphs.py)
-        if own is None and self.lean is not None and graphs_enabled(self.device, graphs):
+        self.invariant = invariant and own is None and self.lean is not None
+        self.wanted_invariant = invariant
+        # why this device's kernels are not width-invariant for this model (None: they are)
+        self.verdict = width_verdict(self.lean, model.dtype, self.device) if self.invariant else None
+        if own is None and self.lean is not None and not self.invariant and graphs_enabled(self.device, graphs):
             capture = capture_wanted(self.device, model)
             self.padded = PaddedForward(self.lean, self.cache.layers, model, capture=capture)
         self.length = 0  # tokens whose KV is in the cache
@@ -209,11 +219,15 @@ class KVState:
     @property
     def path(self) -> str:
         """How this run's forwards go now: kv.forward_path's names, with a capture fallback's reason."""
+        if self.invariant:
+            return "lean+invariant" + (f" (not bitwise on this device: {self.verdict})" if self.verdict else "")
         if self.padded is not None:
-            return self.padded.path
-        if self.lean is not None:
-            return "lean"
-        return "static" if self.static else "dynamic"
+            path = self.padded.path
+        elif self.lean is not None:
+            path = "lean"
+        else:
+            path = "static" if self.static else "dynamic"
+        return path + (" (not width-invariant: needs the lean forward)" if self.wanted_invariant else "")
 
     @property
     def grows(self) -> int:
@@ -258,10 +272,18 @@ class KVState:
                 token_ids, position_ids, visible, self.length, logits_to_keep, embeds=embeds, dtype=dtype, device=device
             )
             return self._done(q, logits, states, hidden, (self.padded.capture_s - captured) * 1e3)
-        mask = torch.zeros(visible.shape, dtype=dtype, device=device)
-        mask.masked_fill_(~to_device(visible, device), torch.finfo(dtype).min)
         ids, positions = to_device(torch.tensor([token_ids, position_ids]), device)[:, None]  # one upload: (1, q) each
         inputs = None if embeds is None else embeds.to(device=device, dtype=dtype)[None]
+        if self.invariant:  # each row over its own keys: no mask
+            rows = RowGroups.of(visible, device, max(position_ids) + 1)
+            self.watch.start()
+            out = self.lean(
+                ids, positions, None, self.cache.layers, logits_to_keep, embeds=inputs, hidden=hidden, rows=rows
+            )
+            logits, states = out if hidden else (out, None)
+            return self._done(q, logits, states, hidden)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+        mask.masked_fill_(~to_device(visible, device), torch.finfo(dtype).min)
         self.watch.start()
         states = None
         if self.lean is not None:

@@ -16,6 +16,7 @@ exactness is always judged against AR decoding with the same (packed) model.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -62,7 +63,19 @@ def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and os.environ.get("DYNATREE_PACK", "1") != "0"
+        and _packs(dtype)
     )
+
+
+@functools.cache
+def _packs(dtype: torch.dtype) -> bool:
+    """oneDNN packs this dtype on this CPU: its bfloat16 path needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT
+    and raises without them (a CPU with AVX512-BF16 as torch's cpuinfo reads it may still lack them)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 @torch.no_grad()

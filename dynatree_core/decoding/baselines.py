@@ -7,7 +7,10 @@ together for the CLI and the pages. The built-in ones are Hugging Face's own dec
 
   hf_assisted       target.generate(assistant_model=draft): HF's assisted generation (a chain)
   hf_prompt_lookup  target.generate(prompt_lookup_num_tokens=n): HF's prompt lookup decoding
-  hf_generate       target.generate(): plain decoding, the reference a user would time against
+  hf_generate       target.generate(): plain decoding with HF's dynamic cache, eager
+  hf_static         target.generate(cache_implementation="static"): what a user who wants speed
+                    calls; generate compiles the decoding step (torch.compile) on CUDA and XPU, and
+                    runs it eagerly elsewhere (its forward path says which)
 
 They are not stepped by our engine: `run` calls HF generate once, timed on the same prompts and models, and rebuilds the
 summary from a hook on the target's forward (each target forward is one iteration; the tokens
@@ -62,6 +65,10 @@ class HFBaseline(Baseline):
 
     def generate_kwargs(self, draft: torch.nn.Module | None) -> dict:
         raise NotImplementedError
+
+    def forward_path(self, device: torch.device) -> str:
+        """How HF ran the target's forwards (RunResult.forward_path)."""
+        return "hf"
 
     def run(
         self,
@@ -157,7 +164,7 @@ class HFBaseline(Baseline):
             device=str(device),
             dtype=str(target.dtype).removeprefix("torch."),
             threads=torch.get_num_threads(),
-            forward_path="hf",
+            forward_path=self.forward_path(device),
         )
 
 
@@ -206,3 +213,27 @@ class HFGenerate(HFBaseline):
 
     def generate_kwargs(self, draft: torch.nn.Module | None) -> dict:
         return {}
+
+
+# devices on which transformers' generate compiles a static-cache decoding step by itself
+# (GenerationMixin._valid_auto_compile_criteria, transformers 5.x)
+AUTO_COMPILE_DEVICES = ("cuda", "xpu")
+
+
+@register_baseline
+class HFStatic(HFBaseline):
+    """HF generate with a static cache: compiled by generate on CUDA (the fastest AR a user runs
+    without writing code), eager with preallocated buffers elsewhere. The first call on CUDA
+    compiles for tens of seconds: benchmarks discard it as their warm-up."""
+
+    name = "hf_static"
+    summary = "Reference: HF generate(cache_implementation='static'), compiled on CUDA, timed as a black box"
+    needs_draft_model = False
+
+    def generate_kwargs(self, draft: torch.nn.Module | None) -> dict:
+        return {"cache_implementation": "static"}
+
+    def forward_path(self, device: torch.device) -> str:
+        if device.type in AUTO_COMPILE_DEVICES:
+            return "hf+static+compiled"
+        return f"hf+static (not compiled: generate compiles on {' / '.join(AUTO_COMPILE_DEVICES)} only)"

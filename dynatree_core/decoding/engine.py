@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from dynatree_core.core.invariant import invariant_wanted
 from dynatree_core.core.kv import KVState, chain_then_tree_visibility, forward_path
 from dynatree_core.core.models import context_length_of
 from dynatree_core.core.sampling_config import SamplingConfig
@@ -48,6 +49,8 @@ class DecodeConfig:
     static_cache: bool | None = None  # preallocated per-run KV buffers, compacted in place
     fast_forward: bool | None = None  # the lean forward over them (Llama-family models)
     graphs: bool | None = None  # fixed-shape forwards, one CUDA graph per width (core/graphs.py; default: on CUDA)
+    # the target's forwards width-invariant (core/invariant.py); None: invariant_wanted's rule
+    width_invariant: bool | None = None
 
 
 def _clock(device: torch.device) -> float:
@@ -112,7 +115,7 @@ def decode(
         fast=config.fast_forward,
         graphs=config.graphs,
     )
-    target_kv = KVState(target, prompt_ids, **paths)
+    target_kv = KVState(target, prompt_ids, **paths, invariant=invariant_wanted(target, config.width_invariant))
     drafter = None
     weights = weight_bytes(target)  # CPU memory accounting (metrics.memory_mb)
     if policy.needs_draft_model:

@@ -12,7 +12,8 @@ also serialises every forward on that pair, as the app's forward lock did within
 Protocol (all tuples; `rid` names a run, or a one-off job such as an AR reference):
 
   parent -> child  ("start", rid, StartRun) ("go", rid, seq) ("step", rid) ("pause", rid, seq)
-                   ("drop", rid) ("ar", rid, (prompt_ids, DecodeConfig)) ("runs", rid) ("quit", 0)
+                   ("drop", rid) ("ar", rid, (prompt_ids, DecodeConfig, reference)) ("runs", rid)
+                   ("quit", 0)   (reference: "ar", "hf_generate" or "hf_static", methods.REFERENCES)
   child -> parent  ("ready", 0, EngineInfo) ("failed", 0, exc) ("record", rid, IterationRecord)
                    ("done", rid, None) ("paused", rid, seq) ("error", rid, exc)
                    ("result", rid, RunResult or the list of runs the child holds)
@@ -118,7 +119,7 @@ def serve(commands, out, spec: PairSpec) -> None:
 
     from dynatree_core.core.threads import configure_threads
     from dynatree_core.decoding.engine import decode, draft_kind, generate, vocab_size
-    from dynatree_core.decoding.methods import make_method
+    from dynatree_core.decoding.methods import REFERENCES, make_method
     from dynatree_core.decoding.pairs import load_pair
 
     try:
@@ -201,9 +202,11 @@ def serve(commands, out, spec: PairSpec) -> None:
         elif kind == "runs":  # what the child holds (tests: a discarded run must be freed)
             out.put(("result", rid, sorted(runs)))
         elif kind == "ar":
-            prompt_ids, config = payload
+            prompt_ids, config, reference = payload
             try:
-                out.put(("result", rid, generate(target.model, prompt_ids, make_method("ar"), config=config)))
+                if reference not in REFERENCES:
+                    raise DynaTreeError(f"{reference!r} is not an AR reference ({', '.join(REFERENCES)})")
+                out.put(("result", rid, generate(target.model, prompt_ids, make_method(reference), config=config)))
             except Exception as exc:  # noqa: BLE001
                 out.put(("error", rid, _portable(exc)))
         return True

@@ -131,8 +131,8 @@ class BenchReport:
                 f"{tpot} | {split} | {outside} | {e.peak_memory_mb:.0f} | {exact} |"
             )
         out += self.by_prompt_set()
-        note = exactness_note(self.environment.get("dtype", "float32"))
         paths = self.environment.get("forward_paths") or []
+        note = exactness_note(self.environment.get("dtype", "float32"), paths)
         if paths:
             captured = self.environment.get("capture_s") or 0.0
             out.append(

@@ -3,8 +3,9 @@
 Fairness protocol (what `schedule` encodes and the tests check): the same loaded models for every
 run; one warm-up run per entry, discarded; then `repetitions` rounds in which every entry runs
 once, the order rotated each round so that no entry always runs first (or right after a given
-other one). Two references run in the same rounds: `ar` (our loop, one target forward per token)
-and `hf_generate` (Hugging Face's plain generate). Throughput is engine time (RunResult), so a
+other one). Three references run in the same rounds: `ar` (our loop, one target forward per token),
+`hf_generate` (Hugging Face's plain generate, eager) and `hf_static` (generate with a static cache,
+compiled by generate on CUDA); speedups are over the fastest of them. Throughput is engine time (RunResult), so a
 live view that draws between iterations does not slow the numbers it shows.
 
 Under greedy decoding every output must equal `ar`'s token for token: `correctness` names the
@@ -265,7 +266,7 @@ def measure(
         raise DynaTreeError("repetitions must be at least 1")
     if not prompts:
         raise DynaTreeError("no prompts to run")
-    refs = [Entry("ar", label="ar (our loop)")] + ([Entry("hf_generate", label="hf_generate")] if include_hf else [])
+    refs = reference_entries(include_hf)
     all_entries = labelled(refs + [e for e in entries if e.policy not in REFERENCES])
     policies = [make_method(e.policy, e.params) for e in all_entries]  # validate before any run
     configs = [dataclasses.replace(config, verifier=e.verifier or config.verifier) for e in all_entries]
@@ -300,6 +301,13 @@ def measure(
         if config.sampling.greedy:
             s.exact = sum(run.token_ids == ar[0][i].token_ids for rnd in rounds for i, run in enumerate(rnd))
     return stats, results
+
+
+def reference_entries(include_hf: bool = True) -> list[Entry]:
+    """The references every comparison runs first (methods.REFERENCES): `ar`, and unless left out
+    HF generate eager and with a static cache."""
+    hf = [Entry("hf_generate", label="hf_generate"), Entry("hf_static", label="hf_static")]
+    return [Entry("ar", label="ar (our loop)")] + (hf if include_hf else [])
 
 
 def compare(

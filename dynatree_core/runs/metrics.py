@@ -16,18 +16,24 @@ from typing import Any
 from dynatree_core.runs.records import IterationRecord, RunResult
 
 
-def exactness_note(dtype: str) -> str | None:
-    """What a reduced-precision run promises about greedy exactness (None for float32: identical).
+def exactness_note(dtype: str, forward_paths: str | list[str] = "") -> str | None:
+    """What a run promises about greedy exactness beyond the algorithm (None: token-identical to `ar`).
 
-    The algorithm is exact in any dtype; the arithmetic is not. A tree forward computes a token's
-    logits in a different batch shape than `ar`'s 1-token forward, and in bfloat16/float16 the
-    rounding differs enough to flip the argmax where two tokens nearly tie (docs/benchmark-log.md,
-    "Captured forwards")."""
-    if str(dtype).removeprefix("torch.") in ("float32", "float64"):
+    The algorithm is exact in any dtype; the arithmetic need not be. A tree forward computes a
+    token's logits in a different batch shape than `ar`'s 1-token forward; in bfloat16/float16 the
+    rounding differs enough to flip the argmax where two tokens nearly tie, unless the target's
+    forwards are width-invariant (core/invariant.py: forward path "lean+invariant", each row gets
+    the bits it would get alone). float32 differs by ~1e-7 and stays token-identical in practice."""
+    given = [forward_paths] if isinstance(forward_paths, str) else forward_paths
+    paths = [p for p in given if p and not p.startswith("hf")]  # HF's own runs are references, not trees
+    name = str(dtype).removeprefix("torch.")
+    bitwise = bool(paths) and all("+invariant" in p and "not bitwise" not in p for p in paths)
+    if name in ("float32", "float64") or bitwise:
         return None
     return (
-        f"In {str(dtype).removeprefix('torch.')}, greedy outputs can differ from `ar`'s at near-ties: the tree "
-        "forward rounds differently from a 1-token forward (numerics, not the algorithm). float32 is token-identical."
+        f"In {name}, greedy outputs can differ from `ar`'s at near-ties: the tree forward rounds differently "
+        "from a 1-token forward (numerics, not the algorithm); width-invariant forwards (--width-invariant on, "
+        "lean architectures) remove this. float32 is token-identical."
     )
 
 

@@ -1,0 +1,198 @@
+"""Width-invariant forwards: a row's result does not depend on the other rows of its forward.
+
+Greedy tree decoding is exact only if the target's logits for a path node in the verify forward
+equal, bit for bit, the logits `ar` computes for the same sequence one token at a time. Two
+things make a row's result depend on its neighbours (docs/engine.md, "Width invariance"):
+
+1. kernels chosen by the row count: a one-row GEMV against a many-row GEMM (float32 `F.linear`
+   on this CPU without oneDNN packing; cuBLAS float32), attention kernels that block the queries;
+2. the key layout: a tree node's ancestors sit at scattered slots with masked slots between
+   them, and blocked attention reductions (online softmax over key tiles, vector lanes) group
+   the same terms differently than for the same keys at consecutive slots.
+
+`sequence_attention` removes both for attention. Each row attends over exactly its visible keys,
+gathered in sequence order (the prefix, then its ancestors by depth: ascending slots, since the
+engine sends parents before children), with no mask. Rows with the same number of keys share one
+`bmm` whose batch items are (key head, row) pairs of fixed shape (query-head group x keys), so a
+row's scores, float32 softmax and weighted sum of values are the same operations whether it is
+alone (`ar`) or one of many (a tree): only the batch count changes.
+
+Elementwise transcendental ops are row-wise too, but a vectorised kernel computes the last few
+elements of a tensor on a scalar path with other rounding, so cos/sin of a position could change
+with the number of rows: `RopeTable` computes them once per position, in fixed chunks, and a
+forward looks them up.
+
+Linears are row-wise by nature, but a library may still pick its kernel by the row count.
+`width_verdict` checks the model's own linears, its norm and this attention at the widths a run
+uses; a run on a device where one of them is not invariant says so in its forward path (never
+silently different).
+
+Contract: knows tensors, cache slots and the lean forward's linears; never trees or policies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from dynatree_core.core.transfer import to_device
+
+PROBE_WIDTHS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 32, 33, 64)  # row counts a run's forwards take
+
+
+@dataclasses.dataclass(frozen=True)
+class RowGroups:
+    """The rows of one forward grouped by how many keys they see.
+
+    groups: per distinct key count n, (rows (r,), slots (r, n)) on the model's device: the rows
+    and, per row, its visible cache slots in ascending (= sequence) order."""
+
+    groups: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    positions_end: int = 0  # one past the largest position of the forward (sizes the RoPE table)
+
+    @classmethod
+    def of(cls, visible: torch.Tensor, device: torch.device, positions_end: int = 0) -> RowGroups:
+        """visible (q, L) bool (host): row i may attend to slot j. One upload for every group."""
+        counts = visible.sum(1)
+        parts, shapes = [], []
+        for n in sorted(set(counts.tolist())):
+            rows = (counts == n).nonzero().flatten()
+            slots = visible[rows].nonzero()[:, 1]  # row-major: each row's slots ascending
+            parts += [rows, slots]
+            shapes.append((len(rows), n))
+        flat = to_device(torch.cat(parts), device)
+        groups, at = [], 0
+        for r, n in shapes:
+            groups.append((flat[at : at + r], flat[at + r : at + r + r * n].view(r, n)))
+            at += r + r * n
+        return cls(tuple(groups), positions_end)
+
+
+def sequence_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowGroups, scale: float
+) -> torch.Tensor:
+    """Attention of each row over its own keys in sequence order (module docstring).
+
+    Args:
+        q: (1, heads, T, d) rotated queries.
+        keys, values: (1, kv_heads, S, d) the cache buffers (slots 0..S).
+        rows: every one of the T rows in exactly one group.
+        scale: the scores' factor (1/sqrt(d) for Llama).
+    Returns:
+        (1, heads, T, d), head j * groups + i reading key head j (transformers' repeat_kv).
+    """
+    _, heads, width, d = q.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    per_kv = q[0].view(kv_heads, groups, width, d)
+    out = torch.empty_like(per_kv)
+    for index, slots in rows.groups:
+        r, n = slots.shape
+        # batch items ordered (key head, row): the gathers need no transpose; float32 throughout
+        # (as SDPA accumulates; bfloat16 bmm is slow on CPUs without AMX)
+        qs = per_kv.index_select(2, index).transpose(1, 2).reshape(kv_heads * r, groups, d).float()
+        ks = keys[0].index_select(1, slots.flatten()).view(kv_heads * r, n, d).float()
+        vs = values[0].index_select(1, slots.flatten()).view(kv_heads * r, n, d).float()
+        scores = torch.bmm(qs, ks.transpose(1, 2)).mul_(scale)  # (items, groups, n)
+        mixed = torch.bmm(torch.softmax(scores, dim=-1), vs).view(kv_heads, r, groups, d)
+        out.index_copy_(2, index, mixed.transpose(1, 2).to(out.dtype))
+    return out.view(1, heads, width, d)
+
+
+def invariant_wanted(model: torch.nn.Module, choice: bool | None = None) -> bool:
+    """Whether the target's forwards run width-invariant: an explicit choice wins, then
+    DYNATREE_INVARIANT=0/1; else on for reduced precision (bfloat16, float16), where rows that
+    share a forward differ by ~1e-2 and flip near-tied tokens, and off for float32, where they
+    differ by ~1e-7 and the shared kernels are faster (BENCHMARKS.md, "Width invariance")."""
+    if choice is not None:
+        return choice
+    env = os.environ.get("DYNATREE_INVARIANT")
+    if env in ("0", "1"):
+        return env == "1"
+    return model.dtype in (torch.bfloat16, torch.float16)
+
+
+ROPE_CHUNK = 4096  # positions per table chunk: a multiple of any vector width, so no scalar tail
+
+
+class RopeTable:
+    """cos/sin of every position up to the largest seen, computed by the model's own rotary
+    embedding in chunks of ROPE_CHUNK positions (each chunk alone: a position's value never
+    depends on how long the table is), looked up by position."""
+
+    def __init__(self, rotary: torch.nn.Module):
+        self.rotary = rotary
+        self.tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (1, q, hidden) for dtype and device; positions (1, q), all below `end` -> cos, sin (1, q, head_dim)."""
+        key = (x.dtype, x.device)
+        cos, sin = self.tables.get(key, (x.new_empty(0, 0), x.new_empty(0, 0)))
+        if end > len(cos):
+            chunks = [
+                self.rotary(x[:, :1], torch.arange(start, start + ROPE_CHUNK, device=x.device)[None])
+                for start in range(len(cos), end, ROPE_CHUNK)
+            ]
+            cos = torch.cat([c[0] for c, _ in chunks]) if not len(cos) else torch.cat([cos] + [c[0] for c, _ in chunks])
+            sin = torch.cat([s[0] for _, s in chunks]) if not len(sin) else torch.cat([sin] + [s[0] for _, s in chunks])
+            self.tables[key] = cos, sin
+        return cos[positions], sin[positions]
+
+
+def _rows_agree(fn, x: torch.Tensor, widths: tuple[int, ...]) -> bool:
+    """True when fn's row i is the same bits whatever the number of rows in the call."""
+    full = fn(x)
+    return all(torch.equal(fn(x[:w]), full[:w]) for w in widths if w < len(x))
+
+
+def _attention_agrees(kv_heads: int, groups: int, d: int, dtype, device, gen) -> bool:
+    """sequence_attention gives row 0 the same bits alone and among 32 rows of the same key count
+    and of other key counts (the bmm batch count and the grouping change, nothing else)."""
+    keys, values = (torch.randn(1, kv_heads, 96, d, generator=gen).to(device=device, dtype=dtype) for _ in "kv")
+    q = torch.randn(1, kv_heads * groups, 33, d, generator=gen).to(device=device, dtype=dtype)
+    visible = torch.zeros(33, 96, dtype=torch.bool)
+    for i in range(33):
+        visible[i, : 40 + i % 7] = True
+    visible[1:, 60:90:3] = True  # scattered "ancestors" for the other rows
+    many = sequence_attention(q, keys, values, RowGroups.of(visible, device), 0.125)
+    alone = sequence_attention(q[:, :, :1], keys, values, RowGroups.of(visible[:1], device), 0.125)
+    return torch.equal(many[:, :, 0], alone[:, :, 0])
+
+
+@torch.inference_mode()
+def width_verdict(lean, dtype: torch.dtype, device: torch.device) -> str | None:
+    """None when every operation of the lean forward whose result could depend on the number of
+    rows (each linear of one layer and the head, the RMSNorm, sequence_attention) gives each row
+    the same bits at every width in PROBE_WIDTHS; else the first that does not. Cached per
+    (dtype, device) on `lean`: a few dozen calls on the model's own weights, once."""
+    cache = lean.__dict__.setdefault("_width_verdicts", {})
+    if (dtype, str(device)) in cache:
+        return cache[dtype, str(device)]
+    block = lean.blocks[0]
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    x, mlp_in = rand(65, lean.embed.weight.shape[1]), rand(65, block.mlp_size)
+    probes = {"norm": (block.norm1, x), "o": (block.o, rand(65, block.heads * block.head_dim))}
+    probes |= {"down": (block.down, mlp_in), "head": (lean.head, x[:34])}
+    fused = {"q/k/v": block.qkv, "gate/up": block.gate_up}
+    probes |= {name: (fn, x) for name, fn in fused.items() if fn is not None}
+    if block.qkv is None:
+        probes |= {name: (getattr(block, name), x) for name in ("q", "k", "v", "gate", "up")}
+    verdict = next(
+        (
+            f"{name}: a row's bits change with the row count"
+            for name, (fn, inp) in probes.items()
+            if not _rows_agree(fn, inp, PROBE_WIDTHS)
+        ),
+        None,
+    )
+    kv_heads = block.qk_heads - block.heads
+    if verdict is None and not _attention_agrees(kv_heads, block.groups, block.head_dim, dtype, device, gen):
+        verdict = "attention: a row's bits change with the row count"
+    cache[dtype, str(device)] = verdict
+    return verdict

@@ -1,0 +1,243 @@
+"""Width-invariant forwards (core/invariant.py): a tree's path nodes get the bits `ar` computes.
+
+The promise: with `invariant=True`, the target's logits for a node verified inside a tree equal,
+bit for bit, the logits of the same sequence decoded one token at a time, in float32 and in
+bfloat16, for every lean architecture; so greedy tree decoding in bfloat16 reproduces bfloat16
+`ar` token for token for every policy. These tests hold on a device whose kernels pass
+`width_verdict` (this CPU: oneDNN-packed float32 linears, bfloat16 linears); where a kernel does
+not, the run must say so (the last tests).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import noisy_copy, tiny_model
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from dynatree_core.core.fastpath import lean_forward_for
+from dynatree_core.core.invariant import RopeTable, RowGroups, invariant_wanted, sequence_attention, width_verdict
+from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.core.packing import pack_linears, packing_enabled
+from dynatree_core.core.tree import DraftTree
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.methods import make_method
+
+DTYPES = (torch.float32, torch.bfloat16)
+PROMPT = [5, 9, 13, 2, 7, 11, 3]
+POLICIES = (
+    ("linear", {"k": 4}),
+    ("fixed_tree", {"tau": 0.0, "branch": 3, "depth": 5, "budget": 24}),
+    ("dynatree", {}),
+    ("dyspec", {"budget": 7, "depth": 3}),
+    ("dyspec_threshold", {"threshold": 0.01}),
+    ("eagle2", {"total": 5, "topk": 2}),
+    ("salf", {"th": 0.0, "nodes": 12, "batch": 3}),
+    ("delayed", {"k": 3, "l1": 0, "l2": 4}),
+    ("delayed_auto", {"warmup": 1}),
+    ("ngram", {}),
+)
+
+
+def _tiny_mistral() -> torch.nn.Module:
+    config = MistralConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        sliding_window=None,
+        bos_token_id=0,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(6.0)
+    return model
+
+
+def _wide_llama() -> torch.nn.Module:
+    """Llama with SmolLM2's head size (64) and 8 times the tiny width: wide enough that the shared
+    kernels give a tree's rows other bits than a row alone in bfloat16 too."""
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def _model(arch: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The tiny model in `dtype`, packed as the model pairs pack a CPU target (pairs.load_pair)."""
+    builders = {"mistral": _tiny_mistral, "llama-wide": _wide_llama}
+    model = builders[arch]() if arch in builders else copy.deepcopy(tiny_model(arch))
+    model = model.to(dtype)
+    if dtype == torch.float32 and packing_enabled(torch.device("cpu"), dtype):
+        pack_linears(model)
+    return model
+
+
+def _tree(root: int) -> tuple[DraftTree, list[int]]:
+    """A tree whose path 0 -> a -> c -> e sits at scattered rows among siblings; returns the path."""
+    tree = DraftTree.with_root(root)
+    a, b = tree.add(0, 26, -0.1), tree.add(0, 53, -0.3)
+    c = tree.add(a, 58, -0.2)
+    tree.add(b, 95, -0.2)
+    tree.add(a, 93, -0.9)
+    e = tree.add(c, 40, -0.1)
+    tree.add(b, 7, -0.5)
+    tree.add(e, 3, -0.5)
+    for i in range(8):  # more siblings: a verify forward of 17 rows
+        tree.add(b, 60 + i, -1.0)
+    return tree, [0, a, c, e]
+
+
+def _prefill(kv: KVState) -> None:
+    visible = chain_then_tree_visibility(0, len(PROMPT), torch.zeros(0, 0, dtype=torch.bool))
+    kv.forward(PROMPT, list(range(len(PROMPT))), visible, 1)
+    kv.pending = []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("arch", ("llama", "qwen2", "mistral", "llama-wide"))
+@torch.inference_mode()
+def test_a_path_node_verified_in_a_tree_has_the_bits_ar_computes_alone(arch, dtype):
+    model = _model(arch, dtype)
+    tree, path = _tree(17)
+    ar = KVState(model, PROMPT, invariant=True)
+    assert ar.verdict is None, f"this device's kernels are not width-invariant: {ar.verdict}"
+    _prefill(ar)
+    alone = []
+    for depth, node in enumerate(path):  # one token per forward, as `ar` decodes
+        visible = torch.ones(1, ar.length + 1, dtype=torch.bool)
+        alone.append(ar.forward([tree.tokens[node]], [len(PROMPT) + depth], visible, 1)[0])
+    kv = KVState(model, PROMPT, invariant=True)
+    _prefill(kv)
+    order = tree.order("bfs")
+    visible = chain_then_tree_visibility(kv.length, 1, tree.ancestor_mask(order)[1:, 1:])
+    logits = kv.forward([tree.tokens[n] for n in order], tree.position_ids(order, len(PROMPT)), visible, len(order))
+    for depth, node in enumerate(path):  # without invariance: differs at depth 0 already (llama-wide, both dtypes)
+        row = logits[order.index(node)]
+        assert torch.equal(row, alone[depth]), (
+            f"{arch} {dtype}: depth {depth} differs from ar by {(row - alone[depth]).abs().max().item():.3g}"
+        )
+    assert kv.path == "lean+invariant"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@torch.inference_mode()
+def test_dfs_order_and_a_pending_chain_keep_the_bits(dtype):
+    """The same node, sent in DFS order behind a two-token chain, still gets ar's bits."""
+    model = _model("llama", dtype)
+    tree, path = _tree(17)
+    ar = KVState(model, PROMPT[:-1], invariant=True)
+    ar.forward(PROMPT[:-1], list(range(len(PROMPT) - 1)), torch.ones(len(PROMPT) - 1, len(PROMPT) - 1).tril().bool(), 1)
+    ar.pending = []
+    last = None
+    for i, token in enumerate([PROMPT[-1], 17, *[tree.tokens[n] for n in path[1:]]]):
+        last = ar.forward([token], [len(PROMPT) - 1 + i], torch.ones(1, ar.length + 1, dtype=torch.bool), 1)[0]
+    kv = KVState(model, PROMPT[:-1], invariant=True)
+    kv.forward(PROMPT[:-1], list(range(len(PROMPT) - 1)), torch.ones(len(PROMPT) - 1, len(PROMPT) - 1).tril().bool(), 1)
+    kv.pending = []
+    order = tree.order("dfs")
+    visible = chain_then_tree_visibility(kv.length, 2, tree.ancestor_mask(order)[1:, 1:])
+    tokens = [PROMPT[-1]] + [tree.tokens[n] for n in order]
+    positions = [len(PROMPT) - 1] + tree.position_ids(order, len(PROMPT))
+    logits = kv.forward(tokens, positions, visible, len(order))
+    assert torch.equal(logits[order.index(path[-1])], last)
+
+
+@pytest.mark.parametrize("policy_name,params", POLICIES)
+@pytest.mark.parametrize("arch", ("llama", "qwen2"))
+def test_every_policy_in_bfloat16_reproduces_bfloat16_ar(arch, policy_name, params):
+    target = _model(arch, torch.bfloat16)
+    draft = copy.deepcopy(noisy_copy(arch, 0.01)).to(torch.bfloat16)
+    config = DecodeConfig(max_new_tokens=30)  # bfloat16: width-invariant by default
+    for prompt in ([1, 5, 7, 9, 11], [42, 17, 8, 8, 8, 8, 60, 2, 90, 33, 12, 4]):
+        ar = generate(target, prompt, make_method("ar"), config=config)
+        result = generate(target, prompt, make_method(policy_name, params), draft=draft, config=config)
+        assert result.forward_path == "lean+invariant"
+        assert result.token_ids == ar.token_ids, f"{policy_name} in bfloat16 left bfloat16 ar's tokens"
+
+
+def test_row_groups_hold_each_rows_slots_in_sequence_order():
+    visible = torch.tensor([[1, 1, 0, 0, 1], [1, 1, 1, 0, 0], [1, 0, 0, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    groups = RowGroups.of(visible, torch.device("cpu"), positions_end=9)
+    got = {tuple(rows.tolist()): slots.tolist() for rows, slots in groups.groups}
+    assert got == {(0, 1, 2): [[0, 1, 4], [0, 1, 2], [0, 3, 4]], (3,): [[0, 1, 2, 3, 4]]}
+    assert groups.positions_end == 9
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sequence_attention_equals_masked_attention_up_to_rounding(dtype):
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 6, 5, 8, generator=gen).to(dtype)
+    keys, values = (torch.randn(1, 2, 12, 8, generator=gen).to(dtype) for _ in "kv")
+    visible = torch.rand(5, 12, generator=gen) > 0.4
+    visible[:, 0] = True
+    out = sequence_attention(q, keys, values, RowGroups.of(visible, q.device), 0.3)
+    mask = torch.zeros(5, 12).masked_fill(~visible, float("-inf"))
+    rep = lambda t: t.repeat_interleave(3, dim=1).float()  # noqa: E731  key head j serves query heads 3j..3j+2
+    ref = torch.softmax(q.float() @ rep(keys).transpose(-1, -2) * 0.3 + mask, -1) @ rep(values)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
+def test_rope_table_gives_the_rotary_values_whatever_its_length():
+    model = _model("llama", torch.float32)
+    rotary = model.model.rotary_emb
+    x = torch.zeros(1, 1, 32)
+    short, grown = RopeTable(rotary), RopeTable(rotary)
+    grown(x, torch.tensor([[0]]), 9000)  # three chunks
+    positions = torch.tensor([[0, 5, 4095, 4096, 700]])
+    for table in (short, grown):
+        cos, sin = table(x, positions, 4097)
+        ref_cos, ref_sin = rotary(x.expand(1, 5, 32), positions)
+        torch.testing.assert_close((cos, sin), (ref_cos, ref_sin))
+    assert torch.equal(short(x, positions, 4097)[0], grown(x, positions, 4097)[0])
+
+
+def test_invariance_is_on_by_default_for_reduced_precision_only(monkeypatch):
+    monkeypatch.delenv("DYNATREE_INVARIANT", raising=False)
+    assert invariant_wanted(_model("llama", torch.bfloat16))
+    assert not invariant_wanted(_model("llama", torch.float32))
+    assert invariant_wanted(_model("llama", torch.float32), True)
+    monkeypatch.setenv("DYNATREE_INVARIANT", "1")
+    assert invariant_wanted(_model("llama", torch.float32))
+    assert not invariant_wanted(_model("llama", torch.bfloat16), False)
+
+
+@torch.inference_mode()
+def test_a_kernel_that_changes_with_the_row_count_is_named_and_the_run_says_so():
+    model = _model("llama", torch.bfloat16)
+    lean = lean_forward_for(model)
+    head = lean.head
+    lean.head = lambda x: head(x) + (len(x) > 1) * 1e-2  # a GEMV/GEMM split, made visible
+    try:
+        lean.__dict__.pop("_width_verdicts", None)
+        assert (
+            width_verdict(lean, torch.bfloat16, torch.device("cpu")) == "head: a row's bits change with the row count"
+        )
+        kv = KVState(model, PROMPT, invariant=True)
+        assert kv.path.startswith("lean+invariant (not bitwise on this device: head")
+    finally:
+        lean.head = head
+        lean.__dict__.pop("_width_verdicts", None)
+
+
+def test_architectures_without_the_lean_forward_are_not_claimed_invariant():
+    model = copy.deepcopy(tiny_model("gpt2")).to(torch.bfloat16)
+    kv = KVState(model, PROMPT, invariant=True)
+    assert not kv.invariant and kv.path.endswith("(not width-invariant: needs the lean forward)")
+    result = generate(model, PROMPT, make_method("ar"), config=DecodeConfig(max_new_tokens=3, width_invariant=True))
+    assert "not width-invariant" in result.forward_path
