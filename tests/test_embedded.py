@@ -151,3 +151,19 @@ def test_the_shipped_fused_draft_exports_to_eagle3_and_loads_back_with_identical
     for name in ("fixed_tree", "dynatree", "salf"):
         result = generate(loaded.model, ids, make_method(name), draft=back, config=config)
         assert result.token_ids == ref.token_ids, f"{name} diverged with the exported draft"
+
+
+def test_bfloat16_tree_runs_reproduce_bfloat16_ar_on_the_embedded_pair():
+    """The default pair in bfloat16 (width-invariant by default): every tree policy's greedy
+    tokens equal bfloat16 `ar`'s, on prompts where the shared-kernel forward left them (salf,
+    OOD prompts, this CPU: 3 of 4 identical before width invariance)."""
+    pair = load_pair("embedded", device="cpu", dtype="bfloat16")
+    config = DecodeConfig(max_new_tokens=40, eos_token_ids=pair.target.eos_token_ids)
+    for text in PROMPTS[:2]:
+        ids = encode_prompt(pair.target.tokenizer, text, chat=True)
+        want = generate(pair.target.model, ids, make_method("ar"), config=config)
+        assert want.forward_path == "lean+invariant", want.forward_path
+        for name in ("fixed_tree", "dynatree", "salf", "eagle2"):
+            policy = make_method(name)
+            got = generate(pair.target.model, ids, policy, config=config, **pair.drafting(policy))
+            assert got.token_ids == want.token_ids, f"{name} left bfloat16 ar's tokens on {text!r}"

@@ -271,3 +271,15 @@ def test_cpu_memory_counts_weights_and_the_largest_caches():
     biggest = max(len(r.order) - 1 + r.chain_len for r in tree.records)  # nodes + pending in one forward
     assert tree.peak_memory_mb >= (weight_bytes(target) + weight_bytes(draft) + per_token * biggest) / 2**20
     assert tree.peak_memory_mb > ar.peak_memory_mb
+
+
+def test_the_static_cache_reference_says_whether_generate_compiled_it():
+    """hf_static is what a user who wants speed calls: generate compiles it on CUDA only, and its
+    forward path says which happened (a CPU run must not claim a compiled reference)."""
+    target, prompt = tiny_model("llama"), [1, 5, 7, 9, 11]
+    config = DecodeConfig(max_new_tokens=12)
+    static = generate(target, prompt, make_method("hf_static"), config=config)
+    assert static.token_ids == hf_greedy(target, prompt, 12)
+    device = target.get_input_embeddings().weight.device
+    on_cpu = "hf+static (not compiled: generate compiles on cuda / xpu only)"
+    assert static.forward_path == ("hf+static+compiled" if device.type in ("cuda", "xpu") else on_cpu)

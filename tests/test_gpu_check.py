@@ -25,7 +25,8 @@ def test_the_checks_pass_on_the_padded_path_and_a_broken_one_fails(tmp_path, mon
     report = gpu_check.gpu_check("cpu", embedded=False, out=tmp_path / "r.json", log=lines.append)
     assert report["verdict"] == "pass", [r for r in report["checks"] if not r["ok"]]
     checks = {(r["pair"], r["check"]) for r in report["checks"]}
-    assert len(checks) == 15 and ("tiny qwen2", "fallback") in checks
+    assert len(checks) == 27 and ("tiny qwen2", "fallback") in checks
+    assert {("tiny mistral", "invariant bfloat16"), ("tiny llama", "policies float32")} <= checks
     assert json.loads((tmp_path / "r.json").read_text())["verdict"] == "pass"
     assert "| tiny mistral | interleaved | yes |" in lines[-2]
 
@@ -39,6 +40,25 @@ def test_the_checks_pass_on_the_padded_path_and_a_broken_one_fails(tmp_path, mon
     target, draft = gpu_check.tiny_pair("llama", torch.device("cpu"))
     rows = gpu_check.pair_checks("broken", target, draft)
     assert not next(r for r in rows if r["check"] == "policies")["ok"]
+
+
+def test_the_invariance_check_fails_when_a_kernel_changes_with_the_row_count(monkeypatch):
+    """A head whose rows change with the number of rows (as a GEMV/GEMM split would): both the
+    verdict and the path's bits must say no, in each dtype."""
+    from dynatree_core.core import fastpath
+
+    real = fastpath.LeanForward.__init__
+
+    def shaky(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        head = self.head
+        self.head = lambda x: head(x) + (len(x) > 1) * 1e-2
+
+    monkeypatch.setattr(fastpath.LeanForward, "__init__", shaky)
+    target, draft = gpu_check.tiny_pair("llama", torch.device("cpu"))
+    rows = {r["check"]: r for r in gpu_check.invariance_checks("shaky", target, draft)}
+    for dtype in ("float32", "bfloat16"):
+        assert not rows[f"invariant {dtype}"]["ok"] and rows[f"invariant {dtype}"]["detail"].startswith("head")
 
 
 def test_a_device_that_does_not_exist_is_a_message(capsys):

@@ -11,8 +11,13 @@ at fixed shapes over the static cache (kv.SlotLayer):
 - width buckets: q new rows are padded to the next bucket (1, 2, 4, ... MAX_BUCKET); a padded
   row reads token 0 at position 0, sees only its own slot, and writes its keys/values into the
   free slots after the valid ones (never read: the next forward overwrites them);
-- attention over the whole buffer: the additive mask is (bucket, capacity), every slot past
-  the valid ones masked out, so the key length never changes;
+- attention over a span of the buffer: the first `span` slots, span = the next power of two
+  (at least MIN_SPAN) above the valid slots plus the bucket, capped at the capacity; the additive
+  mask is (bucket, span), every slot past the valid ones masked out. A forward reads the keys in
+  use, not the whole buffer, and a graph is captured per (bucket, span): a few spans per run;
+- the bucket a width runs at is measured on CUDA (`measured_width`): at its first capture each
+  bucket is timed against the wider ones up to MEASURE_UP_TO rows and the fastest kept (cuBLAS's
+  float32 GEMM picks slow tiles at 8-16 rows, where 32 rows ran faster on the H200);
 - new keys/values go to the slots named in a slot buffer (`index_copy_`), not to a Python slice.
 
 Every input (ids, positions, slots, mask, draft input vectors) is a static buffer per bucket,
@@ -46,6 +51,9 @@ import torch
 from dynatree_core.core.transfer import to_device
 
 MAX_BUCKET = 128
+MIN_SPAN = 256  # the fewest key slots a padded forward reads (smaller spans would mean more graphs)
+MEASURE_UP_TO = 32  # widths below this are timed against the wider buckets up to it (CUDA)
+MEASURE_REPLAYS = 5
 # rope types whose update has no data-dependent branch (longrope switches factors on the longest
 # position, dynamic rescales per call): only these are captured
 CAPTURE_SAFE_ROPE = ("default", "linear", "llama3", "yarn")
@@ -113,29 +121,39 @@ def bucket_for(q: int, sizes: list[int]) -> int | None:
     return next((b for b in sizes if b >= q), None)
 
 
+def span_for(needed: int, capacity: int) -> int:
+    """The key slots a padded forward reads: the next power of two >= needed (at least MIN_SPAN),
+    capped at the buffer's capacity."""
+    span = MIN_SPAN
+    while span < needed:
+        span *= 2
+    return min(span, capacity)
+
+
 class _SlotWriter:
     """A cache layer as the lean forward sees it: `update` writes the rows' keys/values at the
-    slots in `slots` and returns the whole buffers (the mask hides the slots not in use)."""
+    slots in `slots` and returns the first `span` slots of the buffers (fixed views, so a graph can
+    replay them; the mask hides the slots not in use)."""
 
-    def __init__(self, layer, slots: torch.Tensor):
-        self.layer, self.slots = layer, slots
+    def __init__(self, layer, slots: torch.Tensor, span: int):
+        self.layer, self.slots, self.span = layer, slots, span
 
     def update(self, keys: torch.Tensor, values: torch.Tensor):
         self.layer.key_buf.index_copy_(2, self.slots, keys)
         self.layer.value_buf.index_copy_(2, self.slots, values)
-        return self.layer.key_buf, self.layer.value_buf
+        return self.layer.key_buf[:, :, : self.span], self.layer.value_buf[:, :, : self.span]
 
 
 class _Bucket:
     """The static inputs and outputs of one width, and its captured graph (CUDA)."""
 
-    def __init__(self, width: int, capacity: int, hidden_size: int, dtype, device, embeds: bool):
-        self.width = width
+    def __init__(self, width: int, span: int, hidden_size: int, dtype, device, embeds: bool):
+        self.width, self.span = width, span
         self.ids = torch.zeros(1, width, dtype=torch.long, device=device)
         self.positions = torch.zeros(1, width, dtype=torch.long, device=device)
         self.slots = torch.zeros(width, dtype=torch.long, device=device)
         self.rows = torch.arange(width, device=device)  # slots = rows + cache length
-        self.mask = torch.zeros(1, 1, width, capacity, dtype=dtype, device=device)
+        self.mask = torch.zeros(1, 1, width, span, dtype=dtype, device=device)
         self.embeds = torch.zeros(1, width, hidden_size, dtype=dtype, device=device) if embeds else None
         self.logits: torch.Tensor | None = None
         self.states: torch.Tensor | None = None
@@ -156,11 +174,13 @@ class PaddedForward:
         block = lean.blocks[0]
         self.kv_heads = block.qk_heads - block.heads
         self.head_dim = block.head_dim
-        self.buckets: dict[tuple[int, bool], _Bucket] = {}
+        self.buckets: dict[tuple[int, int, bool], _Bucket] = {}  # (width, span, embeds)
         self.captures = 0  # graphs captured so far (a cache that grows forces recaptures)
         self.capture_s = 0.0  # seconds spent capturing (warm-up included), kept out of forward timings
         self.fallback: str | None = None  # why capture was given up; the run goes on eagerly
         self.device = model.get_input_embeddings().weight.device
+        self.chosen: dict[int, int] = {}  # bucket -> the width it runs at (measured on CUDA)
+        self.timings: dict[int, dict[int, float]] = {}  # bucket -> {width: replay ms} measured
         self._epoch: tuple | None = None  # the buffers the buckets were built over
 
     @property
@@ -212,13 +232,9 @@ class PaddedForward:
         device: torch.device,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q = len(ids)
-        width = bucket_for(q, self.sizes)
+        width = self.width_for(q, length, dtype, device, embeds is not None)
         self._ensure_buffers(length, width, dtype, device)
-        capacity = self.layers[0].capacity
-        key = (width, embeds is not None)
-        buf = self.buckets.get(key)
-        if buf is None:
-            buf = self.buckets[key] = _Bucket(width, capacity, self.hidden_size, dtype, device, embeds is not None)
+        buf = self._bucket(width, span_for(length + width, self.layers[0].capacity), dtype, device, embeds is not None)
         # fill the static inputs in place (padded rows: token 0, position 0, their own slot only)
         host = torch.zeros(2, width, dtype=torch.long)  # ids and positions, padded rows 0: one upload
         host[0, :q], host[1, :q] = torch.tensor(ids), torch.tensor(positions)
@@ -240,8 +256,61 @@ class PaddedForward:
             layer.set_length(length + q)
         return buf.logits[q - logits_to_keep : q].clone(), buf.states[:q].clone()  # the graph reuses its outputs
 
+    def _bucket(self, width: int, span: int, dtype, device, embeds: bool) -> _Bucket:
+        """The static buffers of (width, span), made on first use (their graph on first run)."""
+        key = (width, span, embeds)
+        buf = self.buckets.get(key)
+        if buf is None:
+            buf = self.buckets[key] = _Bucket(width, span, self.hidden_size, dtype, device, embeds)
+        return buf
+
+    def width_for(self, q: int, length: int, dtype, device, embeds: bool) -> int:
+        """The padded width q rows run at: their bucket, or on CUDA a wider one measured faster
+        (module docstring). Measured once per bucket, at the first forward that needs it."""
+        bucket = bucket_for(q, self.sizes)
+        if not self.capture or bucket >= MEASURE_UP_TO:
+            return bucket
+        if bucket not in self.chosen:
+            self.chosen[bucket] = self._measure(bucket, length, dtype, device, embeds)
+        return self.chosen[bucket]
+
+    def _measure(self, bucket: int, length: int, dtype, device, embeds: bool) -> int:
+        """Replay each candidate width (the bucket and the wider ones up to MEASURE_UP_TO) over the
+        slots after `length`, which the forward about to run overwrites; keep the fastest. Capture
+        and timing count as capture seconds."""
+        t0, captured = time.perf_counter(), self.capture_s
+        candidates = [b for b in self.sizes if bucket <= b <= MEASURE_UP_TO]
+        self._ensure_buffers(length, max(candidates), dtype, device)
+        timings = {}
+        for width in candidates:
+            buf = self._bucket(width, span_for(length + width, self.layers[0].capacity), dtype, device, embeds)
+            buf.mask.fill_(0.0)  # any finite mask: only the time is wanted
+            torch.add(buf.rows, length, out=buf.slots)
+            self._run(buf)  # captures it
+            if not self.capture:  # the capture failed: no measurement, the bucket as it is
+                self.capture_s = captured + time.perf_counter() - t0
+                return bucket
+            timings[width] = self._replay_ms(buf)
+        self.timings[bucket] = timings
+        self.capture_s = captured + time.perf_counter() - t0  # the captures' seconds are inside it
+        return min(timings, key=lambda w: (timings[w], w))
+
+    def _replay_ms(self, buf: _Bucket) -> float:
+        if self.device.type != "cuda":  # a stand-in graph (tests): the host clock
+            t0 = time.perf_counter()
+            for _ in range(MEASURE_REPLAYS):
+                buf.graph.replay()
+            return (time.perf_counter() - t0) * 1e3 / MEASURE_REPLAYS
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(MEASURE_REPLAYS):
+            buf.graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / MEASURE_REPLAYS
+
     def _step(self, buf: _Bucket) -> None:
-        writers = [_SlotWriter(layer, buf.slots) for layer in self.layers]
+        writers = [_SlotWriter(layer, buf.slots, buf.span) for layer in self.layers]
         logits, states = self.lean(buf.ids, buf.positions, buf.mask, writers, buf.width, embeds=buf.embeds, hidden=True)
         buf.logits, buf.states = logits, states
 

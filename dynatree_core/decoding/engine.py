@@ -11,7 +11,6 @@ the (possibly shared) model objects.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -21,7 +20,7 @@ from dynatree_core.core.kv import KVState, chain_then_tree_visibility, forward_p
 from dynatree_core.core.models import context_length_of
 from dynatree_core.core.sampling_config import SamplingConfig
 from dynatree_core.core.taps import FINAL
-from dynatree_core.core.transfer import sync, to_device
+from dynatree_core.core.transfer import PhaseClock, to_device
 from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.baselines import Baseline
@@ -51,11 +50,6 @@ class DecodeConfig:
     graphs: bool | None = None  # fixed-shape forwards, one CUDA graph per width (core/graphs.py; default: on CUDA)
     # the target's forwards width-invariant (core/invariant.py); None: invariant_wanted's rule
     width_invariant: bool | None = None
-
-
-def _clock(device: torch.device) -> float:
-    sync(device)  # CUDA is asynchronous: wait for queued kernels first (six per iteration, counted)
-    return time.perf_counter()
 
 
 def _capture_s(target_kv: KVState, drafter: Drafter | None) -> float:
@@ -172,7 +166,8 @@ def _iteration(
     """One draft -> verify -> commit step. `budget`: tokens this iteration may commit."""
     verifier, draw, gen = sampling_state
     captured = _capture_s(target_kv, drafter)  # graph captures (core/graphs.py) are set-up, not the iteration's work
-    t0 = _clock(device)
+    clock = PhaseClock(device)  # phase boundaries, read once after the commit (one sync, not one each)
+    clock.mark()
     draft_forwards = drafter.forwards if drafter else 0
     draft_forward_ms = drafter.kv.forward_ms if drafter else 0.0
     request = DraftRequest(committed[-1], budget - 1, drafter, committed, draw, config.sampling, gen)
@@ -183,9 +178,8 @@ def _iteration(
         tree = DraftTree.with_root(committed[-1])
         tree.reason[0] = Reason.NO_FEATURES.value
     draft_forwards = (drafter.forwards if drafter else 0) - draft_forwards
-    t1 = _clock(device)
+    clock.mark()
     draft_capture_ms = (_capture_s(target_kv, drafter) - captured) * 1e3
-    draft_forward_ms = (drafter.kv.forward_ms if drafter else 0.0) - draft_forward_ms
     order = tree.order(config.order)
     ancestors = tree.ancestor_mask(order)  # (n, n) bool, root first
     past, chain = target_kv.length, target_kv.pending
@@ -193,12 +187,12 @@ def _iteration(
     root_pos = len(committed) - 1
     positions = list(range(past, past + len(chain))) + tree.position_ids(order[1:], root_pos)
     tokens = chain + [tree.tokens[n] for n in order[1:]]
-    t2 = _clock(device)
+    clock.mark()
     features = drafter is not None and drafter.wants_features  # the same forward also returns hidden states
     hidden = (drafter.taps if drafter.taps != (FINAL,) else True) if features else False
     out = target_kv.forward(tokens, positions, visible, logits_to_keep=len(order), hidden=hidden)  # ONE forward
     logits, states = out if features else (out, None)
-    t3 = _clock(device)
+    clock.mark()
     verify_capture_ms = (_capture_s(target_kv, drafter) - captured) * 1e3 - draft_capture_ms
     if verifier == "greedy":
         outcome = verify_greedy(tree, order, logits)
@@ -210,8 +204,7 @@ def _iteration(
     _commit(target_kv, drafter, tree, outcome.accepted, order, past + len(chain) - 1, new_tokens, (chain, states))
     if drafted:  # a prefill-only iteration says nothing about the policy's trees
         policy.observe(outcome)
-    policy.observe_cost(len(tokens), (t3 - t2) * 1e3 - verify_capture_ms)
-    t4 = _clock(device)
+    clock.mark()
     record = IterationRecord(
         index=index,
         tree=tree,
@@ -225,19 +218,26 @@ def _iteration(
         committed=new_tokens,
         target_tokens=outcome.target_tokens,
         draft_forwards=draft_forwards,
-        draft_ms=(t1 - t0) * 1e3 - draft_capture_ms,
-        verify_ms=(t3 - t2) * 1e3 - verify_capture_ms,
-        commit_ms=(t4 - t3) * 1e3,
+        draft_ms=0.0,  # the phase timings: below, once the clock is read
+        verify_ms=0.0,
+        commit_ms=0.0,
         overhead_ms=0.0,
         memory_mb=memory_mb(device, weights + target_kv.peak_bytes + (drafter.kv.peak_bytes if drafter else 0)),
         stop=stop,
         verifier=verifier,
         verification=outcome.trace,
-        draft_forward_ms=draft_forward_ms,
         capture_ms=draft_capture_ms + verify_capture_ms,
         forward_path=target_kv.path,
     )
-    record.overhead_ms = (t2 - t1 + _clock(device) - t4) * 1e3
+    clock.mark()
+    t1, t2, t3, t4, t5 = clock.read()[1:]  # ms since the iteration began
+    record.draft_ms = t1 - draft_capture_ms
+    record.verify_ms = t3 - t2 - verify_capture_ms
+    record.commit_ms = t4 - t3
+    record.overhead_ms = t2 - t1 + t5 - t4
+    # the draft's forward time: its CUDA events are done by now, so reading them waits for nothing
+    record.draft_forward_ms = (drafter.kv.forward_ms if drafter else 0.0) - draft_forward_ms
+    policy.observe_cost(len(tokens), record.verify_ms)
     if config.analyze and verifier != "greedy":  # outside the timings: an explanation, not the work
         record.analysis = analyze(tree, order, logits, config.sampling, verifier, draw)
     return record

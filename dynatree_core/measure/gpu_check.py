@@ -9,9 +9,16 @@ architecture the lean forward supports (llama, qwen2, mistral), in float32, it c
     interleaved   two runs stepped alternately in one process (their graphs share a pool)
     fallback      an injected capture failure: the run goes on eagerly, exact, and says why
 
-then measures, on the embedded target: replay vs eager milliseconds per width bucket, capture
-seconds, GPU memory per run and host round trips per iteration (core/transfer.py's counts). It prints
-a verdict table and writes JSON. Without CUDA it says so in one line and exits 0; `--device cpu`
+and, in float32 and in bfloat16, the width-invariant forwards (core/invariant.py):
+
+    invariant D   this device's kernels pass `width_verdict`, and a path node verified inside a
+                  17-row tree gets, bit for bit, the logits `ar` computes for it alone
+    policies D    every tree policy, width-invariant, reproduces `ar` token for token in dtype D
+
+then measures, on the embedded target: replay vs eager milliseconds per width bucket, the width
+each narrow bucket runs at (measured at capture: graphs.py), capture seconds, GPU memory per run
+and host round trips per iteration (core/transfer.py's counts). It prints a verdict table and
+writes JSON. Without CUDA it says so in one line and exits 0; `--device cpu`
 runs the same checks on the padded forward run eagerly (what the test suite does, tiny models).
 """
 
@@ -29,6 +36,7 @@ import torch
 
 from dynatree_core.core import graphs, transfer
 from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.core.tree import DraftTree
 from dynatree_core.decoding.engine import DecodeConfig, decode, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting.base import POLICIES
@@ -119,6 +127,73 @@ def pair_checks(name: str, target, draft, token_map=None) -> list[dict]:
     return rows
 
 
+INVARIANCE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _tree(root: int) -> tuple[DraftTree, list[int]]:
+    """17 nodes; the checked path root -> a -> c -> e sits at scattered rows among siblings."""
+    tree = DraftTree.with_root(root)
+    a, b = tree.add(0, 26, -0.1), tree.add(0, 53, -0.3)
+    c = tree.add(a, 58, -0.2)
+    e = tree.add(c, 40, -0.1)
+    for i in range(12):
+        tree.add((a, b, c, e)[i % 4], 60 + i, -1.0)
+    return tree, [0, a, c, e]
+
+
+@torch.inference_mode()
+def path_bits_match(target, prompt: list[int]) -> bool:
+    """A path node's logits in one tree verification == `ar`'s for it decoded one token at a time,
+    bit for bit, with width-invariant forwards (the promise of core/invariant.py)."""
+    tree, path = _tree(prompt[-1])
+    head = prompt[:-1]
+    causal = chain_then_tree_visibility(0, len(head), torch.zeros(0, 0, dtype=torch.bool))
+    alone, kv = [], KVState(target, head, invariant=True)
+    kv.forward(head, list(range(len(head))), causal, 1)
+    kv.pending = []
+    for depth, node in enumerate(path):
+        see = torch.ones(1, kv.length + 1, dtype=torch.bool)
+        alone.append(kv.forward([tree.tokens[node]], [len(head) + depth], see, 1)[0])
+    kv = KVState(target, head, invariant=True)
+    kv.forward(head, list(range(len(head))), causal, 1)
+    kv.pending = []
+    order = tree.order("bfs")
+    see = chain_then_tree_visibility(kv.length, 1, tree.ancestor_mask(order)[1:, 1:])
+    logits = kv.forward([tree.tokens[n] for n in order], tree.position_ids(order, len(head)), see, len(order))
+    return all(torch.equal(logits[order.index(n)], alone[d]) for d, n in enumerate(path))
+
+
+def invariance_checks(name: str, target, draft) -> list[dict]:
+    """Per dtype in INVARIANCE_DTYPES: the kernels' verdict with the path's bits, and every tree
+    policy's tokens against `ar`'s, width-invariant. Copies the models into each dtype."""
+    from dynatree_core.core.fastpath import lean_forward_for
+    from dynatree_core.core.invariant import width_verdict
+
+    rows = []
+    for dtype in INVARIANCE_DTYPES:
+        label = str(dtype).removeprefix("torch.")
+        t, d = (copy.deepcopy(m).to(dtype) for m in (target, draft))
+        lean = lean_forward_for(t)
+        device = t.get_input_embeddings().weight.device
+        verdict = width_verdict(lean, dtype, device) if lean is not None else "no lean forward for this model"
+        bits = lean is not None and path_bits_match(t, PROMPTS[0])
+        detail = verdict or ("bitwise" if bits else "a path node's logits differ from ar's")
+        rows.append({"pair": name, "check": f"invariant {label}", "ok": verdict is None and bits, "detail": detail})
+        config = DecodeConfig(max_new_tokens=32, width_invariant=True)
+        bad = []
+        for p in PROMPTS:
+            want = generate(t, p, make_method("ar"), config=config).token_ids
+            bad += [
+                n
+                for n in POLICIES
+                if POLICIES[n].needs_draft_model
+                and generate(t, p, make_method(n), draft=d, config=config).token_ids != want
+            ]
+        detail = f"left ar's tokens: {', '.join(sorted(set(bad)))}" if bad else "token-identical to ar"
+        rows.append({"pair": name, "check": f"policies {label}", "ok": not bad, "detail": detail})
+    return rows
+
+
 @contextlib.contextmanager
 def _quiet():
     import warnings
@@ -161,6 +236,31 @@ def bucket_ms(model, device: torch.device, *, context: int = 256, repeats: int =
     return out
 
 
+@torch.inference_mode()
+def measured_widths(model, *, context: int = 256) -> dict:
+    """The width each bucket below graphs.MEASURE_UP_TO runs at, as a captured run measures it at
+    its first forward of that bucket, with the replay ms of each candidate ({} without capture)."""
+    prompt = [1 + i % 100 for i in range(context)]
+    kv = KVState(model, prompt, capacity=context + graphs.MAX_BUCKET)
+    kv.forward(prompt, list(range(context)), chain_then_tree_visibility(0, context, torch.zeros(0, 0).bool()), 1)
+    kv.pending = []
+    if kv.padded is None or not kv.padded.capture:
+        return {}
+    for q in (b for b in graphs.buckets(graphs.MAX_BUCKET) if b < graphs.MEASURE_UP_TO):
+        kv.forward(
+            [5] * q,
+            list(range(context, context + q)),
+            chain_then_tree_visibility(context, q, torch.zeros(0, 0).bool()),
+            1,
+        )
+        kv.keep(list(range(context)))
+    timings = kv.padded.timings
+    return {
+        b: {"runs_at": kv.padded.chosen[b], "replay_ms": {w: round(ms, 3) for w, ms in timings[b].items()}}
+        for b in timings
+    }
+
+
 def run_measures(target, draft, device: torch.device) -> dict:
     """Capture seconds, memory per run and host round trips per iteration of one graphs run."""
     if device.type == "cuda":
@@ -195,6 +295,7 @@ def gpu_check(device: str = "auto", *, embedded: bool = True, out: Path | None =
     for arch in ARCHS:
         target, draft = tiny_pair(arch, dev)
         rows += pair_checks(f"tiny {arch}", target, draft)
+        rows += invariance_checks(f"tiny {arch}", target, draft)
         log(f"gpu-check: tiny {arch} done")
     measures: dict = {}
     if embedded:
@@ -203,8 +304,13 @@ def gpu_check(device: str = "auto", *, embedded: bool = True, out: Path | None =
         pair = load_pair("embedded", device=device, dtype="float32")
         target, draft = pair.target.model, pair.draft.model
         rows += pair_checks("embedded", target, draft)
+        rows += invariance_checks("embedded", target, draft)
         log("gpu-check: embedded pair done")
-        measures = {"buckets": bucket_ms(target, dev), "run": run_measures(target, draft, dev)}
+        measures = {
+            "buckets": bucket_ms(target, dev),
+            "widths": measured_widths(target),
+            "run": run_measures(target, draft, dev),
+        }
     report = {"device": str(dev), "name": _device_name(dev), "checks": rows, "measures": measures}
     report["verdict"] = "pass" if all(r["ok"] for r in rows) else "FAIL"
     log(verdict_table(report))
@@ -233,6 +339,12 @@ def verdict_table(report: dict) -> str:
     if measures.get("buckets"):
         lines += ["", "| width | replay ms | eager ms |", "|---|---|---|"]
         lines += [f"| {b['width']} | {b['replay_ms']} | {b['eager_ms']} |" for b in measures["buckets"]]
+    if measures.get("widths"):
+        lines += ["", "| bucket | runs at | replay ms by width |", "|---|---|---|"]
+        lines += [
+            f"| {b} | {w['runs_at']} | {', '.join(f'{k}: {v}' for k, v in w['replay_ms'].items())} |"
+            for b, w in measures["widths"].items()
+        ]
     if measures.get("run"):
         run = measures["run"]
         lines += [
