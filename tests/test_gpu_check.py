@@ -52,7 +52,7 @@ def test_the_invariance_check_fails_when_a_kernel_changes_with_the_row_count(mon
     def shaky(self, *args, **kwargs):
         real(self, *args, **kwargs)
         head = self.head
-        self.head = lambda x: head(x) + (len(x) > 1) * 1e-2
+        self.head = lambda x: head(x) + len(x) * 1e-2  # other bits at every row count: no padding helps
 
     monkeypatch.setattr(fastpath.LeanForward, "__init__", shaky)
     target, draft = gpu_check.tiny_pair("llama", torch.device("cpu"))

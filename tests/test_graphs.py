@@ -9,6 +9,7 @@ CUDA test runs only where a GPU exists.
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -326,6 +327,8 @@ def test_each_bucket_runs_at_the_width_measured_fastest(monkeypatch):
     """With captures (stand-in graphs here) each bucket below 32 rows is timed against the wider
     ones: a width that replays slower is never used, and the output stays exact at any width."""
     _force_capture(monkeypatch, lambda self, buf: _FakeGraph(self, buf))
+    monkeypatch.setattr(graphs, "MEASURE_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(graphs, "_CHOSEN", weakref.WeakKeyDictionary())  # no earlier choice
     cost = {1: 1.0, 2: 3.0, 4: 3.0, 8: 5.0, 16: 4.0, 32: 2.0}  # 32 rows faster than 8 or 16 (the H200's GEMM tiles)
     monkeypatch.setattr(graphs.PaddedForward, "_replay_ms", lambda self, buf: cost[buf.width])
     target, draft, prompt = tiny_model("llama"), noisy_copy("llama", 0.01), [1, 5, 7, 9, 11]
@@ -341,6 +344,8 @@ def test_each_bucket_runs_at_the_width_measured_fastest(monkeypatch):
     assert target_padded.chosen.get(8) == 32 and target_padded.chosen.get(16, 32) == 32
     assert target_padded.chosen.get(1, 1) == 1, "one row is fastest as it is"
     assert 8 in target_padded.timings and set(target_padded.timings[8]) == {8, 16, 32}
+    again = generate(target, prompt, make_method("fixed_tree", {}), draft=draft, config=config)
+    assert again.token_ids == result.token_ids and not runs[-2].timings, "a later run reuses the measured widths"
 
 
 def _keeping(init, into: list):

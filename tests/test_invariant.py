@@ -109,14 +109,11 @@ def _prefill(kv: KVState) -> None:
     kv.pending = []
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("arch", ("llama", "qwen2", "mistral", "llama-wide"))
-@torch.inference_mode()
-def test_a_path_node_verified_in_a_tree_has_the_bits_ar_computes_alone(arch, dtype):
-    model = _model(arch, dtype)
+def _assert_path_bits_match_ar(model: torch.nn.Module, label: str) -> None:
+    """Each node of a path inside a 17-row tree gets the logits `ar` computes for it alone."""
     tree, path = _tree(17)
     ar = KVState(model, PROMPT, invariant=True)
-    assert ar.verdict is None, f"this device's kernels are not width-invariant: {ar.verdict}"
+    assert ar.verdict.reason is None, f"this device's kernels are not width-invariant: {ar.verdict.reason}"
     _prefill(ar)
     alone = []
     for depth, node in enumerate(path):  # one token per forward, as `ar` decodes
@@ -130,9 +127,16 @@ def test_a_path_node_verified_in_a_tree_has_the_bits_ar_computes_alone(arch, dty
     for depth, node in enumerate(path):  # without invariance: differs at depth 0 already (llama-wide, both dtypes)
         row = logits[order.index(node)]
         assert torch.equal(row, alone[depth]), (
-            f"{arch} {dtype}: depth {depth} differs from ar by {(row - alone[depth]).abs().max().item():.3g}"
+            f"{label}: depth {depth} differs from ar by {(row - alone[depth]).abs().max().item():.3g}"
         )
     assert kv.path == "lean+invariant"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("arch", ("llama", "qwen2", "mistral", "llama-wide"))
+@torch.inference_mode()
+def test_a_path_node_verified_in_a_tree_has_the_bits_ar_computes_alone(arch, dtype):
+    _assert_path_bits_match_ar(_model(arch, dtype), f"{arch} {dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -217,22 +221,52 @@ def test_invariance_is_on_by_default_for_reduced_precision_only(monkeypatch):
     assert not invariant_wanted(_model("llama", torch.bfloat16), False)
 
 
-@torch.inference_mode()
-def test_a_kernel_that_changes_with_the_row_count_is_named_and_the_run_says_so():
-    model = _model("llama", torch.bfloat16)
+def _with_head(model, shaky) -> tuple:
+    """The model's lean forward with its head replaced by shaky(head); returns (lean, head)."""
     lean = lean_forward_for(model)
     head = lean.head
-    lean.head = lambda x: head(x) + (len(x) > 1) * 1e-2  # a GEMV/GEMM split, made visible
+    lean.head = shaky(head)
+    lean.__dict__.pop("_width_verdicts", None)
+    return lean, head
+
+
+@torch.inference_mode()
+def test_a_kernel_that_changes_with_every_row_count_is_named_and_the_run_says_so():
+    model = _model("llama", torch.bfloat16)
+    lean, head = _with_head(model, lambda head: lambda x: head(x) + len(x) * 1e-2)
     try:
-        lean.__dict__.pop("_width_verdicts", None)
-        assert (
-            width_verdict(lean, torch.bfloat16, torch.device("cpu")) == "head: a row's bits change with the row count"
-        )
+        verdict = width_verdict(lean, torch.bfloat16, torch.device("cpu")).reason
+        assert verdict == "head: a row's bits change with the row count, padded or not"
         kv = KVState(model, PROMPT, invariant=True)
         assert kv.path.startswith("lean+invariant (not bitwise on this device: head")
     finally:
         lean.head = head
         lean.__dict__.pop("_width_verdicts", None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@torch.inference_mode()
+def test_a_one_row_kernel_of_its_own_is_padded_away(dtype):
+    """A head whose one-row call takes another kernel (a GEMV beside the GEMM: cuBLAS float32,
+    MKL float32 below 12 rows): every linear gets at least 2 rows and the path's bits match again."""
+    model = _model("llama-wide", dtype)
+    lean, head = _with_head(model, lambda head: lambda x: head(x) + (len(x) == 1) * 1e-2)
+    try:
+        verdict = width_verdict(lean, dtype, torch.device("cpu"))
+        assert verdict.reason is None and verdict.linear_rows == 2, verdict
+        _assert_path_bits_match_ar(model, f"padded head, {dtype}")
+    finally:
+        lean.head = head
+        lean.__dict__.pop("_width_verdicts", None)
+
+
+@torch.inference_mode()
+def test_unpacked_float32_linears_are_padded_to_the_rows_from_which_they_agree():
+    """float32 F.linear on this CPU (MKL, no oneDNN packing) gives a row other bits at 1-3, 5-7 and
+    9-11 rows than at 12 and more: the probe pads every linear to 16 rows and stays bitwise."""
+    model = copy.deepcopy(tiny_model("llama")).float()
+    kv = KVState(model, PROMPT, invariant=True)
+    assert kv.verdict.reason is None and kv.verdict.linear_rows > 1, kv.verdict
 
 
 def test_architectures_without_the_lean_forward_are_not_claimed_invariant():

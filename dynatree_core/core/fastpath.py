@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from dynatree_core.core.invariant import RopeTable, RowGroups, sequence_attention
+from dynatree_core.core.invariant import RopeTable, RowGroups, min_rows, sequence_attention
 
 LEAN_TYPES = ("llama", "qwen2", "mistral")  # model_type values whose decoder layer is the Llama block
 
@@ -180,22 +180,24 @@ class _Block:
         self.heads = attn.q_proj.out_features // attn.head_dim
         self.qk_heads = self.heads + attn.k_proj.out_features // attn.head_dim
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """The block's second half: x + down(silu(gate(n2(x))) * up(n2(x)))."""
+    def mlp(self, x: torch.Tensor, rows: int = 1) -> torch.Tensor:
+        """The block's second half: x + down(silu(gate(n2(x))) * up(n2(x))); `rows`: pad each
+        linear's input to at least this many rows (invariant.min_rows)."""
         h = self.norm2(x)
         if self.gate_up is not None:
-            gate, up = self.gate_up(h).split(self.mlp_size, dim=-1)
+            gate, up = min_rows(self.gate_up, h, rows).split(self.mlp_size, dim=-1)
         else:
-            gate, up = self.gate(h), self.up(h)
-        return x + self.down(F.silu(gate) * up)
+            gate, up = min_rows(self.gate, h, rows), min_rows(self.up, h, rows)
+        return x + min_rows(self.down, F.silu(gate) * up, rows)
 
-    def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: int = 1) -> tuple[torch.Tensor, ...]:
         """q, k, v as (B, heads, q, head_dim) for h (B, q, hidden), RoPE applied to q and k (one
         rotation when fused). The engine runs B = 1; batched data generation (training/) more."""
         heads = lambda t: t.view(h.shape[0], h.shape[1], -1, self.head_dim).transpose(1, 2)  # noqa: E731
         if self.qkv is None:
-            return _rotate(heads(self.q(h)), cos, sin), _rotate(heads(self.k(h)), cos, sin), heads(self.v(h))
-        qkv = heads(self.qkv(h))
+            q, k, v = (min_rows(f, h, rows) for f in (self.q, self.k, self.v))
+            return _rotate(heads(q), cos, sin), _rotate(heads(k), cos, sin), heads(v)
+        qkv = heads(min_rows(self.qkv, h, rows))
         qk = _rotate(qkv[:, : self.qk_heads], cos, sin)
         return qk[:, : self.heads], qk[:, self.heads :], qkv[:, self.qk_heads :]
 
@@ -236,12 +238,13 @@ class LeanForward:
         cos, sin = rope  # (1, q, head_dim) each
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         folded = None if rows is not None else fold_mask(mask, self.blocks[0].groups)  # once per forward
+        pad = rows.linear_rows if rows is not None else 1  # linears' fewest rows (invariant.width_verdict)
         taps = hidden if isinstance(hidden, tuple) else ()
         tapped = {}
         for i, (block, cache) in enumerate(zip(self.blocks, layers, strict=True)):
             if i in taps:
                 tapped[i] = x[0]
-            q, k, v = block.project(block.norm1(x), cos, sin)  # (1, heads, q, head_dim), q and k rotated
+            q, k, v = block.project(block.norm1(x), cos, sin, pad)  # (1, heads, q, head_dim), q and k rotated
             keys, values = cache.update(k, v)  # views of slots 0 .. L + q
             if rows is not None:
                 attn = sequence_attention(q, keys, values, rows, block.scaling)
@@ -249,13 +252,13 @@ class LeanForward:
                 attn = F.scaled_dot_product_attention(
                     fold_groups(q, block.groups), keys, values, attn_mask=folded, scale=block.scaling
                 ).reshape(q.shape)  # CUDA kernels return it strided (rows, heads) major: a view would fail
-            x = block.mlp(x + block.o(attn.transpose(1, 2).reshape(1, ids.shape[1], -1)))
+            x = block.mlp(x + min_rows(block.o, attn.transpose(1, 2).reshape(1, ids.shape[1], -1), pad), pad)
         if hidden:
             states = self.norm(x[0])
             if taps:
-                return self.head(states[-logits_to_keep:]), stack_taps(taps, tapped, states)
-            return self.head(states[-logits_to_keep:]), states
-        return self.head(self.norm(x[0, -logits_to_keep:]))
+                return min_rows(self.head, states[-logits_to_keep:], pad), stack_taps(taps, tapped, states)
+            return min_rows(self.head, states[-logits_to_keep:], pad), states
+        return min_rows(self.head, self.norm(x[0, -logits_to_keep:]), pad)
 
 
 def stack_taps(taps: tuple[int, ...], inputs: dict[int, torch.Tensor], final: torch.Tensor) -> torch.Tensor:

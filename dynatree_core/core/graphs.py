@@ -54,6 +54,7 @@ MAX_BUCKET = 128
 MIN_SPAN = 256  # the fewest key slots a padded forward reads (smaller spans would mean more graphs)
 MEASURE_UP_TO = 32  # widths below this are timed against the wider buckets up to it (CUDA)
 MEASURE_REPLAYS = 5
+MEASURE_DEVICES = ("cuda",)  # where widths are measured (tests add "cpu", with stand-in graphs)
 # rope types whose update has no data-dependent branch (longrope switches factors on the longest
 # position, dynamic rescales per call): only these are captured
 CAPTURE_SAFE_ROPE = ("default", "linear", "llama3", "yarn")
@@ -98,6 +99,7 @@ class _Pools:
 
 
 POOLS = _Pools()
+_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lean forward -> {dtype: {bucket: width}}
 
 
 def graphs_enabled(device: torch.device, graphs: bool | None = None) -> bool:
@@ -179,7 +181,8 @@ class PaddedForward:
         self.capture_s = 0.0  # seconds spent capturing (warm-up included), kept out of forward timings
         self.fallback: str | None = None  # why capture was given up; the run goes on eagerly
         self.device = model.get_input_embeddings().weight.device
-        self.chosen: dict[int, int] = {}  # bucket -> the width it runs at (measured on CUDA)
+        # bucket -> the width it runs at, measured on CUDA once per model and dtype (every run shares it)
+        self.chosen: dict[int, int] = _CHOSEN.setdefault(lean, {}).setdefault(str(model.dtype), {})
         self.timings: dict[int, dict[int, float]] = {}  # bucket -> {width: replay ms} measured
         self._epoch: tuple | None = None  # the buffers the buckets were built over
 
@@ -266,9 +269,10 @@ class PaddedForward:
 
     def width_for(self, q: int, length: int, dtype, device, embeds: bool) -> int:
         """The padded width q rows run at: their bucket, or on CUDA a wider one measured faster
-        (module docstring). Measured once per bucket, at the first forward that needs it."""
+        (module docstring). Measured once per bucket, model and dtype, at the first forward that
+        needs it; later runs of the model reuse the choice."""
         bucket = bucket_for(q, self.sizes)
-        if not self.capture or bucket >= MEASURE_UP_TO:
+        if not self.capture or bucket >= MEASURE_UP_TO or self.device.type not in MEASURE_DEVICES:
             return bucket
         if bucket not in self.chosen:
             self.chosen[bucket] = self._measure(bucket, length, dtype, device, embeds)
@@ -296,7 +300,7 @@ class PaddedForward:
         return min(timings, key=lambda w: (timings[w], w))
 
     def _replay_ms(self, buf: _Bucket) -> float:
-        if self.device.type != "cuda":  # a stand-in graph (tests): the host clock
+        if self.device.type != "cuda":  # stand-in graphs (tests): the host clock
             t0 = time.perf_counter()
             for _ in range(MEASURE_REPLAYS):
                 buf.graph.replay()

@@ -51,9 +51,10 @@ class RowGroups:
 
     groups: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     positions_end: int = 0  # one past the largest position of the forward (sizes the RoPE table)
+    linear_rows: int = 1  # every linear's input padded to at least this many rows (WidthVerdict)
 
     @classmethod
-    def of(cls, visible: torch.Tensor, device: torch.device, positions_end: int = 0) -> RowGroups:
+    def of(cls, visible: torch.Tensor, device: torch.device, positions_end: int = 0, linear_rows: int = 1) -> RowGroups:
         """visible (q, L) bool (host): row i may attend to slot j. One upload for every group."""
         counts = visible.sum(1)
         parts, shapes = [], []
@@ -67,7 +68,7 @@ class RowGroups:
         for r, n in shapes:
             groups.append((flat[at : at + r], flat[at + r : at + r + r * n].view(r, n)))
             at += r + r * n
-        return cls(tuple(groups), positions_end)
+        return cls(tuple(groups), positions_end, linear_rows)
 
 
 def sequence_attention(
@@ -141,10 +142,28 @@ class RopeTable:
         return cos[positions], sin[positions]
 
 
-def _rows_agree(fn, x: torch.Tensor, widths: tuple[int, ...]) -> bool:
-    """True when fn's row i is the same bits whatever the number of rows in the call."""
+def min_rows(fn, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """fn(x) computed with x padded to at least `rows` rows (dim -2) and cut back: where a library
+    runs a one-row product as a GEMV and more rows as a GEMM, padding keeps every call a GEMM."""
+    n = x.shape[-2]
+    if n >= rows:
+        return fn(x)
+    pad = x.new_zeros(*x.shape[:-2], rows - n, x.shape[-1])
+    return fn(torch.cat([x, pad], dim=-2))[..., :n, :]
+
+
+def _fewest_rows(fn, x: torch.Tensor) -> int | None:
+    """The fewest rows from which fn gives each row the bits of the widest call (x's rows), with
+    narrower calls padded up to it; 1 when every width agrees, None when no padding helps."""
     full = fn(x)
-    return all(torch.equal(fn(x[:w]), full[:w]) for w in widths if w < len(x))
+    differ = [w for w in PROBE_WIDTHS if not torch.equal(fn(x[:w]), full[:w])]
+    if not differ:
+        return 1
+    rows = next((w for w in PROBE_WIDTHS if w > max(differ)), None)
+    if rows is None:
+        return None
+    padded_ok = all(torch.equal(min_rows(fn, x[:w], rows), full[:w]) for w in PROBE_WIDTHS if w < rows)
+    return rows if padded_ok else None
 
 
 def _attention_agrees(kv_heads: int, groups: int, d: int, dtype, device, gen) -> bool:
@@ -161,12 +180,22 @@ def _attention_agrees(kv_heads: int, groups: int, d: int, dtype, device, gen) ->
     return torch.equal(many[:, :, 0], alone[:, :, 0])
 
 
+@dataclasses.dataclass(frozen=True)
+class WidthVerdict:
+    """What width_verdict found: `reason` None when every row's bits are width-invariant (with the
+    linears' inputs padded to `linear_rows` rows where the library needs it), else which op is not."""
+
+    reason: str | None
+    linear_rows: int = 1
+
+
 @torch.inference_mode()
-def width_verdict(lean, dtype: torch.dtype, device: torch.device) -> str | None:
-    """None when every operation of the lean forward whose result could depend on the number of
-    rows (each linear of one layer and the head, the RMSNorm, sequence_attention) gives each row
-    the same bits at every width in PROBE_WIDTHS; else the first that does not. Cached per
-    (dtype, device) on `lean`: a few dozen calls on the model's own weights, once."""
+def width_verdict(lean, dtype: torch.dtype, device: torch.device) -> WidthVerdict:
+    """Probe every operation of the lean forward whose result could depend on the number of rows:
+    each linear of one layer and the head (the fewest rows from which they are invariant: float32
+    on this CPU without oneDNN packing needs 16, a one-row cuBLAS GEMV differs from its GEMM), the
+    RMSNorm and sequence_attention, at the widths in PROBE_WIDTHS. Cached per (dtype, device) on
+    `lean`: a few dozen calls on the model's own weights, once."""
     cache = lean.__dict__.setdefault("_width_verdicts", {})
     if (dtype, str(device)) in cache:
         return cache[dtype, str(device)]
@@ -177,22 +206,24 @@ def width_verdict(lean, dtype: torch.dtype, device: torch.device) -> str | None:
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
     x, mlp_in = rand(65, lean.embed.weight.shape[1]), rand(65, block.mlp_size)
-    probes = {"norm": (block.norm1, x), "o": (block.o, rand(65, block.heads * block.head_dim))}
-    probes |= {"down": (block.down, mlp_in), "head": (lean.head, x[:34])}
+    linears = {"o": (block.o, rand(65, block.heads * block.head_dim)), "down": (block.down, mlp_in)}
+    linears |= {"head": (lean.head, x[:34])}
     fused = {"q/k/v": block.qkv, "gate/up": block.gate_up}
-    probes |= {name: (fn, x) for name, fn in fused.items() if fn is not None}
+    linears |= {name: (fn, x) for name, fn in fused.items() if fn is not None}
     if block.qkv is None:
-        probes |= {name: (getattr(block, name), x) for name in ("q", "k", "v", "gate", "up")}
-    verdict = next(
-        (
-            f"{name}: a row's bits change with the row count"
-            for name, (fn, inp) in probes.items()
-            if not _rows_agree(fn, inp, PROBE_WIDTHS)
-        ),
-        None,
-    )
+        linears |= {name: (getattr(block, name), x) for name in ("q", "k", "v", "gate", "up")}
+    changes = "a row's bits change with the row count"
+    rows, reason = 1, None
+    for name, (fn, inp) in linears.items():
+        fewest = _fewest_rows(fn, inp)
+        if fewest is None:
+            reason = f"{name}: {changes}, padded or not"
+            break
+        rows = max(rows, fewest)
+    if reason is None and _fewest_rows(block.norm1, x) != 1:
+        reason = f"norm: {changes}"
     kv_heads = block.qk_heads - block.heads
-    if verdict is None and not _attention_agrees(kv_heads, block.groups, block.head_dim, dtype, device, gen):
-        verdict = "attention: a row's bits change with the row count"
-    cache[dtype, str(device)] = verdict
-    return verdict
+    if reason is None and not _attention_agrees(kv_heads, block.groups, block.head_dim, dtype, device, gen):
+        reason = f"attention: {changes}"
+    cache[dtype, str(device)] = WidthVerdict(reason, rows)
+    return cache[dtype, str(device)]

