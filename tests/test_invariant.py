@@ -15,7 +15,8 @@ import copy
 import pytest
 import torch
 from conftest import noisy_copy, tiny_model
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from test_fastpath import POLICIES
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from dynatree_core.core.fastpath import lean_forward_for
 from dynatree_core.core.invariant import RopeTable, RowGroups, invariant_wanted, sequence_attention, width_verdict
@@ -24,42 +25,15 @@ from dynatree_core.core.packing import pack_linears, packing_enabled
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
+from dynatree_core.measure import gpu_check
 
 DTYPES = (torch.float32, torch.bfloat16)
 PROMPT = [5, 9, 13, 2, 7, 11, 3]
-POLICIES = (
-    ("linear", {"k": 4}),
-    ("fixed_tree", {"tau": 0.0, "branch": 3, "depth": 5, "budget": 24}),
-    ("dynatree", {}),
-    ("dyspec", {"budget": 7, "depth": 3}),
-    ("dyspec_threshold", {"threshold": 0.01}),
-    ("eagle2", {"total": 5, "topk": 2}),
-    ("salf", {"th": 0.0, "nodes": 12, "batch": 3}),
-    ("delayed", {"k": 3, "l1": 0, "l2": 4}),
-    ("delayed_auto", {"warmup": 1}),
-    ("ngram", {}),
-)
 
 
 def _tiny_mistral() -> torch.nn.Module:
-    config = MistralConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        sliding_window=None,
-        bos_token_id=0,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = MistralForCausalLM(config).eval()
-    with torch.no_grad():
-        model.model.norm.weight.mul_(6.0)
-    return model
+    """gpu-check's tiny mistral (no sliding window, one key/value head per two query heads)."""
+    return gpu_check.tiny_pair("mistral", torch.device("cpu"))[0]
 
 
 def _wide_llama() -> torch.nn.Module:
