@@ -24,8 +24,10 @@ forward looks them up.
 
 Linears are row-wise by nature, but a library may still pick its kernel by the row count.
 `width_verdict` checks the model's own linears, its norm and this attention at the widths a run
-uses; a run on a device where one of them is not invariant says so in its forward path (never
-silently different).
+uses, and finds the fewest rows from which each linear agrees with its widest call: the forward
+pads every linear's input to that many rows (`min_rows`; a one-row GEMV then runs as the GEMM).
+A run on a device where something stays variant says so in its forward path (never silently
+different).
 
 Contract: knows tensors, cache slots and the lean forward's linears; never trees or policies.
 """
