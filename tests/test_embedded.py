@@ -162,6 +162,8 @@ def test_bfloat16_tree_runs_reproduce_bfloat16_ar_on_the_embedded_pair():
     for text in PROMPTS[:2]:
         ids = encode_prompt(pair.target.tokenizer, text, chat=True)
         want = generate(pair.target.model, ids, make_method("ar"), config=config)
+        if want.forward_path.startswith("lean+invariant (not bitwise"):  # a CPU whose kernels fail the probe
+            pytest.skip(f"not width-invariant on this CPU, and the run says so: {want.forward_path}")
         assert want.forward_path == "lean+invariant", want.forward_path
         for name in ("fixed_tree", "dynatree", "salf", "eagle2"):
             policy = make_method(name)
