@@ -127,20 +127,19 @@ class RopeTable:
 
     def __init__(self, rotary: torch.nn.Module):
         self.rotary = rotary
-        self.tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.tables: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # (dtype, device) -> chunks
+        self.joined: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # the chunks concatenated
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x (1, q, hidden) for dtype and device; positions (1, q), all below `end` -> cos, sin (1, q, head_dim)."""
         key = (x.dtype, x.device)
-        cos, sin = self.tables.get(key, (x.new_empty(0, 0), x.new_empty(0, 0)))
-        if end > len(cos):
-            chunks = [
-                self.rotary(x[:, :1], torch.arange(start, start + ROPE_CHUNK, device=x.device)[None])
-                for start in range(len(cos), end, ROPE_CHUNK)
-            ]
-            cos = torch.cat([c[0] for c, _ in chunks]) if not len(cos) else torch.cat([cos] + [c[0] for c, _ in chunks])
-            sin = torch.cat([s[0] for _, s in chunks]) if not len(sin) else torch.cat([sin] + [s[0] for _, s in chunks])
-            self.tables[key] = cos, sin
+        chunks = self.tables.setdefault(key, [])  # [(cos, sin) (ROPE_CHUNK, head_dim) each]
+        if end > len(chunks) * ROPE_CHUNK:
+            for start in range(len(chunks) * ROPE_CHUNK, end, ROPE_CHUNK):
+                cos, sin = self.rotary(x[:, :1], torch.arange(start, start + ROPE_CHUNK, device=x.device)[None])
+                chunks.append((cos[0], sin[0]))
+            self.joined[key] = torch.cat([c for c, _ in chunks]), torch.cat([s for _, s in chunks])
+        cos, sin = self.joined[key]
         return cos[positions], sin[positions]
 
 
