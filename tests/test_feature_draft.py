@@ -173,6 +173,42 @@ def test_saved_and_loaded_draft_drafts_the_same(tmp_path):
         FeatureDraft.load(tmp_path, wider)
 
 
+@pytest.mark.parametrize("kind", ["feature", "fused"])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (lambda w, k: w.pop(k), "missing 1 ({k})"),
+        (lambda w, k: w.__setitem__(k.replace("weight", "extra"), w[k].clone()), "unexpected 1 ({x})"),
+        (lambda w, k: w.__setitem__(k, w[k][:-1]), "mis-shaped (file vs model) 1 ({k} "),
+    ],
+    ids=["missing", "unexpected", "mis-shaped"],
+)
+def test_a_saved_draft_loads_whole_or_is_one_error_naming_the_tensor(tmp_path, kind, change, needle):
+    """A tensor missing from a saved draft, one too many or one of another shape: one DynaTreeError
+    naming it, never a draft that keeps a random tensor (the loaders are strict)."""
+    from safetensors.torch import load_file, save_file
+
+    from dynatree_core.drafting.fused import FusedDraft
+    from dynatree_core.drafting.heads import load_head
+
+    target, token_map = tiny_model("llama"), TokenMap([-1, *range(1, 96, 3)], 96)
+    if kind == "fused":
+        FusedDraft.from_target(target, token_map, taps=(1, 1, 1)).save(tmp_path)
+        name, weights = "midlayer.post_attention_layernorm.weight", tmp_path / "fused_draft.safetensors"
+    else:
+        FeatureDraft.from_target(target, token_map).save(tmp_path)
+        name, weights = "lm.model.layers.0.post_attention_layernorm.weight", tmp_path / "feature_draft.safetensors"
+    load_head(str(tmp_path), target)  # whole: loads
+    state = load_file(str(weights))
+    change(state, name)
+    save_file(state, str(weights))
+    with pytest.raises(DynaTreeError) as caught:
+        load_head(str(tmp_path), target)
+    message = str(caught.value)
+    assert needle.format(k=name, x=name.replace("weight", "extra")) in message and str(tmp_path) in message, message
+    assert "\n" not in message
+
+
 def test_hf_assisted_refuses_a_feature_draft():
     target, draft = tiny_model("llama"), feature_draft("llama")
     with pytest.raises(DynaTreeError, match="feature draft"):

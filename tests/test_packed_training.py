@@ -283,6 +283,41 @@ def test_a_stopped_run_resumes_the_same_schedule_and_its_curve_is_saved(tiny_sto
     assert done["spent_s"] <= done["step"], "the day the process stood still is not training time"
 
 
+@pytest.mark.parametrize(
+    "draft_options,settings,needle",
+    [
+        (dict(taps=(1, 1)), {}, "taps [0, 1] there, [1, 1] now"),
+        (dict(fc_norm="none"), {}, "fc_norm 'per_tap' there, 'none' now"),
+        ({}, dict(levels=2), "levels 1 there, 2 now"),
+    ],
+    ids=["taps", "fc_norm", "levels"],
+)
+def test_a_packed_run_resumed_for_another_draft_or_loss_is_refused_naming_it(tiny_store, tmp_path, draft_options,
+                                                                              settings, needle):  # fmt: skip
+    """The checkpoint records the draft's form and the loss; a rerun that differs is one error
+    naming the settings, before any weight is loaded (a longer schedule alone resumes)."""
+    store, target = tiny_store
+    vocab = target.model.config.vocab_size
+    token_map = TokenMap([-1, *range(vocab)], vocab)
+    data = PackedAnswers(store, token_map, taps=(0, 1), stages=("questions",), heldout=False)
+    cfg = PackedTrainConfig(passes=0.5, pairs_per_step=16, log_every=1, eval_every_s=0)
+    head, out = target.model.get_output_embeddings(), tmp_path / "run"
+    train_packed(FusedDraft.from_target(target.model, token_map, taps=(0, 1)), data, out, cfg, target_head=head,
+                 log=lambda m: None)  # fmt: skip
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["run"]["taps"] == [0, 1]
+    options = dict(taps=(0, 1)) | draft_options
+    other = PackedTrainConfig(**{**cfg.__dict__, "passes": 1.0, **settings})
+    with pytest.raises(DynaTreeError, match="other settings") as caught:
+        train_packed(FusedDraft.from_target(target.model, token_map, **options), data, out, other, target_head=head,
+                     log=lambda m: None)  # fmt: skip
+    assert needle in str(caught.value), str(caught.value)
+    logs: list[str] = []
+    again = PackedTrainConfig(**{**cfg.__dict__, "passes": 1.0})
+    train_packed(FusedDraft.from_target(target.model, token_map, taps=(0, 1)), data, out, again, target_head=head,
+                 log=logs.append)  # fmt: skip
+    assert any("resumed at step" in m for m in logs), logs
+
+
 def test_a_paused_step_counts_the_recent_median_and_a_slow_one_counts_in_full():
     from dynatree_core.training.step import counted_s
 

@@ -1,8 +1,9 @@
 """Published EAGLE heads (drafting/published.py): tiny checkpoints written in each published layout
 (its own config keys and weight names, random weights, a tiny Llama target) load, their logits
 equal a naive forward written here from the layout's definition, every tree policy drafts with
-them exactly, a fused draft exported in the eagle3 layout loads back with the same logits, and a
-head that does not fit its target is one clear error."""
+them exactly, a fused draft exported in the eagle3 layout loads back with the same logits and holds
+only what SGLang's and vLLM's EAGLE-3 readers load (a draft they cannot compute is refused), and a
+head that does not fit its target, or whose config or tensors disagree, is one clear error."""
 
 from __future__ import annotations
 
@@ -227,7 +228,7 @@ def test_every_tree_policy_is_greedy_exact_with_each_published_layout(tmp_path, 
 
 def test_a_fused_draft_exports_to_eagle3_and_loads_back_with_identical_logits(tmp_path, target):
     token_map = TokenMap([-1, *range(0, V, 3)], V)
-    draft = FusedDraft.from_target(target, token_map, seed=3)
+    draft = FusedDraft.from_target(target, token_map, seed=3, fc_norm="none")
     with torch.no_grad():
         for p in draft.parameters():
             p.copy_(p.to(torch.bfloat16).to(p.dtype))  # the export stores bfloat16: compare what survives it
@@ -259,13 +260,177 @@ def test_a_head_that_does_not_fit_its_target_is_one_clear_error(tmp_path, target
         load_head(str(path), target)
 
 
+def _rewrite(path, w: dict) -> None:
+    save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
+
+
+def _drop(name):
+    return lambda w: w.pop(name)
+
+
+SF = "eagle3-specforge"
+
+
+@pytest.mark.parametrize(
+    "layout,fields,tensors,needle",
+    [
+        (SF, {"num_attention_heads": 5}, None, "hidden_size 32 is not a multiple of num_attention_heads 5"),
+        (SF, {"num_key_value_heads": 3}, None, "num_attention_heads 4 is not a multiple of num_key_valu"),
+        (SF, {"head_dim": 16}, None, "head_dim 16 is not hidden_size / num_attention_heads"),
+        (SF, {"intermediate_size": "64"}, None, "intermediate_size is '64'; a positive whole number"),
+        (SF, {"draft_vocab_size": 41}, None, "draft_vocab_size is 41 but lm_head.weight has 40 rows"),
+        (SF, {"target_hidden_size": 64}, None, "target_hidden_size 64 differs from the head's"),
+        ("eagle3-speculators", {"transformer_layer_config": _llama_fields() | {"num_attention_heads": 3}}, None,
+         "hidden_size 32 is not a multiple of num_attention_heads 3"),
+        ("eagle1", {"num_attention_heads": 6}, None, "hidden_size 32 is not a multiple of num_attention_heads 6"),
+        (SF, None, _drop("lm_head.weight"), "no lm_head.weight"),
+        (SF, None, lambda w: w.__setitem__("d2t", w["d2t"][:-1]), "d2t has shape (39,)"),
+        (SF, None, lambda w: w["t2d"].fill_(True), "t2d marks 96 target tokens, not the 40"),
+        (SF, None, _drop("midlayer.mlp.up_proj.weight"), "missing 1 (midlayer.mlp.up_proj.weight)"),
+        (SF, None, lambda w: w.__setitem__("midlayer.extra.weight", torch.ones(H)),
+         "unexpected 1 (midlayer.extra.weight)"),
+        (SF, None, lambda w: w.__setitem__("norm.weight", torch.ones(H + 1)),
+         "mis-shaped (file vs model) 1 (norm.weight (33,) vs (32,))"),
+        (SF, None, _drop("fc_norm.2.weight"), "missing 1 (fc_norm.2.weight)"),
+        ("eagle1", None, _drop("fc.bias"), "missing 1 (fc.bias)"),
+        ("eagle1", None, lambda w: w.__setitem__("norm.weight", torch.ones(H)), "unexpected 1 (norm.weight)"),
+    ],
+)  # fmt: skip
+def test_a_head_whose_config_or_tensors_disagree_is_one_line_naming_what(tmp_path, target, layout, fields, tensors,
+                                                                         needle):  # fmt: skip
+    """Checked before any module is made (no transformers traceback), and the weights load whole
+    or not at all: a missing, extra or mis-shaped tensor is named, never left at its random init."""
+    path, w, _ = write_head(tmp_path, layout, target)
+    if fields is not None:
+        (path / "config.json").write_text(json.dumps(json.loads((path / "config.json").read_text()) | fields))
+    if tensors is not None:
+        tensors(w)
+        if layout == "eagle1":
+            torch.save(w, path / "pytorch_model.bin")
+        else:
+            _rewrite(path, w)
+    with pytest.raises(DynaTreeError) as caught:
+        load_head(str(path), target)
+    assert needle in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
+
+
+def test_an_inconsistent_head_is_one_error_line_in_the_cli(capsys, tiny_pair_dirs, tmp_path):
+    from test_cli import run_cli
+
+    from dynatree_core.core.models import load_model
+
+    tiny = load_model(tiny_pair_dirs[0], device="cpu", dtype="float32").model
+    vocab = tiny.config.vocab_size
+    head = export_eagle3(FusedDraft.from_target(tiny, TokenMap([-1, *range(0, vocab, 5)], vocab), taps=(1, 1, 1),
+                                                fc_norm="none"), tmp_path / "head")  # fmt: skip
+    fields = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps(fields | {"num_attention_heads": 5}))
+    code, _, err = run_cli(capsys, "generate", "--target", tiny_pair_dirs[0], "--draft", str(head), "--prompt", "hi",
+                           "--max-new-tokens", "4")  # fmt: skip
+    lines = [line for line in err.splitlines() if line.startswith("error:")]  # (loading shows progress bars)
+    assert code == 2 and len(lines) == 1 and err.splitlines()[-1] == lines[0] and "Traceback" not in err, err
+    assert "not a multiple of num_attention_heads 5" in lines[0]
+
+
+# What each engine's EAGLE-3 reader loads (shared/EAGLE_LAYOUTS.md s. 5 and 6): its parameters, and
+# the parameter a file's tensor name reaches (q/k/v stacked into qkv_proj, gate/up into gate_up_proj).
+# SGLang's LlamaForCausalLMEagle3 skips a name it has no parameter for, silently; vLLM's
+# Eagle3LlamaForCausalLM refuses it. Both skip t2d (the mask d2t already implies).
+STACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+           "up_proj": "gate_up_proj"}  # fmt: skip
+LAYER_PARAMS = ("hidden_norm.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+                "self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight",
+                "mlp.down_proj.weight")  # fmt: skip
+OPTIONAL = {"model.embed_tokens.weight"}  # absent: the target's embedding (both engines)
+SGLANG_PARAMS = {"model.fc.weight", "model.norm.weight", "lm_head.weight", "hot_token_id", *OPTIONAL} | {
+    f"model.midlayer.{n}" for n in LAYER_PARAMS
+}
+VLLM_PARAMS = {"model.fc.weight", "model.norm.weight", "lm_head.weight", "draft_id_to_target_id", *OPTIONAL} | {
+    f"model.layers.0.{n}" for n in LAYER_PARAMS
+}
+
+
+def _stacked(name: str) -> str:
+    return ".".join(STACKED.get(part, part) for part in name.split("."))
+
+
+def sglang_param(name: str) -> str | None:
+    """llama_eagle3.py load_weights: d2t -> hot_token_id (d2t + arange), t2d skipped, `model.` prefix."""
+    if name in ("d2t", "t2d"):
+        return {"d2t": "hot_token_id"}.get(name)
+    return _stacked(name if name.startswith("lm_head.") else f"model.{name}")
+
+
+def vllm_param(name: str) -> str | None:
+    """llama_eagle3.py load_weights: midlayer. -> layers.0., d2t -> draft_id_to_target_id, t2d skipped."""
+    if name in ("d2t", "t2d"):
+        return {"d2t": "draft_id_to_target_id"}.get(name)
+    name = name.replace("midlayer.", "layers.0.", 1)
+    return _stacked(name if name.startswith("lm_head.") else f"model.{name}")
+
+
+def engine_reading(names, to_param, params: set[str]) -> tuple[list[str], set[str]]:
+    """(tensors the engine has no parameter for, required parameters no tensor reaches)."""
+    reached = {to_param(n) for n in names} - {None}
+    unread = [n for n in names if to_param(n) is not None and to_param(n) not in params]
+    return unread, params - OPTIONAL - reached
+
+
+def test_the_eagle3_export_holds_what_sglang_and_vllm_read_and_nothing_else(tmp_path, target):
+    from safetensors import safe_open
+
+    token_map = TokenMap([-1, *range(0, V, 3)], V)
+    draft = FusedDraft.from_target(target, token_map, taps=(1, 4, 6), seed=2, fc_norm="none")
+    out = export_eagle3(draft, tmp_path / "eagle3")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    for engine, to_param, params in (("SGLang", sglang_param, SGLANG_PARAMS), ("vLLM", vllm_param, VLLM_PARAMS)):
+        unread, unset = engine_reading(list(tensors), to_param, params)
+        assert not unread, f"{engine} has no place for {unread}"
+        assert not unset, f"{engine} would leave {unset} unloaded"
+    config = json.loads((out / "config.json").read_text())
+    d, hd = len(token_map) - 1, config["head_dim"]
+    assert config["hidden_size"] == H and hd * config["num_attention_heads"] == H and config["num_hidden_layers"] == 1
+    assert tensors["fc.weight"].shape == (H, 3 * (config.get("target_hidden_size") or H))
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (config["num_attention_heads"] * hd, 2 * H)
+    assert tensors["midlayer.self_attn.k_proj.weight"].shape == (config["num_key_value_heads"] * hd, 2 * H)
+    assert tensors["lm_head.weight"].shape == (config["draft_vocab_size"], H) and config["draft_vocab_size"] == d
+    assert tensors["d2t"].dtype == torch.int64 and tensors["d2t"].shape == (d,)
+    slots = torch.arange(d) + tensors["d2t"]  # both engines: target id = draft slot + d2t
+    assert torch.equal(slots, token_map.draft_to_target[1:])
+    assert tensors["t2d"].dtype == torch.bool and tensors["t2d"].shape == (V,) and int(tensors["t2d"].sum()) == d
+    # SGLang: the class by architectures, SGLang's layer ids, an untied own head, an fc without bias
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["tie_word_embeddings"] is False
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 3, 5], "use_aux_hidden_state": True}
+    assert not config.get("bias", False) and "fc.bias" not in tensors
+    # vLLM: its layer ids at the top level, the flat config's fields, rope_theta where older readers look
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 4, 6] and not config["norm_before_residual"]
+    for key in ("num_key_value_heads", "intermediate_size", "hidden_act", "rms_norm_eps", "max_position_embeddings"):
+        assert key in config, key
+    assert config["vocab_size"] == V
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 10000.0
+
+
+@pytest.mark.parametrize("fc_norm,needle", [("per_tap", "fc_norm per_tap"), ("concat", "fc_norm concat")])
+def test_the_eagle3_export_refuses_a_draft_the_engines_would_compute_differently(tmp_path, target, fc_norm, needle):
+    """Per-tap or joined tap norms: SGLang would drop their weights (serving another draft) and
+    vLLM would refuse them; an RMS norm does not fold into fc. Refused, saying what exports."""
+    draft = FusedDraft.from_target(target, TokenMap([-1, *range(0, V, 3)], V), taps=(1, 4, 6), fc_norm=fc_norm)
+    unread, _ = engine_reading(list(draft.state_dict()), sglang_param, SGLANG_PARAMS)
+    assert unread and all("norm" in n for n in unread), "the engines' readers have no place for these norms"
+    with pytest.raises(DynaTreeError, match="--fc-norm none") as caught:
+        export_eagle3(draft, tmp_path / "eagle3")
+    assert needle in str(caught.value) and not (tmp_path / "eagle3").exists()
+
+
 def test_export_feature_writes_a_fused_run_in_the_eagle3_layout(tmp_path, tiny_pair_dirs):
     from dynatree_core.core.models import load_model
     from dynatree_core.training.__main__ import main
 
     target = load_model(tiny_pair_dirs[0], device="cpu", dtype="float32").model
     vocab = target.config.vocab_size
-    FusedDraft.from_target(target, TokenMap([-1, *range(0, vocab, 7)], vocab), taps=(1, 1, 1), seed=5).save(
+    token_map = TokenMap([-1, *range(0, vocab, 7)], vocab)
+    FusedDraft.from_target(target, token_map, taps=(1, 1, 1), seed=5, fc_norm="none").save(
         tmp_path / "run" / "draft", with_head=False
     )  # a frozen head is saved as "the target's rows" and rebuilt at load
     meta = json.loads((tmp_path / "run" / "draft" / "fused_draft.json").read_text())
@@ -324,8 +489,8 @@ def test_load_pair_drafts_with_a_hub_id_head_and_a_missing_one_is_one_error(tmp_
 
     tiny = load_model(tiny_pair_dirs[0], device="cpu", dtype="float32").model
     vocab = tiny.config.vocab_size
-    export_eagle3(FusedDraft.from_target(tiny, TokenMap([-1, *range(0, vocab, 5)], vocab), taps=(1, 1, 1)),
-                  tmp_path / "export")  # fmt: skip
+    token_map = TokenMap([-1, *range(0, vocab, 5)], vocab)
+    export_eagle3(FusedDraft.from_target(tiny, token_map, taps=(1, 1, 1), fc_norm="none"), tmp_path / "export")
     warm_hub_cache(monkeypatch, tmp_path, "someone/tiny-pair-eagle3", tmp_path / "export")
     pair = load_pair(tiny_pair_dirs[0], "someone/tiny-pair-eagle3", device="cpu", dtype="float32")
     assert pair.draft.model.kind == "fused" and pair.draft.model.taps == (1, 1, 1)

@@ -502,3 +502,105 @@ def test_init_from_keeps_the_starting_layer_and_takes_the_head_of_this_runs_toke
     rows = target.get_output_embeddings().weight.detach().float()[run_map.draft_to_target.clamp(min=0)]
     torch.testing.assert_close(draft.lm.lm_head.weight.float(), rows.to(draft.lm.lm_head.weight.device))
     torch.testing.assert_close(draft.fc.weight.float(), start.fc.weight.float())
+
+
+# ----- checkpoints: written whole, resumed only by the same run ------------------------------------
+def _torch_save_dies_midway(monkeypatch):
+    """torch.save that writes part of the file, then fails (a full disk, a kill while saving)."""
+
+    def dies(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 partial")
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(torch, "save", dies)
+
+
+def test_an_interrupted_checkpoint_write_keeps_the_previous_one_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    from dynatree_core.core.weights import save_whole
+
+    path = tmp_path / "checkpoint.pt"
+    save_whole({"step": 1}, path)
+    _torch_save_dies_midway(monkeypatch)
+    with pytest.raises(OSError, match="no space"):
+        save_whole({"step": 2}, path)
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=False) == {"step": 1}, "the previous checkpoint, whole"
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"], "no temporary or partial file left"
+
+
+def test_a_feature_run_killed_while_checkpointing_resumes_from_its_previous_checkpoint(tmp_path, monkeypatch):
+    from dynatree_core.training.feature import FeatureTrainConfig, train_feature_draft
+
+    target, _, data, _ = _feature_setup(tmp_path)
+    token_map = TokenMap([-1, *range(1, VOCAB)], VOCAB)
+    cfg = FeatureTrainConfig(steps=2, batch=2, lr=1e-2, warmup=1, eval_every=100, log_every=2, device="cpu")
+    out = tmp_path / "run"
+    train_feature_draft(target, token_map, data, out, cfg, log=lambda m: None)
+    _torch_save_dies_midway(monkeypatch)
+    with pytest.raises(OSError, match="no space"):
+        train_feature_draft(target, token_map, data, out, dataclasses.replace(cfg, steps=4), log=lambda m: None)
+    monkeypatch.undo()
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 2
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint.pt"]
+    logs: list[str] = []
+    train_feature_draft(target, token_map, data, out, dataclasses.replace(cfg, steps=4), log=logs.append)
+    assert any("resumed at step 2" in m for m in logs), logs
+
+
+@pytest.mark.parametrize(
+    "other,needle",
+    [
+        (dict(cfg=dict(lr=5e-3)), "lr 0.01 there, 0.005 now"),
+        (dict(cfg=dict(loss="unrolled")), "loss 'kd' there, 'unrolled' now"),
+        (dict(token_map=TokenMap([-1, *range(VOCAB - 1, 0, -1)], VOCAB)), "token_map"),
+    ],
+    ids=["lr", "loss", "token-map"],
+)
+def test_a_feature_run_resumed_with_other_settings_is_refused_naming_them(tmp_path, other, needle):
+    from dynatree_core.errors import DynaTreeError
+    from dynatree_core.training.feature import FeatureTrainConfig, train_feature_draft
+
+    target, _, data, _ = _feature_setup(tmp_path)
+    token_map = TokenMap([-1, *range(1, VOCAB)], VOCAB)
+    cfg = FeatureTrainConfig(steps=1, batch=2, lr=1e-2, warmup=1, eval_every=100, log_every=1, device="cpu")
+    out = tmp_path / "run"
+    train_feature_draft(target, token_map, data, out, cfg, log=lambda m: None)
+    before = (out / "checkpoint.pt").read_bytes()
+    again = dataclasses.replace(cfg, steps=2, **other.get("cfg", {}))  # a longer schedule alone would resume
+    with pytest.raises(DynaTreeError, match="other settings") as caught:
+        train_feature_draft(target, other.get("token_map", token_map), data, out, again, log=lambda m: None)
+    assert needle in str(caught.value) and str(out / "checkpoint.pt") in str(caught.value), str(caught.value)
+    assert (out / "checkpoint.pt").read_bytes() == before, "the refused run wrote nothing"
+
+
+def test_the_token_draft_trainer_checkpoints_whole_and_resumes_only_the_same_run(tmp_path, tiny_pair_dirs):
+    """training/train.py: the checkpoint is written whole (never in place); a rerun continues it,
+    a rerun with another draft shape or learning rate is one error naming the settings."""
+    from dynatree_core.core.models import load_model
+    from dynatree_core.errors import DynaTreeError
+    from dynatree_core.training.corpus import TOPK, checksum
+    from dynatree_core.training.train import train
+
+    target = load_model(tiny_pair_dirs[0], device="cpu", dtype="float32").model
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 300, size=(12, 16)).astype(np.uint16)
+    lengths = np.full(12, 16, dtype=np.int16)
+    heldout = np.zeros(12, dtype=bool)
+    heldout[-2:] = True
+    np.savez(tmp_path / "corpus.npz", ids=ids, lengths=lengths, heldout=heldout, source=np.zeros(12, dtype=np.int8))
+    (tmp_path / "labels").mkdir()
+    labels = label_shard(target, ids, lengths, k=TOPK, batch=4)
+    np.savez(tmp_path / "labels" / "shard_00000.npz", checksum=checksum(ids), **labels)
+    cfg = TrainConfig(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64, vocab=64, steps=2, batch=4,
+                      warmup=1, eval_every=2, log_every=1)  # fmt: skip
+    out = tmp_path / "run"
+    args = (tmp_path / "corpus.npz", tmp_path / "labels")
+    train(out, *args, cfg, target_spec=tiny_pair_dirs[0])
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["run"]["target"] == tiny_pair_dirs[0]
+    for change, needle in ((dict(hidden=16), "hidden 32 there, 16 now"), (dict(lr=1e-3), "lr 0.002 there")):
+        with pytest.raises(DynaTreeError, match="other settings") as caught:
+            train(out, *args, dataclasses.replace(cfg, steps=4, **change), target_spec=tiny_pair_dirs[0])
+        assert needle in str(caught.value), str(caught.value)
+    train(out, *args, dataclasses.replace(cfg, steps=4), target_spec=tiny_pair_dirs[0])  # the same run: resumes
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 4
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint.pt"]

@@ -59,7 +59,7 @@ PRESETS: dict[str, Preset] = {
                     EMBEDDED,
                     str(EMBEDDED_FUSED_DRAFT_DIR),
                     "SmolLM2-135M-Instruct (bundled, offline) with the project's EAGLE-3-form (fused-feature) draft,"
-                    " the form SGLang and vLLM serve (weaker than the default)",
+                    " per-tap norms (weaker than the default)",
                     offline=True,
                     head=True,
                 )

@@ -36,6 +36,7 @@ from dynatree_core.core.taps import FINAL
 from dynatree_core.core.transfer import to_device
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.core.vocab import OTHER, TokenMap
+from dynatree_core.core.weights import load_weights
 from dynatree_core.drafting.base import Drafter
 from dynatree_core.errors import DynaTreeError
 
@@ -200,11 +201,9 @@ class FeatureDraft(torch.nn.Module):
             target, token_map, intermediate_size=config.intermediate_size, input_norm=meta.get("input_norm", True)
         )
         state = load_file(str(path / WEIGHTS_FILE))
-        lm_state = {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
-        lm_state["model.embed_tokens.weight"] = draft.lm.model.embed_tokens.weight.detach()
-        lm_state.setdefault("lm_head.weight", draft.lm.lm_head.weight.detach())  # the target's rows
-        draft.lm.load_state_dict(lm_state)
-        draft.fc.load_state_dict({k.removeprefix("fc."): v for k, v in state.items() if k.startswith("fc.")})
+        # never saved: the unused one-row embedding; a head saved as "target rows" is rebuilt above
+        kept = ("lm.model.embed_tokens",) if meta.get("head") == "saved" else ("lm.model.embed_tokens", "lm.lm_head")
+        load_weights(draft, state, what=str(path), allow_missing=kept)
         return draft.to(dtype=target.dtype).eval()
 
 

@@ -34,6 +34,7 @@ from dynatree_core.core.kv import KVState
 from dynatree_core.core.taps import check_taps, eagle3_taps
 from dynatree_core.core.transfer import to_device
 from dynatree_core.core.vocab import OTHER, TokenMap
+from dynatree_core.core.weights import load_weights
 from dynatree_core.drafting.feature import FeatureDrafter, head_config, read_meta
 from dynatree_core.errors import DynaTreeError
 
@@ -196,14 +197,22 @@ class FusedDraft(torch.nn.Module):
     # -- construction and files --
     @classmethod
     def from_target(
-        cls, target: torch.nn.Module, token_map: TokenMap, *, taps: tuple[int, ...] | None = None, seed: int = 0
+        cls,
+        target: torch.nn.Module,
+        token_map: TokenMap,
+        *,
+        taps: tuple[int, ...] | None = None,
+        seed: int = 0,
+        fc_norm: str = "per_tap",
     ) -> FusedDraft:
         """A new (untrained) fused draft for `target`: random fc and layer; the head starts as the
-        target's head rows for the map's tokens and the final norm as the target's final norm."""
+        target's head rows for the map's tokens and the final norm as the target's final norm.
+        `fc_norm` "none" is the form the eagle3 export writes (published.export_eagle3)."""
         config = target.config.get_text_config(decoder=True)
         taps = check_taps(taps or eagle3_taps(config.num_hidden_layers), config.num_hidden_layers)
         torch.manual_seed(seed)
-        draft = cls(head_config(target, len(token_map)), taps, target.get_input_embeddings(), token_map)
+        embed = target.get_input_embeddings()
+        draft = cls(head_config(target, len(token_map)), taps, embed, token_map, fc_norm=fc_norm)
         rows = target_rows(target, token_map)
         with torch.no_grad():
             if rows is not None:
@@ -260,7 +269,7 @@ class FusedDraft(torch.nn.Module):
                     f"the fused draft in {path} uses the target's head rows; this target has no such head"
                 )
             state["lm_head.weight"] = rows
-        draft.load_state_dict(state, strict=False)
+        load_weights(draft, state, what=str(path))
         device = target.get_input_embeddings().weight.device
         return draft.to(device=device, dtype=target.dtype).eval()
 

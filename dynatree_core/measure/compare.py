@@ -232,10 +232,8 @@ def check_outputs(stats: list[EntryStats], greedy: bool) -> dict[str, Any]:
     for s in stats:
         for tokens in s.token_ids:
             if tokens != reference:
-                position = next(
-                    (i for i, (a, b) in enumerate(zip(tokens, reference, strict=False)) if a != b),
-                    min(len(tokens), len(reference)),
-                )
+                common = min(len(tokens), len(reference))
+                position = next((i for i in range(common) if tokens[i] != reference[i]), common)
                 return {
                     "checked": True,
                     "ok": False,

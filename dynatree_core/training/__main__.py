@@ -139,6 +139,13 @@ def main(argv: list[str] | None = None) -> None:
     tp.add_argument("--kind", choices=("feature", "fused"), default="fused", help="fused: EAGLE-3's three taps")
     tp.add_argument("--target", default="embedded", help="the target whose answers and states the draft reads")
     tp.add_argument("--taps", default="eagle3", help='fused kind: "eagle3" or comma-separated layer inputs')
+    tp.add_argument(
+        "--fc-norm",
+        choices=("per_tap", "none", "concat"),
+        default="per_tap",
+        help='fused kind: how the taps are normed before fc; "none" is the form SGLang and vLLM serve '
+        "(export-feature --layout eagle3 writes no other)",
+    )
     tp.add_argument("--token-map", type=Path, default=REPO_ROOT / "assets" / "models" / "smollm2-feature-draft")
     tp.add_argument("--init-from", type=Path, default=None, help="a saved draft of the same kind (weights only)")
     tp.add_argument("--out", type=Path, default=cache_dir() / "draft-runs" / "packed")
@@ -168,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     exf.add_argument("--target", default="embedded", help="the target the draft reads (not embedded: give --dest)")
     exf.add_argument(
         "--layout", choices=("dynatree", "eagle3"), default="dynatree",
-        help="eagle3: the layout SGLang and vLLM load (a fused-kind draft only; needs --dest)",
+        help="eagle3: the layout SGLang and vLLM load (a fused-kind draft without tap norms only; needs --dest)",
     )  # fmt: skip
     exf.add_argument(
         "--dtype", choices=("bfloat16", "float32"), default="bfloat16",

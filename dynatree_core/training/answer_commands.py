@@ -103,6 +103,7 @@ def _train_packed(args: argparse.Namespace) -> None:
 
     from dynatree_core.core.models import load_model
     from dynatree_core.core.vocab import TokenMap
+    from dynatree_core.core.weights import load_weights
     from dynatree_core.drafting.feature import FeatureDraft
     from dynatree_core.drafting.fused import FusedDraft
     from dynatree_core.training.answer_data import source_summary
@@ -135,13 +136,16 @@ def _train_packed(args: argparse.Namespace) -> None:
         else {"heldout": (data, heldout)}
     )
     if args.kind == "fused":
-        draft = FusedDraft.from_target(target, token_map, taps=taps, seed=cfg.seed)
+        draft = FusedDraft.from_target(target, token_map, taps=taps, seed=cfg.seed, fc_norm=args.fc_norm)
         start = FusedDraft.load(args.init_from, target) if args.init_from else None
     else:
         draft = FeatureDraft.from_target(target, token_map, seed=cfg.seed)
         start = FeatureDraft.load(args.init_from, target) if args.init_from else None
     if start is not None and not (args.out / "checkpoint.pt").exists():
-        draft.load_state_dict({k: v for k, v in start.state_dict().items() if "lm_head" not in k}, strict=False)
+        # everything but the head: this run's head is the target's rows for its own token map
+        head = "lm_head" if args.kind == "fused" else "lm.lm_head"
+        weights = {k: v for k, v in start.state_dict().items() if not (k == head or k.startswith(head + "."))}
+        load_weights(draft, weights, what=str(args.init_from), allow_missing=(head,))
         print_now(f"train-packed: initialised from {args.init_from}")
     pairs = data.answer_pairs()
     print_now(f"train-packed: {args.kind} kind, {len(data.train_rows)} training windows ({pairs:,} answer pairs), "

@@ -10,8 +10,9 @@ position j >= 1 the draft reads (f_{j-1} + U(-noise, noise), x_j) and predicts f
 
 averaged over valid positions, both softmaxes over the draft's reduced vocabulary (OTHER never
 proposed, so left out of both). The target's embedding and the LM head rows are frozen; fc and
-the decoder layer train. AdamW, linear warm-up, cosine decay. Resumable (`checkpoint.pt`), and
-every stage's compute goes to the ledger (ledger.py).
+the decoder layer train. AdamW, linear warm-up, cosine decay. Resumable (`checkpoint.pt`, written
+whole; a rerun resumes it only with the same draft and settings: resume.py), and every stage's
+compute goes to the ledger (ledger.py).
 
 `agreement_by_depth` is the held-out measure BENCHMARKS.md reports: top-1 agreement of the draft's
 best real token with the target's greedy token at tree depth 1 (true input features) and deeper
@@ -32,11 +33,13 @@ import torch.nn.functional as F
 
 from dynatree_core.core.models import resolve_device
 from dynatree_core.core.vocab import OTHER, TokenMap
+from dynatree_core.core.weights import check_same_run, load_weights, save_whole
 from dynatree_core.drafting.feature import FeatureDraft
 from dynatree_core.runs.environment import portable
 from dynatree_core.training.feature_data import FeatureCorpus
 from dynatree_core.training.feature_talf import feature_talf_loss
 from dynatree_core.training.ledger import record
+from dynatree_core.training.resume import head_run
 from dynatree_core.training.unrolled import depth_mask, unrolled_kd_loss
 
 
@@ -61,6 +64,12 @@ class FeatureTrainConfig:
     unroll_decay: float = 0.8  # "unrolled": weight of level k is decay^(k-1)
     regression_weight: float = 0.0  # TALF only: add the feature regression (the paper drops it)
     budget_s: float = 0.0  # > 0: stop after this much training wall time, cosine over time (equal-compute runs)
+
+
+# what a resumed run must share with the one that wrote its checkpoint (besides the draft's form): the
+# loss and the optimiser's settings; the schedule's length (steps, budget_s) may grow between runs
+RUN_SETTINGS = ("batch", "lr", "warmup", "weight_decay", "ce_weight", "noise", "onpolicy_share", "seed", "ce_share",
+                "loss", "unroll_steps", "unroll_decay", "regression_weight")  # fmt: skip
 
 
 def feature_kd_loss(
@@ -207,7 +216,7 @@ def train_feature_draft(
         # fc and the layer only: the head is the target's rows for this run's token map (frozen),
         # which may differ from the starting draft's map
         weights = {k: v.float() for k, v in start.state_dict().items() if not k.startswith("lm.lm_head")}
-        draft.load_state_dict(weights, strict=False)
+        load_weights(draft, weights, what=str(init_from), allow_missing=("lm.lm_head",))
         log(f"train-feature: initialised from {init_from}")
     draft.lm.lm_head.weight.requires_grad_(False)  # the target's rows, frozen (EAGLE)
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -215,9 +224,11 @@ def train_feature_draft(
     step, curve = 0, []
     spent, seen = 0.0, 0  # training wall seconds (evaluations excluded); loss positions trained on
     ckpt = out / "checkpoint.pt"
+    run = head_run(draft, **{k: getattr(cfg, k) for k in RUN_SETTINGS})
     if ckpt.exists():
         state = torch.load(ckpt, map_location=device, weights_only=False)
-        draft.load_state_dict(state["model"], strict=False)
+        check_same_run(state.get("run"), run, where=str(ckpt))
+        load_weights(draft, state["model"], what=str(ckpt))
         opt.load_state_dict(state["opt"])
         step, curve = state["step"], state["curve"]
         spent, seen = state.get("spent_s", 0.0), state.get("seen", 0)
@@ -232,9 +243,8 @@ def train_feature_draft(
 
     def checkpoint() -> None:  # at every log line too: a run stopped between evaluations loses little
         state = {"model": draft.state_dict(), "opt": opt.state_dict(), "step": step, "curve": curve}
-        tmp = ckpt.with_suffix(".tmp")  # written whole, then renamed: a run killed while saving keeps the last one
-        torch.save(state | {"spent_s": spent, "seen": seen}, tmp)
-        tmp.replace(ckpt)
+        # written whole, then renamed: a run killed while saving keeps the last one
+        save_whole(state | {"spent_s": spent, "seen": seen, "run": run}, ckpt)
 
     while not done():
         # cosine decay over the steps, or over the wall-time budget when one is set: two losses of

@@ -17,8 +17,9 @@ only (the fused kind predicts no target state: EAGLE-3 dropped the feature loss)
 
 `train_packed` runs the schedule: `passes` over the training pairs, linear warm-up then cosine
 decay to zero over the whole run (by loss pairs seen, so a run stopped and resumed continues
-the same schedule), a checkpoint at every log line, and held-out and OOD agreement by depth at
-fixed intervals of training time into `curve.json` (the card's learning curve).
+the same schedule), a checkpoint at every log line (written whole; a rerun resumes it only for the
+same draft and loss: resume.py), and held-out and OOD agreement by depth at fixed intervals of
+training time into `curve.json` (the card's learning curve).
 """
 
 from __future__ import annotations
@@ -35,9 +36,17 @@ import torch
 import torch.nn.functional as F
 
 from dynatree_core.core.vocab import OTHER
+from dynatree_core.core.weights import check_same_run, load_weights, save_whole
 from dynatree_core.drafting.fused import FusedDraft
 from dynatree_core.training.ledger import record
 from dynatree_core.training.packed import PackedAnswers, PackedBatch, level_mask, prefetch
+from dynatree_core.training.resume import head_run
+
+# what a resumed run must share with the one that wrote its checkpoint (besides the draft's form): the
+# loss and the optimiser's settings. The schedule's length (passes, budget_s) may grow, and how the
+# process runs (device, logging, evaluations, stop_after_s) may change between runs.
+RUN_SETTINGS = ("pairs_per_step", "lr", "warmup", "weight_decay", "levels", "level_decay", "regression_weight",
+                "ce_weight", "ce_share", "noise", "train_head", "seed")  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -296,17 +305,17 @@ def train_packed(
     first_eval = 0.0 if cfg.eval_first else cfg.eval_every_s
     state = {"step": 0, "seen": 0, "spent_s": 0.0, "pass": 0, "cursor": 0, "curve": [], "next_eval_s": first_eval}
     ckpt = out / "checkpoint.pt"
+    run = head_run(draft, **{k: getattr(cfg, k) for k in RUN_SETTINGS})
     if ckpt.exists():
         saved = torch.load(ckpt, map_location=device, weights_only=False)
-        draft.load_state_dict(saved["model"], strict=False)
+        check_same_run(saved.get("run"), run, where=str(ckpt))
+        load_weights(draft, saved["model"], what=str(ckpt))
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
         log(f"train-packed: resumed at step {state['step']} (pass {state['pass']}, {state['seen']:,} pairs seen)")
 
-    def checkpoint() -> None:
-        tmp = ckpt.with_suffix(".tmp")  # written whole, then renamed: a run killed while saving keeps the last one
-        torch.save({"model": draft.state_dict(), "opt": opt.state_dict(), "state": state}, tmp)
-        tmp.replace(ckpt)
+    def checkpoint() -> None:  # written whole, then renamed: a run killed while saving keeps the last one
+        save_whole({"model": draft.state_dict(), "opt": opt.state_dict(), "state": state, "run": run}, ckpt)
 
     def evaluate() -> None:
         draft.eval()

@@ -7,8 +7,9 @@ head starts close to the target's. Loss per position: cross-entropy to the targe
 distribution (forward KL up to a constant, renormalised over the k stored tokens; mass of
 tokens outside the set goes to OTHER) plus `hard_weight` x cross-entropy to the target's
 argmax, the token greedy verification accepts. With `talf_weight > 0` the TALF tree loss
-(talf.py) is added. Seeded and resumable: `checkpoint.pt` holds model, optimiser, step, RNG
-state and the token map; a restarted job continues from it.
+(talf.py) is added. Seeded and resumable: `checkpoint.pt` (written whole) holds model, optimiser,
+step, RNG state, the token map and the run's settings; a restarted job with the same settings
+continues from it, one with others is refused (naming them).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dynatree_core.core.vocab import OTHER, TokenMap
+from dynatree_core.core.weights import check_same_run, load_weights, save_whole
 from dynatree_core.training.corpus import SHARD, TOPK, shard_valid
 from dynatree_core.training.ledger import record
 
@@ -46,6 +48,12 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 250
     log_every: int = 25
+
+
+# what a resumed run must share with the one that wrote its checkpoint: the draft's shape, the loss and the
+# optimiser's settings (the schedule's length, steps, may grow between runs)
+RUN_SETTINGS = ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "batch", "lr", "warmup",
+                "hard_weight", "talf_weight", "onpolicy_share", "seed")  # fmt: skip
 
 
 def draft_config(target_config, cfg: TrainConfig, vocab: int) -> LlamaConfig:
@@ -249,6 +257,9 @@ def train(
     ckpt_path = out / "checkpoint.pt"
     source = ckpt_path if ckpt_path.exists() else init_from
     ckpt = _load_start(source) if source else None
+    run = {k: getattr(cfg, k) for k in RUN_SETTINGS} | {"target": target_spec}
+    if ckpt is not None and source == ckpt_path:  # before anything is built from it
+        check_same_run(ckpt.get("run"), run, where=str(ckpt_path))
     if ckpt is not None:
         draft_to_target = ckpt["draft_to_target"]
     else:
@@ -259,7 +270,7 @@ def train(
     step, curve = 0, []
     rng = np.random.default_rng(cfg.seed)
     if ckpt is not None:
-        draft.load_state_dict(ckpt["model"])
+        load_weights(draft, ckpt["model"], what=str(source))
         if source == ckpt_path:  # resume; --init-from only takes the weights
             opt.load_state_dict(ckpt["opt"])
             step, curve = ckpt["step"], ckpt["curve"]
@@ -309,7 +320,7 @@ def train(
             now = time.perf_counter()
             record("train", now - last_save, tokens=tokens - last_tokens, run=str(out), item=f"steps to {step}")
             last_save, last_tokens = now, tokens
-            torch.save(
+            save_whole(  # written whole, then renamed: a run killed while saving keeps the last one
                 {
                     "model": draft.state_dict(),
                     "opt": opt.state_dict(),
@@ -317,6 +328,7 @@ def train(
                     "curve": curve,
                     "rng": rng.bit_generator.state,
                     "config": dataclasses.asdict(cfg),
+                    "run": run,
                     "draft_to_target": draft_to_target,
                 },
                 ckpt_path,
