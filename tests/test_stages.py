@@ -62,3 +62,26 @@ def test_commit_keeps_the_chain_and_exactly_the_accepted_slots():
         chain = [s["slot"] for s in slots if s["what"] == "chain"]
         assert len(chain) == rec.chain_len and chain[-1] == rec.prefix_len, "the root is the chain's last slot"
         assert len(slots) == rec.chain_len + len(rec.order) - 1
+
+
+def test_every_stage_caption_says_its_label_once():
+    """The caption above the tree is the stage's label, then what happened: no word of the label is
+    said again ("Commit. Commit: 2 token(s) join the text" said it twice). Tokens are shown
+    neutrally here, so a token's own text cannot count."""
+    import re
+
+    from dynatree_core.live.run import LiveRun
+    from dynatree_core.ui.replay import REPLAY_FILE
+    from dynatree_core.viz.stages import stage_caption
+
+    recs = [*_records(), *LiveRun.from_json(REPLAY_FILE.read_bytes()).records]
+    kinds = set()
+    for rec in recs:
+        for stage in iteration_stages(rec):
+            caption = stage_caption(rec, stage, decode=lambda tok: "tok")
+            assert caption.startswith(f"**{stage.label.capitalize()}.** "), caption
+            words = re.findall(r"[a-z]+", caption.lower())
+            for word in re.findall(r"[a-z]+", stage.label):
+                assert words.count(word) == 1, f"'{word}' said {words.count(word)} times: {caption}"
+            kinds.add(stage.kind)
+    assert kinds == {"draft", "prune", "mask", "verify", "accept", "bonus", "commit"}, "every kind of stage checked"

@@ -270,3 +270,81 @@ def test_a_compact_tree_has_no_legend_and_labels_only_the_tokens_that_fit():
     assert fits == {0, 3}, "1 and 2 sit 10 px apart: neither label fits; 3 is far from both"
     html = legend_html()
     assert all(COLOURS[c] in html for c in ("root", "accepted", "bonus", "rejected", "unreached", "pruned"))
+
+
+def _replay_figures(widths=(None,)):
+    """Tree figures of the recorded run (assets/replay/) as the live page draws them: every
+    iteration's outcome and every stage of its last iteration."""
+    from dynatree_core.live.run import LiveRun
+    from dynatree_core.ui.replay import REPLAY_FILE
+    from dynatree_core.viz.stages import iteration_stages, stage_categories
+
+    run = LiveRun.from_json(REPLAY_FILE.read_bytes())
+    figures = [tree_figure(rec, run.text) for rec in run.records]
+    rec = run.records[-1]
+    for stage in iteration_stages(rec):
+        cats = stage_categories(rec, stage)
+        figures.append(tree_figure(rec, run.text, categories=cats, bonus=stage.kind in ("bonus", "commit")))
+    return [*figures, tree_figure(sample_record())]
+
+
+def test_the_tree_legend_stands_above_the_plotting_area_so_it_covers_no_node():
+    """A horizontal legend anchored by its bottom edge above the plotting area (plotly widens the
+    top margin for the rows it wraps into), on an autoranged depth axis: every node lies inside
+    the area, the legend outside it, for any tree and any chart width."""
+    for fig in _replay_figures():
+        legend, yaxis = fig.layout.legend, fig.layout.yaxis
+        assert legend.orientation == "h" and legend.yanchor == "bottom" and legend.y >= 1, legend
+        assert legend.yref in (None, "paper") and fig.layout.margin.autoexpand is not False
+        assert yaxis.range is None and yaxis.autorange in (None, True), "the axis spans every node"
+
+
+def _svg_boxes(svg: str) -> tuple[list[tuple[float, float, float, float]], list[tuple[float, float, float, float]]]:
+    """(node boxes, legend entry boxes) of a figure_svg picture, as (left, top, right, bottom)."""
+    import xml.etree.ElementTree as ET
+
+    ns = "{http://www.w3.org/2000/svg}"
+    root = ET.fromstring(svg)
+    legend = root.find(f"{ns}g[@class='legend']")
+    nodes = []
+    for el in root.iter():
+        if el.get("class") != "node":
+            continue
+        if el.tag == f"{ns}circle":
+            x, y, r = (float(el.get(k)) for k in ("cx", "cy", "r"))
+            nodes.append((x - r, y - r, x + r, y + r))
+        elif el.tag == f"{ns}rect":
+            x, y, w, h = (float(el.get(k)) for k in ("x", "y", "width", "height"))
+            nodes.append((x, y, x + w, y + h))
+        else:
+            xy = [tuple(map(float, p.split(","))) for p in el.get("points").split()]
+            nodes.append((min(p[0] for p in xy), min(p[1] for p in xy), max(p[0] for p in xy), max(p[1] for p in xy)))
+    entries = []
+    for text in legend.iter(f"{ns}text"):  # the entry's dot sits 14 px left of its name; 12 px font
+        x, y = float(text.get("x")), float(text.get("y"))
+        entries.append((x - 14, y - 12, x + 7 * len(text.text), y + 4))
+    return nodes, entries
+
+
+def test_the_tree_picture_wraps_its_legend_above_every_node_at_any_width():
+    """The picture drawn before plotly has loaded (viz/svg.py): its legend wraps into rows inside
+    the picture's width, and every node marker lies below the legend's last row."""
+    import plotly.graph_objects as go
+
+    from dynatree_core.viz.svg import figure_svg
+
+    many = go.Figure()  # more legend entries than one row holds at 300 px
+    for i in range(8):
+        many.add_trace(go.Scatter(x=[i], y=[-(i % 3)], mode="markers", name=f"pruned: reason {i}"))
+    many.update_layout(height=420)
+    for fig in [*_replay_figures(), many]:
+        for width in (300, 720):
+            nodes, entries = _svg_boxes(figure_svg(fig, width=width))
+            assert nodes and entries
+            legend_bottom = max(e[3] for e in entries)
+            assert all(n[1] > legend_bottom for n in nodes), "a node drawn under the legend"
+            for top in {e[1] for e in entries}:  # a row of two or more ends inside the picture
+                row = [e for e in entries if e[1] == top]
+                assert len(row) == 1 or max(e[2] for e in row) <= width, f"a legend row runs off {width} px"
+    rows = {e[1] for e in _svg_boxes(figure_svg(many, width=300))[1]}
+    assert len(rows) > 2, "eight long entries take several rows at 300 px"

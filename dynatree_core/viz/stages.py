@@ -83,15 +83,21 @@ def cache_slots(rec: IterationRecord) -> list[dict]:
     return slots
 
 
+def stage_caption(rec: IterationRecord, stage: Stage, decode: Callable[[int], str] = str) -> str:
+    """The stage's caption above the tree (markdown): its label once, in bold, then what happened."""
+    return f"**{stage.label.capitalize()}.** {stage_sentence(rec, stage, decode)}"
+
+
 def stage_sentence(rec: IterationRecord, stage: Stage, decode: Callable[[int], str] = str) -> str:
-    """What just happened at `stage`, with its numbers."""
+    """What just happened at `stage`, with its numbers; it does not repeat the stage's label, which
+    stands before it in the caption (`stage_caption`)."""
     tree = rec.tree
     say = lambda tok: f"'{visible(decode(tok))}'"  # noqa: E731
     if stage.kind == "draft":
         new = [n for n in range(1, len(tree)) if tree.depths[n] == stage.depth]
         best = sorted(new, key=lambda n: -tree.logp[n])[:3]
         probs = ", ".join(f"{say(tree.tokens[n])} p={math.exp(tree.logp[n]):.2f}" for n in best)
-        return f"Draft forward {stage.depth} proposed {len(new)} token(s) at depth {stage.depth}: {probs}."
+        return f"Forward pass {stage.depth} proposed {len(new)} token(s), the likeliest {probs}."
     if stage.kind == "prune":
         pruned = [n for n in range(len(tree)) if not tree.is_verified(n)]
         reasons = sorted({tree.reason[n] or "unspecified" for n in pruned})
@@ -102,7 +108,7 @@ def stage_sentence(rec: IterationRecord, stage: Stage, decode: Callable[[int], s
         n = len(rec.order) - 1
         return (
             f"{n} verified node(s) go to the target in one forward, each at position root + depth and "
-            f"seeing only its ancestors (the mask), after {rec.chain_len} committed token(s) the target had not read."
+            f"seeing only its ancestors, after {rec.chain_len} committed token(s) the target had not read."
         )
     if stage.kind == "verify":
         cats = stage_categories(rec, stage)
@@ -113,12 +119,12 @@ def stage_sentence(rec: IterationRecord, stage: Stage, decode: Callable[[int], s
         path = " ".join(say(tree.tokens[n]) for n in rec.accepted) or "none"
         return f"The longest path of matches from the root: {len(rec.accepted)} token(s) accepted ({path})."
     if stage.kind == "bonus":
-        return f"The target's own choice after that path, {say(rec.bonus_token)}, comes free: the bonus token."
+        return f"The target's own choice after that path, {say(rec.bonus_token)}, comes free with the same forward."
     slots = cache_slots(rec)
     kept = sum(1 for s in slots if s["what"] == "node" and s["kept"])
     dropped = sum(1 for s in slots if s["what"] == "node" and not s["kept"])
     return (
-        f"Commit: {len(rec.committed)} token(s) join the text; the cache keeps the accepted path's {kept} "
+        f"{len(rec.committed)} token(s) join the text; the cache keeps the accepted path's {kept} "
         f"slot(s) in place and drops {dropped}, recomputing nothing."
     )
 

@@ -33,6 +33,8 @@ COLOURS = {
 
 
 BONUS = -2  # pseudo node id of the bonus token in layouts and figures
+TREE_HEIGHT_PX = 330  # the tree figure's height, and its picture's at most (ui/live_view.py): at 1366x768 the
+# first screen holds the whole chart below the title, controls and stage caption
 
 
 def visible(text: str) -> str:
@@ -108,7 +110,7 @@ def tree_figure(
     decode: Callable[[int], str] = str,
     *,
     selected: int | None = None,
-    height: int = 420,
+    height: int = TREE_HEIGHT_PX,
     categories: dict[int, str] | None = None,
     bonus: bool = True,
     compact_px: int | None = None,
@@ -209,18 +211,26 @@ def tree_figure(
         fig.update_traces(showlegend=False)
     fig.update_layout(
         height=height,
-        margin=dict(l=10, r=10, t=30 if compact_px is None else 10, b=10),
+        margin=dict(l=10, r=10, t=10, b=10),  # plotly widens the top margin to hold the legend
         xaxis=dict(visible=False),
         yaxis=dict(
             title="depth" if compact_px is None else None,
             tickvals=[-d for d in range(max(p[1] for p in pos.values()) + 1)],
             ticktext=[str(d) for d in range(max(p[1] for p in pos.values()) + 1)],
         ),
-        legend=dict(orientation="h", y=1.08),
+        legend=LEGEND_ABOVE,
         uirevision="tree",
         clickmode="event+select",
     )
     return fig
+
+
+# The legend stands above the plotting area, its bottom edge on the area's top (a horizontal legend
+# at y > 2/3 would hang from its top edge into the area, over the root); rows it wraps into widen
+# the figure's top margin (plotly's automargin), so no node can lie under it, whatever the tree.
+LEGEND_ABOVE = dict(
+    orientation="h", x=0, xanchor="left", y=1.02, yanchor="bottom", yref="paper", font=dict(size=10), itemwidth=30
+)
 
 
 def _token(record: IterationRecord, node: int) -> int:
