@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 STREAMLIT_FLAGS ?= --server.address localhost
 
-.PHONY: setup run test test-fast fuzz lint format clean draft draft-feature draft-feature-stages draft-feature-long draft-feature-final draft-feature-talf
+.PHONY: setup run test test-fast soak fuzz lint format clean draft draft-feature draft-feature-stages draft-feature-long draft-feature-final draft-feature-talf
 
 setup: $(STAMP)
 
@@ -26,6 +26,12 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
+
+# The classroom browser test (tests/test_classroom.py: three pairs and a comparison on one server at
+# once) for SOAK_ROUNDS rounds instead of one; its figures land in tests/output/classroom.json.
+SOAK_ROUNDS ?= 10
+soak: setup
+	DYNATREE_SOAK_ROUNDS=$(SOAK_ROUNDS) DYNATREE_REQUIRE_BROWSER=1 $(PY) -m pytest tests/test_classroom.py -q
 
 # The property tests with FUZZ_EXAMPLES random examples each (and hypothesis's example database,
 # so a failure found once is replayed first); `make test` runs them derandomized (tests/conftest.py).

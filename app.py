@@ -1,10 +1,10 @@
 """DynaTree Explorer: watch tree speculative decoding happen, one iteration at a time.
 
 Thin by design: widgets -> settings -> LiveRun (dynatree_core.live.run) -> figures (dynatree_core.viz).
-Runs decode in an engine process per model pair (dynatree_core.live.engine_process), shared by every
-browser session and running one forward at a time; DYNATREE_LIVE_ENGINE=thread decodes in this
-process instead (models loaded once, forwards take a lock). Per-run state (the LiveRun) lives in
-st.session_state, so two tabs run independently.
+Runs and jobs decode in an engine process per model pair (dynatree_core.live.engine_process, kept by
+the pool in dynatree_core.live.pool), shared by every browser session and page and running one forward
+at a time; DYNATREE_LIVE_ENGINE=thread decodes in this process instead (models loaded once, forwards
+take a lock). Per-run state (the LiveRun) lives in st.session_state, so two tabs run independently.
 """
 
 from __future__ import annotations
@@ -16,16 +16,23 @@ import time
 import streamlit as st
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
-from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.engine import DecodeConfig
 from dynatree_core.decoding.methods import catalogue, is_baseline, make_method, method_class
 from dynatree_core.decoding.pairs import encode_prompt
-from dynatree_core.errors import DynaTreeError
 from dynatree_core.live.process_run import ProcessRun
 from dynatree_core.live.run import LiveRun
 from dynatree_core.measure.run_settings import RunSpec
 from dynatree_core.ui.live_view import RENDER_INTERVAL_S, metrics_row, render
 from dynatree_core.ui.replay import POSTER_FRAMES, PREWARM_FRAME, REPLAY_INTERVAL_S, replay_run, replay_step
-from dynatree_core.ui.resources import cached_pair, engine_process, forward_lock, live_engine_mode, prewarm
+from dynatree_core.ui.resources import (
+    cached_pair,
+    engine_process,
+    live_engine_mode,
+    models_info,
+    pair_job,
+    prewarm,
+    show_error,
+)
 from dynatree_core.ui.widgets import (
     advance,
     compact_top,
@@ -96,15 +103,6 @@ def decode_config(eos_token_ids: frozenset[int], context_length: int) -> DecodeC
     )
 
 
-def prepare():
-    """Models (cached in this process), policy, prompt ids and decode config for the current inputs."""
-    with st.spinner(f"Loading {target_spec} (first load of the embedded model converts it, ~30 s)..."):
-        pair = cached_pair(target_spec, draft_spec, device, dtype)
-    policy = make_method(policy_name, params)
-    ids = encode_prompt(pair.target.tokenizer, prompt, chat=chat)
-    return pair, policy, ids, decode_config(pair.target.eos_token_ids, pair.target.context_length)
-
-
 def start_in_process() -> tuple[LiveRun, bool]:
     """A run decoded by the pair's engine process (ui/resources.py): the models load there, this
     process gets their tokenizer. (run, the draft is a stand-in)."""
@@ -120,7 +118,11 @@ def start_in_process() -> tuple[LiveRun, bool]:
 
 def start_in_thread() -> tuple[LiveRun, bool]:
     """A run decoded in this process (its worker is a thread): the reference path."""
-    pair, policy, ids, config = prepare()
+    with st.spinner(f"Loading {target_spec} (first load of the embedded model converts it, ~30 s)..."):
+        pair = cached_pair(target_spec, draft_spec, device, dtype)
+    policy = make_method(policy_name, params)
+    ids = encode_prompt(pair.target.tokenizer, prompt, chat=chat)
+    config = decode_config(pair.target.eos_token_ids, pair.target.context_length)
     run = LiveRun.start(
         pair.target.model,
         ids,
@@ -141,11 +143,8 @@ def start_run() -> LiveRun | None:
         return None
     try:
         run, stand_in = start_in_process() if live_engine_mode() == "process" else start_in_thread()
-    except DynaTreeError as exc:
-        st.error(str(exc))
-        return None
-    except Exception as exc:  # a model that cannot load: a message, never a traceback
-        st.error(f"Could not start the run: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - e.g. a model that cannot load: one line, the traceback logged
+        show_error(exc, "Could not start the run")
         return None
     st.session_state.tokenizer_key = (target_spec, draft_spec, device, dtype)
     if stand_in:
@@ -166,21 +165,20 @@ def baseline_view() -> None:
     )
     if st.button("Run baseline", icon=":material/play_arrow:", type="primary", help="One timed HF generate call."):
         try:
-            pair, policy, ids, config = prepare()
-            with st.spinner(f"Running {policy_name}..."), forward_lock():
-                result = generate(
-                    pair.target.model,
-                    ids,
-                    policy,
-                    config=config,
-                    tokenizer=pair.target.tokenizer,
-                    **pair.drafting(policy),
-                )
+            make_method(policy_name, params)  # a bad setting is refused before any model loads
+            with st.spinner(f"Loading {target_spec}..."):
+                info = models_info((target_spec, draft_spec, device, dtype))
+            payload = {
+                "method": policy_name,
+                "params": params,
+                "prompt_ids": encode_prompt(info.tokenizer, prompt, chat=chat),
+                "config": decode_config(info.eos_token_ids, info.context_length),
+            }
+            with st.spinner(f"Running {policy_name}..."):
+                result = pair_job((target_spec, draft_spec, device, dtype), "generate", payload, status=st.empty())
             state.baseline = (json.dumps(settings, sort_keys=True), result)
-        except DynaTreeError as exc:
-            st.error(str(exc))
-        except Exception as exc:  # a model that cannot load: a message, never a traceback
-            st.error(f"Could not run the baseline: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - e.g. a model that cannot load: one line, the traceback logged
+            show_error(exc, "Could not run the baseline")
     key, result = state.get("baseline") or (None, None)
     if result is None or key != json.dumps(settings, sort_keys=True):
         return
@@ -221,6 +219,8 @@ def live_view() -> None:
     alive = run is not None and run.worker_running  # read before the snapshot, so a last one is complete
     if run is not None and run.error is not None and not alive:
         run = state.run = show_run_error(run)
+    if alive and isinstance(run, ProcessRun) and run.waiting_for():
+        st.info(run.waiting_for(), icon=":material/hourglass_top:")
     if run is not None and run.idle_paused and not alive:
         st.info("Paused: this page stopped watching the run for a while. Press **Run** to go on.")
     state.drawn_at = time.monotonic()

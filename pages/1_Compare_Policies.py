@@ -12,10 +12,11 @@ import streamlit as st
 from dynatree_core.decoding.methods import candidates
 from dynatree_core.decoding.pairs import encode_prompt
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.measure.compare import Comparison, compare, reference_entries
+from dynatree_core.live.jobs import JOB_TITLES
+from dynatree_core.measure.compare import Comparison, reference_entries
 from dynatree_core.measure.entries import Entry, labelled, schedule
 from dynatree_core.measure.run_settings import RunSpec
-from dynatree_core.ui.resources import cached_pair, forward_lock
+from dynatree_core.ui.resources import models_info, pair_job, show_error
 from dynatree_core.ui.widgets import model_picker, param_widgets, prompt_inputs, setting_widget
 from dynatree_core.viz import compare_figures, legend_html, tree_figure
 
@@ -108,40 +109,40 @@ if st.button("Compare", type="primary", icon=":material/compare_arrows:"):
         st.error("Enter a prompt.")
     else:
         try:
+            models = (target_spec, draft_spec, device, dtype)
             with st.spinner("Loading models..."):
-                pair = cached_pair(target_spec, draft_spec, device, dtype)
-            ids = encode_prompt(pair.target.tokenizer, prompt, chat=chat)
-            config = spec.decode_config(
-                eos_token_ids=pair.target.eos_token_ids, context_length=pair.target.context_length
-            )
+                info = models_info(models)  # the pair's engine process holds them for every page
+            tokenizer = info.tokenizer
+            payload = {
+                "entries": entries,
+                "prompt_ids": encode_prompt(tokenizer, prompt, chat=chat),
+                "config": spec.decode_config(eos_token_ids=info.eos_token_ids, context_length=info.context_length),
+                "repetitions": repetitions,
+                "include_hf": include_hf,
+                "prompt": prompt,
+                "models": {
+                    "target": spec.target,
+                    "draft": spec.draft or "",
+                    "device": spec.device,
+                    "dtype": spec.dtype,
+                },
+            }
             total = len(schedule(len(entries) + len(reference_entries(include_hf)), repetitions))
+            status = st.empty()
             bar = st.progress(0.0, text=f"0/{total} runs")
-            on_record = live_view([e.label for e in entries], lambda t: pair.target.tokenizer.decode([t]))
-            with forward_lock():
-                result = compare(
-                    pair,
-                    entries,
-                    ids,
-                    config=config,
-                    repetitions=repetitions,
-                    include_hf=include_hf,
-                    prompt=prompt,
-                    models={
-                        "target": spec.target,
-                        "draft": spec.draft or "",
-                        "device": spec.device,
-                        "dtype": spec.dtype,
-                    },
-                    on_progress=lambda done, n, label: bar.progress(done / n, text=f"{done}/{n} runs: {label}"),
-                    on_record=on_record,
-                    tokenizer=pair.target.tokenizer,
-                )
-            st.session_state["comparison"] = result
+            on_record = live_view([e.label for e in entries], lambda t: tokenizer.decode([t]))
+
+            def on_event(kind, data):
+                if kind == "progress":
+                    done, n, label = data
+                    bar.progress(done / n, text=f"{done}/{n} runs: {label}")
+                elif kind == "record":
+                    on_record(*data, None)
+
+            st.session_state["comparison"] = pair_job(models, "compare", payload, on_event=on_event, status=status)
             st.rerun()
-        except DynaTreeError as exc:
-            st.error(str(exc))
-        except Exception as exc:  # a model that cannot load: a message, never a traceback
-            st.error(f"The comparison could not run: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - e.g. a model that cannot load: one line, the traceback logged
+            show_error(exc, f"{JOB_TITLES['compare'].capitalize()} could not run")
 
 uploaded = st.file_uploader("Import a saved comparison (JSON)", type=["json"], key="cmp_import")
 if uploaded is not None:

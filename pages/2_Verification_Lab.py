@@ -10,9 +10,8 @@ from dynatree_core.core.sampling_config import SamplingConfig
 from dynatree_core.decoding.engine import DecodeConfig
 from dynatree_core.decoding.methods import verifier_for
 from dynatree_core.drafting import make_policy
-from dynatree_core.errors import DynaTreeError
-from dynatree_core.measure.lab import chi_square_critical, run_lab
-from dynatree_core.ui.resources import cached_pair, forward_lock
+from dynatree_core.measure.lab import chi_square_critical
+from dynatree_core.ui.resources import models_info, pair_job, show_error
 from dynatree_core.ui.widgets import setting_widget
 from dynatree_core.verify.registry import VERIFIERS
 from dynatree_core.viz import acceptance_by_depth, acceptance_figure, first_token_figure, visible
@@ -49,33 +48,37 @@ st.caption(
 
 if st.button("Run the lab", type="primary", icon=":material/science:"):
     try:
-        pair = cached_pair(spec.target, spec.draft, spec.device, spec.dtype)
+        models = (spec.target, spec.draft, spec.device, spec.dtype)
+        info = models_info(models)  # the pair's engine process holds the models for every page
         policy = make_policy(run.policy_name, run.params)
         config = DecodeConfig(
             max_new_tokens=spec.max_new_tokens,
-            eos_token_ids=pair.target.eos_token_ids,
-            context_length=pair.target.context_length,
+            eos_token_ids=info.eos_token_ids,
+            context_length=info.context_length,
             sampling=SamplingConfig(temperature=temperature, top_p=top_p, top_k=spec.top_k),
             verifier=verifier,
         )
         verifier_for(policy, config)  # refuse an invalid pairing before any work
+        status = st.empty()
         bar = st.progress(0.0, text="Repeating the step...")
-        with forward_lock():
-            result = run_lab(
-                pair.target.model,
-                context,
-                policy,
-                config,
-                trials,
-                **pair.drafting(policy),
-                progress=lambda i: bar.progress(i / trials, text=f"Step {i}/{trials}"),
-            )
+        payload = {
+            "policy": run.policy_name,
+            "params": dict(run.params),
+            "context": context,
+            "config": config,
+            "trials": trials,
+        }
+        result = pair_job(
+            models,
+            "lab",
+            payload,
+            on_event=lambda kind, data: bar.progress(data[0] / trials, text=f"Step {data[0]}/{trials}"),
+            status=status,
+        )
         bar.empty()
         st.session_state["lab"] = (verifier, result)
-    except DynaTreeError as exc:
-        st.error(str(exc))
-    except Exception as exc:  # a model that cannot load: a message, never a traceback
-        st.error(f"The lab could not run: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - e.g. a model that cannot load: one line, the traceback logged
+        show_error(exc, "The lab could not run")
 
 if "lab" in st.session_state:
     name, result = st.session_state["lab"]

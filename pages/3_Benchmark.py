@@ -10,13 +10,13 @@ import streamlit as st
 
 from dynatree_core.decoding.methods import candidates, method_class
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.measure.bench import parse_sweep, run_bench, sweep_entries
+from dynatree_core.measure.bench import parse_sweep, sweep_entries
 from dynatree_core.measure.entries import Entry
 from dynatree_core.measure.prompt_sets import CORPORA, bundled_sets, choose_prompts
 from dynatree_core.measure.run_settings import RunSpec
 from dynatree_core.runs.validate import check_size_and_depth
 from dynatree_core.runs.validate_reports import check_bench_rows
-from dynatree_core.ui.resources import cached_pair, forward_lock
+from dynatree_core.ui.resources import models_info, pair_job, show_error
 from dynatree_core.ui.widgets import model_picker, setting_widget
 from dynatree_core.viz.bench import saved_results_figure, sweep_figures
 
@@ -77,31 +77,33 @@ if st.button("Run benchmark", type="primary", icon=":material/timer:"):
             raise DynaTreeError("enter the prompt file's path")
         with st.spinner("Loading prompts..."):
             prompts = choose_prompts(prompt_spec, limit)
+        models = (target_spec, draft_spec, device, dtype)
         with st.spinner("Loading models..."):
-            pair = cached_pair(target_spec, draft_spec, device, dtype)
+            info = models_info(models)  # the pair's engine process holds them for every page
         run_spec = RunSpec(target=target_spec, draft=draft_spec, device=device, dtype=dtype, max_new_tokens=max_new)
-        config = run_spec.decode_config(
-            eos_token_ids=pair.target.eos_token_ids, context_length=pair.target.context_length
-        )
+        config = run_spec.decode_config(eos_token_ids=info.eos_token_ids, context_length=info.context_length)
+        status = st.empty()
         bar = st.progress(0.0, text="Starting...")
-        with forward_lock():
-            report = run_bench(
-                pair,
-                entries,
-                prompts,
-                config=config,
-                repeats=repeats,
-                include_hf=include_hf,
-                max_prompt_tokens=int(max_prompt) or None,
-                progress=lambda done, total, label: bar.progress(done / total, text=f"{done}/{total}: {label}"),
-            )
+        payload = {
+            "entries": entries,
+            "prompts": prompts,
+            "config": config,
+            "repeats": repeats,
+            "include_hf": include_hf,
+            "max_prompt_tokens": int(max_prompt) or None,
+        }
+        report = pair_job(
+            models,
+            "bench",
+            payload,
+            on_event=lambda kind, d: bar.progress(d[0] / d[1], text=f"{d[0]}/{d[1]}: {d[2]}"),
+            status=status,
+        )
         bar.empty()
         report.settings["models"] = {"target": target_spec, "draft": draft_spec}
         st.session_state["bench_report"] = (report, sweeps)
-    except DynaTreeError as exc:
-        st.error(str(exc))
-    except Exception as exc:  # a model that cannot load: a message, never a traceback
-        st.error(f"The benchmark could not run: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - e.g. a model that cannot load: one line, the traceback logged
+        show_error(exc, "The benchmark could not run")
 
 if "bench_report" in st.session_state:
     report, sweeps = st.session_state["bench_report"]

@@ -46,6 +46,9 @@ def examples(n: int) -> settings:
 # The live page opens on a replay of a recorded run (assets/replay/) that plays for ~20 s; the
 # app tests start from the form instead, and test_app.py turns the replay on where it is tested.
 os.environ.setdefault("DYNATREE_REPLAY", "0")
+# One test process keeps the sessions of many AppTests (their runs hold their pairs): room for every
+# pair the suite loads (tests/test_pool.py tests the limit itself).
+os.environ.setdefault("DYNATREE_MAX_PAIRS", "12")
 
 VOCAB = 96
 ARCHS = ("llama", "gpt_neox", "qwen2", "gpt2")

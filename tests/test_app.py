@@ -375,7 +375,7 @@ def test_an_iteration_plays_stage_by_stage(tiny_pair_dirs, monkeypatch):
     stage.set_value("draft depth 1").run()
     assert not at.exception, at.exception
     assert tree_nodes() == sum(1 for d in rec.tree.depths if d <= 1)
-    assert any("Draft forward 1 proposed" in m.value for m in at.markdown)
+    assert any("Draft depth 1.** Forward pass 1 proposed" in m.value for m in at.markdown)
     next(s for s in at.select_slider if s.label == "Stage").set_value("verify").run()
     names = {t.get("name") for c in at.get("plotly_chart") for t in json.loads(c.proto.spec)["data"]}
     assert names & {"match", "mismatch"} and "accepted" not in names, names
@@ -546,10 +546,10 @@ def test_a_published_eagle3_head_drafts_in_the_app_and_one_for_another_target_is
     tiny = load_model(tiny_pair_dirs[0], device="cpu", dtype="float32").model
     vocab = tiny.config.vocab_size
     token_map = TokenMap([-1, *range(0, vocab, 5)], vocab)
-    export_eagle3(FusedDraft.from_target(tiny, token_map, taps=(1, 1, 1)), tmp_path / "head")
+    export_eagle3(FusedDraft.from_target(tiny, token_map, taps=(1, 1, 1), fc_norm="none"), tmp_path / "head")
     other = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2))  # fmt: skip
-    export_eagle3(FusedDraft.from_target(other, token_map, taps=(1, 1, 1)), tmp_path / "other-head")
+    export_eagle3(FusedDraft.from_target(other, token_map, taps=(1, 1, 1), fc_norm="none"), tmp_path / "other-head")
 
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=180)
     at.run()
@@ -564,3 +564,99 @@ def test_a_published_eagle3_head_drafts_in_the_app_and_one_for_another_target_is
     _click(at, "Step")
     assert not at.exception, at.exception
     assert len(at.error) == 1 and "hidden" in at.error[0].value.lower(), [e.value for e in at.error]
+
+
+def test_no_page_loads_a_model_pair_in_the_app_process(tiny_pair_dirs, monkeypatch):
+    """Every page's work runs as a job in the pair's engine process (live/jobs.py): with this
+    process's loader made to fail, a live run, the AR reference, the latency profile, an HF baseline,
+    a comparison and a benchmark all still run. One copy of each pair on a server."""
+    from dynatree_core.ui import resources
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a page loaded a model pair in the app process")
+
+    resources.cached_pair.clear()
+    monkeypatch.setattr(resources, "load_pair", refuse)
+    root = Path(__file__).resolve().parent.parent
+    at = AppTest.from_file(str(root / "app.py"), default_timeout=300)
+    at.run()
+    pick_custom_pair(at, *tiny_pair_dirs)
+    next(s for s in at.slider if s.label == "Max new tokens").set_value(8).run()
+    _click(at, "Step")
+    _click(at, "Measure AR reference")
+    _click(at, "latency profile")
+    assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
+    assert at.session_state["ar_tps"] and at.session_state["latency_profiles"]
+    next(s for s in at.selectbox if s.label == "Policy").set_value("hf_assisted").run()
+    _click(at, "Run baseline")
+    assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
+    assert int(at.metric[4].value) == 8
+
+    from tests.test_compare import _custom_pair
+
+    cmp = AppTest.from_file(str(root / "pages" / "1_Compare_Policies.py"), default_timeout=300)
+    cmp.run()
+    _custom_pair(cmp, tiny_pair_dirs)
+    next(n for n in cmp.number_input if n.label == "Policies to compare").set_value(2)
+    next(s for s in cmp.slider if s.label == "Max new tokens").set_value(6)
+    next(s for s in cmp.slider if s.label == "Repetitions").set_value(1)
+    next(t for t in cmp.toggle if t.label == "HF generate references").set_value(False)
+    cmp.run()
+    next(b for b in cmp.button if b.label == "Compare").click().run()
+    assert not cmp.exception and not cmp.error, (cmp.exception, [e.value for e in cmp.error])
+    assert cmp.session_state["comparison"].correctness["ok"] is True
+
+    bench = AppTest.from_file(str(root / "pages" / "3_Benchmark.py"), default_timeout=300)
+    bench.run()
+    _custom_pair(bench, tiny_pair_dirs)
+    next(s for s in bench.multiselect if s.label == "Policies").set_value(["fixed_tree"])
+    next(s for s in bench.slider if s.label == "Prompts (N)").set_value(1)
+    next(s for s in bench.slider if s.label == "Max new tokens").set_value(6)
+    next(t for t in bench.toggle if t.label == "HF generate references").set_value(False)
+    bench.run()
+    next(b for b in bench.button if "Run benchmark" in b.label).click().run()
+    assert not bench.exception and not bench.error, (bench.exception, [e.value for e in bench.error])
+    assert [e.label for e in bench.session_state["bench_report"][0].results][-1] == "fixed_tree"
+
+
+def test_a_page_error_is_one_line_and_its_traceback_goes_to_the_server_log(tiny_pair_dirs, monkeypatch, tmp_path):
+    """A run that fails in the engine process: the page shows one line and where the log is; the
+    log holds the traceback from the engine process."""
+    log = tmp_path / "server.log"
+    monkeypatch.setenv("DYNATREE_LOG", str(log))  # this process's logger follows it (core/log.py)
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=300)
+    at.run()
+    pick_custom_pair(at, *tiny_pair_dirs)
+    at.text_area[0].set_value("word " * 5000).run()  # longer than the tiny target's context
+    _click(at, "Step")
+    assert not at.exception
+    (error,) = [e.value for e in at.error]
+    assert "The run stopped" in error and "context" in error and "\n" not in error.strip()
+    assert any("server log" in c.value and str(log) in c.value for c in at.caption)
+    logged = log.read_text()  # the child's own stack, carried with the exception
+    assert "Traceback (most recent call last)" in logged and "in engine process" in logged
+
+
+def test_the_tree_is_drawn_as_a_picture_under_its_chart_until_a_run_decodes():
+    """The tree's picture (SVG) stays in the page under the interactive chart, which hides it once
+    the browser has drawn the chart (live_view.TREE_VIEW_CSS; tests/test_e2e.py watches it): the
+    page never shows an empty chart box instead of the tree. While a run decodes, only the chart
+    (the browser has plotly by then, and each picture would cost the engine time)."""
+
+    def page(running: bool, replaying: bool):
+        from dynatree_core.live.run import LiveRun
+        from dynatree_core.ui.live_view import render
+        from dynatree_core.ui.replay import REPLAY_FILE
+
+        run = LiveRun.from_json(REPLAY_FILE.read_bytes())
+        run.done = not running
+        render(run, running=running, replaying=replaying)
+
+    for running, replaying in ((False, True), (False, False), (True, False)):
+        at = AppTest.from_function(page, args=(running, replaying), default_timeout=60)
+        at.run()
+        assert not at.exception, at.exception
+        pictures = [i for i in at.get("image") if "Draft tree" in str(i.proto)]
+        trees = [c for c in at.get("plotly_chart") if '"name":"root"' in c.proto.spec.replace(" ", "")]
+        assert len(trees) == 1 and len(pictures) == (not running), (running, replaying, len(pictures))
+        assert any(".st-key-tree_view:has(" in h.proto.body for h in at.get("html")), "the CSS that swaps them"

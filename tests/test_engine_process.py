@@ -20,7 +20,17 @@ PROMPT = [1, 17, 4, 99, 250, 7]
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_pair_dirs):
+def server_log(tmp_path_factory):
+    """The server log the module's engine writes (DYNATREE_LOG, read when the child starts)."""
+    path = tmp_path_factory.mktemp("log") / "server.log"
+    mp = pytest.MonkeyPatch()
+    mp.setenv("DYNATREE_LOG", str(path))
+    yield path
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair_dirs, server_log):
     # the child decodes with this process's thread count, so float32 sums run in the same order
     eng = EngineProcess(PairSpec(*tiny_pair_dirs, threads=torch.get_num_threads()))
     eng.wait_ready(300)
@@ -143,14 +153,103 @@ def test_a_run_nobody_watches_pauses_itself(engine):
     assert run.idle_paused and not run.done
 
 
-def test_the_ar_reference_runs_in_the_child(engine, pair):
+def _job(engine, name, payload, timeout_s=120):
+    return call(engine, "job", (name, payload), timeout_s)
+
+
+def test_the_references_run_as_jobs_in_the_child(engine, pair):
     config = _config(engine, 16)
-    ref = call(engine, "ar", (PROMPT, config, "ar"), 120)
+    ref = _job(engine, "generate", {"method": "ar", "prompt_ids": PROMPT, "config": config})
     assert ref.token_ids == _reference(pair, "ar", 16).token_ids and ref.throughput_tps > 0
-    static = call(engine, "ar", (PROMPT, config, "hf_static"), 120)
+    static = _job(engine, "generate", {"method": "hf_static", "prompt_ids": PROMPT, "config": config})
     assert static.token_ids == ref.token_ids and static.forward_path.startswith("hf+static")
-    with pytest.raises(DynaTreeError, match="not an AR reference"):
-        call(engine, "ar", (PROMPT, config, "fixed_tree"), 120)
+    with pytest.raises(DynaTreeError, match="not a job"):
+        _job(engine, "train", {})
+
+
+def test_jobs_queue_in_arrival_order_and_a_step_meanwhile_is_answered_busy(engine, pair):
+    """Three jobs sent at once run one at a time in the order sent (the parent knows each one's
+    place); a live run's Step while a job holds the engine is answered "busy" at once, and the run
+    steps normally once the jobs are done. A comparison in the child equals one in this process."""
+    from dynatree_core.live.engine_process import JobHandle
+    from dynatree_core.measure.compare import compare
+    from dynatree_core.measure.entries import Entry
+
+    config = _config(engine, 24)
+    run = _start(engine, max_new=24)
+    payload = {
+        "entries": [Entry("fixed_tree"), Entry("linear")],
+        "prompt_ids": PROMPT,
+        "config": config,
+        "repetitions": 1,
+        "include_hf": False,
+    }
+    handles = [JobHandle() for _ in range(3)]
+    rids = [engine.submit("compare", payload, h) for h in handles]
+    assert [engine.queue_position(r) for r in rids] == [0, 1, 2]
+    assert engine.busy_with() == ("compare", 2) and engine.in_use
+    from dynatree_core.ui.resources import _waiting_text
+
+    text = _waiting_text(engine, rids[2], "compare")  # what the third job's page shows while it waits
+    assert "running a comparison" in text and "2 job(s) ahead of this one (a comparison)" in text
+    deadline = time.monotonic() + 60
+    while not handles[0].started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    with pytest.raises(DynaTreeError, match="running a comparison"):
+        run.step(timeout_s=30)
+    assert time.monotonic() - t0 < 5, "the busy answer must come at once, not after the jobs"
+    waiting = _start(engine, max_new=8)
+    assert waiting.start_worker() and "running a comparison" in waiting.waiting_for()
+    for h in handles:
+        assert h.finished.wait(300) and h.error is None, h.error
+    events = []
+    while not handles[0].events.empty():
+        events.append(handles[0].events.get_nowait())
+    assert [d[0] for k, d in events if k == "progress"] == sorted(d[0] for k, d in events if k == "progress")
+    assert all(engine.queue_position(r) is None for r in rids) and engine.busy_with() is None
+    here = compare(pair, payload["entries"], PROMPT, config=config, repetitions=1, include_hf=False)
+    for got in (h.result for h in handles):
+        assert [e.token_ids for e in got.entries] == [e.token_ids for e in here.entries]
+        assert got.correctness["ok"] is True
+    assert run.step() is not None and len(run.records) == 1, "the run steps once the jobs are done"
+    assert waiting.wait(120) and waiting.done and waiting.waiting_for() == "", "the waiting run went on"
+    run.close()
+
+
+def test_a_failing_job_is_a_message_and_its_traceback_is_in_the_server_log(engine, server_log):
+    config = _config(engine, 8)
+    with pytest.raises(DynaTreeError, match="context") as info:
+        _job(engine, "generate", {"method": "fixed_tree", "prompt_ids": PROMPT * 200, "config": config})
+    assert any("in engine process" in note for note in getattr(info.value, "__notes__", []))
+    deadline = time.monotonic() + 10
+    while "Traceback" not in server_log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    logged = server_log.read_text()
+    assert "job generate" in logged and "Traceback (most recent call last)" in logged
+    assert "engine_child.py" in logged and "jobs.py" in logged, "the child's own stack"
+    assert _job(engine, "generate", {"method": "ar", "prompt_ids": PROMPT, "config": config}).token_ids
+
+
+def test_every_command_is_answered(engine):
+    """drop, pause, go and step on unknown runs, and an unknown command: each gets its answer."""
+    from dynatree_core.live.engine_process import JobHandle
+
+    for kind, payload, answer in [
+        ("drop", None, "dropped"),
+        ("pause", 7, "paused"),
+        ("go", 1, "done"),
+        ("step", None, "done"),
+        ("teleport", None, "error"),
+    ]:
+        seen = []
+        handle = JobHandle()
+        handle.on_message = lambda k, p, seen=seen, h=handle: (seen.append(k), h.finished.set())
+        rid = engine.register(handle)
+        engine.send(kind, rid, payload)
+        assert handle.finished.wait(30), f"no answer to {kind!r}"
+        engine.unregister(rid)
+        assert seen[0] == answer, (kind, seen)
 
 
 def test_a_pair_that_cannot_load_is_a_message():
@@ -175,3 +274,19 @@ def test_a_dead_engine_ends_its_runs_with_a_message(tiny_pair_dirs):
     assert not run.start_worker() and run.step() is None
     with pytest.raises(DynaTreeError, match="gone"):
         eng.send("go", 1, 1)
+
+
+def test_a_failed_warm_up_is_logged_and_the_engine_still_serves(tiny_pair_dirs, tmp_path, monkeypatch):
+    """The warm-up's failure costs its time and leaves its traceback in the server log."""
+    from dynatree_core.live.engine_child import _warm_up
+
+    log = tmp_path / "server.log"
+    monkeypatch.setenv("DYNATREE_LOG", str(log))
+    pair = load_pair(*tiny_pair_dirs)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a kernel this machine lacks")
+
+    assert _warm_up(pair, broken, make_method) >= 0.0
+    logged = log.read_text()
+    assert "warm-up failed" in logged and "a kernel this machine lacks" in logged and "Traceback" in logged

@@ -1,236 +1,106 @@
-"""The engine in its own process, so that drawing a page never takes time from decoding.
+"""The engine in its own process, so that drawing a page never takes time from decoding, and the
+one place a model pair lives on a server: every page and every session uses the pair through it.
 
 Measured (assets/benchmarks/drawing_contention.py): a 1-thread engine in a thread of
 a process whose Python draws a third of the time lost ~37% of its speed (the GIL); the same
-engine in a child process lost nothing. `EngineProcess` is that child for the live app. It loads
-one model pair, keeps any number of runs (one `engine.decode` generator each, so every run keeps
-its own KV caches) and decodes the runs it was asked to run round-robin, one iteration at a time,
-reading its commands between iterations. Records go back over a multiprocessing queue whose
-feeder thread sends them, so the decoding loop never waits for the page. One process per pair
-also serialises every forward on that pair, as the app's forward lock did within one process.
+engine in a child process lost nothing. `EngineProcess` is that child for the app. It loads
+one model pair, keeps any number of live runs (one `engine.decode` generator each, so every run
+keeps its own KV caches) and decodes the runs it was asked to run round-robin, one iteration at a
+time. Between iterations it takes queued jobs (jobs.py: a comparison, a benchmark, the Lab, a
+reference or baseline, the latency profile), one at a time in arrival order, each to its end with
+no live iteration in between (so a job's timings are its own; live runs wait meanwhile). A reader
+thread takes commands off the pipe as they come, so a sender never blocks on a busy child, and
+answers a "step" at once with "busy" while a job holds the engine. Records go back over a
+multiprocessing queue whose feeder thread sends them, so the decoding loop never waits for a page.
 
-Protocol (all tuples; `rid` names a run, or a one-off job such as an AR reference):
+Protocol (all tuples; `rid` names a run or a job):
 
   parent -> child  ("start", rid, StartRun) ("go", rid, seq) ("step", rid) ("pause", rid, seq)
-                   ("drop", rid) ("ar", rid, (prompt_ids, DecodeConfig, reference)) ("runs", rid)
-                   ("quit", 0)   (reference: "ar", "hf_generate" or "hf_static", methods.REFERENCES)
+                   ("drop", rid) ("job", rid, (name, payload)) ("runs", rid) ("quit", 0)
   child -> parent  ("ready", 0, EngineInfo) ("failed", 0, exc) ("record", rid, IterationRecord)
-                   ("done", rid, None) ("paused", rid, seq) ("error", rid, exc)
-                   ("result", rid, RunResult or the list of runs the child holds)
+                   ("done", rid, None) ("paused", rid, seq) ("error", rid, exc) ("busy", rid, text)
+                   ("dropped", rid, None) ("started", rid, None) ("event", rid, (kind, data))
+                   ("result", rid, a job's result, or the list of runs the child holds)
 
-Every "go" ends in exactly one of "done", "paused" (echoing the seq it was sent with, so a pause
-that a later "go" overtook is recognised) or "error"; every "step" in one "record" (possibly
-followed by "done"), "done" or "error". The child knows nothing of Streamlit; it exits
-when the parent closes the command pipe (the parent died) or says "quit".
+Every command is answered: "start" by nothing unless it fails ("error"), "go" by exactly one of
+"done", "paused" (echoing the seq it was sent with, so a pause that a later "go" overtook is
+recognised) or "error"; "step" by one "record" (possibly followed by "done"), "done", "error" or
+"busy" (a job holds the engine, or the run is decoding); "pause" by "paused"; "drop" by "dropped";
+"job" by "started", any "event"s, then "result" or "error"; "runs" by "result". Every exception the
+child meets is written with its traceback to the server log (core/log.py) before its message is
+sent. The child knows nothing of Streamlit; it exits when the parent closes the command pipe (the
+parent died) or says "quit".
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import itertools
 import multiprocessing as mp
-import pickle
+import os
 import queue
+import sys
 import threading
+import time
+import types
 import weakref
 from typing import Any
 
+from dynatree_core.core.log import log_info
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.live.engine_child import POLL_S, EngineInfo, PairSpec, StartRun, pair_info, serve
+
+__all__ = ["CALL_TIMEOUT_S", "EngineInfo", "EngineProcess", "JobHandle", "PairSpec", "StartRun", "call", "pair_info"]
 
 # A spawned child starts a fresh interpreter: forking a process whose OpenMP runtime is already
 # running threads can deadlock the child.
 _CTX = mp.get_context("spawn")
-POLL_S = 0.5  # how often the parent's dispatcher checks that the child is alive and runs are watched
+LOAD_TIMEOUT_ENV = "DYNATREE_LOAD_TIMEOUT"
+CALL_TIMEOUT_S = 600.0  # a one-off job waited for in one call (a reference, the latency profile)
 
 
-@dataclasses.dataclass(frozen=True)
-class PairSpec:
-    target: str
-    draft: str | None
-    device: str = "auto"
-    dtype: str = "auto"
-    threads: int | None = None  # None: core/threads.py decides (DYNATREE_THREADS, else the app's default)
+_SPAWN = threading.Lock()
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineInfo:
-    """What the child loaded: everything the page needs without loading the models itself."""
-
-    device: str
-    dtype: str
-    threads: int  # torch threads the child decodes with
-    tokenizer: Any  # the target's tokenizer (HF tokenizers pickle)
-    eos_token_ids: frozenset[int]
-    context_length: int
-    has_draft: bool
-    draft_is_stand_in: bool
-    draft_kind: str  # "token" / "feature" / "fused" / "" (engine.draft_kind)
-    pid: int
-    vocab_size: int | None = None  # the target's vocabulary (run files record it)
-    warmup_s: float = 0.0  # the warm-up decode before "ready" (first-call costs kept out of live runs)
-
-
-@dataclasses.dataclass(frozen=True)
-class StartRun:
-    prompt_ids: list[int]
-    policy: str
-    params: dict[str, Any]
-    config: Any  # engine.DecodeConfig (pickled as is)
-
-
-def _portable(exc: BaseException) -> Exception:
-    """The exception itself when it survives pickling, else a RuntimeError with its text."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc  # type: ignore[return-value]
-    except Exception:
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
-
-
-# ----- the child ---------------------------------------------------------------------------------
-def _warm_up(pair, generate, make_method) -> float:
-    """One short tree run and one AR run before the page's first: first-call costs (lazy imports,
-    lean-forward construction, allocator and oneDNN caches) land here, not in a user's run."""
-    import time
-
-    from dynatree_core.decoding.engine import DecodeConfig
-    from dynatree_core.decoding.pairs import encode_prompt
-
-    t0 = time.perf_counter()
-    try:
-        target = pair.target
-        ids = encode_prompt(target.tokenizer, "Say hello.", chat=target.has_chat_template)
-        config = DecodeConfig(max_new_tokens=16, eos_token_ids=frozenset(), context_length=target.context_length)
-        for name in ("fixed_tree", "ar") if pair.draft is not None else ("ar",):
-            policy = make_method(name)
-            generate(target.model, ids, policy, config=config, **pair.drafting(policy))
-    except Exception:  # noqa: BLE001 - a warm-up that fails costs nothing but its time; real runs report errors
-        pass
-    return time.perf_counter() - t0
-
-
-def serve(commands, out, spec: PairSpec) -> None:
-    """The child's main loop (runs in the spawned process)."""
-    import os
-
-    import torch
-
-    from dynatree_core.core.threads import configure_threads
-    from dynatree_core.decoding.engine import decode, draft_kind, generate, vocab_size
-    from dynatree_core.decoding.methods import REFERENCES, make_method
-    from dynatree_core.decoding.pairs import load_pair
-
-    try:
-        threads = configure_threads(spec.threads, role="app")
-        pair = load_pair(spec.target, spec.draft, device=spec.device, dtype=spec.dtype)
-    except BaseException as exc:  # noqa: BLE001 - whatever stops the load is the parent's message
-        out.put(("failed", 0, _portable(exc)))
-        return
-    target = pair.target
-    warmup_s = _warm_up(pair, generate, make_method)
-    out.put(
-        (
-            "ready",
-            0,
-            EngineInfo(
-                device=str(target.device),
-                dtype=str(target.dtype).removeprefix("torch."),
-                threads=threads,
-                tokenizer=target.tokenizer,
-                eos_token_ids=target.eos_token_ids,
-                context_length=target.context_length,
-                has_draft=pair.draft is not None,
-                draft_is_stand_in=pair.draft_is_stand_in,
-                draft_kind=draft_kind(pair.draft.model if pair.draft is not None else None),
-                pid=os.getpid(),
-                vocab_size=vocab_size(target.model),
-                warmup_s=warmup_s,
-            ),
-        )
-    )
-    runs: dict[int, Any] = {}  # rid -> decode generator
-    running: collections.deque[int] = collections.deque()  # runs decoding, in round-robin order
-
-    def advance(rid: int) -> bool:
-        """One iteration of run `rid`; True while it can go on."""
+@contextlib.contextmanager
+def _main_left_out():
+    """Start a spawned child without the parent's `__main__`: spawn re-runs the main module's file in
+    the child (multiprocessing.spawn.prepare), and in a Streamlit server that is the page script that
+    ran last (Streamlit installs each script as `__main__`): measured, the child ran app.py in bare
+    mode for ~17 s before loading its pair, and a test's temporary page script that no longer exists
+    made it fail. The child needs nothing from `__main__` (its target is engine_child.serve)."""
+    with _SPAWN:
+        main = sys.modules.get("__main__")
+        sys.modules["__main__"] = types.ModuleType("__main__")
         try:
-            record = next(runs[rid], None)
-        except Exception as exc:  # noqa: BLE001 - e.g. the prompt does not fit: the run ends
-            runs.pop(rid, None)
-            out.put(("error", rid, _portable(exc)))
-            return False
-        if record is not None:
-            out.put(("record", rid, record))
-        if record is None or record.stop is not None:
-            runs.pop(rid, None)  # releases its KV caches
-            out.put(("done", rid, None))
-            return False
-        return True
-
-    def handle(kind: str, rid: int, payload: Any = None) -> bool:
-        if kind == "quit":
-            return False
-        if kind == "start":
-            try:
-                policy = make_method(payload.policy, payload.params)
-                torch.manual_seed(payload.config.seed)
-                runs[rid] = decode(
-                    target.model, payload.prompt_ids, policy, config=payload.config, **pair.drafting(policy)
-                )
-            except Exception as exc:  # noqa: BLE001
-                out.put(("error", rid, _portable(exc)))
-        elif kind == "go":
-            if rid not in runs:
-                out.put(("done", rid, None))
-            elif rid not in running:
-                running.append(rid)
-        elif kind == "step":
-            if rid not in runs:
-                out.put(("done", rid, None))
-            elif rid not in running:
-                advance(rid)
-        elif kind == "pause":
-            if rid in running:
-                running.remove(rid)
-            out.put(("paused", rid, payload))  # echoes the "go" it ends
-        elif kind == "drop":
-            runs.pop(rid, None)
-            if rid in running:
-                running.remove(rid)
-        elif kind == "runs":  # what the child holds (tests: a discarded run must be freed)
-            out.put(("result", rid, sorted(runs)))
-        elif kind == "ar":
-            prompt_ids, config, reference = payload
-            try:
-                if reference not in REFERENCES:
-                    raise DynaTreeError(f"{reference!r} is not an AR reference ({', '.join(REFERENCES)})")
-                out.put(("result", rid, generate(target.model, prompt_ids, make_method(reference), config=config)))
-            except Exception as exc:  # noqa: BLE001
-                out.put(("error", rid, _portable(exc)))
-        return True
-
-    with torch.inference_mode():
-        while True:
-            try:
-                while not running or commands.poll():  # block only when there is nothing to decode
-                    if not handle(*commands.recv()):
-                        return
-            except (EOFError, OSError):  # the parent is gone
-                return
-            rid = running.popleft()
-            if advance(rid):
-                running.append(rid)
+            yield
+        finally:
+            if main is not None:
+                sys.modules["__main__"] = main
 
 
-# ----- the parent --------------------------------------------------------------------------------
+def load_timeout_s() -> float:
+    """How long a page waits for a pair's engine to load and warm up (DYNATREE_LOAD_TIMEOUT, s)."""
+    raw = os.environ.get(LOAD_TIMEOUT_ENV, "").strip()
+    try:
+        value = float(raw) if raw else 900.0
+    except ValueError:
+        raise DynaTreeError(f"{LOAD_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise DynaTreeError(f"{LOAD_TIMEOUT_ENV} must be positive, not {raw}")
+    return value
+
+
 class EngineProcess:
-    """A child process that owns one model pair and decodes runs for this process.
+    """A child process that owns one model pair and serves this process's runs and jobs.
 
     Objects that `register()` receive the child's messages about their rid through `on_message`
     (called from the dispatcher thread) and a `on_tick()` about every POLL_S seconds (to pause runs
     nobody watches). If the child dies, every registered object gets an ("error", ...) message.
+    The jobs sent and not yet answered are kept in order (`queue_position`, `busy_with`), and
+    `in_use` says whether anything still needs this engine (a loading engine, a live run that has
+    not finished, a queued or running job), so a pool never closes one under its users.
     """
 
     def __init__(self, spec: PairSpec):
@@ -240,13 +110,17 @@ class EngineProcess:
         self._process = _CTX.Process(
             target=serve, args=(receiver, self._out, spec), name="dynatree-engine", daemon=True
         )
-        self._process.start()
+        with _main_left_out():
+            self._process.start()
         receiver.close()
         self._send_lock = threading.Lock()
         # weak: a run the page forgot is garbage-collected, and its finalizer drops it in the child
         self._listeners: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._ids = itertools.count(1)
         self._ready = threading.Event()
+        self._jobs: collections.OrderedDict[int, str] = collections.OrderedDict()  # rid -> job name, sent order
+        self._jobs_lock = threading.Lock()
+        self.started_at = time.monotonic()
         self.info: EngineInfo | None = None
         self.failure: Exception | None = None
         self._dispatcher = threading.Thread(target=self._dispatch, name="dynatree-engine-dispatch", daemon=True)
@@ -254,24 +128,44 @@ class EngineProcess:
 
     # -- lifecycle --
     def wait_ready(self, timeout_s: float | None = None) -> EngineInfo:
-        """The child's EngineInfo once its models are loaded; DynaTreeError if it could not load."""
+        """The child's EngineInfo once its models are loaded (waits at most `timeout_s`, default
+        DYNATREE_LOAD_TIMEOUT); DynaTreeError if it could not load or took longer."""
+        timeout_s = load_timeout_s() if timeout_s is None else timeout_s
         if not self._ready.wait(timeout_s):
-            raise DynaTreeError(f"the engine process did not load {self.spec.target!r} within {timeout_s:.0f} s")
+            raise DynaTreeError(
+                f"the engine process did not load {self.spec.target!r} within {timeout_s:.0f} s "
+                f"({LOAD_TIMEOUT_ENV} to wait longer)"
+            )
         if self.info is None:
             exc = self.failure
             raise exc if isinstance(exc, DynaTreeError) else DynaTreeError(f"the engine process could not load: {exc}")
         return self.info
 
     @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
     def alive(self) -> bool:
         return self._process.is_alive()
 
+    @property
+    def in_use(self) -> bool:
+        """Loading, or holding a live run that has not finished, or a job not yet answered."""
+        if not self._ready.is_set() and self.alive:
+            return True
+        with self._jobs_lock:
+            if self._jobs:
+                return True
+        return any(getattr(listener, "done", True) is False for listener in list(self._listeners.values()))
+
     def close(self, timeout_s: float = 5.0) -> None:
-        """Ask the child to exit (after its current iteration), then make sure it did."""
+        """Ask the child to exit (after its current iteration or job), then make sure it did."""
         with contextlib.suppress(DynaTreeError):
             self.send("quit", 0)
         self._process.join(timeout_s)
         if self._process.is_alive():
+            log_info("engine %s did not quit within %.0f s: killed", self.spec.title(), timeout_s)
             self._process.kill()
             self._process.join(timeout_s)
 
@@ -285,6 +179,8 @@ class EngineProcess:
         self._listeners.pop(rid, None)
 
     def send(self, kind: str, rid: int, payload: Any = None) -> None:
+        """One command to the child (its reader thread takes it at once, so this never waits on a
+        busy child); DynaTreeError when the child is gone."""
         with self._send_lock:
             try:
                 self._commands.send((kind, rid, payload))
@@ -292,11 +188,39 @@ class EngineProcess:
                 raise DynaTreeError(f"the engine process is gone ({self._exit_text()})") from exc
 
     def drop(self, rid: int) -> None:
-        """Forget run `rid` here and in the child (its KV caches are freed); never raises."""
+        """Forget run or job `rid` here and in the child (its KV caches are freed, a queued job
+        leaves the queue); never raises."""
         self.unregister(rid)
+        with self._jobs_lock:
+            self._jobs.pop(rid, None)
         if self.alive:
             with contextlib.suppress(DynaTreeError):
                 self.send("drop", rid)
+
+    # -- jobs --
+    def submit(self, name: str, payload: dict, listener: Any) -> int:
+        """Queue job `name` (jobs.py) for `listener` (a JobHandle); its rid."""
+        rid = self.register(listener)
+        with self._jobs_lock:
+            self._jobs[rid] = name
+        try:
+            self.send("job", rid, (name, payload))
+        except DynaTreeError:
+            self.drop(rid)
+            raise
+        return rid
+
+    def queue_position(self, rid: int) -> int | None:
+        """0 when job `rid` runs (or is next), k when k jobs are ahead of it; None once answered."""
+        with self._jobs_lock:
+            order = list(self._jobs)
+        return order.index(rid) if rid in order else None
+
+    def busy_with(self) -> tuple[str, int] | None:
+        """(the name of the job holding the engine, jobs queued behind it), or None when no job is."""
+        with self._jobs_lock:
+            names = list(self._jobs.values())
+        return (names[0], len(names) - 1) if names else None
 
     def _exit_text(self) -> str:
         code = self._process.exitcode
@@ -322,6 +246,9 @@ class EngineProcess:
                 if kind == "failed":
                     return
                 continue
+            if kind in ("result", "error"):
+                with self._jobs_lock:
+                    self._jobs.pop(rid, None)
             listener = self._listeners.get(rid)
             if listener is not None:
                 listener.on_message(kind, payload)
@@ -330,40 +257,63 @@ class EngineProcess:
         if not self._ready.is_set():
             self.failure = DynaTreeError(f"the engine process ended while loading ({self._exit_text()})")
             self._ready.set()
+        log_info("engine %s ended (%s)", self.spec.title(), self._exit_text())
+        with self._jobs_lock:
+            self._jobs.clear()
         exc = DynaTreeError(f"the engine process ended unexpectedly ({self._exit_text()}); press Run to restart it")
         for listener in list(self._listeners.values()):
             listener.on_message("error", exc)
 
 
-class Job:
-    """A one-off request to the child (an AR reference): `EngineProcess.call` waits for it."""
+class JobHandle:
+    """A job sent to an engine (EngineProcess.submit): its events as they come (`events`), then its
+    result or error. `done` is False until answered, so the engine counts as in use meanwhile."""
 
     def __init__(self) -> None:
-        self.done = threading.Event()
+        self.finished = threading.Event()
+        self.started = False
+        self.events: queue.Queue = queue.Queue()
         self.result: Any = None
         self.error: Exception | None = None
 
+    @property
+    def done(self) -> bool:
+        return self.finished.is_set()
+
     def on_message(self, kind: str, payload: Any) -> None:
-        if kind == "result":
-            self.result = payload
-        elif kind == "error":
-            self.error = payload
-        self.done.set()
+        if kind == "started":
+            self.started = True
+        elif kind == "event":
+            self.events.put(payload)
+        elif kind == "busy":
+            self.error = DynaTreeError(payload)
+            self.finished.set()
+        elif kind in ("result", "error"):
+            self.result, self.error = (payload, None) if kind == "result" else (None, payload)
+            self.finished.set()
 
     def on_tick(self) -> None:
         pass
 
 
-def call(engine: EngineProcess, kind: str, payload: Any, timeout_s: float | None = None) -> Any:
-    """Send one job to the child and wait for its result (raises the child's exception)."""
-    job = Job()
-    rid = engine.register(job)
-    try:
+def call(engine: EngineProcess, kind: str, payload: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
+    """Send one command ("runs") or job ("job", (name, payload)) and wait for its answer at most
+    `timeout_s` (raises the child's exception, or DynaTreeError on the timeout)."""
+    handle = JobHandle()
+    if kind == "job":
+        name, job_payload = payload
+        rid = engine.submit(name, job_payload, handle)
+    else:
+        rid = engine.register(handle)
         engine.send(kind, rid, payload)
-        if not job.done.wait(timeout_s):
-            raise DynaTreeError(f"the engine process did not answer {kind!r} within {timeout_s} s")
+    try:
+        if not handle.finished.wait(timeout_s):
+            raise DynaTreeError(f"the engine process did not answer {kind!r} within {timeout_s:.0f} s")
     finally:
-        engine.unregister(rid)
-    if job.error is not None:
-        raise job.error
-    return job.result
+        if handle.done:
+            engine.unregister(rid)
+        else:
+            engine.drop(rid)  # nobody waits for it any more: a queued job leaves the queue
+    if handle.error is not None:
+        raise handle.error
+    return handle.result

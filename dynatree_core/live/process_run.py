@@ -11,12 +11,17 @@ import time
 import weakref
 from typing import Any
 
+from dynatree_core.core.log import log_exception
 from dynatree_core.decoding.engine import DecodeConfig
 from dynatree_core.drafting.base import Policy
+from dynatree_core.errors import DynaTreeError
 from dynatree_core.live.engine_process import EngineProcess, StartRun
+from dynatree_core.live.jobs import JOB_TITLES
 from dynatree_core.live.run import IDLE_TIMEOUT_S, LiveRun
 from dynatree_core.measure.run_settings import RunSpec
 from dynatree_core.runs.records import IterationRecord
+
+STEP_TIMEOUT_S = 120.0  # one step's longest wait: an iteration of a big pair on a CPU, queued behind others
 
 
 @dataclasses.dataclass
@@ -35,6 +40,7 @@ class ProcessRun(LiveRun):
     _seq: int = dataclasses.field(default=0, init=False, repr=False)  # numbers "go"s; a stale "paused" is ignored
     _idle_timeout_s: float = dataclasses.field(default=IDLE_TIMEOUT_S, init=False, repr=False)
     _cond: threading.Condition = dataclasses.field(default_factory=threading.Condition, init=False, repr=False)
+    busy_text: str = dataclasses.field(default="", init=False, repr=False)  # the engine's last "busy" answer
 
     @classmethod
     def start_in(
@@ -87,6 +93,8 @@ class ProcessRun(LiveRun):
             elif kind == "error":
                 self.error = payload
                 self.done, self._running, self._stepping = True, False, False
+            elif kind == "busy":  # a step the engine could not take now; the run goes on
+                self.busy_text, self._stepping = payload, False
             self._cond.notify_all()
 
     def on_tick(self) -> None:
@@ -95,9 +103,12 @@ class ProcessRun(LiveRun):
             self.pause()
 
     # ----- the LiveRun API ------------------------------------------------------------------------
-    def step(self, lock: contextlib.AbstractContextManager | None = None) -> IterationRecord | None:
-        """One iteration in the engine process, waited for. The lock is not needed: the engine
-        process runs one forward at a time."""
+    def step(
+        self, lock: contextlib.AbstractContextManager | None = None, *, timeout_s: float = STEP_TIMEOUT_S
+    ) -> IterationRecord | None:
+        """One iteration in the engine process, waited for at most `timeout_s`. The lock is not
+        needed: the engine process runs one forward at a time. DynaTreeError when the engine
+        answers "busy" (a job holds it) or does not answer in time; the run goes on either way."""
         if self._engine is None:
             return super().step(lock)
         if self._running:
@@ -106,12 +117,17 @@ class ProcessRun(LiveRun):
             return None
         with self._cond:
             before = len(self.records)
-            self._stepping = True
+            self._stepping, self.busy_text = True, ""
         self._send("step")
         with self._cond:
-            self._cond.wait_for(lambda: not self._stepping)
+            answered = self._cond.wait_for(lambda: not self._stepping, timeout_s)
+            self._stepping = False
         if self.error is not None and len(self.records) == before:
             raise self.error
+        if self.busy_text:
+            raise DynaTreeError(self.busy_text)
+        if not answered:
+            raise DynaTreeError(f"the engine did not take the step within {timeout_s:.0f} s; it comes when it can")
         return self.records[before] if len(self.records) > before else None
 
     def start_worker(
@@ -139,6 +155,18 @@ class ProcessRun(LiveRun):
         self._pause.set()
         self._send("pause", self._seq)
 
+    def waiting_for(self) -> str:
+        """While this run decodes and a job holds its engine: what it waits for, in words."""
+        busy = self._engine.busy_with() if self._engine is not None and self._running else None
+        if busy is None:
+            return ""
+        name, queued = busy
+        more = f", {queued} more job(s) queued" if queued else ""
+        return (
+            f"The engine of this model pair is running {JOB_TITLES.get(name, name)} for a page (jobs run alone, "
+            f"so their timings are their own); this run goes on when it ends{more}."
+        )
+
     def wait(self, timeout_s: float, *, records: int | None = None) -> bool:
         if self._engine is None:
             return super().wait(timeout_s, records=records)
@@ -162,5 +190,6 @@ class ProcessRun(LiveRun):
         """A command for this run; an engine that is gone ends the run with its message."""
         try:
             self._engine.send(kind, self._rid, payload)
-        except Exception as exc:  # DynaTreeError: the child died (its dispatcher tells us too)
+        except Exception as exc:  # noqa: BLE001 - DynaTreeError: the child died (its dispatcher tells us too)
+            log_exception(f"run {self._rid}: {kind!r} could not reach the engine", exc)
             self.on_message("error", exc)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from dynatree_core.core.log import log_exception
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.engine import DecodeConfig, decode, draft_kind, vocab_size
 from dynatree_core.decoding.methods import make_method, verifier_for
@@ -120,6 +121,7 @@ class LiveRun:
             with lock if lock is not None else contextlib.nullcontext():
                 record = next(self._steps, None)
         except Exception as exc:  # e.g. the prompt does not fit the context: the run cannot go on
+            log_exception(f"live run ({self.policy_name})", exc)
             self.error, self._steps = exc, None
             self.done = True
             raise

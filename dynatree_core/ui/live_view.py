@@ -1,6 +1,6 @@
 """The live page's sections (Streamlit): the metrics row, the draft tree beside the attention
-mask with its node panel, the verification trace, why the run is (not) faster, the AR reference
-and `render`, which places them for one run. app.py keeps the inputs and starts runs."""
+mask with its node panel, the stage controls and `render`, which places them for one run (with
+the analysis sections of analysis_view.py). app.py keeps the inputs and starts runs."""
 
 from __future__ import annotations
 
@@ -8,38 +8,29 @@ import json
 import time
 from collections.abc import Callable
 
-import pandas as pd
 import streamlit as st
 
-from dynatree_core.decoding.engine import DecodeConfig, generate
-from dynatree_core.decoding.methods import make_method
-from dynatree_core.errors import DynaTreeError
-from dynatree_core.live.engine_process import call
 from dynatree_core.live.process_run import ProcessRun
 from dynatree_core.live.run import LiveRun
 from dynatree_core.runs.metrics import exactness_note
 from dynatree_core.runs.records import IterationRecord
-from dynatree_core.ui.resources import cached_pair, engine_process, forward_lock, latency_points, threads_caption
+from dynatree_core.ui.analysis_view import ar_reference, verification_view, why_view
+from dynatree_core.ui.resources import threads_caption
 from dynatree_core.viz import (
-    acceptance_by_depth,
-    acceptance_figure,
     clicked_node,
     mask_figure,
     node_details,
     order_block_counts,
     run_charts,
     salf_mass_figure,
-    speed_breakdown,
     stop_text,
     text_html,
     tree_figure,
-    verification_rows,
-    why_figure,
-    why_text,
 )
 from dynatree_core.viz.prose import explain_iteration, glossary
-from dynatree_core.viz.stages import Stage, iteration_stages, slot_figure, stage_categories, stage_sentence
+from dynatree_core.viz.stages import Stage, iteration_stages, slot_figure, stage_caption, stage_categories
 from dynatree_core.viz.svg import figure_svg
+from dynatree_core.viz.tree import TREE_HEIGHT_PX
 
 # The engine decodes in its own process (or a worker thread); the page draws its latest iteration
 # at most this often. Three figures per page update: one update every 0.6 s keeps the browser near
@@ -75,47 +66,6 @@ def metrics_row(result, tps_label: str) -> None:
     m[4].metric("New tokens", result.new_tokens)
 
 
-LIVE_REFERENCES = ("ar", "hf_static")  # our loop and HF's static-cache generate (compiled on CUDA)
-
-
-def ar_reference(run: LiveRun, key: str) -> None:
-    """Autoregressive decoding of the run's prompt (same length budget) by each of LIVE_REFERENCES,
-    for the speedup over the faster; in the run's engine process when it has one (its models, its
-    cores, one forward at a time)."""
-    key_models = st.session_state.get("tokenizer_key")
-    if key_models is None or run.spec is None:
-        st.error("No AR reference for an imported run: start a run with its models first.")
-        return
-    measured = {}
-    try:
-        for name in LIVE_REFERENCES:
-            with st.spinner(f"Running the AR reference {name}..."):
-                if isinstance(run, ProcessRun):
-                    engine = engine_process(*key_models)
-                    info = engine.wait_ready()
-                    config = DecodeConfig(
-                        max_new_tokens=run.spec.max_new_tokens,
-                        eos_token_ids=info.eos_token_ids,
-                        context_length=info.context_length,
-                    )
-                    ref = call(engine, "ar", (run.prompt_ids, config, name))
-                else:
-                    pair = cached_pair(*key_models)
-                    config = DecodeConfig(
-                        max_new_tokens=run.spec.max_new_tokens,
-                        eos_token_ids=pair.target.eos_token_ids,
-                        context_length=pair.target.context_length,
-                    )
-                    with forward_lock():
-                        ref = generate(pair.target.model, run.prompt_ids, make_method(name), config=config)
-            measured[name] = (ref.throughput_tps, ref.forward_path)
-    except DynaTreeError as exc:
-        st.error(f"No AR reference: {exc}")
-        return
-    st.session_state.setdefault("ar_refs", {})[key] = measured
-    st.session_state.setdefault("ar_tps", {})[key] = max(tps for tps, _ in measured.values())
-
-
 def node_panel(rec: IterationRecord, node: int | None, decode: Callable[[int], str]) -> None:
     if node is None:
         st.caption("Click a node for its path as text and the target's prediction there.")
@@ -127,67 +77,6 @@ def node_panel(rec: IterationRecord, node: int | None, decode: Callable[[int], s
     st.markdown(
         "**Selected node**\n\n" + "\n".join(f"- **{k}**: `{v.replace('`', 'ˋ')}`" for k, v in details.items()),
     )
-
-
-WHILE_DECODING = "Shown when the run pauses or finishes (drawing less keeps the CPU for the engine)."
-
-
-def verification_view(run: LiveRun, rec: IterationRecord, running: bool = False) -> None:
-    """The verifier's steps in this iteration and, for sampled runs, expected vs realised acceptance."""
-    with st.expander(f"Verification trace ({rec.verifier}): every test, draw and residual"):
-        if running:
-            st.caption(WHILE_DECODING)
-            return
-        rows = verification_rows(rec, run.text)
-        if not rows:
-            st.caption("This record has no trace (a run exported before traces existed).")
-        else:
-            st.caption(
-                "Each test accepts the tried child when the uniform draw is at most its acceptance probability "
-                "(p/q for speculative sampling, the sequence weight for block / traversal). After a rejection the "
-                "verifier draws from the residual; the last row is the token it committed where the walk stopped."
-            )
-            st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
-        by_depth = acceptance_by_depth(run.records)
-        if by_depth:
-            st.caption(
-                "Expected (from the verifier's exact branching law on each drawn tree) vs realised acceptance, "
-                f"over {by_depth[0]['iterations']} iterations. The Verification Lab page repeats one step many times."
-            )
-            st.plotly_chart(acceptance_figure(by_depth), width="stretch", key="acceptance_depth")
-
-
-def why_view(run: LiveRun, ar_tps: float | None, running: bool = False) -> None:
-    """Why this run is (not) faster than plain decoding: its time split against the device's
-    latency profile (measured on request, once per model pair)."""
-    with st.expander("Why is it (not) faster?"):
-        if running:
-            st.caption(WHILE_DECODING)
-            return
-        key_models = st.session_state.get("tokenizer_key")
-        profiles = st.session_state.setdefault("latency_profiles", {})
-        points = profiles.get(str(key_models))
-        if (
-            key_models is not None
-            and points is None
-            and st.button(
-                "Measure this device's latency profile",
-                help="Times target and draft forwards over 1-64 tokens (a few seconds on CPU), once per model pair.",
-            )
-        ):
-            try:
-                with st.spinner("Timing forwards..."):
-                    points = profiles[str(key_models)] = latency_points(*key_models)
-            except DynaTreeError as exc:
-                st.error(str(exc))
-        step_ms = None
-        if points:
-            step_ms = min((p.ms for p in points if p.model == "target" and p.new_tokens == 1), default=None)
-        elif ar_tps:
-            step_ms = 1000.0 / ar_tps
-        st.markdown(why_text(speed_breakdown(run.records, step_ms)))
-        if points:
-            st.plotly_chart(why_figure(points, run.records), width="stretch", key="why")
 
 
 def measured_caption(run: LiveRun) -> str:
@@ -257,16 +146,38 @@ def _advance_play(rec: IterationRecord) -> None:
     st.rerun()
 
 
+# The tree's picture and its chart stacked in one grid cell, the picture on top until the chart shows
+# its node markers: Streamlit loads plotly's code (~4.7 MB) when the first chart arrives, and the
+# chart is an empty box until then (seconds on a slow machine), then hidden until it has its size
+# (the `visibility` style). Only the browser knows when the chart is drawn, so CSS swaps them (`:has`,
+# Chromium 105+, Firefox 121+, Safari 15.4+). Charts of earlier iterations (other keys) stay in the
+# box, hidden: Streamlit marks them `data-retained`.
+DRAWN_CHART = (
+    "> [data-testid=stElementContainer]:not([data-retained]) [data-testid=stPlotlyChart] "
+    ".js-plotly-plot:not([style*=visibility]) .scatterlayer .point"
+)
+TREE_VIEW_CSS = f"""<style>
+.st-key-tree_view {{ display: grid; grid-template-columns: minmax(0, 1fr); }}
+.st-key-tree_view > * {{ grid-area: 1 / 1; }}
+.st-key-tree_view > :has([data-testid=stImage]) {{ z-index: 1; }}
+.st-key-tree_view [data-testid=stImage] img {{ max-height: {TREE_HEIGHT_PX}px; width: auto; max-width: 100%; }}
+.st-key-tree_view:has({DRAWN_CHART}) > :has([data-testid=stImage]) {{ display: none; }}
+</style>"""
+
+
 def tree_and_mask(
     run: LiveRun, rec: IterationRecord, stage: Stage | None = None, poster: bool = False, running: bool = False
 ) -> None:
     """One iteration's draft tree (clickable) beside the attention mask the target received; at a
     `stage`, both as they stood after it (the mask once it is built), and the cache at commit.
-    `poster`: the tree as static SVG, drawn before the browser has loaded plotly (viz/svg.py).
-    `running`: one chart for every iteration, updated in place (plotly's react, not a new plot per
-    iteration: the browser draws on the engine's cores) and not selectable until the run stops."""
+    The tree is drawn twice in one box: as a picture (static SVG, viz/svg.py) and as the clickable
+    chart, which hides the picture once it has drawn its nodes (TREE_VIEW_CSS).
+    `poster`: the picture alone, drawn before the browser has loaded plotly.
+    `running`: the chart alone, one for every iteration, updated in place (plotly's react, not a
+    new plot per iteration: the browser draws on the engine's cores) and not selectable until the
+    run stops."""
     if stage is not None:
-        st.markdown(f"**{stage.label.capitalize()}.** {stage_sentence(rec, stage, run.text)}")
+        st.markdown(stage_caption(rec, stage, run.text))
     left, right = st.columns([3, 2])
     with left:
         st.markdown(f"##### Draft tree — iteration {rec.index}")
@@ -278,15 +189,17 @@ def tree_and_mask(
             else dict(categories=stage_categories(rec, stage), bonus=stage.kind in ("bonus", "commit"))
         )
         figure = tree_figure(rec, run.text, selected=selected, **staged)
-        if poster:
-            st.image(figure_svg(figure), width="stretch", alt=f"Draft tree of iteration {rec.index}")
-        else:
-            st.plotly_chart(
-                figure,
-                width="stretch",
-                key=chart_key,
-                **({} if running else dict(on_select="rerun", selection_mode="points")),
-            )
+        with st.container(key="tree_view"):  # the picture and the chart share one box (TREE_VIEW_CSS)
+            if not running:
+                st.image(figure_svg(figure), width="stretch", alt=f"Draft tree of iteration {rec.index}")
+            if not poster:
+                st.plotly_chart(
+                    figure,
+                    width="stretch",
+                    key=chart_key,
+                    **({} if running else dict(on_select="rerun", selection_mode="points")),
+                )
+        st.html(TREE_VIEW_CSS)
         if running:
             st.caption("Click a node once the run pauses or finishes, for its path and the target's prediction.")
         else:

@@ -1,20 +1,30 @@
 """Process-wide resources of the app and its pages (Streamlit caches, shared by every session):
-torch's thread count, the engine process per model pair, loaded model pairs, the lock that keeps
-two sessions from running forwards on the same model at once, and the pair's latency profile."""
+torch's thread count, the pool of engine processes (one per model pair, live/pool.py), the jobs
+the pages run on a pair (live/jobs.py) and, with DYNATREE_LIVE_ENGINE=thread, the pair loaded in
+this process with the lock that keeps two sessions' forwards apart."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 import streamlit as st
 import torch
 
+from dynatree_core.core.log import log_exception
 from dynatree_core.core.threads import ENV, available_cores, configure_threads
 from dynatree_core.decoding.pairs import load_pair
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.live.engine_process import EngineProcess, PairSpec
+from dynatree_core.live.engine_process import EngineInfo, EngineProcess, JobHandle, PairSpec, pair_info
+from dynatree_core.live.jobs import JOB_TITLES, run_job
+from dynatree_core.live.pool import EnginePool
+
+Models = tuple[str, str | None, str, str]  # (target, draft, device, dtype): what the model pickers return
+JOB_TIMEOUT_ENV = "DYNATREE_JOB_TIMEOUT"
+LOCK_TIMEOUT_S = 600.0  # thread mode: the longest a forward waits for another session's
 
 
 @st.cache_resource(show_spinner=False)
@@ -36,65 +46,168 @@ LIVE_ENGINES = ("process", "thread")
 
 
 def live_engine_mode() -> str:
-    """Where the live page decodes: "process" (default; a child process per model pair,
-    live/engine_process.py, so drawing never takes the engine's time) or "thread" (a worker thread of
-    the app process: the reference, measured slower while the page draws). DYNATREE_LIVE_ENGINE."""
+    """Where runs and jobs decode: "process" (default; the pair's engine process,
+    live/engine_process.py, so drawing never takes the engine's time and every page shares one copy
+    of the pair) or "thread" (this process: the reference, measured slower while the page draws).
+    DYNATREE_LIVE_ENGINE."""
     mode = os.environ.get(LIVE_ENGINE_ENV, "").strip().lower() or "process"
     if mode not in LIVE_ENGINES:
         raise DynaTreeError(f"{LIVE_ENGINE_ENV}={mode!r}; choose one of: {', '.join(LIVE_ENGINES)}")
     return mode
 
 
-def _close_engine(engine: EngineProcess) -> None:
-    engine.close()
+def job_timeout_s() -> float:
+    """The longest a page waits for one job, queueing included (DYNATREE_JOB_TIMEOUT, s; 3600)."""
+    raw = os.environ.get(JOB_TIMEOUT_ENV, "").strip()
+    try:
+        value = float(raw) if raw else 3600.0
+    except ValueError:
+        raise DynaTreeError(f"{JOB_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise DynaTreeError(f"{JOB_TIMEOUT_ENV} must be positive, not {raw}")
+    return value
 
 
-@st.cache_resource(max_entries=2, show_spinner=False, validate=lambda engine: engine.alive, on_release=_close_engine)
-def _engine(target: str, draft: str | None, device: str, dtype: str) -> EngineProcess:
-    return EngineProcess(PairSpec(target, draft, device, dtype))  # loads (and warms up) in its own process
+@st.cache_resource(show_spinner=False)
+def engine_pool() -> EnginePool:
+    """The server's engines, one per pair (DYNATREE_MAX_PAIRS resident at most, live/pool.py)."""
+    return EnginePool()
 
 
 def engine_process(target: str, draft: str | None, device: str, dtype: str) -> EngineProcess:
-    """The child process that decodes the live page's runs on this pair, started once and shared
-    by every session (it runs one forward at a time), once it is ready. A dead one is started
-    again; an evicted one is closed. Raises DynaTreeError when its models cannot load."""
-    engine = _engine(target, draft, device, dtype)
+    """The child process that holds this pair for every page and session, once it is ready. A
+    dead one is started again. Raises DynaTreeError when its models cannot load, and PoolFull
+    when the server holds as many pairs as it may and all are in use."""
+    spec = PairSpec(target, draft, device, dtype)
+    pool = engine_pool()
+    engine = pool.get(spec)
     try:
         engine.wait_ready()
     except BaseException:
-        engine.close()  # dead: the cache starts a new one next time
+        pool.discard(spec, engine)  # dead or stuck: the next request starts a new one
         raise
     return engine
 
 
 def prewarm(target: str, draft: str | None, device: str, dtype: str) -> None:
     """Start the pair's engine process loading and warming up, without waiting for it (the
-    opening replay plays meanwhile, so the first live iterations run at full speed)."""
-    with contextlib.suppress(Exception):  # a bad setting shows its message when the user starts a run
+    opening replay plays meanwhile, so the first live iterations run at full speed). A failure
+    is logged; the user sees its message when starting a run."""
+    try:
         if target and live_engine_mode() == "process":
-            _engine(target, draft, device, dtype)
+            engine_pool().get(PairSpec(target, draft, device, dtype))
+    except Exception:  # noqa: BLE001 - shown when the user presses Run
+        log_exception("prewarm")
 
 
 @st.cache_resource(max_entries=2, show_spinner=False)
 def cached_pair(target: str, draft: str | None, device: str, dtype: str):
-    engine_threads()  # every page loads its models here (the Verification Lab has no model picker)
+    """The pair loaded in this process: DYNATREE_LIVE_ENGINE=thread only (the default keeps
+    every model in its engine process)."""
+    engine_threads()
     return load_pair(target, draft, device=device, dtype=dtype)
 
 
+class BoundedLock:
+    """A lock whose `with` waits at most `timeout_s`, then raises DynaTreeError saying for what."""
+
+    def __init__(self, timeout_s: float, what: str):
+        self._lock, self.timeout_s, self.what = threading.Lock(), timeout_s, what
+
+    def __enter__(self) -> BoundedLock:
+        if not self._lock.acquire(timeout=self.timeout_s):
+            raise DynaTreeError(f"waited {self.timeout_s:.0f} s for {self.what}; try again")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+
 @st.cache_resource
-def forward_lock() -> threading.Lock:
-    return threading.Lock()
+def forward_lock() -> BoundedLock:
+    """Thread mode: one session's forwards at a time on the pairs of this process."""
+    return BoundedLock(LOCK_TIMEOUT_S, "another session's forwards on this server")
+
+
+def models_info(models: Models) -> EngineInfo:
+    """What a page needs of the pair without its weights (tokenizer, EOS ids, context length),
+    from the engine process that holds it (thread mode: the pair in this process)."""
+    if live_engine_mode() == "thread":
+        return pair_info(cached_pair(*models), torch.get_num_threads())
+    return engine_process(*models).info
+
+
+def _waiting_text(engine: EngineProcess, rid: int, name: str) -> str:
+    ahead = engine.queue_position(rid) or 0
+    busy = engine.busy_with()
+    running = f"it is running {JOB_TITLES.get(busy[0], busy[0])}" if busy else "it is busy"
+    return (
+        f"Waiting for the engine of this model pair: {running}; {ahead} job(s) ahead of this one "
+        f"({JOB_TITLES.get(name, name)}). Jobs run one at a time so that their timings are their own."
+    )
+
+
+def pair_job(
+    models: Models,
+    name: str,
+    payload: dict,
+    *,
+    on_event: Callable[[str, Any], None] | None = None,
+    status: Any = None,
+    timeout_s: float | None = None,
+) -> Any:
+    """Run job `name` (live/jobs.py) on the pair where it lives: queued in its engine process,
+    where `status` (an st.empty) shows the place in the queue until it starts; `on_event(kind,
+    data)` sees its progress in this script thread. Waits at most `timeout_s` (default
+    DYNATREE_JOB_TIMEOUT), then raises DynaTreeError; raises the job's own error."""
+    timeout_s = job_timeout_s() if timeout_s is None else timeout_s
+    emit = on_event or (lambda kind, data: None)
+    if live_engine_mode() == "thread":
+        pair = cached_pair(*models)
+        with forward_lock():
+            return run_job(pair, name, payload, emit)
+    engine = engine_process(*models)
+    handle = JobHandle()
+    rid = engine.submit(name, payload, handle)
+    deadline, shown = time.monotonic() + timeout_s, ""
+    try:
+        while not (handle.done and handle.events.empty()):
+            while not handle.events.empty():
+                emit(*handle.events.get_nowait())
+            text = "" if handle.started or handle.done else _waiting_text(engine, rid, name)
+            if status is not None and text != shown:
+                if text:
+                    status.info(text, icon=":material/hourglass_top:")
+                else:
+                    status.empty()
+                shown = text
+            if time.monotonic() > deadline:
+                raise DynaTreeError(
+                    f"{JOB_TITLES.get(name, name)} did not finish within {timeout_s:.0f} s ({JOB_TIMEOUT_ENV})"
+                )
+            handle.finished.wait(0.2)
+    finally:
+        if handle.done:
+            engine.unregister(rid)
+        else:
+            engine.drop(rid)  # timed out, or the page moved on: a queued job leaves the queue
+        if status is not None and shown:
+            status.empty()
+    if handle.error is not None:
+        raise handle.error
+    return handle.result
+
+
+def show_error(exc: BaseException, what: str) -> None:
+    """One line for the page, the traceback to the server log (and where it is)."""
+    where = log_exception(what, exc)
+    text = str(exc) if isinstance(exc, DynaTreeError) else f"{type(exc).__name__}: {exc}"
+    st.error(f"{what}: {text}", icon=":material/error:")
+    st.caption(where[0].upper() + where[1:] + ".")
 
 
 @st.cache_data(show_spinner=False, max_entries=4)
 def latency_points(target: str, draft: str | None, device: str, dtype: str) -> list:
     """The pair's forward latency profile on this device (context 128, 1-64 tokens), measured once
-    per pair and kept for every session (it takes a few seconds on CPU)."""
-    from dynatree_core.runs.latency import profile
-
-    pair = cached_pair(target, draft, device, dtype)
-    models = {"target": pair.target.model}
-    if pair.draft is not None and not pair.draft_is_stand_in:
-        models["draft"] = pair.draft.model
-    with forward_lock():
-        return profile(models, tokens=(1, 2, 4, 8, 16, 32, 64), contexts=(128,), repeats=3)
+    per pair where the pair lives and kept for every session (a few seconds on CPU)."""
+    return pair_job((target, draft, device, dtype), "latency", {})

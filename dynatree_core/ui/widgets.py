@@ -17,7 +17,7 @@ from dynatree_core.live.process_run import ProcessRun
 from dynatree_core.live.run import LiveRun
 from dynatree_core.measure.prompt_sets import load_prompts
 from dynatree_core.measure.run_settings import SETTINGS
-from dynatree_core.ui.resources import engine_threads, forward_lock
+from dynatree_core.ui.resources import engine_threads, forward_lock, show_error
 
 
 def param_widgets(policy_name: str, key_prefix: str = "param") -> dict:
@@ -169,13 +169,18 @@ def advance(run: LiveRun, run_clicked: bool, step_clicked: bool) -> None:
     elif step_clicked and run.worker_running:
         st.toast("The run is decoding: press **Pause run**, then **Step**.")
     elif step_clicked:
-        with contextlib.suppress(Exception):  # kept in run.error
+        try:
             run.step(lock)
+        except DynaTreeError as exc:  # the engine is busy with a job, or the run ended (kept in run.error)
+            if run.error is None:
+                st.toast(f"Not stepped: {exc}")
+        except Exception:  # noqa: BLE001 - logged where it was raised and kept in run.error (show_run_error)
+            if run.error is None:
+                raise
 
 
 def show_run_error(run: LiveRun) -> LiveRun | None:
     """The engine's message (e.g. the prompt does not fit the context), never a traceback. Returns
     the run to keep: None when it produced nothing, else the run, to inspect what it did."""
-    exc = run.error
-    st.error(str(exc) if isinstance(exc, DynaTreeError) else f"The run stopped: {type(exc).__name__}: {exc}")
+    show_error(run.error, "The run stopped")
     return run if run.records else None

@@ -1,0 +1,110 @@
+"""The server's resident pairs (live/pool.py): one engine per pair, at most DYNATREE_MAX_PAIRS,
+the least recently used idle one closed to make room, and one in use never closed."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.live import pool as pool_module
+from dynatree_core.live.engine_process import PairSpec
+from dynatree_core.live.pool import EnginePool, PoolFull, max_pairs
+
+
+class FakeEngine:
+    """An engine's lifecycle without a process: `in_use` and `alive` set by the test."""
+
+    def __init__(self, spec: PairSpec):
+        self.spec, self.alive, self.in_use, self.closed = spec, True, False, False
+
+    def close(self) -> None:
+        self.closed, self.alive = True, False
+
+
+def _specs(n: int) -> list[PairSpec]:
+    return [PairSpec(f"target-{i}", None) for i in range(n)]
+
+
+@pytest.fixture(autouse=True)
+def no_handoff(monkeypatch):
+    monkeypatch.setattr(pool_module, "HANDOFF_S", 0.0)  # an engine counts as used only by its runs and jobs
+
+
+def test_one_engine_per_pair_shared_by_every_request():
+    pool = EnginePool(limit=2, start=FakeEngine)
+    a, b = _specs(2)
+    assert pool.get(a) is pool.get(a) and pool.get(b) is not pool.get(a)
+    assert [s for s, _ in pool.resident()] == [b, a], "least recently used first"
+
+
+def test_the_least_recently_used_idle_pair_makes_room():
+    pool = EnginePool(limit=2, start=FakeEngine)
+    a, b, c = _specs(3)
+    ea, eb = pool.get(a), pool.get(b)
+    pool.get(a)  # a used again: b is now the least recently used
+    ec = pool.get(c)
+    assert eb.closed and not ea.closed and not ec.closed
+    assert {s for s, _ in pool.resident()} == {a, c}
+
+
+def test_a_pair_in_use_is_never_closed_and_the_newcomer_gets_a_message():
+    pool = EnginePool(limit=2, start=FakeEngine)
+    a, b, c = _specs(3)
+    ea, eb = pool.get(a), pool.get(b)
+    ea.in_use = eb.in_use = True
+    with pytest.raises(PoolFull) as info:
+        pool.get(c)
+    text = str(info.value)
+    assert "DYNATREE_MAX_PAIRS" in text and "target-0" in text and "target-1" in text and "target-2" in text
+    assert not ea.closed and not eb.closed and isinstance(info.value, DynaTreeError)
+    eb.in_use = False
+    assert pool.get(c) is not None and eb.closed and not ea.closed
+
+
+def test_an_engine_just_handed_out_is_kept_until_its_user_registers(monkeypatch):
+    monkeypatch.setattr(pool_module, "HANDOFF_S", 60.0)
+    pool = EnginePool(limit=1, start=FakeEngine)
+    a, b = _specs(2)
+    pool.get(a)
+    with pytest.raises(PoolFull):
+        pool.get(b)
+
+
+def test_a_dead_engine_is_replaced():
+    pool = EnginePool(limit=1, start=FakeEngine)
+    (a,) = _specs(1)
+    first = pool.get(a)
+    first.alive = False
+    second = pool.get(a)
+    assert second is not first and first.closed and second.alive
+
+
+def test_discard_forgets_only_the_engine_it_names():
+    pool = EnginePool(limit=2, start=FakeEngine)
+    (a,) = _specs(1)
+    first = pool.get(a)
+    first.alive = False
+    second = pool.get(a)
+    pool.discard(a, first)
+    assert pool.get(a) is second
+    pool.discard(a, second)
+    assert second.closed and pool.resident() == []
+
+
+@pytest.mark.parametrize(("raw", "ok"), [("3", 3), ("0", None), ("two", None), ("", "default")])
+def test_the_limit_is_a_setting(monkeypatch, raw, ok):
+    monkeypatch.setenv("DYNATREE_MAX_PAIRS", raw)
+    if ok is None:
+        with pytest.raises(DynaTreeError, match="DYNATREE_MAX_PAIRS"):
+            max_pairs()
+    elif ok == "default":
+        assert 1 <= max_pairs() <= pool_module.MAX_DEFAULT_PAIRS
+    else:
+        assert max_pairs() == ok
+
+
+def test_the_default_limit_holds_the_shipped_pairs_on_this_machine():
+    """24 GiB here: the three offline pairs (embedded, embedded-token, embedded-eagle3) stay loaded."""
+    if pool_module._memory_gib() < 18:
+        pytest.skip("a machine with less memory keeps fewer pairs")
+    assert max_pairs() >= 3
