@@ -108,3 +108,17 @@ def test_the_default_limit_holds_the_shipped_pairs_on_this_machine():
     if pool_module._memory_gib() < 18:
         pytest.skip("a machine with less memory keeps fewer pairs")
     assert max_pairs() >= 3
+
+
+@pytest.mark.parametrize("name", ["DYNATREE_LOAD_TIMEOUT", "DYNATREE_JOB_TIMEOUT"])
+def test_the_waits_are_settings(monkeypatch, name):
+    from dynatree_core.live.engine_process import load_timeout_s
+    from dynatree_core.ui.resources import job_timeout_s
+
+    read = load_timeout_s if name == "DYNATREE_LOAD_TIMEOUT" else job_timeout_s
+    monkeypatch.setenv(name, "42")
+    assert read() == 42.0
+    for bad in ("soon", "0", "-5"):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(DynaTreeError, match=name):
+            read()

@@ -80,16 +80,21 @@ def _main_left_out():
                 sys.modules["__main__"] = main
 
 
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from environment variable `name` (unset: `default`)."""
+    raw = os.environ.get(name, "").strip()
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        raise DynaTreeError(f"{name}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise DynaTreeError(f"{name} must be positive, not {raw}")
+    return value
+
+
 def load_timeout_s() -> float:
     """How long a page waits for a pair's engine to load and warm up (DYNATREE_LOAD_TIMEOUT, s)."""
-    raw = os.environ.get(LOAD_TIMEOUT_ENV, "").strip()
-    try:
-        value = float(raw) if raw else 900.0
-    except ValueError:
-        raise DynaTreeError(f"{LOAD_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise DynaTreeError(f"{LOAD_TIMEOUT_ENV} must be positive, not {raw}")
-    return value
+    return env_seconds(LOAD_TIMEOUT_ENV, 900.0)
 
 
 class EngineProcess:

@@ -18,7 +18,7 @@ from dynatree_core.core.log import log_exception
 from dynatree_core.core.threads import ENV, available_cores, configure_threads
 from dynatree_core.decoding.pairs import load_pair
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.live.engine_process import EngineInfo, EngineProcess, JobHandle, PairSpec, pair_info
+from dynatree_core.live.engine_process import EngineInfo, EngineProcess, JobHandle, PairSpec, env_seconds, pair_info
 from dynatree_core.live.jobs import JOB_TITLES, run_job
 from dynatree_core.live.pool import EnginePool
 
@@ -58,14 +58,7 @@ def live_engine_mode() -> str:
 
 def job_timeout_s() -> float:
     """The longest a page waits for one job, queueing included (DYNATREE_JOB_TIMEOUT, s; 3600)."""
-    raw = os.environ.get(JOB_TIMEOUT_ENV, "").strip()
-    try:
-        value = float(raw) if raw else 3600.0
-    except ValueError:
-        raise DynaTreeError(f"{JOB_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise DynaTreeError(f"{JOB_TIMEOUT_ENV} must be positive, not {raw}")
-    return value
+    return env_seconds(JOB_TIMEOUT_ENV, 3600.0)
 
 
 @st.cache_resource(show_spinner=False)
