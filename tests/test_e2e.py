@@ -155,7 +155,8 @@ def test_run_with_the_embedded_models_updates_live(app_url):
         assert len(seen) >= 3, f"iteration counter seen only at {sorted(seen)}: not updating live"
         assert not export_while_decoding, "while the engine decodes the page draws only what changes each iteration"
         _idle(page)
-        assert export.count() == 1, "the finished run offers its export"
+        # Streamlit's frontend loads an element's code on first use: it can draw after the script stopped
+        assert _until(lambda: export.count() == 1, 60), "the finished run offers its export"
         final = int(_metric(page, "Iterations"))
         assert final >= max(seen) and float(_metric(page, "Tokens / iteration")) >= 1.0
         charts = page.locator("[data-testid=stPlotlyChart]")
@@ -174,7 +175,10 @@ def test_run_with_the_embedded_models_updates_live(app_url):
         _screenshot(page, "e2e-live-run.png")
 
         # Click the root of the tree: the details panel shows its path and the target's prediction.
-        tree = page.locator("[data-testid=stPlotlyChart]").first
+        # The current chart (not one of an earlier iteration Streamlit keeps hidden), once it has drawn
+        # and hidden the tree's picture that stands over it until then (ui/live_view.py TREE_VIEW_CSS).
+        page.wait_for_function(PICTURE_GONE, timeout=60_000)
+        tree = page.locator(CURRENT_CHART).last
         tree.locator(".scatterlayer .trace .points path").first.click(force=True)
         page.get_by_text("Selected node").wait_for(timeout=60_000)
         assert page.get_by_text("target after this node").count()
@@ -192,11 +196,22 @@ def test_run_with_the_embedded_models_updates_live(app_url):
         scrub.focus()
         page.keyboard.press("End")
         page.get_by_text(f"Draft tree — iteration {final}", exact=True).wait_for(timeout=60_000)
-        assert int(_metric(page, "Iterations")) == final and page.get_by_text("Whole run:", exact=False).count()
+        _idle(page)  # the metrics are drawn below the tree, after its heading
+        assert _until(lambda: _metric(page, "Iterations") == str(final), 30), _metric(page, "Iterations")
+        assert page.get_by_text("Whole run:", exact=False).count()
         browser.close()
 
 
 SCREENSHOTS = ROOT / "assets" / "screenshots"  # the README's pictures: retaken by every run of the test below
+
+
+CURRENT_CHART = ".st-key-tree_view > [data-testid=stElementContainer]:not([data-retained]) [data-testid=stPlotlyChart]"
+# The tree's picture has given way to the drawn chart: its box in the tree view is hidden (or gone).
+PICTURE_GONE = """() => {
+  const boxes = [...document.querySelectorAll(".st-key-tree_view > *")];
+  const box = boxes.find(e => e.querySelector("[data-testid=stImage]"));
+  return !box || getComputedStyle(box).display === "none";
+}"""
 
 
 def _tree_points(page) -> int:

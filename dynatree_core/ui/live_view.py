@@ -173,9 +173,9 @@ def tree_and_mask(
     The tree is drawn twice in one box: as a picture (static SVG, viz/svg.py) and as the clickable
     chart, which hides the picture once it has drawn its nodes (TREE_VIEW_CSS).
     `poster`: the picture alone, drawn before the browser has loaded plotly.
-    `running`: the chart alone, one for every iteration, updated in place (plotly's react, not a
-    new plot per iteration: the browser draws on the engine's cores) and not selectable until the
-    run stops."""
+    `running`: the chart alone, under one key and not selectable until the run stops. (Streamlit
+    1.67 still mounts a new chart whenever the figure changes: its element id includes the figure's
+    spec, `key_as_main_identity=False` in st.plotly_chart.)"""
     if stage is not None:
         st.markdown(stage_caption(rec, stage, run.text))
     left, right = st.columns([3, 2])
