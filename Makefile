@@ -65,7 +65,7 @@ draft: setup
 	$(PY) -m dynatree_core.training quality --draft $(DRAFT_RUN)/model --out $(DRAFT_RUN)/quality.json --max-new-tokens 48
 	$(PY) -m dynatree_core.training export --run $(DRAFT_RUN) --quality $(DRAFT_RUN)/quality.json
 
-# The feature draft (drafting/feature.py) for any Llama-family target (DRAFT_TARGET: a preset, hub
+# The feature draft (drafts/feature.py) for any Llama-family target (DRAFT_TARGET: a preset, hub
 # id or directory): `make draft-feature` runs the first stages, then the long schedule from their
 # draft, then measures it. Every stage is resumable: rerunning the command continues where it stopped.
 # The first stages (`make draft-feature-stages`):

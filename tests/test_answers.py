@@ -174,7 +174,7 @@ def test_the_recipe_runs_end_to_end_for_any_llama_target(tmp_path, monkeypatch, 
     assert "unrolled over the draft's own predicted features for 3 levels" in card
     assert "| **all** |" in card and "| out-of-distribution |" in card and "**this draft**" in card
     assert str(tmp_path) not in card, "the card names no path of the machine"
-    from dynatree_core.drafting.feature import FeatureDraft
+    from dynatree_core.drafts.feature import FeatureDraft
 
     FeatureDraft.load(shipped, load_model(target, device="cpu", dtype="float32").model)  # loads for that target
 

@@ -540,8 +540,8 @@ def test_a_published_eagle3_head_drafts_in_the_app_and_one_for_another_target_is
 
     from dynatree_core.core.models import load_model
     from dynatree_core.core.vocab import TokenMap
-    from dynatree_core.drafting.fused import FusedDraft
-    from dynatree_core.drafting.published import export_eagle3
+    from dynatree_core.drafts.fused import FusedDraft
+    from dynatree_core.drafts.published import export_eagle3
 
     tiny = load_model(tiny_pair_dirs[0], device="cpu", dtype="float32").model
     vocab = tiny.config.vocab_size

@@ -63,7 +63,7 @@ def test_shipped_drafts_load_offline_with_the_targets_tokenizer():
 def test_the_default_pair_drafts_with_the_feature_draft_and_lends_hf_the_token_draft():
     """The embedded pair's default is the measured winner (the feature draft, docs/benchmark-log.md,
     "The default switch"); HF's assisted generation cannot run a feature draft, so it gets the token draft."""
-    from dynatree_core.drafting.feature import is_feature_draft
+    from dynatree_core.drafts.feature import is_feature_draft
 
     assert PRESETS["embedded"].draft == str(EMBEDDED_FEATURE_DRAFT_DIR)
     pair = load_pair("embedded", None, device="cpu", dtype="float32")
@@ -131,8 +131,8 @@ def test_the_shipped_fused_draft_drafts_exactly_and_the_eagle3_export_refuses_it
     target's rows) norms each tap before fc (EAGLE 3.1's fc_norm): SGLang's EAGLE-3 reader would
     drop those weights and vLLM's would refuse them, so the eagle3 export refuses it with the reason
     and what to train instead, and writes nothing. It still drafts greedy-exactly here."""
-    from dynatree_core.drafting.heads import load_head
-    from dynatree_core.drafting.published import export_eagle3
+    from dynatree_core.drafts.heads import load_head
+    from dynatree_core.drafts.published import export_eagle3
     from dynatree_core.errors import DynaTreeError
 
     loaded = embedded()

@@ -1,4 +1,4 @@
-"""The feature-level draft (drafting/feature.py): exact with every policy, fed the target's own
+"""The feature-level draft (drafts/feature.py): exact with every policy, fed the target's own
 features from the verification forward, its cache equal to a recomputation, saved and loaded."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.engine import DecodeConfig, decode, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting import POLICIES as REGISTRY
-from dynatree_core.drafting.feature import FeatureDraft, FeatureDrafter
+from dynatree_core.drafts.feature import FeatureDraft, FeatureDrafter
 from dynatree_core.errors import DynaTreeError
 
 PATHS = {"lean": dict(), "static": dict(fast_forward=False), "dynamic": dict(static_cache=False)}
@@ -188,8 +188,8 @@ def test_a_saved_draft_loads_whole_or_is_one_error_naming_the_tensor(tmp_path, k
     naming it, never a draft that keeps a random tensor (the loaders are strict)."""
     from safetensors.torch import load_file, save_file
 
-    from dynatree_core.drafting.fused import FusedDraft
-    from dynatree_core.drafting.heads import load_head
+    from dynatree_core.drafts.fused import FusedDraft
+    from dynatree_core.drafts.heads import load_head
 
     target, token_map = tiny_model("llama"), TokenMap([-1, *range(1, 96, 3)], 96)
     if kind == "fused":

@@ -21,8 +21,8 @@ from dynatree_core.core.graphs import bucket_for, buckets, graphs_enabled, span_
 from dynatree_core.core.kv import KVState, chain_then_tree_visibility, forward_path
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
-from dynatree_core.drafting.base import POLICIES
-from dynatree_core.drafting.feature import FeatureDraft
+from dynatree_core.drafting.policy import POLICIES
+from dynatree_core.drafts.feature import FeatureDraft
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # attention over more (masked) keys: same math, other summation blocks
 

@@ -1,4 +1,4 @@
-"""The cheap training step (training/packed.py, step.py) and the fused-feature draft (drafting/fused.py):
+"""The cheap training step (training/packed.py, step.py) and the fused-feature draft (drafts/fused.py):
 packed rows compute what separate windows compute, the query-side shortcut changes nothing, the
 compact teacher is the target's distribution, the fused draft is exact with every policy and its
 training forward is its drafting forward, and a stopped long run resumes the same schedule."""
@@ -22,8 +22,8 @@ from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting import POLICIES as REGISTRY
-from dynatree_core.drafting.feature import FeatureDraft
-from dynatree_core.drafting.fused import FusedDraft
+from dynatree_core.drafts.feature import FeatureDraft
+from dynatree_core.drafts.fused import FusedDraft
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.training import answers
 from dynatree_core.training.packed import PackedAnswers, PackedBatch, level_mask, pack_rows
@@ -146,7 +146,7 @@ def test_greedy_output_equals_target_greedy_with_a_fused_draft(arch, policy_name
 
 
 def test_the_taps_handed_over_equal_the_targets_hidden_states(monkeypatch):
-    from dynatree_core.drafting.fused import FusedDrafter
+    from dynatree_core.drafts.fused import FusedDrafter
 
     pairs = []
     original = FusedDrafter.add_features
@@ -341,7 +341,7 @@ def test_a_fused_draft_for_another_target_is_one_error_line_in_the_cli(capsys, t
 
 @pytest.mark.parametrize("kind", ["feature", "fused"])
 def test_a_packed_run_exports_with_a_card_of_its_passes_and_learning_curve(tiny_store, tmp_path, monkeypatch, kind):
-    from dynatree_core.drafting.heads import load_head
+    from dynatree_core.drafts.heads import load_head
     from dynatree_core.training.feature_card import export_feature_draft
 
     monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path / "cache"))

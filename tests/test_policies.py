@@ -336,7 +336,7 @@ def test_a_levels_top_k_copied_once_equals_each_nodes_own_top_k():
     import torch
 
     from dynatree_core.core.tree import DraftTree
-    from dynatree_core.drafting.base import DraftRequest, level_top, pick_children
+    from dynatree_core.drafting.request import DraftRequest, level_top, pick_children
 
     logp = torch.log_softmax(torch.randn(5, 300, generator=torch.Generator().manual_seed(0)), -1)
     lp_rows, tok_rows = level_top(logp, 4)

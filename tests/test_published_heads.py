@@ -1,4 +1,4 @@
-"""Published EAGLE heads (drafting/published.py): tiny checkpoints written in each published layout
+"""Published EAGLE heads (drafts/published.py): tiny checkpoints written in each published layout
 (its own config keys and weight names, random weights, a tiny Llama target) load, their logits
 equal a naive forward written here from the layout's definition, every tree policy drafts with
 them exactly, a fused draft exported in the eagle3 layout loads back with the same logits and holds
@@ -21,9 +21,9 @@ from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting import POLICIES as REGISTRY
-from dynatree_core.drafting.fused import FusedDraft
-from dynatree_core.drafting.heads import is_head_dir, load_head
-from dynatree_core.drafting.published import export_eagle3, layout_of
+from dynatree_core.drafts.fused import FusedDraft
+from dynatree_core.drafts.heads import is_head_dir, load_head
+from dynatree_core.drafts.published import export_eagle3, layout_of
 from dynatree_core.errors import DynaTreeError
 
 H, V, L, HEADS, KV, MLP_SIZE = 32, 96, 8, 4, 2, 64
@@ -177,7 +177,7 @@ def naive_logits(layout: str, w: dict, taps, target, ids: list[int]) -> torch.Te
 def head_logits(draft, target, ids: list[int], vocab: int = V) -> torch.Tensor:
     """The loaded head's level-1 logits over the pairs of `ids`, through its drafting forward."""
     from dynatree_core.core.kv import KVState, chain_then_tree_visibility
-    from dynatree_core.drafting.heads import head_drafter
+    from dynatree_core.drafts.heads import head_drafter
 
     drafter = head_drafter(draft, vocab)
     with torch.no_grad():
@@ -465,7 +465,7 @@ def warm_hub_cache(monkeypatch, tmp_path, repo: str, files) -> None:
 
 
 def test_a_head_named_by_a_hub_id_loads_from_a_warm_cache_offline(tmp_path, target, monkeypatch):
-    from dynatree_core.drafting.published import hub_head_dir
+    from dynatree_core.drafts.published import hub_head_dir
 
     path, _, _ = write_head(tmp_path, "eagle3-specforge", target)
     warm_hub_cache(monkeypatch, tmp_path, "someone/tiny-eagle3", path)

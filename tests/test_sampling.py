@@ -87,7 +87,7 @@ def test_a_feature_draft_keeps_the_target_law(policy, params, verifier):
     """With a feature draft the first iteration is the prefill (the target samples token 1 alone);
     token 2 comes through the tree drafted in the second iteration (3 tokens asked, so that tree
     has room for a level): its marginal law must be the target's."""
-    from dynatree_core.drafting.feature import FeatureDraft
+    from dynatree_core.drafts.feature import FeatureDraft
 
     target = tiny_model("llama")
     draft = FeatureDraft.from_target(target, seed=1)

@@ -209,7 +209,7 @@ def test_feature_labels_are_the_targets_hidden_states_and_resume(tmp_path):
 
 
 def test_feature_kd_loss_matches_a_naive_computation(tmp_path):
-    from dynatree_core.drafting.feature import FeatureDraft
+    from dynatree_core.drafts.feature import FeatureDraft
     from dynatree_core.training.feature import feature_kd_loss
 
     target, _, data, _ = _feature_setup(tmp_path)
@@ -232,7 +232,7 @@ def test_feature_kd_loss_matches_a_naive_computation(tmp_path):
 
 
 def test_feature_training_reduces_the_loss_resumes_and_saves(tmp_path):
-    from dynatree_core.drafting.feature import FeatureDraft
+    from dynatree_core.drafts.feature import FeatureDraft
     from dynatree_core.training.feature import (
         FeatureTrainConfig,
         agreement_by_depth,
@@ -327,7 +327,7 @@ def test_agreement_by_depth_equals_drafting_each_chain_separately(tmp_path):
     """Depth 1 and 2 of agreement_by_depth against a naive loop: for every pair j, a causal
     forward over the true pairs up to the root, then the child read with the root's predicted
     feature, as the FeatureDrafter does."""
-    from dynatree_core.drafting.feature import FeatureDraft
+    from dynatree_core.drafts.feature import FeatureDraft
     from dynatree_core.training.feature import agreement_by_depth
 
     target, _, data, _ = _feature_setup(tmp_path)
@@ -380,7 +380,7 @@ def test_talf_tree_outputs_and_loss_equal_drafting_each_path_separately(tmp_path
     """Every tree node's output in the one stacked forward equals a causal forward over the true
     pairs up to its root followed by its path, each node reading its parent's predicted feature
     (as the FeatureDrafter drafts it); the loss is the mean of the naive per-entry cross-entropies."""
-    from dynatree_core.drafting.feature import FeatureDraft
+    from dynatree_core.drafts.feature import FeatureDraft
     from dynatree_core.training.feature_talf import feature_talf_loss, tree_layout, tree_outputs
 
     target, _, data, _ = _feature_setup(tmp_path)
@@ -434,7 +434,7 @@ def test_talf_tree_outputs_and_loss_equal_drafting_each_path_separately(tmp_path
 def test_talf_fine_tunes_a_kd_draft_on_target_trees_and_lowers_the_tree_loss(tmp_path):
     """The train-feature path with --loss talf: starts from a saved KD draft, reads the target's
     beam trees (talf.build_target_trees, as talf-label stores them), lowers the tree loss, resumes."""
-    from dynatree_core.drafting.feature import FeatureDraft
+    from dynatree_core.drafts.feature import FeatureDraft
     from dynatree_core.training.feature import FeatureTrainConfig, train_feature_draft
     from dynatree_core.training.feature_talf import TargetTrees, feature_talf_loss
     from dynatree_core.training.talf import build_target_trees
@@ -489,7 +489,7 @@ def test_talf_fine_tunes_a_kd_draft_on_target_trees_and_lowers_the_tree_loss(tmp
 def test_init_from_keeps_the_starting_layer_and_takes_the_head_of_this_runs_token_map(tmp_path):
     """A draft started from a saved one (--init-from) keeps its fc and layer, while its frozen head
     is the target's rows for the run's own token map, even when the saved draft used another map."""
-    from dynatree_core.drafting.feature import FeatureDraft
+    from dynatree_core.drafts.feature import FeatureDraft
     from dynatree_core.training.feature import FeatureTrainConfig, train_feature_draft
 
     target, _, data, _ = _feature_setup(tmp_path)

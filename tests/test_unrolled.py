@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from conftest import tiny_model
 
-from dynatree_core.drafting.feature import FeatureDraft
+from dynatree_core.drafts.feature import FeatureDraft
 from dynatree_core.training.unrolled import unrolled_kd_loss, unrolled_predictions
 
 

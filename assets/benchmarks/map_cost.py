@@ -25,8 +25,8 @@ from dynatree_core.core.packing import pack_linears
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.pairs import encode_prompt, load_pair
-from dynatree_core.drafting.base import make_policy
-from dynatree_core.drafting.feature import FeatureDraft
+from dynatree_core.drafting.policy import make_policy
+from dynatree_core.drafts.feature import FeatureDraft
 
 
 def grown(base: TokenMap, size: int, counts: np.ndarray | None) -> TokenMap:

@@ -27,8 +27,8 @@ import torch
 from dynatree_core.core.models import REPO_ROOT, load_model
 from dynatree_core.core.taps import eagle3_taps
 from dynatree_core.core.vocab import TokenMap
-from dynatree_core.drafting.feature import FeatureDraft
-from dynatree_core.drafting.fused import FusedDraft
+from dynatree_core.drafts.feature import FeatureDraft
+from dynatree_core.drafts.fused import FusedDraft
 from dynatree_core.training.answer_commands import answer_dirs
 from dynatree_core.training.answer_data import AnswerCorpus
 from dynatree_core.training.answers import AnswerStore

@@ -9,14 +9,14 @@ from pathlib import Path
 EMBEDDED = "embedded"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED_DRAFT_DIR = REPO_ROOT / "assets" / "models" / "smollm2-draft"
-EMBEDDED_FEATURE_DRAFT_DIR = REPO_ROOT / "assets" / "models" / "smollm2-feature-draft"  # drafting/feature.py
-EMBEDDED_FUSED_DRAFT_DIR = REPO_ROOT / "assets" / "models" / "smollm2-fused-draft"  # drafting/fused.py (EAGLE-3 form)
+EMBEDDED_FEATURE_DRAFT_DIR = REPO_ROOT / "assets" / "models" / "smollm2-feature-draft"  # drafts/feature.py
+EMBEDDED_FUSED_DRAFT_DIR = REPO_ROOT / "assets" / "models" / "smollm2-fused-draft"  # drafts/fused.py (EAGLE-3 form)
 
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
     """A named target/draft pair. `draft=None` means no draft model exists for it yet; `head`:
-    the draft is a head reading the target's hidden states (drafting/heads.py), not a standalone
+    the draft is a head reading the target's hidden states (drafts/heads.py), not a standalone
     LM; `offline`: everything ships with the project (the others download from the hub)."""
 
     name: str

@@ -2,5 +2,5 @@
 baselines (baselines.py), the catalogue of everything runnable by name (methods.py), loading a
 pair and encoding prompts (pairs.py), and the fastest correct dtype per pair (dtype_choice.py).
 
-May import: errors, core, runs, verify, drafting.
+May import: errors, core, runs, verify, drafts, drafting.
 """

@@ -27,8 +27,8 @@ from typing import Any, ClassVar
 import torch
 
 from dynatree_core.core.vocab import TokenMap
-from dynatree_core.drafting.base import Param, Tunable
-from dynatree_core.drafting.heads import is_head
+from dynatree_core.drafting.policy import Param, Tunable
+from dynatree_core.drafts.heads import is_head
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.runs.metrics import kv_bytes_per_token, memory_mb, ratio, weight_bytes
 from dynatree_core.runs.records import RunResult

@@ -24,8 +24,10 @@ from dynatree_core.core.transfer import PhaseClock, to_device
 from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.baselines import Baseline
-from dynatree_core.drafting.base import Drafter, DraftRequest, Policy
-from dynatree_core.drafting.heads import head_drafter, head_kind, is_head
+from dynatree_core.drafting.policy import Policy
+from dynatree_core.drafting.request import DraftRequest
+from dynatree_core.drafts.heads import head_drafter, head_kind, is_head
+from dynatree_core.drafts.session import Drafter
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.runs.metrics import memory_mb, summarize, weight_bytes
 from dynatree_core.runs.records import IterationRecord, RunResult
@@ -57,7 +59,7 @@ def _capture_s(target_kv: KVState, drafter: Drafter | None) -> float:
 
 
 def draft_kind(draft: torch.nn.Module | None) -> str:
-    """A head's kind ("feature", "fused": drafting/heads.py), "token" for a standalone draft LM."""
+    """A head's kind ("feature", "fused": drafts/heads.py), "token" for a standalone draft LM."""
     if draft is None:
         return ""
     return head_kind(draft) if is_head(draft) else "token"

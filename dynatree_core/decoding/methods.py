@@ -11,7 +11,7 @@ from typing import Any
 
 from dynatree_core import drafting  # noqa: F401  (registers the built-in policies)
 from dynatree_core.decoding.baselines import BASELINES, Baseline
-from dynatree_core.drafting.base import POLICIES, Policy, Tunable
+from dynatree_core.drafting.policy import POLICIES, Policy, Tunable
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.verify.registry import resolve_verifier
 

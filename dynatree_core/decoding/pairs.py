@@ -24,8 +24,8 @@ from dynatree_core.core.models import (
 from dynatree_core.core.packing import pack_linears, packing_enabled
 from dynatree_core.decoding.baselines import Baseline
 from dynatree_core.decoding.dtype_choice import saved_choice
-from dynatree_core.drafting.heads import is_head, is_head_dir, load_head
-from dynatree_core.drafting.published import hub_head_dir
+from dynatree_core.drafts.heads import is_head, is_head_dir, load_head
+from dynatree_core.drafts.published import hub_head_dir
 from dynatree_core.errors import DynaTreeError
 
 
@@ -92,7 +92,7 @@ def load_pair(
 ) -> ModelPair:
     """Load target and draft. Without a draft spec, use the preset's draft, else the target
     itself as a stand-in (correct but never faster; a warning says so). A directory holding a
-    feature draft (drafting/feature.py) is attached to the loaded target. On CPU the linear
+    feature draft (drafts/feature.py) is attached to the loaded target. On CPU the linear
     layers are pre-packed for oneDNN unless `pack` is False or DYNATREE_PACK=0 (core/packing.py).
     dtype "auto" takes the dtype a saved probe chose for this device and pair (dtype_choice.py), else
     the static rule (models.resolve_dtype); both models always share one dtype."""

@@ -1,11 +1,16 @@
 """Drafting policies. Importing this package registers every built-in policy (the black-box
 baselines are decoding/baselines.py; decoding/methods.py lists both).
 
-May import: errors, core, runs, verify.
+Policies in one module per paper (their protocol and parameter registry: policy.py; the request
+and the per-level helpers they share: request.py, common.py). The draft models they expand are
+drafts/.
+
+May import: errors, core, runs, verify, drafts.
 """
 
 from dynatree_core.drafting import delayed, dynatree, dyspec, eagle2, salf, static  # noqa: F401
-from dynatree_core.drafting.base import POLICIES, Drafter, DraftRequest, Param, Policy, make_policy, register_policy
+from dynatree_core.drafting.policy import POLICIES, Param, Policy, make_policy, register_policy
+from dynatree_core.drafting.request import DraftRequest
 
 # The order every list shows (CLI, pickers, benchmarks): plain decoding, static trees, the dynamic
 # policies in the papers' order, then the delayed/n-gram family. A policy registered elsewhere
@@ -23,4 +28,4 @@ def _rank(name: str) -> int:
 for _name in sorted(POLICIES, key=_rank):
     POLICIES[_name] = POLICIES.pop(_name)
 
-__all__ = ["ORDER", "POLICIES", "DraftRequest", "Drafter", "Param", "Policy", "make_policy", "register_policy"]
+__all__ = ["ORDER", "POLICIES", "DraftRequest", "Param", "Policy", "make_policy", "register_policy"]

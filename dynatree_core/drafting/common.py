@@ -9,7 +9,8 @@ import math
 import torch
 
 from dynatree_core.core.tree import DraftTree, Reason, Status
-from dynatree_core.drafting.base import Drafter, DraftRequest, level_q, level_top
+from dynatree_core.drafting.request import DraftRequest, level_q, level_top
+from dynatree_core.drafts.session import Drafter
 from dynatree_core.errors import DynaTreeError
 
 NEG_INF = -math.inf

@@ -15,8 +15,9 @@ import math
 import time
 
 from dynatree_core.core.tree import DraftTree, Reason, Status
-from dynatree_core.drafting.base import DraftRequest, Param, Policy, level_q, level_top, pick_children, register_policy
 from dynatree_core.drafting.common import drafter_of, leaf_reason
+from dynatree_core.drafting.policy import Param, Policy, register_policy
+from dynatree_core.drafting.request import DraftRequest, level_q, level_top, pick_children
 
 
 def grow_delayed(

@@ -7,8 +7,9 @@ import collections
 import math
 
 from dynatree_core.core.tree import DraftTree, Reason
-from dynatree_core.drafting.base import DraftRequest, Param, Policy, level_top, register_policy
 from dynatree_core.drafting.common import admit_level, drafter_of, leaf_reason, safe_log
+from dynatree_core.drafting.policy import Param, Policy, register_policy
+from dynatree_core.drafting.request import DraftRequest, level_top
 from dynatree_core.errors import DynaTreeError
 
 

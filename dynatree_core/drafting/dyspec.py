@@ -7,7 +7,6 @@ import heapq
 import math
 
 from dynatree_core.core.tree import DraftTree, Reason, Status
-from dynatree_core.drafting.base import DraftRequest, Param, Policy, level_top, register_policy
 from dynatree_core.drafting.common import (
     NEG_INF,
     admit_level,
@@ -19,6 +18,8 @@ from dynatree_core.drafting.common import (
     sibling_value,
     start_tree,
 )
+from dynatree_core.drafting.policy import Param, Policy, register_policy
+from dynatree_core.drafting.request import DraftRequest, level_top
 
 
 @register_policy

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dynatree_core.core.tree import DraftTree, Reason, Status
-from dynatree_core.drafting.base import DraftRequest, Param, Policy, level_top, register_policy
 from dynatree_core.drafting.common import drafter_of, leaf_reason, start_tree
+from dynatree_core.drafting.policy import Param, Policy, register_policy
+from dynatree_core.drafting.request import DraftRequest, level_top
 
 
 # ----- EAGLE-2 -----------------------------------------------------------------------------------

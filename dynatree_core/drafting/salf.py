@@ -7,8 +7,9 @@ import heapq
 import math
 
 from dynatree_core.core.tree import DraftTree, Reason, Status
-from dynatree_core.drafting.base import DraftRequest, Param, Policy, level_top, register_policy
 from dynatree_core.drafting.common import NEG_INF, drafter_of
+from dynatree_core.drafting.policy import Param, Policy, register_policy
+from dynatree_core.drafting.request import DraftRequest, level_top
 
 
 # ----- SALF --------------------------------------------------------------------------------------

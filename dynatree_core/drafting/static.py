@@ -12,8 +12,9 @@ cumulative probability, so the budget keeps the most probable nodes.
 from __future__ import annotations
 
 from dynatree_core.core.tree import DraftTree, Reason
-from dynatree_core.drafting.base import DraftRequest, Param, Policy, level_q, level_top, pick_children, register_policy
 from dynatree_core.drafting.common import admit_level, drafter_of, leaf_reason, safe_log, start_tree
+from dynatree_core.drafting.policy import Param, Policy, register_policy
+from dynatree_core.drafting.request import DraftRequest, level_q, level_top, pick_children
 
 
 @register_policy

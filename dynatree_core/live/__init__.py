@@ -2,5 +2,5 @@
 process (run.py), `ProcessRun`, the same run decoded by an engine process (process_run.py), and
 the engine process itself (engine_process.py).
 
-May import: errors, core, runs, verify, drafting, decoding, measure.
+May import: errors, core, runs, verify, drafts, drafting, decoding, measure.
 """

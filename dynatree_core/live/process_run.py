@@ -13,7 +13,7 @@ from typing import Any
 
 from dynatree_core.core.log import log_exception
 from dynatree_core.decoding.engine import DecodeConfig
-from dynatree_core.drafting.base import Policy
+from dynatree_core.drafting.policy import Policy
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.live.engine_process import EngineProcess, StartRun
 from dynatree_core.live.jobs import JOB_TITLES

@@ -4,5 +4,5 @@ verification lab's empirical law (lab.py), the dtype probe (dtype_probe.py), the
 run settings that a CLI flag and a page widget share (run_settings.py), and `gpu-check`
 (gpu_check.py).
 
-May import: errors, core, runs, verify, drafting, decoding.
+May import: errors, core, runs, verify, drafts, drafting, decoding.
 """

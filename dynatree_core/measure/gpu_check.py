@@ -39,7 +39,7 @@ from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.decoding.engine import DecodeConfig, decode, generate
 from dynatree_core.decoding.methods import make_method
-from dynatree_core.drafting.base import POLICIES
+from dynatree_core.drafting.policy import POLICIES
 from dynatree_core.errors import DynaTreeError
 
 ARCHS = ("llama", "qwen2", "mistral")

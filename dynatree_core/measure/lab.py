@@ -16,7 +16,7 @@ import torch
 from dynatree_core.core.sampling_config import adjust
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.engine import DecodeConfig, decode
-from dynatree_core.drafting.base import Policy
+from dynatree_core.drafting.policy import Policy
 from dynatree_core.runs.records import IterationRecord
 
 

@@ -118,7 +118,7 @@ class RunResult:
     threads: int = 0  # torch intra-op threads the run used (core/threads.py); 0: not recorded
     forward_path: str = ""  # how forwards ran (kv.KVState.path: lean+graphs, lean, ...); HF baselines: "hf"
     capture_s: float = 0.0  # seconds of CUDA graph capture, kept out of every timing above
-    draft_kind: str = ""  # "token" (a standalone draft LM) or "feature" (drafting/feature.py); "" without a draft
+    draft_kind: str = ""  # "token" (a standalone draft LM) or "feature" (drafts/feature.py); "" without a draft
     records: list[IterationRecord] = dataclasses.field(default_factory=list)
 
     def to_dict(self, *, with_records: bool = True) -> dict:

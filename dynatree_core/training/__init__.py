@@ -9,5 +9,5 @@ unrolled over its own predictions (unrolled.py); what a checkpoint records so th
 run resumes it (resume.py). Then its measured quality (quality.py) and the shipped weights with
 their model card (export.py).
 
-May import: errors, core, runs, verify, drafting, decoding, measure.
+May import: errors, core, runs, verify, drafts, drafting, decoding, measure.
 """

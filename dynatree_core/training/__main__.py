@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         import json
 
         from dynatree_core.core.models import load_model
-        from dynatree_core.drafting.feature import FeatureDraft
+        from dynatree_core.drafts.feature import FeatureDraft
         from dynatree_core.training.feature import agreement_by_depth, token_draft_agreement
         from dynatree_core.training.feature_data import FeatureCorpus
 
@@ -312,8 +312,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.layout == "eagle3":
             import torch
 
-            from dynatree_core.drafting.heads import load_head
-            from dynatree_core.drafting.published import export_eagle3
+            from dynatree_core.drafts.heads import load_head
+            from dynatree_core.drafts.published import export_eagle3
             from dynatree_core.errors import DynaTreeError
 
             draft = load_head(str(args.run / "draft" if (args.run / "draft").is_dir() else args.run), target)

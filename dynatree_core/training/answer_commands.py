@@ -104,8 +104,8 @@ def _train_packed(args: argparse.Namespace) -> None:
     from dynatree_core.core.models import load_model
     from dynatree_core.core.vocab import TokenMap
     from dynatree_core.core.weights import load_weights
-    from dynatree_core.drafting.feature import FeatureDraft
-    from dynatree_core.drafting.fused import FusedDraft
+    from dynatree_core.drafts.feature import FeatureDraft
+    from dynatree_core.drafts.fused import FusedDraft
     from dynatree_core.training.answer_data import source_summary
     from dynatree_core.training.answers import STAGES, AnswerStore
     from dynatree_core.training.packed import PackedAnswers

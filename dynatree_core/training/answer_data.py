@@ -160,7 +160,7 @@ def coverage(token_map: TokenMap, ids: np.ndarray) -> float:
 def agreement_report(target, drafts: list, token_draft, splits: dict) -> dict:
     """Held-out agreement by depth of each feature draft (and the token draft's, the same at every
     depth given accepted ancestors) on each split: {split: (corpus, rows)} -> {split: {...}}."""
-    from dynatree_core.drafting.feature import FeatureDraft
+    from dynatree_core.drafts.feature import FeatureDraft
     from dynatree_core.training.feature import agreement_by_depth, token_draft_agreement
 
     head = target.get_output_embeddings()

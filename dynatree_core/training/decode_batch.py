@@ -1,6 +1,6 @@
 """Batched decoding of a Llama-family target that keeps its features: draft data in one pass.
 
-A feature draft (drafting/feature.py) learns from the target's own answers and the target's
+A feature draft (drafts/feature.py) learns from the target's own answers and the target's
 final hidden states along them. Generating the answers with HF `generate` and then labelling
 them in a second teacher-forced pass computes every hidden state twice; here the target decodes
 a batch of prompts through its lean blocks (core/fastpath.py) over preallocated KV buffers, and the

@@ -1,4 +1,4 @@
-"""Train the feature draft (drafting/feature.py) on the target's own features: EAGLE's KD.
+"""Train the feature draft (drafts/feature.py) on the target's own features: EAGLE's KD.
 
 Stage `feature-label` (feature_data.py) stores the target's final hidden states at every window
 position; the target's soft labels are head(f), recomputed from them here over the draft's vocabulary.
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from dynatree_core.core.models import resolve_device
 from dynatree_core.core.vocab import OTHER, TokenMap
 from dynatree_core.core.weights import check_same_run, load_weights, save_whole
-from dynatree_core.drafting.feature import FeatureDraft
+from dynatree_core.drafts.feature import FeatureDraft
 from dynatree_core.runs.environment import portable
 from dynatree_core.training.feature_data import FeatureCorpus
 from dynatree_core.training.feature_talf import feature_talf_loss

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from dynatree_core.core.models import REPO_ROOT
-from dynatree_core.drafting.fused import target_rows
-from dynatree_core.drafting.heads import load_head
+from dynatree_core.drafts.fused import target_rows
+from dynatree_core.drafts.heads import load_head
 from dynatree_core.runs.environment import portable
 from dynatree_core.training.ledger import totals
 
@@ -187,7 +187,7 @@ def model_card(
     lines = [
         "# Feature-level (EAGLE-style) draft",
         "",
-        "A one-layer head over the target's own final hidden states (dynatree_core/drafting/feature.py):",
+        "A one-layer head over the target's own final hidden states (dynatree_core/drafts/feature.py):",
         "fc([embedding(next token); target feature]) -> one Llama decoder layer -> predicted feature",
         f"-> the target's LM head rows for the {slots} (frozen; rebuilt from the target at load).",
         "Saved: fc and the layer (bfloat16); load attaches them to the loaded target.",

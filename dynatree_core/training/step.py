@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from dynatree_core.core.vocab import OTHER
 from dynatree_core.core.weights import check_same_run, load_weights, save_whole
-from dynatree_core.drafting.fused import FusedDraft
+from dynatree_core.drafts.fused import FusedDraft
 from dynatree_core.training.ledger import record
 from dynatree_core.training.packed import PackedAnswers, PackedBatch, level_mask, prefetch
 from dynatree_core.training.resume import head_run

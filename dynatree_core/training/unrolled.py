@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dynatree_core.drafting.feature import FeatureDraft
+from dynatree_core.drafts.feature import FeatureDraft
 
 
 def depth_mask(levels: int, width: int, valid: torch.Tensor) -> torch.Tensor:

@@ -3,5 +3,5 @@ process-wide resources such as loaded pairs and engine processes (resources.py),
 built from the registries (widgets.py), the opening replay (replay.py) and the live page's
 sections (live_view.py).
 
-May import: errors, core, runs, verify, drafting, decoding, measure, live, viz, training.
+May import: errors, core, runs, verify, drafts, drafting, decoding, measure, live, viz, training.
 """

@@ -2,7 +2,7 @@
 
 Every verifier is lossless on some drafting structures only (delayed-tree-expansion paper §3,
 Table 1): a deterministic top-k tree, children drawn i.i.d. or without replacement, one drafted
-path. A policy states what it drafts as `Capabilities` (drafting/base.py `Policy.capabilities`)
+path. A policy states what it drafts as `Capabilities` (drafting/policy.py `Policy.capabilities`)
 and `resolve_verifier` checks the pairing here, with the verifiers that know the conditions,
 refusing the ones that would not be lossless.
 """

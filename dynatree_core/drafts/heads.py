@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from dynatree_core.core.kv import KVState
-from dynatree_core.drafting import feature, fused, published
+from dynatree_core.drafts import feature, fused, published
 
 
 def is_head(model: torch.nn.Module | None) -> bool:

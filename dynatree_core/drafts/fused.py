@@ -35,7 +35,7 @@ from dynatree_core.core.taps import check_taps, eagle3_taps
 from dynatree_core.core.transfer import to_device
 from dynatree_core.core.vocab import OTHER, TokenMap
 from dynatree_core.core.weights import load_weights
-from dynatree_core.drafting.feature import FeatureDrafter, head_config, read_meta
+from dynatree_core.drafts.feature import FeatureDrafter, head_config, read_meta
 from dynatree_core.errors import DynaTreeError
 
 CONFIG_FILE = "fused_draft.json"

@@ -36,8 +36,8 @@ import torch
 from dynatree_core.core.taps import check_taps, eagle3_taps, from_output_ids
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.core.weights import load_weights
-from dynatree_core.drafting.feature import FeatureDraft
-from dynatree_core.drafting.fused import FusedDraft, check_fits
+from dynatree_core.drafts.feature import FeatureDraft
+from dynatree_core.drafts.fused import FusedDraft, check_fits
 from dynatree_core.errors import DynaTreeError
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")

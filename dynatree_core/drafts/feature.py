@@ -37,7 +37,7 @@ from dynatree_core.core.transfer import to_device
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.core.vocab import OTHER, TokenMap
 from dynatree_core.core.weights import load_weights
-from dynatree_core.drafting.base import Drafter
+from dynatree_core.drafts.session import Drafter
 from dynatree_core.errors import DynaTreeError
 
 CONFIG_FILE = "feature_draft.json"

@@ -1,0 +1,111 @@
+"""The draft model's session for one run: its own KV cache, expanded one tree level per forward.
+
+A policy never touches caches or masks: it asks the session for the draft distributions of a
+whole tree level at once (`expand(tree, nodes)`, one draft forward), and the engine tells it
+which nodes were accepted (`commit`, KV compaction). Token drafts use this class as it is;
+feature and fused heads (feature.py, fused.py) subclass it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.core.tree import DraftTree
+from dynatree_core.core.vocab import TokenMap
+
+
+class Drafter:
+    """The draft model for one run: its own KV cache, expanded one tree level per forward.
+
+    Cache layout during an iteration: [committed tokens (root last)] [tree nodes, level by level].
+    Siblings never share mutable state: every node has its own cache slot and sees only its
+    ancestors through the mask.
+    """
+
+    wants_features = False  # a feature draft (drafts/feature.py) also reads the target's hidden states
+    ready = True  # it can draft now (a feature draft waits for the target's first forward)
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        prompt_ids: list[int],
+        vocab_size: int,
+        token_map: TokenMap | None = None,
+        *,
+        kv: KVState | None = None,
+    ):
+        self.kv = kv if kv is not None else KVState(model, prompt_ids)
+        self.vocab_size = vocab_size
+        self.token_map = token_map  # reduced-vocabulary draft: map ids in and log-probs out
+        self.slots: dict[int, int] = {}  # node id -> cache index, for the current tree
+        self.committed = 0  # cache entries that are committed tokens
+
+    @property
+    def forwards(self) -> int:
+        return self.kv.forwards
+
+    def expand(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        """Draft log-probabilities for the children of `nodes`, in one forward.
+
+        `nodes` is either [0] (the root: runs the pending committed tokens, root last) or a
+        list of verified nodes whose parents were expanded earlier in this iteration.
+        Returns: (len(nodes), vocab) float32 log-probabilities.
+        """
+        kv = self.kv
+        if nodes == [0]:
+            self.slots = {}
+            chain = self._draft_ids(kv.pending)
+            visible = chain_then_tree_visibility(kv.length, len(chain), torch.zeros(0, 0, dtype=torch.bool))
+            logits = kv.forward(chain, list(range(kv.length, kv.length + len(chain))), visible, 1)
+            kv.pending = []
+            self.committed = kv.length
+            self.slots[0] = kv.length - 1
+        else:
+            positions = [self.committed - 1 + tree.depths[n] for n in nodes]
+            start = kv.length
+            logits = kv.forward(
+                self._draft_ids([tree.tokens[n] for n in nodes]),
+                positions,
+                self._level_visibility(tree, nodes),
+                len(nodes),
+            )
+            self.slots.update({n: start + i for i, n in enumerate(nodes)})
+        return self._logp(logits)
+
+    def _level_visibility(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        """(q, length + q) visibility of one tree level: the committed entries (the root's
+        included), each node's ancestors' slots, and itself."""
+        q, length = len(nodes), self.kv.length
+        visible = torch.zeros(q, length + q, dtype=torch.bool)
+        visible[:, : self.committed] = True
+        for i, node in enumerate(nodes):
+            for anc in tree.path(node)[1:-1]:  # the root is among the committed entries
+                visible[i, self.slots[anc]] = True
+            visible[i, length + i] = True
+        return visible
+
+    def _logp(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits -> (q, target vocab) log-probabilities (through the token map if any)."""
+        if self.token_map is not None:
+            return self.token_map.to_target_logp(logits)
+        return torch.log_softmax(logits[:, : self.vocab_size], dim=-1)
+
+    def _draft_ids(self, target_ids: list[int]) -> list[int]:
+        if self.token_map is None:
+            return target_ids
+        return self.token_map.to_draft(torch.tensor(target_ids)).tolist()
+
+    def commit(self, tree: DraftTree, accepted: list[int], new_tokens: list[int]) -> None:
+        """Keep the accepted nodes' KV (compaction); tokens without draft KV become pending."""
+        if 0 not in self.slots:  # the draft did not run this iteration
+            self.kv.pending.extend(new_tokens)
+            return
+        cached = []
+        for node in accepted:
+            if node not in self.slots:
+                break
+            cached.append(self.slots[node])
+        self.kv.keep(list(range(self.committed)) + cached)
+        self.kv.pending = list(new_tokens[len(cached) :])
+        self.slots = {}
