@@ -19,9 +19,9 @@ from streamlit.runtime.scriptrunner import get_script_run_ctx
 from dynatree_core.decoding.engine import DecodeConfig
 from dynatree_core.decoding.methods import catalogue, is_baseline, make_method, method_class
 from dynatree_core.decoding.pairs import encode_prompt
+from dynatree_core.decoding.settings import RunSpec
 from dynatree_core.live.process_run import ProcessRun
 from dynatree_core.live.run import LiveRun
-from dynatree_core.measure.run_settings import RunSpec
 from dynatree_core.ui.live_view import RENDER_INTERVAL_S, metrics_row, render
 from dynatree_core.ui.replay import POSTER_FRAMES, PREWARM_FRAME, REPLAY_INTERVAL_S, replay_run, replay_step
 from dynatree_core.ui.resources import (

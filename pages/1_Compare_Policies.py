@@ -11,11 +11,11 @@ import streamlit as st
 
 from dynatree_core.decoding.methods import candidates
 from dynatree_core.decoding.pairs import encode_prompt
+from dynatree_core.decoding.settings import RunSpec
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.live.jobs import JOB_TITLES
 from dynatree_core.measure.compare import Comparison, reference_entries
 from dynatree_core.measure.entries import Entry, labelled, schedule
-from dynatree_core.measure.run_settings import RunSpec
 from dynatree_core.ui.resources import models_info, pair_job, show_error
 from dynatree_core.ui.widgets import model_picker, param_widgets, prompt_inputs, setting_widget
 from dynatree_core.viz import compare_figures, legend_html, tree_figure

@@ -9,11 +9,11 @@ import pandas as pd
 import streamlit as st
 
 from dynatree_core.decoding.methods import candidates, method_class
+from dynatree_core.decoding.settings import RunSpec
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.measure.bench import parse_sweep, sweep_entries
 from dynatree_core.measure.entries import Entry
 from dynatree_core.measure.prompt_sets import CORPORA, bundled_sets, choose_prompts
-from dynatree_core.measure.run_settings import RunSpec
 from dynatree_core.runs.validate import check_size_and_depth
 from dynatree_core.runs.validate_reports import check_bench_rows
 from dynatree_core.ui.resources import models_info, pair_job, show_error

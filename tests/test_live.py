@@ -212,7 +212,7 @@ def test_a_worker_whose_page_stops_polling_pauses_itself():
 def test_a_run_keeps_its_run_spec_and_an_imported_file_gets_it_back_when_the_registry_accepts_it():
     import dataclasses
 
-    from dynatree_core.measure.run_settings import RunSpec
+    from dynatree_core.decoding.settings import RunSpec
 
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
     spec = RunSpec(target="tiny", draft="tiny-draft", max_new_tokens=4, temperature=0.5, top_k=7, seed=3)

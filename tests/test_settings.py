@@ -1,4 +1,4 @@
-"""The run-settings registry (measure/run_settings.py): one range and default per setting, from which the
+"""The run-settings registry (decoding/settings.py): one range and default per setting, from which the
 CLI's flags and the pages' widgets are generated, and the RunSpec they produce."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from dynatree_core.cli import build_parser
+from dynatree_core.decoding.settings import SETTINGS, RunSpec
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.measure.run_settings import SETTINGS, RunSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 

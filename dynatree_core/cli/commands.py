@@ -10,8 +10,8 @@ import sys
 
 from tqdm import tqdm
 
+from dynatree_core.decoding.settings import RunSpec
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.measure.run_settings import RunSpec
 from dynatree_core.runs.environment import portable
 
 

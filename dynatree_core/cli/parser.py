@@ -1,13 +1,13 @@
 """The CLI's arguments: one parser, the shared flags generated from the run-settings registry
-(measure/run_settings.py) and written once per group (run, models, engine)."""
+(decoding/settings.py) and written once per group (run, models, engine)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from dynatree_core.decoding.settings import add_flags
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.measure.run_settings import add_flags
 
 
 class _Parser(argparse.ArgumentParser):

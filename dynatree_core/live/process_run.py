@@ -13,12 +13,12 @@ from typing import Any
 
 from dynatree_core.core.log import log_exception
 from dynatree_core.decoding.engine import DecodeConfig
+from dynatree_core.decoding.settings import RunSpec
 from dynatree_core.drafting.policy import Policy
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.live.engine_process import EngineProcess, StartRun
 from dynatree_core.live.jobs import JOB_TITLES
 from dynatree_core.live.run import IDLE_TIMEOUT_S, LiveRun
-from dynatree_core.measure.run_settings import RunSpec
 from dynatree_core.runs.records import IterationRecord
 
 STEP_TIMEOUT_S = 120.0  # one step's longest wait: an iteration of a big pair on a CPU, queued behind others

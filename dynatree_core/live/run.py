@@ -34,9 +34,9 @@ from dynatree_core.core.log import log_exception
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.engine import DecodeConfig, decode, draft_kind, vocab_size
 from dynatree_core.decoding.methods import make_method, verifier_for
+from dynatree_core.decoding.settings import RunSpec
 from dynatree_core.drafting.policy import Policy
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.measure.run_settings import RunSpec
 from dynatree_core.runs.metrics import summarize
 from dynatree_core.runs.records import TRACE_VERSION, IterationRecord, RunResult
 from dynatree_core.runs.validate import check_run, check_size_and_depth

@@ -1,7 +1,6 @@
 """Measuring decoding: a side-by-side comparison on one prompt (compare.py) of entries parsed
 from specs (entries.py), benchmarks over prompt sets (bench.py, prompt_sets.py), the
-verification lab's empirical law (lab.py), the dtype probe (dtype_probe.py), the registry of
-run settings that a CLI flag and a page widget share (run_settings.py), and `gpu-check`
+verification lab's empirical law (lab.py), the dtype probe (dtype_probe.py) and `gpu-check`
 (gpu_check.py).
 
 May import: errors, core, runs, verify, drafts, drafting, decoding.

@@ -12,11 +12,11 @@ import torch
 
 from dynatree_core.core.models import PRESETS, presets_only
 from dynatree_core.decoding.methods import method_class
+from dynatree_core.decoding.settings import SETTINGS
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.live.process_run import ProcessRun
 from dynatree_core.live.run import LiveRun
 from dynatree_core.measure.prompt_sets import load_prompts
-from dynatree_core.measure.run_settings import SETTINGS
 from dynatree_core.ui.resources import engine_threads, forward_lock, show_error
 
 
