@@ -39,7 +39,7 @@ POLICIES = (
 
 def _prefill(kv: KVState, tokens: list[int]) -> torch.Tensor:
     visible = chain_then_tree_visibility(0, len(tokens), torch.zeros(0, 0, dtype=torch.bool))
-    out = kv.forward(tokens, list(range(len(tokens))), visible, 1)
+    out = kv.forward(tokens, list(range(len(tokens))), visible, 1).logits
     kv.pending = []
     return out
 
@@ -57,7 +57,7 @@ def _tree_forward(kv: KVState, tree: DraftTree, root_pos: int) -> tuple[torch.Te
     order = tree.order("bfs")
     visible = chain_then_tree_visibility(kv.length, 1, tree.ancestor_mask(order)[1:, 1:])
     tokens = [tree.tokens[n] for n in order]
-    return kv.forward(tokens, tree.position_ids(order, root_pos), visible, len(order)), order
+    return kv.forward(tokens, tree.position_ids(order, root_pos), visible, len(order)).logits, order
 
 
 @torch.inference_mode()
@@ -117,8 +117,8 @@ def test_static_compaction_equals_recomputation(arch, path, accepted):
         torch.testing.assert_close(mine.keys, ref.keys, rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(mine.values, ref.values, rtol=1e-9, atol=1e-9)
     nxt = chain_then_tree_visibility(kv.length, 1, torch.zeros(0, 0, dtype=torch.bool))
-    got = kv.forward([17], [len(committed)], nxt, 1)
-    torch.testing.assert_close(got, fresh.forward([17], [len(committed)], nxt, 1), rtol=1e-9, atol=1e-9)
+    got = kv.forward([17], [len(committed)], nxt, 1).logits
+    torch.testing.assert_close(got, fresh.forward([17], [len(committed)], nxt, 1).logits, rtol=1e-9, atol=1e-9)
 
 
 @torch.inference_mode()
@@ -138,8 +138,8 @@ def test_static_buffers_are_written_in_place_and_grow_only_when_full():
         ref.forward([5], [ref.length], visible, 1)
     wide = 40  # past the capacity: the buffer grows once and keeps every entry
     visible = chain_then_tree_visibility(kv.length, 0, torch.ones(wide, wide, dtype=torch.bool).tril())
-    got = kv.forward([7] * wide, list(range(kv.length, kv.length + wide)), visible, wide)
-    want = ref.forward([7] * wide, list(range(ref.length, ref.length + wide)), visible, wide)
+    got = kv.forward([7] * wide, list(range(kv.length, kv.length + wide)), visible, wide).logits
+    want = ref.forward([7] * wide, list(range(ref.length, ref.length + wide)), visible, wide).logits
     assert kv.grows == 1
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
 

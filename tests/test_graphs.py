@@ -17,8 +17,9 @@ from conftest import hf_greedy, noisy_copy, tiny_model
 from test_fastpath import LEAN_ARCHS, _branching_tree, _prefill, _tree_forward
 
 from dynatree_core.core import graphs
+from dynatree_core.core.choice import forward_path
 from dynatree_core.core.graphs import bucket_for, buckets, graphs_enabled, span_for
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility, forward_path
+from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting.policy import POLICIES
@@ -62,10 +63,10 @@ def test_padded_forwards_equal_unpadded_ones_through_compaction(arch):
         torch.testing.assert_close(a.keys, b.keys, **TOL)
         torch.testing.assert_close(a.values, b.values, **TOL)
     nxt = chain_then_tree_visibility(mine.length, 1, torch.zeros(0, 0, dtype=torch.bool))
-    got, got_h = mine.forward([17], [len(keep)], nxt, 1, hidden=True)
-    want, want_h = ref.forward([17], [len(keep)], nxt, 1, hidden=True)
-    torch.testing.assert_close(got, want, **TOL)
-    torch.testing.assert_close(got_h, want_h, **TOL)
+    got = mine.forward([17], [len(keep)], nxt, 1, hidden=True)
+    want = ref.forward([17], [len(keep)], nxt, 1, hidden=True)
+    torch.testing.assert_close(got.logits, want.logits, **TOL)
+    torch.testing.assert_close(got.states, want.states, **TOL)
 
 
 @torch.inference_mode()
@@ -82,7 +83,7 @@ def test_wider_than_every_bucket_falls_back_and_a_full_cache_grows(monkeypatch):
         nxt = chain_then_tree_visibility(mine.length, 1, torch.zeros(0, 0, dtype=torch.bool))
         token = [1 + step % 50]
         torch.testing.assert_close(
-            mine.forward(token, [mine.length], nxt, 1), ref.forward(token, [ref.length], nxt, 1), **TOL
+            mine.forward(token, [mine.length], nxt, 1).logits, ref.forward(token, [ref.length], nxt, 1).logits, **TOL
         )
     assert mine.grows >= 1 and mine.padded.buckets, "the buffer grew and buckets were rebuilt"
 
@@ -147,11 +148,13 @@ def test_a_buffer_grown_by_an_unpadded_forward_drops_the_buckets_built_over_the_
     wide = [5 + i % 80 for i in range(capacity)]  # wider than the buffer's free slots and than every bucket
     see = chain_then_tree_visibility(mine.length, len(wide), torch.zeros(0, 0, dtype=torch.bool))
     positions = list(range(mine.length, mine.length + len(wide)))
-    torch.testing.assert_close(mine.forward(wide, positions, see, 1), ref.forward(wide, positions, see, 1), **TOL)
+    torch.testing.assert_close(
+        mine.forward(wide, positions, see, 1).logits, ref.forward(wide, positions, see, 1).logits, **TOL
+    )
     assert mine.grows == 1, "the unpadded path grew the buffers"
     nxt = chain_then_tree_visibility(mine.length, 1, torch.zeros(0, 0, dtype=torch.bool))
-    got = mine.forward([7], [mine.length], nxt, 1)
-    torch.testing.assert_close(got, ref.forward([7], [ref.length], nxt, 1), **TOL)
+    got = mine.forward([7], [mine.length], nxt, 1).logits
+    torch.testing.assert_close(got, ref.forward([7], [ref.length], nxt, 1).logits, **TOL)
 
 
 def _widest(name: str) -> dict:

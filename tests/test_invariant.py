@@ -100,12 +100,14 @@ def _assert_path_bits_match_ar(model: torch.nn.Module, label: str) -> None:
     alone = []
     for depth, node in enumerate(path):  # one token per forward, as `ar` decodes
         visible = torch.ones(1, ar.length + 1, dtype=torch.bool)
-        alone.append(ar.forward([tree.tokens[node]], [len(PROMPT) + depth], visible, 1)[0])
+        alone.append(ar.forward([tree.tokens[node]], [len(PROMPT) + depth], visible, 1).logits[0])
     kv = KVState(model, PROMPT, invariant=True)
     _prefill(kv)
     order = tree.order("bfs")
     visible = chain_then_tree_visibility(kv.length, 1, tree.ancestor_mask(order)[1:, 1:])
-    logits = kv.forward([tree.tokens[n] for n in order], tree.position_ids(order, len(PROMPT)), visible, len(order))
+    logits = kv.forward(
+        [tree.tokens[n] for n in order], tree.position_ids(order, len(PROMPT)), visible, len(order)
+    ).logits
     for depth, node in enumerate(path):  # without invariance: differs at depth 0 already (llama-wide, both dtypes)
         row = logits[order.index(node)]
         assert torch.equal(row, alone[depth]), (
@@ -133,7 +135,7 @@ def test_dfs_order_and_a_pending_chain_keep_the_bits(dtype):
     ar.pending = []
     last = None
     for i, token in enumerate([PROMPT[-1], 17, *[tree.tokens[n] for n in path[1:]]]):
-        last = ar.forward([token], [len(PROMPT) - 1 + i], torch.ones(1, ar.length + 1, dtype=torch.bool), 1)[0]
+        last = ar.forward([token], [len(PROMPT) - 1 + i], torch.ones(1, ar.length + 1, dtype=torch.bool), 1).logits[0]
     kv = KVState(model, PROMPT[:-1], invariant=True)
     kv.forward(PROMPT[:-1], list(range(len(PROMPT) - 1)), torch.ones(len(PROMPT) - 1, len(PROMPT) - 1).tril().bool(), 1)
     kv.pending = []
@@ -141,7 +143,7 @@ def test_dfs_order_and_a_pending_chain_keep_the_bits(dtype):
     visible = chain_then_tree_visibility(kv.length, 2, tree.ancestor_mask(order)[1:, 1:])
     tokens = [PROMPT[-1]] + [tree.tokens[n] for n in order]
     positions = [len(PROMPT) - 1] + tree.position_ids(order, len(PROMPT))
-    logits = kv.forward(tokens, positions, visible, len(order))
+    logits = kv.forward(tokens, positions, visible, len(order)).logits
     assert torch.equal(logits[order.index(path[-1])], last)
 
 

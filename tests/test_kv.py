@@ -6,6 +6,8 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from dynatree_core.core.choice import choose_forward
+from dynatree_core.core.forward import Forward
 from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.core.tree import DraftTree
 
@@ -33,7 +35,7 @@ def test_chain_shaped_tree_gives_causal_logits(arch):
     )
     visible = chain_then_tree_visibility(kv.length, 1, tree.ancestor_mask(order)[1:, 1:])
     tokens = [prompt[-1]] + [tree.tokens[n] for n in order[1:]]
-    logits = kv.forward(tokens, tree.position_ids(order, len(prompt) - 1), visible, len(order))
+    logits = kv.forward(tokens, tree.position_ids(order, len(prompt) - 1), visible, len(order)).logits
     expected = _causal_logits(model, prompt + chain)[len(prompt) - 1 :]
     torch.testing.assert_close(logits, expected.float(), rtol=1e-5, atol=1e-5)
 
@@ -73,6 +75,43 @@ def test_compaction_equals_recomputing_the_cache(arch, path):
         torch.testing.assert_close(mine.values, ref.values)
     nxt = [17]
     vis = chain_then_tree_visibility(kv.length, 1, torch.zeros(0, 0, dtype=torch.bool))
-    got = kv.forward(nxt, [len(committed)], vis, 1)
-    want = fresh.forward(nxt, [len(committed)], vis, 1)
+    got = kv.forward(nxt, [len(committed)], vis, 1).logits
+    want = fresh.forward(nxt, [len(committed)], vis, 1).logits
     torch.testing.assert_close(got, want)
+
+
+SWITCHES = {  # the switches DecodeConfig carries -> the implementation choice.choose_forward picks
+    "reference": (dict(static=False), "dynamic"),
+    "reference-static": (dict(fast=False), "static"),
+    "lean": ({}, "lean"),
+    "captured": (dict(graphs=True), "lean+padded"),
+    "invariant": (dict(invariant=True), "lean+invariant"),
+}
+
+
+@pytest.mark.parametrize("name", SWITCHES)
+def test_one_place_picks_the_forward_and_says_why(name):
+    switches, path = SWITCHES[name]
+    choice = choose_forward(tiny_model("llama"), **switches)
+    assert choice.kind == name.split("-")[0] and choice.path.startswith(path), choice
+    assert choice.why, "every choice says why it was made"
+    assert KVState(tiny_model("llama"), [1, 2], **switches).path.startswith(path), "KVState runs the choice"
+
+
+def test_a_model_without_the_lean_forward_says_so_when_invariance_is_asked():
+    choice = choose_forward(tiny_model("gpt2"), invariant=True)
+    assert choice.kind == "reference" and choice.path == "static (not width-invariant: needs the lean forward)"
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("name", SWITCHES)
+def test_every_forward_returns_one_result_type_with_states_only_when_asked(name):
+    model, prompt = tiny_model("llama"), [4, 8, 15, 16]
+    kv = KVState(model, prompt, **SWITCHES[name][0])
+    visible = chain_then_tree_visibility(0, len(prompt), torch.zeros(0, 0, dtype=torch.bool))
+    out = kv.forward(prompt, list(range(len(prompt))), visible, 2)
+    assert isinstance(out, Forward) and out.states is None and out.logits.shape == (2, model.config.vocab_size)
+    assert out.logits.dtype == torch.float32
+    see = chain_then_tree_visibility(kv.length, 1, torch.zeros(0, 0, dtype=torch.bool))
+    out = kv.forward([23], [len(prompt)], see, 1, hidden=True)
+    assert isinstance(out, Forward) and out.states.shape == (1, model.config.hidden_size)

@@ -9,7 +9,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from dynatree_core.cli import main
-from dynatree_core.core.models import check_tokenizers_compatible, load_model, resolve_device, resolve_dtype
+from dynatree_core.core.devices import resolve_device, resolve_dtype
+from dynatree_core.core.models import check_tokenizers_compatible, load_model
 from dynatree_core.decoding.pairs import encode_prompt, load_pair
 from dynatree_core.errors import DynaTreeError
 
@@ -129,7 +130,8 @@ def test_device_and_dtype_resolution():
 
 
 def test_presets_only_refuses_other_models_everywhere(capsys, tiny_dirs, monkeypatch):
-    from dynatree_core.core.models import EMBEDDED, PRESETS, check_spec_allowed
+    from dynatree_core.core.presets import EMBEDDED, PRESETS
+    from dynatree_core.core.specs import check_spec_allowed
 
     monkeypatch.setenv("DYNATREE_PRESETS_ONLY", "1")
     for spec in (tiny_dirs["target"], "someorg/some-model", "/etc/passwd", "../model.gguf"):

@@ -119,7 +119,7 @@ def cmd_verifiers(args) -> None:
 
 
 def cmd_presets(args) -> None:
-    from dynatree_core.core.models import PRESETS
+    from dynatree_core.core.presets import PRESETS
 
     if args.json:
         return print(json.dumps([vars(p) for p in PRESETS.values()], indent=2))
@@ -202,7 +202,7 @@ def cmd_bench(args) -> None:
 
 
 def cmd_latency(args) -> None:
-    from dynatree_core.core.kv import forward_path
+    from dynatree_core.core.choice import forward_path
     from dynatree_core.core.packing import is_packed
     from dynatree_core.decoding.pairs import load_pair
     from dynatree_core.runs.environment import environment
@@ -255,7 +255,7 @@ def cmd_latency(args) -> None:
 
 def _resolve_models(args) -> tuple[str, str | None]:
     """--preset fills in --target/--draft; explicit flags win."""
-    from dynatree_core.core.models import EMBEDDED, PRESETS
+    from dynatree_core.core.presets import EMBEDDED, PRESETS
 
     if args.preset is None:
         return args.target or EMBEDDED, args.draft
@@ -266,7 +266,7 @@ def _resolve_models(args) -> tuple[str, str | None]:
 
 
 def cmd_dtype(args) -> None:
-    from dynatree_core.core.models import resolve_device
+    from dynatree_core.core.devices import resolve_device
     from dynatree_core.decoding.dtype_choice import choose, save_choice
     from dynatree_core.measure.dtype_probe import probe
 

@@ -1,10 +1,17 @@
-"""The machinery under every layer: the draft tree and the reason behind each node (tree.py),
-sampling settings applied to both models (sampling_config.py), host-device copies and clocks
-(transfer.py), loading models (models.py), weights loaded whole and checkpoints written whole
-(weights.py), reduced-vocabulary drafts (vocab.py), torch's thread count (threads.py), per-run KV
-caches and tree-masked forwards (kv.py), the lean forward (fastpath.py), captured CUDA-graph
-forwards (graphs.py), pre-packed CPU linear layers (packing.py) and the server log (log.py).
-Nothing here knows a policy, a verifier or a run.
+"""The machinery under every layer. Nothing here knows a policy, a verifier or a run.
+
+- The draft tree and the reason behind each node (tree.py); sampling settings applied to both
+  models (sampling_config.py); the hidden states a feature draft reads (taps.py).
+- Forwards: one result type, `Forward` (forward.py, beside the HF reference forward); the one
+  place that picks an implementation for a model, `choose_forward` (choice.py); the lean forward
+  (fastpath.py), captured CUDA-graph forwards (graphs.py) and width-invariant forwards
+  (invariant.py); per-run KV caches that run the chosen forward and compact in place (kv.py).
+- Models: loading them (models.py), the preset pairs (presets.py), the deployer's allow-list
+  (specs.py), device and dtype names (devices.py), GGUF conversion (gguf.py), the hub probe
+  (hub.py), the cache root (cache_dir.py), weights loaded whole and checkpoints written whole
+  (weights.py), reduced-vocabulary drafts (vocab.py), pre-packed CPU linear layers (packing.py).
+- Host-device copies and clocks (transfer.py), torch's thread count (threads.py), the server
+  log (log.py).
 
 May import: errors.
 """

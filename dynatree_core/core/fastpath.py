@@ -28,7 +28,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from dynatree_core.core.forward import Forward
 from dynatree_core.core.invariant import RopeTable, RowGroups, min_rows, sequence_attention
+from dynatree_core.core.taps import stack_taps
 
 LEAN_TYPES = ("llama", "qwen2", "mistral")  # model_type values whose decoder layer is the Llama block
 
@@ -204,8 +206,8 @@ class _Block:
 
 class LeanForward:
     """Callable: (ids (1, q), positions (1, q), additive mask (1, 1, q, L + q), cache layers, keep)
-    -> logits (keep, vocab) [and hidden states (q, hidden)], writing the q new keys/values into the
-    cache layers (SlotLayer.update)."""
+    -> Forward (logits (keep, vocab) [and hidden states (q, hidden)]), writing the q new
+    keys/values into the cache layers (SlotLayer.update)."""
 
     def __init__(self, model: torch.nn.Module, fuse: bool = False):
         base = model.model
@@ -228,7 +230,7 @@ class LeanForward:
         embeds: torch.Tensor | None = None,
         hidden: bool | tuple[int, ...] = False,
         rows: RowGroups | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> Forward:
         """`embeds` (1, q, hidden): inputs instead of the ids' embeddings; `hidden`: also return
         the final (post-norm) hidden states of all q rows, or for a tuple of taps (core/taps.py)
         those states stacked (q, len(taps), hidden) (see KVState.forward); `rows`: attend with
@@ -253,15 +255,8 @@ class LeanForward:
                     fold_groups(q, block.groups), keys, values, attn_mask=folded, scale=block.scaling
                 ).reshape(q.shape)  # CUDA kernels return it strided (rows, heads) major: a view would fail
             x = block.mlp(x + min_rows(block.o, attn.transpose(1, 2).reshape(1, ids.shape[1], -1), pad), pad)
-        if hidden:
-            states = self.norm(x[0])
-            if taps:
-                return min_rows(self.head, states[-logits_to_keep:], pad), stack_taps(taps, tapped, states)
-            return min_rows(self.head, states[-logits_to_keep:], pad), states
-        return min_rows(self.head, self.norm(x[0, -logits_to_keep:]), pad)
-
-
-def stack_taps(taps: tuple[int, ...], inputs: dict[int, torch.Tensor], final: torch.Tensor) -> torch.Tensor:
-    """(q, len(taps), hidden): the layer inputs `inputs[i]` (q, hidden) in the taps' order, FINAL
-    (core/taps.py) read as the final post-norm states."""
-    return torch.stack([final if t < 0 else inputs[t] for t in taps], dim=1)
+        if not hidden:
+            return Forward(min_rows(self.head, self.norm(x[0, -logits_to_keep:]), pad))
+        states = self.norm(x[0])
+        logits = min_rows(self.head, states[-logits_to_keep:], pad)
+        return Forward(logits, stack_taps(taps, tapped, states) if taps else states)

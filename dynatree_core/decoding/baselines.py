@@ -80,6 +80,27 @@ class HFBaseline(Baseline):
         draft_token_map: TokenMap | None = None,
         tokenizer=None,
     ) -> RunResult:
+        self._check(prompt_ids, draft)
+        if draft is not None and draft_token_map is not None:
+            draft = draft_token_map.full_vocab_model(draft)
+        device = target.get_input_embeddings().weight.device
+        uses_draft = self.needs_draft_model and draft is not None
+        resident = weight_bytes(target) + (weight_bytes(draft) if uses_draft else 0)
+        eos = list(config.eos_token_ids) or None
+        out, wall, reads = self._timed_generate(target, prompt_ids, draft, config, eos)
+        tokens = out[0, len(prompt_ids) :].tolist()
+        resident += kv_bytes_per_token(target) * (len(prompt_ids) + sum(reads[1:]))
+        if uses_draft:
+            resident += kv_bytes_per_token(draft) * (len(prompt_ids) + len(tokens))
+        if eos and eos[0] in tokens and tokens[-1] != eos[0]:  # HF pads after EOS
+            tokens = tokens[: tokens.index(eos[0]) + 1]
+        text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else ""
+        peak_mb = memory_mb(device, resident)
+        return self._result(
+            target, prompt_ids=prompt_ids, tokens=tokens, reads=reads, wall=wall, text=text, peak_mb=peak_mb, eos=eos
+        )
+
+    def _check(self, prompt_ids: list[int], draft: torch.nn.Module | None) -> None:
         if not prompt_ids:
             raise DynaTreeError("the prompt is empty")
         if self.needs_draft_model and draft is None:
@@ -89,19 +110,20 @@ class HFBaseline(Baseline):
                 f"{self.name} runs Hugging Face's assisted generation, which needs a standalone draft LM; "
                 "this draft is a feature draft (it reads the target's hidden states): use the token draft"
             )
-        if draft is not None and draft_token_map is not None:
-            draft = draft_token_map.full_vocab_model(draft)
+
+    def _timed_generate(
+        self, target: torch.nn.Module, prompt_ids: list[int], draft, config, eos: list[int] | None
+    ) -> tuple[torch.Tensor, float, list[int]]:
+        """One HF generate call, timed: (output ids (1, prompt + new), wall seconds, the tokens each
+        target forward read, from a hook on its forward)."""
         device = target.get_input_embeddings().weight.device
-        uses_draft = self.needs_draft_model and draft is not None
-        resident = weight_bytes(target) + (weight_bytes(draft) if uses_draft else 0)
-        reads: list[int] = []  # tokens each target forward reads
+        reads: list[int] = []
         handle = target.register_forward_pre_hook(
             lambda _m, args, kwargs: reads.append(
                 (kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape[1]
             ),
             with_kwargs=True,
         )
-        eos = list(config.eos_token_ids) or None
         try:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -127,19 +149,30 @@ class HFBaseline(Baseline):
             wall = time.perf_counter() - start
         finally:
             handle.remove()
-        tokens = out[0, len(prompt_ids) :].tolist()
-        resident += kv_bytes_per_token(target) * (len(prompt_ids) + sum(reads[1:]))
-        if uses_draft:
-            resident += kv_bytes_per_token(draft) * (len(prompt_ids) + len(tokens))
-        if eos and eos[0] in tokens and tokens[-1] != eos[0]:  # HF pads after EOS
-            tokens = tokens[: tokens.index(eos[0]) + 1]
+        return out, wall, reads
+
+    def _result(
+        self,
+        target: torch.nn.Module,
+        *,
+        prompt_ids: list[int],
+        tokens: list[int],
+        reads: list[int],
+        wall: float,
+        text: str,
+        peak_mb: float,
+        eos: list[int] | None,
+    ) -> RunResult:
+        """The run's summary: each target forward is one iteration; the tokens it read beyond the
+        first are the candidates it verified."""
+        device = target.get_input_embeddings().weight.device
         iterations = len(reads)
         accepted = max(len(tokens) - iterations, 0)  # each forward commits accepted + 1 token
         drafted = sum(n - 1 for n in reads[1:])  # after the prefill, candidates ride with 1 token
         return RunResult(
             policy=self.name,
             params=dict(self.config),
-            text=tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else "",
+            text=text,
             prompt_ids=list(prompt_ids),
             token_ids=tokens,
             iterations=iterations,
@@ -155,7 +188,7 @@ class HFBaseline(Baseline):
             tpot_ms=ratio(wall * 1000, len(tokens)),
             # CUDA: the allocator's peak. CPU: the weights used and caches sized from the config for
             # every token read (HF's own cache is out of sight)
-            peak_memory_mb=memory_mb(device, resident),
+            peak_memory_mb=peak_mb,
             draft_ms=0.0,
             verify_ms=0.0,
             commit_ms=0.0,

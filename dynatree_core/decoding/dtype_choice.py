@@ -8,7 +8,7 @@ property of the model, the kernels and the device, so we measure it rather than 
 
 `dtype_probe.probe` runs AR and a tree policy on a few bundled prompts in every candidate dtype and keeps
 the fastest whose outputs all agree; the choice is saved under the cache dir, keyed by device,
-model pair and torch version, and `--dtype auto` uses it from then on (models.resolve_dtype).
+model pair and torch version, and `--dtype auto` uses it from then on (devices.resolve_dtype).
 Without a saved probe, auto is the static rule: float32 on CPU, bfloat16 on GPUs that have it.
 """
 
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from dynatree_core.core.models import cache_dir
+from dynatree_core.core.cache_dir import cache_dir
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.runs.environment import cpu_info
 

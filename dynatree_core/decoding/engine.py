@@ -5,7 +5,8 @@ has not seen yet, i.e. the prompt on the first iteration) and every verified dra
 target in ONE forward, with an ancestor mask and position ids = root position + depth. The
 accepted path keeps the KV that forward computed (compaction); the bonus token becomes the next
 root. The draft keeps its own cache in sync the same way. Per-run state lives here, never on
-the (possibly shared) model objects.
+the (possibly shared) model objects: a run's state is one `DecodeState`, each iteration's
+target inputs one `VerifyBatch`.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from dynatree_core.core.choice import forward_path
+from dynatree_core.core.forward import Forward
 from dynatree_core.core.invariant import invariant_wanted
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility, forward_path
+from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.core.models import context_length_of
 from dynatree_core.core.sampling_config import SamplingConfig
 from dynatree_core.core.taps import FINAL
@@ -46,16 +49,12 @@ class DecodeConfig:
     verifier: str = "auto"  # greedy at T=0; else specinfer (i.i.d. draws), without_replacement, or nss
     seed: int = 0  # seeds the draft's and the verifier's random draws
     analyze: bool = False  # per-node expected acceptance / reach probabilities (the app's; costs time)
-    # How forwards run (core/kv.py, core/fastpath.py); None: on unless DYNATREE_STATIC_CACHE / DYNATREE_FAST_FORWARD=0
+    # How forwards run (core/choice.py picks); None: on unless DYNATREE_STATIC_CACHE / DYNATREE_FAST_FORWARD=0
     static_cache: bool | None = None  # preallocated per-run KV buffers, compacted in place
     fast_forward: bool | None = None  # the lean forward over them (Llama-family models)
     graphs: bool | None = None  # fixed-shape forwards, one CUDA graph per width (core/graphs.py; default: on CUDA)
     # the target's forwards width-invariant (core/invariant.py); None: invariant_wanted's rule
     width_invariant: bool | None = None
-
-
-def _capture_s(target_kv: KVState, drafter: Drafter | None) -> float:
-    return target_kv.capture_s + (drafter.kv.capture_s if drafter else 0.0)
 
 
 def draft_kind(draft: torch.nn.Module | None) -> str:
@@ -81,7 +80,66 @@ def cut(tokens: list[int], remaining: int, eos: Iterable[int]) -> tuple[list[int
     return tokens[:remaining], None
 
 
-def decode(
+@dataclasses.dataclass
+class DecodeState:
+    """One run's state, shared by its iterations: built once by `start_run`, never stored on a
+    (possibly shared) model object."""
+
+    target_kv: KVState  # the target's cache for this run (core/kv.py)
+    drafter: Drafter | None  # the draft model's session and cache; None for model-free policies
+    policy: Policy  # the drafting policy (its history adapts in `observe`)
+    config: DecodeConfig
+    device: torch.device  # the target's
+    verifier: str  # the verifier's name and how drafts are drawn (verify/registry.py)
+    draw: str
+    gen: torch.Generator  # seeded: the draft's and the verifier's random draws
+    committed: list[int]  # every committed token id, the prompt first
+    prompt_len: int
+    context_length: int  # the target's positions (or the config's)
+    weights: int = 0  # resident weight bytes (metrics.memory_mb's CPU accounting)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.committed) - self.prompt_len
+
+    def capture_s(self) -> float:
+        """Seconds spent capturing CUDA graphs so far, target and draft (core/graphs.py)."""
+        return self.target_kv.capture_s + (self.drafter.kv.capture_s if self.drafter else 0.0)
+
+    def draft_forwards(self) -> int:
+        return self.drafter.forwards if self.drafter else 0
+
+    def draft_forward_ms(self) -> float:
+        """The draft's time inside forwards so far (on CUDA, reading it waits for its events)."""
+        return self.drafter.kv.forward_ms if self.drafter else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyBatch:
+    """What the iteration's ONE target forward reads: the pending committed tokens (`chain`, the
+    root last) then the tree's nodes in `order` (root excluded: it is the chain's last token)."""
+
+    order: list[int]
+    ancestors: torch.Tensor  # (n, n) bool over `order`, root first
+    past: int  # tokens in the target's cache before this forward
+    chain: list[int]
+    root_pos: int
+    tokens: list[int]  # q = len(chain) + n - 1
+    positions: list[int]
+    visible: torch.Tensor  # (q, past + q) bool
+
+    @classmethod
+    def of(cls, tree: DraftTree, state: DecodeState) -> VerifyBatch:
+        order = tree.order(state.config.order)
+        ancestors = tree.ancestor_mask(order)
+        past, chain, root = state.target_kv.length, state.target_kv.pending, len(state.committed) - 1
+        tokens = chain + [tree.tokens[n] for n in order[1:]]
+        positions = list(range(past, past + len(chain))) + tree.position_ids(order[1:], root)
+        visible = chain_then_tree_visibility(past, len(chain), ancestors[1:, 1:])
+        return cls(order, ancestors, past, chain, root, tokens, positions, visible)
+
+
+def start_run(
     target: torch.nn.Module,
     prompt_ids: list[int],
     policy: Policy,
@@ -89,8 +147,8 @@ def decode(
     draft: torch.nn.Module | None = None,
     config: DecodeConfig = DecodeConfig(),
     draft_token_map: TokenMap | None = None,
-) -> Iterator[IterationRecord]:
-    """Run speculative decoding, yielding one IterationRecord per iteration (one target forward)."""
+) -> DecodeState:
+    """Check the request and build a run's state: the target's (and draft's) fresh caches."""
     if isinstance(policy, Baseline):
         raise DynaTreeError(f"{policy.name} is a baseline that runs as one call: it cannot be stepped")
     if not prompt_ids:
@@ -105,12 +163,7 @@ def decode(
     gen = torch.Generator().manual_seed(config.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    paths = dict(
-        capacity=min(ctx, len(prompt_ids) + config.max_new_tokens),
-        static=config.static_cache,
-        fast=config.fast_forward,
-        graphs=config.graphs,
-    )
+    paths = dict(capacity=min(ctx, len(prompt_ids) + config.max_new_tokens), **_paths(config))
     target_kv = KVState(target, prompt_ids, **paths, invariant=invariant_wanted(target, config.width_invariant))
     drafter = None
     weights = weight_bytes(target)  # CPU memory accounting (metrics.memory_mb)
@@ -121,116 +174,83 @@ def decode(
         else:
             drafter = Drafter(draft, prompt_ids, vocab, draft_token_map, kv=KVState(draft, prompt_ids, **paths))
         weights += weight_bytes(draft)
-    committed = list(prompt_ids)
     policy.reset()
+    return DecodeState(
+        target_kv=target_kv,
+        drafter=drafter,
+        policy=policy,
+        config=config,
+        device=device,
+        verifier=verifier,
+        draw=draw,
+        gen=gen,
+        committed=list(prompt_ids),
+        prompt_len=len(prompt_ids),
+        context_length=ctx,
+        weights=weights,
+    )
+
+
+def decode(
+    target: torch.nn.Module,
+    prompt_ids: list[int],
+    policy: Policy,
+    *,
+    draft: torch.nn.Module | None = None,
+    config: DecodeConfig = DecodeConfig(),
+    draft_token_map: TokenMap | None = None,
+) -> Iterator[IterationRecord]:
+    """Run speculative decoding, yielding one IterationRecord per iteration (one target forward)."""
+    state = start_run(target, prompt_ids, policy, draft=draft, config=config, draft_token_map=draft_token_map)
+    ctx = state.context_length
     for index in range(1, config.max_new_tokens + 1):  # iterations count from 1; each commits >= 1 token
-        remaining = config.max_new_tokens - (len(committed) - len(prompt_ids))
-        room = ctx - len(committed)  # positions left for new tokens
+        remaining = config.max_new_tokens - state.new_tokens
+        room = ctx - len(state.committed)  # positions left for new tokens
         if remaining <= 0 or room <= 0:
             return
         # inference_mode is per thread: enter it per step, never across a yield (the app may
         # resume this generator from another thread)
         with torch.inference_mode():
-            record = _iteration(
-                index,
-                target_kv,
-                drafter,
-                policy,
-                committed,
-                min(remaining, room),
-                config,
-                device,
-                (verifier, draw, gen),
-                weights,
-            )
-        committed.extend(record.committed)
-        if record.stop is None and len(committed) - len(prompt_ids) >= config.max_new_tokens:
+            record = _iteration(state, index, min(remaining, room))
+        state.committed.extend(record.committed)
+        if record.stop is None and state.new_tokens >= config.max_new_tokens:
             record.stop = "max_new_tokens"
-        elif record.stop is None and len(committed) >= ctx:
+        elif record.stop is None and len(state.committed) >= ctx:
             record.stop = "context_limit"
         yield record
         if record.stop is not None:
             return
 
 
-def _iteration(
-    index: int,
-    target_kv: KVState,
-    drafter: Drafter | None,
-    policy: Policy,
-    committed: list[int],
-    budget: int,
-    config: DecodeConfig,
-    device: torch.device,
-    sampling_state: tuple[str, str, torch.Generator],
-    weights: int = 0,
-) -> IterationRecord:
+def _iteration(state: DecodeState, index: int, budget: int) -> IterationRecord:
     """One draft -> verify -> commit step. `budget`: tokens this iteration may commit."""
-    verifier, draw, gen = sampling_state
-    captured = _capture_s(target_kv, drafter)  # graph captures (core/graphs.py) are set-up, not the iteration's work
-    clock = PhaseClock(device)  # phase boundaries, read once after the commit (one sync, not one each)
+    captured = state.capture_s()  # graph captures (core/graphs.py) are set-up, not the iteration's work
+    clock = PhaseClock(state.device)  # phase boundaries, read once after the commit (one sync, not one each)
     clock.mark()
-    draft_forwards = drafter.forwards if drafter else 0
-    draft_forward_ms = drafter.kv.forward_ms if drafter else 0.0
-    request = DraftRequest(committed[-1], budget - 1, drafter, committed, draw, config.sampling, gen)
-    drafted = drafter is None or drafter.ready
-    if drafted:
-        tree = policy.draft(request)  # max depth budget - 1: the bonus needs 1 slot
-    else:  # a feature draft before the target's first forward: this iteration is the prefill alone
-        tree = DraftTree.with_root(committed[-1])
-        tree.reason[0] = Reason.NO_FEATURES.value
-    draft_forwards = (drafter.forwards if drafter else 0) - draft_forwards
+    draft_forwards, draft_forward_ms = state.draft_forwards(), state.draft_forward_ms()
+    tree, drafted = _draft(state, budget)
+    draft_forwards = state.draft_forwards() - draft_forwards
     clock.mark()
-    draft_capture_ms = (_capture_s(target_kv, drafter) - captured) * 1e3
-    order = tree.order(config.order)
-    ancestors = tree.ancestor_mask(order)  # (n, n) bool, root first
-    past, chain = target_kv.length, target_kv.pending
-    visible = chain_then_tree_visibility(past, len(chain), ancestors[1:, 1:])
-    root_pos = len(committed) - 1
-    positions = list(range(past, past + len(chain))) + tree.position_ids(order[1:], root_pos)
-    tokens = chain + [tree.tokens[n] for n in order[1:]]
+    draft_capture_ms = (state.capture_s() - captured) * 1e3
+    batch = VerifyBatch.of(tree, state)
     clock.mark()
-    features = drafter is not None and drafter.wants_features  # the same forward also returns hidden states
-    hidden = (drafter.taps if drafter.taps != (FINAL,) else True) if features else False
-    out = target_kv.forward(tokens, positions, visible, logits_to_keep=len(order), hidden=hidden)  # ONE forward
-    logits, states = out if features else (out, None)
+    out = _verify_forward(state, batch)  # ONE target forward
     clock.mark()
-    verify_capture_ms = (_capture_s(target_kv, drafter) - captured) * 1e3 - draft_capture_ms
-    if verifier == "greedy":
-        outcome = verify_greedy(tree, order, logits)
+    verify_capture_ms = (state.capture_s() - captured) * 1e3 - draft_capture_ms
+    if state.verifier == "greedy":
+        outcome = verify_greedy(tree, batch.order, out.logits)
     else:
-        outcome = verify_sampling(tree, order, logits, config.sampling, verifier, gen, draw)
-    new_tokens, stop = cut(
-        [tree.tokens[n] for n in outcome.accepted] + [outcome.bonus_token], budget, config.eos_token_ids
-    )
-    _commit(target_kv, drafter, tree, outcome.accepted, order, past + len(chain) - 1, new_tokens, (chain, states))
+        sampling = state.config.sampling
+        outcome = verify_sampling(tree, batch.order, out.logits, sampling, state.verifier, state.gen, state.draw)
+    accepted = [tree.tokens[n] for n in outcome.accepted]
+    new_tokens, stop = cut(accepted + [outcome.bonus_token], budget, state.config.eos_token_ids)
+    _commit(state, tree, batch, outcome.accepted, new_tokens, out.states)
     if drafted:  # a prefill-only iteration says nothing about the policy's trees
-        policy.observe(outcome)
+        state.policy.observe(outcome)
     clock.mark()
-    record = IterationRecord(
-        index=index,
-        tree=tree,
-        order=order,
-        mask=["".join("1" if v else "0" for v in row) for row in ancestors.tolist()],
-        position_ids=tree.position_ids(order, root_pos),
-        prefix_len=root_pos,
-        chain_len=len(chain),
-        accepted=outcome.accepted[: len(new_tokens)],
-        bonus_token=outcome.bonus_token if len(new_tokens) > len(outcome.accepted) else None,
-        committed=new_tokens,
-        target_tokens=outcome.target_tokens,
-        draft_forwards=draft_forwards,
-        draft_ms=0.0,  # the phase timings: below, once the clock is read
-        verify_ms=0.0,
-        commit_ms=0.0,
-        overhead_ms=0.0,
-        memory_mb=memory_mb(device, weights + target_kv.peak_bytes + (drafter.kv.peak_bytes if drafter else 0)),
-        stop=stop,
-        verifier=verifier,
-        verification=outcome.trace,
-        capture_ms=draft_capture_ms + verify_capture_ms,
-        forward_path=target_kv.path,
-    )
+    record = _record(state, index, tree, batch, outcome, new_tokens, stop)
+    record.draft_forwards = draft_forwards
+    record.capture_ms = draft_capture_ms + verify_capture_ms
     clock.mark()
     t1, t2, t3, t4, t5 = clock.read()[1:]  # ms since the iteration began
     record.draft_ms = t1 - draft_capture_ms
@@ -238,34 +258,87 @@ def _iteration(
     record.commit_ms = t4 - t3
     record.overhead_ms = t2 - t1 + t5 - t4
     # the draft's forward time: its CUDA events are done by now, so reading them waits for nothing
-    record.draft_forward_ms = (drafter.kv.forward_ms if drafter else 0.0) - draft_forward_ms
-    policy.observe_cost(len(tokens), record.verify_ms)
-    if config.analyze and verifier != "greedy":  # outside the timings: an explanation, not the work
-        record.analysis = analyze(tree, order, logits, config.sampling, verifier, draw)
+    record.draft_forward_ms = state.draft_forward_ms() - draft_forward_ms
+    state.policy.observe_cost(len(batch.tokens), record.verify_ms)
+    if state.config.analyze and state.verifier != "greedy":  # outside the timings: an explanation, not the work
+        record.analysis = analyze(tree, batch.order, out.logits, state.config.sampling, state.verifier, state.draw)
     return record
 
 
+def _draft(state: DecodeState, budget: int) -> tuple[DraftTree, bool]:
+    """The policy's tree (max depth budget - 1: the bonus needs 1 slot), and whether it drafted:
+    a feature draft before the target's first forward has no features, so that iteration is the
+    prefill alone (a root-only tree)."""
+    drafter, committed = state.drafter, state.committed
+    if drafter is not None and not drafter.ready:
+        tree = DraftTree.with_root(committed[-1])
+        tree.reason[0] = Reason.NO_FEATURES.value
+        return tree, False
+    config = state.config
+    request = DraftRequest(committed[-1], budget - 1, drafter, committed, state.draw, config.sampling, state.gen)
+    return state.policy.draft(request), True
+
+
+def _verify_forward(state: DecodeState, batch: VerifyBatch) -> Forward:
+    """The target's forward over the batch; a feature draft gets the hidden states (or taps) it
+    reads from the same forward."""
+    drafter = state.drafter
+    features = drafter is not None and drafter.wants_features
+    hidden = (drafter.taps if drafter.taps != (FINAL,) else True) if features else False
+    keep = len(batch.order)
+    return state.target_kv.forward(batch.tokens, batch.positions, batch.visible, logits_to_keep=keep, hidden=hidden)
+
+
+def _record(state: DecodeState, index: int, tree: DraftTree, batch: VerifyBatch, outcome, new_tokens, stop):
+    """The iteration's record; its timings and counters are filled in by `_iteration`."""
+    drafter = state.drafter
+    peak = state.target_kv.peak_bytes + (drafter.kv.peak_bytes if drafter else 0)
+    return IterationRecord(
+        index=index,
+        tree=tree,
+        order=batch.order,
+        mask=["".join("1" if v else "0" for v in row) for row in batch.ancestors.tolist()],
+        position_ids=tree.position_ids(batch.order, batch.root_pos),
+        prefix_len=batch.root_pos,
+        chain_len=len(batch.chain),
+        accepted=outcome.accepted[: len(new_tokens)],
+        bonus_token=outcome.bonus_token if len(new_tokens) > len(outcome.accepted) else None,
+        committed=new_tokens,
+        target_tokens=outcome.target_tokens,
+        draft_forwards=0,
+        draft_ms=0.0,  # the phase timings: set once the clock is read
+        verify_ms=0.0,
+        commit_ms=0.0,
+        overhead_ms=0.0,
+        memory_mb=memory_mb(state.device, state.weights + peak),
+        stop=stop,
+        verifier=state.verifier,
+        verification=outcome.trace,
+        capture_ms=0.0,
+        forward_path=state.target_kv.path,
+    )
+
+
 def _commit(
-    target_kv: KVState,
-    drafter: Drafter | None,
-    tree,
+    state: DecodeState,
+    tree: DraftTree,
+    batch: VerifyBatch,
     accepted: list[int],
-    order: list[int],
-    root_slot: int,
     new_tokens: list[int],
-    chain_states: tuple[list[int], torch.Tensor | None] = ([], None),
+    states: torch.Tensor | None,
 ) -> None:
     """Keep the KV of the committed prefix and accepted nodes; the last new token is the next root.
     A feature draft also gets the target's hidden states of the chain (the committed tokens this
     forward read, root last) and the accepted nodes, each paired with the token that followed it:
     (f_chain[0], chain[1]), ..., (f_root, new[0]), (f_accepted[0], new[1]), ... (EAGLE's inputs)."""
-    row = {node: i for i, node in enumerate(order)}
+    row = {node: i for i, node in enumerate(batch.order)}
     in_cache = accepted[: len(new_tokens) - 1]
-    target_kv.keep(list(range(root_slot + 1)) + [root_slot + row[n] for n in in_cache])
-    target_kv.pending = [new_tokens[-1]]
+    root_slot = batch.past + len(batch.chain) - 1
+    state.target_kv.keep(list(range(root_slot + 1)) + [root_slot + row[n] for n in in_cache])
+    state.target_kv.pending = [new_tokens[-1]]
+    drafter, chain = state.drafter, batch.chain
     if drafter is None:
         return
-    chain, states = chain_states
     if states is not None:
         rows = list(range(len(chain))) + [len(chain) - 1 + row[n] for n in in_cache]
         picked = states[to_device(torch.tensor(rows), states.device)]  # one upload of the row indices

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from dynatree_core.core.models import DTYPES
+from dynatree_core.core.devices import DTYPES
 from dynatree_core.core.sampling_config import SamplingConfig
 from dynatree_core.decoding.engine import DecodeConfig
 from dynatree_core.errors import DynaTreeError

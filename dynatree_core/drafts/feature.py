@@ -275,7 +275,8 @@ class FeatureDrafter(Drafter):
             visible = chain_then_tree_visibility(kv.length, n, torch.zeros(0, 0, dtype=torch.bool))
             positions = list(range(kv.length + 1, kv.length + 1 + n))
             rows = self._pair_rows(tokens, feats, fused=True)
-            logits, states = kv.forward(self.pending_tokens, positions, visible, 1, embeds=rows, hidden=True)
+            out = kv.forward(self.pending_tokens, positions, visible, 1, embeds=rows, hidden=True)
+            logits, states = out.logits, out.states
             self.pending_features, self.pending_tokens = [], []
             self.committed = kv.length
             self.root_position = positions[-1]
@@ -289,7 +290,8 @@ class FeatureDrafter(Drafter):
             feats = torch.stack([self.out[tree.parents[n]] for n in nodes])
             start = kv.length
             rows = self._pair_rows(torch.tensor(tokens), feats, fused=False)
-            logits, states = kv.forward(tokens, positions, visible, q, embeds=rows, hidden=True)
+            out = kv.forward(tokens, positions, visible, q, embeds=rows, hidden=True)
+            logits, states = out.logits, out.states
             for i, n in enumerate(nodes):
                 self.slots[n] = start + i
                 self.out[n] = states[i]

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dynatree_core.core.forward import Forward
 from dynatree_core.core.kv import KVState
 from dynatree_core.core.taps import check_taps, eagle3_taps
 from dynatree_core.core.transfer import to_device
@@ -188,7 +189,7 @@ class FusedDraft(torch.nn.Module):
         keys, values = layers[0].update(k, v)
         h = self.midlayer.finish(self.residual(hid), q, keys, values, mask)[0]  # (q, H)
         logits = self.lm_head(self.norm(h[-logits_to_keep:]))
-        return (logits, h) if hidden else logits
+        return Forward(logits, h if hidden else None)
 
     def pair_inputs(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """(q, 2H) rows for `own_forward`: [embed(token) ; hidden input]."""

@@ -100,7 +100,7 @@ def hub_head_dir(spec: str | None) -> Path | None:
     from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import EntryNotFoundError, GatedRepoError
 
-    from dynatree_core.core.models import hub_reachable
+    from dynatree_core.core.hub import hub_reachable
 
     offline = not hub_reachable()
     try:

@@ -57,7 +57,7 @@ class Drafter:
             self.slots = {}
             chain = self._draft_ids(kv.pending)
             visible = chain_then_tree_visibility(kv.length, len(chain), torch.zeros(0, 0, dtype=torch.bool))
-            logits = kv.forward(chain, list(range(kv.length, kv.length + len(chain))), visible, 1)
+            logits = kv.forward(chain, list(range(kv.length, kv.length + len(chain))), visible, 1).logits
             kv.pending = []
             self.committed = kv.length
             self.slots[0] = kv.length - 1
@@ -69,7 +69,7 @@ class Drafter:
                 positions,
                 self._level_visibility(tree, nodes),
                 len(nodes),
-            )
+            ).logits
             self.slots.update({n: start + i for i, n in enumerate(nodes)})
         return self._logp(logits)
 

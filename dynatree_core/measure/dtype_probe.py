@@ -7,7 +7,7 @@ reads.
 
 from __future__ import annotations
 
-from dynatree_core.core.models import resolve_device
+from dynatree_core.core.devices import resolve_device
 from dynatree_core.decoding.dtype_choice import DtypeRow, candidates
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.pairs import encode_prompt, load_pair

@@ -153,13 +153,13 @@ def path_bits_match(target, prompt: list[int]) -> bool:
     kv.pending = []
     for depth, node in enumerate(path):
         see = torch.ones(1, kv.length + 1, dtype=torch.bool)
-        alone.append(kv.forward([tree.tokens[node]], [len(head) + depth], see, 1)[0])
+        alone.append(kv.forward([tree.tokens[node]], [len(head) + depth], see, 1).logits[0])
     kv = KVState(target, head, invariant=True)
     kv.forward(head, list(range(len(head))), causal, 1)
     kv.pending = []
     order = tree.order("bfs")
     see = chain_then_tree_visibility(kv.length, 1, tree.ancestor_mask(order)[1:, 1:])
-    logits = kv.forward([tree.tokens[n] for n in order], tree.position_ids(order, len(head)), see, len(order))
+    logits = kv.forward([tree.tokens[n] for n in order], tree.position_ids(order, len(head)), see, len(order)).logits
     return all(torch.equal(logits[order.index(n)], alone[d]) for d, n in enumerate(path))
 
 

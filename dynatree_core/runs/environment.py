@@ -42,7 +42,7 @@ def environment(
 ) -> dict[str, Any]:
     """What a result was measured on: hardware, library versions, threads (and where that number
     came from), device, dtype, whether the linear layers ran pre-packed for oneDNN (core/packing.py)
-    and how forwards ran (kv.forward_path: lean / static / dynamic)."""
+    and how forwards ran (choice.forward_path: lean / static / dynamic)."""
     import torch
     import transformers
 

@@ -10,7 +10,8 @@ import math
 import streamlit as st
 import torch
 
-from dynatree_core.core.models import PRESETS, presets_only
+from dynatree_core.core.presets import PRESETS
+from dynatree_core.core.specs import presets_only
 from dynatree_core.decoding.methods import method_class
 from dynatree_core.decoding.settings import SETTINGS
 from dynatree_core.errors import DynaTreeError
