@@ -219,7 +219,7 @@ def live_view() -> None:
     alive = run is not None and run.worker_running  # read before the snapshot, so a last one is complete
     if run is not None and run.error is not None and not alive:
         run = state.run = show_run_error(run)
-    if alive and isinstance(run, ProcessRun) and run.waiting_for():
+    if alive and run.waiting_for():  # a job holds the run's engine process
         st.info(run.waiting_for(), icon=":material/hourglass_top:")
     if run is not None and run.idle_paused and not alive:
         st.info("Paused: this page stopped watching the run for a while. Press **Run** to go on.")

@@ -228,3 +228,31 @@ def test_a_run_keeps_its_run_spec_and_an_imported_file_gets_it_back_when_the_reg
     settings["top_k"] = -1  # a file the registry refuses: no spec (the pages then treat it as greedy, no models)
     live.settings = settings
     assert LiveRun.from_json(live.to_json()).spec is None
+
+
+def test_every_backend_offers_the_whole_interface_the_run_calls():
+    """A LiveRun talks to its backend only through run.Backend: each execution mode implements all of it."""
+    from dynatree_core.live.process_backend import ProcessBackend
+    from dynatree_core.live.run import Backend, Detached
+    from dynatree_core.live.thread_backend import ThreadBackend
+
+    members = {m for m in vars(Backend) if not m.startswith("_")}
+    assert members == {"running", "step", "start", "pause", "wait", "beat", "close", "waiting_for"}
+    for backend in (ThreadBackend, ProcessBackend, Detached):
+        assert members <= set(dir(backend)), f"{backend.__name__} lacks {sorted(members - set(dir(backend)))}"
+
+
+def test_the_run_file_round_trips_in_the_runs_layer():
+    """runs/run_file.py alone writes and reads a run file: records, settings, token texts, vocabulary."""
+    from dynatree_core.runs.run_file import drawn_tokens, dump_run_file, load_run_file
+
+    live = LiveRun.start(tiny_model("llama"), [5, 9, 11], make_method("ar"), config=DecodeConfig(max_new_tokens=3),
+                         settings={"policy": "ar"})  # fmt: skip
+    while live.step() is not None:
+        pass
+    data = dump_run_file(live.result(), {"policy": "ar"}, lambda t: f"w{t}", vocab=live.vocab_size)
+    file = load_run_file(data)
+    assert file.settings == {"policy": "ar"} and file.vocab_size == live.vocab_size
+    assert [r.committed for r in file.result.records] == [r.committed for r in live.records]
+    assert set(file.token_texts) == drawn_tokens(live.records) | {5, 9, 11}
+    assert all(file.token_texts[t] == f"w{t}" for t in file.token_texts)

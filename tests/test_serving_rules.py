@@ -15,7 +15,7 @@ SERVING = [
 ]
 PAGES = [ROOT / "app.py", *sorted((ROOT / "pages").glob("*.py"))]
 BLOCKING = {"wait", "wait_for", "join", "acquire", "recv", "get"}
-# show_error: ui/resources.py (logs, then one line on the page); fail: engine_process.serve's (logs, then
+# show_error: ui/resources.py (logs, then one line on the page); fail: engine_child._ChildEngine's (logs, then
 # sends the error to the parent)
 LOGGERS = {"log_exception", "show_error", "fail"}
 # (file, function, what) -> why it needs no timeout / no log of its own
@@ -23,7 +23,7 @@ ALLOWED_WAITS = {
     ("engine_child.py", "_read_commands", "recv"): "reads only after poll() said a message (or EOF) is there",
 }
 ALLOWED_HANDLERS = {
-    ("run.py", "_work"): "step() logged the exception and kept it in run.error before re-raising it here",
+    ("thread_backend.py", "_work"): "_advance() logged the exception and kept it in the run's error (re-raised)",
 }
 
 

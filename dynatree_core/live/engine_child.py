@@ -1,7 +1,9 @@
 """The child side of an engine process (engine_process.py has the protocol and the parent side):
 what crosses the boundary (PairSpec, EngineInfo, StartRun), and `serve`, the spawned process's
-main loop: load the pair, warm up, then take commands from a reader thread, decode live runs
-round-robin and run queued jobs (jobs.py) one at a time in arrival order."""
+entry point: load the pair, warm up, start the reader thread (`_read_commands`), then hand over to
+`_ChildEngine`, which holds the live runs and queued jobs, handles each command with its own
+method (the COMMANDS table), decodes live runs round-robin and runs queued jobs (jobs.py) one at a
+time in arrival order."""
 
 from __future__ import annotations
 
@@ -133,14 +135,12 @@ def _read_commands(commands, inbox: queue.Queue, out, busy: list) -> None:
 
 
 def serve(commands, out, spec: PairSpec) -> None:
-    """The child's main loop (runs in the spawned process)."""
-    import torch
-
+    """The child's main loop (runs in the spawned process): load the pair, warm up, say "ready",
+    then serve commands from the reader thread until "quit" (or the parent's end)."""
     from dynatree_core.core.threads import configure_threads
-    from dynatree_core.decoding.engine import decode, generate
+    from dynatree_core.decoding.engine import generate
     from dynatree_core.decoding.methods import make_method
     from dynatree_core.decoding.pairs import load_pair
-    from dynatree_core.live.jobs import JOB_TITLES, run_job
 
     log_info("engine %d loading %s", os.getpid(), spec.title())
     try:
@@ -153,110 +153,153 @@ def serve(commands, out, spec: PairSpec) -> None:
     warmup_s = _warm_up(pair, generate, make_method)
     out.put(("ready", 0, pair_info(pair, threads, warmup_s)))
     log_info("engine %d ready: %s (warm-up %.1f s)", os.getpid(), spec.title(), warmup_s)
-    target = pair.target
-    runs: dict[int, Any] = {}  # rid -> decode generator
-    running: collections.deque[int] = collections.deque()  # runs decoding, in round-robin order
-    jobs: collections.deque[tuple[int, str, dict]] = collections.deque()  # queued jobs, in arrival order
-    busy = [""]  # the running job's title, read by the reader thread
-    inbox: queue.Queue = queue.Queue()
-    threading.Thread(
-        target=_read_commands, args=(commands, inbox, out, busy), name="dynatree-engine-reader", daemon=True
-    ).start()
+    engine = _ChildEngine(pair, spec, out)
+    reader_args = (commands, engine.inbox, out, engine.busy)
+    threading.Thread(target=_read_commands, args=reader_args, name="dynatree-engine-reader", daemon=True).start()
+    engine.loop()
+    log_info("engine %d quits: %s", os.getpid(), spec.title())
 
-    def fail(rid: int, what: str, exc: BaseException) -> None:
-        log_exception(f"engine {os.getpid()} ({spec.target}): {what}", exc)
-        out.put(("error", rid, _portable(exc)))
 
-    def advance(rid: int) -> bool:
+class _ChildEngine:
+    """The loaded pair's live runs and queued jobs, and one handler per command (COMMANDS)."""
+
+    def __init__(self, pair, spec: PairSpec, out):
+        self.pair, self.spec, self.out = pair, spec, out
+        self.runs: dict[int, Any] = {}  # rid -> engine.decode generator (it owns the run's KV caches)
+        self.running: collections.deque[int] = collections.deque()  # runs decoding, in round-robin order
+        self.jobs: collections.deque[tuple[int, str, dict]] = collections.deque()  # queued jobs, arrival order
+        self.busy = [""]  # the running job's title, read by the reader thread
+        self.inbox: queue.Queue = queue.Queue()  # commands, put there by the reader thread
+
+    def loop(self) -> None:
+        """Serve until "quit": one job (to its end) or one iteration of the next running run
+        (round-robin), with every command that came handled in between."""
+        import torch
+
+        with torch.inference_mode():
+            while self.take_commands():
+                if self.jobs:
+                    self.run_job(*self.jobs.popleft())
+                    continue
+                rid = self.running.popleft()
+                if self.advance(rid):
+                    self.running.append(rid)
+
+    def take_commands(self) -> bool:
+        """Handle every command that came, waiting for one only while there is nothing to do;
+        False on "quit"."""
+        while True:
+            idle = not (self.running or self.jobs)
+            try:
+                kind, rid, payload = self.inbox.get(timeout=POLL_S) if idle else self.inbox.get_nowait()
+            except queue.Empty:
+                if idle:
+                    continue
+                return True
+            if kind == "quit":
+                return False
+            handler = COMMANDS.get(kind)
+            if handler is None:
+                self.out.put(("error", rid, DynaTreeError(f"the engine has no command {kind!r}")))
+            else:
+                handler(self, rid, payload)
+
+    def fail(self, rid: int, what: str, exc: BaseException) -> None:
+        log_exception(f"engine {os.getpid()} ({self.spec.target}): {what}", exc)
+        self.out.put(("error", rid, _portable(exc)))
+
+    def advance(self, rid: int) -> bool:
         """One iteration of run `rid`; True while it can go on."""
         try:
-            record = next(runs[rid], None)
+            record = next(self.runs[rid], None)
         except Exception as exc:  # noqa: BLE001 - e.g. the prompt does not fit: the run ends
-            runs.pop(rid, None)
-            fail(rid, f"run {rid}", exc)
+            self.runs.pop(rid, None)
+            self.fail(rid, f"run {rid}", exc)
             return False
         if record is not None:
-            out.put(("record", rid, record))
+            self.out.put(("record", rid, record))
         if record is None or record.stop is not None:
-            runs.pop(rid, None)  # releases its KV caches
-            out.put(("done", rid, None))
+            self.runs.pop(rid, None)  # releases its KV caches
+            self.out.put(("done", rid, None))
             return False
         return True
 
-    def run_job_now(rid: int, name: str, payload: dict) -> None:
-        busy[0] = JOB_TITLES.get(name, name)
-        out.put(("started", rid, None))
+    def run_job(self, rid: int, name: str, payload: dict) -> None:
+        """Job `name` to its end, no live iteration in between (its timings are its own)."""
+        from dynatree_core.live.jobs import JOB_TITLES, run_job
+
+        self.busy[0] = JOB_TITLES.get(name, name)
+        self.out.put(("started", rid, None))
         t0 = time.perf_counter()
         try:
-            result = run_job(pair, name, payload, lambda kind, data: out.put(("event", rid, (kind, data))))
+            result = run_job(self.pair, name, payload, lambda kind, data: self.out.put(("event", rid, (kind, data))))
             pickle.dumps(result)  # a result that cannot cross is an error here, not a lost message
         except Exception as exc:  # noqa: BLE001
-            fail(rid, f"job {name} {rid}", exc)
+            self.fail(rid, f"job {name} {rid}", exc)
         else:
-            out.put(("result", rid, result))
+            self.out.put(("result", rid, result))
             log_info("engine %d: job %s %d took %.1f s", os.getpid(), name, rid, time.perf_counter() - t0)
         finally:
-            busy[0] = ""
+            self.busy[0] = ""
 
-    def handle(kind: str, rid: int, payload: Any = None) -> bool:
-        if kind == "quit":
-            return False
-        if kind == "start":
-            try:
-                policy = make_method(payload.policy, payload.params)
-                torch.manual_seed(payload.config.seed)
-                runs[rid] = decode(
-                    target.model, payload.prompt_ids, policy, config=payload.config, **pair.drafting(policy)
-                )
-            except Exception as exc:  # noqa: BLE001
-                fail(rid, f"start of run {rid}", exc)
-        elif kind == "go":
-            if rid not in runs:
-                out.put(("done", rid, None))
-            elif rid not in running:
-                running.append(rid)
-        elif kind == "step":
-            if rid not in runs:
-                out.put(("done", rid, None))
-            elif rid in running:
-                out.put(("busy", rid, "the run is decoding: pause it before stepping"))
-            else:
-                advance(rid)
-        elif kind == "pause":
-            if rid in running:
-                running.remove(rid)
-            out.put(("paused", rid, payload))  # echoes the "go" it ends
-        elif kind == "drop":
-            runs.pop(rid, None)
-            if rid in running:
-                running.remove(rid)
-            for job in [j for j in jobs if j[0] == rid]:  # a job nobody waits for any more
-                jobs.remove(job)
-            out.put(("dropped", rid, None))
-        elif kind == "runs":  # what the child holds (tests: a discarded run must be freed)
-            out.put(("result", rid, sorted(runs)))
-        elif kind == "job":
-            name, job_payload = payload
-            jobs.append((rid, name, job_payload))
+    # ----- one handler per command (the protocol: engine_process.py) -------------------------------
+    def start(self, rid: int, payload: StartRun) -> None:
+        import torch
+
+        from dynatree_core.decoding.engine import decode
+        from dynatree_core.decoding.methods import make_method
+
+        try:
+            policy = make_method(payload.policy, payload.params)
+            torch.manual_seed(payload.config.seed)
+            self.runs[rid] = decode(
+                self.pair.target.model, payload.prompt_ids, policy, config=payload.config, **self.pair.drafting(policy)
+            )
+        except Exception as exc:  # noqa: BLE001
+            self.fail(rid, f"start of run {rid}", exc)
+
+    def go(self, rid: int, seq: int) -> None:
+        if rid not in self.runs:
+            self.out.put(("done", rid, None))
+        elif rid not in self.running:
+            self.running.append(rid)
+
+    def step(self, rid: int, payload: None) -> None:
+        if rid not in self.runs:
+            self.out.put(("done", rid, None))
+        elif rid in self.running:
+            self.out.put(("busy", rid, "the run is decoding: pause it before stepping"))
         else:
-            out.put(("error", rid, DynaTreeError(f"the engine has no command {kind!r}")))
-        return True
+            self.advance(rid)
 
-    with torch.inference_mode():
-        while True:
-            while True:  # every command that came; wait for one only when there is nothing to do
-                try:
-                    command = inbox.get_nowait() if running or jobs else inbox.get(timeout=POLL_S)
-                except queue.Empty:
-                    if running or jobs:
-                        break
-                    continue
-                if not handle(*command):
-                    log_info("engine %d quits: %s", os.getpid(), spec.title())
-                    return
-            if jobs:
-                run_job_now(*jobs.popleft())
-                continue
-            rid = running.popleft()
-            if advance(rid):
-                running.append(rid)
+    def pause(self, rid: int, seq: int) -> None:
+        if rid in self.running:
+            self.running.remove(rid)
+        self.out.put(("paused", rid, seq))  # echoes the "go" it ends
+
+    def drop(self, rid: int, payload: None) -> None:
+        self.runs.pop(rid, None)
+        if rid in self.running:
+            self.running.remove(rid)
+        for job in [j for j in self.jobs if j[0] == rid]:  # a job nobody waits for any more
+            self.jobs.remove(job)
+        self.out.put(("dropped", rid, None))
+
+    def list_runs(self, rid: int, payload: None) -> None:
+        """What the child holds (tests: a discarded run must be freed)."""
+        self.out.put(("result", rid, sorted(self.runs)))
+
+    def queue_job(self, rid: int, payload: tuple[str, dict]) -> None:
+        name, job_payload = payload
+        self.jobs.append((rid, name, job_payload))
+
+
+COMMANDS = {  # "quit" ends the loop
+    "start": _ChildEngine.start,
+    "go": _ChildEngine.go,
+    "step": _ChildEngine.step,
+    "pause": _ChildEngine.pause,
+    "drop": _ChildEngine.drop,
+    "runs": _ChildEngine.list_runs,
+    "job": _ChildEngine.queue_job,
+}

@@ -1,9 +1,9 @@
 """The engine in its own process, so that drawing a page never takes time from decoding, and the
 one place a model pair lives on a server: every page and every session uses the pair through it.
 
-Measured (assets/benchmarks/drawing_contention.py): a 1-thread engine in a thread of
-a process whose Python draws a third of the time lost ~37% of its speed (the GIL); the same
-engine in a child process lost nothing. `EngineProcess` is that child for the app. It loads
+An engine in a thread of a process whose Python draws shares the GIL with the drawing and slows
+down; in a child process it does not (benchmarks/drawing_contention.py measures both; BENCHMARKS.md,
+"The live page against the CLI"). `EngineProcess` is that child for the app. It loads
 one model pair, keeps any number of live runs (one `engine.decode` generator each, so every run
 keeps its own KV caches) and decodes the runs it was asked to run round-robin, one iteration at a
 time. Between iterations it takes queued jobs (jobs.py: a comparison, a benchmark, the Lab, a
@@ -67,9 +67,9 @@ _SPAWN = threading.Lock()
 def _main_left_out():
     """Start a spawned child without the parent's `__main__`: spawn re-runs the main module's file in
     the child (multiprocessing.spawn.prepare), and in a Streamlit server that is the page script that
-    ran last (Streamlit installs each script as `__main__`): measured, the child ran app.py in bare
-    mode for ~17 s before loading its pair, and a test's temporary page script that no longer exists
-    made it fail. The child needs nothing from `__main__` (its target is engine_child.serve)."""
+    ran last (Streamlit installs each script as `__main__`): the child would run app.py in bare
+    mode before loading its pair, and a test's temporary page script that no longer exists made it
+    fail. The child needs nothing from `__main__` (its target is engine_child.serve)."""
     with _SPAWN:
         main = sys.modules.get("__main__")
         sys.modules["__main__"] = types.ModuleType("__main__")

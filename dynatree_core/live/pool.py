@@ -20,7 +20,7 @@ from dynatree_core.errors import DynaTreeError
 from dynatree_core.live.engine_process import EngineProcess, PairSpec
 
 MAX_PAIRS_ENV = "DYNATREE_MAX_PAIRS"
-GIB_PER_PAIR = 6  # the default limit: one pair per 6 GiB of memory (a 135M pair's engine holds ~1.5)
+GIB_PER_PAIR = 6  # the default limit: one pair per 6 GiB of memory (what an engine holds: docs/app.md)
 MAX_DEFAULT_PAIRS = 4
 HANDOFF_S = 30.0  # an engine just handed out stays resident this long, until its user registers a run
 
