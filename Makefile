@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 STREAMLIT_FLAGS ?= --server.address localhost
 
-.PHONY: setup run test test-fast soak fuzz lint format clean draft draft-feature draft-feature-stages draft-feature-long draft-feature-final draft-feature-talf
+.PHONY: setup run test test-fast soak fuzz lint format clean draft draft-feature draft-feature-stages draft-feature-long draft-feature-final
 
 setup: $(STAMP)
 
@@ -52,7 +52,8 @@ format: setup
 # in the background and run nothing else torch-heavy meanwhile). Needs Debian's python3.11-doc
 # and fortunes for the text corpus. Each stage appends its measured time to
 # $(HOME)/.cache/dynatree/draft-runs/compute.jsonl; export sums it into the model card.
-# TALF (talf-label, then train --talf-weight W) lost to plain KD at equal steps: BENCHMARKS.md.
+# TALF (the tree-aware loss) lost to plain KD at equal steps (BENCHMARKS.md) and was removed:
+# docs/training.md, "Removed recipes".
 DRAFT_CHUNKS ?= 44
 DRAFT_STEPS ?= 2000
 DRAFT_SHARE ?= 0.5
@@ -142,16 +143,6 @@ draft-feature: draft-feature-stages
 	$(MAKE) draft-feature-final
 	$(PY) -m dynatree_core.training feature-quality --answers --no-token-draft --target $(DRAFT_TARGET) \
 		--draft $(FINAL_RUN)/draft --out $(FINAL_RUN)/quality.json
-
-# TALF fine-tuning of a trained feature draft (the SALF & TALF paper's protocol; docs/benchmark-log.md has
-# the KD-only vs KD+TALF comparison at equal steps): the target's beam trees at 8 roots of the
-# first 1024 training windows (~9 min on 2 cores), then 300 steps from the last stage's draft
-# (~30 min). Not what ships: it lost to KD at equal steps on this CPU. Reads the corpus of
-# the earlier recipe (make draft's corpus.npz and feature-label's features).
-FEATURE_TALF_RUN ?= $(HOME)/.cache/dynatree/draft-runs/feature-talf
-draft-feature-talf: setup
-	$(PY) -m dynatree_core.training talf-label --rows 1024 --roots 8
-	$(PY) -m dynatree_core.training train-feature --loss talf --init-from $(FEATURE_RUN)/stage-$(words $(FEATURE_BUDGETS))/draft --steps 300 --batch 32 --lr 2e-4 --warmup 20 --ce-share 0.25 --out $(FEATURE_TALF_RUN)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

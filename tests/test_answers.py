@@ -1,4 +1,4 @@
-"""On-policy answer shards (training/answers.py, sources.py): stages, resumption, features that
+"""On-policy answer shards (training/answers/store.py, sources.py): stages, resumption, features that
 equal a separate forward, and an out-of-distribution set disjoint from every training source."""
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from dynatree_core.core.models import REPO_ROOT as REPO
 from dynatree_core.core.models import load_model
+from dynatree_core.core.presets import REPO_ROOT as REPO
 from dynatree_core.measure.prompt_sets import load_prompts, ood_categories
-from dynatree_core.training import answers, sources
-from dynatree_core.training.decode_batch import BatchDecoder, host_f16
+from dynatree_core.training.answers import sources
+from dynatree_core.training.answers import store as answers
+from dynatree_core.training.answers.decode_batch import BatchDecoder, host_f16
 
 
 def _pool(seed=0, log=print):
@@ -34,16 +35,13 @@ def tiny_target(tiny_pair_dirs):
 def test_stages_write_resumable_shards_whose_features_equal_a_separate_forward(tmp_path, monkeypatch, tiny_target):
     monkeypatch.setattr(answers.sources, "build_pool", _pool)
     monkeypatch.setattr(answers, "SHARD_JOBS", 2)
-    monkeypatch.setattr(answers, "FOLLOW_SHARDS", 1)
     monkeypatch.setattr(answers.sources, "question_from_answer", lambda text: "Why is the sky blue?")
     store = answers.AnswerStore(tmp_path / "ids", tmp_path / "features")
     written = answers.generate(store, tiny_target, batch=2, log=lambda m: None)
-    # questions: 3 jobs -> 2 shards; main: 3 pool + 3 answered questions -> 3 shards; follow: 2 chat answers of shard 0
-    assert [len(store.shards(s)) for s in answers.STAGES] == [2, 3, 1] and written == 6
+    # questions: 3 jobs -> 2 shards; main: 3 pool + 3 answered questions -> 3 shards
+    assert [len(store.shards(s)) for s in answers.STAGES] == [2, 3] and written == 5
     main = sources.load_jobs(store.ids_dir / "main.jobs.gz")
     assert sorted(j.source for j in main).count("self-instruct") == 3, "the target's own questions join the pool"
-    follow = sources.load_jobs(store.ids_dir / "follow.jobs.gz")
-    assert all(j.source == "multi-turn" and len(j.history) == 1 for j in follow)
     assert answers.generate(store, tiny_target, batch=2, log=lambda m: None) == 0, "a finished run writes nothing again"
 
     decoder = BatchDecoder(tiny_target.model)
@@ -104,7 +102,7 @@ def test_ood_set_covers_the_categories_and_shares_no_text_with_training_sources(
 
 
 def test_windows_count_answer_tokens_only_and_a_rebuilt_map_covers_them(tmp_path, monkeypatch, tiny_target):
-    from dynatree_core.training.answer_data import AnswerCorpus, answer_ids, coverage, frequency_map, token_counts
+    from dynatree_core.training.answers.windows import AnswerCorpus, answer_ids, coverage, frequency_map, token_counts
 
     monkeypatch.setattr(answers.sources, "build_pool", _pool)
     monkeypatch.setattr(answers, "SHARD_JOBS", 2)
@@ -126,7 +124,7 @@ def test_windows_count_answer_tokens_only_and_a_rebuilt_map_covers_them(tmp_path
 
 
 def test_the_recipe_runs_end_to_end_for_any_llama_target(tmp_path, monkeypatch, tiny_pair_dirs):
-    """answers -> OOD answers -> vocabulary map -> unrolled training on the answers -> OOD report,
+    """answers -> OOD answers -> vocabulary map -> KD training on the answers -> OOD report,
     through the training CLI, for a target given as --target (a tiny local model)."""
     import json
 
@@ -135,7 +133,6 @@ def test_the_recipe_runs_end_to_end_for_any_llama_target(tmp_path, monkeypatch, 
     monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(answers.sources, "build_pool", _pool)
     monkeypatch.setattr(answers, "SHARD_JOBS", 2)
-    monkeypatch.setattr(answers, "FOLLOW_SHARDS", 1)
     monkeypatch.setattr(answers.sources, "question_from_answer", lambda text: "Why is the sky blue?")
     target = tiny_pair_dirs[0]
     main(["answers", "--target", target, "--batch", "4", "--dtype", "float32"])
@@ -144,7 +141,7 @@ def test_the_recipe_runs_end_to_end_for_any_llama_target(tmp_path, monkeypatch, 
     run = tmp_path / "run"
     main(
         ["train-feature", "--data", "answers", "--target", target, "--token-map", str(tmp_path / "map")]
-        + ["--loss", "unrolled", "--steps", "4", "--batch", "2", "--eval-every", "2", "--out", str(run)]
+        + ["--loss", "kd", "--steps", "4", "--batch", "2", "--eval-every", "2", "--out", str(run)]
     )
     out = tmp_path / "quality.json"
     main(["feature-quality", "--answers", "--target", target, "--draft", str(run / "draft")]
@@ -162,7 +159,7 @@ def test_the_recipe_runs_end_to_end_for_any_llama_target(tmp_path, monkeypatch, 
     shipped = tmp_path / "shipped"
     main(["export-feature", "--target", target, "--run", str(stage2), "--dest", str(shipped)])
     staged = (shipped / "README.md").read_text()
-    assert "| 1 (run) | unrolled | 4 |" in staged and "| 2 (this run) | kd | 2 |" in staged, staged
+    assert "| 1 (run) | kd | 4 |" in staged and "| 2 (this run) | kd | 2 |" in staged, staged
     assert "started from" not in staged.split("Trained in stages")[0], "the stage table names the start"
     assert "| random initialisation |" in staged and "| the previous stage |" in staged
     main(["export-feature", "--target", target, "--run", str(run), "--dest", str(shipped), "--quality", str(out)])
@@ -171,7 +168,7 @@ def test_the_recipe_runs_end_to_end_for_any_llama_target(tmp_path, monkeypatch, 
     curve = json.loads((run / "curve.json").read_text())
     seen, positions = curve["curve"][-1]["seen"], curve["data"]["training_answer_positions"]
     assert seen > 0 and positions > 0 and f"{seen / positions:.2f} passes" in card
-    assert "unrolled over the draft's own predicted features for 3 levels" in card
+    assert "- loss (kd): smooth L1 to the target's next feature" in card
     assert "| **all** |" in card and "| out-of-distribution |" in card and "**this draft**" in card
     assert str(tmp_path) not in card, "the card names no path of the machine"
     from dynatree_core.drafts.feature import FeatureDraft

@@ -1,4 +1,4 @@
-"""Batched one-pass draft data (training/decode_batch.py): the decoded tokens and the features
+"""Batched one-pass draft data (training/answers/decode_batch.py): the decoded tokens and the features
 kept while decoding equal what the stock HF model computes separately."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from conftest import hf_greedy, tiny_model
 
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.training.decode_batch import BatchDecoder, sample_rows
+from dynatree_core.training.answers.decode_batch import BatchDecoder, sample_rows
 
 LEAN_ARCHS = ("llama", "qwen2")
 PROMPTS = [[5, 9, 14], [3, 7, 22, 41, 8, 2, 60], [11], [30, 31, 32, 33, 34]]

@@ -1,4 +1,4 @@
-"""The cheap training step (training/packed.py, step.py) and the fused-feature draft (drafts/fused.py):
+"""The cheap training step (training/packed/data.py, step.py, train.py) and the fused-feature draft (drafts/fused.py):
 packed rows compute what separate windows compute, the query-side shortcut changes nothing, the
 compact teacher is the target's distribution, the fused draft is exact with every policy and its
 training forward is its drafting forward, and a stopped long run resumes the same schedule."""
@@ -25,10 +25,11 @@ from dynatree_core.drafting import POLICIES as REGISTRY
 from dynatree_core.drafts.feature import FeatureDraft
 from dynatree_core.drafts.fused import FusedDraft
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.training import answers
-from dynatree_core.training.packed import PackedAnswers, PackedBatch, level_mask, pack_rows
-from dynatree_core.training.step import PackedTrainConfig, soft_ce, train_packed, unrolled_outputs
-from dynatree_core.training.unrolled import depth_mask, unrolled_predictions
+from dynatree_core.training.answers import store as answers
+from dynatree_core.training.feature.depth import depth_mask, unrolled_predictions
+from dynatree_core.training.packed.data import PackedAnswers, PackedBatch, level_mask, pack_rows
+from dynatree_core.training.packed.step import PackedTrainConfig, soft_ce, unrolled_outputs
+from dynatree_core.training.packed.train import train_packed
 
 TAPS = (0, 1, FINAL)  # the tiny targets have 2 layers: both layer inputs and the final state
 DRAFTED = [(n, p) for n, p in POLICIES if n in REGISTRY and REGISTRY[n].needs_draft_model]
@@ -128,9 +129,9 @@ def test_the_fused_training_forward_is_its_drafting_forward():
         kv = KVState(draft, [])
         rows = draft.pair_inputs(x[1:], draft.fuse(f[:-1]))
         visible = chain_then_tree_visibility(0, 6, torch.zeros(0, 0, dtype=torch.bool))
-        logits, states = kv.forward(x[1:].tolist(), list(range(1, 7)), visible, 6, embeds=rows, hidden=True)
-    torch.testing.assert_close(states, trained)
-    torch.testing.assert_close(logits, draft.lm_head(draft.norm(trained)).float())
+        out = kv.forward(x[1:].tolist(), list(range(1, 7)), visible, 6, embeds=rows, hidden=True)
+    torch.testing.assert_close(out.states, trained)
+    torch.testing.assert_close(out.logits, draft.lm_head(draft.norm(trained)).float())
 
 
 @pytest.mark.parametrize("policy_name,params", DRAFTED)
@@ -319,7 +320,7 @@ def test_a_packed_run_resumed_for_another_draft_or_loss_is_refused_naming_it(tin
 
 
 def test_a_paused_step_counts_the_recent_median_and_a_slow_one_counts_in_full():
-    from dynatree_core.training.step import counted_s
+    from dynatree_core.training.trainer import counted_s
 
     recent: list[float] = []
     assert counted_s(500.0, recent) == 500.0, "without a history every second counts"
@@ -342,7 +343,7 @@ def test_a_fused_draft_for_another_target_is_one_error_line_in_the_cli(capsys, t
 @pytest.mark.parametrize("kind", ["feature", "fused"])
 def test_a_packed_run_exports_with_a_card_of_its_passes_and_learning_curve(tiny_store, tmp_path, monkeypatch, kind):
     from dynatree_core.drafts.heads import load_head
-    from dynatree_core.training.feature_card import export_feature_draft
+    from dynatree_core.training.card import export_feature_draft
 
     monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path / "cache"))
     store, target = tiny_store
@@ -396,7 +397,7 @@ def test_a_packed_run_exports_with_a_card_of_its_passes_and_learning_curve(tiny_
 
 
 def test_the_card_says_which_rows_are_human_written_text_and_counts_passes_over_all_of_them():
-    from dynatree_core.training.feature_card import _data_lines
+    from dynatree_core.training.card import _data_lines
 
     row = {"prompts": 10, "prompt_tokens": 100, "answer_tokens": 400}
     data = {"training_windows": 4, "training_positions": 1_000, "training_answer_positions": 800}

@@ -12,8 +12,8 @@ import torch
 from conftest import VOCAB, tiny_model
 
 from dynatree_core.core.vocab import TokenMap
-from dynatree_core.training.corpus import label_shard
-from dynatree_core.training.train import TrainConfig, init_draft, kd_loss
+from dynatree_core.training.token.corpus import label_shard
+from dynatree_core.training.token.train import TrainConfig, init_draft, kd_loss
 
 
 def test_kd_loss_matches_a_naive_computation():
@@ -71,61 +71,10 @@ def test_labels_are_the_targets_top_k():
     np.testing.assert_allclose(labels["topk_logp"][0, :4], top.detach().numpy(), atol=2e-3)
 
 
-def _hand_built_trees(target, window, roots):
-    from dynatree_core.training.talf import build_target_trees
-
-    raw = build_target_trees(target, window, roots, k=2, depth=2, label_k=6)
-    return {
-        key: torch.from_numpy(v.astype(np.int64) if v.dtype != np.float16 else v.astype(np.float32))
-        for key, v in raw.items()
-    }
-
-
-def test_talf_loss_equals_the_sum_of_naive_per_node_cross_entropies():
-    from dynatree_core.training.talf import talf_node_loss
-
-    target = copy.deepcopy(tiny_model("llama")).float()
-    draft = copy.deepcopy(tiny_model("qwen2")).float()
-    window, roots = [5, 9, 3, 7, 11, 2, 8], [2, 5]
-    trees = _hand_built_trees(target, window, roots)
-    loss = talf_node_loss(draft, torch.tensor(window), torch.tensor(roots), trees)
-    naive = 0.0
-    for i, s in enumerate(roots):
-        for node in range(trees["tokens"].shape[1]):
-            path, cur = [], node
-            while cur >= 0:
-                path.append(int(trees["tokens"][i, cur]))
-                cur = int(trees["parents"][i, cur])
-            seq = window[: s + 1] + path[::-1]
-            logq = torch.log_softmax(draft(input_ids=torch.tensor([seq])).logits[0, -1], -1)
-            p = torch.softmax(trees["topk_logp"][i, node], -1)
-            naive = naive - (p * logq[trees["topk_ids"][i, node]]).sum()
-    assert loss.item() == pytest.approx(naive.item(), rel=1e-4)
-
-
-def test_target_trees_follow_eagle2_beam():
-    target = copy.deepcopy(tiny_model("llama")).float()
-    window, roots = [5, 9, 3, 7, 11, 2, 8], [3]
-    trees = _hand_built_trees(target, window, roots)
-    with torch.no_grad():
-        first = torch.log_softmax(target(input_ids=torch.tensor([window[:4]])).logits[0, -1], -1)
-    assert trees["tokens"][0, :2].tolist() == first.topk(2).indices.tolist(), "level 1 = top-k of the root"
-    assert trees["parents"][0, :2].tolist() == [-1, -1]
-    assert set(trees["parents"][0, 2:].tolist()) <= {0, 1}, "level 2 hangs under level 1"
-    for node in range(4):  # the stored labels are the target's distribution after the node's path
-        path, cur = [], node
-        while cur >= 0:
-            path.append(int(trees["tokens"][0, cur]))
-            cur = int(trees["parents"][0, cur])
-        with torch.no_grad():
-            logp = torch.log_softmax(target(input_ids=torch.tensor([window[:4] + path[::-1]])).logits[0, -1], -1)
-        assert trees["topk_ids"][0, node].tolist() == logp.topk(6).indices.tolist()
-
-
 def test_compute_ledger_sums_stages_and_reaches_the_model_card(tmp_path, monkeypatch):
     import json
 
-    from dynatree_core.training.export import model_card
+    from dynatree_core.training.card import token_card as model_card
     from dynatree_core.training.ledger import record, totals
 
     monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path))
@@ -146,7 +95,7 @@ def test_compute_ledger_sums_stages_and_reaches_the_model_card(tmp_path, monkeyp
 
 
 def test_a_tests_training_stages_leave_the_users_ledger_alone(tmp_path, monkeypatch):
-    from dynatree_core.core.models import cache_dir
+    from dynatree_core.core.cache_dir import cache_dir
     from dynatree_core.training.ledger import ledger_path, record, totals
 
     monkeypatch.delenv("DYNATREE_CACHE")  # without this module's cache override: the cache a user's run writes to
@@ -158,7 +107,7 @@ def test_a_tests_training_stages_leave_the_users_ledger_alone(tmp_path, monkeypa
 
 
 def test_batches_can_oversample_onpolicy_windows():
-    from dynatree_core.training.train import LabelledCorpus
+    from dynatree_core.training.token.train import LabelledCorpus
 
     data = LabelledCorpus.__new__(LabelledCorpus)
     data.train_rows = np.arange(100)
@@ -171,7 +120,7 @@ def test_batches_can_oversample_onpolicy_windows():
     assert len(set(uniform.tolist())) == 8 and set(uniform.tolist()) <= set(range(100))
 
 
-# ----- the feature draft's training (training/feature.py) -----------------------------------------
+# ----- the feature draft's training (training/feature/train.py) -----------------------------------------
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path, monkeypatch):
     """Training stages write to the cache (runs, data): these tests to their own."""
@@ -179,7 +128,7 @@ def _private_cache(tmp_path, monkeypatch):
 
 
 def _feature_setup(tmp_path, n=24, width=48):
-    from dynatree_core.training.feature_data import FeatureCorpus, label_features
+    from dynatree_core.training.feature.labels import FeatureCorpus, label_features
 
     target = copy.deepcopy(tiny_model("llama")).float()
     rng = np.random.default_rng(0)
@@ -197,7 +146,7 @@ def _feature_setup(tmp_path, n=24, width=48):
 
 
 def test_feature_labels_are_the_targets_hidden_states_and_resume(tmp_path):
-    from dynatree_core.training.feature_data import label_features
+    from dynatree_core.training.feature.labels import label_features
 
     target, corpus, data, computed = _feature_setup(tmp_path)
     assert computed == [0] and len(data.train_rows) == 20 and len(data.eval_rows) == 4
@@ -210,7 +159,7 @@ def test_feature_labels_are_the_targets_hidden_states_and_resume(tmp_path):
 
 def test_feature_kd_loss_matches_a_naive_computation(tmp_path):
     from dynatree_core.drafts.feature import FeatureDraft
-    from dynatree_core.training.feature import feature_kd_loss
+    from dynatree_core.training.feature.train import feature_kd_loss
 
     target, _, data, _ = _feature_setup(tmp_path)
     draft = FeatureDraft.from_target(target, TokenMap([-1, *range(1, VOCAB)], VOCAB), seed=2)
@@ -233,7 +182,7 @@ def test_feature_kd_loss_matches_a_naive_computation(tmp_path):
 
 def test_feature_training_reduces_the_loss_resumes_and_saves(tmp_path):
     from dynatree_core.drafts.feature import FeatureDraft
-    from dynatree_core.training.feature import (
+    from dynatree_core.training.feature.train import (
         FeatureTrainConfig,
         agreement_by_depth,
         feature_kd_loss,
@@ -259,7 +208,7 @@ def test_feature_training_reduces_the_loss_resumes_and_saves(tmp_path):
     by_depth = agreement_by_depth(loaded, target.get_output_embeddings(), data, data.eval_rows, depths=3)
     assert len(by_depth) == 3 and all(0.0 <= a <= 1.0 for a in by_depth)
     assert by_depth == agreement_by_depth(draft, target.get_output_embeddings(), data, data.eval_rows, depths=3)
-    from dynatree_core.training.feature_card import export_feature_draft
+    from dynatree_core.training.card import export_feature_draft
 
     export_feature_draft(out, tmp_path / "shipped", target, quality={"agreement": 0.5}, command="make draft-feature")
     card = (tmp_path / "shipped" / "README.md").read_text()
@@ -275,11 +224,11 @@ def test_a_wall_time_budget_ends_training_resumes_and_decays_the_rate_over_time(
     """budget_s: equal-compute runs. The clock is faked (each step costs 10 s), so the run stops
     after exactly 5 steps whatever the step limit, resumes with the time spent so far, and the
     cosine schedule follows the time, not the step limit."""
-    import dynatree_core.training.feature as feature_mod
-    from dynatree_core.training.feature import FeatureTrainConfig, train_feature_draft
+    import dynatree_core.training.trainer as trainer_mod
+    from dynatree_core.training.feature.train import FeatureTrainConfig, train_feature_draft
 
     clock = iter(range(0, 100_000, 10))  # every read 10 s later; a step reads it at its start and end
-    monkeypatch.setattr(feature_mod.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(trainer_mod.time, "perf_counter", lambda: float(next(clock)))
     target, _, data, _ = _feature_setup(tmp_path)
     token_map = TokenMap([-1, *range(1, VOCAB)], VOCAB)
     cfg = FeatureTrainConfig(
@@ -300,8 +249,8 @@ def test_a_wall_time_budget_ends_training_resumes_and_decays_the_rate_over_time(
 
 
 def test_a_run_killed_between_evaluations_resumes_from_its_last_log_line(tmp_path, monkeypatch):
-    import dynatree_core.training.feature as feature_mod
-    from dynatree_core.training.feature import FeatureTrainConfig, train_feature_draft
+    import dynatree_core.training.trainer as trainer_mod
+    from dynatree_core.training.feature.train import FeatureTrainConfig, train_feature_draft
 
     target, _, data, _ = _feature_setup(tmp_path)
     token_map = TokenMap([-1, *range(1, VOCAB)], VOCAB)
@@ -313,12 +262,12 @@ def test_a_run_killed_between_evaluations_resumes_from_its_last_log_line(tmp_pat
         if len(calls) == 3:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(feature_mod, "record", killed_at_step_8)
+    monkeypatch.setattr(trainer_mod, "record", killed_at_step_8)
     with pytest.raises(KeyboardInterrupt):
         train_feature_draft(target, token_map, data, tmp_path / "run", cfg, log=lambda m: None)
     assert calls == ["steps to 3", "steps to 6", "steps to 8"]
     logs: list[str] = []
-    monkeypatch.setattr(feature_mod, "record", lambda *a, **k: None)
+    monkeypatch.setattr(trainer_mod, "record", lambda *a, **k: None)
     train_feature_draft(target, token_map, data, tmp_path / "run", cfg, log=logs.append)
     assert any("resumed at step 6" in m for m in logs), logs
 
@@ -328,7 +277,7 @@ def test_agreement_by_depth_equals_drafting_each_chain_separately(tmp_path):
     forward over the true pairs up to the root, then the child read with the root's predicted
     feature, as the FeatureDrafter does."""
     from dynatree_core.drafts.feature import FeatureDraft
-    from dynatree_core.training.feature import agreement_by_depth
+    from dynatree_core.training.feature.train import agreement_by_depth
 
     target, _, data, _ = _feature_setup(tmp_path)
     draft = FeatureDraft.from_target(target, None, seed=4)
@@ -357,140 +306,11 @@ def test_agreement_by_depth_equals_drafting_each_chain_separately(tmp_path):
     assert got == pytest.approx([hits[0] / totals[0], hits[1] / totals[1]])
 
 
-# ----- TALF on the feature draft (training/feature_talf.py) ---------------------------------------
-def _tiny_trees(roots: list[list[int]], k: int = 2, depth: int = 2, label_k: int = 3, seed: int = 0):
-    """Beam-shaped trees (k nodes per level, node level*k + j) with random tokens and labels."""
-    rng = np.random.default_rng(seed)
-    b, r, n = len(roots), len(roots[0]), k * depth
-    parents = np.full((b, r, n), -1)
-    for level in range(1, depth):
-        parents[:, :, level * k : (level + 1) * k] = rng.integers(0, k, size=(b, r, k)) + (level - 1) * k
-    depths = np.repeat(np.arange(1, depth + 1), k)[None, None].repeat(b, 0).repeat(r, 1)
-    return {
-        "roots": torch.tensor(roots),
-        "tokens": torch.from_numpy(rng.integers(1, VOCAB, size=(b, r, n))),
-        "parents": torch.from_numpy(parents),
-        "depths": torch.from_numpy(depths),
-        "topk_ids": torch.from_numpy(rng.integers(1, VOCAB, size=(b, r, n, label_k))),
-        "topk_logp": torch.log_softmax(torch.randn(b, r, n, label_k), -1),
-    }
-
-
-def test_talf_tree_outputs_and_loss_equal_drafting_each_path_separately(tmp_path):
-    """Every tree node's output in the one stacked forward equals a causal forward over the true
-    pairs up to its root followed by its path, each node reading its parent's predicted feature
-    (as the FeatureDrafter drafts it); the loss is the mean of the naive per-entry cross-entropies."""
-    from dynatree_core.drafts.feature import FeatureDraft
-    from dynatree_core.training.feature_talf import feature_talf_loss, tree_layout, tree_outputs
-
-    target, _, data, _ = _feature_setup(tmp_path)
-    draft = FeatureDraft.from_target(target, TokenMap([-1, *range(1, VOCAB)], VOCAB), seed=5)
-    x, f, valid = data.batch(np.array([0, 1]), torch.device("cpu"))  # row 0 is half length
-    trees = _tiny_trees([[3, 20], [0, 9]])  # root 0 has no pair: its nodes are left out
-    pair_valid, width = valid[:, 1:], x.shape[1] - 1
-    see, positions, source, node_ok = tree_layout(width, trees["roots"], trees["parents"], trees["depths"], pair_valid)
-    assert node_ok.tolist() == [[True] * 8, [False] * 4 + [True] * 4]
-    tokens = torch.cat([x[:, 1:], trees["tokens"].reshape(2, -1)], 1)
-    with torch.no_grad():
-        out = tree_outputs(draft, tokens, f[:, :-1], see, positions, source, levels=2)
-        loss, parts = feature_talf_loss(draft, x, f, valid, trees, noise=0.0)
-
-    def chain(b, s, path):  # pairs 1..s, then (parent prediction, token) along `path`
-        embeds = draft.inputs(x[b, 1 : s + 1], f[b, :s])
-        h = draft.lm.model(inputs_embeds=embeds[None], position_ids=torch.arange(1, s + 1)[None]).last_hidden_state
-        for depth, token in enumerate(path, 1):
-            embeds = torch.cat([embeds, draft.inputs(torch.tensor([token]), h[0, -1:])])
-            pos = torch.arange(1, s + depth + 1)[None]
-            h = draft.lm.model(inputs_embeds=embeds[None], position_ids=pos).last_hidden_state
-        return h[0, -1]
-
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for b in range(2):
-            n = int(pair_valid[b].sum())
-            for j in range(n):  # the pairs: a plain causal forward, CE to head(f_{j+1})
-                torch.testing.assert_close(out[b, j], chain(b, j + 1, []), rtol=1e-4, atol=1e-4)
-                logq = torch.log_softmax(draft.lm.lm_head(out[b, j])[1:], -1)
-                total -= float((torch.softmax(draft.lm.lm_head(f[b, j + 1])[1:], -1) * logq).sum())
-                count += 1
-            for r in range(2):
-                s = int(trees["roots"][b, r])
-                for node in range(4):
-                    if not node_ok[b, r * 4 + node]:
-                        continue
-                    path, walk = [], node
-                    while walk >= 0:
-                        path.insert(0, int(trees["tokens"][b, r, walk]))
-                        walk = int(trees["parents"][b, r, walk])
-                    got = out[b, width + r * 4 + node]
-                    torch.testing.assert_close(got, chain(b, s, path), rtol=1e-4, atol=1e-4)
-                    logq = torch.log_softmax(draft.lm.lm_head(got)[1:], -1)[trees["topk_ids"][b, r, node] - 1]
-                    total -= float((torch.softmax(trees["topk_logp"][b, r, node], -1) * logq).sum())
-                    count += 1
-    assert loss.item() == pytest.approx(total / count, rel=1e-4)
-    assert 0.0 <= parts["agreement"] <= 1.0 and parts["node_ce"] > 0
-
-
-def test_talf_fine_tunes_a_kd_draft_on_target_trees_and_lowers_the_tree_loss(tmp_path):
-    """The train-feature path with --loss talf: starts from a saved KD draft, reads the target's
-    beam trees (talf.build_target_trees, as talf-label stores them), lowers the tree loss, resumes."""
-    from dynatree_core.drafts.feature import FeatureDraft
-    from dynatree_core.training.feature import FeatureTrainConfig, train_feature_draft
-    from dynatree_core.training.feature_talf import TargetTrees, feature_talf_loss
-    from dynatree_core.training.talf import build_target_trees
-
-    target, corpus, data, _ = _feature_setup(tmp_path)
-    token_map = TokenMap([-1, *range(1, VOCAB)], VOCAB)
-    rows = data.train_rows[:6]
-    stored: dict[str, list] = {"row": [], "roots": []}
-    for row in rows:
-        window = data.ids[row, : int(data.lengths[row])].astype(np.int64).tolist()
-        roots = [2, 7, 15]
-        trees = build_target_trees(target, window, roots, k=2, depth=2, label_k=5)
-        stored["row"].append(row)
-        stored["roots"].append(np.array(roots))
-        for key, value in trees.items():
-            stored.setdefault(key, []).append(value)
-    np.savez(tmp_path / "trees.npz", **{k: np.stack(v) for k, v in stored.items()})
-    trees = TargetTrees(tmp_path / "trees.npz", data.train_rows)
-    assert len(trees) == 6 and trees.arrays["tokens"].shape == (6, 3, 4)
-    FeatureDraft.from_target(target, token_map, seed=1).save(tmp_path / "kd")
-    cfg = FeatureTrainConfig(steps=120, batch=3, lr=2e-2, warmup=2, eval_every=60, log_every=20, device="cpu")
-    cfg = dataclasses.replace(cfg, loss="talf", ce_share=1.0, noise=0.0, autocast="")
-    fixed = data.batch(trees.rows[:3], torch.device("cpu")), trees.batch(np.arange(3))
-
-    def tree_loss(draft) -> float:
-        with torch.no_grad():
-            return feature_talf_loss(draft, *fixed[0], fixed[1], noise=0.0)[1]["node_ce"]
-
-    start = tree_loss(FeatureDraft.load(tmp_path / "kd", target))
-    logs: list[str] = []
-    out = tmp_path / "talf"
-    train_feature_draft(
-        target,
-        token_map,
-        data,
-        out,
-        dataclasses.replace(cfg, steps=60),
-        init_from=tmp_path / "kd",
-        trees=trees,
-        log=logs.append,
-    )
-    assert any("initialised from" in m for m in logs)
-    draft = train_feature_draft(
-        target, token_map, data, out, cfg, init_from=tmp_path / "kd", trees=trees, log=logs.append
-    )
-    assert any("resumed at step 60" in m for m in logs) and any("node_ce" in m for m in logs)
-    assert tree_loss(draft) < 0.8 * start, (start, tree_loss(draft))
-    with pytest.raises(SystemExit, match="target trees"):
-        train_feature_draft(target, token_map, data, tmp_path / "x", cfg, trees=None, log=logs.append)
-
-
 def test_init_from_keeps_the_starting_layer_and_takes_the_head_of_this_runs_token_map(tmp_path):
     """A draft started from a saved one (--init-from) keeps its fc and layer, while its frozen head
     is the target's rows for the run's own token map, even when the saved draft used another map."""
     from dynatree_core.drafts.feature import FeatureDraft
-    from dynatree_core.training.feature import FeatureTrainConfig, train_feature_draft
+    from dynatree_core.training.feature.train import FeatureTrainConfig, train_feature_draft
 
     target, _, data, _ = _feature_setup(tmp_path)
     start_map = TokenMap([-1, *range(1, VOCAB)], VOCAB)
@@ -529,7 +349,7 @@ def test_an_interrupted_checkpoint_write_keeps_the_previous_one_and_leaves_no_pa
 
 
 def test_a_feature_run_killed_while_checkpointing_resumes_from_its_previous_checkpoint(tmp_path, monkeypatch):
-    from dynatree_core.training.feature import FeatureTrainConfig, train_feature_draft
+    from dynatree_core.training.feature.train import FeatureTrainConfig, train_feature_draft
 
     target, _, data, _ = _feature_setup(tmp_path)
     token_map = TokenMap([-1, *range(1, VOCAB)], VOCAB)
@@ -540,7 +360,7 @@ def test_a_feature_run_killed_while_checkpointing_resumes_from_its_previous_chec
     with pytest.raises(OSError, match="no space"):
         train_feature_draft(target, token_map, data, out, dataclasses.replace(cfg, steps=4), log=lambda m: None)
     monkeypatch.undo()
-    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 2
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["state"]["step"] == 2
     assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint.pt"]
     logs: list[str] = []
     train_feature_draft(target, token_map, data, out, dataclasses.replace(cfg, steps=4), log=logs.append)
@@ -551,14 +371,14 @@ def test_a_feature_run_killed_while_checkpointing_resumes_from_its_previous_chec
     "other,needle",
     [
         (dict(cfg=dict(lr=5e-3)), "lr 0.01 there, 0.005 now"),
-        (dict(cfg=dict(loss="unrolled")), "loss 'kd' there, 'unrolled' now"),
+        (dict(cfg=dict(ce_weight=0.2)), "ce_weight 0.1 there, 0.2 now"),
         (dict(token_map=TokenMap([-1, *range(VOCAB - 1, 0, -1)], VOCAB)), "token_map"),
     ],
-    ids=["lr", "loss", "token-map"],
+    ids=["lr", "loss-weight", "token-map"],
 )
 def test_a_feature_run_resumed_with_other_settings_is_refused_naming_them(tmp_path, other, needle):
     from dynatree_core.errors import DynaTreeError
-    from dynatree_core.training.feature import FeatureTrainConfig, train_feature_draft
+    from dynatree_core.training.feature.train import FeatureTrainConfig, train_feature_draft
 
     target, _, data, _ = _feature_setup(tmp_path)
     token_map = TokenMap([-1, *range(1, VOCAB)], VOCAB)
@@ -574,12 +394,12 @@ def test_a_feature_run_resumed_with_other_settings_is_refused_naming_them(tmp_pa
 
 
 def test_the_token_draft_trainer_checkpoints_whole_and_resumes_only_the_same_run(tmp_path, tiny_pair_dirs):
-    """training/train.py: the checkpoint is written whole (never in place); a rerun continues it,
+    """training/token/train.py: the checkpoint is written whole (never in place); a rerun continues it,
     a rerun with another draft shape or learning rate is one error naming the settings."""
     from dynatree_core.core.models import load_model
     from dynatree_core.errors import DynaTreeError
-    from dynatree_core.training.corpus import TOPK, checksum
-    from dynatree_core.training.train import train
+    from dynatree_core.training.token.corpus import TOPK, checksum
+    from dynatree_core.training.token.train import train
 
     target = load_model(tiny_pair_dirs[0], device="cpu", dtype="float32").model
     rng = np.random.default_rng(0)
@@ -602,5 +422,97 @@ def test_the_token_draft_trainer_checkpoints_whole_and_resumes_only_the_same_run
             train(out, *args, dataclasses.replace(cfg, steps=4, **change), target_spec=tiny_pair_dirs[0])
         assert needle in str(caught.value), str(caught.value)
     train(out, *args, dataclasses.replace(cfg, steps=4), target_spec=tiny_pair_dirs[0])  # the same run: resumes
-    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 4
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["state"]["step"] == 4
     assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint.pt"]
+
+
+# ----- the one loop every recipe calls (training/trainer.py) --------------------------------------
+def _toy_recipe(seen_lrs: list[float]):
+    from dynatree_core.training.trainer import Recipe
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    x, y = torch.randn(16, 3), torch.randn(16, 1)
+
+    def batches(state):
+        while True:
+            yield (x, y), {"cursor": state.get("cursor", 0) + 1}
+
+    def loss(batch, parts):
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1]), {}, len(batch[0]), len(batch[0])
+
+    def point(state, loss):
+        return {"step": state["step"], "loss": loss}
+
+    return Recipe(model, list(model.parameters()), batches, loss, point, lambda out: seen_lrs.append(-1.0), run={})
+
+
+def test_the_one_loop_warms_up_decays_clips_at_the_recipes_value_and_resumes(tmp_path, monkeypatch):
+    """Warm-up then cosine to zero by steps, the recipe's own clip, evaluations at their cadence,
+    and a rerun for a longer schedule continues the checkpoint's place (step, data, curve)."""
+    from dynatree_core.training import trainer
+
+    clips, lrs = [], []
+    real_clip = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda p, c: clips.append(c) or real_clip(p, c))
+    monkeypatch.setattr(trainer, "record", lambda *a, **k: None)
+    loop = trainer.Loop("toy", lr=0.1, warmup=2, clip=0.25, steps=4, log_every=2, eval_every=2, autocast="")
+    logs: list[str] = []
+    state = trainer.train(_toy_recipe(lrs), tmp_path, loop, log=logs.append)
+    assert state["step"] == 4 and state["cursor"] == 4 and lrs == [-1.0], "ran 4 steps, then saved once"
+    assert set(clips) == {0.25} and [p["step"] for p in state["curve"]] == [2, 4]
+    rates = [float(m.split(" lr ")[1].split()[0]) for m in logs if " loss " in m]
+    assert rates == pytest.approx([trainer.lr_at(loop, s, s / 4) for s in (1, 3)], rel=1e-2)
+    assert trainer.lr_at(loop, 0, 0.0) == pytest.approx(0.05) and trainer.lr_at(loop, 9, 1.0) == 0.0
+    longer = dataclasses.replace(loop, steps=6)
+    saved = trainer.open_checkpoint(tmp_path / "checkpoint.pt", {})
+    again = trainer.train(_toy_recipe(lrs), tmp_path, longer, saved=saved, log=logs.append)
+    assert any("resumed at step 4" in m for m in logs) and again["cursor"] == 6
+    assert [p["step"] for p in again["curve"]] == [2, 4, 6]
+
+
+def test_the_prompt_material_read_from_data_is_what_the_recipes_were_built_with():
+    """assets/draft-data/prompts.json holds the lists that were literals in the code; the recipes
+    draw from them with seeded generators, so their order and content are pinned here."""
+    import hashlib
+
+    from dynatree_core.training.prompts import DATA, sample_prompts
+
+    lists = {k: v for k, v in DATA.items() if k != "_about"}
+    sizes = {k: len(v) for k, v in lists.items() if isinstance(v, list)}
+    assert sizes == {"topics": 82, "chat_templates": 15, "code_chat": 12, "plain_openings": 9, "plain_code": 6,
+                     "debian_ask": 4, "doc_ask": 4, "code_ask": 4, "man_ask": 3, "fortune_ask": 3}  # fmt: skip
+    assert {k: len(v) for k, v in lists["written_ask"].items()} == dict.fromkeys(
+        ("pydoc", "stdlib", "manpages", "fortunes"), 3
+    )
+    digest = hashlib.sha256(json.dumps(lists, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
+    assert digest == "54da5ff677d1679a"
+    assert sample_prompts(2, seed=17) == [
+        ("Chapter 1\n\nThe morning I first learned about Python programming,", False),
+        ("Many people do not know that social media", False),
+    ]
+
+
+def test_every_command_line_of_make_draft_and_make_draft_feature_parses():
+    """`make -n draft draft-feature`: each training command line is one the CLI accepts."""
+    import re
+    import shlex
+    import shutil
+    import subprocess
+
+    from dynatree_core.core.presets import REPO_ROOT
+    from dynatree_core.training.__main__ import parser
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    text = subprocess.run(["make", "-n", "draft", "draft-feature"], capture_output=True, text=True, cwd=REPO_ROOT)
+    lines = re.sub(r"\\\n\s*", " ", text.stdout).splitlines()
+    commands = [seg for line in lines for seg in re.findall(r"-m dynatree_core\.training (.*?)(?:\|\||;|$)", line)]
+    shell = {"${init:+--init-from $init}": "--init-from x", "$budget": "60", "$k": "1", "$init": "x"}
+    for seg in commands:
+        for k, v in shell.items():
+            seg = seg.replace(k, v)
+        parser().parse_args(shlex.split(seg))
+    names = [seg.split()[0] for seg in commands]
+    assert names[:6] == ["gen-data", "corpus", "label", "train", "quality", "export"]
+    assert {"answers", "answers-relabel", "vocab-map", "train-feature", "answers-written", "train-packed"} <= set(names)

@@ -1,5 +1,5 @@
-"""The unrolled (training-time test) loss of the feature draft (training/unrolled.py): its
-per-level predictions equal drafting every chain separately, and training on it runs."""
+"""The feature draft unrolled over its own predictions (training/feature/depth.py, the reference
+for agreement by depth and the packed step's levels) equals drafting every chain separately."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_model
 
 from dynatree_core.drafts.feature import FeatureDraft
-from dynatree_core.training.unrolled import unrolled_kd_loss, unrolled_predictions
+from dynatree_core.training.feature.depth import unrolled_predictions
 
 
 def _data(target, batch=2, width=9, seed=0):
@@ -54,23 +54,3 @@ def test_each_level_equals_drafting_every_chain_separately():
                 torch.testing.assert_close(pred[b, p], _chain(draft, x, f, b, p, level), rtol=1e-9, atol=1e-9)
                 checked += 1
     assert checked > 30
-
-
-def test_unrolled_training_lowers_its_loss_and_deeper_levels_count():
-    target = tiny_model("llama")
-    draft = FeatureDraft.from_target(target, seed=3)
-    draft.lm.lm_head.weight.requires_grad_(False)
-    x, f, valid = _data(target, batch=4, width=12, seed=1)
-    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
-    losses = []
-    for _ in range(30):
-        loss, parts = unrolled_kd_loss(draft, x, f, valid, steps=3, noise=0.0, ce_weight=0.1)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert set(parts) == {"agree1", "agree2", "agree3"}
-    assert losses[-1] < 0.85 * losses[0], f"unrolled training did not learn: {losses[0]:.4f} -> {losses[-1]:.4f}"
-    one, _ = unrolled_kd_loss(draft, x, f, valid, steps=1, noise=0.0, ce_weight=0.1)
-    three, _ = unrolled_kd_loss(draft, x, f, valid, steps=3, noise=0.0, ce_weight=0.1)
-    assert one.item() != three.item(), "levels 2-3 must add their own terms"

@@ -1,4 +1,4 @@
-"""Human-written text as teacher-forced training data (training/written.py): each text is the
+"""Human-written text as teacher-forced training data (training/answers/written.py): each text is the
 assistant's turn after a short request, the loss positions are exactly its tokens, shards are
 resumable and reproducible, and the packed step trains on them beside the answers."""
 
@@ -10,10 +10,11 @@ import pytest
 from dynatree_core.core.models import load_model
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.pairs import encode_prompt
-from dynatree_core.training import answers, sources, written
-from dynatree_core.training.answer_commands import stage_spec
-from dynatree_core.training.answer_data import source_summary
-from dynatree_core.training.packed import PackedAnswers
+from dynatree_core.training.answers import sources, written
+from dynatree_core.training.answers import store as answers
+from dynatree_core.training.answers.commands import stage_spec
+from dynatree_core.training.answers.windows import source_summary
+from dynatree_core.training.packed.data import PackedAnswers
 
 DOCS = ["The for statement iterates over the items of any sequence.", "A module is a file of definitions."]
 CODE = ["def add(a, b):\n    return a + b"]

@@ -1,13 +1,23 @@
-"""Training the drafts (`python -m dynatree_core.training`, stages recorded in ledger.py).
+"""Training the drafts (`python -m dynatree_core.training COMMAND`; `make draft`, `make draft-feature`).
 
-Data: prompts written for the project (prompts.py) and drawn from offline text (sources.py); the
-target answers them in batches that keep its features (decode_batch.py, answers.py, data.py), as
-fixed-length windows with the target's labels (corpus.py, answer_data.py, feature_data.py).
-Losses: knowledge distillation from the target's top-k (train.py), the tree-aware loss TALF
-(talf.py, feature_talf.py), the feature draft trained on the target's features (feature.py) and
-unrolled over its own predictions (unrolled.py); what a checkpoint records so that only the same
-run resumes it (resume.py). Then its measured quality (quality.py) and the shipped weights with
-their model card (export.py).
+One loop (trainer.py: warm-up + cosine schedule, gradient clip, eval cadence, checkpoint and
+resume (resume.py), the compute ledger (ledger.py)) that every recipe calls with its loss and
+batches; one subpackage per recipe, each with its `commands.py` (the CLI's table is __main__.py,
+its shared flags cli.py):
+
+- token/     the token draft (`make draft`): on-policy samples, labelled windows, KD, quality, export
+- feature/   the feature draft's KD on stored features (`train-feature`), agreement by depth,
+             `export-feature`
+- answers/   the data the heads train on: offline sources, the target's answers with features,
+             written text, answer windows and the reduced vocabulary
+- packed/    the cheap step over packed answer windows (`train-packed`): the shipped feature and
+             fused drafts
+- prompts.py the project's own prompts (token samples, answer sources), read from
+             assets/draft-data/prompts.json
+- card.py    the model card of every shipped draft (`export`, `export-feature`)
+
+Removed recipes (lost in BENCHMARKS.md, nothing ships from them): docs/training.md says which
+and at which commit they can be found.
 
 May import: errors, core, runs, verify, drafts, drafting, decoding, measure.
 """

@@ -1,8 +1,8 @@
-"""CPU-time ledger of the draft recipe: every stage appends what it measured.
+"""The compute ledger of every recipe (`make draft`, `make draft-feature`): each stage appends what it measured.
 
 One JSON object per line in `$DYNATREE_CACHE/draft-runs/compute.jsonl`:
 `{"stage": "label", "seconds": 97.4, "tokens": 81616, "item": "shard 22", "threads": 2}`.
-The model card (export.py) sums it per stage, so the total CPU time of the shipped draft is a
+The model card (card.py) sums it per stage, so the total CPU time of the shipped draft is a
 measured number, not an estimate. Stages that were skipped because their output existed add
 nothing; a stage repeated after its output went stale is counted again (it did cost the time).
 """
@@ -17,7 +17,7 @@ import torch
 
 
 def ledger_path() -> Path:
-    from dynatree_core.core.models import cache_dir
+    from dynatree_core.core.cache_dir import cache_dir
 
     return cache_dir() / "draft-runs" / "compute.jsonl"
 

@@ -1,4 +1,4 @@
-"""What a resumable training run records of itself, so that a rerun continues only the same run.
+"""Every recipe's resume check (trainer.py): what a run records of itself, so a rerun continues only it.
 
 Every trainer's `checkpoint.pt` carries `run`: the draft's form (kind, width, heads, MLP, the
 target layers it reads and how they are normed, its vocabulary and token map) and the settings

@@ -1,4 +1,5 @@
-"""Distil a small Llama-architecture draft from the target's top-k labels (KD, optionally + TALF).
+"""The token draft's recipe (`make draft`, stage `train`): distil a small Llama-architecture draft
+from the target's top-k labels (KD).
 
 The draft is a stock `LlamaForCausalLM` over a reduced vocabulary (core/vocab.py): slot 0 is OTHER,
 slots 1..N-1 are the target tokens ranked most useful (target argmax counts on on-policy text,
@@ -6,18 +7,15 @@ then input frequency). Its tied embeddings start as a PCA projection of the targ
 head starts close to the target's. Loss per position: cross-entropy to the target's top-k
 distribution (forward KL up to a constant, renormalised over the k stored tokens; mass of
 tokens outside the set goes to OTHER) plus `hard_weight` x cross-entropy to the target's
-argmax, the token greedy verification accepts. With `talf_weight > 0` the TALF tree loss
-(talf.py) is added. Seeded and resumable: `checkpoint.pt` (written whole) holds model, optimiser,
-step, RNG state, the token map and the run's settings; a restarted job with the same settings
-continues from it, one with others is refused (naming them).
+argmax, the token greedy verification accepts. It trains through the one loop (trainer.py:
+gradient clip 1.0, weight decay 0.01); seeded and resumable: `checkpoint.pt` (written whole)
+holds model, optimiser, step, the sampler's RNG state, the token map and the run's settings; a
+restarted job with the same settings continues from it, one with others is refused (naming them).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +23,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dynatree_core.core.vocab import OTHER, TokenMap
-from dynatree_core.core.weights import check_same_run, load_weights, save_whole
-from dynatree_core.training.corpus import SHARD, TOPK, shard_valid
-from dynatree_core.training.ledger import record
+from dynatree_core.core.weights import load_weights
+from dynatree_core.training import trainer
+from dynatree_core.training.token.corpus import SHARD, TOPK, shard_valid
+from dynatree_core.training.trainer import Loop, Recipe, open_checkpoint
 
 
 @dataclasses.dataclass
@@ -43,7 +42,6 @@ class TrainConfig:
     lr: float = 2e-3
     warmup: int = 100
     hard_weight: float = 0.5
-    talf_weight: float = 0.0  # > 0: add the TALF tree loss (mean over nodes) with this weight
     onpolicy_share: float = 0.0  # > 0: this share of each batch comes from on-policy windows
     seed: int = 0
     eval_every: int = 250
@@ -53,7 +51,7 @@ class TrainConfig:
 # what a resumed run must share with the one that wrote its checkpoint: the draft's shape, the loss and the
 # optimiser's settings (the schedule's length, steps, may grow between runs)
 RUN_SETTINGS = ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "batch", "lr", "warmup",
-                "hard_weight", "talf_weight", "onpolicy_share", "seed")  # fmt: skip
+                "hard_weight", "onpolicy_share", "seed")  # fmt: skip
 
 
 def draft_config(target_config, cfg: TrainConfig, vocab: int) -> LlamaConfig:
@@ -86,10 +84,16 @@ def select_vocab(data: LabelledCorpus, n: int, always: list[int]) -> list[int]:
     if len(onp):
         m = data.lengths[onp, None] > np.arange(data.ids.shape[1])[None, :]
         score += 4 * np.bincount(data.topk_ids[onp, :, 0][m].astype(np.int64), minlength=vocab)
-    chosen = list(dict.fromkeys(int(t) for t in always if 0 <= t < vocab))
+    return ranked_ids(score, n - 1, always)
+
+
+def ranked_ids(score: np.ndarray, n: int, always=()) -> list[int]:
+    """n ids: `always` first (those in range, once each), then by descending `score` (ties by id).
+    The token draft's vocabulary (above) and the feature drafts' frequency maps (answers/windows.py)."""
+    chosen = list(dict.fromkeys(int(t) for t in always if 0 <= t < len(score)))
     taken = set(chosen)
     for tok in np.argsort(-score, kind="stable"):
-        if len(chosen) >= n - 1:
+        if len(chosen) >= n:
             break
         if int(tok) not in taken:
             chosen.append(int(tok))
@@ -201,27 +205,6 @@ def evaluate(draft: torch.nn.Module, data: LabelledCorpus, batch: int = 8) -> fl
     return hits / max(total, 1)
 
 
-def load_trees(path: Path | None) -> dict[str, np.ndarray] | None:
-    if not path or not Path(path).exists():
-        return None
-    with np.load(path) as data:
-        return {key: data[key] for key in data.files}
-
-
-def talf_step_loss(draft, data: LabelledCorpus, trees: dict[str, np.ndarray], index: int) -> torch.Tensor:
-    """Mean per-node TALF loss for one window with target trees (see talf.py)."""
-    from dynatree_core.training.talf import talf_node_loss
-
-    row = int(trees["row"][index])
-    window = torch.from_numpy(data.ids[row, : int(data.lengths[row])].astype(np.int64))
-    t = {key: torch.from_numpy(trees[key][index].astype(np.int64)) for key in ("tokens", "parents", "depths")}
-    t["topk_ids"] = data.token_map.to_draft(torch.from_numpy(trees["topk_ids"][index].astype(np.int64)))
-    t["topk_logp"] = torch.from_numpy(trees["topk_logp"][index].astype(np.float32))
-    t["tokens"] = data.token_map.to_draft(t["tokens"])
-    roots = torch.from_numpy(trees["roots"][index].astype(np.int64))
-    return talf_node_loss(draft, data.token_map.to_draft(window), roots, t) / t["tokens"].numel()
-
-
 def _load_start(source: Path) -> dict:
     """A checkpoint.pt, or a saved draft directory (weights + token_map.json) to continue from."""
     source = Path(source)
@@ -238,13 +221,42 @@ def _load_start(source: Path) -> dict:
     return torch.load(source, weights_only=False)
 
 
+def _recipe(draft, data: LabelledCorpus, cfg: TrainConfig, run: dict, save) -> Recipe:
+    """The token draft's loss, batches (half of them on-policy windows with `onpolicy_share`) and
+    held-out agreement, for the one loop (trainer.py)."""
+
+    def batches(state: dict):
+        rng = np.random.default_rng(cfg.seed)
+        if "rng" in state:  # the sampler's place, saved with the checkpoint
+            rng.bit_generator.state = state["rng"]
+        while True:
+            batch = data.batch(data.sample(rng, cfg.batch, cfg.onpolicy_share))
+            yield batch, {"rng": rng.bit_generator.state}
+
+    def loss(batch, parts: bool):
+        x, mask, tid, tlp = batch
+        logits = draft(input_ids=x, attention_mask=mask.long()).logits
+        value, agree = kd_loss(logits, tid, tlp, mask, cfg.hard_weight)
+        return value, {"agree": agree.item()}, len(x), int(mask.sum())
+
+    def point(state: dict, loss: float) -> dict:
+        held = evaluate(draft, data)
+        print(f"train: step {state['step']} held-out agreement {held:.3f}", flush=True)
+        return {"step": state["step"], "windows_seen": state["step"] * cfg.batch, "heldout_agreement": held,
+                "loss": loss, "wall_s": state["spent_s"]}  # fmt: skip
+
+    info = {"config": dataclasses.asdict(cfg)}
+    extra = {"config": info["config"], "draft_to_target": data.token_map.draft_to_target.tolist()}
+    params = list(draft.parameters())
+    return Recipe(draft, params, batches, loss, point, save, run, info=info, extra=extra)
+
+
 def train(
     out: Path,
     corpus: Path,
     labels_dir: Path,
     cfg: TrainConfig,
     target_spec: str = "embedded",
-    talf_trees: Path | None = None,
     init_from: Path | None = None,
 ) -> Path:
     """Train (or resume) a draft; returns the directory of the saved model."""
@@ -254,88 +266,27 @@ def train(
     target = load_model(target_spec, device="cpu", dtype="float32")
     data = LabelledCorpus(corpus, labels_dir, target.model.config.vocab_size)
     print(f"train: {len(data.train_rows)} train / {len(data.eval_rows)} held-out windows", flush=True)
-    ckpt_path = out / "checkpoint.pt"
-    source = ckpt_path if ckpt_path.exists() else init_from
-    ckpt = _load_start(source) if source else None
-    run = {k: getattr(cfg, k) for k in RUN_SETTINGS} | {"target": target_spec}
-    if ckpt is not None and source == ckpt_path:  # before anything is built from it
-        check_same_run(ckpt.get("run"), run, where=str(ckpt_path))
-    if ckpt is not None:
-        draft_to_target = ckpt["draft_to_target"]
+    # the record keeps the removed TALF loss's weight at 0: checkpoints written before its removal resume
+    run = {k: getattr(cfg, k) for k in RUN_SETTINGS} | {"talf_weight": 0.0, "target": target_spec}
+    saved = open_checkpoint(out / "checkpoint.pt", run)  # refused before anything is built from it
+    start = saved if saved is not None else _load_start(init_from) if init_from else None
+    if start is not None:
+        draft_to_target = start["draft_to_target"]
     else:
         draft_to_target = [-1, *select_vocab(data, cfg.vocab, target.tokenizer.all_special_ids)]
     data.token_map = TokenMap(draft_to_target, data.target_vocab)
     draft = init_draft(target.model, cfg, data.token_map)
-    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    step, curve = 0, []
-    rng = np.random.default_rng(cfg.seed)
-    if ckpt is not None:
-        load_weights(draft, ckpt["model"], what=str(source))
-        if source == ckpt_path:  # resume; --init-from only takes the weights
-            opt.load_state_dict(ckpt["opt"])
-            step, curve = ckpt["step"], ckpt["curve"]
-            rng.bit_generator.state = ckpt["rng"]
-        print(f"train: {'resumed at step ' + str(step) if source == ckpt_path else 'initialised from ' + str(source)}")
-    trees = load_trees(talf_trees) if cfg.talf_weight > 0 else None
-    if cfg.talf_weight > 0 and trees is None:
-        raise SystemExit(f"--talf-weight needs target trees at {talf_trees} (run talf-label first)")
-    draft.train()
-    t0, tokens = time.perf_counter(), 0
-    last_save, last_tokens = t0, 0
-    while step < cfg.steps:
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
-        for group in opt.param_groups:
-            group["lr"] = lr
-        x, mask, tid, tlp = data.batch(data.sample(rng, cfg.batch, cfg.onpolicy_share))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = draft(input_ids=x, attention_mask=mask.long()).logits
-            loss, agree = kd_loss(logits, tid, tlp, mask, cfg.hard_weight)
-            if trees is not None:  # TALF (Alg. 1): one window's target trees per step
-                index = int(rng.integers(len(trees["row"])))
-                loss = loss + cfg.talf_weight * talf_step_loss(draft, data, trees, index)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        step += 1
-        tokens += int(mask.sum())
-        if step % cfg.log_every == 0:
-            rate = tokens / (time.perf_counter() - t0)
-            print(
-                f"train: step {step} loss {loss.item():.3f} agree {agree.item():.3f} lr {lr:.2e} {rate:.0f} tok/s",
-                flush=True,
-            )
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            held = evaluate(draft, data)
-            curve.append(
-                {
-                    "step": step,
-                    "windows_seen": step * cfg.batch,
-                    "heldout_agreement": held,
-                    "loss": loss.item(),
-                    "wall_s": time.perf_counter() - t0,
-                }
-            )
-            print(f"train: step {step} held-out agreement {held:.3f}", flush=True)
-            now = time.perf_counter()
-            record("train", now - last_save, tokens=tokens - last_tokens, run=str(out), item=f"steps to {step}")
-            last_save, last_tokens = now, tokens
-            save_whole(  # written whole, then renamed: a run killed while saving keeps the last one
-                {
-                    "model": draft.state_dict(),
-                    "opt": opt.state_dict(),
-                    "step": step,
-                    "curve": curve,
-                    "rng": rng.bit_generator.state,
-                    "config": dataclasses.asdict(cfg),
-                    "run": run,
-                    "draft_to_target": draft_to_target,
-                },
-                ckpt_path,
-            )
+    if saved is None and start is not None:  # --init-from takes the weights only
+        load_weights(draft, start["model"], what=str(init_from))
+        print(f"train: initialised from {init_from}")
     final = out / "model"
-    draft.to(torch.bfloat16).save_pretrained(final)
-    target.tokenizer.save_pretrained(final)
-    data.token_map.save(final)
-    (out / "curve.json").write_text(json.dumps({"config": dataclasses.asdict(cfg), "curve": curve}, indent=1))
+
+    def save(out: Path) -> None:
+        draft.to(torch.bfloat16).save_pretrained(final)
+        target.tokenizer.save_pretrained(final)
+        data.token_map.save(final)
+
+    loop = Loop("train", cfg.lr, cfg.warmup, clip=1.0, weight_decay=0.01, steps=cfg.steps, log_every=cfg.log_every,
+                eval_every=cfg.eval_every, unit="tokens")  # fmt: skip
+    trainer.train(_recipe(draft, data, cfg, run, save), out, loop, saved=saved, log=lambda m: print(m, flush=True))
     return final

@@ -1,10 +1,10 @@
-"""The draft's on-policy data at scale: the target answers the source pool, features kept, in shards.
+"""`make draft-feature`'s answer data (answers, ood-answers, answers-relabel): the target answers
+the source pool, features kept, in shards.
 
 Stages, each a list of jobs (sources.py) cut into shards of SHARD_JOBS jobs, run in order:
 
     questions  self-instruct: the target writes user questions from seed topics
     main       the source pool + the target's own questions, shuffled together
-    follow     second turns: follow-up requests on chat answers of the first FOLLOW_SHARDS main shards
 
 A shard is decoded by `BatchDecoder.generate` (continuous batching, features in the same pass)
 and written as two files: the token ids, small enough to commit (`answers/main_00003.npz`:
@@ -24,15 +24,13 @@ import numpy as np
 import torch
 
 from dynatree_core.decoding.pairs import encode_prompt
-from dynatree_core.training import sources
-from dynatree_core.training.corpus import checksum
-from dynatree_core.training.decode_batch import BatchDecoder, host_f16
+from dynatree_core.training.answers import sources
+from dynatree_core.training.answers.decode_batch import BatchDecoder, host_f16
 from dynatree_core.training.ledger import record
+from dynatree_core.training.token.corpus import checksum
 
 SHARD_JOBS = 512
-FOLLOW_SHARDS = 8  # follow-up turns are drawn from the chat answers of the first this-many main shards
-FOLLOW_JOBS = 2000
-STAGES = ("questions", "main", "follow")
+STAGES = ("questions", "main")
 
 
 def _source_index(source: str) -> int:
@@ -144,7 +142,7 @@ def _stage_jobs(store: AnswerStore, stage: str, tokenizer, seed: int, log) -> li
         questions, pool = sources.build_pool(seed, log=log)
         sources.save_jobs(store.ids_dir / "pool.jobs.gz", pool)
         jobs = questions
-    elif stage == "main":
+    else:  # main
         asked = _stage_jobs(store, "questions", tokenizer, seed, log)
         if len(store.shards("questions")) < _n_shards(len(asked)):
             return None
@@ -157,17 +155,6 @@ def _stage_jobs(store: AnswerStore, stage: str, tokenizer, seed: int, log) -> li
         log(f"answers: {len(written)} usable self-instruct questions")
         jobs = sources.load_jobs(store.ids_dir / "pool.jobs.gz") + sources.answered_jobs(written, seed)
         jobs = [jobs[i] for i in np.random.default_rng(seed).permutation(len(jobs))]
-    else:
-        if len(store.shards("main")) < FOLLOW_SHARDS:
-            return None
-        turns = []
-        main = sources.load_jobs(store.ids_dir / "main.jobs.gz")
-        for k in range(FOLLOW_SHARDS):
-            for j, (ids, plen, _) in enumerate(store.sequences("main", k)):
-                job = main[k * SHARD_JOBS + j]
-                if job.chat and not job.history:
-                    turns.append((job.text, tokenizer.decode(ids[plen:], skip_special_tokens=True).strip()))
-        jobs = sources.follow_up_jobs(turns[:FOLLOW_JOBS], seed)
     sources.save_jobs(path, jobs)
     return jobs
 

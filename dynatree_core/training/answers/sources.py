@@ -1,4 +1,4 @@
-"""Prompts for the draft's on-policy data, from text available offline (no dataset download).
+"""`make draft-feature`'s `answers` stage: the prompts, from text available offline (no download).
 
 Each source turns local text into jobs: a prompt (chat instruction or plain text to continue),
 the temperature to answer it with (greedy or sampled) and a token limit. Kinds of source:
@@ -10,7 +10,7 @@ the temperature to answer it with (greedy or sampled) and a token limit. Kinds o
     manpages       DESCRIPTION sections of the installed manual pages
     fortunes       quotations and jokes (Debian's fortunes)
     self-instruct  user questions the target wrote itself from seed topics (answered in a later stage)
-    multi-turn     follow-up requests on the target's own earlier answers (a later stage)
+    multi-turn     (kept so stored source indices stay; its follow-up stage never ran and was removed)
     written-*      the texts themselves as assistant turns, teacher-forced (written.py)
 
 `build_pool` is deterministic for a given machine's files and seed; the pool is saved next to the
@@ -31,7 +31,7 @@ import subprocess
 import sysconfig
 from pathlib import Path
 
-from dynatree_core.training.prompts import TOPICS, sample_prompts
+from dynatree_core.training.prompts import DATA, TOPICS, sample_prompts
 
 SOURCES = (
     *("templates", "debian", "pydoc", "stdlib", "manpages", "fortunes", "self-instruct", "multi-turn"),
@@ -169,47 +169,8 @@ def fortunes(root: Path = FORTUNES_DIR) -> list[str]:
 
 # ----- jobs ---------------------------------------------------------------------------------
 
-DEBIAN_ASK = [
-    'What is the software package "{name}" ({desc}) used for? Explain in a few sentences.',
-    'I found a program called {name}, described as "{desc}". When would someone use it?',
-    "Write a short, friendly introduction to {name}: {desc}.",
-    "Give me three practical tips for a beginner who wants to try {name} ({desc}).",
-]
-DOC_ASK = [
-    "Summarize the following passage in a few sentences.\n\n{text}",
-    "Explain this passage to a beginner, in plain words.\n\n{text}",
-    "Read the passage and write two questions it answers, each with its answer.\n\n{text}",
-    "What is the main point of this text?\n\n{text}",
-]
-CODE_ASK = [
-    "Explain what this Python code does, step by step.\n\n```python\n{text}\n```",
-    "Suggest one improvement to this code and show the changed version.\n\n```python\n{text}\n```",
-    "Write a short usage example for this code.\n\n```python\n{text}\n```",
-    "Describe the inputs and outputs of this code.\n\n```python\n{text}\n```",
-]
-MAN_ASK = [
-    "Here is the description of the `{name}` command or function:\n\n{text}\n\nExplain it simply, with an example.",
-    "Summarize what `{name}` does, based on this manual text:\n\n{text}",
-    "{text}\n\nWhat would a beginner most likely get wrong when using `{name}`?",
-]
-FORTUNE_ASK = [
-    "What does this saying mean? Explain it briefly.\n\n{text}",
-    "Write a short story inspired by this quote:\n\n{text}",
-    "Is this funny, wise or both? Explain why.\n\n{text}",
-]
-QUESTION_ASK = (
-    "Write one question that a curious person might ask an assistant about {topic}. Reply with the question only."
-)
-FOLLOW_UPS = [
-    "Can you give a concrete example?",
-    "Summarize that in two sentences.",
-    "Why is that? Please explain a bit more.",
-    "Explain it again as if I were ten years old.",
-    "What are common mistakes people make with this?",
-    "Can you put that into a short list?",
-    "What should I read or learn next about this?",
-    "Is there anything you left out?",
-]
+ASK = {k: DATA[f"{k}_ask"] for k in ("debian", "doc", "code", "man", "fortune")}  # assets/draft-data/prompts.json
+QUESTION_ASK = DATA["question_ask"]
 
 
 def _plain_head(text: str, rng: random.Random) -> str:
@@ -254,14 +215,14 @@ def build_pool(seed: int = 0, *, sizes: dict[str, int] | None = None, log=print)
             temp = _pick_temperature(rng)
             if source == "debian":
                 name, desc = item
-                pool.append(Job(source, rng.choice(DEBIAN_ASK).format(name=name, desc=desc), True, temp))
+                pool.append(Job(source, rng.choice(ASK["debian"]).format(name=name, desc=desc), True, temp))
             elif source == "manpages":
                 name, body = item
-                pool.append(Job(source, rng.choice(MAN_ASK).format(name=name, text=body), True, temp))
+                pool.append(Job(source, rng.choice(ASK["man"]).format(name=name, text=body), True, temp))
             elif rng.random() < 0.3:  # plain continuation of the text itself
                 pool.append(Job(source, _plain_head(item, rng), False, temp, max_new=192))
             else:
-                ask = {"pydoc": DOC_ASK, "stdlib": CODE_ASK, "fortunes": FORTUNE_ASK}[source]
+                ask = ASK[{"pydoc": "doc", "stdlib": "code", "fortunes": "fortune"}[source]]
                 pool.append(Job(source, rng.choice(ask).format(text=item), True, temp))
     topics = seed_topics(packages, man)
     questions = [
@@ -284,15 +245,6 @@ def question_from_answer(text: str) -> str | None:
 def answered_jobs(questions: list[str], seed: int) -> list[Job]:
     rng = random.Random(seed + 1)
     return [Job("self-instruct", q, True, _pick_temperature(rng)) for q in questions]
-
-
-def follow_up_jobs(turns: list[tuple[str, str]], seed: int) -> list[Job]:
-    """Second turns on (user prompt, target answer) pairs: the target answers its own follow-up."""
-    rng = random.Random(seed + 2)
-    return [
-        Job("multi-turn", rng.choice(FOLLOW_UPS), True, _pick_temperature(rng), history=((user[:MAX_CHARS], answer),))
-        for user, answer in turns
-    ]
 
 
 def save_jobs(path: Path, jobs: list[Job]) -> str:

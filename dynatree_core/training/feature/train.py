@@ -1,6 +1,7 @@
-"""Train the feature draft (drafts/feature.py) on the target's own features: EAGLE's KD.
+"""The feature-KD recipe (`train-feature`): the feature draft (drafts/feature.py) trained on the
+target's own features, EAGLE's KD, over the sampled corpus or the answer shards.
 
-Stage `feature-label` (feature_data.py) stores the target's final hidden states at every window
+Stage `feature-label` (feature/labels.py) stores the target's final hidden states at every window
 position; the target's soft labels are head(f), recomputed from them here over the draft's vocabulary.
 
 Stage `train-feature` (EAGLE, Li et al. 2024, sec. 4.2): for each window
@@ -10,9 +11,8 @@ position j >= 1 the draft reads (f_{j-1} + U(-noise, noise), x_j) and predicts f
 
 averaged over valid positions, both softmaxes over the draft's reduced vocabulary (OTHER never
 proposed, so left out of both). The target's embedding and the LM head rows are frozen; fc and
-the decoder layer train. AdamW, linear warm-up, cosine decay. Resumable (`checkpoint.pt`, written
-whole; a rerun resumes it only with the same draft and settings: resume.py), and every stage's
-compute goes to the ledger (ledger.py).
+the decoder layer train, through the one loop (trainer.py: AdamW, linear warm-up, cosine decay by
+steps or by `budget_s` seconds of training, gradient clip 0.5, resumable `checkpoint.pt`, ledger).
 
 `agreement_by_depth` is the held-out measure BENCHMARKS.md reports: top-1 agreement of the draft's
 best real token with the target's greedy token at tree depth 1 (true input features) and deeper
@@ -22,25 +22,22 @@ best real token with the target's greedy token at tree depth 1 (true input featu
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dynatree_core.core.models import resolve_device
+from dynatree_core.core.devices import resolve_device
 from dynatree_core.core.vocab import OTHER, TokenMap
-from dynatree_core.core.weights import check_same_run, load_weights, save_whole
+from dynatree_core.core.weights import load_weights
 from dynatree_core.drafts.feature import FeatureDraft
 from dynatree_core.runs.environment import portable
-from dynatree_core.training.feature_data import FeatureCorpus
-from dynatree_core.training.feature_talf import feature_talf_loss
-from dynatree_core.training.ledger import record
+from dynatree_core.training import trainer
+from dynatree_core.training.feature.depth import depth_mask
+from dynatree_core.training.feature.labels import FeatureCorpus
 from dynatree_core.training.resume import head_run
-from dynatree_core.training.unrolled import depth_mask, unrolled_kd_loss
+from dynatree_core.training.trainer import Loop, Recipe, open_checkpoint
 
 
 @dataclasses.dataclass
@@ -59,17 +56,16 @@ class FeatureTrainConfig:
     device: str = "auto"
     ce_share: float = 1.0  # share of positions the CE is taken over (< 1 saves head products on a CPU)
     autocast: str = "bfloat16"  # mixed precision for forward and loss ("" for float32)
-    loss: str = "kd"  # "kd" (EAGLE: regression + CE), "unrolled" (unrolled.py) or "talf" (feature_talf.py)
-    unroll_steps: int = 3  # "unrolled": levels the draft is unrolled over its own predicted features
-    unroll_decay: float = 0.8  # "unrolled": weight of level k is decay^(k-1)
-    regression_weight: float = 0.0  # TALF only: add the feature regression (the paper drops it)
+    loss: str = "kd"  # EAGLE: regression + CE (the only one left: docs/training.md, "Removed recipes")
     budget_s: float = 0.0  # > 0: stop after this much training wall time, cosine over time (equal-compute runs)
 
 
 # what a resumed run must share with the one that wrote its checkpoint (besides the draft's form): the
 # loss and the optimiser's settings; the schedule's length (steps, budget_s) may grow between runs
 RUN_SETTINGS = ("batch", "lr", "warmup", "weight_decay", "ce_weight", "noise", "onpolicy_share", "seed", "ce_share",
-                "loss", "unroll_steps", "unroll_decay", "regression_weight")  # fmt: skip
+                "loss")  # fmt: skip
+# the removed losses' settings at the values every KD run recorded: checkpoints written before resume
+REMOVED_SETTINGS = {"unroll_steps": 3, "unroll_decay": 0.8, "regression_weight": 0.0}
 
 
 def feature_kd_loss(
@@ -178,12 +174,34 @@ def token_draft_agreement(
     return hits / max(total, 1.0)
 
 
-def _autocast(device: torch.device, dtype: str):
-    import contextlib
+def _recipe(draft: FeatureDraft, target, data, cfg: FeatureTrainConfig, run: dict, *, info: dict, log):
+    """The feature draft's KD loss, batches and held-out agreement by depth, for the one loop."""
+    device = next(draft.parameters()).device
+    head = target.get_output_embeddings()
+    kd = dict(noise=cfg.noise, ce_weight=cfg.ce_weight, ce_share=cfg.ce_share)
 
-    if not dtype:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=getattr(torch, dtype))
+    def batches(state: dict):
+        rng = np.random.default_rng(cfg.seed + state["step"])
+        torch.manual_seed(cfg.seed + state["step"])
+        while True:
+            rows = data.sample(rng, cfg.batch, cfg.onpolicy_share)
+            # answer shards (answers/windows.py) count answer tokens only; the corpus every valid position
+            yield data.batch(rows, device, with_loss_mask=True), {}
+
+    def loss(batch, parts: bool):
+        x, f, valid, answer = batch
+        value, terms = feature_kd_loss(draft, x, f, valid, answer=answer, **kd)
+        return value, terms, int((answer[:, 1:] & valid[:, 1:]).sum()), int(valid.sum())
+
+    def point(state: dict, loss: float) -> dict:
+        rows = data.eval_rows
+        by_depth = agreement_by_depth(draft, head, data, rows, device=device) if len(rows) else []
+        log(f"train-feature: step {state['step']} held-out agreement by depth {[round(a, 3) for a in by_depth]}")
+        return {"step": state["step"], "loss": loss, "train_s": round(state["spent_s"], 1), "seen": state["seen"],
+                "heldout_agreement_by_depth": by_depth}  # fmt: skip
+
+    params = [p for p in draft.parameters() if p.requires_grad]
+    return Recipe(draft, params, batches, loss, point, lambda out: draft.save(out / "draft"), run, info=info)
 
 
 def train_feature_draft(
@@ -194,20 +212,17 @@ def train_feature_draft(
     cfg: FeatureTrainConfig,
     *,
     init_from: Path | None = None,
-    trees=None,
     about: dict | None = None,
     log=print,
 ) -> FeatureDraft:
-    """KD or TALF training (resumable from `out/checkpoint.pt`); saves the draft to `out/draft`.
+    """KD training through the one loop (trainer.py; resumable from `out/checkpoint.pt`); saves
+    the draft to `out/draft`.
 
-    `init_from`: a saved feature draft to start from (weights only: TALF fine-tunes a converged
-    KD draft, Alg. 1). `trees`: the target trees (`feature_talf.TargetTrees`) for cfg.loss "talf".
-    `about`: what to record of the data in curve.json (the model card reads it), beside the loss
-    positions trained on so far (`seen`), from which the card counts passes over the data."""
-    if cfg.loss not in ("kd", "talf", "unrolled"):
-        raise SystemExit(f"--loss must be kd, unrolled or talf, not {cfg.loss!r}")
-    if cfg.loss == "talf" and trees is None:
-        raise SystemExit("--loss talf needs target trees (run talf-label first)")
+    `init_from`: a saved feature draft to start from (weights only). `about`: what to record of
+    the data in curve.json (the model card reads it), beside the loss positions trained on so far
+    (`seen`), from which the card counts passes over the data."""
+    if cfg.loss != "kd":
+        raise SystemExit(f"--loss must be kd, not {cfg.loss!r} (unrolled and talf were removed: docs/training.md)")
     device = resolve_device(cfg.device)
     out.mkdir(parents=True, exist_ok=True)
     draft = FeatureDraft.from_target(target, token_map, seed=cfg.seed).float().to(device).train()
@@ -219,103 +234,14 @@ def train_feature_draft(
         load_weights(draft, weights, what=str(init_from), allow_missing=("lm.lm_head",))
         log(f"train-feature: initialised from {init_from}")
     draft.lm.lm_head.weight.requires_grad_(False)  # the target's rows, frozen (EAGLE)
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    step, curve = 0, []
-    spent, seen = 0.0, 0  # training wall seconds (evaluations excluded); loss positions trained on
-    ckpt = out / "checkpoint.pt"
-    run = head_run(draft, **{k: getattr(cfg, k) for k in RUN_SETTINGS})
-    if ckpt.exists():
-        state = torch.load(ckpt, map_location=device, weights_only=False)
-        check_same_run(state.get("run"), run, where=str(ckpt))
-        load_weights(draft, state["model"], what=str(ckpt))
-        opt.load_state_dict(state["opt"])
-        step, curve = state["step"], state["curve"]
-        spent, seen = state.get("spent_s", 0.0), state.get("seen", 0)
-        log(f"train-feature: resumed at step {step}")
-    rng = np.random.default_rng(cfg.seed + step)
-    torch.manual_seed(cfg.seed + step)
-    head = target.get_output_embeddings()
-    t_last, tokens_since = time.perf_counter(), 0
-
-    def done() -> bool:
-        return step >= cfg.steps or (cfg.budget_s > 0 and spent >= cfg.budget_s)
-
-    def checkpoint() -> None:  # at every log line too: a run stopped between evaluations loses little
-        state = {"model": draft.state_dict(), "opt": opt.state_dict(), "step": step, "curve": curve}
-        # written whole, then renamed: a run killed while saving keeps the last one
-        save_whole(state | {"spent_s": spent, "seen": seen, "run": run}, ckpt)
-
-    while not done():
-        # cosine decay over the steps, or over the wall-time budget when one is set: two losses of
-        # different cost per step then get the same compute and each a complete schedule
-        progress = min(spent / cfg.budget_s, 1.0) if cfg.budget_s > 0 else step / cfg.steps
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * progress))
-        t_step = time.perf_counter()
-        for group in opt.param_groups:
-            group["lr"] = lr
-        if cfg.loss == "talf":  # windows with target trees (on-policy first: see talf.label_trees)
-            pick = rng.choice(len(trees), cfg.batch, replace=len(trees) < cfg.batch)
-            x, f, valid = data.batch(trees.rows[pick], device)
-            with _autocast(device, cfg.autocast):
-                loss, parts = feature_talf_loss(
-                    draft,
-                    x,
-                    f,
-                    valid,
-                    trees.batch(pick),
-                    noise=cfg.noise,
-                    ce_share=cfg.ce_share,
-                    regression_weight=cfg.regression_weight,
-                )
-        else:
-            rows = data.sample(rng, cfg.batch, cfg.onpolicy_share)
-            # answer shards (answer_data.py) count answer tokens only; the corpus every valid position
-            x, f, valid, answer = data.batch(rows, device, with_loss_mask=True)
-            kd = dict(noise=cfg.noise, ce_weight=cfg.ce_weight, ce_share=cfg.ce_share)
-            with _autocast(device, cfg.autocast):
-                if cfg.loss == "unrolled":
-                    loss, parts = unrolled_kd_loss(
-                        draft, x, f, valid, answer, steps=cfg.unroll_steps, decay=cfg.unroll_decay, **kd
-                    )
-                else:
-                    loss, parts = feature_kd_loss(draft, x, f, valid, answer=answer, **kd)
-            seen += int((answer[:, 1:] & valid[:, 1:]).sum())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-        step += 1
-        spent += time.perf_counter() - t_step
-        tokens_since += int(valid.sum())
-        if step % cfg.log_every == 0 or done():
-            dt = time.perf_counter() - t_last
-            record("train-feature", dt, tokens=tokens_since, item=f"steps to {step}", run=str(out))
-            terms = " ".join(f"{k} {v:.3f}" for k, v in parts.items())
-            rate = tokens_since / dt
-            log(f"train-feature: step {step} loss {loss.item():.4f} {terms} lr {lr:.2e} ({rate:.0f} tokens/s)")
-            checkpoint()
-            t_last, tokens_since = time.perf_counter(), 0
-        if step % cfg.eval_every == 0 or done():
-            draft.eval()
-            rows = data.eval_rows
-            by_depth = agreement_by_depth(draft, head, data, rows, device=device) if len(rows) else []
-            draft.train()
-            point = {
-                "step": step,
-                "loss": loss.item(),
-                "train_s": round(spent, 1),
-                "seen": seen,
-                "heldout_agreement_by_depth": by_depth,
-            }
-            curve.append(point)
-            log(f"train-feature: step {step} held-out agreement by depth {[round(a, 3) for a in by_depth]}")
-            checkpoint()
-            t_last = time.perf_counter()  # the evaluation's time is not training throughput
-            info = {"config": dataclasses.asdict(cfg), "curve": curve}
-            if about is not None or init_from is not None:
-                info["data"] = dict(about or {}) | ({"init_from": portable(str(init_from))} if init_from else {})
-            (out / "curve.json").write_text(json.dumps(info, indent=1))
-    draft.eval()
-    draft.save(out / "draft")
+    run = head_run(draft, **{k: getattr(cfg, k) for k in RUN_SETTINGS}, **REMOVED_SETTINGS)
+    saved = open_checkpoint(out / "checkpoint.pt", run, device)
+    info = {"config": dataclasses.asdict(cfg)}
+    if about is not None or init_from is not None:
+        info["data"] = dict(about or {}) | ({"init_from": portable(str(init_from))} if init_from else {})
+    loop = Loop("train-feature", cfg.lr, cfg.warmup, clip=0.5, weight_decay=cfg.weight_decay, steps=cfg.steps,
+                budget_s=cfg.budget_s, log_every=cfg.log_every, eval_every=cfg.eval_every, autocast=cfg.autocast,
+                device=str(device))  # fmt: skip
+    recipe = _recipe(draft, target, data, cfg, run, info=info, log=log)
+    trainer.train(recipe, out, loop, saved=saved, log=log)
     return draft

@@ -1,4 +1,4 @@
-"""Measured quality of a draft against the embedded target.
+"""`make draft`'s `quality` stage: measured quality of a draft against the embedded target.
 
   agreement            top-1 agreement with the target's greedy token on held-out generations
   tokens_per_iteration fixed_tree and linear (default parameters), greedy, bundled prompts;
@@ -27,7 +27,7 @@ from dynatree_core.measure.prompt_sets import load_prompts
 
 def heldout_agreement(draft_dir: Path, corpus: Path, labels: Path) -> float:
     from dynatree_core.core.vocab import TokenMap
-    from dynatree_core.training.train import LabelledCorpus, evaluate
+    from dynatree_core.training.token.train import LabelledCorpus, evaluate
 
     draft = load_model(str(draft_dir), device="cpu", dtype="float32")
     data = LabelledCorpus(corpus, labels, 49152)

@@ -1,10 +1,11 @@
-"""The feature draft's data: the target's features over the corpus windows, and their loader.
+"""`feature-label` and `train-feature` on the corpus (made smollm2-feature-draft-corpus): the
+target's features over the corpus windows, and their loader.
 
 Stage `feature-label`: teacher-forced target forwards over the corpus windows store the target's
 final hidden states (post-norm, what its LM head reads) at every position as float16, one
 memory-mappable file per shard of windows (`features/shard_00003.npy`, [SHARD, WINDOW, H], with
 `shard_00003.sum` holding the windows' checksum, so a grown corpus relabels only what changed).
-Batched, and on CUDA when one is present. `FeatureCorpus` reads them for training (feature.py).
+Batched, and on CUDA when one is present. `FeatureCorpus` reads them for training (feature/train.py).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dynatree_core.training.corpus import SHARD, checksum
 from dynatree_core.training.ledger import record
+from dynatree_core.training.token.corpus import SHARD, checksum
 
 
 def feature_shard_valid(directory: Path, index: int, ids: np.ndarray) -> bool:

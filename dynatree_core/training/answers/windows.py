@@ -1,5 +1,5 @@
-"""The answer shards (answers.py) as training windows for the feature draft, and a vocabulary map
-rebuilt from them.
+"""`train-feature --data answers`, `feature-quality --answers` and `vocab-map` (`make draft-feature`):
+the answer shards (store.py) as training windows, and a vocabulary map rebuilt from them.
 
 `AnswerCorpus` cuts every stored sequence (prompt + the target's answer, with the target's
 features at all but its last position) into windows of at most WINDOW positions and serves
@@ -23,8 +23,9 @@ import torch
 
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.runs.environment import portable
-from dynatree_core.training.answers import STAGES, AnswerStore
-from dynatree_core.training.sources import SOURCES
+from dynatree_core.training.answers.sources import SOURCES
+from dynatree_core.training.answers.store import STAGES, AnswerStore
+from dynatree_core.training.token.train import ranked_ids
 
 WINDOW = 512
 HELDOUT_EVERY = 50
@@ -139,15 +140,7 @@ def token_counts(store: AnswerStore, vocab: int, *, answers_only: bool = True) -
 
 def frequency_map(counts: np.ndarray, size: int, *, always: list[int] = ()) -> TokenMap:
     """A reduced vocabulary of `size` slots: OTHER, then `always` (e.g. EOS), then the most frequent."""
-    order = [t for t in always if 0 <= t < len(counts)]
-    chosen = set(order)
-    for t in np.argsort(-counts, kind="stable"):
-        if len(order) >= size - 1:
-            break
-        if int(t) not in chosen:
-            order.append(int(t))
-            chosen.add(int(t))
-    return TokenMap([-1, *order], len(counts))
+    return TokenMap([-1, *ranked_ids(counts, size - 1, always)], len(counts))
 
 
 def coverage(token_map: TokenMap, ids: np.ndarray) -> float:
@@ -161,7 +154,7 @@ def agreement_report(target, drafts: list, token_draft, splits: dict) -> dict:
     """Held-out agreement by depth of each feature draft (and the token draft's, the same at every
     depth given accepted ancestors) on each split: {split: (corpus, rows)} -> {split: {...}}."""
     from dynatree_core.drafts.feature import FeatureDraft
-    from dynatree_core.training.feature import agreement_by_depth, token_draft_agreement
+    from dynatree_core.training.feature.train import agreement_by_depth, token_draft_agreement
 
     head = target.get_output_embeddings()
     out = {}

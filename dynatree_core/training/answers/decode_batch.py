@@ -1,4 +1,4 @@
-"""Batched decoding of a Llama-family target that keeps its features: draft data in one pass.
+"""`answers`' decoder (`make draft-feature`): batched decoding that keeps the target's features.
 
 A feature draft (drafts/feature.py) learns from the target's own answers and the target's
 final hidden states along them. Generating the answers with HF `generate` and then labelling
@@ -263,32 +263,38 @@ class BatchDecoder:
             if not queue and len(free) * 4 >= len(job) and bool(alive.any()):  # the tail: drop free rows
                 keep = torch.nonzero(alive)[:, 0]
                 caches = [(k.index_select(0, keep), v.index_select(0, keep)) for k, v in caches]
-                job, lens, temps, limit, made, token, logits = (
-                    a[keep] for a in (job, lens, temps, limit, made, token, logits)
-                )
+                job, lens, temps, limit, made, token, logits = _rows(keep, job, lens, temps, limit, made, token, logits)
                 alive, free = job >= 0, []
             if bool(alive.any()):
-                length = int(lens.max()) + 1
-                slots = torch.arange(length, device=self.device)
-                visible = (slots[None, :] <= lens[:, None])[:, None, None]  # (b, 1, 1, length)
-                out = _forward(
-                    self.lean, token[:, None], lens[:, None], _additive(visible, self.model.dtype), caches, lens
-                )[:, 0]
-                logits = self.lean.head(out).float()
-                host = host_f16(out)
-                for r, i in enumerate(job.tolist()):
-                    if i >= 0:  # the feature of the token just read
-                        feats[i].append(host[r : r + 1])
+                logits = self._extend(token, lens, caches, job, feats)
                 lens = lens + alive.long()
             elif not queue:
                 break
             if queue and free and len(free) * 8 >= len(job):  # refill once an eighth of the rows is free
                 admit(free)
-        out = []
-        for j, p in enumerate(prompts):
-            ids = np.asarray(p + answers[j], dtype=np.int64)
-            out.append(Decoded(ids=ids, prompt_len=len(p), features=np.concatenate(feats[j])[: len(ids) - 1]))
-        return out
+        return [_decoded(p, answers[j], feats[j]) for j, p in enumerate(prompts)]
+
+    def _extend(self, token, lens, caches, job, feats) -> torch.Tensor:
+        """One decoding step of every row: each row reads its token at slot `lens` (b,), its
+        feature is kept for its job; returns the next logits (b, vocab)."""
+        slots = torch.arange(int(lens.max()) + 1, device=self.device)
+        visible = (slots[None, :] <= lens[:, None])[:, None, None]  # (b, 1, 1, length)
+        mask = _additive(visible, self.model.dtype)
+        out = _forward(self.lean, token[:, None], lens[:, None], mask, caches, lens)[:, 0]
+        host = host_f16(out)
+        for r, i in enumerate(job.tolist()):
+            if i >= 0:  # the feature of the token just read
+                feats[i].append(host[r : r + 1])
+        return self.lean.head(out).float()
+
+
+def _rows(keep: torch.Tensor, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(a[keep] for a in rows)
+
+
+def _decoded(prompt: list[int], answer: list[int], feats: list[np.ndarray]) -> Decoded:
+    ids = np.asarray(prompt + answer, dtype=np.int64)
+    return Decoded(ids=ids, prompt_len=len(prompt), features=np.concatenate(feats)[: len(ids) - 1])
 
 
 def host_f16(states: torch.Tensor) -> np.ndarray:

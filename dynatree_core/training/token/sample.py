@@ -1,4 +1,4 @@
-"""On-policy training data for the draft: the target samples continuations of varied prompts.
+"""`make draft`'s `gen-data` stage: the target samples continuations of varied prompts (on-policy data).
 
 Data is written in resumable chunks: `chunk_00042.npz` holds the token ids (uint16) of one
 batch of sequences, flattened, with `offsets` and `prompt_lens`. A chunk that exists is

@@ -1,6 +1,6 @@
-"""Packed training batches over the answer shards: no padding, no target head in the step.
+"""`train-packed`'s batches (`make draft-feature-long`): packed answer windows, no padding, no target head.
 
-`AnswerCorpus` (answer_data.py) cuts every stored sequence into windows of at most WINDOW
+`AnswerCorpus` (answers/windows.py) cuts every stored sequence into windows of at most WINDOW
 positions. A padded batch of such windows is about half padding (most answers are far shorter
 than a window). Here the windows of a step are packed first-fit-decreasing into rows of ROW
 positions; attention stays inside each window (a block-diagonal causal mask, or its tree-level
@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from dynatree_core.core.vocab import OTHER, TokenMap
-from dynatree_core.training.answer_data import AnswerCorpus
-from dynatree_core.training.answers import STAGES, AnswerStore
+from dynatree_core.training.answers.store import STAGES, AnswerStore
+from dynatree_core.training.answers.windows import AnswerCorpus
 
 ROW = 512
 

@@ -1,6 +1,6 @@
-"""Human-written text as draft training data, teacher-forced: no generation.
+"""`answers-written` (`make draft-feature-long`): human-written text as training data, teacher-forced.
 
-The answer stages (answers.py) cost one target decode step per token. Text people wrote (the
+The answer stages (store.py) cost one target decode step per token. Text people wrote (the
 Python documentation, the standard library's code, manual pages, fortunes: what sources.py
 already reads offline) costs one target forward per window instead. Each item becomes one chat
 exchange, a short user request for that kind of text and the text itself as the assistant's
@@ -22,33 +22,13 @@ import random
 import numpy as np
 
 from dynatree_core.decoding.pairs import encode_prompt
-from dynatree_core.training import sources
-from dynatree_core.training.answers import SHARD_JOBS, AnswerStore
+from dynatree_core.training.answers import sources
+from dynatree_core.training.answers.store import SHARD_JOBS, AnswerStore
+from dynatree_core.training.prompts import DATA
 
 STAGE = "written"
 SIZES = {"pydoc": 3000, "stdlib": 2000, "manpages": 2500, "fortunes": 3000}  # items per source (~1.2M tokens)
-ASK = {
-    "pydoc": [
-        "Write a passage of the Python documentation.",
-        "Explain this part of Python the way its official documentation does.",
-        "Show me a section from the Python docs.",
-    ],
-    "stdlib": [
-        "Write a function or class as it might appear in Python's standard library.",
-        "Show me some Python code from the standard library.",
-        "Give me an example of well-written Python code.",
-    ],
-    "manpages": [
-        "Describe the `{name}` command.",
-        "What does `{name}` do? Answer like its manual page.",
-        "Write the DESCRIPTION section of the manual page for `{name}`.",
-    ],
-    "fortunes": [
-        "Tell me a quotation, a saying or a joke.",
-        "Share something witty.",
-        "Give me a fortune-cookie message.",
-    ],
-}
+ASK = DATA["written_ask"]  # assets/draft-data/prompts.json
 
 
 def written_items(seed: int = 0, sizes: dict[str, int] | None = None, log=print) -> list[tuple[str, str, str]]:

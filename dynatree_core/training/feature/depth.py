@@ -1,6 +1,8 @@
-"""Training that matches decoding: the feature draft unrolled over its own predicted features.
+"""The feature draft unrolled over its own predicted features: how `agreement_by_depth`
+(feature/train.py) measures deeper tree levels, and the reference the packed step's unrolled
+levels are tested against (tests/test_packed_training.py).
 
-Plain KD (feature.py) always feeds the draft the target's true feature of the previous position.
+Plain KD (feature/train.py) always feeds the draft the target's true feature of the previous position.
 In a drafted tree only depth 1 gets that: a node at depth k >= 2 reads the feature its parent
 *predicted*, a distribution training never showed it, so agreement decays with depth (0.61 /
 0.52 / 0.49 / 0.48 at depths 1-4 for the KD draft). EAGLE-3's training-time test and HASS fix
@@ -14,10 +16,9 @@ this by unrolling the draft during training; here, for `steps` levels over a win
               and values of the earlier levels (`depth_mask`'s rows of level k)
 
 so one extra forward of W rows per level (the earlier levels are read from the cache, never
-recomputed). Each level's loss is the KD loss (regression + soft cross-entropy to the target's
-next feature) over the positions whose root is real and whose next token is an answer token,
-weighted decay^(k-1) (EAGLE-3). The predicted features passed to the next level are detached:
-what the next level learns is to read them, not to move them (and memory stays one level deep).
+recomputed). The predicted features passed to the next level are detached. (Training on this
+unrolled loss in `train-feature` lost to KD at equal compute and was removed; the packed step
+trains unrolled levels: packed/step.py.)
 
 `unrolled_predictions` is tested to equal drafting every chain separately.
 """
@@ -25,7 +26,6 @@ what the next level learns is to read them, not to move them (and memory stays o
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dynatree_core.drafts.feature import FeatureDraft
 
@@ -74,42 +74,3 @@ def unrolled_predictions(
         ).last_hidden_state
         preds.append(out)
     return preds
-
-
-def unrolled_kd_loss(
-    draft: FeatureDraft,
-    x: torch.Tensor,
-    f: torch.Tensor,
-    valid: torch.Tensor,
-    answer: torch.Tensor | None = None,
-    *,
-    steps: int,
-    noise: float,
-    ce_weight: float,
-    ce_share: float = 1.0,
-    decay: float = 0.8,
-) -> tuple[torch.Tensor, dict]:
-    """The weighted sum over levels of the KD loss (module docstring); and per-level agreement.
-    `answer` (B, W): positions whose next token counts (None: every valid one)."""
-    preds = unrolled_predictions(draft, x, f, valid, steps=steps, noise=noise)
-    goal = f[:, 1:].float()
-    counted = (answer if answer is not None else valid)[:, 1:] & valid[:, 1:]
-    total, weights, parts = 0.0, 0.0, {}
-    for level, pred in enumerate(preds, 1):
-        pred = pred.float()
-        rows = counted.clone()
-        rows[:, : level - 1] = False  # the chain's root must be a real pair
-        if ce_share < 1:
-            rows &= torch.rand(rows.shape, device=rows.device) < ce_share
-        if not bool(rows.any()):
-            continue
-        reg = F.smooth_l1_loss(pred[rows], goal[rows], reduction="none").mean(-1).mean()
-        logq = torch.log_softmax(draft.reduced_logits(pred[rows].to(draft.dtype)), -1)
-        with torch.no_grad():
-            p = torch.softmax(draft.reduced_logits(goal[rows].to(draft.dtype)), -1)
-        ce = -(p * logq.nan_to_num(neginf=0.0)).sum(-1).mean()
-        weight = decay ** (level - 1)
-        total = total + weight * (reg + ce_weight * ce)
-        weights += weight
-        parts[f"agree{level}"] = float((logq.argmax(-1) == p.argmax(-1)).float().mean())
-    return total / max(weights, 1e-9), parts

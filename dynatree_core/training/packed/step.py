@@ -1,6 +1,6 @@
-"""The cheap training step for either head kind, and the long resumable schedule around it.
+"""The packed recipe's step (`train-packed`): the cheap training step for either head kind.
 
-One step (packed.py: packed windows, no padding; the compact teacher, no target LM head):
+One step (packed/data.py: packed windows, no padding; the compact teacher, no target LM head):
 
     level 1   every pair reads the target's state: the feature kind fc([embed; f_j]), the fused
               kind fc over the normed taps (EAGLE-3)
@@ -15,38 +15,20 @@ CE is the soft cross-entropy to the teacher's top-k renormalised over the draft'
 counted pairs whose root lies in the same window; the regression term applies to the feature kind
 only (the fused kind predicts no target state: EAGLE-3 dropped the feature loss).
 
-`train_packed` runs the schedule: `passes` over the training pairs, linear warm-up then cosine
-decay to zero over the whole run (by loss pairs seen, so a run stopped and resumed continues
-the same schedule), a checkpoint at every log line (written whole; a rerun resumes it only for the
-same draft and loss: resume.py), and held-out and OOD agreement by depth at fixed intervals of
-training time into `curve.json` (the card's learning curve).
+The schedule around it (passes, evaluations, checkpoints) is packed/train.py over the one loop.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
-import math
-import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from dynatree_core.core.vocab import OTHER
-from dynatree_core.core.weights import check_same_run, load_weights, save_whole
 from dynatree_core.drafts.fused import FusedDraft
-from dynatree_core.training.ledger import record
-from dynatree_core.training.packed import PackedAnswers, PackedBatch, level_mask, prefetch
-from dynatree_core.training.resume import head_run
-
-# what a resumed run must share with the one that wrote its checkpoint (besides the draft's form): the
-# loss and the optimiser's settings. The schedule's length (passes, budget_s) may grow, and how the
-# process runs (device, logging, evaluations, stop_after_s) may change between runs.
-RUN_SETTINGS = ("pairs_per_step", "lr", "warmup", "weight_decay", "levels", "level_decay", "regression_weight",
-                "ce_weight", "ce_share", "noise", "train_head", "seed")  # fmt: skip
+from dynatree_core.training.packed.data import PackedAnswers, PackedBatch, level_mask
 
 
 @dataclasses.dataclass
@@ -74,10 +56,6 @@ class PackedTrainConfig:
     stop_after_s: float = 0.0  # > 0: end this process after this much training time (the schedule stays)
     budget_s: float = 0.0  # > 0: the schedule is this much training time instead of `passes` (equal-compute runs)
     device: str = "cpu"
-
-
-def _autocast(device: torch.device, dtype: str):
-    return torch.autocast(device.type, dtype=getattr(torch, dtype)) if dtype else contextlib.nullcontext()
 
 
 def level_inputs(draft, batch: PackedBatch) -> torch.Tensor:
@@ -242,7 +220,7 @@ def packed_loss(draft, batch: PackedBatch, cfg: PackedTrainConfig, *, parts: boo
 def packed_agreement(draft, data: PackedAnswers, rows: np.ndarray, target_head, *, depths: int = 4) -> list[float]:
     """Top-1 agreement of the draft's best real token with the target's greedy token (argmax of
     its float32 head over the whole vocabulary at the stored next feature) at tree depth 1..`depths`,
-    given accepted ancestors; over every answer pair of `rows`, as training/feature.py measures it."""
+    given accepted ancestors; over every answer pair of `rows`, as training/feature/train.py measures it."""
     hits, total = np.zeros(depths), np.zeros(depths)
     device = next(draft.parameters()).device
     step = 16
@@ -255,138 +233,3 @@ def packed_agreement(draft, data: PackedAnswers, rows: np.ndarray, target_head, 
             hits[level - 1] += float(((pick == greedy) & ok).sum())
             total[level - 1] += float(ok.sum())
     return [float(h / max(t, 1)) for h, t in zip(hits, total, strict=True)]
-
-
-def lr_at(cfg: PackedTrainConfig, step: int, progress: float) -> float:
-    """Linear warm-up over `warmup` steps, then cosine to zero over the run's progress (0..1)."""
-    return cfg.lr * min(1.0, (step + 1) / max(cfg.warmup, 1)) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
-PAUSED = 10.0  # a step this many times its recent median was paused (SIGSTOP) or starved: not training
-
-
-def counted_s(dt: float, recent: list[float]) -> float:
-    """The training seconds a step of wall time `dt` counts: `dt`, unless it took over PAUSED times
-    the median of the recent steps (the process was stopped while the suite ran), then that median.
-    Keeps a background run's curve, eval interval and ledger in training time; `recent` is updated."""
-    typical = sorted(recent)[len(recent) // 2] if len(recent) >= 5 else None
-    counted = typical if typical is not None and dt > PAUSED * typical else dt
-    recent[:] = [*recent[-19:], counted]
-    return counted
-
-
-def train_packed(
-    draft,
-    data: PackedAnswers,
-    out: Path,
-    cfg: PackedTrainConfig,
-    *,
-    target_head,
-    evals: dict[str, tuple[PackedAnswers, np.ndarray]] | None = None,
-    about: dict | None = None,
-    clock=time.perf_counter,
-    log=print,
-):
-    """Train `draft` on `data` (resumable from `out/checkpoint.pt`); returns the draft, saved to
-    `out/draft` when the schedule ends. `evals`: {name: (data, rows)} measured at every
-    evaluation (the learning curve); `about`: what curve.json says of the data."""
-    device = torch.device(cfg.device)
-    out.mkdir(parents=True, exist_ok=True)
-    draft = draft.float().to(device).train()
-    # the feature kind's head is the target's rows, always frozen; the fused kind's may train
-    frozen = ([] if cfg.train_head else ["lm_head"]) if isinstance(draft, FusedDraft) else ["lm.lm_head"]
-    for name, param in draft.named_parameters():
-        param.requires_grad_(not any(name.startswith(f) for f in frozen))
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    pass_pairs = max(data.answer_pairs(), 1)
-    total_pairs = cfg.passes * pass_pairs
-    # the first evaluation after one interval (a run from a trained draft measures its start with --eval-first)
-    first_eval = 0.0 if cfg.eval_first else cfg.eval_every_s
-    state = {"step": 0, "seen": 0, "spent_s": 0.0, "pass": 0, "cursor": 0, "curve": [], "next_eval_s": first_eval}
-    ckpt = out / "checkpoint.pt"
-    run = head_run(draft, **{k: getattr(cfg, k) for k in RUN_SETTINGS})
-    if ckpt.exists():
-        saved = torch.load(ckpt, map_location=device, weights_only=False)
-        check_same_run(saved.get("run"), run, where=str(ckpt))
-        load_weights(draft, saved["model"], what=str(ckpt))
-        opt.load_state_dict(saved["opt"])
-        state = saved["state"]
-        log(f"train-packed: resumed at step {state['step']} (pass {state['pass']}, {state['seen']:,} pairs seen)")
-
-    def checkpoint() -> None:  # written whole, then renamed: a run killed while saving keeps the last one
-        save_whole({"model": draft.state_dict(), "opt": opt.state_dict(), "state": state, "run": run}, ckpt)
-
-    def evaluate() -> None:
-        draft.eval()
-        point = {k: state[k] for k in ("step", "seen", "pass")} | {"train_s": round(state["spent_s"], 1)}
-        for name, (split, rows) in (evals or {}).items():
-            point[name] = [round(a, 4) for a in packed_agreement(draft, split, rows, target_head)]
-        draft.train()
-        state["curve"].append(point)
-        log(f"train-packed: step {state['step']} agreement by depth " + json.dumps({k: point[k] for k in evals or {}}))
-        info = {"config": dataclasses.asdict(cfg), "kind": draft.kind, "curve": state["curve"]}
-        if about is not None:
-            info["data"] = about
-        (out / "curve.json").write_text(json.dumps(info, indent=1))
-
-    def batches():  # on the prefetch thread: its own place in the data, handed over with each batch
-        epoch, cursor = state["pass"], state["cursor"]
-        while True:
-            order = np.random.default_rng(cfg.seed + epoch).permutation(data.train_rows)
-            while cursor < len(order):
-                rows, cursor = data.step_rows(order, cursor, cfg.pairs_per_step)
-                yield data.batch(rows), epoch, cursor
-            epoch, cursor = epoch + 1, 0
-
-    torch.manual_seed(cfg.seed + state["step"])
-    started, pairs_since, block_s, recent = state["spent_s"], 0, 0.0, []
-
-    def progress() -> float:  # of the whole schedule, 0..1: by pairs seen, or by training time under a budget
-        return state["spent_s"] / cfg.budget_s if cfg.budget_s > 0 else state["seen"] / total_pairs
-
-    for batch, epoch, cursor in prefetch(batches):
-        if progress() >= 1 or (cfg.stop_after_s > 0 and state["spent_s"] - started >= cfg.stop_after_s):
-            break
-        if cfg.eval_every_s > 0 and state["spent_s"] >= state["next_eval_s"]:
-            evaluate()
-            state["next_eval_s"] = state["spent_s"] + cfg.eval_every_s
-        t0 = clock()
-        lr = lr_at(cfg, state["step"], progress())
-        for group in opt.param_groups:
-            group["lr"] = lr
-        batch = batch.to(device)
-        logging = (state["step"] + 1) % cfg.log_every == 0
-        with _autocast(device, cfg.autocast):
-            loss, parts = packed_loss(draft, batch, cfg, parts=logging)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-        state["step"] += 1
-        state["seen"] += int(batch.answer.sum())
-        state["pass"], state["cursor"] = epoch, cursor  # a resumed run starts after this batch
-        dt = counted_s(clock() - t0, recent)
-        state["spent_s"] += dt
-        pairs_since, block_s = pairs_since + batch.pairs, block_s + dt
-        if state["step"] % cfg.log_every == 0:
-            dt, block_s = block_s, 0.0  # training time of the block's steps (pauses left out)
-            record("train-packed", dt, tokens=pairs_since, item=f"steps to {state['step']}", run=str(out))
-            terms = " ".join(f"{k} {v:.3f}" for k, v in parts.items())
-            log(
-                f"train-packed: step {state['step']} loss {loss.item():.4f} {terms} lr {lr:.2e} "
-                f"pass {state['seen'] / pass_pairs:.2f} ({pairs_since / dt:.0f} pairs/s)"
-            )
-            checkpoint()
-            pairs_since = 0
-    finished = progress() >= 1
-    if cfg.eval_every_s > 0:
-        evaluate()
-    checkpoint()
-    draft.eval()
-    if finished:
-        draft.save(out / "draft")
-        log(f"train-packed: the schedule is complete; saved {out / 'draft'}")
-    else:
-        log(f"train-packed: stopped at {progress():.1%} of the schedule; rerun to continue")
-    return draft

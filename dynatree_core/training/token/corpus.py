@@ -1,7 +1,7 @@
-"""Training corpus for the draft: fixed-length windows of token ids, and the target's labels.
+"""`make draft`'s `corpus` and `label` stages: windows of token ids, and the target's top-k labels.
 
 Sources (all offline):
-  onpolicy  sequences sampled from the target itself (data.py), the distribution the draft
+  onpolicy  sequences sampled from the target itself (sample.py), the distribution the draft
             must match at decode time; chunk 0 is held out for evaluation
   docs      the Python documentation sources from Debian's `python3.11-doc` package
   fortunes  quotations from Debian's `fortunes` package
@@ -71,7 +71,7 @@ def build_corpus(out: Path, chunk_dir: Path, tokenizer, *, max_text_windows: int
             rows.append(windows[i])
             source.append(code)
             heldout.append(False)
-    for seq, is_heldout in onpolicy_sequences(chunk_dir):  # grows as data.py adds chunks
+    for seq, is_heldout in onpolicy_sequences(chunk_dir):  # grows as sample.py adds chunks
         rows.append(seq)
         source.append(0)
         heldout.append(is_heldout)
