@@ -13,14 +13,12 @@ import json
 import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from benchmarks.app_server import AppServerError, app_server
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT = ROOT / "tests" / "output"
@@ -41,46 +39,18 @@ def _browser_missing() -> str | None:
 
 @contextlib.contextmanager
 def _serve(**env: str):
-    """`streamlit run app.py` on a free port with `env` added; yields its URL."""
+    """`streamlit run app.py` on a free port with `env` added (benchmarks.app_server); yields its URL."""
     missing = _browser_missing()
     if missing:
         if os.environ.get("DYNATREE_REQUIRE_BROWSER") == "1":
             pytest.fail(missing)
         pytest.skip(missing)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    OUTPUT.mkdir(parents=True, exist_ok=True)
-    log_path = OUTPUT / f"streamlit-{port}.log"
-    log = open(log_path, "w")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "streamlit", "run", "app.py",
-            "--server.headless", "true", "--server.port", str(port), "--server.address", "127.0.0.1",
-            "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
-        ],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=os.environ | env,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"streamlit did not start: {log_path.read_text()[-2000:]}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+    with contextlib.ExitStack() as stack:
+        try:  # its log: tests/output/streamlit-<port>.log
+            app = stack.enter_context(app_server(env, log_dir=OUTPUT, start_timeout_s=120, stop_timeout_s=30))
+        except AppServerError as e:
+            pytest.fail(f"streamlit did not start: {e.log_tail}")
+        yield app.url
 
 
 @pytest.fixture(scope="module")

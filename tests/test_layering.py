@@ -110,6 +110,12 @@ def test_the_library_never_imports_the_app_or_its_pages():
         assert not _top_level_imports(path) & {"app", "pages"}, path
 
 
+def test_the_library_never_imports_the_benchmark_scripts():
+    """benchmarks/ (the scripts beside the library) may import dynatree_core, never the reverse."""
+    for path in _library_files():
+        assert "benchmarks" not in _top_level_imports(path), path
+
+
 def test_the_app_import_check_reads_imports_not_text(tmp_path):
     """It fails on a planted import in a function body, and not on a string or comment naming one."""
     bad, fine = tmp_path / "bad.py", tmp_path / "fine.py"

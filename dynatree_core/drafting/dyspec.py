@@ -41,7 +41,7 @@ class DySpec(Policy):
     summary = "DySpec: greedy heap expansion by estimated acceptance, up to a node budget"
     params = (
         # budget 3: the measured best on the OOD tuning prompts with the shipped draft on CPU
-        # (assets/benchmarks/ood_defaults.py, then budgets 2-8; BENCHMARKS, "Defaults fitted on OOD prompts")
+        # (benchmarks/ood_defaults.py, then budgets 2-8; BENCHMARKS, "Defaults fitted on OOD prompts")
         Param("budget", int, 3, 1, 256, "Drafted nodes in the tree (the speculative budget)"),
         Param("depth", int, 12, 1, 32, "Depth cap"),
         Param("max_children", int, 8, 1, 64, "Children looked at per node (top of the draft distribution)"),
@@ -132,7 +132,7 @@ class DySpecThreshold(Policy):
     summary = "DySpec layer by layer: every draw with estimated value >= threshold"
     params = (
         # threshold 0.05, budget 12: the measured best on the OOD tuning prompts with the shipped draft on CPU
-        # (assets/benchmarks/ood_defaults.py; BENCHMARKS, "Defaults fitted on OOD prompts")
+        # (benchmarks/ood_defaults.py; BENCHMARKS, "Defaults fitted on OOD prompts")
         Param("threshold", float, 0.05, 0.0, 1.0, "Keep draws whose estimated acceptance >= threshold", log_scale=True),
         Param("budget", int, 12, 1, 256, "Node budget: most drafted nodes sent to the target"),
         Param("depth", int, 12, 1, 32, "Depth cap"),

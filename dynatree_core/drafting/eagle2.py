@@ -19,7 +19,7 @@ class Eagle2Beam(Policy):
     summary = "EAGLE-2: beam of top-k per level for `depth` steps, then global top-N rerank"
     params = (
         # depth 3, N 8: the measured best on the OOD tuning prompts with the shipped draft on CPU
-        # (assets/benchmarks/ood_defaults.py; BENCHMARKS, "Defaults fitted on OOD prompts")
+        # (benchmarks/ood_defaults.py; BENCHMARKS, "Defaults fitted on OOD prompts")
         Param("depth", int, 3, 1, 16, "Expansion steps (tree depth)"),
         Param("topk", int, 4, 1, 16, "Nodes expanded per step, and children per expanded node"),
         Param("total", int, 8, 1, 256, "N: drafted nodes kept by the rerank"),

@@ -29,7 +29,7 @@ class Salf(Policy):
     summary = "SALF: capacity-N optimal tree search, B nodes per forward, stop when mass < th"
     params = (
         # N 6, B 4, th 0.8: the measured best on the OOD tuning prompts with the shipped draft on CPU
-        # (assets/benchmarks/ood_defaults.py; BENCHMARKS, "Defaults fitted on OOD prompts")
+        # (benchmarks/ood_defaults.py; BENCHMARKS, "Defaults fitted on OOD prompts")
         Param("nodes", int, 6, 2, 256, "N: tree nodes kept, root included"),
         Param("batch", int, 4, 1, 64, "B: nodes expanded per draft forward"),
         Param("th", float, 0.8, 0.0, 0.999, "SALF threshold: stop when the batch's probability mass is below it"),

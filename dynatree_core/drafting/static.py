@@ -3,8 +3,8 @@
 fixed_tree follows DynaTree (dynatree-adaptive-pruning.md §3.3, Algorithm 1): expand the top-B
 children of every frontier node, one level per draft forward, up to depth D; prune a node whose
 cumulative draft log-probability is below log(tau) (Alg. 1 lines 17-19); stop adding nodes at
-the node budget N_max (lines 12 and 22). Two deliberate differences, both documented in the
-README: our root is the last committed token (the paper's root u0 is the draft's top-1 token,
+the node budget N_max (lines 12 and 22). Two deliberate differences:
+our root is the last committed token (the paper's root u0 is the draft's top-1 token,
 which equals our depth-1 with B=1), and within a level candidates are admitted in order of
 cumulative probability, so the budget keeps the most probable nodes.
 """
@@ -90,7 +90,7 @@ class FixedTree(Policy):
     summary = "DynaTree base: top-B branching to depth D, threshold pruning, node budget"
     params = (
         # depth 3, branch 3: the measured best on the OOD tuning prompts with the shipped draft on
-        # CPU (assets/benchmarks/ood_defaults.py; BENCHMARKS, "Defaults fitted on OOD prompts")
+        # CPU (benchmarks/ood_defaults.py; BENCHMARKS, "Defaults fitted on OOD prompts")
         Param("depth", int, 3, 1, 16, "Maximum tree depth D (draft levels per iteration)"),
         Param("branch", int, 3, 1, 8, "Children per expanded node B (top-B of the draft)"),
         Param(

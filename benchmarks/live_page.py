@@ -1,11 +1,11 @@
 """Live page vs CLI decoding speed on this machine, run from the repo root:
 
-    .venv/bin/python assets/benchmarks/live_page.py [--runs 3] [--max-new-tokens 64] [--policy fixed_tree]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.live_page [--runs 3] [--max-new-tokens 64] [--policy fixed_tree]
         [--busy] [--app-threads N] [--live-engine process|thread] [--cli-threads N]
         [--out assets/benchmarks/cpu-live-page.json]
 
-1. Starts `streamlit run app.py` headless on a free port (the e2e test's flags; `--app-threads`
-   sets the server's DYNATREE_THREADS) and opens it in Debian's Chromium through Playwright.
+1. Starts `streamlit run app.py` headless on a free port (benchmarks.app_server, as the e2e test
+   does; `--app-threads` sets the server's DYNATREE_THREADS) and opens it in Debian's Chromium through Playwright.
 2. Picks the embedded pair, the policy and max new tokens in the sidebar (prompt and chat
    template stay at the page's defaults), presses Run once as a warm-up (it loads the models),
    and one CLI process as a warm-up.
@@ -36,16 +36,16 @@ import os
 import platform
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks import RESULTS, ROOT
+from benchmarks.app_server import AppServerError, app_server, background
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 TPS_LABEL = "Tokens / s (engine time)"
 DEFAULT_MAX_NEW = 64  # the page's default "Max new tokens"
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--cli-threads", type=int, default=None, help="--threads for the CLI (default: its own)")
     p.add_argument("--timeout-s", type=float, default=600, help="the longest one page run may take")
-    p.add_argument("--out", type=Path, default=ROOT / "assets" / "benchmarks" / "cpu-live-page.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "cpu-live-page.json")
     args = p.parse_args(argv)
     if args.runs < 1 or not 1 <= args.max_new_tokens <= 512:
         p.error("--runs must be at least 1 and --max-new-tokens within the page's 1-512")
@@ -87,41 +87,6 @@ def environment() -> dict:
         "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "DYNATREE_THREADS": os.environ.get("DYNATREE_THREADS"),
     }
-
-
-@contextlib.contextmanager
-def background(cmd: list[str], *, env: dict | None = None, log: Path | None = None):
-    """A process for the duration of the block, ended (by its own pid) afterwards."""
-    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if log:
-            out.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(OSError):
-            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                return
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"streamlit did not start:\n{log.read_text()[-2000:]}")
-        time.sleep(0.5)
 
 
 # ----- the page ---------------------------------------------------------------------------------
@@ -272,25 +237,17 @@ def summary(page_runs: list[dict], cli_runs: list[dict]) -> dict:
 def measure(args: argparse.Namespace, machine: dict) -> dict:
     from playwright.sync_api import sync_playwright
 
-    env = dict(os.environ)
+    env: dict[str, str] = {}
     if args.app_threads is not None:
         env["DYNATREE_THREADS"] = str(args.app_threads)
     if args.live_engine is not None:
         env["DYNATREE_LIVE_ENGINE"] = args.live_engine
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = [
-        sys.executable, "-m", "streamlit", "run", "app.py",
-        "--server.headless", "true", "--server.port", str(port), "--server.address", "127.0.0.1",
-        "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
-    ]  # fmt: skip
     busy = background([sys.executable, "-c", "while True: pass"]) if args.busy else contextlib.nullcontext()
-    log = Path(tempfile.gettempdir()) / f"dynatree-live-page-{port}.log"
-    with busy, background(server, env=env, log=log) as proc, sync_playwright() as pw:
-        wait_healthy(url, proc, log)
+    server = app_server(env, log_dir=Path(tempfile.gettempdir()), log_prefix="dynatree-live-page")
+    with busy, server as app, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1500, "height": 1100})
-        page.goto(url)
+        page.goto(app.url)
         prompt, page_warmup = prepare_page(page, args)
         page_runs, cli_runs, cli_warmup = interleaved(page, prompt, args)
         browser.close()
@@ -321,7 +278,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not Path(CHROMIUM).exists():
         raise SystemExit("Debian's chromium is missing: apt-get install -y chromium")
-    report = measure(args, environment())
+    try:
+        report = measure(args, environment())
+    except AppServerError as e:
+        raise SystemExit(str(e)) from None
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(report["summary"], indent=2))

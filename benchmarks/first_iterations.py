@@ -1,11 +1,11 @@
 """Are the first live iterations as fast as the rest? Measured in the browser, from the repo root,
 nothing else running (needs Debian's chromium and the playwright package):
 
-    PYTHONPATH=. .venv/bin/python assets/benchmarks/first_iterations.py [--tokens 512]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.first_iterations [--tokens 512]
 
 For each way the page can open (on the replay, whose frames give the engine process time to load
 and warm up the pair, and on the form, DYNATREE_REPLAY=0, which loads the pair when Run is
-pressed), a fresh `streamlit run app.py` is driven in Chromium: the opening replay (if any) is
+pressed), a fresh `streamlit run app.py` (benchmarks.app_server) is driven in Chromium: the opening replay (if any) is
 left to finish, then Run decodes one prompt with the embedded pair and the page's defaults, and
 the run is exported from the page. From the export's engine timings (each iteration's draft +
 verify + commit + overhead, what the running tokens/s chart plots) it prints the tokens/s of
@@ -18,35 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
-from playwright.sync_api import sync_playwright
+from benchmarks.app_server import app_server
 
-ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-
-
-def serve(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port",
-           str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=os.environ | env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(240):
-        try:
-            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                return proc, url
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError("streamlit did not start")
+CHROMIUM = "/usr/bin/chromium"
 
 
 def idle(page) -> None:
@@ -90,23 +68,21 @@ def one_run(browser, url: str, replay: bool, tokens: int, settle_s: float = 0.0)
             "first15_ms_per_token": [round(m / t) for m, t in zip(ms[:15], tok[:15], strict=True)]}  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--cases", type=int, default=2, help="1: the replay case only")
     parser.add_argument("--settle", type=float, default=0.0, help="seconds to wait before pressing Run")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    from playwright.sync_api import sync_playwright
+
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         cases = (("opens on the replay", {"DYNATREE_REPLAY": "1"}), ("opens on the form", {"DYNATREE_REPLAY": "0"}))
         for name, env in cases[: args.cases]:
-            proc, url = serve(env)
-            try:
-                result = one_run(browser, url, env["DYNATREE_REPLAY"] == "1", args.tokens, args.settle)
+            with app_server(env, log_prefix="dynatree-first-iterations", stop_timeout_s=60) as app:
+                result = one_run(browser, app.url, env["DYNATREE_REPLAY"] == "1", args.tokens, args.settle)
                 print(name, json.dumps(result), flush=True)
-            finally:
-                proc.terminate()
-                proc.wait(timeout=60)
         browser.close()
 
 

@@ -1,17 +1,17 @@
 """Draft-data throughput: the old two-pass path against one-pass batched decoding, run from the
 repo root (nothing else torch-heavy running):
 
-    PYTHONPATH=. .venv/bin/python assets/benchmarks/draft_data_speed.py [--prompts 96] [--new-tokens 128]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.draft_data_speed [--prompts 96] [--new-tokens 128]
 
 One process, the embedded target in bfloat16 (packed as the recipe runs it), the same prompts for
 every path: the first N jobs of the committed answer pool (assets/draft-data/answers), each
 answered greedily or sampled as the job says (HF: temperature 0.8, top-p 0.95; one-pass: the
 job's temperature, top-p 0.95), `--new-tokens` at most.
 
-    hf-generate     training/data.py's path: HF `generate`, 48 sequences per call (ids only)
+    hf-generate     training/token/sample.py's path: HF `generate`, 48 sequences per call (ids only)
     teacher-forced  the second pass that path needed for features (BatchDecoder.teacher_forced
                     over the HF outputs, 16 sequences per forward; as fast as feature-label or faster)
-    one-pass        training/decode_batch.py: continuous batching, features kept while decoding
+    one-pass        training/answers/decode_batch.py: continuous batching, features kept while decoding
 
 Prints answer tokens per second for each, and the two-pass rate (ids + features) it replaces.
 """
@@ -25,16 +25,17 @@ import time
 import numpy as np
 import torch
 
-from dynatree_core.core.models import REPO_ROOT, load_model
+from benchmarks import ROOT
+from dynatree_core.core.models import load_model
 from dynatree_core.core.packing import pack_linears
-from dynatree_core.training.answers import encode_job
-from dynatree_core.training.decode_batch import BatchDecoder
-from dynatree_core.training.sources import load_jobs
+from dynatree_core.training.answers.decode_batch import BatchDecoder
+from dynatree_core.training.answers.sources import load_jobs
+from dynatree_core.training.answers.store import encode_job
 
 
 @torch.inference_mode()
 def hf_generate(model, tokenizer, prompts, jobs, new_tokens: int, batch: int = 48) -> list[list[int]]:
-    """Left-padded HF generate calls as training/data.py makes them (sampled rows and greedy rows
+    """Left-padded HF generate calls as training/token/sample.py makes them (sampled rows and greedy rows
     in separate calls: generate takes one temperature)."""
     out = []
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -58,15 +59,15 @@ def hf_generate(model, tokenizer, prompts, jobs, new_tokens: int, batch: int = 4
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=96)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     target = load_model("embedded", dtype="bfloat16")
     pack_linears(target.model)
-    jobs = load_jobs(REPO_ROOT / "assets" / "draft-data" / "answers" / "main.jobs.gz")[: args.prompts]
+    jobs = load_jobs(ROOT / "assets" / "draft-data" / "answers" / "main.jobs.gz")[: args.prompts]
     prompts = [encode_job(target.tokenizer, j) for j in jobs]
     decoder = BatchDecoder(target.model)
     result = {"prompts": len(jobs), "prompt_tokens": sum(map(len, prompts)), "new_tokens": args.new_tokens}

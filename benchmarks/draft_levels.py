@@ -1,7 +1,7 @@
 """Cost of one draft level in the decoding loop: token draft vs feature draft, run from
 the repo root:
 
-    PYTHONPATH=. .venv/bin/python assets/benchmarks/draft_levels.py [--rounds 2] [--max-new-tokens 64]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.draft_levels [--rounds 2] [--max-new-tokens 64]
 
 One process, the embedded target (float32, packed as `load_pair` ships it); for each draft the
 engine's own records give `draft_forward_ms / draft_forwards` (the prefill iteration excluded),
@@ -25,11 +25,11 @@ from dynatree_core.decoding.pairs import encode_prompt, load_pair
 from dynatree_core.drafting import make_policy
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     configure_threads()
     token_pair = load_pair()
     target = token_pair.target

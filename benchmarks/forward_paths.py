@@ -1,6 +1,6 @@
 """One cached forward on each forward path, in ONE process, run from the repo root:
 
-    .venv/bin/python assets/benchmarks/forward_paths.py [--widths 1,4,8,16] [--context 128]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.forward_paths [--widths 1,4,8,16] [--context 128]
         [--repeats 60] [--out assets/benchmarks/cpu-forward-paths.json]
 
 For the embedded pair (float32, packed linears, the CLI's thread count) it times a forward over
@@ -27,12 +27,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility  # noqa: E402
-from dynatree_core.core.threads import configure_threads  # noqa: E402
-from dynatree_core.decoding.pairs import load_pair  # noqa: E402
+from benchmarks import RESULTS
+from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.core.threads import configure_threads
+from dynatree_core.decoding.pairs import load_pair
 
 PATHS = {"lean": (True, True), "static": (True, False), "dynamic": (False, False)}  # (static, fast)
 
@@ -53,13 +51,13 @@ def time_forward(model, context: int, width: int, repeats: int, static: bool, fa
     return times[3:]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--widths", default="1,4,8,16")
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--repeats", type=int, default=60, help="timed draft forwards per point (target: a sixth)")
-    p.add_argument("--out", type=Path, default=ROOT / "assets" / "benchmarks" / "cpu-forward-paths.json")
-    args = p.parse_args()
+    p.add_argument("--out", type=Path, default=RESULTS / "cpu-forward-paths.json")
+    args = p.parse_args(argv)
     threads = configure_threads(None)
     pair = load_pair("embedded", None, device="cpu", dtype="float32")
     points = []
@@ -72,7 +70,8 @@ def main() -> None:
                     {"model": name, "path": path, "width": width, "median_ms": statistics.median(ms), "min_ms": min(ms)}
                 )
                 print(f"{name:6} {path:7} width {width:3}: median {points[-1]['median_ms']:.2f} ms, min {min(ms):.2f}")
-    report = {"command": " ".join(["python", *sys.argv]), "threads": threads, "context": args.context, "points": points}
+    command = " ".join(["python -m benchmarks.forward_paths", *(sys.argv[1:] if argv is None else argv)])
+    report = {"command": command, "threads": threads, "context": args.context, "points": points}
     args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     print(f"written: {args.out}")
 

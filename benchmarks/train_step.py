@@ -1,15 +1,15 @@
 """Training throughput of the feature draft's step before and after the cheap step, in one process.
 
-Before: `train-feature`'s step (training/feature.py): 32 windows padded to the longest, the
+Before: `train-feature`'s step (training/feature/train.py): 32 windows padded to the longest, the
 target's LM head recomputed over the reduced vocabulary for the teacher, CE on a random 25% of
 the answer positions (the recipe's --ce-share 0.25), bfloat16 autocast. After: `train-packed`'s
-step (training/step.py): the same windows packed into 512-slot rows, the compact teacher, the
+step (training/packed/step.py): the same windows packed into 512-slot rows, the compact teacher, the
 query side only where a loss is taken, the same CE share and autocast. Both start from the same
 weights; rounds alternate (before, after, before, ...) over the same windows, each timed after a
 warm-up step. Reported: positions read per second (every position with a target state, prompts
 as context included: the unit train-feature logs) and answer (loss) positions per second.
 
-    PYTHONPATH=. .venv/bin/python assets/benchmarks/train_step.py [--kind fused --levels 3] [--steps 6]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.train_step [--kind fused --levels 3] [--steps 6]
 
 Run it alone on the machine (torch jobs sharing 2 cores slow each other ~10x).
 """
@@ -24,19 +24,20 @@ import time
 import numpy as np
 import torch
 
-from dynatree_core.core.models import REPO_ROOT, load_model
+from benchmarks import ROOT
+from dynatree_core.core.models import load_model
 from dynatree_core.core.taps import eagle3_taps
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.drafts.feature import FeatureDraft
 from dynatree_core.drafts.fused import FusedDraft
-from dynatree_core.training.answer_commands import answer_dirs
-from dynatree_core.training.answer_data import AnswerCorpus
-from dynatree_core.training.answers import AnswerStore
-from dynatree_core.training.feature import feature_kd_loss
-from dynatree_core.training.packed import PackedAnswers
-from dynatree_core.training.step import PackedTrainConfig, packed_loss
+from dynatree_core.training.answers.commands import answer_dirs
+from dynatree_core.training.answers.store import AnswerStore
+from dynatree_core.training.answers.windows import AnswerCorpus
+from dynatree_core.training.feature.train import feature_kd_loss
+from dynatree_core.training.packed.data import PackedAnswers
+from dynatree_core.training.packed.step import PackedTrainConfig, packed_loss
 
-MAP = REPO_ROOT / "assets" / "models" / "smollm2-feature-draft"
+MAP = ROOT / "assets" / "models" / "smollm2-feature-draft"
 
 
 def old_loss(draft, x, f, valid, kd):
@@ -47,15 +48,15 @@ def new_loss(draft, batch, cfg):
     return packed_loss(draft, batch, cfg, parts=False)[0]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6, help="timed steps per side and round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kind", choices=("feature", "fused"), default="feature", help="the after side's draft kind")
     ap.add_argument("--levels", type=int, default=1)
     ap.add_argument("--ce-share", type=float, default=0.25)
     ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.manual_seed(0)
     target = load_model("embedded", device="cpu", dtype="float32").model
     token_map = TokenMap.load(MAP)
@@ -112,7 +113,7 @@ def main() -> None:
     summary["config"] = vars(args)
     print(json.dumps(summary, indent=1))
     if args.out:
-        (REPO_ROOT / args.out).write_text(json.dumps(summary, indent=1))
+        (ROOT / args.out).write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """What a larger draft vocabulary costs per draft level, run from the repo root (nothing else
 torch-heavy running):
 
-    PYTHONPATH=. .venv/bin/python assets/benchmarks/map_cost.py [--sizes 16384,24576,32768] [--rounds 2]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.map_cost [--sizes 16384,24576,32768] [--rounds 2]
 
 One process, the embedded target (float32, packed as `load_pair` ships it) and the shipped feature
 draft's trained layer, with its head rebuilt over maps of each size (the shipped map, grown with the
-most frequent answer tokens it lacks, `training/answer_data.py`; which tokens does not change the
+most frequent answer tokens it lacks, `training/answers/windows.py`; which tokens does not change the
 cost). For each size the engine's own records give `draft_forward_ms / draft_forwards` (prefill
 iteration excluded), fixed_tree defaults, "Why is the sky blue?" (chat), 64 tokens; rounds
 alternate the sizes (this host drifts). The target's one-token step (median verify time of an
@@ -20,8 +20,8 @@ import statistics
 import numpy as np
 import torch
 
-from dynatree_core.core.models import EMBEDDED_FEATURE_DRAFT_DIR
 from dynatree_core.core.packing import pack_linears
+from dynatree_core.core.presets import EMBEDDED_FEATURE_DRAFT_DIR
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.pairs import encode_prompt, load_pair
@@ -37,19 +37,19 @@ def grown(base: TokenMap, size: int, counts: np.ndarray | None) -> TokenMap:
     return TokenMap([-1, *have[: size - 1], *extra], base.target_vocab)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="16384,24576,32768")
     p.add_argument("--rounds", type=int, default=2)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     pair = load_pair("embedded", dtype="float32")
     target, tok = pair.target, pair.target.tokenizer
     shipped = FeatureDraft.load(EMBEDDED_FEATURE_DRAFT_DIR, target.model)
     counts = None
     try:
-        from dynatree_core.training.__main__ import answer_dirs
-        from dynatree_core.training.answer_data import token_counts
-        from dynatree_core.training.answers import AnswerStore
+        from dynatree_core.training.answers.commands import answer_dirs
+        from dynatree_core.training.answers.store import AnswerStore
+        from dynatree_core.training.answers.windows import token_counts
 
         counts = token_counts(AnswerStore(*answer_dirs("embedded")), shipped.token_map.target_vocab)
     except Exception:  # noqa: BLE001 - no answers here: grow by id order (same cost)

@@ -4,12 +4,14 @@ For a GPU machine that cannot hold the embedded GGUF: the target is a random Lla
 embedded target's shapes (30 layers, 576 wide, 9 query / 3 key-value heads, 49,152 tokens), its
 draft the target's first two layers; timings do not depend on the weights.
 
-    python assets/benchmarks/gpu_check_shaped.py gpu-check-smollm2-shaped.json
+    PYTHONPATH=. python -m benchmarks.gpu_check_shaped gpu-check-smollm2-shaped.json
 """
 
+from __future__ import annotations
+
+import argparse
 import copy
 import json
-import sys
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -46,7 +48,7 @@ def shaped_pair(device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]
     return target.to(device), draft.to(device)
 
 
-def main(out: str) -> None:
+def measure(out: str) -> None:
     dev = torch.device("cuda")
     target, draft = shaped_pair(dev)
     rows = check.pair_checks("smollm2-shaped random", target, draft)
@@ -58,5 +60,11 @@ def main(out: str) -> None:
         json.dump(report, f, indent=1)
 
 
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", default="gpu-check-smollm2-shaped.json", help="the report to write")
+    measure(parser.parse_args(argv).out)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "gpu-check-smollm2-shaped.json")
+    main()

@@ -1,6 +1,6 @@
 """Fit each tree policy's defaults on out-of-distribution prompts, measured on this machine.
 
-    PYTHONPATH=. .venv/bin/python assets/benchmarks/ood_defaults.py [--policies fixed_tree,salf] [--out DIR]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.ood_defaults [--policies fixed_tree,salf] [--out DIR]
 
 Tuning prompts: the OOD set (assets/prompts/ood/, sources no draft trains on), round-robin prompts
 9-16 (`bench --prompts ood --skip 8 --limit 8`: the second prompt of each category), so the first
@@ -24,7 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks import RESULTS, ROOT
+
 # the main parameters of each tree policy and the values tried (each list holds the default)
 GRIDS = {
     "fixed_tree": {"depth": "3,4,5,6,8", "branch": "1,2,3", "tau": "0.01,0.03,0.1,0.2", "budget": "8,12,16,32"},
@@ -73,7 +74,7 @@ def _fmt(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policies", default=",".join(GRIDS))
     parser.add_argument("--preset", default="embedded")
@@ -81,9 +82,8 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--margin", type=float, default=0.03, help="a value must beat the default by this share")
-    parser.add_argument("--out", type=Path, default=ROOT / "assets" / "benchmarks" / "ood-defaults")
-    args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
+    parser.add_argument("--out", type=Path, default=RESULTS / "ood-defaults")
+    args = parser.parse_args(argv)
     from dynatree_core.decoding.methods import method_class
 
     args.out.mkdir(parents=True, exist_ok=True)
