@@ -86,7 +86,7 @@ def test_explanation_and_glossary_follow_the_iteration(tiny_pair_dirs):
     rec = at.session_state["run"].records[0]
     md = " ".join(m.value for m in at.markdown)
     assert f"{len(rec.accepted)} tokens" in md and "one forward" in md
-    assert "bonus token" in md and "| accepted path |" in md  # the README glossary table
+    assert "bonus token" in md and "| accepted path |" in md  # the glossary table (docs/glossary.md)
 
 
 def test_ar_reference_turns_throughput_into_speedup(tiny_pair_dirs):

@@ -7,14 +7,13 @@ import functools
 import pytest
 import torch
 
-from dynatree_core.core.models import (
+from dynatree_core.core.models import check_tokenizers_compatible, load_model
+from dynatree_core.core.presets import (
     EMBEDDED,
     EMBEDDED_DRAFT_DIR,
     EMBEDDED_FEATURE_DRAFT_DIR,
     EMBEDDED_FUSED_DRAFT_DIR,
     PRESETS,
-    check_tokenizers_compatible,
-    load_model,
 )
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import catalogue, make_method

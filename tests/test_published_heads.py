@@ -190,7 +190,7 @@ def head_logits(draft, target, ids: list[int], vocab: int = V) -> torch.Tensor:
         kv = drafter.kv
         assert isinstance(kv, KVState)
         visible = chain_then_tree_visibility(0, n, torch.zeros(0, 0, dtype=torch.bool))
-        logits = kv.forward(ids[1:], list(range(1, n + 1)), visible, n, embeds=rows)
+        logits = kv.forward(ids[1:], list(range(1, n + 1)), visible, n, embeds=rows).logits
     return logits if draft.token_map is None else draft.token_map.to_target_logp(logits)
 
 
@@ -504,7 +504,7 @@ def test_load_pair_drafts_with_a_hub_id_head_and_a_missing_one_is_one_error(tmp_
 
 def test_the_presets_name_public_pairs_with_their_heads_and_say_they_need_network(capsys):
     from dynatree_core.cli import main
-    from dynatree_core.core.models import PRESETS
+    from dynatree_core.core.presets import PRESETS
     from dynatree_core.decoding.pairs import token_draft_for
 
     heads = [p for p in PRESETS.values() if p.head and not p.offline]

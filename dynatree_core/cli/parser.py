@@ -56,8 +56,26 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `python -m dynatree_core` parser: one subcommand per `cmd_<name>` in commands.py, listed
+    in this order by `--help`."""
     parser = _Parser(prog="python -m dynatree_core", description="Tree-based speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_generate(sub)
+    _add_compare(sub)
+    ver = sub.add_parser("verifiers", help="list verification algorithms and the drafting each accepts")
+    ver.add_argument("--json", action="store_true")
+    pol = sub.add_parser("policies", help="list drafting policies and their parameters")
+    pol.add_argument("--json", action="store_true")
+    _add_bench(sub)
+    _add_latency(sub)
+    _add_dtype(sub)
+    _add_gpu_check(sub)
+    pre = sub.add_parser("presets", help="list model pair presets")
+    pre.add_argument("--json", action="store_true")
+    return parser
+
+
+def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="generate text with a drafting policy")
     _run_arguments(gen)
     gen.add_argument("--policy", default="fixed_tree", help="drafting policy (see `policies`)")
@@ -67,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print the RunResult as one JSON object")
     gen.add_argument("--trace", action="store_true", help="with --json: include per-iteration records")
     gen.add_argument("--export", type=Path, default=None, help="write the run as the app imports it (a replay)")
+
+
+def _add_compare(sub) -> None:
     cmp = sub.add_parser("compare", help="compare 1-6 policies on one prompt (ar and HF generate as references)")
     _run_arguments(cmp)
     cmp.add_argument(
@@ -76,10 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--no-hf", action="store_true", help="skip the HF generate references (eager and static cache)")
     cmp.add_argument("--json", action="store_true", help="print the comparison as JSON")
     cmp.add_argument("--csv", type=Path, default=None, help="also write the table as CSV here")
-    ver = sub.add_parser("verifiers", help="list verification algorithms and the drafting each accepts")
-    ver.add_argument("--json", action="store_true")
-    pol = sub.add_parser("policies", help="list drafting policies and their parameters")
-    pol.add_argument("--json", action="store_true")
+
+
+def _add_bench(sub) -> None:
+    """`bench`: the prompts and policies of a run (DynaTree's protocol: T, L_max, R, W), then sweeps."""
     bench = sub.add_parser(
         "bench", help="policies over a prompt set (DynaTree protocol), ratios to the best AR reference in the same run"
     )
@@ -107,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(bench, ("temperature", "top_p", "top_k", "verifier"))  # sampled: round r uses seed r
     _model_arguments(bench)
     _engine_arguments(bench)
+    _sweep_arguments(bench)
+
+
+def _sweep_arguments(bench: argparse.ArgumentParser) -> None:
+    """`bench`'s sweeps and where its report goes."""
     bench.add_argument(
         "--sweep",
         action="append",
@@ -122,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--png", action="store_true", help="figures as PNG too (needs kaleido and Chromium)")
     bench.add_argument("--out", type=Path, default=None, help="write the report as JSON here (and CSV beside it)")
     bench.add_argument("--json", action="store_true", help="print the JSON report instead of a markdown table")
+
+
+def _add_latency(sub) -> None:
     lat = sub.add_parser("latency", help="forward time vs new tokens and context, target and draft (this device)")
     lat.add_argument("--tokens", default=",".join(map(str, (1, 2, 4, 8, 16, 32, 64, 128, 256))))
     lat.add_argument("--contexts", default="128,512", help="cached context lengths")
@@ -130,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_arguments(lat)
     lat.add_argument("--out", type=Path, default=None, help="JSON points here, plot beside it (.html)")
     lat.add_argument("--json", action="store_true")
+
+
+def _add_dtype(sub) -> None:
     dt = sub.add_parser(
         "dtype", help="measure which dtype is fastest and still exact on this device; `--dtype auto` then uses it"
     )
@@ -141,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--no-save", action="store_true", help="measure and print, keep auto as it was")
     dt.add_argument("--json", action="store_true")
     add_flags(dt, ["threads"])
+
+
+def _add_gpu_check(sub) -> None:
     gpu = sub.add_parser(
         "gpu-check", help="check the captured-forward path on this GPU: exactness, fallback, timings (run it first)"
     )
@@ -149,6 +184,3 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gpu.add_argument("--out", type=Path, default=Path("gpu-check.json"), help="write the JSON report here")
     gpu.add_argument("--no-embedded", action="store_true", help="tiny models only (skip the embedded pair)")
-    pre = sub.add_parser("presets", help="list model pair presets")
-    pre.add_argument("--json", action="store_true")
-    return parser

@@ -12,21 +12,19 @@ import threading
 import warnings
 from collections.abc import Callable
 
-from dynatree_core.core.models import (
-    EMBEDDED,
-    PRESETS,
-    LoadedModel,
-    check_spec_allowed,
-    check_tokenizers_compatible,
-    load_model,
-    resolve_device,
-)
+from dynatree_core.core.devices import resolve_device
+from dynatree_core.core.models import LoadedModel, check_tokenizers_compatible, load_model
 from dynatree_core.core.packing import pack_linears, packing_enabled
+from dynatree_core.core.presets import EMBEDDED, PRESETS
+from dynatree_core.core.specs import check_spec_allowed
 from dynatree_core.decoding.baselines import Baseline
 from dynatree_core.decoding.dtype_choice import saved_choice
+from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.drafting.policy import Policy
 from dynatree_core.drafts.heads import is_head, is_head_dir, load_head
 from dynatree_core.drafts.published import hub_head_dir
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.runs.records import RunResult
 
 
 @dataclasses.dataclass
@@ -65,6 +63,16 @@ class ModelPair:
             return {"draft": None, "draft_token_map": None}
         return {"draft": model.model, "draft_token_map": model.token_map}
 
+    def generate(self, prompt: str, policy: Policy | Baseline, *, chat: bool | None = None, **config) -> RunResult:
+        """Decode `prompt` with `policy` (`methods.make_method`) to the end: the library's one call.
+        `chat` defaults to the target's chat template; `config` are `DecodeConfig` fields
+        (max_new_tokens, sampling, seed, ...). The CLI's `generate` runs the same engine."""
+        target = self.target
+        ids = encode_prompt(target.tokenizer, prompt, chat=target.has_chat_template if chat is None else chat)
+        defaults = {"eos_token_ids": target.eos_token_ids, "context_length": target.context_length}
+        run = DecodeConfig(**{**defaults, **config})
+        return generate(target.model, ids, policy, config=run, tokenizer=target.tokenizer, **self.drafting(policy))
+
 
 def default_draft_for(target_spec: str) -> str | None:
     for preset in PRESETS.values():
@@ -95,7 +103,7 @@ def load_pair(
     feature draft (drafts/feature.py) is attached to the loaded target. On CPU the linear
     layers are pre-packed for oneDNN unless `pack` is False or DYNATREE_PACK=0 (core/packing.py).
     dtype "auto" takes the dtype a saved probe chose for this device and pair (dtype_choice.py), else
-    the static rule (models.resolve_dtype); both models always share one dtype."""
+    the static rule (devices.resolve_dtype); both models always share one dtype."""
     source = "asked"
     if dtype == "auto":
         probed = saved_choice(resolve_device(device), target_spec, draft_spec or default_draft_for(target_spec))

@@ -1,6 +1,6 @@
 """Reduce a run's iteration records to its summary metrics (Spec-Bench style contract).
 
-Definitions (also in the README glossary):
+Definitions (also in the glossary, docs/glossary.md):
   tokens_per_iteration   committed tokens / iterations (accepted drafts + bonus)
   acceptance_rate        accepted draft tokens / draft tokens the target verified
   mean_accepted_length   accepted draft tokens per iteration (bonus excluded)

@@ -166,10 +166,21 @@ def _mask_matches_tree(mask: list[str], order: list[int], parents: list[int]) ->
 
 
 def check_record(rec: dict, *, vocab: int = MAX_TOKEN_ID) -> None:
-    """One iteration's record; `vocab`: the largest token id the run's vocabulary holds."""
+    """One iteration's record; `vocab`: the largest token id the run's vocabulary holds. Checked in
+    the order a replay reads it: the tree, what was verified, the outcome, the counters, the trace."""
     tree = rec.get("tree")
     if not isinstance(tree, dict):
         raise ValueError("tree must be an object")
+    n, parents, depths = _check_tree(tree, vocab)
+    order = _check_verified(rec, n, parents, depths)
+    _check_outcome(rec, order, parents, vocab)
+    _check_counters(rec)
+    _check_trace(rec, n, vocab)
+
+
+def _check_tree(tree: dict, vocab: int) -> tuple[int, list[int], list[int]]:
+    """The tree's per-node lists (one entry per node, each of its type), notes and draws.
+    Returns (nodes, parents, depths)."""
     tokens = _ints(tree.get("tokens"), "tree.tokens", hi=vocab, most=MAX_NODES)
     n = len(tokens)
     if n == 0:
@@ -199,7 +210,12 @@ def check_record(rec: dict, *, vocab: int = MAX_TOKEN_ID) -> None:
         raise ValueError("tree.parents must point from each node to an earlier one (root: -1)")
     _node_domains(tree, parents, depths)
     _check_sampled(tree.get("sampled") or {}, n, vocab)
+    return n, parents, depths
 
+
+def _check_verified(rec: dict, n: int, parents: list[int], depths: list[int]) -> list[int]:
+    """What the target read: the node order (root first), its ancestor mask and the position ids
+    (root position + depth). Returns the order."""
     order = _ints(rec.get("order"), "order", hi=n - 1, most=n)
     if not order or order[0] != 0 or len(set(order)) != len(order):
         raise ValueError("order must list distinct nodes, root first")
@@ -216,7 +232,14 @@ def check_record(rec: dict, *, vocab: int = MAX_TOKEN_ID) -> None:
     for node, pos in zip(order, positions, strict=True):
         if pos - positions[0] != depths[node]:
             raise ValueError(f"node {node}: position {pos} is not the root's ({positions[0]}) plus its depth")
-    accepted = _ints(rec.get("accepted"), "accepted", hi=n - 1, most=m)
+    return order
+
+
+def _check_outcome(rec: dict, order: list[int], parents: list[int], vocab: int) -> None:
+    """The accepted path (a chain of verified nodes down from the root), the committed tokens, the
+    target's token at every verified node and the bonus token."""
+    m = len(order)
+    accepted = _ints(rec.get("accepted"), "accepted", hi=len(parents) - 1, most=m)
     if not set(accepted) <= set(order[1:]):
         raise ValueError("accepted nodes must be verified non-root nodes")
     for k, node in enumerate(accepted):
@@ -228,6 +251,10 @@ def check_record(rec: dict, *, vocab: int = MAX_TOKEN_ID) -> None:
         raise ValueError("target_tokens must give one token per verified node")
     if rec.get("bonus_token") is not None:
         _int(rec["bonus_token"], "bonus_token", hi=vocab)
+
+
+def _check_counters(rec: dict) -> None:
+    """The iteration's index, lengths, forward count, timings (never negative) and labels."""
     _int(rec.get("index"), "index", lo=1, hi=10**9)
     for name in ("prefix_len", "chain_len"):
         _int(rec.get(name), name, hi=2**31)
@@ -241,6 +268,10 @@ def check_record(rec: dict, *, vocab: int = MAX_TOKEN_ID) -> None:
     for name in ("stop", "verifier", "forward_path"):
         if rec.get(name) is not None and not isinstance(rec[name], str):
             raise ValueError(f"{name} must be a string")
+
+
+def _check_trace(rec: dict, n: int, vocab: int) -> None:
+    """The verifier's steps and, for sampled runs, the per-node reach probabilities."""
     steps = rec.get("verification", [])
     if not isinstance(steps, list) or len(steps) > 4 * MAX_NODES:
         raise ValueError("verification must be a list of steps")

@@ -34,8 +34,8 @@ from dynatree_core.viz.tree import TREE_HEIGHT_PX
 
 # The engine decodes in its own process (or a worker thread); the page draws its latest iteration
 # at most this often. Three figures per page update: one update every 0.6 s keeps the browser near
-# 5 figure updates per second. A browser on the same machine draws on the same CPU cores (measured
-# here: ~0.2 s of CPU per figure update in headless Chromium), which is why the app leaves it a core.
+# 5 figure updates per second. A browser on the same machine draws on the same CPU cores (its cost
+# per figure update: BENCHMARKS.md, "The live page against the CLI"), which is why the app leaves it a core.
 RENDER_INTERVAL_S = 0.6
 TEXT_TAIL_TOKENS = 120  # a running page draws this much text: its drawing cost stays flat as the run grows
 STAGE_PLAY_S = 1.2  # Play stages: seconds per stage

@@ -1,5 +1,5 @@
 """The words the pages show beside the figures: what one iteration did, why a run is (not)
-faster, why it stopped, and the README's glossary."""
+faster, why it stopped, and the glossary of tree terms (docs/glossary.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dynatree_core.runs.records import IterationRecord
 from dynatree_core.verify.registry import VERIFIERS
 from dynatree_core.viz.tree import visible
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+GLOSSARY = Path(__file__).resolve().parents[2] / "docs" / "glossary.md"
 
 
 def why_text(b: dict[str, float]) -> str:
@@ -99,7 +99,9 @@ def explain_iteration(rec: IterationRecord, decode: Callable[[int], str], verifi
 
 @functools.cache
 def glossary() -> str:
-    """The README's glossary table: one source for the docs and the page."""
-    text = README.read_text(encoding="utf-8")
-    start = text.index("## Glossary")
-    return text[text.index("\n", start) : text.index("\n## ", start + 1)].strip()
+    """The glossary table of docs/glossary.md (its first markdown table, header row first): one
+    source for the docs and the live page."""
+    lines = GLOSSARY.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join(lines[start:end])

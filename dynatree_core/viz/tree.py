@@ -123,106 +123,133 @@ def tree_figure(
 
     Node markers carry customdata [node id, draft p, cumulative p, depth] (the bonus has id -2).
     """
-    tree = record.tree
     cats = node_categories(record) if categories is None else categories
     bonus = bonus and record.bonus_token is not None
-    kids = _display_children(tree, record, bonus, None if categories is None else set(categories))
+    kids = _display_children(record.tree, record, bonus, None if categories is None else set(categories))
     pos = tidy_layout(kids)
+    path_nodes = {0, *record.accepted, BONUS} if categories is None or "accepted" in cats.values() else set()
+    fig = go.Figure(_edge_traces(kids, pos, path_nodes))
+    groups = _legend_groups(record.tree, cats, bonus)
+    order = {cat: i for i, cat in enumerate(COLOURS)}
+    shown = (
+        None if compact_px is None else fitting_labels(pos, lambda n: visible(decode(_token(record, n))), compact_px)
+    )
     target_at = dict(zip(record.order, record.target_tokens, strict=True))
-    fig = go.Figure()
+    for name in sorted(groups, key=lambda g: (order[g.split(":")[0]], g)):
+        fig.add_trace(_node_trace(record, name, groups[name], pos, decode, target_at, selected=selected, shown=shown))
+    if compact_px is not None:
+        fig.update_traces(showlegend=False)
+    _lay_out(fig, pos, height=height, depth_title=compact_px is None)
+    return fig
+
+
+def _edge_traces(
+    kids: dict[int, list[int]], pos: dict[int, tuple[float, int]], path_nodes: set[int]
+) -> list[go.Scatter]:
+    """The tree's edges, thin and grey, and the accepted path's (between two `path_nodes`), thick
+    and green: one line trace each, segments separated by None."""
     edges_x: list[float | None] = []
     edges_y: list[float | None] = []
     path_x: list[float | None] = []
     path_y: list[float | None] = []
-    path_nodes = {0, *record.accepted, BONUS} if categories is None or "accepted" in cats.values() else set()
     for parent, children in kids.items():
         for child in children:
             xs, ys = (path_x, path_y) if child in path_nodes and parent in path_nodes else (edges_x, edges_y)
             xs += [pos[parent][0], pos[child][0], None]
             ys += [-pos[parent][1], -pos[child][1], None]
-    fig.add_trace(
-        go.Scatter(
-            x=edges_x, y=edges_y, mode="lines", line=dict(color="#cccccc", width=1), hoverinfo="skip", showlegend=False
-        )
+    edges = go.Scatter(
+        x=edges_x, y=edges_y, mode="lines", line=dict(color="#cccccc", width=1), hoverinfo="skip", showlegend=False
     )
-    fig.add_trace(
-        go.Scatter(
-            x=path_x,
-            y=path_y,
-            mode="lines",
-            line=dict(color=COLOURS["accepted"], width=4),
-            hoverinfo="skip",
-            name="accepted path",
-        )
+    path = go.Scatter(
+        x=path_x,
+        y=path_y,
+        mode="lines",
+        line=dict(color=COLOURS["accepted"], width=4),
+        hoverinfo="skip",
+        name="accepted path",
     )
-    groups: dict[str, list[int]] = {}  # legend entry -> nodes; pruned nodes split by reason
+    return [edges, path]
+
+
+def _legend_groups(tree: DraftTree, cats: dict[int, str], bonus: bool) -> dict[str, list[int]]:
+    """Legend entry -> its nodes: one entry per category, pruned nodes split by reason."""
+    groups: dict[str, list[int]] = {}
     for node, cat in cats.items():
         name = f"pruned: {tree.reason[node] or 'unspecified'}" if cat == "pruned" else cat
         groups.setdefault(name, []).append(node)
     if bonus:
         groups["bonus"] = [BONUS]
-    order = {cat: i for i, cat in enumerate(COLOURS)}
-    shown = (
-        None if compact_px is None else fitting_labels(pos, lambda n: visible(decode(_token(record, n))), compact_px)
+    return groups
+
+
+def _node_trace(
+    record: IterationRecord,
+    name: str,
+    nodes: list[int],
+    pos: dict[int, tuple[float, int]],
+    decode: Callable[[int], str],
+    target_at: dict[int, int],
+    *,
+    selected: int | None,
+    shown: set[int] | None,
+) -> go.Scatter:
+    """One legend entry's markers: label (where `shown` allows), hover text, shape and customdata
+    [node id, draft p, cumulative p, depth] per node; the `selected` node drawn larger."""
+    tree, cat = record.tree, name.split(":")[0]
+    text, hover, custom, symbols = [], [], [], []
+    for n in nodes:
+        if n == BONUS:
+            token, p, cum, depth = record.bonus_token, None, None, pos[BONUS][1]
+            detail = "the target's own next token (free with every iteration)"
+            symbols.append("star")
+        else:
+            token, depth = tree.tokens[n], tree.depths[n]
+            p, cum = math.exp(tree.logp[n]), math.exp(tree.cum_logp[n])
+            reason = tree.reason[n] or ""
+            detail = f"status {tree.status[n]}" + (f" ({reason})" if reason and tree.status[n] != Status.KEPT else "")
+            if n in target_at:
+                detail += f"<br>target predicts next: {visible(decode(target_at[n]))}"
+            symbols.append(_symbol(tree, n))
+        label = visible(decode(token))
+        text.append(label if shown is None or n in shown else "")
+        probs = "" if p is None else f"<br>p {p:.3f} · cumulative p {cum:.3g}"
+        hover.append(f"<b>{label}</b> (id {token})<br>{cat} · depth {depth}{probs}<br>{detail}")
+        custom.append([n, p, cum, depth])
+    return go.Scatter(
+        x=[pos[n][0] for n in nodes],
+        y=[-pos[n][1] for n in nodes],
+        mode="markers+text",
+        text=text,
+        textposition="bottom center",
+        marker=dict(
+            color=COLOURS[cat],
+            size=[18 if n == selected else 12 for n in nodes],
+            symbol=symbols,
+            line=dict(color=COLOURS[cat], width=2),
+        ),
+        customdata=custom,
+        hovertext=hover,
+        hoverinfo="text",
+        name=name,
     )
-    for name in sorted(groups, key=lambda g: (order[g.split(":")[0]], g)):
-        nodes, cat = groups[name], name.split(":")[0]
-        text, hover, custom, symbols = [], [], [], []
-        for n in nodes:
-            if n == BONUS:
-                token, p, cum, depth = record.bonus_token, None, None, pos[BONUS][1]
-                detail = "the target's own next token (free with every iteration)"
-                symbols.append("star")
-            else:
-                token, depth = tree.tokens[n], tree.depths[n]
-                p, cum = math.exp(tree.logp[n]), math.exp(tree.cum_logp[n])
-                reason = tree.reason[n] or ""
-                detail = f"status {tree.status[n]}" + (
-                    f" ({reason})" if reason and tree.status[n] != Status.KEPT else ""
-                )
-                if n in target_at:
-                    detail += f"<br>target predicts next: {visible(decode(target_at[n]))}"
-                symbols.append(_symbol(tree, n))
-            label = visible(decode(token))
-            text.append(label if shown is None or n in shown else "")
-            probs = "" if p is None else f"<br>p {p:.3f} · cumulative p {cum:.3g}"
-            hover.append(f"<b>{label}</b> (id {token})<br>{cat} · depth {depth}{probs}<br>{detail}")
-            custom.append([n, p, cum, depth])
-        fig.add_trace(
-            go.Scatter(
-                x=[pos[n][0] for n in nodes],
-                y=[-pos[n][1] for n in nodes],
-                mode="markers+text",
-                text=text,
-                textposition="bottom center",
-                marker=dict(
-                    color=COLOURS[cat],
-                    size=[18 if n == selected else 12 for n in nodes],
-                    symbol=symbols,
-                    line=dict(color=COLOURS[cat], width=2),
-                ),
-                customdata=custom,
-                hovertext=hover,
-                hoverinfo="text",
-                name=name,
-            )
-        )
-    if compact_px is not None:
-        fig.update_traces(showlegend=False)
+
+
+def _lay_out(fig: go.Figure, pos: dict[int, tuple[float, int]], *, height: int, depth_title: bool) -> None:
+    """Height, margins, the depth axis (ticks 0..deepest, drawn downwards) and the legend above."""
+    deepest = max(p[1] for p in pos.values())
     fig.update_layout(
         height=height,
         margin=dict(l=10, r=10, t=10, b=10),  # plotly widens the top margin to hold the legend
         xaxis=dict(visible=False),
         yaxis=dict(
-            title="depth" if compact_px is None else None,
-            tickvals=[-d for d in range(max(p[1] for p in pos.values()) + 1)],
-            ticktext=[str(d) for d in range(max(p[1] for p in pos.values()) + 1)],
+            title="depth" if depth_title else None,
+            tickvals=[-d for d in range(deepest + 1)],
+            ticktext=[str(d) for d in range(deepest + 1)],
         ),
         legend=LEGEND_ABOVE,
         uirevision="tree",
         clickmode="event+select",
     )
-    return fig
 
 
 # The legend stands above the plotting area, its bottom edge on the area's top (a horizontal legend
