@@ -1,9 +1,10 @@
 """The lean forward: a Llama-family causal LM's forward over the static cache, without the framework.
 
 A small model's forward on a CPU is dispatch-bound: the embedded draft (6 layers, hidden 256)
-does ~0.2 ms of arithmetic, but the stock transformers forward spent 3-7 ms per call in Python
-(mask preparation, output dataclasses, hooks, kwargs plumbing, per-module `__call__`). This
-module runs the same weights through the same operations in a straight line (gpt-fast style):
+does far less arithmetic than the stock transformers forward spends per call in Python (mask
+preparation, output dataclasses, hooks, kwargs plumbing, per-module `__call__`; BENCHMARKS.md,
+"The engine: forwards, ..."). This module runs the same weights through the same operations in
+a straight line (gpt-fast style):
 
     x = embed(ids)
     for each layer:  x += o(attn(rope(q(n1(x))), rope(k(n1(x))), v(n1(x)), mask, cache))
@@ -148,7 +149,7 @@ def fold_groups(q: torch.Tensor, groups: int) -> torch.Tensor:
     head become extra query rows of it (head j*groups + i, row t -> row i*T + t of head j), so
     SDPA sees equal head counts. With an explicit mask and fewer key/value heads than query heads,
     `enable_gqa` falls back to the math kernel over the whole cache (CUDA) or expands the cache
-    per head (CPU: ~6x slower at decode widths here); folded, neither happens."""
+    per head (slow at decode widths on CPU); folded, neither happens."""
     b, heads, t, d = q.shape
     return q.reshape(b, heads // groups, groups * t, d)
 

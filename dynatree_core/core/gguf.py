@@ -1,6 +1,6 @@
 """GGUF files -> safetensors checkpoints, converted once per file and cached.
 
-transformers dequantises a GGUF on every load (~25 s for the embedded model here), so each file
+transformers dequantises a GGUF on every load (seconds to tens of seconds), so each file
 is converted once into a `save_pretrained` directory under the cache dir (core/cache_dir.py).
 An inter-process file lock keeps two sessions from converting the same file at once, and a
 conversion writes to a temporary directory renamed at the end, so a crash never leaves half a

@@ -1,8 +1,8 @@
 """Captured forwards: the lean forward at fixed shapes, replayed as one CUDA graph per width.
 
 On a GPU a 135M-parameter model is launch-bound: HF's eager forward issues hundreds of small
-kernels per token, and a forward costs 19-33 ms on a lent H100 whatever its width from 1 to 256
-tokens (docs/benchmark-log.md, "Latency profile").
+kernels per token, and a forward costs about the same whatever its width from 1 to 256 tokens
+(BENCHMARKS.md, "GPU (lent H200 and H100) and captured forwards").
 Engines that do this well capture the forward once per width and replay it (gpt-fast; SGLang's
 CUDA-graph runner captures the EAGLE verify forward at a fixed number of draft tokens). A graph
 replays fixed shapes over fixed addresses, so `PaddedForward` runs the lean forward (fastpath.py)
@@ -17,7 +17,7 @@ at fixed shapes over the static cache (kv.SlotLayer):
   use, not the whole buffer, and a graph is captured per (bucket, span): a few spans per run;
 - the bucket a width runs at is measured on CUDA (`measured_width`): at its first capture each
   bucket is timed against the wider ones up to MEASURE_UP_TO rows and the fastest kept (cuBLAS's
-  float32 GEMM picks slow tiles at 8-16 rows, where 32 rows ran faster on the H200);
+  float32 GEMM can pick slow tiles at narrow widths, where a wider bucket runs faster);
 - new keys/values go to the slots named in a slot buffer (`index_copy_`), not to a Python slice.
 
 Every input (ids, positions, slots, mask, draft input vectors) is a static buffer per bucket,

@@ -2,11 +2,10 @@
 
 On CPU, `F.linear` hands each call to a GEMM that re-packs the weight into its blocked layout
 every time. For one token that is a cheap GEMV, but a forward over 2-16 tokens (a tree
-verification, a draft level) paid up to 2x the one-token time for it. oneDNN can reorder a weight
+verification, a draft level) pays for that re-packing on every call. oneDNN can reorder a weight
 once and reuse it: `torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise` (the pair
 torch.compile's CPU freezing pass uses) take and return dense activations, so nothing is
-converted per call. Measured per layer (576 -> 1536, 2 tokens) 0.16 -> 0.05 ms; the target's
-LM head (576 -> 49152, 16 tokens) 19 -> 5 ms. Whole-model numbers are in BENCHMARKS.md.
+converted per call. What it saves: BENCHMARKS.md, "The engine: forwards, ...", and the log.
 
 `PackedLinear` keeps only the packed copy (no extra memory, except where a weight was tied: the
 input embedding keeps its own dense copy). Code that reads `.weight` gets a dense copy on demand.

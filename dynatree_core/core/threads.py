@@ -3,8 +3,8 @@
 torch runs each large op as an OpenMP parallel region over its intra-op threads. A region ends
 only when its slowest thread does, so when another process (a browser drawing the page, the
 Streamlit server, anything else on a teacher's laptop) takes one of the cores, every region
-waits for the thread that lost its core: on the project's 2-core machine the live page ran at
-0.11x the CLI's speed while one other process was busy (BENCHMARKS.md, "The live page against the CLI").
+waits for the thread that lost its core, and the run slows to a fraction of the CLI's speed
+(BENCHMARKS.md, "The live page against the CLI").
 The engine therefore asks for the cores it can keep:
 
   - an explicit request (`--threads N`, the app's setting) wins;

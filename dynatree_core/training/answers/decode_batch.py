@@ -62,7 +62,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     (B, 1, T, L), query heads folded per key/value head (fastpath.fold_groups)."""
     b, heads, t, d = q.shape
     q, mask = fold_groups(q, block.groups), fold_mask(mask, block.groups)
-    if t == 1:  # a decoding step: two batched matmuls beat SDPA's kernel ~2x here (memory-bound on the cache)
+    if t == 1:  # a decoding step: two batched matmuls beat SDPA's kernel on CPU (memory-bound on the cache)
         scores = torch.matmul(q, keys.transpose(-1, -2)).float() * block.scaling + mask.float()
         out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
     else:
