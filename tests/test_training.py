@@ -174,7 +174,7 @@ def test_feature_kd_loss_matches_a_naive_computation(tmp_path):
             reg = torch.nn.functional.smooth_l1_loss(pred[j], f[b, j + 1])
             logq = torch.log_softmax(draft.lm.lm_head(pred[j])[1:], -1)
             p = torch.softmax(draft.lm.lm_head(f[b, j + 1])[1:], -1)
-            total += float(reg - 0.1 * (p * logq).sum())
+            total += float((reg - 0.1 * (p * logq).sum()).detach())
             count += 1
     assert loss.item() == pytest.approx(total / count, rel=1e-4)
     assert 0.0 <= parts["agreement"] <= 1.0
