@@ -10,6 +10,8 @@ Results are data, not code: every script writes its reports (JSON, CSV) into ass
 
     ood_headline        BENCHMARKS' headline: each draft of the embedded target on the OOD prompts
                         (speedup over the faster of ar and HF generate), cpu-ood-headline.json
+    draft_merit         a new feature draft against the shipped one in one process: OOD agreement,
+                        the OOD headline, the README example; ship only if ahead, cpu-draft-merit.json
     ood_defaults        fits each tree policy's registry defaults on OOD prompts 9-16 (bench sweeps),
                         ood-defaults/
     forward_paths       one cached forward on each forward path (lean, static, dynamic) by width,

@@ -43,17 +43,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "cpu-ood-headline.json")
     args = parser.parse_args(argv)
     drafts = dict(d.split("=", 1) for d in args.draft) if args.draft else {k: str(v) for k, v in DRAFTS.items()}
-    prompts = choose_prompts("ood", args.limit)
+    result = headline(drafts, limit=args.limit, tokens=args.tokens, dtype=args.dtype)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(markdown(result))
+
+
+def headline(drafts: dict[str, str], *, limit: int = 8, tokens: int = 128, dtype: str = "float32") -> dict:
+    """One `bench` pass per draft ({name: directory}) over the same OOD prompts, in this process;
+    HF generate runs in the first pass only, and every speedup is over the faster of it and that
+    pass's `ar`."""
+    prompts = choose_prompts("ood", limit)
     entries = [Entry(p) for p in POLICIES]
     passes, hf_tps = {}, None
     for i, (name, path) in enumerate(drafts.items()):
-        pair = load_pair(EMBEDDED, path, dtype=args.dtype)
+        pair = load_pair(EMBEDDED, path, dtype=dtype)
         config = DecodeConfig(
-            max_new_tokens=args.tokens,
+            max_new_tokens=tokens,
             eos_token_ids=pair.target.eos_token_ids,
             context_length=pair.target.context_length,
         )
-        print(f"{name}: {len(prompts)} prompts, {args.tokens} tokens", flush=True)
+        print(f"{name}: {len(prompts)} prompts, {tokens} tokens", flush=True)
         report = run_bench(pair, entries, prompts, config=config, include_hf=i == 0)
         rows = {r["policy"]: r for r in report.summary_rows()}
         hf_tps = rows["hf_generate"]["throughput_tps"] if i == 0 else hf_tps
@@ -74,9 +83,7 @@ def main(argv: list[str] | None = None) -> None:
             "report": report.to_dict(),
         }
         print(json.dumps({k: v for k, v in passes[name].items() if k != "report"}), flush=True)
-    result = {"hf_generate_tps": hf_tps, "prompts": args.limit, "max_new_tokens": args.tokens, "passes": passes}
-    args.out.write_text(json.dumps(result, indent=1))
-    print(markdown(result))
+    return {"hf_generate_tps": hf_tps, "prompts": limit, "max_new_tokens": tokens, "passes": passes}
 
 
 def markdown(result: dict) -> str:

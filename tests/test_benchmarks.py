@@ -113,3 +113,28 @@ def test_gpu_session_script_parses_and_lists_its_calls_by_the_new_path():
     subprocess.run(["bash", "-n", str(script)], check=True)
     calls = subprocess.run(["bash", str(script), "calls"], capture_output=True, text=True, check=True).stdout
     assert "benchmarks/gpu_session.sh receive 00" in calls and "assets/benchmarks/gpu_session.sh" not in calls
+
+
+def test_draft_merit_ships_only_a_draft_ahead_on_agreement_and_speed():
+    from benchmarks.draft_merit import goals_table, summary, verdict
+
+    def passes(speedups: dict[str, float], tpi: float) -> dict:
+        return {
+            "policies": {
+                p: {"speedup_vs_faster_of_ar_hf": s, "tokens_per_iteration": tpi, "exact": 8}
+                for p, s in speedups.items()
+            }
+        }
+
+    readme = {"linear": 0.9, "fixed_tree": 1.5, "dynatree": 1.3, "salf": 1.6}
+    shipped = summary([0.63, 0.55, 0.53, 0.5], passes({"linear": 3.0, "salf": 1.7, "fixed_tree": 1.5}, 2.07), readme, 8)
+    assert shipped["best_speedup"] == 1.7, "linear is no tree policy: its speedup never counts as the best"
+    assert shipped["readme_min_over_ar"] == 1.3 and shipped["every_row_exact"]
+    fast, slow = passes({"salf": 1.95, "fixed_tree": 1.8}, 2.5), passes({"salf": 1.6, "fixed_tree": 1.5}, 2.5)
+    better = summary([0.72, 0.6, 0.61, 0.5], fast, readme, 8)
+    worse_speed = summary([0.72, 0.6, 0.61, 0.5], slow, readme, 8)
+    worse_depth2 = summary([0.72, 0.5, 0.61, 0.5], fast, readme, 8)
+    assert verdict(shipped, better) and not verdict(shipped, shipped)
+    assert not verdict(shipped, worse_speed) and not verdict(shipped, worse_depth2)
+    table = goals_table({"shipped": shipped, "candidate": better})
+    assert "0.630 (not met)" in table and "0.720 (met)" in table and "1.950 (met)" in table
