@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 STREAMLIT_FLAGS ?= --server.address localhost
 
-.PHONY: setup run test test-fast soak fuzz lint format clean draft draft-feature draft-feature-stages draft-feature-long draft-feature-final
+.PHONY: setup run test test-fast soak fuzz lint format clean draft draft-feature draft-feature-stages draft-feature-long draft-feature-final draft-gpu
 
 setup: $(STAMP)
 
@@ -143,6 +143,20 @@ draft-feature: draft-feature-stages
 	$(MAKE) draft-feature-final
 	$(PY) -m dynatree_core.training feature-quality --answers --no-token-draft --target $(DRAFT_TARGET) \
 		--draft $(FINAL_RUN)/draft --out $(FINAL_RUN)/quality.json
+
+# The one-sitting GPU recipe (docs/training.md, "The one-sitting GPU recipe"): the target answers a prompt
+# pack (PACK, `python -m dynatree_core.training prompt-pack`) in large batches, features kept; the compact
+# teacher; the packed feature recipe (LONG_FLAGS' loss) cosine to zero over the training share; quality;
+# export. GPU_BUDGET seconds of the stages' work in all, split across them; everything under GPU_RUN, and
+# only GPU_RUN/export (the draft and its card) to bring back. Rerunning continues where it stopped;
+# GPU_FLAGS="--until answers --stop-after-s 540" runs one stage or one call's worth of it at a time.
+PACK ?= $(HOME)/.cache/dynatree/draft-data/prompt-pack.jsonl.gz
+GPU_RUN ?= $(HOME)/.cache/dynatree/draft-runs/gpu
+GPU_BUDGET ?= 1500
+GPU_FLAGS ?=
+draft-gpu: setup
+	$(PY) -m dynatree_core.training draft-gpu --pack $(PACK) --out $(GPU_RUN) --budget-s $(GPU_BUDGET) \
+		--target $(DRAFT_TARGET) $(GPU_FLAGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

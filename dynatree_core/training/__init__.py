@@ -12,6 +12,8 @@ its shared flags cli.py):
              written text, answer windows and the reduced vocabulary
 - packed/    the cheap step over packed answer windows (`train-packed`): the shipped feature and
              fused drafts
+- gpu/       the one-sitting GPU recipe (`draft-gpu`): a prompt pack to an exported feature draft,
+             every stage resumable within a wall-time budget
 - prompts.py the project's own prompts (token samples, answer sources), read from
              assets/draft-data/prompts.json
 - card.py    the model card of every shipped draft (`export`, `export-feature`)

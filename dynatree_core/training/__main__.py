@@ -1,5 +1,5 @@
 """`python -m dynatree_core.training COMMAND ...`: the training CLI. Each recipe's commands live
-beside it (token/, feature/, answers/, packed/ `commands.py`); this file is their table."""
+beside it (token/, feature/, answers/, packed/, gpu/ `commands.py`); this file is their table."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ import argparse
 from dynatree_core.training.answers.commands import COMMANDS as ANSWERS
 from dynatree_core.training.cli import Command
 from dynatree_core.training.feature.commands import COMMANDS as FEATURE
+from dynatree_core.training.gpu.commands import COMMANDS as GPU
 from dynatree_core.training.packed.commands import COMMANDS as PACKED
 from dynatree_core.training.token.commands import COMMANDS as TOKEN
 
-# in the order the recipes run: the token draft's data and training, the answers, the feature draft
-COMMANDS: dict[str, Command] = {**TOKEN, **ANSWERS, **FEATURE, **PACKED}
+# in the order the recipes run: the token draft's data and training, the answers, the feature draft,
+# then the one-sitting GPU recipe that runs the feature draft's stages from a prompt pack
+COMMANDS: dict[str, Command] = {**TOKEN, **ANSWERS, **FEATURE, **PACKED, **GPU}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -338,6 +338,7 @@ def _packed_lines(run_dir: Path, info: dict, chain, command: str, map_size, dest
         + (f"; started from {began}" if began else "; from random initialisation"),
         *_stages(chain, run_dir, first_start=shipped_start),
         *(_data_lines(info, [{"seen": seen}], staged=True) if "sources" in data else [f"- **{passes:.2f} passes**"]),
+        *_pack_lines(data),
         f"- command: `{command}`",
         "",
         "## Learning curve (top-1 agreement with the target's greedy token, depth 1 / 2 / 3 / 4)",
@@ -347,6 +348,22 @@ def _packed_lines(run_dir: Path, info: dict, chain, command: str, map_size, dest
             _packed_curve(chain, max(data.get("training_answer_positions", 0), 1)),
         ),
     ]
+
+
+def _pack_lines(data: dict) -> list[str]:
+    """A run whose prompts came from a prompt pack (`draft-gpu`): per source, what the pack held and
+    what the target answered (its follow-up turns counted with the source they continue)."""
+    if not data.get("pack"):
+        return []
+    stored = data.get("sources") or {}
+    rows, tokens = [], 0
+    for source, held in sorted(data["pack"].items()):
+        got = stored.get(source, {})
+        tokens += got.get("answer_tokens", 0)
+        rows.append((source, f"{held.get('passages', 0):,}", f"{held.get('prompts', 0):,}", f"{held.get('chars', 0):,}",
+                     f"{got.get('prompts', 0):,}", f"{got.get('answer_tokens', 0):,}"))  # fmt: skip
+    head = ["source", "passages", "prompts in the pack", "characters", "sequences answered", "answer tokens"]
+    return ["", f"The prompt pack ({tokens:,} answer tokens generated from it):", "", *_table(head, rows), ""]
 
 
 def _packed_curve(chain, total: int) -> list[tuple]:

@@ -1,4 +1,6 @@
 """The answer data every head recipe trains on (`make draft-feature-stages`, `-long`): offline
 sources (sources.py), the target answering them in batches that keep its features
-(decode_batch.py, store.py), human-written text as assistant turns (written.py), and the answer
-shards read as training windows, with the reduced vocabulary rebuilt from them (windows.py)."""
+(decode_batch.py, store.py), human-written text as assistant turns (written.py), the answer
+shards read as training windows, with the reduced vocabulary rebuilt from them (windows.py), and
+the prompt pack: every offline source's passages under several instructions, in one file for a GPU
+machine (passages.py, pack.py)."""

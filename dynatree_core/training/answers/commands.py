@@ -1,5 +1,6 @@
 """The answer data's commands (`make draft-feature-stages`, `-long`): answers, ood-answers,
-answers-relabel, answers-written, and vocab-map (the reduced vocabulary rebuilt from the answers)."""
+answers-relabel, answers-written, vocab-map (the reduced vocabulary rebuilt from the answers) and
+prompt-pack (the prompts of every offline source, in one file for a GPU machine)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import argparse
 from pathlib import Path
 
 from dynatree_core.runs.environment import portable
-from dynatree_core.training.cli import SHIPPED, Command, answer_dirs, print_now
+from dynatree_core.training.cli import SHIPPED, Command, answer_dirs, data_root, print_now
 
 
 def stage_spec(spec: str) -> tuple[tuple[str, ...], dict[str, int]]:
@@ -163,6 +164,27 @@ def _vocab_map(args: argparse.Namespace) -> None:
         print(f"vocab-map: {args.out / 'token_map.json'} ({sizes[0]} slots)")
 
 
+def _pack_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, default=None, help="default: <cache>/draft-data/prompt-pack.jsonl.gz")
+    p.add_argument("--prompts", type=int, default=260_000, help="about this many prompts in all")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _prompt_pack(args: argparse.Namespace) -> None:
+    import time
+
+    from dynatree_core.training.answers.pack import build_pack, source_table, table_markdown, write_pack
+
+    t0 = time.perf_counter()
+    header, jobs = build_pack(args.seed, target_prompts=args.prompts, log=print_now)
+    out = args.out or data_root() / "prompt-pack.jsonl.gz"
+    size = write_pack(out, header, jobs)
+    print_now(table_markdown(source_table(header)))
+    print_now(f"prompt-pack: {len(jobs):,} prompts ({header['ood_dropped']} dropped for sharing text with the "
+              f"OOD set, {header['duplicates_dropped']} as repeats), {size / 1e6:.1f} MB, "
+              f"{time.perf_counter() - t0:.0f} s: {portable(str(out))}")  # fmt: skip
+
+
 COMMANDS = {
     "answers": Command(
         "on-policy answers to the source pool, features kept (resumable shards)", _answers_flags, _answers
@@ -178,5 +200,8 @@ COMMANDS = {
     "answers-relabel": Command("recompute missing answer features from the committed ids", _relabel_flags, _relabel),
     "answers-written": Command(
         "human-written text as teacher-forced assistant turns (stage written)", _written_flags, _written
+    ),  # fmt: skip
+    "prompt-pack": Command(
+        "the prompts of every offline source, several instructions each, in one file", _pack_flags, _prompt_pack
     ),  # fmt: skip
 }

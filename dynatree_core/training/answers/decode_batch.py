@@ -36,15 +36,29 @@ from dynatree_core.decoding.engine import vocab_size
 from dynatree_core.errors import DynaTreeError
 
 TOP_K = 64  # sampled rows draw from the top-k (then top-p) of the tempered distribution
+TEACHER_K = 32  # the teacher's top-k kept per loss position (the rest of its mass is renormalised away)
+
+
+def compact_teacher(logits: torch.Tensor, k: int = TEACHER_K) -> dict[str, torch.Tensor]:
+    """The target's next-token distribution at n positions, kept small: its top-k token ids
+    ("ids", (n, k) int64) and logits ("logits", (n, k) float32) and the log-sum-exp over its whole
+    vocabulary ("lse", (n,) float32), so p(top-k) = exp(logits - lse) and the mass they cover is known.
+    A training step then needs no target LM head at all (SpecForge's compact teacher keeps the
+    draft vocabulary's slice; the top-k is smaller still, and any token map can be applied later)."""
+    top = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    return {"ids": top.indices, "logits": top.values.float(), "lse": torch.logsumexp(logits.float(), dim=-1)}
 
 
 @dataclasses.dataclass
 class Decoded:
-    """One finished row: ids = prompt + answer (EOS included when it came), features (len(ids) - 1, H)."""
+    """One finished row: ids = prompt + answer (EOS included when it came), features (len(ids) - 1, H)
+    and, when asked for, the compact teacher at every answer position (`compact_teacher`'s keys,
+    host arrays of len(ids) - prompt_len rows: the logits each answer token was drawn from)."""
 
     ids: np.ndarray
     prompt_len: int
     features: np.ndarray
+    teacher: dict[str, np.ndarray] | None = None
 
 
 def lean_or_fail(model: torch.nn.Module) -> LeanForward:
@@ -206,11 +220,12 @@ class BatchDecoder:
         batch: int = 64,
         top_p: float = 0.95,
         progress=None,
+        teacher: bool = False,
     ) -> list[Decoded]:
-        """Decode every prompt to EOS or its `max_new` tokens, `batch` rows at a time with
-        continuous batching: a finished row takes the next prompt (prefilled with the others
-        that start then), so the batch stays full until the prompts run out. Results keep the
-        prompts' order. `progress(tokens)` is called with each step's new tokens."""
+        """Decode every prompt to EOS or its `max_new` tokens, `batch` rows at a time with continuous
+        batching: a finished row takes the next prompt (prefilled with the others that start then), so
+        the batch stays full until the prompts run out. Results keep the prompts' order. `progress(tokens)`
+        is called with each step's new tokens; `teacher`: keep the compact teacher of every logits row."""
         n = len(prompts)
         size = min(batch, n)
         queue = list(range(n))[::-1]  # pop() takes them in order
@@ -225,6 +240,7 @@ class BatchDecoder:
         logits = torch.zeros(size, vocab_size(self.model), device=self.device)
         answers: list[list[int]] = [[] for _ in range(n)]
         feats: list[list[np.ndarray]] = [[] for _ in range(n)]
+        kept: list[list] | None = [[] for _ in range(n)] if teacher else None
 
         def admit(free: list[int]) -> None:
             take = [queue.pop() for _ in free[: len(queue)]]
@@ -238,6 +254,7 @@ class BatchDecoder:
                 v[rows, :, :width] = sv
             ends = torch.tensor([len(prompts[j]) for j in take], device=self.device)
             logits[rows] = self.lean.head(states[torch.arange(len(take)), ends - 1]).float()
+            _keep(kept, take, logits[rows])
             for i, j in enumerate(take):
                 feats[j].append(host_f16(states[i, : len(prompts[j])]))
             job[rows] = torch.tensor(take, device=self.device)
@@ -267,12 +284,13 @@ class BatchDecoder:
                 alive, free = job >= 0, []
             if bool(alive.any()):
                 logits = self._extend(token, lens, caches, job, feats)
+                _keep(kept, job.tolist(), logits)
                 lens = lens + alive.long()
             elif not queue:
                 break
             if queue and free and len(free) * 8 >= len(job):  # refill once an eighth of the rows is free
                 admit(free)
-        return [_decoded(p, answers[j], feats[j]) for j, p in enumerate(prompts)]
+        return [_decoded(p, answers[j], feats[j], kept and kept[j]) for j, p in enumerate(prompts)]
 
     def _extend(self, token, lens, caches, job, feats) -> torch.Tensor:
         """One decoding step of every row: each row reads its token at slot `lens` (b,), its
@@ -292,9 +310,21 @@ def _rows(keep: torch.Tensor, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(a[keep] for a in rows)
 
 
-def _decoded(prompt: list[int], answer: list[int], feats: list[np.ndarray]) -> Decoded:
+def _keep(kept: list[list] | None, jobs: list[int], logits: torch.Tensor) -> None:
+    """With a teacher kept: each row's compact teacher of `logits` (rows, vocab), appended to its
+    job's list as (the step's host arrays, the row) (job -1: a free row, nothing kept)."""
+    if kept is None:
+        return
+    host = {k: v.cpu().numpy() for k, v in compact_teacher(logits).items()}
+    for r, i in enumerate(jobs):
+        if i >= 0:
+            kept[i].append((host, r))
+
+
+def _decoded(prompt: list[int], answer: list[int], feats: list[np.ndarray], kept: list | None) -> Decoded:
     ids = np.asarray(prompt + answer, dtype=np.int64)
-    return Decoded(ids=ids, prompt_len=len(prompt), features=np.concatenate(feats)[: len(ids) - 1])
+    teacher = {k: np.stack([h[k][r] for h, r in kept]) for k in ("ids", "logits", "lse")} if kept else None
+    return Decoded(ids=ids, prompt_len=len(prompt), features=np.concatenate(feats)[: len(ids) - 1], teacher=teacher)
 
 
 def host_f16(states: torch.Tensor) -> np.ndarray:

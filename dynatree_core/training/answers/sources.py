@@ -12,6 +12,8 @@ the temperature to answer it with (greedy or sampled) and a token limit. Kinds o
     self-instruct  user questions the target wrote itself from seed topics (answered in a later stage)
     multi-turn     (kept so stored source indices stay; its follow-up stage never ran and was removed)
     written-*      the texts themselves as assistant turns, teacher-forced (written.py)
+    package-docs, package-code, info, vim-help, perl-docs, readmes, man-translated
+                   further offline text that only the prompt pack reads (passages.py, pack.py)
 
 `build_pool` is deterministic for a given machine's files and seed; the pool is saved next to the
 data so a run that resumes elsewhere answers the same prompts. The out-of-distribution set
@@ -36,6 +38,7 @@ from dynatree_core.training.prompts import DATA, TOPICS, sample_prompts
 SOURCES = (
     *("templates", "debian", "pydoc", "stdlib", "manpages", "fortunes", "self-instruct", "multi-turn"),
     *("written-pydoc", "written-stdlib", "written-manpages", "written-fortunes"),  # written.py: text, not answers
+    *("package-docs", "package-code", "info", "vim-help", "perl-docs", "readmes", "man-translated"),  # pack.py
 )
 DOCS_DIR = Path("/usr/share/doc/python3.11/html/_sources")
 FORTUNES_DIR = Path("/usr/share/games/fortunes")
@@ -51,9 +54,14 @@ class Job:
     temperature: float = 0.0
     max_new: int = 256
     history: tuple[tuple[str, str], ...] = ()
+    follow_ups: int = 0  # user turns the target writes itself after answering, each answered (pack.py)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self) | {"history": [list(t) for t in self.history]}
+        """Omits `follow_ups` when 0, so job lists saved before the field existed read and hash the same."""
+        item = dataclasses.asdict(self) | {"history": [list(t) for t in self.history]}
+        if not self.follow_ups:
+            del item["follow_ups"]
+        return item
 
     @classmethod
     def from_json(cls, item: dict) -> Job:
@@ -128,6 +136,21 @@ def stdlib_snippets(root: Path | None = None) -> list[str]:
 _ROFF_ESCAPE = re.compile(r"\\f[BIRPC]|\\f\(..|\\[(]..|\\[&,/]|\\s[-+]?\d")
 
 
+def roff_text(section: str) -> str:
+    """Plain text of a section of a manual page: requests dropped, font escapes stripped."""
+    text = []
+    for line in section.splitlines():
+        if line.startswith((".", "'")):
+            if line.startswith((".B ", ".I ", ".BR ", ".IR ", ".BI ")):
+                text.append(line.split(" ", 1)[1].replace('"', ""))
+            elif line.startswith((".PP", ".P", ".LP", ".TP", ".IP")):
+                text.append("\n")
+            continue
+        text.append(line)
+    body = _ROFF_ESCAPE.sub("", " ".join(text)).replace("\\-", "-").replace("\\e", "\\")
+    return re.sub(r"[ \t]+", " ", body).replace(" \n ", "\n").strip()
+
+
 def man_descriptions(root: Path = MAN_DIR) -> list[tuple[str, str]]:
     """(page name, DESCRIPTION text) of the English manual pages, roff markup stripped."""
     out = []
@@ -139,17 +162,7 @@ def man_descriptions(root: Path = MAN_DIR) -> list[tuple[str, str]]:
         match = re.search(r"^\.SH\s+\"?DESCRIPTION\"?\s*$(.*?)(^\.SH|\Z)", roff, re.M | re.S)
         if not match:
             continue
-        text = []
-        for line in match.group(1).splitlines():
-            if line.startswith((".", "'")):
-                if line.startswith((".B ", ".I ", ".BR ", ".IR ", ".BI ")):
-                    text.append(line.split(" ", 1)[1].replace('"', ""))
-                elif line.startswith((".PP", ".P", ".LP", ".TP", ".IP")):
-                    text.append("\n")
-                continue
-            text.append(line)
-        body = _ROFF_ESCAPE.sub("", " ".join(text)).replace("\\-", "-").replace("\\e", "\\")
-        body = re.sub(r"[ \t]+", " ", body).replace(" \n ", "\n").strip()
+        body = roff_text(match.group(1))
         if len(body) >= 200:
             out.append((path.name.split(".")[0], _cut(body)))
     return out

@@ -13,6 +13,8 @@ which are not (`<cache>/draft-data/answer-features/main_00003.npy`, float16 (tok
 H), plus a `.sum` with the ids' checksum). A shard whose files exist is skipped, so a run that
 stops resumes at the next shard; on a machine where only the ids exist (a fresh clone),
 `relabel` recomputes the features teacher-forced. The job lists are saved beside the ids.
+`decode_shard(teacher=True)` (the GPU recipe, training/gpu/) also keeps the compact teacher as it
+decodes, from the logits each answer token was drawn from.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from dynatree_core.decoding.pairs import encode_prompt
 from dynatree_core.training.answers import sources
-from dynatree_core.training.answers.decode_batch import BatchDecoder, host_f16
+from dynatree_core.training.answers.decode_batch import TEACHER_K, BatchDecoder, compact_teacher, host_f16
 from dynatree_core.training.ledger import record
 from dynatree_core.training.token.corpus import checksum
 
@@ -101,9 +103,12 @@ class AnswerStore:
         ]
 
     def write(self, stage: str, k: int, rows, jobs: list[sources.Job], vocab: int) -> None:
-        """A decoded shard: its features, then its ids (the ids last: they mark the shard done)."""
+        """A decoded shard: its features (and its teacher, when the rows kept it), then its ids
+        (the ids last: they mark the shard done)."""
         ids = np.concatenate([r.ids for r in rows]).astype(_ids_dtype(vocab))
         self.write_features(stage, k, [r.features for r in rows], ids)
+        if rows and rows[0].teacher is not None:
+            self.write_teacher(stage, k, _rows_teacher(rows, vocab), ids)
         temps = np.asarray([j.temperature for j in jobs], dtype=np.float16)
         self.write_ids(stage, k, [(r.ids, r.prompt_len) for r in rows], [j.source for j in jobs], temps, vocab)
 
@@ -167,6 +172,39 @@ def encode_job(tokenizer, job: sources.Job) -> list[int]:
     return encode_prompt(tokenizer, job.text, chat=job.chat, history=job.history)
 
 
+def decode_shard(
+    store: AnswerStore, decoder: BatchDecoder, target, stage: str, k: int, part: list[sources.Job], *,
+    batch: int, seed: int, teacher: bool = False, log=print,
+) -> tuple[int, int, float]:  # fmt: skip
+    """Decode the jobs `part` (prompts of similar length share batches) and write them as shard `k`
+    of `stage` (with `teacher`, its compact teacher too, from the decoding's own logits), its time
+    in the ledger; returns (answer tokens, prompt tokens, seconds)."""
+    prompts = [encode_job(target.tokenizer, j) for j in part]
+    order = np.argsort([len(p) for p in prompts], kind="stable")
+    t0 = time.perf_counter()
+    rows = decoder.generate(
+        [prompts[i] for i in order],
+        max_new=[part[i].max_new for i in order],
+        temperature=[part[i].temperature for i in order],
+        eos=target.eos_token_ids,
+        seed=seed,
+        batch=batch,
+        teacher=teacher,
+    )
+    back = np.argsort(order)
+    rows = [rows[i] for i in back]
+    store.write(stage, k, rows, part, decoder.model.config.get_text_config(decoder=True).vocab_size)
+    made = sum(len(r.ids) - r.prompt_len for r in rows)
+    read = sum(r.prompt_len for r in rows)
+    dt = time.perf_counter() - t0
+    record("answers", dt, tokens=made, prompt_tokens=read, item=f"{stage} {k}")
+    log(
+        f"answers: {stage} shard {k}: {made} answer tokens (+{read} prompt) in {dt:.0f} s, "
+        f"{made / dt:.0f} answer tokens/s, {(made + read) / dt:.0f} featurised tokens/s"
+    )
+    return made, read, dt
+
+
 def generate(
     store: AnswerStore,
     target,
@@ -182,7 +220,6 @@ def generate(
     `max_shards`: at most this many in this call; `main_shards`: the main stage ends at this many
     shards in all (a recipe that stops there reproduces the same data, and a rerun writes none)."""
     decoder = BatchDecoder(target.model)
-    vocab = target.model.config.get_text_config(decoder=True).vocab_size
     written = 0
     for stage in stages:
         jobs = _stage_jobs(store, stage, target.tokenizer, seed, log)
@@ -197,28 +234,8 @@ def generate(
             if k in have or (max_shards is not None and written >= max_shards):
                 continue
             part = jobs[k * SHARD_JOBS : (k + 1) * SHARD_JOBS]
-            prompts = [encode_job(target.tokenizer, j) for j in part]
-            order = np.argsort([len(p) for p in prompts], kind="stable")  # similar lengths share batches
-            t0 = time.perf_counter()
-            rows = decoder.generate(
-                [prompts[i] for i in order],
-                max_new=[part[i].max_new for i in order],
-                temperature=[part[i].temperature for i in order],
-                eos=target.eos_token_ids,
-                seed=seed * 100_003 + k * 7 + STAGES.index(stage),
-                batch=batch,
-            )
-            back = np.argsort(order)
-            rows = [rows[i] for i in back]
-            store.write(stage, k, rows, part, vocab)
-            made = sum(len(r.ids) - r.prompt_len for r in rows)
-            read = sum(r.prompt_len for r in rows)
-            dt = time.perf_counter() - t0
-            record("answers", dt, tokens=made, prompt_tokens=read, item=f"{stage} {k}")
-            log(
-                f"answers: {stage} shard {k}: {made} answer tokens (+{read} prompt) in {dt:.0f} s, "
-                f"{made / dt:.0f} answer tokens/s, {(made + read) / dt:.0f} featurised tokens/s"
-            )
+            decode_shard(store, decoder, target, stage, k, part, batch=batch,
+                         seed=seed * 100_003 + k * 7 + STAGES.index(stage), log=log)  # fmt: skip
             written += 1
         if len(store.shards(stage)) < n_shards:
             break  # later stages build on this one
@@ -247,25 +264,23 @@ def ood_answers(store: AnswerStore, target, *, max_new: int = 256, log=print) ->
     log(f"answers: {len(rows)} OOD answers, {made} tokens in {time.perf_counter() - t0:.0f} s")
 
 
-TEACHER_K = 32  # the teacher's top-k kept per loss position (the rest of its mass is renormalised away)
-
-
-def compact_teacher(logits: torch.Tensor, k: int = TEACHER_K) -> dict[str, torch.Tensor]:
-    """The target's next-token distribution at n positions, kept small: its top-k token ids
-    ("ids", (n, k) int64) and logits ("logits", (n, k) float32) and the log-sum-exp over its whole
-    vocabulary ("lse", (n,) float32), so p(top-k) = exp(logits - lse) and the mass they cover is known.
-    A training step then needs no target LM head at all (SpecForge's compact teacher keeps the
-    draft vocabulary's slice; the top-k is smaller still, and any token map can be applied later)."""
-    top = logits.topk(min(k, logits.shape[-1]), dim=-1)
-    return {"ids": top.indices, "logits": top.values.float(), "lse": torch.logsumexp(logits.float(), dim=-1)}
-
-
 def _teacher_arrays(rows: int, k: int, vocab: int) -> dict[str, np.ndarray]:
     return {
         "ids": np.zeros((rows, k), dtype=_ids_dtype(vocab)),
         "logits": np.zeros((rows, k), dtype=np.float16),
         "lse": np.full(rows, np.nan, dtype=np.float32),  # NaN: not a loss position (the prompt's context)
     }
+
+
+def _rows_teacher(rows, vocab: int) -> dict[str, np.ndarray]:
+    """Decoded rows' teachers (`BatchDecoder.generate(teacher=True)`) in the stored layout: a row per
+    feature position of the shard, NaN lse at the prompts' context positions (as `relabel` writes)."""
+    starts = np.cumsum([0] + [len(r.ids) - 1 for r in rows])
+    labels = _teacher_arrays(int(starts[-1]), TEACHER_K, vocab)
+    for row, start, end in zip(rows, starts[:-1], starts[1:], strict=True):
+        for key, part in row.teacher.items():
+            labels[key][start + row.prompt_len - 1 : end] = part
+    return labels
 
 
 @torch.inference_mode()

@@ -150,6 +150,14 @@ def coverage(token_map: TokenMap, ids: np.ndarray) -> float:
     return float((token_map.target_to_draft[torch.from_numpy(ids.astype(np.int64))] != 0).float().mean())
 
 
+def answer_splits(store: AnswerStore, ood: AnswerStore, stages: tuple[str, ...] = STAGES) -> dict:
+    """`agreement_report`'s splits: the held-out windows of the answers (`stages`) and every window of
+    the OOD answers (stage "ood"), side by side."""
+    seen = AnswerCorpus(store, stages=stages)
+    far = AnswerCorpus(ood, stages=("ood",), heldout=True)
+    return {"in-distribution (held out)": (seen, seen.eval_rows), "out-of-distribution": (far, far.eval_rows)}
+
+
 def agreement_report(target, drafts: list, token_draft, splits: dict) -> dict:
     """Held-out agreement by depth of each feature draft (and the token draft's, the same at every
     depth given accepted ancestors) on each split: {split: (corpus, rows)} -> {split: {...}}."""

@@ -100,12 +100,10 @@ def _quality(args: argparse.Namespace) -> None:
 def _answers_quality(args: argparse.Namespace, target, token) -> dict:
     """In-distribution (held-out answer shards) and OOD agreement by depth, side by side."""
     from dynatree_core.training.answers.store import AnswerStore
-    from dynatree_core.training.answers.windows import AnswerCorpus, agreement_report
+    from dynatree_core.training.answers.windows import agreement_report, answer_splits
 
-    seen = AnswerCorpus(AnswerStore(*answer_dirs(args.target)))
-    ood = AnswerCorpus(AnswerStore(*answer_dirs(args.target, ood=True)), stages=("ood",), heldout=True)
-    splits = {"in-distribution (held out)": (seen, seen.eval_rows), "out-of-distribution": (ood, ood.eval_rows)}
-    return agreement_report(target, args.draft, token, splits)
+    stores = AnswerStore(*answer_dirs(args.target)), AnswerStore(*answer_dirs(args.target, ood=True))
+    return agreement_report(target, args.draft, token, answer_splits(*stores))
 
 
 def _corpus_quality(args: argparse.Namespace, target, token, spec) -> dict:

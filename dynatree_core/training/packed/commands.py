@@ -30,7 +30,7 @@ def _flags(p: argparse.ArgumentParser) -> None:
     config_flags(p, PackedTrainConfig)
 
 
-def _evals(data, ood, cfg) -> dict:
+def eval_splits(data, ood, cfg) -> dict:
     """The held-out check reads the answer stages only (so runs on different stages compare), and
     the OOD answers when there are any."""
     import numpy as np
@@ -44,23 +44,24 @@ def _evals(data, ood, cfg) -> dict:
     return {"heldout": (data, heldout)}
 
 
-def _draft(args: argparse.Namespace, target, token_map, taps, seed: int):
-    """A fresh draft of the kind asked; with --init-from (and no checkpoint yet) everything but the
+def start_draft(kind: str, target, token_map, taps, seed: int, *, init_from: Path | None, out: Path,
+                fc_norm: str = "per_tap"):  # fmt: skip
+    """A fresh draft of `kind`; with `init_from` (and no checkpoint in `out` yet) everything but the
     head from that draft: this run's head is the target's rows for its own token map."""
     from dynatree_core.core.weights import load_weights
     from dynatree_core.drafts.feature import FeatureDraft
     from dynatree_core.drafts.fused import FusedDraft
 
-    if args.kind == "fused":
-        draft = FusedDraft.from_target(target, token_map, taps=taps, seed=seed, fc_norm=args.fc_norm)
+    if kind == "fused":
+        draft = FusedDraft.from_target(target, token_map, taps=taps, seed=seed, fc_norm=fc_norm)
     else:
         draft = FeatureDraft.from_target(target, token_map, seed=seed)
-    if args.init_from and not (args.out / "checkpoint.pt").exists():
-        start = type(draft).load(args.init_from, target)
-        head = "lm_head" if args.kind == "fused" else "lm.lm_head"
+    if init_from and not (out / "checkpoint.pt").exists():
+        start = type(draft).load(init_from, target)
+        head = "lm_head" if kind == "fused" else "lm.lm_head"
         weights = {k: v for k, v in start.state_dict().items() if not (k == head or k.startswith(head + "."))}
-        load_weights(draft, weights, what=str(args.init_from), allow_missing=(head,))
-        print_now(f"train-packed: initialised from {args.init_from}")
+        load_weights(draft, weights, what=str(init_from), allow_missing=(head,))
+        print_now(f"train-packed: initialised from {init_from}")
     return draft
 
 
@@ -89,8 +90,9 @@ def _train_packed(args: argparse.Namespace) -> None:
         raise SystemExit(
             f"train-packed: no answer shard has its teacher (and taps); run `answers-relabel {what}` first"
         )
-    evals = _evals(data, ood, cfg)
-    draft = _draft(args, target, token_map, taps, cfg.seed)
+    evals = eval_splits(data, ood, cfg)
+    draft = start_draft(args.kind, target, token_map, taps, cfg.seed, init_from=args.init_from, out=args.out,
+                        fc_norm=args.fc_norm)  # fmt: skip
     windows = f"{len(data.train_rows)} training windows ({data.answer_pairs():,} answer pairs)"
     print_now(f"train-packed: {args.kind} kind, {windows}, {len(evals['heldout'][1])} held-out and "
               f"{len(ood.eval_rows)} OOD windows evaluated")  # fmt: skip

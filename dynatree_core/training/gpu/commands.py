@@ -1,0 +1,48 @@
+"""The one-sitting GPU recipe's command, draft-gpu (`make draft-gpu`): a prompt pack in, the feature
+draft and its card out, in a wall-time budget, resumable stage by stage (gpu/recipe.py)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dynatree_core.training.cli import Command, data_root, print_now, runs_root
+
+
+def _flags(p: argparse.ArgumentParser) -> None:
+    from dynatree_core.training.gpu.recipe import STAGES
+
+    p.add_argument("--pack", type=Path, default=data_root() / "prompt-pack.jsonl.gz", help="the prompt pack")
+    p.add_argument("--out", type=Path, default=runs_root() / "gpu", help="the run directory (all it writes)")
+    p.add_argument("--budget-s", type=float, default=1500.0, help="seconds of the stages' work, split across them")
+    p.add_argument("--until", choices=STAGES, default="export", help="stop after this stage (a rerun goes on)")
+    p.add_argument("--stop-after-s", type=float, default=0.0, help="end this call after this long (a rerun goes on)")
+    p.add_argument("--target", default="embedded", help="a Llama-family target: preset, hub id or directory")
+    p.add_argument("--device", default="auto", help="auto: CUDA when present")
+    p.add_argument("--dtype", default="bfloat16", help="the target's dtype while answering and relabelling")
+    p.add_argument("--batch-rows", type=int, default=0, help="rows decoded together (0: 1024 on CUDA, 16 on CPU)")
+    p.add_argument("--shard-jobs", type=int, default=0, help="jobs a shard (0: 8 x batch rows on CUDA, 512 on CPU)")
+    p.add_argument("--answer-tokens", type=int, default=0, help="stop answering at this many answer tokens")
+    p.add_argument("--train-s", type=float, default=0.0, help="seconds of training (0: the budget's share)")
+    p.add_argument("--pairs-per-step", type=int, default=8192, help="packed answer pairs a training step reads")
+    p.add_argument("--init-from", type=Path, default=None, help="a saved feature draft to start from")
+    p.add_argument("--token-map", type=Path, default=None, help="default: the shipped map (embedded) or rebuilt")
+    p.add_argument("--ood-max-new", type=int, default=256, help="a generated OOD answer's token limit")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _run(args: argparse.Namespace) -> None:
+    import dataclasses
+
+    from dynatree_core.training.gpu.recipe import GpuRecipe, GpuRun
+
+    cfg = GpuRecipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GpuRecipe)})
+    if not GpuRun(cfg, log=print_now).run():
+        raise SystemExit(3)  # stopped early on purpose: the same command continues it
+
+
+COMMANDS = {
+    "draft-gpu": Command(
+        "a prompt pack to an exported feature draft in one GPU sitting (resumable stages)", _flags, _run
+    ),  # fmt: skip
+}

@@ -1,0 +1,194 @@
+"""The one-sitting GPU recipe (training/gpu/, `draft-gpu`) on the CPU with a tiny target and a tiny pack:
+every stage runs, a stopped run resumes without redoing a stage, the export carries its card with the
+pack's sources, follow-up jobs become two-turn conversations, and nothing is written outside the run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+from dynatree_core.core.models import load_model
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.training.__main__ import main
+from dynatree_core.training.answers import sources
+from dynatree_core.training.answers.pack import write_pack
+from dynatree_core.training.answers.store import AnswerStore
+from dynatree_core.training.gpu import recipe
+
+QUESTION = "Why is the sky blue?"
+
+
+def _write_pack(path, n: int = 20, follow: int = 2) -> list[sources.Job]:
+    """A pack of `n` short jobs over three sources; the first `follow` ask for one follow-up turn."""
+    kinds = ("templates", "debian", "pydoc")
+    jobs = [
+        sources.Job(
+            kinds[i % 3], f"Tell me about topic {i}.", i % 4 != 3, 0.0 if i % 2 else 0.7, 6, follow_ups=int(i < follow)
+        )
+        for i in range(n)
+    ]
+    counts = {k: sum(j.source == k for j in jobs) for k in kinds}
+    lines = "\n".join(json.dumps(j.to_json(), ensure_ascii=False) for j in jobs)
+    header = {
+        "format": "dynatree-prompt-pack",
+        "version": 1,
+        "sha256_of_jobs": hashlib.sha256(lines.encode()).hexdigest(),
+        "sources": {k: {"passages": c, "prompts": c, "chars": 30 * c} for k, c in counts.items()},
+    }
+    write_pack(path, header, jobs)
+    return jobs
+
+
+def _files(root) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def sandbox(tmp_path, monkeypatch):
+    """A cache and a home of their own (the recipe must leave both empty), question writing that
+    always yields one question (the tiny random target writes none) and 8 of the OOD prompts."""
+    from dynatree_core.measure import prompt_sets
+
+    for name in ("cache", "home"):
+        (tmp_path / name).mkdir()
+    monkeypatch.setenv("DYNATREE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(sources, "question_from_answer", lambda text: QUESTION)
+    every = prompt_sets.load_prompts
+    monkeypatch.setattr(prompt_sets, "load_prompts", lambda name: every(name)[::8])
+    return tmp_path
+
+
+def _args(sandbox, target: str, *more: str) -> list[str]:
+    """A budget the tiny stages never reach (they finish) and 2 s of training (a later flag wins)."""
+    return ["draft-gpu", "--pack", str(sandbox / "pack.jsonl.gz"), "--out", str(sandbox / "run"),
+            "--target", target, "--device", "cpu", "--dtype", "float32", "--batch-rows", "4", "--shard-jobs", "8",
+            "--budget-s", "600", "--train-s", "2", "--ood-max-new", "4", *more]  # fmt: skip
+
+
+def test_every_stage_runs_resumes_and_exports_only_under_the_run(sandbox, tiny_pair_dirs, monkeypatch, capsys):
+    target = tiny_pair_dirs[0]
+    _write_pack(sandbox / "pack.jsonl.gz")
+    run = sandbox / "run"
+    with pytest.raises(SystemExit) as stopped:  # a call out of time stops, saying a rerun continues it
+        main(_args(sandbox, target, "--until", "answers", "--stop-after-s", "1e-9"))
+    assert stopped.value.code == 3
+    main(_args(sandbox, target, "--until", "answers"))
+    book = json.loads((run / "stages.json").read_text())["stages"]
+    assert book["answers"]["done"] and "follow" not in book, "--until answers stops after the answers"
+    shards = {k: v for k, v in _files(run / "answers").items() if k.startswith("main_")}
+    assert len([k for k in shards if k.endswith(".npz")]) == 3, "20 jobs in shards of 8"
+    assert all(AnswerStore(run / "answers", run / "answer-features").has_teacher("main", k) for k in range(3)), (
+        "the teacher is kept while decoding"
+    )
+
+    main(_args(sandbox, target, "--until", "relabel"))
+    teacher = {k: v for k, v in _files(run / "answer-features").items() if k.endswith(".teacher.npz")}
+    assert len(teacher) == 3 + 2 and any(k.startswith("follow1_") for k in teacher), "every answer shard's teacher"
+    in_time = recipe.GpuRun.call_left
+    monkeypatch.setattr(recipe.GpuRun, "call_left", lambda self: 0.3)  # a call with 0.3 s left when training starts
+    with pytest.raises(SystemExit):
+        main(_args(sandbox, target, "--train-s", "3"))
+    monkeypatch.setattr(recipe.GpuRun, "call_left", in_time)
+    stopped = json.loads((run / "stages.json").read_text())["stages"]["train"]
+    assert not stopped["done"] and stopped["items"] >= 1 and (run / "train" / "checkpoint.pt").exists()
+    capsys.readouterr()
+    main(_args(sandbox, target, "--train-s", "3"))
+    assert f"resumed at step {stopped['items']}" in capsys.readouterr().out, "training continues its checkpoint"
+    after = _files(run)
+    assert all(after[f"answers/{k}"] == t for k, t in shards.items()), "a resumed run does not answer again"
+    assert all(after[f"answer-features/{k}"] == t for k, t in teacher.items()), "nor relabel again"
+
+    summary = json.loads((run / "summary.json").read_text())
+    assert all(summary["stages"][s]["done"] for s in recipe.STAGES), summary
+    assert summary["stages"]["answers"]["tokens"] > 0 and summary["device"] == "cpu"
+    assert 0 < summary["export_bytes"] <= recipe.EXPORT_MB * 2**20
+    card = (run / "export" / "README.md").read_text()
+    assert "The prompt pack" in card and "| templates | 7 | 7 | 210 | 9 |" in card, card  # + a question, a follow-up
+    assert "| out-of-distribution |" in card and "draft-gpu" in card and str(sandbox) not in card and target not in card
+    assert "train-packed" in card.split("## Compute")[1], "the card's compute comes from the run's own ledger"
+    assert (run / "compute.jsonl").exists() and (run / "train" / "checkpoint.pt").exists()
+    assert not any((sandbox / "cache").iterdir()) and not any((sandbox / "home").iterdir()), (
+        "the recipe writes nothing outside its run directory"
+    )
+    assert {p.name for p in sandbox.iterdir()} == {"cache", "home", "pack.jsonl.gz", "run"}, "not even a ledger"
+    main(_args(sandbox, target, "--train-s", "3"))
+    assert _files(run) == after | {"summary.json": _files(run)["summary.json"]}, "a finished run does nothing again"
+
+    book = json.loads((run / "stages.json").read_text())
+    book["stages"]["export"]["done"] = False
+    (run / "stages.json").write_text(json.dumps(book))
+    monkeypatch.setattr(recipe, "EXPORT_MB", 1e-4)
+    with pytest.raises(DynaTreeError, match="over the"):
+        main(_args(sandbox, target))
+
+
+def test_a_follow_up_job_becomes_a_two_turn_conversation(sandbox, tiny_pair_dirs):
+    target = tiny_pair_dirs[0]
+    jobs = _write_pack(sandbox / "pack.jsonl.gz", n=4, follow=2)
+    main(_args(sandbox, target, "--until", "follow"))
+    store = AnswerStore(sandbox / "run" / "answers", sandbox / "run" / "answer-features")
+    tokenizer = load_model(target, device="cpu", dtype="float32").tokenizer
+    asked = [s for k in store.shards("ask1") for s in store.sequences("ask1", k)]
+    followed = [s for k in store.shards("follow1") for s in store.sequences("follow1", k)]
+    assert len(asked) == len(followed) == 2, "one question and one answer per job asking for a follow-up"
+    assert not store.shards("ask2"), "one round: no job asked for two"
+    for (ids, plen, src), job in zip(followed, jobs[:2], strict=True):
+        prompt = tokenizer.decode(ids[:plen])
+        assert prompt.count("<|im_start|>user") == 2 and prompt.count("<|im_start|>assistant") == 2, prompt
+        assert job.text in prompt and prompt.index(job.text) < prompt.index(QUESTION), "first turn, then the question"
+        assert src == sources.SOURCES.index(job.source), "a follow-up keeps the source it continues"
+        assert len(ids) > plen, "the target answered the follow-up question"
+    assert np.load(store.features_path("follow1", 0)).shape[0] == sum(len(ids) - 1 for ids, _, _ in followed)
+
+
+def test_the_teacher_kept_while_decoding_is_the_teacher_forced_one(tmp_path, tiny_pair_dirs):
+    from dynatree_core.training.answers.decode_batch import BatchDecoder
+    from dynatree_core.training.answers.store import decode_shard, relabel
+
+    target = load_model(tiny_pair_dirs[0], device="cpu", dtype="float32")
+    store = AnswerStore(tmp_path / "ids", tmp_path / "features")
+    jobs = [
+        sources.Job("pydoc", f"Say something about {w}.", i % 2 == 0, 0.7 * (i % 2), 5) for i, w in enumerate("abcde")
+    ]
+    decode_shard(store, BatchDecoder(target.model), target, "main", 0, jobs, batch=2, seed=0, teacher=True, log=print)
+    kept = dict(np.load(store.teacher_path("main", 0)))
+    store.teacher_path("main", 0).unlink()
+    assert relabel(store, target, teacher=True, stages=("main",), log=print) == 1
+    forced = dict(np.load(store.teacher_path("main", 0)))
+    loss = np.isfinite(forced["lse"])
+    assert loss.any() and np.array_equal(np.isfinite(kept["lse"]), loss), "the same loss positions"
+    np.testing.assert_allclose(kept["lse"][loss], forced["lse"][loss], rtol=1e-4)
+    top, want = kept["logits"][loss].astype(np.float32), forced["logits"][loss].astype(np.float32)
+    np.testing.assert_allclose(top, want, atol=2e-3)
+    clear = want[:, 0] - want[:, 1] > 2e-3  # no near-tie at the top: the same argmax
+    assert (kept["ids"][loss][clear, 0] == forced["ids"][loss][clear, 0]).all() and clear.any()
+
+
+@pytest.mark.parametrize("limit", [["--budget-s", "1e-3"], ["--answer-tokens", "1"]], ids=["share", "token-goal"])
+def test_the_answers_stop_at_their_share_of_the_budget_or_the_token_goal(sandbox, tiny_pair_dirs, limit):
+    _write_pack(sandbox / "pack.jsonl.gz", follow=0)
+    main(_args(sandbox, tiny_pair_dirs[0], "--until", "answers", *limit))
+    book = json.loads((sandbox / "run" / "stages.json").read_text())["stages"]
+    assert book["answers"]["done"] and book["answers"]["items"] == 1, "the first shard always, then no more"
+
+
+def test_make_draft_gpu_runs_a_command_line_the_cli_accepts():
+    import re
+    import shlex
+    import shutil
+    import subprocess
+
+    from dynatree_core.core.presets import REPO_ROOT
+    from dynatree_core.training.__main__ import parser
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    text = subprocess.run(["make", "-n", "draft-gpu"], capture_output=True, text=True, cwd=REPO_ROOT).stdout
+    line = re.findall(r"-m dynatree_core\.training (draft-gpu .*)", re.sub(r"\\\n\s*", " ", text))
+    assert len(line) == 1, text
+    args = parser().parse_args(shlex.split(line[0]))
+    assert args.budget_s == 1500 and args.pack.name == "prompt-pack.jsonl.gz" and args.until == "export"
