@@ -47,6 +47,9 @@ case "${1:-}" in
     rm "$wheel"
     pack=${DYNATREE_CACHE:-$HOME/.cache/dynatree}/draft-data/prompt-pack.jsonl.gz
     [ -f "$pack" ] && cp "$pack" .device/pack.jsonl.gz || echo "no prompt pack at $pack: the draft calls need one"
+    [ -f "$pack" ] && PYTHONPATH=. .venv/bin/python -c "import sys; from pathlib import Path
+from dynatree_core.training.answers.pack import read_pack, take, write_pack
+write_pack(Path('.device/pack-smoke.jsonl.gz'), *take(*read_pack(Path(sys.argv[1])), 256))" "$pack"
     for path in "${MOVED[@]}"; do
       [ -e "$path" ] && mkdir -p "$ASIDE/$(dirname "$path")" && mv "$path" "$ASIDE/$path"
     done
@@ -71,7 +74,7 @@ from files_at into assets/benchmarks/)
 
 The draft at scale (after 1-2 on the same machine; 15 minutes of device time hold both only when the
 measurements above are already in hand: then run these instead of 3-5):
-6. carry [".device/pack.jsonl.gz"]: benchmarks/gpu_session.sh draft 900 540
+6. carry [".device/pack.jsonl.gz", ".device/pack-smoke.jsonl.gz"]: benchmarks/gpu_session.sh draft 900 480
 7. benchmarks/gpu_session.sh draft 900 540    (repeat until it prints "exported")
 then bring files_at's draft into a candidate folder and run, here, on the CPU:
    PYTHONPATH=. .venv/bin/python -m benchmarks.draft_merit --candidate CANDIDATE
@@ -100,7 +103,11 @@ EOF
     ;;
   draft)
     mkdir -p /root/stage
-    [ -f /root/stage/pack.jsonl.gz ] || cp .device/pack.jsonl.gz /root/stage/
+    [ -f /root/stage/pack.jsonl.gz ] || cp .device/pack.jsonl.gz .device/pack-smoke.jsonl.gz /root/stage/
+    if [ ! -d /root/draft-run ]; then  # first: every stage on 256 jobs, so a CUDA-only failure shows in a minute
+      PYTHONPATH=/root/pylib:. $PY -m dynatree_core.training draft-gpu --pack /root/stage/pack-smoke.jsonl.gz \
+        --out /root/draft-smoke --budget-s 60 --train-s 10 | tail -12
+    fi
     code=0
     PYTHONPATH=/root/pylib:. $PY -m dynatree_core.training draft-gpu --pack /root/stage/pack.jsonl.gz \
       --out /root/draft-run --budget-s "$2" --stop-after-s "$3" || code=$?

@@ -51,6 +51,14 @@ def test_a_pack_whose_jobs_changed_is_refused(built, tmp_path):
         pack.read_pack(path)
 
 
+def test_the_first_jobs_taken_read_back_as_a_pack_of_their_own(built, tmp_path):
+    header, jobs = built[0]
+    small, first = pack.take(header, jobs, 25)
+    assert first == jobs[:25] and small["prompts"] == 25 and small["taken_from"] == header["sha256_of_jobs"]
+    pack.write_pack(tmp_path / "smoke.jsonl.gz", small, first)
+    assert pack.read_pack(tmp_path / "smoke.jsonl.gz") == (small, first)
+
+
 def test_the_header_counts_are_the_jobs(built):
     header, jobs = built[0]
     assert header["prompts"] == len(jobs) >= 1900, "about target_prompts prompts"

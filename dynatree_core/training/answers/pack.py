@@ -322,6 +322,14 @@ def read_pack(path: Path) -> tuple[dict, list[Job]]:
     return header, [Job.from_json(json.loads(line)) for line in body.split("\n") if line]
 
 
+def take(header: dict, jobs: list[Job], n: int) -> tuple[dict, list[Job]]:
+    """The first `n` jobs as a pack of their own (a smoke test's): its count and digest are theirs,
+    its per-source counts still the whole pack's, which `taken_from` names by digest."""
+    jobs = jobs[:n]
+    digest = hashlib.sha256("\n".join(_job_lines(jobs)).encode()).hexdigest()
+    return header | {"prompts": len(jobs), "taken_from": header["sha256_of_jobs"], "sha256_of_jobs": digest}, jobs
+
+
 def source_table(header: dict) -> list[dict]:
     """One row per source (source, passages, prompts, instructions, chars) for a model card."""
     rows = []
