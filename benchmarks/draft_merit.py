@@ -27,6 +27,7 @@ from pathlib import Path
 
 from benchmarks import RESULTS, ROOT
 from benchmarks.ood_headline import headline
+from dynatree_core.drafts.feature import CONFIG_FILE
 
 SHIPPED = ROOT / "assets" / "models" / "smollm2-feature-draft"
 README_PROMPT = "Why is the sky blue?"
@@ -119,8 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "cpu-draft-merit.json")
     args = parser.parse_args(argv)
     for path in (args.candidate, args.shipped):
-        if not (path / "config.json").exists():
-            raise SystemExit(f"{path}: not a saved feature draft (no config.json)")
+        if not (path / CONFIG_FILE).exists():
+            raise SystemExit(f"{path}: not a saved feature draft (no {CONFIG_FILE})")
     drafts = {"shipped": str(args.shipped), "candidate": str(args.candidate)}
     agreement = ood_agreement(drafts)
     print(f"OOD agreement by depth: {agreement}", flush=True)
