@@ -192,3 +192,12 @@ def test_make_draft_gpu_runs_a_command_line_the_cli_accepts():
     assert len(line) == 1, text
     args = parser().parse_args(shlex.split(line[0]))
     assert args.budget_s == 1500 and args.pack.name == "prompt-pack.jsonl.gz" and args.until == "export"
+
+
+def test_a_missing_or_broken_pack_is_one_line_naming_the_fix(tmp_path):
+    with pytest.raises(SystemExit, match="no prompt pack at .*prompt-pack"):
+        main(["draft-gpu", "--pack", str(tmp_path / "none.jsonl.gz"), "--out", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists(), "nothing is written for a run that cannot start"
+    (tmp_path / "bad.jsonl.gz").write_text("not a pack\n")
+    with pytest.raises(SystemExit, match="not a dynatree-prompt-pack file"):
+        main(["draft-gpu", "--pack", str(tmp_path / "bad.jsonl.gz"), "--out", str(tmp_path / "run")])

@@ -49,6 +49,9 @@ def test_a_pack_whose_jobs_changed_is_refused(built, tmp_path):
     pack.write_pack(path, header, jobs[:-1])
     with pytest.raises(ValueError, match="digest"):
         pack.read_pack(path)
+    (tmp_path / "plain.jsonl.gz").write_text('{"format": "dynatree-prompt-pack"}\n')
+    with pytest.raises(ValueError, match="not a dynatree-prompt-pack file"):
+        pack.read_pack(tmp_path / "plain.jsonl.gz")
 
 
 def test_the_first_jobs_taken_read_back_as_a_pack_of_their_own(built, tmp_path):

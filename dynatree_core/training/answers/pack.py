@@ -312,10 +312,13 @@ def write_pack(path: Path, header: dict, jobs: list[Job]) -> int:
 
 def read_pack(path: Path) -> tuple[dict, list[Job]]:
     """(header, jobs) of a pack file, its format and job digest checked."""
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        header = json.loads(f.readline())
-        body = f.read()
-    if header.get("format") != FORMAT or header.get("version") != VERSION:
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            header = json.loads(f.readline())
+            body = f.read()
+    except (gzip.BadGzipFile, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a {FORMAT} file ({exc})") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
         raise ValueError(f"{path}: not a {FORMAT} version {VERSION} file")
     if hashlib.sha256(body.encode()).hexdigest() != header["sha256_of_jobs"]:
         raise ValueError(f"{path}: the jobs do not match the header's digest")

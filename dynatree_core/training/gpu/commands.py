@@ -37,7 +37,14 @@ def _run(args: argparse.Namespace) -> None:
     from dynatree_core.training.gpu.recipe import GpuRecipe, GpuRun
 
     cfg = GpuRecipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GpuRecipe)})
-    if not GpuRun(cfg, log=print_now).run():
+    if not cfg.pack.is_file() and not (cfg.out / "answers" / "main.jobs.gz").exists():  # a started run has its copy
+        raise SystemExit(f"draft-gpu: no prompt pack at {cfg.pack}: build it with `python -m dynatree_core.training "
+                         "prompt-pack`, or name one with --pack")  # fmt: skip
+    try:
+        done = GpuRun(cfg, log=print_now).run()
+    except ValueError as exc:  # read_pack: not a pack, or its jobs do not match its digest
+        raise SystemExit(f"draft-gpu: {exc}") from None
+    if not done:
         raise SystemExit(3)  # stopped early on purpose: the same command continues it
 
 
