@@ -52,7 +52,12 @@ def measure(out: str) -> None:
     dev = torch.device("cuda")
     target, draft = shaped_pair(dev)
     rows = check.pair_checks("smollm2-shaped random", target, draft)
-    measures = {"buckets": check.bucket_ms(target, dev), "run": check.run_measures(target, draft, dev)}
+    rows += check.invariance_checks("smollm2-shaped random", target, draft)
+    measures = {
+        "buckets": check.bucket_ms(target, dev),
+        "widths": check.measured_widths(target),
+        "run": check.run_measures(target, draft, dev),
+    }
     report = {"device": "cuda", "name": torch.cuda.get_device_name(dev), "checks": rows, "measures": measures}
     report["verdict"] = "pass" if all(r["ok"] for r in rows) else "FAIL"
     print(check.verdict_table(report))

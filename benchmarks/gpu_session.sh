@@ -95,10 +95,13 @@ EOF
   measure)
     case "$2" in
       check) PYTHONPATH=/root/pylib:. $PY -m dynatree_core gpu-check --out "$OUT/gpu-check.json" | tail -60 ;;
+      shaped)  # no wheel needed: the tiny pairs, then SmolLM2's shapes with random weights
+        $PY -m dynatree_core gpu-check --no-embedded --out "$OUT/gpu-check-tiny.json" | tail -30
+        PYTHONPATH=. $PY -m benchmarks.gpu_check_shaped "$OUT/gpu-check-smollm2-shaped.json" | tail -30 ;;
       f32) bench float32 float32 ;;
       bf16) bench bfloat16 bfloat16 ;;  # width-invariant (the bfloat16 default): eager forwards
       bf16-shared) bench bfloat16 bfloat16-shared --width-invariant off ;;  # captured, may differ at near-ties
-      *) echo "measure: check, f32, bf16 or bf16-shared" >&2; exit 2 ;;
+      *) echo "measure: check, shaped, f32, bf16 or bf16-shared" >&2; exit 2 ;;
     esac
     ;;
   draft)
