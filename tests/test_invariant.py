@@ -261,3 +261,71 @@ def test_architectures_without_the_lean_forward_are_not_claimed_invariant():
     assert not kv.invariant and kv.path.endswith("(not width-invariant: needs the lean forward)")
     result = generate(model, PROMPT, make_method("ar"), config=DecodeConfig(max_new_tokens=3, width_invariant=True))
     assert "not width-invariant" in result.forward_path
+
+
+def _bmm_split_when_batch_is_small(monkeypatch, real=torch.bmm):
+    """torch.bmm as a batched GEMM that splits a long reduction by the batch count: over more than
+    500 keys a call's bits change with its number of items (what a GPU library may do; a probe at
+    96 keys would not see it)."""
+
+    def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = real(a, b)
+        if a.shape[-1] > 500:
+            out = out + (out.abs() + 1e-3) * 2**-12 / a.shape[0]
+        return out
+
+    monkeypatch.setattr(torch, "bmm", bmm)
+
+
+def test_row_groups_in_calls_of_fixed_size_repeat_the_last_row_and_drop_it():
+    visible = torch.ones(5, 4, dtype=torch.bool)
+    visible[3:, 3] = False  # rows 0-2: 4 keys, rows 3-4: 3 keys
+    groups = RowGroups.of(visible, torch.device("cpu"), attention_rows=2)
+    got = [(rows.tolist(), slots.shape[1]) for rows, slots in groups.groups]
+    assert got == [([3, 4], 3), ([0, 1], 4), ([2, 2], 4)] and groups.real == (2, 2, 1)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 5, 8, generator=gen)
+    keys, values = (torch.randn(1, 2, 4, 8, generator=gen) for _ in "kv")
+    plain = sequence_attention(q, keys, values, RowGroups.of(visible, q.device), 0.3)
+    assert torch.equal(sequence_attention(q, keys, values, groups, 0.3), plain)
+
+
+@torch.inference_mode()
+def test_attention_whose_kernel_changes_with_the_batch_at_long_contexts_runs_calls_of_fixed_size(monkeypatch):
+    """The probe sees a kernel that changes with the batch count only over long key spans (not at
+    96 keys), and the forward then runs every attention call at ATTENTION_ROWS rows: a path node
+    inside a tree gets ar's bits again, 600 tokens into the context."""
+    from dynatree_core.core import invariant
+
+    _bmm_split_when_batch_is_small(monkeypatch)
+    model = _model("llama-wide", torch.bfloat16)
+    lean = lean_forward_for(model)
+    lean.__dict__.pop("_width_verdicts", None)
+    try:
+        verdict = width_verdict(lean, torch.bfloat16, torch.device("cpu"))
+        assert verdict.reason is None and verdict.attention_rows == invariant.ATTENTION_ROWS, verdict
+        prompt = [(7 * i) % 120 + 1 for i in range(600)]
+        tree, path = _tree(17)
+        ar = KVState(model, prompt, invariant=True)
+        assert ar.verdict.attention_rows == invariant.ATTENTION_ROWS
+        see = chain_then_tree_visibility(0, len(prompt), torch.zeros(0, 0, dtype=torch.bool))
+        ar.forward(prompt, list(range(len(prompt))), see, 1)
+        ar.pending = []
+        alone = []
+        for depth, node in enumerate(path):
+            visible = torch.ones(1, ar.length + 1, dtype=torch.bool)
+            alone.append(ar.forward([tree.tokens[node]], [len(prompt) + depth], visible, 1).logits[0])
+        kv = KVState(model, prompt, invariant=True)
+        kv.forward(prompt, list(range(len(prompt))), see, 1)
+        kv.pending = []
+        order = tree.order("bfs")
+        visible = chain_then_tree_visibility(kv.length, 1, tree.ancestor_mask(order)[1:, 1:])
+        logits = kv.forward([tree.tokens[n] for n in order], tree.position_ids(order, len(prompt)), visible, len(order))
+        for depth, node in enumerate(path):
+            assert torch.equal(logits.logits[order.index(node)], alone[depth]), f"depth {depth}"
+        # without the fixed-size calls the same kernel changes a path node's bits (the test can fail)
+        monkeypatch.setattr(invariant, "ATTENTION_ROWS", 1)
+        lean.__dict__.pop("_width_verdicts", None)
+        assert width_verdict(lean, torch.bfloat16, torch.device("cpu")).reason.startswith("attention:")
+    finally:
+        lean.__dict__.pop("_width_verdicts", None)

@@ -15,7 +15,13 @@ gathered in sequence order (the prefix, then its ancestors by depth: ascending s
 engine sends parents before children), with no mask. Rows with the same number of keys share one
 `bmm` whose batch items are (key head, row) pairs of fixed shape (query-head group x keys), so a
 row's scores, float32 softmax and weighted sum of values are the same operations whether it is
-alone (`ar`) or one of many (a tree): only the batch count changes.
+alone (`ar`) or one of many (a tree): only the batch count changes. Where a library picks its
+kernel by the batch count too (a batched GEMM may split the long reduction over keys when the
+batch is small; the likely cause of the few near-ties at which bfloat16 trees still left
+bfloat16 `ar` on an H200 while a probe at 96 keys passed, not yet confirmed there), every call
+runs a fixed number of rows (`attention_rows`,
+the last call padded by repeating its last row), so the call's shape depends on the key count
+alone, which is the same for a row alone and in a tree.
 
 Elementwise transcendental ops are row-wise too, but a vectorised kernel computes the last few
 elements of a tensor on a scalar path with other rounding, so cos/sin of a position could change
@@ -26,8 +32,9 @@ Linears are row-wise by nature, but a library may still pick its kernel by the r
 `width_verdict` checks the model's own linears, its norm and this attention at the widths a run
 uses, and finds the fewest rows from which each linear agrees with its widest call: the forward
 pads every linear's input to that many rows (`min_rows`; a one-row GEMV then runs as the GEMM).
-A run on a device where something stays variant says so in its forward path (never silently
-different).
+The same probe runs the attention at short and long key counts and pads its calls to
+`attention_rows` where the batch count changes a row's bits. A run on a device where something
+stays variant says so in its forward path (never silently different).
 
 Contract: knows tensors, cache slots and the lean forward's linears; never trees or policies.
 """
@@ -42,6 +49,8 @@ import torch
 from dynatree_core.core.transfer import to_device
 
 PROBE_WIDTHS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 32, 33, 64)  # row counts a run's forwards take
+PROBE_KEYS = (96, 1100, 2600)  # key counts the attention probe sees: a batched GEMM may split long reductions
+ATTENTION_ROWS = 16  # rows per attention call where the batch count must not change (WidthVerdict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,23 +63,40 @@ class RowGroups:
     groups: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     positions_end: int = 0  # one past the largest position of the forward (sizes the RoPE table)
     linear_rows: int = 1  # every linear's input padded to at least this many rows (WidthVerdict)
+    attention_rows: int = 1  # >1: every attention call runs exactly this many rows (WidthVerdict)
+    real: tuple[int, ...] = ()  # per group: its real rows (the rest repeat its last row); () = all real
 
     @classmethod
-    def of(cls, visible: torch.Tensor, device: torch.device, positions_end: int = 0, linear_rows: int = 1) -> RowGroups:
-        """visible (q, L) bool (host): row i may attend to slot j. One upload for every group."""
+    def of(
+        cls,
+        visible: torch.Tensor,
+        device: torch.device,
+        positions_end: int = 0,
+        linear_rows: int = 1,
+        attention_rows: int = 1,
+    ) -> RowGroups:
+        """visible (q, L) bool (host): row i may attend to slot j. One upload for every group.
+        With attention_rows > 1 a group holds exactly that many rows: larger sets of rows with the
+        same key count are split, the last part padded by repeating its last row."""
         counts = visible.sum(1)
-        parts, shapes = [], []
+        parts, shapes, real = [], [], []
         for n in sorted(set(counts.tolist())):
             rows = (counts == n).nonzero().flatten()
-            slots = visible[rows].nonzero()[:, 1]  # row-major: each row's slots ascending
-            parts += [rows, slots]
-            shapes.append((len(rows), n))
+            step = attention_rows if attention_rows > 1 else len(rows)
+            for start in range(0, len(rows), step):
+                part = rows[start : start + step]
+                real.append(len(part))
+                if len(part) < step:
+                    part = torch.cat([part, part[-1:].expand(step - len(part))])
+                slots = visible[part].nonzero()[:, 1]  # row-major: each row's slots ascending
+                parts += [part, slots]
+                shapes.append((len(part), n))
         flat = to_device(torch.cat(parts), device)
         groups, at = [], 0
         for r, n in shapes:
             groups.append((flat[at : at + r], flat[at + r : at + r + r * n].view(r, n)))
             at += r + r * n
-        return cls(tuple(groups), positions_end, linear_rows)
+        return cls(tuple(groups), positions_end, linear_rows, attention_rows, tuple(real) if attention_rows > 1 else ())
 
 
 def sequence_attention(
@@ -91,7 +117,7 @@ def sequence_attention(
     groups = heads // kv_heads
     per_kv = q[0].view(kv_heads, groups, width, d)
     out = torch.empty_like(per_kv)
-    for index, slots in rows.groups:
+    for g, (index, slots) in enumerate(rows.groups):
         r, n = slots.shape
         # batch items ordered (key head, row): the gathers need no transpose; float32 throughout
         # (as SDPA accumulates; bfloat16 bmm is slow on CPUs without AMX)
@@ -100,7 +126,8 @@ def sequence_attention(
         vs = values[0].index_select(1, slots.flatten()).view(kv_heads * r, n, d).float()
         scores = torch.bmm(qs, ks.transpose(1, 2)).mul_(scale)  # (items, groups, n)
         mixed = torch.bmm(torch.softmax(scores, dim=-1), vs).view(kv_heads, r, groups, d)
-        out.index_copy_(2, index, mixed.transpose(1, 2).to(out.dtype))
+        keep = rows.real[g] if rows.real else r  # padding rows (repeats of the last) are dropped
+        out.index_copy_(2, index[:keep], mixed[:, :keep].transpose(1, 2).to(out.dtype))
     return out.view(1, heads, width, d)
 
 
@@ -167,18 +194,27 @@ def _fewest_rows(fn, x: torch.Tensor) -> int | None:
     return rows if padded_ok else None
 
 
-def _attention_agrees(kv_heads: int, groups: int, d: int, dtype, device, gen) -> bool:
-    """sequence_attention gives row 0 the same bits alone and among 32 rows of the same key count
-    and of other key counts (the bmm batch count and the grouping change, nothing else)."""
-    keys, values = (torch.randn(1, kv_heads, 96, d, generator=gen).to(device=device, dtype=dtype) for _ in "kv")
-    q = torch.randn(1, kv_heads * groups, 33, d, generator=gen).to(device=device, dtype=dtype)
-    visible = torch.zeros(33, 96, dtype=torch.bool)
-    for i in range(33):
-        visible[i, : 40 + i % 7] = True
-    visible[1:, 60:90:3] = True  # scattered "ancestors" for the other rows
-    many = sequence_attention(q, keys, values, RowGroups.of(visible, device), 0.125)
-    alone = sequence_attention(q[:, :, :1], keys, values, RowGroups.of(visible[:1], device), 0.125)
-    return torch.equal(many[:, :, 0], alone[:, :, 0])
+def _attention_agrees(kv_heads: int, groups: int, d: int, dtype, device, gen, attention_rows: int = 1) -> bool:
+    """sequence_attention, its calls of `attention_rows` rows, gives rows 0 and 7 the same bits
+    alone and among 33 rows of the same and of other key counts (the bmm batch count and the
+    grouping change, nothing else), at every key count in PROBE_KEYS."""
+    for n in PROBE_KEYS:
+        size = n + 40
+        keys, values = (torch.randn(1, kv_heads, size, d, generator=gen).to(device=device, dtype=dtype) for _ in "kv")
+        q = torch.randn(1, kv_heads * groups, 33, d, generator=gen).to(device=device, dtype=dtype)
+        visible = torch.zeros(33, size, dtype=torch.bool)
+        for i in range(33):  # rows 0, 8, 12, 20, 24, 32 see the same keys; row 7 shares with 19 and 31
+            visible[i, : n - 40 + i % 4] = True
+            visible[i, n - 30 : size : 3] = i % 3 == 1  # scattered "ancestors"
+
+        def attend(which: list[int], q=q, keys=keys, values=values, visible=visible) -> torch.Tensor:
+            rows = RowGroups.of(visible[which], device, attention_rows=attention_rows)
+            return sequence_attention(q[:, :, which], keys, values, rows, 0.125)
+
+        many = attend(list(range(33)))
+        if not all(torch.equal(many[:, :, i], attend([i])[:, :, 0]) for i in (0, 7)):
+            return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +224,7 @@ class WidthVerdict:
 
     reason: str | None
     linear_rows: int = 1
+    attention_rows: int = 1  # >1: attention calls padded to this many rows (the batch count mattered)
 
 
 @torch.inference_mode()
@@ -195,7 +232,8 @@ def width_verdict(lean, dtype: torch.dtype, device: torch.device) -> WidthVerdic
     """Probe every operation of the lean forward whose result could depend on the number of rows:
     each linear of one layer and the head (the fewest rows from which they are invariant: float32
     on this CPU without oneDNN packing needs 16, a one-row cuBLAS GEMV differs from its GEMM), the
-    RMSNorm and sequence_attention, at the widths in PROBE_WIDTHS. Cached per (dtype, device) on
+    RMSNorm and sequence_attention, at the widths in PROBE_WIDTHS (the attention also at the key
+    counts in PROBE_KEYS, in calls of ATTENTION_ROWS rows where the batch count matters). Cached per (dtype, device) on
     `lean`: a few dozen calls on the model's own weights, once."""
     cache = lean.__dict__.setdefault("_width_verdicts", {})
     if (dtype, str(device)) in cache:
@@ -224,7 +262,12 @@ def width_verdict(lean, dtype: torch.dtype, device: torch.device) -> WidthVerdic
     if reason is None and _fewest_rows(block.norm1, x) != 1:
         reason = f"norm: {changes}"
     kv_heads = block.qk_heads - block.heads
-    if reason is None and not _attention_agrees(kv_heads, block.groups, block.head_dim, dtype, device, gen):
-        reason = f"attention: {changes}"
-    cache[dtype, str(device)] = WidthVerdict(reason, rows)
+    attention_rows = 1
+    if reason is None:
+        shape = (kv_heads, block.groups, block.head_dim, dtype, device)
+        if not _attention_agrees(*shape, gen):  # the batch count matters: every call at a fixed count
+            attention_rows = ATTENTION_ROWS
+            if not _attention_agrees(*shape, gen, attention_rows):
+                reason = f"attention: {changes}, in calls of fixed size or not"
+    cache[dtype, str(device)] = WidthVerdict(reason, rows, attention_rows)
     return cache[dtype, str(device)]

@@ -254,7 +254,8 @@ class KVState:
     def _invariant(self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden) -> Forward:
         """Each row over its own keys (invariant.py): no mask."""
         ids, positions, inputs = self._inputs(token_ids, position_ids, embeds)
-        rows = RowGroups.of(visible, self.device, max(position_ids) + 1, self.verdict.linear_rows)
+        verdict = self.verdict
+        rows = RowGroups.of(visible, self.device, max(position_ids) + 1, verdict.linear_rows, verdict.attention_rows)
         self.watch.start()
         out = self.lean(
             ids, positions, None, self.cache.layers, logits_to_keep, embeds=inputs, hidden=hidden, rows=rows

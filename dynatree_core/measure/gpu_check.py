@@ -178,7 +178,9 @@ def invariance_checks(name: str, target, draft) -> list[dict]:
         found = width_verdict(lean, dtype, device) if lean is not None else None
         verdict = found.reason if found is not None else "no lean forward for this model"
         bits = lean is not None and path_bits_match(t, PROMPTS[0])
-        padded = f" (linears padded to {found.linear_rows} rows)" if found and found.linear_rows > 1 else ""
+        pads = [f"linears padded to {found.linear_rows} rows"] if found and found.linear_rows > 1 else []
+        pads += [f"attention in calls of {found.attention_rows} rows"] if found and found.attention_rows > 1 else []
+        padded = f" ({'; '.join(pads)})" if pads else ""
         detail = verdict or ("bitwise" + padded if bits else "a path node's logits differ from ar's")
         rows.append({"pair": name, "check": f"invariant {label}", "ok": verdict is None and bits, "detail": detail})
         config = DecodeConfig(max_new_tokens=32, width_invariant=True)
