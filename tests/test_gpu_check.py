@@ -72,3 +72,24 @@ def test_a_device_that_does_not_exist_is_a_message(capsys):
 
 def _detail(report: dict, pair: str, dtype: str) -> str:
     return next(r["detail"] for r in report["checks"] if r["pair"] == pair and r["check"] == f"invariant {dtype}")
+
+
+def test_the_measured_widths_are_reported_after_earlier_runs_chose(monkeypatch):
+    """gpu-check measures each narrow bucket's width again even when earlier runs of the model
+    already chose one (the choice is kept per model), so its report holds the replay timings."""
+    import weakref
+
+    from conftest import tiny_model
+    from test_graphs import _FakeGraph, _force_capture
+
+    from dynatree_core.core import graphs
+
+    _force_capture(monkeypatch, lambda self, buf: _FakeGraph(self, buf))
+    monkeypatch.setattr(graphs, "MEASURE_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(graphs, "_CHOSEN", weakref.WeakKeyDictionary())
+    cost = {1: 1.0, 2: 3.0, 4: 3.0, 8: 5.0, 16: 4.0, 32: 2.0}
+    monkeypatch.setattr(graphs.PaddedForward, "_replay_ms", lambda self, buf: cost[buf.width])
+    model = tiny_model("llama")
+    first = gpu_check.measured_widths(model, context=40)
+    again = gpu_check.measured_widths(model, context=40)  # the model's widths are chosen by now
+    assert first == again and first[8] == {"runs_at": 32, "replay_ms": {8: 5.0, 16: 4.0, 32: 2.0}}

@@ -243,13 +243,16 @@ def bucket_ms(model, device: torch.device, *, context: int = 256, repeats: int =
 @torch.inference_mode()
 def measured_widths(model, *, context: int = 256) -> dict:
     """The width each bucket below graphs.MEASURE_UP_TO runs at, as a captured run measures it at
-    its first forward of that bucket, with the replay ms of each candidate ({} without capture)."""
+    its first forward of that bucket, with the replay ms of each candidate ({} without capture).
+    Earlier runs of the model already chose (the choice is kept per model and dtype): it is
+    measured again here, so the report holds the timings behind it."""
     prompt = [1 + i % 100 for i in range(context)]
-    kv = KVState(model, prompt, capacity=context + graphs.MAX_BUCKET)
+    kv = KVState(model, prompt, capacity=context + graphs.MAX_BUCKET, graphs=True)
     kv.forward(prompt, list(range(context)), chain_then_tree_visibility(0, context, torch.zeros(0, 0).bool()), 1)
     kv.pending = []
     if kv.padded is None or not kv.padded.capture:
         return {}
+    kv.padded.chosen.clear()
     for q in (b for b in graphs.buckets(graphs.MAX_BUCKET) if b < graphs.MEASURE_UP_TO):
         kv.forward(
             [5] * q,
