@@ -165,3 +165,19 @@ def test_bfloat16_tree_runs_reproduce_bfloat16_ar_on_the_embedded_pair():
             policy = make_method(name)
             got = generate(pair.target.model, ids, policy, config=config, **pair.drafting(policy))
             assert got.token_ids == want.token_ids, f"{name} left bfloat16 ar's tokens on {text!r}"
+
+
+def test_gpu_checks_divergence_rows_trace_the_embedded_pair_on_the_first_ood_prompt():
+    """gpu-check's `bits` rows (measure/divergence.py) on the embedded pair in bfloat16, the first
+    OOD prompt (where an H200 run left `ar`): bitwise on this CPU, with one row per wide policy."""
+    from dynatree_core.measure import divergence
+
+    pair = load_pair("embedded", device="cpu", dtype="bfloat16")
+    rows = divergence.divergence_checks("embedded", pair, max_new=12)
+    assert [r["check"] for r in rows] == [f"bits {p}" for p in divergence.DIVERGENCE_POLICIES]
+    for row in rows:
+        trace = row["trace"]
+        assert trace["dtype"] == "torch.bfloat16" and trace["prompt_tokens"] > 50
+        if "not bitwise" in trace["path"]:
+            pytest.skip(f"not width-invariant on this CPU, and the run says so: {trace['path']}")
+        assert row["ok"] and trace["token_identical"] and trace["positions"] == 12, row

@@ -202,7 +202,13 @@ def decode(
 ) -> Iterator[IterationRecord]:
     """Run speculative decoding, yielding one IterationRecord per iteration (one target forward)."""
     state = start_run(target, prompt_ids, policy, draft=draft, config=config, draft_token_map=draft_token_map)
-    ctx = state.context_length
+    yield from iterate(state)
+
+
+def iterate(state: DecodeState) -> Iterator[IterationRecord]:
+    """The iterations of a run whose state `start_run` built (`decode` is the two together; a
+    caller that needs the run's caches, as measure/divergence.py does, holds the state)."""
+    config, ctx = state.config, state.context_length
     for index in range(1, config.max_new_tokens + 1):  # iterations count from 1; each commits >= 1 token
         remaining = config.max_new_tokens - state.new_tokens
         room = ctx - len(state.committed)  # positions left for new tokens

@@ -15,6 +15,13 @@ and, in float32 and in bfloat16, the width-invariant forwards (core/invariant.py
                   17-row tree gets, bit for bit, the logits `ar` computes for it alone
     policies D    every tree policy, width-invariant, reproduces `ar` token for token in dtype D
 
+and, for the embedded pair in bfloat16 on the first OOD prompt, 128 tokens, the policies with
+wide levels (fixed_tree, eagle2, dyspec_threshold, where an H200 run once left `ar`):
+
+    bits P        every committed position's logits equal `ar`'s bit for bit; else the first
+                  position that differs, its difference against ar's top-two gap, and the first
+                  differing cache entry, which names the op (measure/divergence.py)
+
 then measures, on the embedded target: replay vs eager milliseconds per width bucket, the width
 each narrow bucket runs at (measured at capture: graphs.py), capture seconds, GPU memory per run
 and host round trips per iteration (core/transfer.py's counts). It prints a verdict table and
@@ -41,6 +48,7 @@ from dynatree_core.decoding.engine import DecodeConfig, decode, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting.policy import POLICIES
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.measure import divergence
 
 ARCHS = ("llama", "qwen2", "mistral")
 PROMPTS = ([1, 5, 7, 9, 11, 13, 2, 8], [42, 17, 8, 8, 60, 2, 90, 33, 12, 4, 77, 5])
@@ -312,6 +320,7 @@ def gpu_check(device: str = "auto", *, embedded: bool = True, out: Path | None =
         target, draft = pair.target.model, pair.draft.model
         rows += pair_checks("embedded", target, draft)
         rows += invariance_checks("embedded", target, draft)
+        rows += divergence.divergence_checks("embedded", pair)
         log("gpu-check: embedded pair done")
         measures = {
             "buckets": bucket_ms(target, dev),
