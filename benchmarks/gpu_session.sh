@@ -17,8 +17,9 @@
 # On the device machine (what `calls` prints runs these):
 #   receive N     copies .device/part-N to /root/stage (kept between calls to one warm machine)
 #   install       joins the parts and installs the wheels under /root/pylib (--no-deps)
-#   measure WHAT  writes reports to $OUT: check (gpu-check), f32 / bf16 / bf16-shared (`bench` on the
-#                 embedded pair, OOD prompts 1-8, 128 tokens, with the three AR references)
+#   measure WHAT  writes reports to $OUT: check (gpu-check), tiny and shaped (gpu-check's tiny pairs and
+#                 SmolLM2's shapes, random weights: no wheel needed), f32 / bf16 / bf16-shared (`bench`
+#                 on the embedded pair, OOD prompts 1-8, 128 tokens, with the three AR references)
 #   draft B S     the one-sitting draft recipe (`draft-gpu`) on the staged pack: B seconds of stage
 #                 work in all, this call ending after S; the same command goes on where it stopped;
 #                 once exported, the draft, its card and summary.json are copied to $OUT
@@ -27,7 +28,7 @@ cd "$(dirname "$0")/.."
 ASIDE=../device-aside
 MOVED=(assets/draft-data/answers assets/draft-data/corpus.npz assets/draft-data/onpolicy assets/models/smollm2-draft assets/models/smollm2-feature-draft-corpus assets/models/smollm2-fused-draft)
 POLICIES=ar,linear,fixed_tree,dynatree,salf,eagle2,dyspec_threshold,dyspec,delayed_auto
-PY=${PY:-python}
+PY=${PY:-python3}  # the device image's python3 holds torch
 
 bench() {  # bench DTYPE NAME [extra flags]: one report per call of at most 10 minutes
   local dtype=$1 name=$2
@@ -63,17 +64,21 @@ write_pack(Path('.device/pack-smoke.jsonl.gz'), *take(*read_pack(Path(sys.argv[1
     ;;
   calls)
     cat <<'EOF'
-1. carry [".device/part-00"]: benchmarks/gpu_session.sh receive 00
-2. carry [".device/part-01", ".device/wheels", ".device/wheel-name"]:
-   benchmarks/gpu_session.sh receive 01 && benchmarks/gpu_session.sh install && benchmarks/gpu_session.sh measure check
-3. benchmarks/gpu_session.sh measure f32
-4. benchmarks/gpu_session.sh measure bf16
-5. benchmarks/gpu_session.sh measure bf16-shared
-(one warm machine: each call within 30 s of the last; every call up to 600 s; copy the reports back
-from files_at into assets/benchmarks/)
+Every call: export PYTHONUNBUFFERED=1 first. One warm machine: each call within 30 s of
+the last (a machine idle 30 s goes back); every call up to 600 s. Seconds are one H200 session's
+(2026-11-26). Copy the reports from files_at into assets/benchmarks/.
+
+1. carry [".device/part-00"]:  (~90 s; carries half the wheel, so it measures what needs none)
+   benchmarks/gpu_session.sh receive 00 && benchmarks/gpu_session.sh measure shaped
+2. carry [".device/part-01", ".device/wheels", ".device/wheel-name"]:  (~340 s)
+   benchmarks/gpu_session.sh receive 01 && benchmarks/gpu_session.sh install && benchmarks/gpu_session.sh measure bf16
+3. benchmarks/gpu_session.sh measure f32    (~170 s; the static-cache reference warmed per size)
+4. where bfloat16 was not 8/8 on every row: benchmarks/gpu_session.sh measure check    (the `bits`
+   rows name where the bits part); else benchmarks/gpu_session.sh measure bf16-shared
+(`measure tiny`: gpu-check on the tiny pairs, ~60 s, passed on 2026-11-25 and 2026-11-26)
 
 The draft at scale (after 1-2 on the same machine; 15 minutes of device time hold both only when the
-measurements above are already in hand: then run these instead of 3-5):
+measurements above are already in hand: then run these instead of 2's bf16 and 3-4):
 6. carry [".device/pack.jsonl.gz", ".device/pack-smoke.jsonl.gz"]: benchmarks/gpu_session.sh draft 900 480
 7. benchmarks/gpu_session.sh draft 900 540    (repeat until it prints "exported")
 then bring files_at's draft into a candidate folder and run, here, on the CPU:
@@ -95,13 +100,12 @@ EOF
   measure)
     case "$2" in
       check) PYTHONPATH=/root/pylib:. $PY -m dynatree_core gpu-check --out "$OUT/gpu-check.json" | tail -60 ;;
-      shaped)  # no wheel needed: the tiny pairs, then SmolLM2's shapes with random weights
-        $PY -m dynatree_core gpu-check --no-embedded --out "$OUT/gpu-check-tiny.json" | tail -30
-        PYTHONPATH=. $PY -m benchmarks.gpu_check_shaped "$OUT/gpu-check-smollm2-shaped.json" | tail -30 ;;
+      tiny) $PY -m dynatree_core gpu-check --no-embedded --out "$OUT/gpu-check-tiny.json" | tail -30 ;;  # no wheel needed
+      shaped) PYTHONPATH=. $PY -m benchmarks.gpu_check_shaped "$OUT/gpu-check-smollm2-shaped.json" | tail -30 ;;  # no wheel
       f32) bench float32 float32 ;;
       bf16) bench bfloat16 bfloat16 ;;  # width-invariant (the bfloat16 default): eager forwards
       bf16-shared) bench bfloat16 bfloat16-shared --width-invariant off ;;  # captured, may differ at near-ties
-      *) echo "measure: check, shaped, f32, bf16 or bf16-shared" >&2; exit 2 ;;
+      *) echo "measure: check, tiny, shaped, f32, bf16 or bf16-shared" >&2; exit 2 ;;
     esac
     ;;
   draft)
