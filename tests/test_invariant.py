@@ -305,24 +305,8 @@ def test_attention_whose_kernel_changes_with_the_batch_at_long_contexts_runs_cal
         verdict = width_verdict(lean, torch.bfloat16, torch.device("cpu"))
         assert verdict.reason is None and verdict.attention_rows == invariant.ATTENTION_ROWS, verdict
         prompt = [(7 * i) % 120 + 1 for i in range(600)]
-        tree, path = _tree(17)
-        ar = KVState(model, prompt, invariant=True)
-        assert ar.verdict.attention_rows == invariant.ATTENTION_ROWS
-        see = chain_then_tree_visibility(0, len(prompt), torch.zeros(0, 0, dtype=torch.bool))
-        ar.forward(prompt, list(range(len(prompt))), see, 1)
-        ar.pending = []
-        alone = []
-        for depth, node in enumerate(path):
-            visible = torch.ones(1, ar.length + 1, dtype=torch.bool)
-            alone.append(ar.forward([tree.tokens[node]], [len(prompt) + depth], visible, 1).logits[0])
-        kv = KVState(model, prompt, invariant=True)
-        kv.forward(prompt, list(range(len(prompt))), see, 1)
-        kv.pending = []
-        order = tree.order("bfs")
-        visible = chain_then_tree_visibility(kv.length, 1, tree.ancestor_mask(order)[1:, 1:])
-        logits = kv.forward([tree.tokens[n] for n in order], tree.position_ids(order, len(prompt)), visible, len(order))
-        for depth, node in enumerate(path):
-            assert torch.equal(logits.logits[order.index(node)], alone[depth]), f"depth {depth}"
+        assert KVState(model, prompt, invariant=True).verdict.attention_rows == invariant.ATTENTION_ROWS
+        assert gpu_check.path_bits_match(model, prompt), "a path node 600 tokens in has ar's bits"
         # without the fixed-size calls the same kernel changes a path node's bits (the test can fail)
         monkeypatch.setattr(invariant, "ATTENTION_ROWS", 1)
         lean.__dict__.pop("_width_verdicts", None)
