@@ -129,6 +129,7 @@ def test_reduced_precision_reports_say_outputs_may_differ_at_near_ties():
     assert exactness_note("float32") is None and exactness_note("torch.float32") is None
     assert "near-ties" in exactness_note("bfloat16") and "float32 is token-identical" in exactness_note("float16")
     assert exactness_note("bfloat16", ["lean+invariant"]) is None, "width-invariant forwards are bitwise"
+    assert exactness_note("bfloat16", ["lean+invariant+graphs"]) is None, "captured at fixed shapes too"
     assert exactness_note("bfloat16", ["hf", "lean+invariant"]) is None, "HF references are not tree runs"
     assert "near-ties" in exactness_note("bfloat16", ["lean+invariant", "lean"]), "one run not invariant"
     assert "near-ties" in exactness_note("bfloat16", "lean+invariant (not bitwise on this device: head: ...)")

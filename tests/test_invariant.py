@@ -18,8 +18,17 @@ from conftest import noisy_copy, tiny_model
 from test_fastpath import POLICIES
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from dynatree_core.core import invariant
 from dynatree_core.core.fastpath import lean_forward_for
-from dynatree_core.core.invariant import RopeTable, RowGroups, invariant_wanted, sequence_attention, width_verdict
+from dynatree_core.core.invariant import (
+    RopeTable,
+    RowGroups,
+    StaticRows,
+    invariant_wanted,
+    sequence_attention,
+    static_sequence_attention,
+    width_verdict,
+)
 from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.core.packing import pack_linears, packing_enabled
 from dynatree_core.core.tree import DraftTree
@@ -147,17 +156,20 @@ def test_dfs_order_and_a_pending_chain_keep_the_bits(dtype):
     assert torch.equal(logits[order.index(path[-1])], last)
 
 
+@pytest.mark.parametrize("graphs", (None, True), ids=("grouped", "fixed-shapes"))
 @pytest.mark.parametrize("policy_name,params", POLICIES)
 @pytest.mark.parametrize("arch", ("llama", "qwen2"))
-def test_every_policy_in_bfloat16_reproduces_bfloat16_ar(arch, policy_name, params):
+def test_every_policy_in_bfloat16_reproduces_bfloat16_ar(arch, policy_name, params, graphs):
+    """Grouped by key count (the CPU's default) and at fixed shapes (StaticRows: the padded,
+    capturable forward a GPU runs; on this CPU `graphs=True` runs it eagerly)."""
     target = _model(arch, torch.bfloat16)
     _skip_unless_bitwise(target)
     draft = copy.deepcopy(noisy_copy(arch, 0.01)).to(torch.bfloat16)
-    config = DecodeConfig(max_new_tokens=30)  # bfloat16: width-invariant by default
+    config = DecodeConfig(max_new_tokens=30, graphs=graphs)  # bfloat16: width-invariant by default
     for prompt in ([1, 5, 7, 9, 11], [42, 17, 8, 8, 8, 8, 60, 2, 90, 33, 12, 4]):
         ar = generate(target, prompt, make_method("ar"), config=config)
         result = generate(target, prompt, make_method(policy_name, params), draft=draft, config=config)
-        assert result.forward_path == "lean+invariant"
+        assert result.forward_path == ("lean+invariant+padded" if graphs else "lean+invariant")
         assert result.token_ids == ar.token_ids, f"{policy_name} in bfloat16 left bfloat16 ar's tokens"
 
 
@@ -295,7 +307,6 @@ def test_attention_whose_kernel_changes_with_the_batch_at_long_contexts_runs_cal
     """The probe sees a kernel that changes with the batch count only over long key spans (not at
     96 keys), and the forward then runs every attention call at ATTENTION_ROWS rows: a path node
     inside a tree gets ar's bits again, 600 tokens into the context."""
-    from dynatree_core.core import invariant
 
     _bmm_split_when_batch_is_small(monkeypatch)
     model = _model("llama-wide", torch.bfloat16)
@@ -313,3 +324,62 @@ def test_attention_whose_kernel_changes_with_the_batch_at_long_contexts_runs_cal
         assert width_verdict(lean, torch.bfloat16, torch.device("cpu")).reason.startswith("attention:")
     finally:
         lean.__dict__.pop("_width_verdicts", None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("arch", ("llama", "qwen2", "mistral", "llama-wide"))
+@torch.inference_mode()
+def test_at_fixed_shapes_a_path_node_has_the_bits_ar_computes_alone(arch, dtype):
+    """StaticRows: every row over the run's span in calls of 16 rows, through the padded forward
+    (width buckets), and a prefill wider than every bucket runs the same rows eagerly."""
+    model = _model(arch, dtype)
+    _skip_unless_bitwise(model)
+    assert KVState(model, PROMPT, invariant=True, graphs=True).path == "lean+invariant+padded"
+    assert gpu_check.path_bits_match(model, [*PROMPT, 17], graphs=True)
+    long = [(7 * i) % 90 + 1 for i in range(300)]  # 299 prefill rows: wider than graphs.MAX_BUCKET
+    assert gpu_check.path_bits_match(model, long, graphs=True)
+
+
+def test_static_rows_hold_each_rows_slots_in_sequence_order_then_masked_padding():
+    visible = torch.tensor([[1, 1, 0, 0, 1], [1, 0, 1, 1, 1]], dtype=torch.bool)
+    slots, tail = StaticRows.host(visible, 8)
+    assert slots.shape == (invariant.ATTENTION_ROWS, 8) and tail.shape == slots.shape
+    assert slots[0, :3].tolist() == [0, 1, 4] and slots[1, :4].tolist() == [0, 2, 3, 4]
+    assert tail[0].tolist() == [0.0] * 3 + [float("-inf")] * 5 and tail[1, :4].eq(0).all() and tail[1, 4:].isinf().all()
+    assert tail[2:, 0].eq(0).all() and tail[2:, 1:].isinf().all(), "padding rows see slot 0 only"
+    with pytest.raises(ValueError, match="more than the span"):
+        StaticRows.host(visible, 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_static_attention_equals_masked_attention_up_to_rounding(dtype):
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 6, 5, 8, generator=gen).to(dtype)
+    keys, values = (torch.randn(1, 2, 12, 8, generator=gen).to(dtype) for _ in "kv")
+    visible = torch.rand(5, 12, generator=gen) > 0.4
+    visible[:, 0] = True
+    out = static_sequence_attention(q, keys, values, StaticRows(*StaticRows.host(visible, 16)), 0.3)
+    mask = torch.zeros(5, 12).masked_fill(~visible, float("-inf"))
+    rep = lambda t: t.repeat_interleave(3, dim=1).float()  # noqa: E731
+    ref = torch.softmax(q.float() @ rep(keys).transpose(-1, -2) * 0.3 + mask, -1) @ rep(values)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
+def test_captured_width_invariant_forwards_replay_and_stay_exact(monkeypatch):
+    """With captures (stand-in graphs on this CPU) the width-invariant forward is captured per
+    bucket; where the fixed-shape attention is not invariant on a device, rows are grouped eagerly."""
+    from test_graphs import _FakeGraph, _force_capture
+
+    from dynatree_core.core import choice
+
+    _force_capture(monkeypatch, lambda self, buf: _FakeGraph(self, buf))
+    target = _model("llama", torch.bfloat16)
+    _skip_unless_bitwise(target)
+    draft = copy.deepcopy(noisy_copy("llama", 0.01)).to(torch.bfloat16)
+    config = DecodeConfig(max_new_tokens=30, graphs=True)
+    ar = generate(target, PROMPT, make_method("ar"), config=config)
+    tree = generate(target, PROMPT, make_method("fixed_tree"), draft=draft, config=config)
+    assert ar.forward_path == tree.forward_path == "lean+invariant+graphs"
+    assert tree.token_ids == ar.token_ids and tree.tokens_per_iteration > 1
+    monkeypatch.setattr(choice, "static_attention_agrees", lambda *a: False)
+    assert KVState(target, PROMPT, invariant=True, graphs=True).path == "lean+invariant"

@@ -28,7 +28,7 @@ import torch
 
 from dynatree_core.core import graphs as cuda_graphs  # looked up at call time: tests stand in for a GPU
 from dynatree_core.core.fastpath import fast_forward_enabled, lean_forward_for
-from dynatree_core.core.invariant import WidthVerdict, width_verdict
+from dynatree_core.core.invariant import WidthVerdict, static_attention_agrees, width_verdict
 
 KINDS = ("reference", "lean", "captured", "invariant")  # kv.KVState runs `_<kind>`
 
@@ -40,13 +40,14 @@ class ForwardChoice:
     Attributes:
         kind: one of KINDS.
         path: the name records carry (RunResult.forward_path): "dynamic", "static", "lean",
-            "lean+padded", "lean+graphs" or "lean+invariant", with a reason in parentheses
+            "lean+padded", "lean+graphs", "lean+invariant" (rows grouped by key count, eager) or
+            "lean+invariant+padded" / "+graphs" (fixed shapes, captured), with a reason in parentheses
             where something asked for could not be had.
         why: one line saying why this kind was picked.
         static: preallocated per-layer buffers (kv.SlotLayer); else transformers' DynamicCache.
         lean: the forward `lean` / `captured` / `invariant` run (fastpath.LeanForward or a
             draft's own forward); None for `reference`.
-        capture: `captured` only: replay CUDA graphs (else the fixed shapes run eagerly).
+        capture: `captured` or padded `invariant`: replay CUDA graphs (else fixed shapes run eagerly).
         verdict: `invariant` only: what invariant.width_verdict found on this device.
     """
 
@@ -57,6 +58,7 @@ class ForwardChoice:
     lean: Callable | None = None
     capture: bool = False
     verdict: WidthVerdict | None = None
+    padded: bool = False  # `invariant` only: fixed shapes (invariant.StaticRows), captured when `capture`
 
 
 def static_cache_enabled(static: bool | None = None) -> bool:
@@ -111,7 +113,12 @@ def _pick(model, static, fast, graphs, invariant: bool) -> ForwardChoice:
         verdict = width_verdict(lean, model.dtype, device)
         note = f" (not bitwise on this device: {verdict.reason})" if verdict.reason else ""
         why = "width-invariant forwards asked for (each row's logits as if alone)"
-        return ForwardChoice("invariant", "lean+invariant" + note, why, True, lean, verdict=verdict)
+        # fixed shapes (invariant.StaticRows), captured where graphs are: where this device's
+        # kernels keep a row's bits in calls of other rows (else each row group eagerly)
+        padded = cuda_graphs.graphs_enabled(device, graphs) and static_attention_agrees(lean, model.dtype, device)
+        capture = padded and cuda_graphs.capture_wanted(device, model)
+        path = "lean+invariant" + ("+graphs" if capture else "+padded" if padded else "") + note
+        return ForwardChoice("invariant", path, why, True, lean, capture=capture, verdict=verdict, padded=padded)
     if cuda_graphs.graphs_enabled(device, graphs):
         capture = cuda_graphs.capture_wanted(device, model)
         why = "CUDA and a capture-safe model" if capture else "fixed shapes run eagerly (no CUDA, or not capture-safe)"

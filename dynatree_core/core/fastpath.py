@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from dynatree_core.core.forward import Forward
-from dynatree_core.core.invariant import RopeTable, RowGroups, min_rows, sequence_attention
+from dynatree_core.core.invariant import RopeTable, RowGroups, StaticRows, min_rows
 from dynatree_core.core.taps import stack_taps
 
 LEAN_TYPES = ("llama", "qwen2", "mistral")  # model_type values whose decoder layer is the Llama block
@@ -230,7 +230,7 @@ class LeanForward:
         *,
         embeds: torch.Tensor | None = None,
         hidden: bool | tuple[int, ...] = False,
-        rows: RowGroups | None = None,
+        rows: RowGroups | StaticRows | None = None,
     ) -> Forward:
         """`embeds` (1, q, hidden): inputs instead of the ids' embeddings; `hidden`: also return
         the final (post-norm) hidden states of all q rows, or for a tuple of taps (core/taps.py)
@@ -250,7 +250,7 @@ class LeanForward:
             q, k, v = block.project(block.norm1(x), cos, sin, pad)  # (1, heads, q, head_dim), q and k rotated
             keys, values = cache.update(k, v)  # views of slots 0 .. L + q
             if rows is not None:
-                attn = sequence_attention(q, keys, values, rows, block.scaling)
+                attn = rows.attend(q, keys, values, block.scaling)  # invariant.py: each row over its own keys
             else:
                 attn = F.scaled_dot_product_attention(
                     fold_groups(q, block.groups), keys, values, attn_mask=folded, scale=block.scaling

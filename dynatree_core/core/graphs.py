@@ -41,6 +41,7 @@ Safety on a GPU nobody has tried yet:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import warnings
@@ -49,6 +50,7 @@ import weakref
 import torch
 
 from dynatree_core.core.forward import Forward
+from dynatree_core.core.invariant import StaticRows
 from dynatree_core.core.transfer import to_device
 
 MAX_BUCKET = 128
@@ -157,6 +159,7 @@ class _Bucket:
         self.slots = torch.zeros(width, dtype=torch.long, device=device)
         self.rows = torch.arange(width, device=device)  # slots = rows + cache length
         self.mask = torch.zeros(1, 1, width, span, dtype=dtype, device=device)
+        self.static: StaticRows | None = None  # width-invariant forwards: the rows' slots and tail
         self.embeds = torch.zeros(1, width, hidden_size, dtype=dtype, device=device) if embeds else None
         self.logits: torch.Tensor | None = None
         self.states: torch.Tensor | None = None
@@ -169,8 +172,12 @@ class PaddedForward:
     Called like the lean forward plus the cache length; returns a Forward (logits of the last
     `logits_to_keep` rows, hidden states of all q rows) and advances the layers' lengths."""
 
-    def __init__(self, lean, layers: list, model: torch.nn.Module, *, capture: bool, max_width: int | None = None):
+    def __init__(
+        self, lean, layers: list, model: torch.nn.Module, *, capture: bool, max_width: int | None = None, static=None
+    ):
         self.lean, self.layers, self.capture = lean, layers, capture
+        # width-invariant forwards (invariant.StaticRows): StaticRows(span, linear_rows) as a template
+        self.static: StaticRows | None = static
         self.sizes = buckets(max_width or MAX_BUCKET)
         config = model.config.get_text_config(decoder=True)
         self.hidden_size = config.hidden_size
@@ -190,11 +197,12 @@ class PaddedForward:
     @property
     def path(self) -> str:
         """How this model's forwards run now (choice.ForwardChoice.path's names, plus a fallback's reason)."""
+        base = "lean+invariant+" if self.static is not None else "lean+"
         if self.capture:
-            return "lean+graphs"
+            return base + "graphs"
         if self.fallback:
-            return f"lean+padded (graph capture failed: {self.fallback})"
-        return "lean+padded"
+            return f"{base}padded (graph capture failed: {self.fallback})"
+        return base + "padded"
 
     def _buffers_epoch(self) -> tuple:
         """Changes whenever a layer's buffers were reallocated (by this class or by an unpadded
@@ -203,6 +211,14 @@ class PaddedForward:
 
     def _drop_buckets(self) -> None:
         self.buckets.clear()  # releases their graphs; the shared pool forgets a pool with none left
+
+    def static_for(self, needed: int) -> StaticRows:
+        """The width-invariant template, its span grown (every bucket dropped) to hold `needed` keys
+        should a run outgrow the span it started with (its capacity: not in a decode run)."""
+        if needed > self.static.positions_end:
+            self.static = dataclasses.replace(self.static, positions_end=2 * needed)
+            self._drop_buckets()
+        return self.static
 
     def fits(self, q: int) -> bool:
         return bucket_for(q, self.sizes) is not None
@@ -240,7 +256,10 @@ class PaddedForward:
         q = len(ids)
         width = self.width_for(q, length, dtype, device, embeds is not None)
         self._ensure_buffers(length, width, dtype, device)
-        buf = self._bucket(width, span_for(length + width, self.layers[0].capacity), dtype, device, embeds is not None)
+        if self.static is not None:
+            self.static_for(length + width)
+        span = self.layers[0].capacity if self.static else span_for(length + width, self.layers[0].capacity)
+        buf = self._bucket(width, span, dtype, device, embeds is not None)
         # fill the static inputs in place (padded rows: token 0, position 0, their own slot only)
         host = torch.zeros(2, width, dtype=torch.long)  # ids and positions, padded rows 0: one upload
         host[0, :q], host[1, :q] = torch.tensor(ids), torch.tensor(positions)
@@ -250,10 +269,17 @@ class PaddedForward:
         torch.add(buf.rows, length, out=buf.slots)
         # the mask in place (no tensor allocated per forward): rows see what `visible` says, each
         # padded row only its own slot, every slot past the valid ones nothing
-        mask = buf.mask[0, 0]
-        mask.fill_(torch.finfo(dtype).min)
-        mask[:q, : length + q].masked_fill_(to_device(visible, device), 0.0)
-        mask[q:, length + q : length + width].diagonal().fill_(0.0)
+        if self.static is not None:  # each row's slots in sequence order (padded rows: their own)
+            full = torch.zeros(width, length + width, dtype=torch.bool)
+            full[:q, : length + q], full[q:, length + q :] = visible, torch.eye(width - q, dtype=torch.bool)
+            slots, tail = StaticRows.host(full, self.static.positions_end)
+            buf.static.slots.copy_(to_device(slots, device))
+            buf.static.tail.copy_(to_device(tail, device))
+        else:
+            mask = buf.mask[0, 0]
+            mask.fill_(torch.finfo(dtype).min)
+            mask[:q, : length + q].masked_fill_(to_device(visible, device), 0.0)
+            mask[q:, length + q : length + width].diagonal().fill_(0.0)
         if buf.embeds is not None:
             buf.embeds.zero_()
             buf.embeds[0, :q] = embeds.to(device=device, dtype=dtype)
@@ -269,6 +295,11 @@ class PaddedForward:
         buf = self.buckets.get(key)
         if buf is None:
             buf = self.buckets[key] = _Bucket(width, span, self.hidden_size, dtype, device, embeds)
+            if self.static is not None:
+                slots, tail = (
+                    t.to(device) for t in StaticRows.host(torch.eye(width, dtype=torch.bool), self.static.positions_end)
+                )
+                buf.static = dataclasses.replace(self.static, slots=slots, tail=tail)
         return buf
 
     def width_for(self, q: int, length: int, dtype, device, embeds: bool) -> int:
@@ -291,8 +322,9 @@ class PaddedForward:
         self._ensure_buffers(length, max(candidates), dtype, device)
         timings = {}
         for width in candidates:
-            buf = self._bucket(width, span_for(length + width, self.layers[0].capacity), dtype, device, embeds)
-            buf.mask.fill_(0.0)  # any finite mask: only the time is wanted
+            span = self.layers[0].capacity if self.static else span_for(length + width, self.layers[0].capacity)
+            buf = self._bucket(width, span, dtype, device, embeds)
+            buf.mask.fill_(0.0)  # any finite mask (and the static rows as made): only the time is wanted
             torch.add(buf.rows, length, out=buf.slots)
             self._run(buf)  # captures it
             if not self.capture:  # the capture failed: no measurement, the bucket as it is
@@ -319,7 +351,8 @@ class PaddedForward:
 
     def _step(self, buf: _Bucket) -> None:
         writers = [_SlotWriter(layer, buf.slots, buf.span) for layer in self.layers]
-        out = self.lean(buf.ids, buf.positions, buf.mask, writers, buf.width, embeds=buf.embeds, hidden=True)
+        rows = buf.static  # width-invariant: attention over each row's own slots (mask unused)
+        out = self.lean(buf.ids, buf.positions, buf.mask, writers, buf.width, embeds=buf.embeds, hidden=True, rows=rows)
         buf.logits, buf.states = out.logits, out.states
 
     def _run(self, buf: _Bucket) -> None:

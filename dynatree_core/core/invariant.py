@@ -99,6 +99,110 @@ class RowGroups:
             at += r + r * n
         return cls(tuple(groups), positions_end, linear_rows, attention_rows, tuple(real) if attention_rows > 1 else ())
 
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        return sequence_attention(q, keys, values, self, scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticRows:
+    """The rows of one forward at fixed shapes, the form a captured forward replays.
+
+    Every row attends over `span` gathered slots, the run's span (the same for every forward of the
+    run): its visible slots in sequence order, then padding that `tail` masks out (-inf added to
+    those scores: they weigh exactly 0); rows go in calls of ATTENTION_ROWS (the forward's rows
+    padded to a multiple, a padding row seeing slot 0). A row's operations then have one shape
+    whatever the forward's width and whichever rows share its call, so `ar` and a tree give it the
+    same bits without grouping rows by key count, which changes shape every iteration.
+
+    slots: (R, span) long, tail: (R, span) float32, on the model's device."""
+
+    slots: torch.Tensor
+    tail: torch.Tensor
+    positions_end: int = 0  # sizes the RoPE table (the run's span: every position is below it)
+    linear_rows: int = 1
+
+    @staticmethod
+    def host(visible: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """visible (q, L) bool -> (slots, tail) on the host, R = q rounded up to ATTENTION_ROWS."""
+        q, length = visible.shape
+        counts = visible.sum(1)
+        if q and int(counts.max()) > span:
+            raise ValueError(f"a row sees {int(counts.max())} keys, more than the span of {span}")
+        rows = -(-max(q, 1) // ATTENTION_ROWS) * ATTENTION_ROWS
+        slots = torch.zeros(rows, span, dtype=torch.long)
+        # a stable sort puts each row's visible slots first, in ascending (= sequence) order
+        order = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)
+        slots[:q, : min(length, span)] = order[:, :span]
+        tail = torch.full((rows, span), float("-inf"))
+        tail[:q].masked_fill_(torch.arange(span)[None] < counts[:, None], 0.0)
+        tail[q:, 0] = 0.0
+        return slots, tail
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        return static_sequence_attention(q, keys, values, self, scale)
+
+
+def static_sequence_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: StaticRows, scale: float
+) -> torch.Tensor:
+    """sequence_attention at fixed shapes (StaticRows): q (1, heads, W, d), keys / values
+    (1, kv_heads, S, d) holding every slot `rows.slots` names -> (1, heads, W, d)."""
+    _, heads, width, d = q.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    count, span = rows.slots.shape
+    per_kv = q[0].view(kv_heads, groups, width, d)
+    if count > width:
+        per_kv = torch.nn.functional.pad(per_kv, (0, 0, 0, count - width))
+    parts, c = [], ATTENTION_ROWS
+    for at in range(0, count, c):
+        index = rows.slots[at : at + c].reshape(-1)
+        qs = per_kv[:, :, at : at + c].transpose(1, 2).reshape(kv_heads * c, groups, d).float()
+        ks = keys[0].index_select(1, index).view(kv_heads * c, span, d).float()
+        vs = values[0].index_select(1, index).view(kv_heads * c, span, d).float()
+        scores = torch.bmm(qs, ks.transpose(1, 2)).mul_(scale).view(kv_heads, c, groups, span)
+        scores.add_(rows.tail[at : at + c, None])  # (c, 1, span): the padding weighs exactly 0
+        mixed = torch.bmm(torch.softmax(scores.view(kv_heads * c, groups, span), dim=-1), vs)
+        parts.append(mixed.view(kv_heads, c, groups, d))
+    out = torch.cat(parts, 1)[:, :width].transpose(1, 2).to(q.dtype)  # (kv_heads, groups, W, d)
+    return out.reshape(1, heads, width, d)
+
+
+def static_span(capacity: int) -> int:
+    """The span every row of a run attends over at fixed shapes: the next power of two (at least
+    256) above the run's capacity, fixed when the run starts, so two runs of the same settings
+    (`ar` and a tree policy) give each position the same span."""
+    span = 256
+    while span < capacity:
+        span *= 2
+    return span
+
+
+def static_attention_agrees(lean, dtype: torch.dtype, device: torch.device) -> bool:
+    """StaticRows attention gives rows 0 and 7 the same bits alone and among 33 rows (other
+    padding, other rows in their call), at spans 256 and 1024. Cached per (dtype, device)."""
+    cache = lean.__dict__.setdefault("_static_verdicts", {})
+    key = (dtype, str(device))
+    if key not in cache:
+        block, gen = lean.blocks[0], torch.Generator().manual_seed(1)
+        kv_heads = block.qk_heads - block.heads
+        ok = True
+        for span in (256, 1024):
+            keys, values = (torch.randn(1, kv_heads, span, block.head_dim, generator=gen) for _ in "kv")
+            keys, values = keys.to(device=device, dtype=dtype), values.to(device=device, dtype=dtype)
+            q = torch.randn(1, block.heads, 33, block.head_dim, generator=gen).to(device=device, dtype=dtype)
+            visible = torch.rand(33, span, generator=gen) < 0.6
+            visible[:, 0] = True
+
+            def attend(which, q=q, keys=keys, values=values, visible=visible, span=span):
+                slots, tail = (t.to(device) for t in StaticRows.host(visible[which], span))
+                return static_sequence_attention(q[:, :, which], keys, values, StaticRows(slots, tail), 0.125)
+
+            many = attend(list(range(33)))
+            ok = ok and all(torch.equal(many[:, :, i], attend([i])[:, :, 0]) for i in (0, 7))
+        cache[key] = ok
+    return cache[key]
+
 
 def sequence_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: RowGroups, scale: float

@@ -24,13 +24,15 @@ the buffer once, counted in `KVState.grows`). `static=False` keeps transformers'
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from dynatree_core.core.choice import choose_forward
 from dynatree_core.core.forward import Forward, reference_forward
 from dynatree_core.core.graphs import PaddedForward
-from dynatree_core.core.invariant import RowGroups
+from dynatree_core.core.invariant import RowGroups, StaticRows, static_span
 from dynatree_core.core.transfer import Stopwatch, to_device
 from dynatree_core.errors import DynaTreeError
 
@@ -154,6 +156,12 @@ class KVState:
         self.padded = None  # fixed-shape forwards, captured as CUDA graphs on a GPU (graphs.py)
         if self.choice.kind == "captured":
             self.padded = PaddedForward(self.lean, self.cache.layers, model, capture=self.choice.capture)
+        elif self.choice.padded:  # width-invariant at fixed shapes: every row over the run's span
+            span = static_span(capacity or len(prompt_ids))
+            template = StaticRows(torch.empty(0), torch.empty(0), span, self.verdict.linear_rows)
+            self.padded = PaddedForward(
+                self.lean, self.cache.layers, model, capture=self.choice.capture, static=template
+            )
         self.length = 0  # tokens whose KV is in the cache
         self.pending: list[int] = list(prompt_ids)  # committed, not yet in the cache
         self.forwards = 0
@@ -225,7 +233,7 @@ class KVState:
         )
         return self._done(len(token_ids), out, hidden)
 
-    def _lean(self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden) -> Forward:
+    def _lean(self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden, unpadded=False) -> Forward:
         ids, positions, inputs = self._inputs(token_ids, position_ids, embeds)
         mask = self._additive(visible)
         self.watch.start()
@@ -236,7 +244,8 @@ class KVState:
         """The padded forward (graphs.py) when q fits a bucket; else, and for taps (captured
         forwards hand out final states only), the unpadded lean forward."""
         if not self.padded.fits(len(token_ids)) or (isinstance(hidden, tuple) and hidden):
-            return self._lean(token_ids, position_ids, visible, logits_to_keep, embeds, hidden)
+            run = self._invariant if self.padded.static is not None else self._lean
+            return run(token_ids, position_ids, visible, logits_to_keep, embeds, hidden, unpadded=True)
         captured = self.padded.capture_s
         self.watch.start()
         out = self.padded(
@@ -251,11 +260,22 @@ class KVState:
         )
         return self._done(len(token_ids), out, hidden, (self.padded.capture_s - captured) * 1e3)
 
-    def _invariant(self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden) -> Forward:
-        """Each row over its own keys (invariant.py): no mask."""
+    def _invariant(self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden, unpadded=False) -> Forward:
+        """Each row over its own keys (invariant.py): no mask. At fixed shapes (StaticRows) where
+        the choice is padded: through the padded forward when the rows fit a bucket, else (a long
+        prefill, taps) the same rows eagerly; else grouped by key count (RowGroups)."""
+        if self.padded is not None and not unpadded:
+            return self._captured(token_ids, position_ids, visible, logits_to_keep, embeds, hidden)
         ids, positions, inputs = self._inputs(token_ids, position_ids, embeds)
         verdict = self.verdict
-        rows = RowGroups.of(visible, self.device, max(position_ids) + 1, verdict.linear_rows, verdict.attention_rows)
+        if self.padded is not None:
+            static = self.padded.static_for(self.length + len(token_ids))
+            slots, tail = (to_device(t, self.device) for t in StaticRows.host(visible, static.positions_end))
+            rows = dataclasses.replace(static, slots=slots, tail=tail)
+        else:
+            rows = RowGroups.of(
+                visible, self.device, max(position_ids) + 1, verdict.linear_rows, verdict.attention_rows
+            )
         self.watch.start()
         out = self.lean(
             ids, positions, None, self.cache.layers, logits_to_keep, embeds=inputs, hidden=hidden, rows=rows

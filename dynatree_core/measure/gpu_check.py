@@ -150,19 +150,20 @@ def _tree(root: int) -> tuple[DraftTree, list[int]]:
 
 
 @torch.inference_mode()
-def path_bits_match(target, prompt: list[int]) -> bool:
+def path_bits_match(target, prompt: list[int], graphs: bool | None = None) -> bool:
     """A path node's logits in one tree verification == `ar`'s for it decoded one token at a time,
-    bit for bit, with width-invariant forwards (the promise of core/invariant.py)."""
+    bit for bit, with width-invariant forwards (the promise of core/invariant.py); `graphs`: at
+    fixed shapes (invariant.StaticRows) where the device's default or True says so."""
     tree, path = _tree(prompt[-1])
     head = prompt[:-1]
     causal = chain_then_tree_visibility(0, len(head), torch.zeros(0, 0, dtype=torch.bool))
-    alone, kv = [], KVState(target, head, invariant=True)
+    alone, kv = [], KVState(target, head, invariant=True, graphs=graphs)
     kv.forward(head, list(range(len(head))), causal, 1)
     kv.pending = []
     for depth, node in enumerate(path):
         see = torch.ones(1, kv.length + 1, dtype=torch.bool)
         alone.append(kv.forward([tree.tokens[node]], [len(head) + depth], see, 1).logits[0])
-    kv = KVState(target, head, invariant=True)
+    kv = KVState(target, head, invariant=True, graphs=graphs)
     kv.forward(head, list(range(len(head))), causal, 1)
     kv.pending = []
     order = tree.order("bfs")
@@ -175,7 +176,7 @@ def invariance_checks(name: str, target, draft) -> list[dict]:
     """Per dtype in INVARIANCE_DTYPES: the kernels' verdict with the path's bits, and every tree
     policy's tokens against `ar`'s, width-invariant. Copies the models into each dtype."""
     from dynatree_core.core.fastpath import lean_forward_for
-    from dynatree_core.core.invariant import width_verdict
+    from dynatree_core.core.invariant import static_attention_agrees, width_verdict
 
     rows = []
     for dtype in INVARIANCE_DTYPES:
@@ -190,6 +191,9 @@ def invariance_checks(name: str, target, draft) -> list[dict]:
         pads += [f"attention in calls of {found.attention_rows} rows"] if found and found.attention_rows > 1 else []
         padded = f" ({'; '.join(pads)})" if pads else ""
         detail = verdict or ("bitwise" + padded if bits else "a path node's logits differ from ar's")
+        if lean is not None:  # the fixed-shape (capturable) form: StaticRows
+            fixed = static_attention_agrees(lean, dtype, device)
+            detail += "; fixed shapes: " + ("captured where graphs are" if fixed else "not invariant, grouped eagerly")
         rows.append({"pair": name, "check": f"invariant {label}", "ok": verdict is None and bits, "detail": detail})
         config = DecodeConfig(max_new_tokens=32, width_invariant=True)
         bad = []
