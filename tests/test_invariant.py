@@ -383,3 +383,26 @@ def test_captured_width_invariant_forwards_replay_and_stay_exact(monkeypatch):
     assert tree.token_ids == ar.token_ids and tree.tokens_per_iteration > 1
     monkeypatch.setattr(choice, "static_attention_agrees", lambda *a: False)
     assert KVState(target, PROMPT, invariant=True, graphs=True).path == "lean+invariant"
+
+
+def test_the_span_holds_a_whole_run_whose_trees_fill_slots_past_it():
+    """A run of capacity 256 (prompt 200 + 56 new tokens): near its end a tree's rows fill slots
+    past 256 while no row sees more than 256 keys, so the span stays 256 (a change would give its
+    last positions other bits than `ar`'s) and the tokens stay `ar`'s."""
+    from dynatree_core.decoding.engine import iterate, start_run
+
+    target = _model("llama", torch.bfloat16)
+    _skip_unless_bitwise(target)
+    draft = copy.deepcopy(noisy_copy("llama", 0.01)).to(torch.bfloat16)
+    prompt = [(5 * i) % 90 + 1 for i in range(200)]
+    config = DecodeConfig(max_new_tokens=56, graphs=True)
+    ar = generate(target, prompt, make_method("ar"), config=config)
+    state = start_run(
+        target, prompt, make_method("fixed_tree", {"depth": 4, "branch": 3, "tau": 0.0}), draft=draft, config=config
+    )
+    tokens = [t for record in iterate(state) for t in record.committed]
+    assert tokens == ar.token_ids
+    assert state.target_kv.padded.static.positions_end == 256
+    assert state.target_kv.peak_bytes > 0 and state.target_kv.cache.layers[0].capacity > 256, (
+        "slots past the span were filled"
+    )

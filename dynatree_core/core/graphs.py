@@ -214,7 +214,8 @@ class PaddedForward:
 
     def static_for(self, needed: int) -> StaticRows:
         """The width-invariant template, its span grown (every bucket dropped) to hold `needed` keys
-        should a run outgrow the span it started with (its capacity: not in a decode run)."""
+        should a row see more keys than the span the run started with (its capacity: never in a
+        decode run, whose rows see at most prompt + new tokens, however many slots a tree fills)."""
         if needed > self.static.positions_end:
             self.static = dataclasses.replace(self.static, positions_end=2 * needed)
             self._drop_buckets()
@@ -257,7 +258,7 @@ class PaddedForward:
         width = self.width_for(q, length, dtype, device, embeds is not None)
         self._ensure_buffers(length, width, dtype, device)
         if self.static is not None:
-            self.static_for(length + width)
+            self.static_for(int(visible.sum(1).max()))  # the most keys a row sees (not the slots in use)
         span = self.layers[0].capacity if self.static else span_for(length + width, self.layers[0].capacity)
         buf = self._bucket(width, span, dtype, device, embeds is not None)
         # fill the static inputs in place (padded rows: token 0, position 0, their own slot only)

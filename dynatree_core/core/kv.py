@@ -269,7 +269,7 @@ class KVState:
         ids, positions, inputs = self._inputs(token_ids, position_ids, embeds)
         verdict = self.verdict
         if self.padded is not None:
-            static = self.padded.static_for(self.length + len(token_ids))
+            static = self.padded.static_for(int(visible.sum(1).max()))  # the most keys a row sees
             slots, tail = (to_device(t, self.device) for t in StaticRows.host(visible, static.positions_end))
             rows = dataclasses.replace(static, slots=slots, tail=tail)
         else:
