@@ -18,7 +18,9 @@ at fixed shapes over the static cache (kv.SlotLayer):
 - the bucket a width runs at is measured on CUDA (`measured_width`): at its first capture each
   bucket is timed against the wider ones up to MEASURE_UP_TO rows and the fastest kept (cuBLAS's
   float32 GEMM can pick slow tiles at narrow widths, where a wider bucket runs faster);
-- new keys/values go to the slots named in a slot buffer (`index_copy_`), not to a Python slice.
+- new keys/values go to the slots named in a slot buffer (`index_copy_`), not to a Python slice;
+- width-invariant runs (`static`): no mask; each row's slots and padding (invariant.StaticRows,
+  the run's span) are the static inputs instead, so the same rows replay bitwise at any bucket.
 
 Every input (ids, positions, slots, mask, draft input vectors) is a static buffer per bucket,
 filled in place before each call. On CUDA each bucket's step is captured in a
