@@ -149,18 +149,20 @@ def test_the_shipped_fused_draft_drafts_exactly_and_the_eagle3_export_refuses_it
         assert result.token_ids == ref.token_ids, f"{name} diverged with the shipped fused draft"
 
 
-def test_bfloat16_tree_runs_reproduce_bfloat16_ar_on_the_embedded_pair():
+@pytest.mark.parametrize("graphs", (None, True), ids=("grouped", "fixed-shapes"))
+def test_bfloat16_tree_runs_reproduce_bfloat16_ar_on_the_embedded_pair(graphs):
     """The default pair in bfloat16 (width-invariant by default): every tree policy's greedy
     tokens equal bfloat16 `ar`'s, on prompts where the shared-kernel forward left them (salf,
-    OOD prompts, this CPU: 3 of 4 identical before width invariance)."""
+    OOD prompts, this CPU: 3 of 4 identical before width invariance); rows grouped by key count
+    (this CPU's default) and at fixed shapes (what a GPU captures; here run eagerly)."""
     pair = load_pair("embedded", device="cpu", dtype="bfloat16")
-    config = DecodeConfig(max_new_tokens=40, eos_token_ids=pair.target.eos_token_ids)
+    config = DecodeConfig(max_new_tokens=40, eos_token_ids=pair.target.eos_token_ids, graphs=graphs)
     for text in PROMPTS[:2]:
         ids = encode_prompt(pair.target.tokenizer, text, chat=True)
         want = generate(pair.target.model, ids, make_method("ar"), config=config)
         if want.forward_path.startswith("lean+invariant (not bitwise"):  # a CPU whose kernels fail the probe
             pytest.skip(f"not width-invariant on this CPU, and the run says so: {want.forward_path}")
-        assert want.forward_path == "lean+invariant", want.forward_path
+        assert want.forward_path == ("lean+invariant+padded" if graphs else "lean+invariant"), want.forward_path
         for name in ("fixed_tree", "dynatree", "salf", "eagle2"):
             policy = make_method(name)
             got = generate(pair.target.model, ids, policy, config=config, **pair.drafting(policy))
