@@ -181,14 +181,19 @@ def test_row_groups_hold_each_rows_slots_in_sequence_order():
     assert groups.positions_end == 9
 
 
+@pytest.mark.parametrize("form", ("grouped", "fixed-shapes"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_sequence_attention_equals_masked_attention_up_to_rounding(dtype):
+def test_sequence_attention_equals_masked_attention_up_to_rounding(dtype, form):
+    """Both forms (rows grouped by key count; StaticRows over a span of 16) against masked attention."""
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(1, 6, 5, 8, generator=gen).to(dtype)
     keys, values = (torch.randn(1, 2, 12, 8, generator=gen).to(dtype) for _ in "kv")
     visible = torch.rand(5, 12, generator=gen) > 0.4
     visible[:, 0] = True
-    out = sequence_attention(q, keys, values, RowGroups.of(visible, q.device), 0.3)
+    if form == "grouped":
+        out = sequence_attention(q, keys, values, RowGroups.of(visible, q.device), 0.3)
+    else:
+        out = static_sequence_attention(q, keys, values, StaticRows(*StaticRows.host(visible, 16)), 0.3)
     mask = torch.zeros(5, 12).masked_fill(~visible, float("-inf"))
     rep = lambda t: t.repeat_interleave(3, dim=1).float()  # noqa: E731  key head j serves query heads 3j..3j+2
     ref = torch.softmax(q.float() @ rep(keys).transpose(-1, -2) * 0.3 + mask, -1) @ rep(values)
@@ -349,20 +354,6 @@ def test_static_rows_hold_each_rows_slots_in_sequence_order_then_masked_padding(
     assert tail[2:, 0].eq(0).all() and tail[2:, 1:].isinf().all(), "padding rows see slot 0 only"
     with pytest.raises(ValueError, match="more than the span"):
         StaticRows.host(visible, 3)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_static_attention_equals_masked_attention_up_to_rounding(dtype):
-    gen = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 6, 5, 8, generator=gen).to(dtype)
-    keys, values = (torch.randn(1, 2, 12, 8, generator=gen).to(dtype) for _ in "kv")
-    visible = torch.rand(5, 12, generator=gen) > 0.4
-    visible[:, 0] = True
-    out = static_sequence_attention(q, keys, values, StaticRows(*StaticRows.host(visible, 16)), 0.3)
-    mask = torch.zeros(5, 12).masked_fill(~visible, float("-inf"))
-    rep = lambda t: t.repeat_interleave(3, dim=1).float()  # noqa: E731
-    ref = torch.softmax(q.float() @ rep(keys).transpose(-1, -2) * 0.3 + mask, -1) @ rep(values)
-    torch.testing.assert_close(out.float(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
 
 
 def test_captured_width_invariant_forwards_replay_and_stay_exact(monkeypatch):
