@@ -47,6 +47,7 @@ def _forward_options(args) -> dict:
         "fast_forward": False if args.no_fast_forward else None,
         "graphs": False if args.no_graphs else None,
         "width_invariant": {"on": True, "off": False}.get(args.width_invariant),
+        "device_draft": {"on": True, "off": False}.get(args.device_draft),
     }
 
 

@@ -53,6 +53,13 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         help="the target's rows get the bits they would get alone, so trees match ar exactly in any dtype "
         "(auto: on for bfloat16/float16, off for float32; DYNATREE_INVARIANT=0/1 sets auto's choice)",
     )
+    p.add_argument(
+        "--device-draft",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="fixed_tree, linear, eagle2 and delayed decide their draft levels on the device and read the "
+        "tree once per iteration, not once per level (auto: on for CUDA, off for CPU)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

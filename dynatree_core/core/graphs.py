@@ -264,9 +264,10 @@ class PaddedForward:
         span = self.layers[0].capacity if self.static else span_for(length + width, self.layers[0].capacity)
         buf = self._bucket(width, span, dtype, device, embeds is not None)
         # fill the static inputs in place (padded rows: token 0, position 0, their own slot only)
-        host = torch.zeros(2, width, dtype=torch.long)  # ids and positions, padded rows 0: one upload
-        host[0, :q], host[1, :q] = torch.tensor(ids), torch.tensor(positions)
-        both = to_device(host, device)
+        on = isinstance(ids, torch.Tensor)  # ids and positions already on the device (a level drafted there)
+        both = torch.zeros(2, width, dtype=torch.long, device=device if on else None)  # padded rows 0
+        both[0, :q], both[1, :q] = (ids, positions) if on else (torch.tensor(ids), torch.tensor(positions))
+        both = both if on else to_device(both, device)  # one upload
         buf.ids[0].copy_(both[0])
         buf.positions[0].copy_(both[1])
         torch.add(buf.rows, length, out=buf.slots)

@@ -206,8 +206,8 @@ class KVState:
         """One forward over `token_ids`, appended to the cache, by the implementation `choice` picked.
 
         Args:
-            token_ids: q new tokens.
-            position_ids: q positions (prefix length + depth for tree nodes).
+            token_ids: q new tokens (a list, or a (q,) tensor on the device).
+            position_ids: q positions (prefix length + depth for tree nodes), as the tokens.
             visible: (q, length + q) bool, True where query i may attend to key j.
             logits_to_keep: return logits of the last this-many queries.
             embeds: (q, hidden) input vectors to use instead of the tokens' embeddings (a feature
@@ -283,8 +283,12 @@ class KVState:
         return self._done(len(token_ids), out, hidden)
 
     def _inputs(self, token_ids, position_ids, embeds) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """ids (1, q) and positions (1, q) on the device in one upload; embeds as (1, q, hidden)."""
-        ids, positions = to_device(torch.tensor([token_ids, position_ids]), self.device)[:, None]
+        """ids (1, q) and positions (1, q) on the device in one upload (none when they are device
+        tensors already: a level drafted on the device); embeds as (1, q, hidden)."""
+        if isinstance(token_ids, torch.Tensor):
+            ids, positions = token_ids[None], position_ids[None]
+        else:
+            ids, positions = to_device(torch.tensor([token_ids, position_ids]), self.device)[:, None]
         inputs = None if embeds is None else embeds.to(device=self.device, dtype=self.model.dtype)[None]
         return ids, positions, inputs
 

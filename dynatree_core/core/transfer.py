@@ -57,14 +57,19 @@ def counting():
 
 class PhaseClock:
     """The phase boundaries of one iteration, marked without waiting for the device: perf_counter
-    on a CPU, CUDA events on a GPU (a mark is queued behind the work before it), all read at once
-    after the last mark: one sync per iteration instead of one per boundary."""
+    on a CPU, CUDA events on a GPU (a mark is queued behind the work before it). Read after the
+    iteration's blocking read (the verification's), the marks before it are done: reading them
+    waits for nothing, so an iteration's timing costs no sync of its own. What follows that read
+    (the commit, the record) is host work and queued launches, timed on the host from `host_start`.
+    """
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.marks: list = []
+        self.reads_at_mark = 0  # COUNTS["to_host"] at the last mark
 
     def mark(self) -> None:
+        self.reads_at_mark = COUNTS["to_host"]
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -73,13 +78,21 @@ class PhaseClock:
             self.marks.append(time.perf_counter())
 
     def read(self) -> list[float]:
-        """Milliseconds from the first mark to each mark; waits for the last one on CUDA (counted on
-        every device, like every other round trip here, so CPU tests hold the GPU's count)."""
-        COUNTS["sync"] += 1
+        """Milliseconds from the first mark to each mark. Without a device->host read since the
+        last mark it waits for the device: one sync, counted on every device (so CPU tests hold a
+        GPU's count); after one, the events are done and nothing is counted."""
+        waits = COUNTS["to_host"] == self.reads_at_mark
+        COUNTS["sync"] += waits
+        self._read_at = time.perf_counter()
         if not self.cuda:
             return [(t - self.marks[0]) * 1e3 for t in self.marks]
-        self.marks[-1].synchronize()
+        self.marks[-1].synchronize()  # done already after a read: returns at once
         return [self.marks[0].elapsed_time(e) for e in self.marks]
+
+    def host_start(self) -> float:
+        """Where host-timed spans after `read` start (perf_counter seconds): the last mark on a CPU
+        (its clock is the host's), the read itself on a GPU (what came before is the device's)."""
+        return self._read_at if self.cuda else self.marks[-1]
 
 
 class Stopwatch:

@@ -12,6 +12,7 @@ target inputs one `VerifyBatch`.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -29,7 +30,7 @@ from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.baselines import Baseline
 from dynatree_core.drafting.policy import Policy
 from dynatree_core.drafting.request import DraftRequest
-from dynatree_core.drafts.heads import head_drafter, head_kind, is_head
+from dynatree_core.drafts.heads import draft_kind, head_drafter, is_head  # noqa: F401 (draft_kind: engine's API)
 from dynatree_core.drafts.session import Drafter
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.runs.metrics import memory_mb, summarize, weight_bytes
@@ -55,13 +56,9 @@ class DecodeConfig:
     graphs: bool | None = None  # fixed-shape forwards, one CUDA graph per width (core/graphs.py; default: on CUDA)
     # the target's forwards width-invariant (core/invariant.py); None: invariant_wanted's rule
     width_invariant: bool | None = None
-
-
-def draft_kind(draft: torch.nn.Module | None) -> str:
-    """A head's kind ("feature", "fused": drafts/heads.py), "token" for a standalone draft LM."""
-    if draft is None:
-        return ""
-    return head_kind(draft) if is_head(draft) else "token"
+    # policies that can keep their draft levels on the device do (drafting/device.py: the tree is
+    # read once, not once per level); None: on CUDA, where a read is a sync (on a CPU it is free)
+    device_draft: bool | None = None
 
 
 def vocab_size(model: torch.nn.Module) -> int:
@@ -97,6 +94,7 @@ class DecodeState:
     prompt_len: int
     context_length: int  # the target's positions (or the config's)
     weights: int = 0  # resident weight bytes (metrics.memory_mb's CPU accounting)
+    device_draft: bool = False  # DecodeConfig.device_draft, resolved for the device
 
     @property
     def new_tokens(self) -> int:
@@ -188,6 +186,7 @@ def start_run(
         prompt_len=len(prompt_ids),
         context_length=ctx,
         weights=weights,
+        device_draft=config.device_draft if config.device_draft is not None else device.type == "cuda",
     )
 
 
@@ -231,7 +230,7 @@ def iterate(state: DecodeState) -> Iterator[IterationRecord]:
 def _iteration(state: DecodeState, index: int, budget: int) -> IterationRecord:
     """One draft -> verify -> commit step. `budget`: tokens this iteration may commit."""
     captured = state.capture_s()  # graph captures (core/graphs.py) are set-up, not the iteration's work
-    clock = PhaseClock(state.device)  # phase boundaries, read once after the commit (one sync, not one each)
+    clock = PhaseClock(state.device)  # phase boundaries, read after the verification's read (no sync of its own)
     clock.mark()
     draft_forwards, draft_forward_ms = state.draft_forwards(), state.draft_forward_ms()
     tree, drafted = _draft(state, budget)
@@ -243,26 +242,26 @@ def _iteration(state: DecodeState, index: int, budget: int) -> IterationRecord:
     out = _verify_forward(state, batch)  # ONE target forward
     clock.mark()
     verify_capture_ms = (state.capture_s() - captured) * 1e3 - draft_capture_ms
-    if state.verifier == "greedy":
+    if state.verifier == "greedy":  # the iteration's blocking read: the target's choices
         outcome = verify_greedy(tree, batch.order, out.logits)
     else:
         sampling = state.config.sampling
         outcome = verify_sampling(tree, batch.order, out.logits, sampling, state.verifier, state.gen, state.draw)
+    t1, t2, t3 = clock.read()[1:]  # ms since the iteration began; done already, so no wait
+    host = clock.host_start()
     accepted = [tree.tokens[n] for n in outcome.accepted]
     new_tokens, stop = cut(accepted + [outcome.bonus_token], budget, state.config.eos_token_ids)
     _commit(state, tree, batch, outcome.accepted, new_tokens, out.states)
     if drafted:  # a prefill-only iteration says nothing about the policy's trees
         state.policy.observe(outcome)
-    clock.mark()
+    committed = time.perf_counter()
     record = _record(state, index, tree, batch, outcome, new_tokens, stop)
     record.draft_forwards = draft_forwards
     record.capture_ms = draft_capture_ms + verify_capture_ms
-    clock.mark()
-    t1, t2, t3, t4, t5 = clock.read()[1:]  # ms since the iteration began
     record.draft_ms = t1 - draft_capture_ms
     record.verify_ms = t3 - t2 - verify_capture_ms
-    record.commit_ms = t4 - t3
-    record.overhead_ms = t2 - t1 + t5 - t4
+    record.commit_ms = (committed - host) * 1e3  # with the verification on a CPU; host work on a GPU
+    record.overhead_ms = t2 - t1 + (time.perf_counter() - committed) * 1e3
     # the draft's forward time: its CUDA events are done by now, so reading them waits for nothing
     record.draft_forward_ms = state.draft_forward_ms() - draft_forward_ms
     state.policy.observe_cost(len(batch.tokens), record.verify_ms)
@@ -281,7 +280,9 @@ def _draft(state: DecodeState, budget: int) -> tuple[DraftTree, bool]:
         tree.reason[0] = Reason.NO_FEATURES.value
         return tree, False
     config = state.config
-    request = DraftRequest(committed[-1], budget - 1, drafter, committed, state.draw, config.sampling, state.gen)
+    request = DraftRequest(
+        committed[-1], budget - 1, drafter, committed, state.draw, config.sampling, state.gen, state.device_draft
+    )
     return state.policy.draft(request), True
 
 

@@ -16,6 +16,7 @@ import time
 
 from dynatree_core.core.tree import DraftTree, Reason, Status
 from dynatree_core.drafting.common import drafter_of, leaf_reason
+from dynatree_core.drafting.device import grow_all_on_device
 from dynatree_core.drafting.policy import Param, Policy, register_policy
 from dynatree_core.drafting.request import DraftRequest, level_q, level_top, pick_children
 
@@ -25,10 +26,12 @@ def grow_delayed(
 ) -> DraftTree:
     """The (K, L1, L2) delayed tree, greedy-drafted, cut at the request's max depth. `tree` and
     `root_logp` pass in a root that was already run through the draft."""
-    drafter = drafter_of(request)
-    tree = tree if tree is not None else DraftTree.with_root(request.root_token)
     cap = min(l1 + l2, request.max_depth)
     reason = leaf_reason(cap, l1 + l2)
+    if request.on_device and request.draw == "top" and tree is None:  # levels decided on the device (device.py)
+        return grow_all_on_device(request, [k if level == l1 else 1 for level in range(cap)], reason=reason)
+    drafter = drafter_of(request)
+    tree = tree if tree is not None else DraftTree.with_root(request.root_token)
     frontier = [0]
     for level in range(cap):
         reuse = level == 0 and root_logp is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dynatree_core.core.tree import DraftTree, Reason, Status
 from dynatree_core.drafting.common import drafter_of, leaf_reason, start_tree
+from dynatree_core.drafting.device import grow_all_on_device
 from dynatree_core.drafting.policy import Param, Policy, register_policy
 from dynatree_core.drafting.request import DraftRequest, level_top
 
@@ -26,10 +27,31 @@ class Eagle2Beam(Policy):
     )
 
     def draft(self, request: DraftRequest) -> DraftTree:
+        c = self.config
+        if request.on_device:  # the beam decided on the device, read once (device.py)
+            cap = min(c["depth"], request.max_depth)
+            reason = leaf_reason(cap, c["depth"]) if cap > 0 else Reason.LENGTH_LIMIT
+            tree = grow_all_on_device(request, [c["topk"]] * cap, reason=reason, beam=c["topk"])
+        else:
+            tree, cap = self._beam(request)
+        if cap <= 0:
+            return tree
+        ranked = sorted(range(1, len(tree)), key=lambda n: (-tree.cum_logp[n], n))
+        keep: set[int] = set()
+        for node in ranked:  # the rerank; a path probability never exceeds its parent's
+            if len(keep) < c["total"] and (tree.parents[node] == 0 or tree.parents[node] in keep):
+                keep.add(node)
+        for node in range(1, len(tree)):
+            if node not in keep and tree.status[node] != Status.PRUNED:
+                tree.prune(node, Reason.RERANK)
+        return tree
+
+    def _beam(self, request: DraftRequest) -> tuple[DraftTree, int]:
+        """The beam on the host: each step's top-k read to choose the next step's rows."""
         drafter, c = drafter_of(request), self.config
         tree, cap = start_tree(request, c["depth"])
         if cap <= 0:
-            return tree
+            return tree, cap
         frontier = [0]
         for level in range(cap):
             logp = drafter.expand(tree, frontier)  # ONE draft forward per step
@@ -45,12 +67,4 @@ class Eagle2Beam(Policy):
             frontier = new[: c["topk"]]
             for node in new[c["topk"] :]:
                 tree.mark_leaf(node, Reason.BEAM)
-        ranked = sorted(range(1, len(tree)), key=lambda n: (-tree.cum_logp[n], n))
-        keep: set[int] = set()
-        for node in ranked:  # the rerank; a path probability never exceeds its parent's
-            if len(keep) < c["total"] and (tree.parents[node] == 0 or tree.parents[node] in keep):
-                keep.add(node)
-        for node in range(1, len(tree)):
-            if node not in keep and tree.status[node] != Status.PRUNED:
-                tree.prune(node, Reason.RERANK)
-        return tree
+        return tree, cap

@@ -29,6 +29,9 @@ class DraftRequest:
     draw: str = "top"
     sampling: Any = None
     gen: torch.Generator | None = None
+    # keep the draft levels on the device and read the tree once (drafting/device.py), where the
+    # policy can; greedy ("top") drafting only
+    on_device: bool = False
 
 
 def level_top(logp: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.drafting.common import admit_level, drafter_of, leaf_reason, safe_log, start_tree
+from dynatree_core.drafting.device import grow_topk_on_device
 from dynatree_core.drafting.policy import Param, Policy, register_policy
 from dynatree_core.drafting.request import DraftRequest, level_q, level_top, pick_children
 
@@ -35,7 +36,10 @@ class Autoregressive(Policy):
 
 
 def grow_topk_tree(request: DraftRequest, *, depth: int, branch: int, tau: float, budget: int) -> DraftTree:
-    """Level-by-level top-B expansion with threshold pruning and a node budget (Alg. 1)."""
+    """Level-by-level top-B expansion with threshold pruning and a node budget (Alg. 1); with
+    `request.on_device` the same tree with its levels decided on the device (device.py)."""
+    if request.on_device and request.draw == "top":
+        return grow_topk_on_device(request, depth=depth, branch=branch, tau=tau, budget=budget)
     drafter = drafter_of(request)
     tree, depth_cap = start_tree(request, depth)
     log_tau = safe_log(tau)

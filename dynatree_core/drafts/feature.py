@@ -247,6 +247,7 @@ class FeatureDrafter(Drafter):
         self.pending_features: list[torch.Tensor] = []  # (n_i, H) blocks, in order
         self.pending_tokens: list[int] = []
         self.out: dict[int, torch.Tensor] = {}  # node -> predicted feature (H,)
+        self.level_states: torch.Tensor | None = None  # expand_level: the last level's predicted features
         self.root_position = 0
 
     @property
@@ -296,6 +297,18 @@ class FeatureDrafter(Drafter):
                 self.slots[n] = start + i
                 self.out[n] = states[i]
         return self._logp(logits)
+
+    def _level_logits(self, tokens, parents, depth: int, visible: torch.Tensor) -> torch.Tensor:
+        """A device level (Drafter.expand_level): each row reads its parent row's predicted feature."""
+        p = tokens.shape[0]
+        if depth == 1:  # the root's children read the root's predicted feature
+            self.level_states = self.out[0][None]
+        feats = self.level_states[parents]
+        positions = torch.full((p,), self.root_position + depth, dtype=torch.long, device=tokens.device)
+        rows = self._pair_rows(tokens, feats, fused=False)
+        out = self.kv.forward(tokens, positions, visible, p, embeds=rows, hidden=True)
+        self.level_states = out.states
+        return out.logits
 
     def _pair_rows(self, tokens: torch.Tensor, features: torch.Tensor, *, fused: bool) -> torch.Tensor:
         """The layer's input rows for (token, feature) pairs: the target's features (`fused`: as

@@ -26,6 +26,13 @@ def head_kind(model: torch.nn.Module) -> str:
     return model.kind
 
 
+def draft_kind(draft: torch.nn.Module | None) -> str:
+    """A head's kind ("feature", "fused"), "token" for a standalone draft LM, "" for none."""
+    if draft is None:
+        return ""
+    return head_kind(draft) if is_head(draft) else "token"
+
+
 def is_head_dir(spec: str | None) -> bool:
     return feature.is_feature_draft_dir(spec) or fused.is_fused_draft_dir(spec) or published.is_published_head_dir(spec)
 

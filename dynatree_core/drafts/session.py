@@ -2,7 +2,10 @@
 
 A policy never touches caches or masks: it asks the session for the draft distributions of a
 whole tree level at once (`expand(tree, nodes)`, one draft forward), and the engine tells it
-which nodes were accepted (`commit`, KV compaction). Token drafts use this class as it is;
+which nodes were accepted (`commit`, KV compaction). A policy that keeps its levels on the
+device (drafting/device.py) asks with device tensors instead (`expand_level`: no host read; the
+masks are built there from each row's parent row) and names the nodes' slots once it has read
+its tree (`bind`). Token drafts use this class as it is;
 feature and fused heads (feature.py, fused.py) subclass it.
 """
 
@@ -40,6 +43,10 @@ class Drafter:
         self.token_map = token_map  # reduced-vocabulary draft: map ids in and log-probs out
         self.slots: dict[int, int] = {}  # node id -> cache index, for the current tree
         self.committed = 0  # cache entries that are committed tokens
+        # levels drafted on the device (expand_level): each row's ancestors' slots and itself, and
+        # the first slot of every level after the root's
+        self.ancestors = torch.zeros(1, 0, dtype=torch.long)
+        self.level_starts: list[int] = []
 
     @property
     def forwards(self) -> int:
@@ -73,6 +80,35 @@ class Drafter:
             self.slots.update({n: start + i for i, n in enumerate(nodes)})
         return self._logp(logits)
 
+    def expand_level(self, tokens: torch.Tensor | None, parents: torch.Tensor | None, depth: int) -> torch.Tensor:
+        """One tree level held on the device, in one forward and with no host read: `tokens` (P,)
+        at `depth`, `parents` (P,) their parents' rows in the level before (the root level is one
+        row); `None, None, 0` runs the root (the pending chain). Every row is computed, padded
+        ones too (their children are never admitted). Returns (P, vocab) log-probabilities."""
+        if tokens is None:
+            logp = self.expand(DraftTree.with_root(0), [0])
+            self.ancestors = torch.zeros(1, 0, dtype=torch.long, device=logp.device)
+            self.level_starts = []
+            return logp
+        p, start = tokens.shape[0], self.kv.length
+        own = torch.arange(start, start + p, device=tokens.device)
+        self.ancestors = torch.cat([self.ancestors[parents], own[:, None]], dim=1)  # the root is committed
+        visible = torch.zeros(p, start + p, dtype=torch.bool, device=tokens.device)
+        visible[:, : self.committed] = True
+        visible.scatter_(1, self.ancestors, True)
+        self.level_starts.append(start)
+        return self._logp(self._level_logits(tokens, parents, depth, visible))
+
+    def _level_logits(self, tokens, parents, depth: int, visible: torch.Tensor) -> torch.Tensor:
+        p = tokens.shape[0]
+        positions = torch.full((p,), self.committed - 1 + depth, dtype=torch.long, device=tokens.device)
+        return self.kv.forward(self._draft_ids(tokens), positions, visible, p).logits
+
+    def bind(self, node: int, level: int, row: int) -> None:
+        """`node` of the tree read back is row `row` of level `level` (1: the root's children)
+        drafted by `expand_level`: its cache slot, for `commit`."""
+        self.slots[node] = self.level_starts[level - 1] + row
+
     def _level_visibility(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
         """(q, length + q) visibility of one tree level: the committed entries (the root's
         included), each node's ancestors' slots, and itself."""
@@ -91,9 +127,12 @@ class Drafter:
             return self.token_map.to_target_logp(logits)
         return torch.log_softmax(logits[:, : self.vocab_size], dim=-1)
 
-    def _draft_ids(self, target_ids: list[int]) -> list[int]:
+    def _draft_ids(self, target_ids: list[int] | torch.Tensor) -> list[int] | torch.Tensor:
+        """Target ids -> the draft's (a device tensor stays on the device)."""
         if self.token_map is None:
             return target_ids
+        if isinstance(target_ids, torch.Tensor):
+            return self.token_map.to_draft(target_ids)
         return self.token_map.to_draft(torch.tensor(target_ids)).tolist()
 
     def commit(self, tree: DraftTree, accepted: list[int], new_tokens: list[int]) -> None:

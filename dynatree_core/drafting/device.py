@@ -1,0 +1,207 @@
+"""Draft levels decided on the device: the tree is read once per iteration, not once per level.
+
+On a GPU every device->host read waits for the queue to drain. A policy that reads each level's
+top-k on the host to choose the next level's rows pays one such wait per draft forward (3.7
+reads per fixed_tree iteration on an H200: BENCHMARKS, "The GPU round measured"). Here a level's
+choices are made on the device, at fixed widths (every row the level could have; rows the
+policy would not have are padded and marked), and the levels' records are read in ONE copy
+after the last draft forward. The host then replays them into the DraftTree the host path
+builds from the same distributions, node for node, reasons included
+(tests/test_device_draft.py). SGLang's EAGLE worker keeps its draft loop on the GPU the same
+way (../shared/GPU_NOTES.md).
+
+The price: levels run at their widest, and a tree the host path stops early (an empty frontier,
+a spent budget) still runs its remaining draft forwards over rows the replay never admits. On a
+CPU a read costs nothing, so the engine drafts this way on CUDA only (DecodeConfig.device_draft).
+Greedy ("top") drafting only: sampled drafting draws on the host.
+
+Cumulative log-probabilities are float64 on the device, as the host's Python floats are, so
+every comparison (threshold, order, ties) decides the same way on both paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from dynatree_core.core.transfer import to_list
+from dynatree_core.core.tree import DraftTree, Reason, Status
+from dynatree_core.drafting.common import drafter_of, leaf_reason, safe_log, start_tree
+from dynatree_core.drafting.request import DraftRequest
+
+# a candidate's fate, as the level records it
+ADMITTED, THRESHOLD, BUDGET, PADDING = 0, 1, 2, 3
+
+
+@dataclasses.dataclass
+class Level:
+    """One draft forward's candidates in the order the tree adds them (device tensors), and which
+    of them are the rows of the next forward (`selected`)."""
+
+    tokens: torch.Tensor  # (C,) long
+    logp: torch.Tensor  # (C,) float32: the draft's log-probability of the token
+    parents: torch.Tensor  # (C,) long: the row of this forward that proposed it
+    fate: torch.Tensor  # (C,) long: ADMITTED, THRESHOLD, BUDGET or PADDING (a padded row's child)
+    selected: torch.Tensor  # (W,) long: candidates that are the next forward's rows, in row order
+
+
+@dataclasses.dataclass
+class ReadLevel:
+    """A Level on the host."""
+
+    tokens: list[int]
+    logp: list[float]
+    parents: list[int]
+    fate: list[int]
+    selected: list[int]
+
+
+def read_levels(levels: list[Level]) -> list[ReadLevel]:
+    """Every level's record in ONE device->host copy (float64 holds ids and float32 values exactly)."""
+    parts = [torch.cat([lv.tokens, lv.logp, lv.parents, lv.fate]).double() for lv in levels]
+    parts += [lv.selected.double() for lv in levels]
+    flat = to_list(torch.cat(parts))
+    out, at = [], 0
+    for lv in levels:
+        c = lv.tokens.shape[0]
+        chunk = flat[at : at + 4 * c]
+        at += 4 * c
+        ints = lambda xs: [int(x) for x in xs]  # noqa: E731
+        out.append(ReadLevel(ints(chunk[:c]), chunk[c : 2 * c], ints(chunk[2 * c : 3 * c]), ints(chunk[3 * c :]), []))
+    for lv, read in zip(levels, out, strict=True):
+        w = lv.selected.shape[0]
+        read.selected = [int(x) for x in flat[at : at + w]]
+        at += w
+    return out
+
+
+def children(logp: torch.Tensor, cum: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """The top-k children of every row, flattened row-major (the host path's candidate order):
+    tokens, float32 log-probs, float64 cumulative log-probs, proposing rows."""
+    top_lp, top_tok = logp.topk(min(k, logp.shape[-1]), dim=-1)  # the call level_top makes
+    rows = torch.arange(logp.shape[0], device=logp.device).repeat_interleave(top_lp.shape[1])
+    cum_c = (cum[:, None] + top_lp.float().double()).flatten()
+    return top_tok.flatten(), top_lp.float().flatten(), cum_c, rows
+
+
+def most_probable_first(cum: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Candidate order by cumulative log-prob, highest first, ties in candidate order (the host's
+    stable sort); padding after every real candidate (padded rows come last, so a real -inf
+    candidate still precedes them)."""
+    key = torch.where(valid, cum, torch.full_like(cum, -math.inf))
+    return torch.sort(key, descending=True, stable=True).indices
+
+
+def admit(cum: torch.Tensor, valid: torch.Tensor, log_tau: float, room: torch.Tensor) -> torch.Tensor:
+    """Fates of candidates already in most-probable-first order (common.admit_level on the
+    device): below log_tau THRESHOLD, past the budget's `room` BUDGET. Those at or above log_tau
+    are a prefix of the order, so the first `room` of them are admitted."""
+    passing = valid & (cum >= log_tau)
+    index = torch.arange(cum.shape[0], device=cum.device)
+    fate = torch.where(passing & (index < room), ADMITTED, BUDGET)
+    fate = torch.where(passing, fate, THRESHOLD)
+    return torch.where(valid, fate, PADDING)
+
+
+def grow_topk_on_device(request: DraftRequest, *, depth: int, branch: int, tau: float, budget: int) -> DraftTree:
+    """static.grow_topk_tree (DynaTree Alg. 1: top-B children, lines 17-19 the threshold, lines
+    12/22 the budget) with its levels decided on the device and read once."""
+    drafter = drafter_of(request)
+    tree, cap = start_tree(request, depth)
+    if cap <= 0:
+        return tree
+    log_tau = safe_log(tau)
+    logp = drafter.expand_level(None, None, 0)  # the root: one row
+    device = logp.device
+    cum = torch.zeros(1, dtype=torch.float64, device=device)
+    valid = torch.ones(1, dtype=torch.bool, device=device)
+    room = torch.full((), budget, dtype=torch.long, device=device)  # made there: no upload
+    levels: list[Level] = []
+    for level in range(1, cap + 1):
+        if level > 1:  # ONE draft forward per level, over every row the level could have
+            prev = levels[-1]
+            logp = drafter.expand_level(prev.tokens[prev.selected], prev.parents[prev.selected], level - 1)
+        tokens, lp, cum_c, rows = children(logp, cum, branch)
+        order = most_probable_first(cum_c, valid[rows])
+        tokens, lp, cum_c, rows = tokens[order], lp[order], cum_c[order], rows[order]
+        fate = admit(cum_c, valid[rows], log_tau, room)
+        width = min(tokens.shape[0], budget)  # the next level's rows: every node this one may admit
+        selected = torch.arange(width, device=device)
+        levels.append(Level(tokens, lp, rows, fate, selected))
+        admitted = fate == ADMITTED
+        room = room - admitted.sum()
+        cum, valid = cum_c[:width], admitted[:width]
+    return replay_topk(tree, read_levels(levels), request.drafter, cap=cap, depth=depth, budget=budget)
+
+
+def replay_topk(tree: DraftTree, levels: list[ReadLevel], drafter, *, cap: int, depth: int, budget: int) -> DraftTree:
+    """The host half of grow_topk_on_device: grow_topk_tree's loop over the levels as read,
+    stopping where it stops (an empty frontier, the budget spent before the last level)."""
+    frontier, drafted = [0], 0
+    for level, lv in enumerate(levels, start=1):
+        for row, node in enumerate(frontier):
+            tree.mark_expanded(node)
+            if node:
+                drafter.bind(node, level - 1, row)
+        added = []
+        for tok, lp, row, fate in zip(lv.tokens, lv.logp, lv.parents, lv.fate, strict=True):
+            if fate == ADMITTED:
+                added.append(tree.add(frontier[row], tok, lp))
+            elif fate != PADDING:
+                reason = Reason.THRESHOLD if fate == THRESHOLD else Reason.BUDGET
+                tree.add(frontier[row], tok, lp, status=Status.PRUNED, reason=reason)
+        frontier = added  # admitted candidates lead the order: row r of the next forward is added[r]
+        drafted += len(frontier)
+        if not frontier:
+            break
+        if drafted >= budget and level < cap:
+            for node in frontier:
+                tree.mark_leaf(node, Reason.BUDGET)
+            break
+        if level == cap:
+            for node in frontier:
+                tree.mark_leaf(node, leaf_reason(cap, depth))
+    return tree
+
+
+def grow_all_on_device(request: DraftRequest, widths: list[int], *, reason: Reason, beam: int = 0) -> DraftTree:
+    """Trees whose every drafted child joins the tree, decided on the device and read once: level
+    l proposes the top `widths[l]` children of each of its rows; the next level's rows are all of
+    them, or with `beam` the `beam` most probable (ties in node order: eagle2.py's sort), the rest
+    leaves (Reason.BEAM). EAGLE-2's beam (before its rerank, done on the host from the tree) and
+    the delayed tree (delayed.py) are such trees; `reason` is their last level's leaf reason."""
+    drafter = drafter_of(request)
+    tree = DraftTree.with_root(request.root_token)
+    if not widths:
+        tree.mark_leaf(0, reason)
+        return tree
+    logp = drafter.expand_level(None, None, 0)
+    cum = torch.zeros(1, dtype=torch.float64, device=logp.device)
+    levels: list[Level] = []
+    for level, width in enumerate(widths, start=1):
+        if level > 1:  # ONE draft forward per level
+            prev = levels[-1]
+            logp = drafter.expand_level(prev.tokens[prev.selected], prev.parents[prev.selected], level - 1)
+        tokens, lp, cum_c, rows = children(logp, cum, width)
+        selected = torch.arange(tokens.shape[0], device=tokens.device)
+        if beam:
+            selected = most_probable_first(cum_c, torch.ones_like(tokens, dtype=torch.bool))[:beam]
+        if level == len(widths):
+            selected = selected[:0]
+        levels.append(Level(tokens, lp, rows, torch.zeros_like(tokens), selected))
+        cum = cum_c[selected]
+    frontier = [0]
+    for level, lv in enumerate(read_levels(levels), start=1):
+        for row, node in enumerate(frontier):
+            tree.mark_expanded(node)
+            if node:
+                drafter.bind(node, level - 1, row)
+        rows = zip(lv.tokens, lv.logp, lv.parents, strict=True)
+        new = [tree.add(frontier[r], tok, lp, reason=reason) for tok, lp, r in rows]
+        frontier = [new[i] for i in lv.selected]
+        if beam and level < len(widths):  # outside the beam: leaves
+            for node in sorted(set(new) - set(frontier)):
+                tree.mark_leaf(node, Reason.BEAM)
+    return tree

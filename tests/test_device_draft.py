@@ -1,0 +1,169 @@
+"""Draft levels decided on the device (drafting/device.py): the tree a policy reads back once is,
+node for node (tokens, parents, log-probs, statuses, reasons), the tree its host path builds
+from the same draft distributions; runs stay exact, and an iteration reads the device at most
+twice (the tree, the target's choices) and never syncs for its timings."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+
+import pytest
+import torch
+from conftest import ARCHS, examples, hf_greedy, noisy_copy, tiny_model
+from hypothesis import given
+from hypothesis import strategies as st
+from test_feature_draft import feature_draft
+
+from dynatree_core.core.transfer import counting
+from dynatree_core.decoding.engine import DecodeConfig, decode, generate
+from dynatree_core.decoding.methods import make_method
+from dynatree_core.drafting import DraftRequest, make_policy
+
+DEVICE_POLICIES = [  # every policy with a device path, at its defaults and at shapes that bind
+    ("fixed_tree", {}),
+    ("fixed_tree", {"budget": 5, "tau": 0.0, "branch": 4}),
+    ("fixed_tree", {"tau": 0.001, "depth": 4}),
+    ("linear", {}),
+    ("eagle2", {}),
+    ("eagle2", {"depth": 5, "topk": 2, "total": 6}),
+    ("delayed", {}),
+    ("delayed", {"l1": 0}),
+]
+
+
+def signature(tree) -> tuple:
+    return tree.tokens, tree.parents, tree.logp, [str(s) for s in tree.status], [str(r) for r in tree.reason]
+
+
+def runs(target, draft, prompt, policy, params, n=24, **config):
+    """The records of a host-path run and a device-path run of the same request."""
+    return [
+        list(
+            decode(
+                target,
+                prompt,
+                make_method(policy, params),
+                draft=draft,
+                config=DecodeConfig(n, **config, device_draft=d),
+            )
+        )
+        for d in (False, True)
+    ]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("policy,params", DEVICE_POLICIES)
+def test_device_levels_build_the_host_paths_trees_and_stay_exact(arch, policy, params):
+    target, prompt = tiny_model(arch), [1, 5, 7, 9, 11]
+    for draft in (noisy_copy(arch, 0.3), feature_draft(arch)):
+        host, device = runs(target, draft, prompt, policy, params)
+        assert [r.committed for r in host] == [r.committed for r in device]
+        assert [t for r in device for t in r.committed] == hf_greedy(target, prompt, 24)
+        for i, (a, b) in enumerate(zip(host, device, strict=True)):
+            assert signature(a.tree) == signature(b.tree), f"{policy} {params}: iteration {i + 1}'s tree differs"
+
+
+@pytest.mark.parametrize("policy,params", [DEVICE_POLICIES[0], DEVICE_POLICIES[4]])
+def test_device_levels_through_the_padded_forward_a_gpu_captures(policy, params):
+    """ids and positions handed over as device tensors fill the padded forward's static buffers."""
+    target, prompt = tiny_model("llama"), [1, 5, 7, 9, 11]
+    for draft in (noisy_copy("llama", 0.3), feature_draft("llama")):
+        host, device = runs(target, draft, prompt, policy, params, graphs=True)
+        assert [t for r in device for t in r.committed] == hf_greedy(target, prompt, 24)
+        assert [signature(r.tree) for r in host] == [signature(r.tree) for r in device]
+        assert device[-1].forward_path.startswith("lean+padded")
+
+
+@torch.inference_mode()
+def test_device_levels_are_exact_in_bfloat16_with_a_width_invariant_target():
+    target = copy.deepcopy(tiny_model("llama")).to(torch.bfloat16)
+    draft = copy.deepcopy(noisy_copy("llama", 0.05)).to(torch.bfloat16)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    ar = generate(target, prompt, make_method("ar", {}), config=DecodeConfig(32, width_invariant=True)).token_ids
+    for policy, params in DEVICE_POLICIES[::2]:
+        config = DecodeConfig(32, width_invariant=True, device_draft=True)
+        got = generate(target, prompt, make_method(policy, params), draft=draft, config=config).token_ids
+        assert got == ar, f"{policy} {params}"
+
+
+def test_an_iteration_reads_the_device_at_most_twice_when_its_levels_stay_there():
+    """The tree once, the target's choices once (a prefill-only iteration: once); the timing
+    marks are read after those reads, so no sync; host-path policies read once per level."""
+    target, prompt = tiny_model("llama"), [1, 5, 7, 9, 11]
+    for draft in (noisy_copy("llama", 0.01), feature_draft("llama")):
+        for policy, params in DEVICE_POLICIES:
+            with counting() as moved:
+                result = generate(
+                    target, prompt, make_method(policy, params), draft=draft, config=DecodeConfig(20, device_draft=True)
+                )
+            assert moved["to_host"] <= 2 * result.iterations, f"{policy} {params}: {dict(moved)}"
+            assert moved["sync"] == 0, f"{policy} {params}: {dict(moved)}"
+    with counting() as moved:  # dynatree decides its levels on the host (its depth is data-dependent)
+        result = generate(
+            target, prompt, make_method("dynatree", {}), draft=draft, config=DecodeConfig(20, device_draft=True)
+        )
+    assert moved["to_host"] <= result.draft_forwards + result.iterations and moved["sync"] == 0
+
+
+# ----- the levels' decisions against the host's, on made-up draft distributions ------------------
+class PathDrafter:
+    """A stand-in drafter whose distribution at a node is a function of the node's token path
+    only, so the host path (`expand`) and the device path (`expand_level`) see the same rows.
+    Values are coarse (many exact ties) and some are -inf (tokens the draft cannot propose)."""
+
+    vocab = 12
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.slots: dict[int, int] = {}
+        self.paths: list[tuple] = []
+        self.level_paths: list[tuple] = []
+
+    def row(self, path: tuple) -> torch.Tensor:
+        digest = hashlib.sha256(repr((self.seed, path)).encode()).digest()
+        values = torch.tensor([b % 4 for b in digest[: self.vocab]], dtype=torch.float32)
+        values[torch.tensor([b % 5 == 0 for b in digest[self.vocab : 2 * self.vocab]])] = -torch.inf
+        return torch.log_softmax(values, -1)
+
+    def expand(self, tree, nodes):
+        return torch.stack([self.row(tuple(tree.tokens[n] for n in tree.path(n)[1:])) for n in nodes])
+
+    def expand_level(self, tokens, parents, depth):
+        if tokens is None:
+            self.level_paths = [()]
+        else:
+            self.level_paths = [
+                self.level_paths[p] + (t,) for t, p in zip(tokens.tolist(), parents.tolist(), strict=True)
+            ]
+        return torch.stack([self.row(p) for p in self.level_paths])
+
+    def bind(self, node, level, row):
+        self.slots[node] = (level, row)
+
+
+@examples(60)
+@given(
+    seed=st.integers(0, 10**6),
+    depth=st.integers(1, 5),
+    branch=st.integers(1, 5),
+    tau=st.sampled_from([0.0, 0.001, 0.02, 0.1, 0.3]),
+    budget=st.integers(1, 40),
+    max_depth=st.integers(0, 6),
+)
+def test_topk_levels_on_the_device_decide_as_the_host_does(seed, depth, branch, tau, budget, max_depth):
+    trees = []
+    for on_device in (False, True):
+        policy = make_policy("fixed_tree", {"depth": depth, "branch": branch, "tau": tau, "budget": budget})
+        trees.append(policy.draft(DraftRequest(7, max_depth, PathDrafter(seed), on_device=on_device)))
+    assert signature(trees[0]) == signature(trees[1])
+
+
+@examples(40)
+@given(seed=st.integers(0, 10**6), depth=st.integers(1, 5), topk=st.integers(1, 5), total=st.integers(1, 30))
+def test_eagle2s_beam_on_the_device_decides_as_the_host_does(seed, depth, topk, total):
+    trees = []
+    for on_device in (False, True):
+        policy = make_policy("eagle2", {"depth": depth, "topk": topk, "total": total})
+        trees.append(policy.draft(DraftRequest(7, 6, PathDrafter(seed), on_device=on_device)))
+    assert signature(trees[0]) == signature(trees[1])
