@@ -345,6 +345,16 @@ def test_at_fixed_shapes_a_path_node_has_the_bits_ar_computes_alone(arch, dtype)
     assert gpu_check.path_bits_match(model, long, graphs=True)
 
 
+def test_a_run_at_fixed_shapes_skips_the_probe_of_the_attention_it_does_not_run():
+    model = _model("llama", torch.bfloat16)
+    lean = lean_forward_for(model)
+    lean.__dict__.pop("_width_verdicts", None)
+    KVState(model, PROMPT, invariant=True, graphs=True)
+    assert [key[2] for key in lean._width_verdicts] == [False], "StaticRows attention: the grouped probe is not run"
+    KVState(model, PROMPT, invariant=True, graphs=False)
+    assert sorted(key[2] for key in lean._width_verdicts) == [False, True]
+
+
 def test_static_rows_hold_each_rows_slots_in_sequence_order_then_masked_padding():
     visible = torch.tensor([[1, 1, 0, 0, 1], [1, 0, 1, 1, 1]], dtype=torch.bool)
     slots, tail = StaticRows.host(visible, 8)

@@ -110,12 +110,13 @@ def _pick(model, static, fast, graphs, invariant: bool) -> ForwardChoice:
         return ForwardChoice("reference", "static", f"{why}: HF forward over the static cache", True)
     device = model.get_input_embeddings().weight.device
     if invariant:
-        verdict = width_verdict(lean, model.dtype, device)
+        # fixed shapes (invariant.StaticRows), captured where graphs are: where this device's
+        # kernels keep a row's bits in calls of other rows (else each row group eagerly, whose
+        # attention the verdict then probes too)
+        padded = cuda_graphs.graphs_enabled(device, graphs) and static_attention_agrees(lean, model.dtype, device)
+        verdict = width_verdict(lean, model.dtype, device, attention=not padded)
         note = f" (not bitwise on this device: {verdict.reason})" if verdict.reason else ""
         why = "width-invariant forwards asked for (each row's logits as if alone)"
-        # fixed shapes (invariant.StaticRows), captured where graphs are: where this device's
-        # kernels keep a row's bits in calls of other rows (else each row group eagerly)
-        padded = cuda_graphs.graphs_enabled(device, graphs) and static_attention_agrees(lean, model.dtype, device)
         capture = padded and cuda_graphs.capture_wanted(device, model)
         path = "lean+invariant" + ("+graphs" if capture else "+padded" if padded else "") + note
         return ForwardChoice("invariant", path, why, True, lean, capture=capture, verdict=verdict, padded=padded)

@@ -337,16 +337,17 @@ class WidthVerdict:
 
 
 @torch.inference_mode()
-def width_verdict(lean, dtype: torch.dtype, device: torch.device) -> WidthVerdict:
+def width_verdict(lean, dtype: torch.dtype, device: torch.device, *, attention: bool = True) -> WidthVerdict:
     """Probe every operation of the lean forward whose result could depend on the number of rows:
     each linear of one layer and the head (the fewest rows from which they are invariant: float32
     on this CPU without oneDNN packing needs 16, a one-row cuBLAS GEMV differs from its GEMM), the
     RMSNorm and sequence_attention, at the widths in PROBE_WIDTHS (the attention also at the key
-    counts in PROBE_KEYS, in calls of ATTENTION_ROWS rows where the batch count matters). Cached per (dtype, device) on
-    `lean`: a few dozen calls on the model's own weights, once."""
-    cache = lean.__dict__.setdefault("_width_verdicts", {})
-    if (dtype, str(device)) in cache:
-        return cache[dtype, str(device)]
+    counts in PROBE_KEYS, in calls of ATTENTION_ROWS rows where the batch count matters; not with
+    `attention=False`, for runs whose attention is StaticRows', probed by static_attention_agrees).
+    Cached per (dtype, device, attention) on `lean`: a few dozen calls on the model's own weights, once."""
+    cache, key = lean.__dict__.setdefault("_width_verdicts", {}), (dtype, str(device), attention)
+    if key in cache:
+        return cache[key]
     block = lean.blocks[0]
     gen = torch.Generator().manual_seed(0)
 
@@ -372,11 +373,11 @@ def width_verdict(lean, dtype: torch.dtype, device: torch.device) -> WidthVerdic
         reason = f"norm: {changes}"
     kv_heads = block.qk_heads - block.heads
     attention_rows = 1
-    if reason is None:
+    if reason is None and attention:
         shape = (kv_heads, block.groups, block.head_dim, dtype, device)
         if not _attention_agrees(*shape, gen):  # the batch count matters: every call at a fixed count
             attention_rows = ATTENTION_ROWS
             if not _attention_agrees(*shape, gen, attention_rows):
                 reason = f"attention: {changes}, in calls of fixed size or not"
-    cache[dtype, str(device)] = WidthVerdict(reason, rows, attention_rows)
-    return cache[dtype, str(device)]
+    cache[key] = WidthVerdict(reason, rows, attention_rows)
+    return cache[key]
