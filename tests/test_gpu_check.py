@@ -93,3 +93,12 @@ def test_the_measured_widths_are_reported_after_earlier_runs_chose(monkeypatch):
     first = gpu_check.measured_widths(model, context=40)
     again = gpu_check.measured_widths(model, context=40)  # the model's widths are chosen by now
     assert first == again and first[8] == {"runs_at": 32, "replay_ms": {8: 5.0, 16: 4.0, 32: 2.0}}
+
+
+def test_the_run_measures_count_round_trips_with_levels_on_the_device_and_on_the_host():
+    target, draft = gpu_check.tiny_pair("llama", torch.device("cpu"))
+    run = gpu_check.run_measures(target, draft, torch.device("cpu"))
+    assert run["per_iteration"]["to_host"] <= 2 and run["per_iteration"].get("sync", 0) == 0, run
+    assert run["host_levels"]["per_iteration"]["to_host"] > run["per_iteration"]["to_host"], run
+    report = {"checks": [], "verdict": "pass", "device": "cpu", "name": "cpu", "measures": {"run": run}}
+    assert "decided on the host" in gpu_check.verdict_table(report)

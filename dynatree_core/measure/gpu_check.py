@@ -85,8 +85,8 @@ def tiny_pair(arch: str, device: torch.device) -> tuple[torch.nn.Module, torch.n
     return target.to(device), draft.to(device)
 
 
-def _run(target, draft, prompt, policy: str, params: dict, *, graphs_on: bool, max_new: int = 32):
-    config = DecodeConfig(max_new_tokens=max_new, graphs=graphs_on)
+def _run(target, draft, prompt, policy: str, params: dict, *, graphs_on: bool, max_new: int = 32, levels=None):
+    config = DecodeConfig(max_new_tokens=max_new, graphs=graphs_on, device_draft=levels)
     return generate(target, prompt, make_method(policy, params), draft=draft, config=config)
 
 
@@ -281,21 +281,28 @@ def measured_widths(model, *, context: int = 256) -> dict:
 
 
 def run_measures(target, draft, device: torch.device) -> dict:
-    """Capture seconds, memory per run and host round trips per iteration of one graphs run."""
+    """Capture seconds, memory per run and host round trips per iteration of one graphs run of
+    fixed_tree (draft levels on the device, the CUDA default), and the round trips and speed of
+    the same run with its levels decided on the host (one read per level)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-    with transfer.counting() as moved:
-        result = _run(target, draft, PROMPTS[0], "fixed_tree", {}, graphs_on=True, max_new=64)
-    per = {k: round(v / max(result.iterations, 1), 2) for k, v in moved.items()}
-    memory = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
+    runs = {}
+    for levels in (True, False):
+        with transfer.counting() as moved:
+            result = _run(target, draft, PROMPTS[0], "fixed_tree", {}, graphs_on=True, max_new=64, levels=levels)
+        runs[levels] = result, {k: round(v / max(result.iterations, 1), 2) for k, v in moved.items()}
+        if levels:
+            memory = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
+    (result, per), (host, host_per) = runs[True], runs[False]
     return {
         "forward_path": result.forward_path,
         "capture_s": round(result.capture_s, 3),
         "run_memory_mb": None if memory is None else round(memory, 1),
         "per_iteration": per,
         "tokens_per_s": round(result.throughput_tps, 1),
+        "host_levels": {"per_iteration": host_per, "tokens_per_s": round(host.throughput_tps, 1)},
     }
 
 
@@ -371,5 +378,7 @@ def verdict_table(report: dict) -> str:
             "",
             f"forward path: {run['forward_path']}; capture {run['capture_s']} s; memory per run "
             f"{run['run_memory_mb']} MB; per iteration {run['per_iteration']}; {run['tokens_per_s']} tokens/s",
+            f"draft levels decided on the host instead: per iteration {run['host_levels']['per_iteration']}; "
+            f"{run['host_levels']['tokens_per_s']} tokens/s",
         ]
     return "\n".join(lines)
