@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -15,7 +16,7 @@ from dynatree_core.core.presets import (
     EMBEDDED_FUSED_DRAFT_DIR,
     PRESETS,
 )
-from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.engine import DecodeConfig, decode, generate
 from dynatree_core.decoding.methods import catalogue, make_method
 from dynatree_core.decoding.pairs import encode_prompt, load_pair
 
@@ -125,6 +126,26 @@ def test_every_policy_reproduces_target_greedy_with_the_shipped_draft(policy_nam
         assert result.target_forwards == result.iterations
 
 
+def test_draft_levels_on_the_device_build_the_host_paths_trees_with_the_shipped_drafts():
+    """The shipped token draft (a reduced vocabulary: ids mapped on the device) and the default
+    pair's feature draft: the same trees as the host path, the target's greedy tokens."""
+    pair = load_pair("embedded", device="cpu", dtype="float32")
+    shipped = shipped_draft()
+    ids = encode_prompt(pair.target.tokenizer, PROMPTS[0], chat=True)
+    base = DecodeConfig(max_new_tokens=24, eos_token_ids=pair.target.eos_token_ids)
+    ref = generate(pair.target.model, ids, make_method("ar"), config=base).token_ids
+    for name in ("fixed_tree", "eagle2", "delayed", "linear"):
+        policy = make_method(name)
+        for drafting in (pair.drafting(policy), {"draft": shipped.model, "draft_token_map": shipped.token_map}):
+            trees = []
+            for on in (False, True):
+                config = dataclasses.replace(base, device_draft=on)
+                records = list(decode(pair.target.model, ids, make_method(name), config=config, **drafting))
+                assert [t for r in records for t in r.committed] == ref, f"{name} (device levels: {on})"
+                trees.append([(r.tree.tokens, r.tree.parents, r.tree.status, r.tree.reason) for r in records])
+            assert trees[0] == trees[1], f"{name}: the device levels built other trees"
+
+
 def test_the_shipped_fused_draft_drafts_exactly_and_the_eagle3_export_refuses_it_saying_why(tmp_path):
     """The embedded target's EAGLE-3-form draft (assets/models/smollm2-fused-draft, its head the
     target's rows) norms each tap before fc (EAGLE 3.1's fc_norm): SGLang's EAGLE-3 reader would
@@ -154,9 +175,11 @@ def test_bfloat16_tree_runs_reproduce_bfloat16_ar_on_the_embedded_pair(graphs):
     """The default pair in bfloat16 (width-invariant by default): every tree policy's greedy
     tokens equal bfloat16 `ar`'s, on prompts where the shared-kernel forward left them (salf,
     OOD prompts, this CPU: 3 of 4 identical before width invariance); rows grouped by key count
-    (this CPU's default) and at fixed shapes (what a GPU captures; here run eagerly)."""
+    (this CPU's default) and at fixed shapes with the draft levels on the device (what a GPU runs
+    by default; here eagerly)."""
     pair = load_pair("embedded", device="cpu", dtype="bfloat16")
-    config = DecodeConfig(max_new_tokens=40, eos_token_ids=pair.target.eos_token_ids, graphs=graphs)
+    eos = pair.target.eos_token_ids
+    config = DecodeConfig(max_new_tokens=40, eos_token_ids=eos, graphs=graphs, device_draft=bool(graphs))
     for text in PROMPTS[:2]:
         ids = encode_prompt(pair.target.tokenizer, text, chat=True)
         want = generate(pair.target.model, ids, make_method("ar"), config=config)
