@@ -73,8 +73,9 @@ the last (a machine idle 30 s goes back); every call up to 600 s. Seconds are on
 2. carry [".device/part-01", ".device/wheels", ".device/wheel-name"]:  (~340 s)
    benchmarks/gpu_session.sh receive 01 && benchmarks/gpu_session.sh install && benchmarks/gpu_session.sh measure bf16
 3. benchmarks/gpu_session.sh measure f32    (~170 s; the static-cache reference warmed per size)
-3b. benchmarks/gpu_session.sh measure f32-host    (~170 s: the same, draft levels decided on the host,
-   one read per level: whether deciding them on the device pays)
+3b. benchmarks/gpu_session.sh measure f32-host    (~100 s: the policies with a device path and the AR
+   references again, their draft levels decided on the host, one read per level: whether deciding
+   them on the device pays; compare each policy's ratio to `ar` in its own run)
 4. where bfloat16 was not 8/8 on every row: benchmarks/gpu_session.sh measure check    (the `bits`
    rows name where the bits part); else benchmarks/gpu_session.sh measure bf16-shared
 (`measure tiny`: gpu-check on the tiny pairs, ~60 s, passed on 2026-11-25 and 2026-11-26)
@@ -105,7 +106,7 @@ EOF
       tiny) $PY -m dynatree_core gpu-check --no-embedded --out "$OUT/gpu-check-tiny.json" | tail -30 ;;  # no wheel needed
       shaped) PYTHONPATH=. $PY -m benchmarks.gpu_check_shaped "$OUT/gpu-check-smollm2-shaped.json" | tail -30 ;;  # no wheel
       f32) bench float32 float32 ;;
-      f32-host) bench float32 float32-host-levels --device-draft off ;;  # draft levels read per level
+      f32-host) bench float32 float32-host-levels --device-draft off --policies ar,linear,fixed_tree,eagle2,delayed ;;  # levels read per level
       bf16) bench bfloat16 bfloat16 ;;  # width-invariant (the bfloat16 default): eager forwards
       bf16-shared) bench bfloat16 bfloat16-shared --width-invariant off ;;  # captured, may differ at near-ties
       *) echo "measure: check, tiny, shaped, f32, f32-host, bf16 or bf16-shared" >&2; exit 2 ;;

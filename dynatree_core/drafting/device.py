@@ -60,21 +60,23 @@ class ReadLevel:
 
 def read_levels(levels: list[Level]) -> list[ReadLevel]:
     """Every level's record in ONE device->host copy (float64 holds ids and float32 values exactly)."""
-    parts = [torch.cat([lv.tokens, lv.logp, lv.parents, lv.fate]).double() for lv in levels]
-    parts += [lv.selected.double() for lv in levels]
-    flat = to_list(torch.cat(parts))
-    out, at = [], 0
+    parts = [torch.cat([lv.tokens, lv.logp, lv.parents, lv.fate, lv.selected]).double() for lv in levels]
+    flat = iter(to_list(torch.cat(parts)))
+    take = lambda n, kind=int: [kind(next(flat)) for _ in range(n)]  # noqa: E731
+    out = []
     for lv in levels:
         c = lv.tokens.shape[0]
-        chunk = flat[at : at + 4 * c]
-        at += 4 * c
-        ints = lambda xs: [int(x) for x in xs]  # noqa: E731
-        out.append(ReadLevel(ints(chunk[:c]), chunk[c : 2 * c], ints(chunk[2 * c : 3 * c]), ints(chunk[3 * c :]), []))
-    for lv, read in zip(levels, out, strict=True):
-        w = lv.selected.shape[0]
-        read.selected = [int(x) for x in flat[at : at + w]]
-        at += w
+        out.append(ReadLevel(take(c), take(c, float), take(c), take(c), take(lv.selected.shape[0])))
     return out
+
+
+def expand_frontier(tree: DraftTree, frontier: list[int], drafter, level: int) -> None:
+    """The host side of a level's forward over `frontier` (its rows in order): the nodes are
+    expanded, and the drafter learns their cache slots (`Drafter.bind`; the root's is known)."""
+    for row, node in enumerate(frontier):
+        tree.mark_expanded(node)
+        if node:
+            drafter.bind(node, level - 1, row)
 
 
 def children(logp: torch.Tensor, cum: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
@@ -141,10 +143,7 @@ def replay_topk(tree: DraftTree, levels: list[ReadLevel], drafter, *, cap: int, 
     stopping where it stops (an empty frontier, the budget spent before the last level)."""
     frontier, drafted = [0], 0
     for level, lv in enumerate(levels, start=1):
-        for row, node in enumerate(frontier):
-            tree.mark_expanded(node)
-            if node:
-                drafter.bind(node, level - 1, row)
+        expand_frontier(tree, frontier, drafter, level)
         added = []
         for tok, lp, row, fate in zip(lv.tokens, lv.logp, lv.parents, lv.fate, strict=True):
             if fate == ADMITTED:
@@ -194,10 +193,7 @@ def grow_all_on_device(request: DraftRequest, widths: list[int], *, reason: Reas
         cum = cum_c[selected]
     frontier = [0]
     for level, lv in enumerate(read_levels(levels), start=1):
-        for row, node in enumerate(frontier):
-            tree.mark_expanded(node)
-            if node:
-                drafter.bind(node, level - 1, row)
+        expand_frontier(tree, frontier, drafter, level)
         rows = zip(lv.tokens, lv.logp, lv.parents, strict=True)
         new = [tree.add(frontier[r], tok, lp, reason=reason) for tok, lp, r in rows]
         frontier = [new[i] for i in lv.selected]
