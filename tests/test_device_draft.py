@@ -29,6 +29,9 @@ DEVICE_POLICIES = [  # every policy with a device path, at its defaults and at s
     ("eagle2", {"depth": 5, "topk": 2, "total": 6}),
     ("delayed", {}),
     ("delayed", {"l1": 0}),
+    ("dynatree", {}),
+    ("dynatree", {"budget": 6, "d0": 2, "rho_deep": 0.5, "tau_h": 0.5, "tau_l": 0.2}),
+    ("dynatree", {"adaptive_branch": False, "dynamic_depth": False, "d0": 4, "tau": 0.0}),
 ]
 
 
@@ -99,9 +102,11 @@ def test_an_iteration_reads_the_device_at_most_twice_when_its_levels_stay_there(
                 )
             assert moved["to_host"] <= 2 * result.iterations, f"{policy} {params}: {dict(moved)}"
             assert moved["sync"] == 0, f"{policy} {params}: {dict(moved)}"
-    with counting() as moved:  # dynatree decides its levels on the host (its depth is data-dependent)
+            after_first = sum(max(r.draft_forwards - 1, 0) for r in result.records)
+            assert moved["late"] <= after_first, f"{policy} {params}: one late read per level after the first at most"
+    with counting() as moved:  # salf decides its levels on the host (a heap over every level so far)
         result = generate(
-            target, prompt, make_method("dynatree", {}), draft=draft, config=DecodeConfig(20, device_draft=True)
+            target, prompt, make_method("salf", {}), draft=draft, config=DecodeConfig(20, device_draft=True)
         )
     assert moved["to_host"] <= result.draft_forwards + result.iterations and moved["sync"] == 0
 
@@ -122,7 +127,7 @@ class PathDrafter:
 
     def row(self, path: tuple) -> torch.Tensor:
         digest = hashlib.sha256(repr((self.seed, path)).encode()).digest()
-        values = torch.tensor([b % 4 for b in digest[: self.vocab]], dtype=torch.float32)
+        values = torch.tensor([b % 8 for b in digest[: self.vocab]], dtype=torch.float32) * 0.75
         values[torch.tensor([b % 5 == 0 for b in digest[self.vocab : 2 * self.vocab]])] = -torch.inf
         return torch.log_softmax(values, -1)
 
@@ -167,3 +172,30 @@ def test_eagle2s_beam_on_the_device_decides_as_the_host_does(seed, depth, topk, 
         policy = make_policy("eagle2", {"depth": depth, "topk": topk, "total": total})
         trees.append(policy.draft(DraftRequest(7, 6, PathDrafter(seed), on_device=on_device)))
     assert signature(trees[0]) == signature(trees[1])
+
+
+@examples(200)
+@given(
+    seed=st.integers(0, 10**6),
+    branches=st.lists(st.integers(1, 4), min_size=3, max_size=3).map(sorted),
+    taus=st.sampled_from([(0.2, 0.5), (0.4, 0.9), (0.05, 0.3)]),
+    depths=st.tuples(st.integers(1, 4), st.integers(0, 3)),
+    rhos=st.sampled_from([(0.0, 0.0), (0.02, 0.3), (0.1, 0.1), (0.001, 0.5)]),
+    tau=st.sampled_from([0.0, 0.01, 0.1]),
+    budget=st.integers(1, 30),
+    flags=st.tuples(st.booleans(), st.booleans()),
+    max_depth=st.integers(0, 7),
+)
+def test_dynatrees_gated_levels_on_the_device_decide_as_the_host_does(
+    seed, branches, taus, depths, rhos, tau, budget, flags, max_depth
+):
+    b_min, b_mid, b_max = branches
+    values = {"b_min": b_min, "b_mid": b_mid, "b_max": b_max, "tau_l": taus[0], "tau_h": taus[1]}
+    values |= {"d0": depths[0], "d_max": depths[0] + depths[1], "rho_stop": rhos[0], "rho_deep": rhos[1]}
+    values |= {"tau": tau, "budget": budget, "adaptive_branch": flags[0], "dynamic_depth": flags[1]}
+    trees = []
+    for on_device in (False, True):
+        policy = make_policy("dynatree", values)
+        trees.append(policy.draft(DraftRequest(7, max_depth, PathDrafter(seed), on_device=on_device)))
+    assert signature(trees[0]) == signature(trees[1])
+    assert trees[0].notes == trees[1].notes

@@ -18,7 +18,7 @@ from collections import Counter
 
 import torch
 
-COUNTS: Counter = Counter()  # "to_device", "to_host", "sync": process-wide, for tests and gpu-check
+COUNTS: Counter = Counter()  # "to_device", "to_host", "sync", "late": process-wide, for tests and gpu-check
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -42,6 +42,29 @@ def sync(device: torch.device) -> None:
     COUNTS["sync"] += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class LateRead:
+    """A small device value read one step late: copied behind the work that makes it (into pinned
+    memory, without waiting) and read once the host has queued the next step, so waiting for it
+    never leaves the device idle. Counted as "late", apart from "to_host" reads, which drain the
+    queue (drafting/device.py reads whether a level admitted anything this way)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.event = None
+        if t.device.type == "cuda":
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = t
+
+    def item(self):
+        COUNTS["late"] += 1
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.item()
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from dynatree_core.core.transfer import to_list
+from dynatree_core.core.transfer import LateRead, to_list
 from dynatree_core.core.tree import DraftTree, Reason, Status
 from dynatree_core.drafting.common import drafter_of, leaf_reason, safe_log, start_tree
 from dynatree_core.drafting.request import DraftRequest
@@ -89,11 +89,11 @@ def children(logp: torch.Tensor, cum: torch.Tensor, k: int) -> tuple[torch.Tenso
 
 
 def most_probable_first(cum: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Candidate order by cumulative log-prob, highest first, ties in candidate order (the host's
-    stable sort); padding after every real candidate (padded rows come last, so a real -inf
-    candidate still precedes them)."""
-    key = torch.where(valid, cum, torch.full_like(cum, -math.inf))
-    return torch.sort(key, descending=True, stable=True).indices
+    """Candidate order: real candidates first (a padded or gated row's are not), each group by
+    cumulative log-prob, highest first, ties in candidate order (the host's stable sort). Two
+    stable sorts, the minor key first."""
+    by_cum = torch.sort(torch.where(valid, cum, torch.full_like(cum, -math.inf)), descending=True, stable=True).indices
+    return by_cum[torch.sort(valid[by_cum].to(torch.int8), descending=True, stable=True).indices]
 
 
 def admit(cum: torch.Tensor, valid: torch.Tensor, log_tau: float, room: torch.Tensor) -> torch.Tensor:
@@ -107,35 +107,58 @@ def admit(cum: torch.Tensor, valid: torch.Tensor, log_tau: float, room: torch.Te
     return torch.where(valid, fate, PADDING)
 
 
+def level_forward(drafter, levels: list[Level]) -> torch.Tensor:
+    """The next level's ONE draft forward: the root's first, then the rows the last level selected."""
+    if not levels:
+        return drafter.expand_level(None, None, 0)
+    prev = levels[-1]
+    return drafter.expand_level(prev.tokens[prev.selected], prev.parents[prev.selected], len(levels))
+
+
+def admitted_levels(request: DraftRequest, cap: int, *, log_tau: float, budget: int, propose) -> list[ReadLevel]:
+    """Up to `cap` levels whose candidates are admitted most probable first under a threshold and
+    a node budget (common.admit_level), decided on the device, read once. `propose(level, logp,
+    cum, valid, drafted)` gives a level's candidates (tokens, log-probs, float64 cumulative
+    log-probs, proposing rows, and which are real) from its rows' distributions, cumulative
+    log-probs and validity, and the nodes drafted before it. Whether a level admitted anything is
+    read one level late (LateRead): a tree that ends early costs at most one wasted forward."""
+    drafter = drafter_of(request)
+    levels: list[Level] = []
+    late: list[LateRead] = []
+    for level in range(1, cap + 1):
+        logp = level_forward(drafter, levels)  # over every row the level could have
+        if level == 1:
+            cum = torch.zeros(1, dtype=torch.float64, device=logp.device)
+            valid = torch.ones(1, dtype=torch.bool, device=logp.device)
+            drafted = torch.zeros((), dtype=torch.long, device=logp.device)  # made there: no upload
+        tokens, lp, cum_c, rows, real = propose(level, logp, cum, valid, drafted)
+        order = most_probable_first(cum_c, real)
+        tokens, lp, cum_c, rows, real = tokens[order], lp[order], cum_c[order], rows[order], real[order]
+        fate = admit(cum_c, real, log_tau, budget - drafted)
+        width = min(tokens.shape[0], budget)  # the next level's rows: every node this one may admit
+        levels.append(Level(tokens, lp, rows, fate, torch.arange(width, device=tokens.device)))
+        admitted = fate == ADMITTED
+        drafted = drafted + admitted.sum()
+        cum, valid = cum_c[:width], admitted[:width]
+        late.append(LateRead(admitted.any() & (drafted < budget)))
+        if level >= 2 and not late[-2].item():  # the level before admitted nothing: this one was spare
+            break
+    return read_levels(levels)
+
+
 def grow_topk_on_device(request: DraftRequest, *, depth: int, branch: int, tau: float, budget: int) -> DraftTree:
     """static.grow_topk_tree (DynaTree Alg. 1: top-B children, lines 17-19 the threshold, lines
     12/22 the budget) with its levels decided on the device and read once."""
-    drafter = drafter_of(request)
     tree, cap = start_tree(request, depth)
     if cap <= 0:
         return tree
-    log_tau = safe_log(tau)
-    logp = drafter.expand_level(None, None, 0)  # the root: one row
-    device = logp.device
-    cum = torch.zeros(1, dtype=torch.float64, device=device)
-    valid = torch.ones(1, dtype=torch.bool, device=device)
-    room = torch.full((), budget, dtype=torch.long, device=device)  # made there: no upload
-    levels: list[Level] = []
-    for level in range(1, cap + 1):
-        if level > 1:  # ONE draft forward per level, over every row the level could have
-            prev = levels[-1]
-            logp = drafter.expand_level(prev.tokens[prev.selected], prev.parents[prev.selected], level - 1)
+
+    def propose(level, logp, cum, valid, drafted):
         tokens, lp, cum_c, rows = children(logp, cum, branch)
-        order = most_probable_first(cum_c, valid[rows])
-        tokens, lp, cum_c, rows = tokens[order], lp[order], cum_c[order], rows[order]
-        fate = admit(cum_c, valid[rows], log_tau, room)
-        width = min(tokens.shape[0], budget)  # the next level's rows: every node this one may admit
-        selected = torch.arange(width, device=device)
-        levels.append(Level(tokens, lp, rows, fate, selected))
-        admitted = fate == ADMITTED
-        room = room - admitted.sum()
-        cum, valid = cum_c[:width], admitted[:width]
-    return replay_topk(tree, read_levels(levels), request.drafter, cap=cap, depth=depth, budget=budget)
+        return tokens, lp, cum_c, rows, valid[rows]
+
+    levels = admitted_levels(request, cap, log_tau=safe_log(tau), budget=budget, propose=propose)
+    return replay_topk(tree, levels, request.drafter, cap=cap, depth=depth, budget=budget)
 
 
 def replay_topk(tree: DraftTree, levels: list[ReadLevel], drafter, *, cap: int, depth: int, budget: int) -> DraftTree:
@@ -143,15 +166,7 @@ def replay_topk(tree: DraftTree, levels: list[ReadLevel], drafter, *, cap: int, 
     stopping where it stops (an empty frontier, the budget spent before the last level)."""
     frontier, drafted = [0], 0
     for level, lv in enumerate(levels, start=1):
-        expand_frontier(tree, frontier, drafter, level)
-        added = []
-        for tok, lp, row, fate in zip(lv.tokens, lv.logp, lv.parents, lv.fate, strict=True):
-            if fate == ADMITTED:
-                added.append(tree.add(frontier[row], tok, lp))
-            elif fate != PADDING:
-                reason = Reason.THRESHOLD if fate == THRESHOLD else Reason.BUDGET
-                tree.add(frontier[row], tok, lp, status=Status.PRUNED, reason=reason)
-        frontier = added  # admitted candidates lead the order: row r of the next forward is added[r]
+        frontier = replay_level(tree, frontier, frontier, lv, drafter)
         drafted += len(frontier)
         if not frontier:
             break
@@ -165,6 +180,29 @@ def replay_topk(tree: DraftTree, levels: list[ReadLevel], drafter, *, cap: int, 
     return tree
 
 
+def replay_level(tree: DraftTree, frontier: list[int], expand: list[int], lv: ReadLevel, drafter) -> list[int]:
+    """One admitted level as read, on the host: the device ran every row of `frontier` (row r is
+    frontier[r]); `expand`, the rows the host's rules expand, must be exactly the ones that
+    proposed candidates there (checked: the two paths' rules agree). Adds the candidates in the device's order with their fates and returns the
+    admitted nodes, most probable first: the next level's rows."""
+    row_of = {node: row for row, node in enumerate(frontier)}
+    if {row for row, fate in zip(lv.parents, lv.fate, strict=True) if fate != PADDING} != {row_of[n] for n in expand}:
+        raise RuntimeError("the device's rules and the host's expanded different rows of a draft level")
+    depth = tree.depths[frontier[0]]
+    for node in expand:
+        tree.mark_expanded(node)
+        if node:
+            drafter.bind(node, depth, row_of[node])
+    added = []
+    for tok, lp, row, fate in zip(lv.tokens, lv.logp, lv.parents, lv.fate, strict=True):
+        if fate == ADMITTED:
+            added.append(tree.add(frontier[row], tok, lp))
+        elif fate != PADDING:
+            reason = Reason.THRESHOLD if fate == THRESHOLD else Reason.BUDGET
+            tree.add(frontier[row], tok, lp, status=Status.PRUNED, reason=reason)
+    return added
+
+
 def grow_all_on_device(request: DraftRequest, widths: list[int], *, reason: Reason, beam: int = 0) -> DraftTree:
     """Trees whose every drafted child joins the tree, decided on the device and read once: level
     l proposes the top `widths[l]` children of each of its rows; the next level's rows are all of
@@ -176,13 +214,11 @@ def grow_all_on_device(request: DraftRequest, widths: list[int], *, reason: Reas
     if not widths:
         tree.mark_leaf(0, reason)
         return tree
-    logp = drafter.expand_level(None, None, 0)
-    cum = torch.zeros(1, dtype=torch.float64, device=logp.device)
     levels: list[Level] = []
     for level, width in enumerate(widths, start=1):
-        if level > 1:  # ONE draft forward per level
-            prev = levels[-1]
-            logp = drafter.expand_level(prev.tokens[prev.selected], prev.parents[prev.selected], level - 1)
+        logp = level_forward(drafter, levels)
+        if level == 1:
+            cum = torch.zeros(1, dtype=torch.float64, device=logp.device)
         tokens, lp, cum_c, rows = children(logp, cum, width)
         selected = torch.arange(tokens.shape[0], device=tokens.device)
         if beam:

@@ -4,10 +4,12 @@ and depth from the draft's confidence, one draft forward per level."""
 from __future__ import annotations
 
 import collections
-import math
+
+import torch
 
 from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.drafting.common import admit_level, drafter_of, leaf_reason, safe_log
+from dynatree_core.drafting.device import admitted_levels, children, replay_level
 from dynatree_core.drafting.policy import Param, Policy, register_policy
 from dynatree_core.drafting.request import DraftRequest, level_top
 from dynatree_core.errors import DynaTreeError
@@ -88,13 +90,15 @@ class DynaTreeAdaptive(Policy):
             return
         self.window.clear()
 
-    def _branch(self, confidence: float) -> int:
+    def _branch(self, top_logp: float) -> int:
+        """B(u) from c(u) = exp(top_logp), compared as log-probabilities (so the device path,
+        `_propose`, compares the same floats)."""
         c = self.config
         if not c["adaptive_branch"]:
             return c["b_mid"]
-        if confidence >= self.tau_h:
+        if top_logp >= safe_log(self.tau_h):
             return c["b_min"]
-        return c["b_max"] if confidence < c["tau_l"] else c["b_mid"]
+        return c["b_max"] if top_logp < safe_log(c["tau_l"]) else c["b_mid"]
 
     def _gate(self, tree: DraftTree, node: int, cap: int, policy_depth: int) -> Reason | None:
         """Why `node` may not be expanded (Alg. 1 lines 17-25), or None."""
@@ -108,6 +112,24 @@ class DynaTreeAdaptive(Policy):
                 return Reason.DEPTH_GATE
         return None
 
+    def _propose(self, level: int, logp, cum, valid, drafted):
+        """A level's candidates on the device (device.admitted_levels): the rows `_gate` and the
+        budget let expand (their depth is level - 1) propose their top-B(u) children."""
+        c, depth = self.config, level - 1
+        ok = valid & (drafted < c["budget"])
+        if c["dynamic_depth"]:
+            ok = ok & (cum >= safe_log(c["rho_stop"]))
+            if depth >= self.d0:
+                ok = ok & (cum >= safe_log(c["rho_deep"]))
+        tokens, lp, cum_c, rows = children(logp, cum, max(c["b_min"], c["b_mid"], c["b_max"]))
+        top = logp.max(dim=-1).values.double()  # c(u) as a log-probability
+        branch = torch.full((logp.shape[0],), c["b_mid"], dtype=torch.long, device=logp.device)
+        if c["adaptive_branch"]:
+            branch = torch.where(top < safe_log(c["tau_l"]), c["b_max"], branch)
+            branch = torch.where(top >= safe_log(self.tau_h), c["b_min"], branch)
+        rank = torch.arange(tokens.shape[0], device=tokens.device) % (tokens.shape[0] // logp.shape[0])
+        return tokens, lp, cum_c, rows, ok[rows] & (rank < branch[rows])
+
     def draft(self, request: DraftRequest) -> DraftTree:
         drafter, c = drafter_of(request), self.config
         tree = DraftTree.with_root(request.root_token)
@@ -115,7 +137,11 @@ class DynaTreeAdaptive(Policy):
         policy_depth = c["d_max"] if c["dynamic_depth"] else self.d0
         cap = min(policy_depth, request.max_depth)
         self._last_depth = 0
-        frontier, drafted, log_tau = [0], 0, safe_log(c["tau"])
+        log_tau, widest = safe_log(c["tau"]), max(c["b_min"], c["b_mid"], c["b_max"])
+        levels = None
+        if request.on_device and cap > 0:  # the levels decided on the device, read once (device.py)
+            levels = iter(admitted_levels(request, cap, log_tau=log_tau, budget=c["budget"], propose=self._propose))
+        frontier, drafted = [0], 0
         while frontier:
             expand = []
             for node in frontier:
@@ -128,9 +154,13 @@ class DynaTreeAdaptive(Policy):
                     tree.mark_leaf(node, why)
             if not expand:
                 break
+            if levels is not None:  # the device ran every frontier row; the gated ones proposed nothing
+                frontier = replay_level(tree, frontier, expand, next(levels), drafter)
+                drafted += len(frontier)
+                continue
             logp = drafter.expand(tree, expand)  # ONE draft forward for the level
-            lp_rows, tok_rows = level_top(logp, max(c["b_min"], c["b_mid"], c["b_max"]))  # one copy
-            branches = [self._branch(math.exp(row[0])) for row in lp_rows]  # c(u): the top-1 probability
+            lp_rows, tok_rows = level_top(logp, widest)  # one copy
+            branches = [self._branch(row[0]) for row in lp_rows]  # c(u): the top-1 probability
             candidates = []
             for row, node in enumerate(expand):
                 tree.mark_expanded(node)
