@@ -11,9 +11,15 @@ builds from the same distributions, node for node, reasons included
 way (../shared/GPU_NOTES.md).
 
 The price: levels run at their widest, and a tree the host path stops early (an empty frontier,
-a spent budget) still runs its remaining draft forwards over rows the replay never admits. On a
-CPU a read costs nothing, so the engine drafts this way on CUDA only (DecodeConfig.device_draft).
+a spent budget) runs one spare draft forward: whether a level admitted anything is read one
+level late (transfer.LateRead: the device is busy with the next level meanwhile). On a CPU a
+read costs nothing, so the engine drafts this way on CUDA only (DecodeConfig.device_draft).
 Greedy ("top") drafting only: sampled drafting draws on the host.
+
+Two shapes of tree: `admitted_levels` (fixed_tree, linear, dynatree: a level's candidates
+admitted most probable first under a threshold and a budget; the policy proposes them, the host
+replays its own rules over what was read) and `grow_all_on_device` (eagle2's beam, delayed: every
+child joins the tree).
 
 Cumulative log-probabilities are float64 on the device, as the host's Python floats are, so
 every comparison (threshold, order, ties) decides the same way on both paths.
@@ -115,13 +121,16 @@ def level_forward(drafter, levels: list[Level]) -> torch.Tensor:
     return drafter.expand_level(prev.tokens[prev.selected], prev.parents[prev.selected], len(levels))
 
 
-def admitted_levels(request: DraftRequest, cap: int, *, log_tau: float, budget: int, propose) -> list[ReadLevel]:
+def admitted_levels(
+    request: DraftRequest, cap: int, *, log_tau: float, budget: int, propose, ends_early: bool = True
+) -> list[ReadLevel]:
     """Up to `cap` levels whose candidates are admitted most probable first under a threshold and
     a node budget (common.admit_level), decided on the device, read once. `propose(level, logp,
     cum, valid, drafted)` gives a level's candidates (tokens, log-probs, float64 cumulative
     log-probs, proposing rows, and which are real) from its rows' distributions, cumulative
     log-probs and validity, and the nodes drafted before it. Whether a level admitted anything is
-    read one level late (LateRead): a tree that ends early costs at most one wasted forward."""
+    read one level late (LateRead): a tree that ends early costs at most one wasted forward. A
+    tree that cannot end before `cap` (`ends_early=False`) runs every level without reading."""
     drafter = drafter_of(request)
     levels: list[Level] = []
     late: list[LateRead] = []
@@ -140,9 +149,10 @@ def admitted_levels(request: DraftRequest, cap: int, *, log_tau: float, budget: 
         admitted = fate == ADMITTED
         drafted = drafted + admitted.sum()
         cum, valid = cum_c[:width], admitted[:width]
-        late.append(LateRead(admitted.any() & (drafted < budget)))
-        if level >= 2 and not late[-2].item():  # the level before admitted nothing: this one was spare
-            break
+        if ends_early:
+            late.append(LateRead(admitted.any() & (drafted < budget)))
+            if level >= 2 and not late[-2].item():  # the level before admitted nothing: this one was spare
+                break
     return read_levels(levels)
 
 
@@ -157,7 +167,9 @@ def grow_topk_on_device(request: DraftRequest, *, depth: int, branch: int, tau: 
         tokens, lp, cum_c, rows = children(logp, cum, branch)
         return tokens, lp, cum_c, rows, valid[rows]
 
-    levels = admitted_levels(request, cap, log_tau=safe_log(tau), budget=budget, propose=propose)
+    # only a threshold, or a budget smaller than the levels before the last, ends a tree early
+    ends_early = tau > 0 or budget <= sum(branch**d for d in range(1, cap))
+    levels = admitted_levels(request, cap, log_tau=safe_log(tau), budget=budget, propose=propose, ends_early=ends_early)
     return replay_topk(tree, levels, request.drafter, cap=cap, depth=depth, budget=budget)
 
 
@@ -183,8 +195,9 @@ def replay_topk(tree: DraftTree, levels: list[ReadLevel], drafter, *, cap: int, 
 def replay_level(tree: DraftTree, frontier: list[int], expand: list[int], lv: ReadLevel, drafter) -> list[int]:
     """One admitted level as read, on the host: the device ran every row of `frontier` (row r is
     frontier[r]); `expand`, the rows the host's rules expand, must be exactly the ones that
-    proposed candidates there (checked: the two paths' rules agree). Adds the candidates in the device's order with their fates and returns the
-    admitted nodes, most probable first: the next level's rows."""
+    proposed candidates there (checked: the two paths' rules agree). Adds the candidates in the
+    device's order with their fates and returns the admitted nodes, most probable first: the
+    next level's rows."""
     row_of = {node: row for row, node in enumerate(frontier)}
     if {row for row, fate in zip(lv.parents, lv.fate, strict=True) if fate != PADDING} != {row_of[n] for n in expand}:
         raise RuntimeError("the device's rules and the host's expanded different rows of a draft level")
