@@ -32,6 +32,8 @@ DEVICE_POLICIES = [  # every policy with a device path, at its defaults and at s
     ("dynatree", {}),
     ("dynatree", {"budget": 6, "d0": 2, "rho_deep": 0.5, "tau_h": 0.5, "tau_l": 0.2}),
     ("dynatree", {"adaptive_branch": False, "dynamic_depth": False, "d0": 4, "tau": 0.0}),
+    ("dyspec_threshold", {}),
+    ("dyspec_threshold", {"threshold": 0.005, "budget": 7, "max_children": 3}),
 ]
 
 
@@ -199,3 +201,23 @@ def test_dynatrees_gated_levels_on_the_device_decide_as_the_host_does(
         trees.append(policy.draft(DraftRequest(7, max_depth, PathDrafter(seed), on_device=on_device)))
     assert signature(trees[0]) == signature(trees[1])
     assert trees[0].notes == trees[1].notes
+
+
+@examples(60)
+@given(
+    seed=st.integers(0, 10**6),
+    threshold=st.sampled_from([0.0, 0.001, 0.02, 0.1, 0.3]),
+    budget=st.integers(1, 40),
+    depth=st.integers(1, 5),
+    children=st.integers(1, 6),
+    max_depth=st.integers(0, 6),
+)
+def test_dyspec_thresholds_levels_on_the_device_decide_as_the_host_does(
+    seed, threshold, budget, depth, children, max_depth
+):
+    values = {"threshold": threshold, "budget": budget, "depth": depth, "max_children": children}
+    trees = []
+    for on_device in (False, True):
+        policy = make_policy("dyspec_threshold", values)
+        trees.append(policy.draft(DraftRequest(7, max_depth, PathDrafter(seed), on_device=on_device)))
+    assert signature(trees[0]) == signature(trees[1])

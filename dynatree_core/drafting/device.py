@@ -16,10 +16,10 @@ level late (transfer.LateRead: the device is busy with the next level meanwhile)
 read costs nothing, so the engine drafts this way on CUDA only (DecodeConfig.device_draft).
 Greedy ("top") drafting only: sampled drafting draws on the host.
 
-Two shapes of tree: `admitted_levels` (fixed_tree, linear, dynatree: a level's candidates
-admitted most probable first under a threshold and a budget; the policy proposes them, the host
-replays its own rules over what was read) and `grow_all_on_device` (eagle2's beam, delayed: every
-child joins the tree).
+Two shapes of tree: `admitted_levels` (fixed_tree, linear, dynatree, dyspec_threshold: a
+level's candidates admitted most probable first under a threshold and a budget; the policy
+proposes them, the host replays its own rules over what was read) and `grow_all_on_device`
+(eagle2's beam, delayed: every child joins the tree).
 
 Cumulative log-probabilities are float64 on the device, as the host's Python floats are, so
 every comparison (threshold, order, ties) decides the same way on both paths.

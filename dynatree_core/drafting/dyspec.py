@@ -6,6 +6,8 @@ from __future__ import annotations
 import heapq
 import math
 
+import torch
+
 from dynatree_core.core.tree import DraftTree, Reason, Status
 from dynatree_core.drafting.common import (
     NEG_INF,
@@ -18,6 +20,7 @@ from dynatree_core.drafting.common import (
     sibling_value,
     start_tree,
 )
+from dynatree_core.drafting.device import admitted_levels, children, replay_topk
 from dynatree_core.drafting.policy import Param, Policy, register_policy
 from dynatree_core.drafting.request import DraftRequest, level_top
 
@@ -144,21 +147,25 @@ class DySpecThreshold(Policy):
         tree, cap = start_tree(request, c["depth"])
         if cap <= 0:
             return tree
+        log_th = safe_log(c["threshold"])
+        if request.on_device:  # the levels decided on the device, read once (device.py)
+            levels = admitted_levels(request, cap, log_tau=log_th, budget=c["budget"], propose=self._propose)
+            return replay_topk(tree, levels, drafter, cap=cap, depth=c["depth"], budget=c["budget"])
         frontier, drafted = [0], 0
         for level in range(cap):
             logp = drafter.expand(tree, frontier)  # ONE draft forward for the level
             lp_rows, tok_rows = level_top(logp, c["max_children"])  # one copy per level, not per node
-            prob_rows = [[math.exp(lp) for lp in row] for row in lp_rows]
             candidates = []
             for row, node in enumerate(frontier):
                 tree.mark_expanded(node)
-                probs, parent_value = prob_rows[row], math.exp(tree.cum_logp[node])
-                for rank, tok in enumerate(tok_rows[row]):
-                    v = sibling_value(parent_value, probs, rank)
-                    candidates.append((safe_log(v), node, tok, math.log(probs[rank])))
-                    if v < c["threshold"]:  # values fall with rank: the rest are lower still
+                for lp, tok in zip(lp_rows[row], tok_rows[row], strict=True):
+                    # the rank-th draw's value (sibling_value, App. A.1) telescopes under greedy
+                    # drafting to the parent's value times the draw's probability: log v = cum + lp
+                    value = tree.cum_logp[node] + lp
+                    candidates.append((value, node, tok, lp))
+                    if value < log_th:  # values fall with rank: the rest are lower still
                         break
-            frontier = admit_level(tree, candidates, safe_log(c["threshold"]), c["budget"] - drafted)
+            frontier = admit_level(tree, candidates, log_th, c["budget"] - drafted)
             drafted += len(frontier)
             if not frontier:
                 break
@@ -169,3 +176,12 @@ class DySpecThreshold(Policy):
         for node in frontier:
             tree.mark_leaf(node, leaf_reason(cap, c["depth"]))
         return tree
+
+    def _propose(self, level: int, logp, cum, valid, drafted):
+        """A level's candidates on the device (device.admitted_levels): each row's draws in rank
+        order up to and including the first below the threshold, as the host loop's `break`."""
+        tokens, lp, cum_c, rows = children(logp, cum, self.config["max_children"])
+        rank = torch.arange(tokens.shape[0], device=tokens.device) % (tokens.shape[0] // logp.shape[0])
+        below = cum_c < safe_log(self.config["threshold"])
+        after_below = torch.cat([torch.zeros_like(below[:1]), below[:-1]])  # the draw before (same row when rank > 0)
+        return tokens, lp, cum_c, rows, valid[rows] & ((rank == 0) | ~after_below)
