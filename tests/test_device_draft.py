@@ -80,6 +80,19 @@ def test_device_levels_through_the_padded_forward_a_gpu_captures(policy, params)
         assert device[-1].forward_path.startswith("lean+padded")
 
 
+@pytest.mark.parametrize(
+    "paths", [{"static_cache": False}, {"fast_forward": False}], ids=("dynamic-cache", "hf-forward")
+)
+def test_device_levels_through_the_reference_forwards(paths):
+    """Device ids and masks through transformers' own forward, over the static and dynamic caches."""
+    for arch in ("llama", "gpt2"):
+        target, prompt = tiny_model(arch), [1, 5, 7, 9, 11]
+        for draft in (noisy_copy(arch, 0.3), feature_draft(arch)):
+            host, device = runs(target, draft, prompt, "dynatree", {}, **paths)
+            assert [t for r in device for t in r.committed] == hf_greedy(target, prompt, 24)
+            assert [signature(r.tree) for r in host] == [signature(r.tree) for r in device]
+
+
 @torch.inference_mode()
 def test_device_levels_are_exact_in_bfloat16_with_a_width_invariant_target():
     target = copy.deepcopy(tiny_model("llama")).to(torch.bfloat16)
