@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 
+from dynatree_core.core.transfer import to_list
 from dynatree_core.core.tree import DraftTree, Reason, Status
 from dynatree_core.drafting.common import drafter_of, leaf_reason
 from dynatree_core.drafting.device import grow_all_on_device
@@ -163,7 +164,7 @@ class DelayedAuto(Policy):
         start = time.perf_counter()
         root_logp = drafter.expand(tree, [0])  # the root's forward, shared with the tree
         root_ms = (time.perf_counter() - start) * 1e3
-        probs = root_logp[0].exp().topk(self.config["k_max"]).values.tolist()
+        probs = to_list(root_logp[0].exp().topk(self.config["k_max"]).values)  # one read, counted
         k, l1, l2 = self.choose(probs, request.max_depth)
         self.choices.append((k, l1, l2))
         tree.notes = {"k": [float(k)], "l1": [float(l1)], "l2": [float(l2)]}
