@@ -155,7 +155,10 @@ class DynaTreeAdaptive(Policy):
             if not expand:
                 break
             if levels is not None:  # the device ran every frontier row; the gated ones proposed nothing
-                frontier = replay_level(tree, frontier, expand, next(levels), drafter)
+                level = next(levels, None)
+                if level is None:
+                    raise RuntimeError("the device stopped drafting a level before the host's rules did")
+                frontier = replay_level(tree, frontier, expand, level, drafter)
                 drafted += len(frontier)
                 continue
             logp = drafter.expand(tree, expand)  # ONE draft forward for the level
