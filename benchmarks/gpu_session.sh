@@ -106,7 +106,7 @@ EOF
       tiny) $PY -m dynatree_core gpu-check --no-embedded --out "$OUT/gpu-check-tiny.json" | tail -30 ;;  # no wheel needed
       shaped) PYTHONPATH=. $PY -m benchmarks.gpu_check_shaped "$OUT/gpu-check-smollm2-shaped.json" | tail -30 ;;  # no wheel
       f32) bench float32 float32 ;;
-      f32-host) bench float32 float32-host-levels --device-draft off --policies ar,linear,fixed_tree,dynatree,dyspec_threshold,eagle2,delayed ;;  # levels read per level
+      f32-host) bench float32 float32-host-levels --device-draft off --policies ar,linear,fixed_tree,dynatree,dyspec_threshold,eagle2,delayed_auto ;;  # levels read per level
       bf16) bench bfloat16 bfloat16 ;;  # width-invariant (the bfloat16 default): eager forwards
       bf16-shared) bench bfloat16 bfloat16-shared --width-invariant off ;;  # captured, may differ at near-ties
       *) echo "measure: check, tiny, shaped, f32, f32-host, bf16 or bf16-shared" >&2; exit 2 ;;

@@ -32,6 +32,7 @@ DEVICE_POLICIES = [  # every policy with a device path, at its defaults and at s
     ("dynatree", {}),
     ("dynatree", {"budget": 6, "d0": 2, "rho_deep": 0.5, "tau_h": 0.5, "tau_l": 0.2}),
     ("dynatree", {"adaptive_branch": False, "dynamic_depth": False, "d0": 4, "tau": 0.0}),
+    ("delayed_auto", {}),
     ("dyspec_threshold", {}),
     ("dyspec_threshold", {"threshold": 0.005, "budget": 7, "max_children": 3}),
 ]
@@ -106,8 +107,9 @@ def test_device_levels_are_exact_in_bfloat16_with_a_width_invariant_target():
 
 
 def test_an_iteration_reads_the_device_at_most_twice_when_its_levels_stay_there():
-    """The tree once, the target's choices once (a prefill-only iteration: once); the timing
-    marks are read after those reads, so no sync; host-path policies read once per level."""
+    """The tree once, the target's choices once (a prefill-only iteration: once; delayed_auto also
+    reads the root's distribution); the timing marks are read after those reads, so no sync;
+    host-path policies read once per level."""
     target, prompt = tiny_model("llama"), [1, 5, 7, 9, 11]
     for draft in (noisy_copy("llama", 0.01), feature_draft("llama")):
         for policy, params in DEVICE_POLICIES:
@@ -115,7 +117,8 @@ def test_an_iteration_reads_the_device_at_most_twice_when_its_levels_stay_there(
                 result = generate(
                     target, prompt, make_method(policy, params), draft=draft, config=DecodeConfig(20, device_draft=True)
                 )
-            assert moved["to_host"] <= 2 * result.iterations, f"{policy} {params}: {dict(moved)}"
+            reads = 3 if policy == "delayed_auto" else 2  # its shape is chosen from the root's distribution, read
+            assert moved["to_host"] <= reads * result.iterations, f"{policy} {params}: {dict(moved)}"
             assert moved["sync"] == 0, f"{policy} {params}: {dict(moved)}"
             after_first = sum(max(r.draft_forwards - 1, 0) for r in result.records)
             assert moved["late"] <= after_first, f"{policy} {params}: one late read per level after the first at most"

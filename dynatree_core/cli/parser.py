@@ -57,8 +57,8 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         "--device-draft",
         choices=("auto", "on", "off"),
         default="auto",
-        help="fixed_tree, linear, dynatree, dyspec_threshold, eagle2 and delayed decide their draft levels on "
-        "the device and read the tree once per iteration, not once per level (auto: on for CUDA, off for CPU)",
+        help="fixed_tree, linear, dynatree, dyspec_threshold, eagle2 and delayed(_auto) decide their draft levels "
+        "on the device and read the tree once per iteration, not once per level (auto: on for CUDA, off for CPU)",
     )
 
 

@@ -26,11 +26,13 @@ def grow_delayed(
     request: DraftRequest, k: int, l1: int, l2: int, *, tree: DraftTree | None = None, root_logp=None
 ) -> DraftTree:
     """The (K, L1, L2) delayed tree, greedy-drafted, cut at the request's max depth. `tree` and
-    `root_logp` pass in a root that was already run through the draft."""
+    `root_logp` pass in a root that was already run through the draft (on the device path, by
+    `expand_level`)."""
     cap = min(l1 + l2, request.max_depth)
     reason = leaf_reason(cap, l1 + l2)
-    if request.on_device and request.draw == "top" and tree is None:  # levels decided on the device (device.py)
-        return grow_all_on_device(request, [k if level == l1 else 1 for level in range(cap)], reason=reason)
+    if request.on_device and request.draw == "top":  # levels decided on the device (device.py)
+        widths = [k if level == l1 else 1 for level in range(cap)]
+        return grow_all_on_device(request, widths, reason=reason, tree=tree, root=root_logp)
     drafter = drafter_of(request)
     tree = tree if tree is not None else DraftTree.with_root(request.root_token)
     frontier = [0]
@@ -162,7 +164,10 @@ class DelayedAuto(Policy):
             tree.mark_leaf(0, Reason.LENGTH_LIMIT)
             return tree
         start = time.perf_counter()
-        root_logp = drafter.expand(tree, [0])  # the root's forward, shared with the tree
+        if request.on_device and request.draw == "top":  # the tree's levels stay on the device after it
+            root_logp = drafter.expand_level(None, None, 0)
+        else:
+            root_logp = drafter.expand(tree, [0])  # the root's forward, shared with the tree
         root_ms = (time.perf_counter() - start) * 1e3
         probs = to_list(root_logp[0].exp().topk(self.config["k_max"]).values)  # one read, counted
         k, l1, l2 = self.choose(probs, request.max_depth)

@@ -19,7 +19,7 @@ Greedy ("top") drafting only: sampled drafting draws on the host.
 Two shapes of tree: `admitted_levels` (fixed_tree, linear, dynatree, dyspec_threshold: a
 level's candidates admitted most probable first under a threshold and a budget; the policy
 proposes them, the host replays its own rules over what was read) and `grow_all_on_device`
-(eagle2's beam, delayed: every child joins the tree).
+(eagle2's beam, delayed and delayed_auto: every child joins the tree).
 
 Cumulative log-probabilities are float64 on the device, as the host's Python floats are, so
 every comparison (threshold, order, ties) decides the same way on both paths.
@@ -216,20 +216,24 @@ def replay_level(tree: DraftTree, frontier: list[int], expand: list[int], lv: Re
     return added
 
 
-def grow_all_on_device(request: DraftRequest, widths: list[int], *, reason: Reason, beam: int = 0) -> DraftTree:
+def grow_all_on_device(
+    request: DraftRequest, widths: list[int], *, reason: Reason, beam: int = 0, tree: DraftTree | None = None, root=None
+) -> DraftTree:
     """Trees whose every drafted child joins the tree, decided on the device and read once: level
     l proposes the top `widths[l]` children of each of its rows; the next level's rows are all of
     them, or with `beam` the `beam` most probable (ties in node order: eagle2.py's sort), the rest
     leaves (Reason.BEAM). EAGLE-2's beam (before its rerank, done on the host from the tree) and
-    the delayed tree (delayed.py) are such trees; `reason` is their last level's leaf reason."""
+    the delayed tree (delayed.py) are such trees; `reason` is their last level's leaf reason.
+    `tree` and `root` (its log-probabilities from `expand_level(None, None, 0)`) pass in a root
+    already run through the draft (delayed_auto chooses the shape from it)."""
     drafter = drafter_of(request)
-    tree = DraftTree.with_root(request.root_token)
+    tree = tree if tree is not None else DraftTree.with_root(request.root_token)
     if not widths:
         tree.mark_leaf(0, reason)
         return tree
     levels: list[Level] = []
     for level, width in enumerate(widths, start=1):
-        logp = level_forward(drafter, levels)
+        logp = root if level == 1 and root is not None else level_forward(drafter, levels)
         if level == 1:
             cum = torch.zeros(1, dtype=torch.float64, device=logp.device)
         tokens, lp, cum_c, rows = children(logp, cum, width)
