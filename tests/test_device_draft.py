@@ -6,6 +6,7 @@ twice (the tree, the target's choices) and never syncs for its timings."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 
 import pytest
@@ -111,33 +112,108 @@ def test_device_levels_through_the_reference_forwards(paths):
 
 
 @torch.inference_mode()
-def test_device_levels_are_exact_in_bfloat16_with_a_width_invariant_target():
+@pytest.mark.parametrize("graphs", [False, True], ids=("row-groups", "static-rows"))
+def test_device_levels_are_exact_in_bfloat16_with_a_width_invariant_target(graphs):
+    """bfloat16 trees = bfloat16 `ar`, token for token. At fixed shapes (StaticRows, what a GPU
+    captures) the verify forward is queued from the device's rows, its span sized by the bound
+    the engine passes (`most_keys`), and every record equals the host-built batch's."""
     target = copy.deepcopy(tiny_model("llama")).to(torch.bfloat16)
     draft = copy.deepcopy(noisy_copy("llama", 0.05)).to(torch.bfloat16)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    ar = generate(target, prompt, make_method("ar", {}), config=DecodeConfig(32, width_invariant=True)).token_ids
+    config = DecodeConfig(32, width_invariant=True, graphs=graphs)
+    ar = generate(target, prompt, make_method("ar", {}), config=config).token_ids
     for policy, params in DEVICE_POLICIES[::2]:
-        config = DecodeConfig(32, width_invariant=True, device_draft=True)
-        got = generate(target, prompt, make_method(policy, params), draft=draft, config=config).token_ids
-        assert got == ar, f"{policy} {params}"
+        results = [
+            generate(
+                target,
+                prompt,
+                make_method(policy, params),
+                draft=draft,
+                config=dataclasses.replace(config, device_draft=True, device_verify=v),
+            )
+            for v in (True, False)
+        ]
+        assert [r.token_ids for r in results] == [ar, ar], f"{policy} {params}"
+        if graphs and policy != "delayed_auto":
+            assert [verified(r) for r in results[0].records] == [verified(r) for r in results[1].records]
+            assert results[0].records[-1].forward_path.startswith("lean+invariant+padded")
 
 
-def test_an_iteration_reads_the_device_at_most_twice_when_its_levels_stay_there():
-    """The tree once, the target's choices once (a prefill-only iteration: once; delayed_auto also
-    reads the root's distribution); the timing marks are read after those reads, so no sync;
-    host-path policies read once per level."""
+def verified(record) -> tuple:
+    """What an iteration sent to the target and what came back."""
+    return (record.order, record.mask, record.position_ids, record.prefix_len, record.chain_len,
+            record.target_tokens, record.accepted, record.bonus_token, record.committed)  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_verify_forward_queued_from_the_devices_rows_is_the_host_batchs(arch, graphs):
+    """The verify forward built on the device from the levels (rows padded to the most nodes the
+    tree could have) sends the same nodes with the same masks and positions, and the target makes
+    the same choices there, as the batch the host builds from the tree: every iteration's record
+    is equal, for a token draft and a feature draft (its features read from those rows)."""
+    target, prompt = tiny_model(arch), [1, 5, 7, 9, 11]
+    for draft in (noisy_copy(arch, 0.3), feature_draft(arch)):
+        for policy, params in DEVICE_POLICIES[::3] + [("delayed", {})]:
+            late, host = [
+                list(
+                    decode(
+                        target,
+                        prompt,
+                        make_method(policy, params),
+                        draft=draft,
+                        config=DecodeConfig(24, graphs=graphs, device_draft=True, device_verify=v),
+                    )
+                )
+                for v in (True, False)
+            ]
+            assert [t for r in late for t in r.committed] == hf_greedy(target, prompt, 24), f"{policy} {params}"
+            if policy != "delayed_auto":  # its shape follows measured times
+                assert [verified(r) for r in late] == [verified(r) for r in host], f"{policy} {params}"
+
+
+def test_rows_that_differ_from_the_tree_the_host_read_raise(monkeypatch):
+    """The host checks the device's verify rows against the tree it replayed: rows out of order
+    stop the run with an error instead of verifying a different tree."""
+    from dynatree_core.drafting import device
+
+    built = device.tree_rows
+
+    def swapped(levels, width):
+        rows = built(levels, width)
+        rows.tokens[[0, 1]] = rows.tokens[[1, 0]]
+        return rows
+
+    monkeypatch.setattr(device, "tree_rows", swapped)
+    target, prompt = tiny_model("llama"), [1, 5, 7, 9, 11]
+    config = DecodeConfig(8, device_draft=True)
+    with pytest.raises(RuntimeError, match="verify rows"):
+        generate(target, prompt, make_method("fixed_tree", {"tau": 0.0}), draft=noisy_copy("llama", 0.3), config=config)
+
+
+@pytest.mark.parametrize("device_verify", [True, False])
+def test_an_iteration_drains_the_device_once_when_its_tree_is_verified_from_there(device_verify):
+    """With the verify forward queued from the device's rows (decoding/batch.py), the target's
+    choices are the iteration's one draining read: the tree is copied behind the draft and read
+    while the target runs (a late read); eagle2, whose tree the host reranks first, also reads its
+    tree, and delayed_auto its root's distribution. Without it (device_verify off): the tree, then
+    the target's choices. A level's "did it admit anything" is read late, once per level after the
+    first; the timing marks are read after the draining read, so never a sync."""
     target, prompt = tiny_model("llama"), [1, 5, 7, 9, 11]
     for draft in (noisy_copy("llama", 0.01), feature_draft("llama")):
         for policy, params in DEVICE_POLICIES:
+            config = DecodeConfig(20, device_draft=True, device_verify=device_verify)
             with counting() as moved:
-                result = generate(
-                    target, prompt, make_method(policy, params), draft=draft, config=DecodeConfig(20, device_draft=True)
-                )
-            reads = 3 if policy == "delayed_auto" else 2  # its shape is chosen from the root's distribution, read
+                result = generate(target, prompt, make_method(policy, params), draft=draft, config=config)
+            early = device_verify and policy != "eagle2"
+            reads = (1 if early else 2) + (policy == "delayed_auto")
             assert moved["to_host"] <= reads * result.iterations, f"{policy} {params}: {dict(moved)}"
             assert moved["sync"] == 0, f"{policy} {params}: {dict(moved)}"
             after_first = sum(max(r.draft_forwards - 1, 0) for r in result.records)
-            assert moved["late"] <= after_first, f"{policy} {params}: one late read per level after the first at most"
+            tree_reads = sum(r.draft_forwards > 0 for r in result.records) if early else 0
+            assert moved["late"] <= after_first + tree_reads, f"{policy} {params}: {dict(moved)}"
+            if early:  # every drafting iteration read its tree late, none drained for it
+                assert moved["to_host"] <= result.iterations + (policy == "delayed_auto") * tree_reads
     with counting() as moved:  # salf decides its levels on the host (a heap over every level so far)
         result = generate(
             target, prompt, make_method("salf", {}), draft=draft, config=DecodeConfig(20, device_draft=True)
@@ -181,6 +257,50 @@ class PathDrafter:
         self.slots[node] = (level, row)
 
 
+class RowsProbe:
+    """Stands in for the engine's EarlyVerify (decoding/batch.py): keeps the verify rows built on
+    the device, and the rows as read."""
+
+    def __init__(self):
+        self.rows = self.read = None
+
+    def launch(self, rows, *, depth):
+        self.rows, self.depth = rows, depth
+
+
+def drafted(policy: str, values: dict, max_depth: int, seed: int, on_device: bool):
+    """The policy's tree; on the device, also checked against the verify rows built there."""
+    probe = RowsProbe() if on_device else None
+    tree = make_policy(policy, values).draft(
+        DraftRequest(7, max_depth, PathDrafter(seed), on_device=on_device, early=probe)
+    )
+    if probe is not None:
+        check_rows(tree, probe)
+    return tree
+
+
+def check_rows(tree, probe: RowsProbe) -> None:
+    """The rows are the tree's verified nodes in bfs order (DraftTree.order), with its ancestor
+    mask and depths; padding rows after them see only themselves; the rows as read agree."""
+    order = tree.order("bfs")
+    n = len(order) - 1
+    if probe.rows is None:  # nothing drafted
+        assert n == 0
+        return
+    rows = probe.rows
+    width = rows.tokens.shape[0]
+    assert rows.valid.tolist() == [True] * n + [False] * (width - n)
+    assert rows.tokens[:n].tolist() == [tree.tokens[v] for v in order[1:]]
+    assert rows.depths[:n].tolist() == [tree.depths[v] for v in order[1:]]
+    assert (rows.depths <= probe.depth).all()
+    assert torch.equal(rows.ancestors[: n + 1, : n + 1], tree.ancestor_mask(order))
+    assert torch.equal(rows.ancestors[n + 1 :], torch.eye(width + 1, dtype=torch.bool)[n + 1 :])
+    assert not rows.ancestors[: n + 1, n + 1 :].any()
+    row = {v: i for i, v in enumerate(order)}
+    assert probe.read.nodes == n and probe.read.tokens[:n] == rows.tokens[:n].tolist()
+    assert probe.read.parents[:n] == [row[tree.parents[v]] for v in order[1:]]
+
+
 @examples(60)
 @given(
     seed=st.integers(0, 10**6),
@@ -191,10 +311,8 @@ class PathDrafter:
     max_depth=st.integers(0, 6),
 )
 def test_topk_levels_on_the_device_decide_as_the_host_does(seed, depth, branch, tau, budget, max_depth):
-    trees = []
-    for on_device in (False, True):
-        policy = make_policy("fixed_tree", {"depth": depth, "branch": branch, "tau": tau, "budget": budget})
-        trees.append(policy.draft(DraftRequest(7, max_depth, PathDrafter(seed), on_device=on_device)))
+    values = {"depth": depth, "branch": branch, "tau": tau, "budget": budget}
+    trees = [drafted("fixed_tree", values, max_depth, seed, on_device) for on_device in (False, True)]
     assert signature(trees[0]) == signature(trees[1])
 
 
@@ -227,10 +345,7 @@ def test_dynatrees_gated_levels_on_the_device_decide_as_the_host_does(
     values = {"b_min": b_min, "b_mid": b_mid, "b_max": b_max, "tau_l": taus[0], "tau_h": taus[1]}
     values |= {"d0": depths[0], "d_max": depths[0] + depths[1], "rho_stop": rhos[0], "rho_deep": rhos[1]}
     values |= {"tau": tau, "budget": budget, "adaptive_branch": flags[0], "dynamic_depth": flags[1]}
-    trees = []
-    for on_device in (False, True):
-        policy = make_policy("dynatree", values)
-        trees.append(policy.draft(DraftRequest(7, max_depth, PathDrafter(seed), on_device=on_device)))
+    trees = [drafted("dynatree", values, max_depth, seed, on_device) for on_device in (False, True)]
     assert signature(trees[0]) == signature(trees[1])
     assert trees[0].notes == trees[1].notes
 
@@ -248,8 +363,15 @@ def test_dyspec_thresholds_levels_on_the_device_decide_as_the_host_does(
     seed, threshold, budget, depth, children, max_depth
 ):
     values = {"threshold": threshold, "budget": budget, "depth": depth, "max_children": children}
-    trees = []
-    for on_device in (False, True):
-        policy = make_policy("dyspec_threshold", values)
-        trees.append(policy.draft(DraftRequest(7, max_depth, PathDrafter(seed), on_device=on_device)))
+    trees = [drafted("dyspec_threshold", values, max_depth, seed, on_device) for on_device in (False, True)]
+    assert signature(trees[0]) == signature(trees[1])
+
+
+@examples(40)
+@given(seed=st.integers(0, 10**6), k=st.integers(1, 5), l1=st.integers(0, 4), l2=st.integers(0, 4))
+def test_delayed_trees_on_the_device_decide_as_the_host_does(seed, k, l1, l2):
+    """Every candidate of a delayed tree is a node: its verify rows are the whole tree, in bfs order
+    (the device's candidates come row by row; the rows sort them by probability within a depth)."""
+    values = {"k": k, "l1": l1, "l2": l2}
+    trees = [drafted("delayed", values, 6, seed, on_device) for on_device in (False, True)]
     assert signature(trees[0]) == signature(trees[1])

@@ -128,7 +128,9 @@ def test_every_policy_reproduces_target_greedy_with_the_shipped_draft(policy_nam
 
 def test_draft_levels_on_the_device_build_the_host_paths_trees_with_the_shipped_drafts():
     """The shipped token draft (a reduced vocabulary: ids mapped on the device) and the default
-    pair's feature draft: the same trees as the host path, the target's greedy tokens."""
+    pair's feature draft: the same trees as the host path, the target's greedy tokens; the verify
+    forward queued from the device's rows (the default with the levels there) or built on the host
+    from the tree sends the same rows and gets the same choices back."""
     pair = load_pair("embedded", device="cpu", dtype="float32")
     shipped = shipped_draft()
     ids = encode_prompt(pair.target.tokenizer, PROMPTS[0], chat=True)
@@ -137,13 +139,15 @@ def test_draft_levels_on_the_device_build_the_host_paths_trees_with_the_shipped_
     for name in ("fixed_tree", "eagle2", "delayed", "linear"):
         policy = make_method(name)
         for drafting in (pair.drafting(policy), {"draft": shipped.model, "draft_token_map": shipped.token_map}):
-            trees = []
-            for on in (False, True):
-                config = dataclasses.replace(base, device_draft=on)
+            trees, sent = [], []
+            for on, verify in ((False, None), (True, True), (True, False)):
+                config = dataclasses.replace(base, device_draft=on, device_verify=verify)
                 records = list(decode(pair.target.model, ids, make_method(name), config=config, **drafting))
                 assert [t for r in records for t in r.committed] == ref, f"{name} (device levels: {on})"
                 trees.append([(r.tree.tokens, r.tree.parents, r.tree.status, r.tree.reason) for r in records])
-            assert trees[0] == trees[1], f"{name}: the device levels built other trees"
+                sent.append([(r.order, r.mask, r.position_ids, r.target_tokens) for r in records])
+            assert trees[0] == trees[1] == trees[2], f"{name}: the device levels built other trees"
+            assert sent[1] == sent[2], f"{name}: the verify forward from the device's rows differs"
 
 
 def test_the_shipped_fused_draft_drafts_exactly_and_the_eagle3_export_refuses_it_saying_why(tmp_path):

@@ -193,7 +193,7 @@ def test_sequence_attention_equals_masked_attention_up_to_rounding(dtype, form):
     if form == "grouped":
         out = sequence_attention(q, keys, values, RowGroups.of(visible, q.device), 0.3)
     else:
-        out = static_sequence_attention(q, keys, values, StaticRows(*StaticRows.host(visible, 16)), 0.3)
+        out = static_sequence_attention(q, keys, values, StaticRows(*StaticRows.build(visible, 16)), 0.3)
     mask = torch.zeros(5, 12).masked_fill(~visible, float("-inf"))
     rep = lambda t: t.repeat_interleave(3, dim=1).float()  # noqa: E731  key head j serves query heads 3j..3j+2
     ref = torch.softmax(q.float() @ rep(keys).transpose(-1, -2) * 0.3 + mask, -1) @ rep(values)
@@ -357,13 +357,13 @@ def test_a_run_at_fixed_shapes_skips_the_probe_of_the_attention_it_does_not_run(
 
 def test_static_rows_hold_each_rows_slots_in_sequence_order_then_masked_padding():
     visible = torch.tensor([[1, 1, 0, 0, 1], [1, 0, 1, 1, 1]], dtype=torch.bool)
-    slots, tail = StaticRows.host(visible, 8)
+    slots, tail = StaticRows.build(visible, 8)
     assert slots.shape == (invariant.ATTENTION_ROWS, 8) and tail.shape == slots.shape
     assert slots[0, :3].tolist() == [0, 1, 4] and slots[1, :4].tolist() == [0, 2, 3, 4]
     assert tail[0].tolist() == [0.0] * 3 + [float("-inf")] * 5 and tail[1, :4].eq(0).all() and tail[1, 4:].isinf().all()
     assert tail[2:, 0].eq(0).all() and tail[2:, 1:].isinf().all(), "padding rows see slot 0 only"
     with pytest.raises(ValueError, match="more than the span"):
-        StaticRows.host(visible, 3)
+        StaticRows.build(visible, 3)
 
 
 def test_captured_width_invariant_forwards_replay_and_stay_exact(monkeypatch):

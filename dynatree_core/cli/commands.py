@@ -42,12 +42,12 @@ class _Progress:
 
 def _forward_options(args) -> dict:
     """DecodeConfig fields from the engine flags (None: the library default, on)."""
+    auto = {"on": True, "off": False}  # auto: None, the library's choice
     return {
         "static_cache": False if args.no_static_cache else None,
         "fast_forward": False if args.no_fast_forward else None,
         "graphs": False if args.no_graphs else None,
-        "width_invariant": {"on": True, "off": False}.get(args.width_invariant),
-        "device_draft": {"on": True, "off": False}.get(args.device_draft),
+        **{k: auto.get(getattr(args, k)) for k in ("width_invariant", "device_draft", "device_verify")},
     }
 
 

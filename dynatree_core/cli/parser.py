@@ -46,20 +46,29 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-fast-forward", action="store_true", help="the stock HF forward instead of the lean one")
     p.add_argument("--no-graphs", action="store_true", help="CUDA: eager forwards instead of captured CUDA graphs")
-    p.add_argument(
+    _auto_on_off(
+        p,
         "--width-invariant",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="the target's rows get the bits they would get alone, so trees match ar exactly in any dtype "
+        "the target's rows get the bits they would get alone, so trees match ar exactly in any dtype "
         "(auto: on for bfloat16/float16, off for float32; DYNATREE_INVARIANT=0/1 sets auto's choice)",
     )
-    p.add_argument(
+    _auto_on_off(
+        p,
         "--device-draft",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="fixed_tree, linear, dynatree, dyspec_threshold, eagle2 and delayed(_auto) decide their draft levels "
+        "fixed_tree, linear, dynatree, dyspec_threshold, eagle2 and delayed(_auto) decide their draft levels "
         "on the device and read the tree once per iteration, not once per level (auto: on for CUDA, off for CPU)",
     )
+    _auto_on_off(
+        p,
+        "--device-verify",
+        "with the levels on the device, queue the verify forward from the tree's rows built there before the "
+        "host reads the tree (one draining read per iteration; all but eagle2; not with --width-invariant; auto: on)",
+    )
+
+
+def _auto_on_off(p: argparse.ArgumentParser, flag: str, help: str) -> None:
+    """A switch whose `auto` leaves the choice to the library (commands._forward_options maps it)."""
+    p.add_argument(flag, choices=("auto", "on", "off"), default="auto", help=help)
 
 
 def build_parser() -> argparse.ArgumentParser:

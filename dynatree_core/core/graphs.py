@@ -253,14 +253,16 @@ class PaddedForward:
         embeds: torch.Tensor | None,
         dtype: torch.dtype,
         device: torch.device,
+        most_keys: int | None = None,
     ) -> Forward:
-        """q rows at the bucket that holds them; `visible` (q, length + q) bool (host). Returns the
-        logits of the last `logits_to_keep` rows and the final states of all q rows."""
+        """q rows at the bucket that holds them; `visible` (q, length + q) bool, host or device.
+        Returns the logits of the last `logits_to_keep` rows and the final states of all q rows.
+        `most_keys`: a bound on the keys a row sees, not read from a device `visible` (KVState.forward)."""
         q = len(ids)
         width = self.width_for(q, length, dtype, device, embeds is not None)
         self._ensure_buffers(length, width, dtype, device)
-        if self.static is not None:
-            self.static_for(int(visible.sum(1).max()))  # the most keys a row sees (not the slots in use)
+        if self.static is not None:  # the span holds the most keys a row sees (not the slots in use)
+            self.static_for(most_keys if most_keys is not None else int(visible.sum(1).max()))
         span = self.layers[0].capacity if self.static else span_for(length + width, self.layers[0].capacity)
         buf = self._bucket(width, span, dtype, device, embeds is not None)
         # fill the static inputs in place (padded rows: token 0, position 0, their own slot only)
@@ -274,11 +276,12 @@ class PaddedForward:
         # the mask in place (no tensor allocated per forward): rows see what `visible` says, each
         # padded row only its own slot, every slot past the valid ones nothing
         if self.static is not None:  # each row's slots in sequence order (padded rows: their own)
-            full = torch.zeros(width, length + width, dtype=torch.bool)
-            full[:q, : length + q], full[q:, length + q :] = visible, torch.eye(width - q, dtype=torch.bool)
-            slots, tail = StaticRows.host(full, self.static.positions_end)
-            buf.static.slots.copy_(to_device(slots, device))
-            buf.static.tail.copy_(to_device(tail, device))
+            full = torch.zeros(width, length + width, dtype=torch.bool, device=visible.device)
+            full[:q, : length + q] = visible
+            full[q:, length + q :] = torch.eye(width - q, dtype=torch.bool, device=visible.device)
+            slots, tail = StaticRows.build(full, self.static.positions_end, check=most_keys is None)
+            buf.static.slots.copy_(slots if slots.device == device else to_device(slots, device))
+            buf.static.tail.copy_(tail if tail.device == device else to_device(tail, device))
         else:
             mask = buf.mask[0, 0]
             mask.fill_(torch.finfo(dtype).min)
@@ -300,9 +303,8 @@ class PaddedForward:
         if buf is None:
             buf = self.buckets[key] = _Bucket(width, span, self.hidden_size, dtype, device, embeds)
             if self.static is not None:
-                slots, tail = (
-                    t.to(device) for t in StaticRows.host(torch.eye(width, dtype=torch.bool), self.static.positions_end)
-                )
+                eye = torch.eye(width, dtype=torch.bool, device=device)
+                slots, tail = StaticRows.build(eye, self.static.positions_end)
                 buf.static = dataclasses.replace(self.static, slots=slots, tail=tail)
         return buf
 

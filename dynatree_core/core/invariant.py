@@ -122,19 +122,22 @@ class StaticRows:
     linear_rows: int = 1
 
     @staticmethod
-    def host(visible: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """visible (q, L) bool -> (slots, tail) on the host, R = q rounded up to ATTENTION_ROWS."""
+    def build(visible: torch.Tensor, span: int, *, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """visible (q, L) bool -> (slots, tail) on its device, R = q rounded up to ATTENTION_ROWS.
+        `check`: refuse a row that sees more than `span` keys (a read of the counts; a caller that
+        knows a bound, as a mask built on a GPU does, passes False rather than wait for it)."""
         q, length = visible.shape
+        device = visible.device
         counts = visible.sum(1)
-        if q and int(counts.max()) > span:
+        if check and q and int(counts.max()) > span:
             raise ValueError(f"a row sees {int(counts.max())} keys, more than the span of {span}")
         rows = -(-max(q, 1) // ATTENTION_ROWS) * ATTENTION_ROWS
-        slots = torch.zeros(rows, span, dtype=torch.long)
+        slots = torch.zeros(rows, span, dtype=torch.long, device=device)
         # a stable sort puts each row's visible slots first, in ascending (= sequence) order
         order = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)
         slots[:q, : min(length, span)] = order[:, :span]
-        tail = torch.full((rows, span), float("-inf"))
-        tail[:q].masked_fill_(torch.arange(span)[None] < counts[:, None], 0.0)
+        tail = torch.full((rows, span), float("-inf"), device=device)
+        tail[:q].masked_fill_(torch.arange(span, device=device)[None] < counts[:, None], 0.0)
         tail[q:, 0] = 0.0
         return slots, tail
 
@@ -195,7 +198,7 @@ def static_attention_agrees(lean, dtype: torch.dtype, device: torch.device) -> b
             visible[:, 0] = True
 
             def attend(which, q=q, keys=keys, values=values, visible=visible, span=span):
-                slots, tail = (t.to(device) for t in StaticRows.host(visible[which], span))
+                slots, tail = (t.to(device) for t in StaticRows.build(visible[which], span))
                 return static_sequence_attention(q[:, :, which], keys, values, StaticRows(slots, tail), 0.125)
 
             many = attend(list(range(33)))

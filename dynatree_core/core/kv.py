@@ -202,6 +202,7 @@ class KVState:
         *,
         embeds: torch.Tensor | None = None,
         hidden: bool | tuple[int, ...] = False,
+        most_keys: int | None = None,
     ) -> Forward:
         """One forward over `token_ids`, appended to the cache, by the implementation `choice` picked.
 
@@ -215,6 +216,8 @@ class KVState:
             hidden: also return the final hidden states of all q rows: the model's output after
                 its final norm, i.e. what its LM head reads (the features a feature draft learns);
                 a tuple of taps (core/taps.py) returns (q, len(taps), hidden) states instead.
+            most_keys: a bound on the keys any row sees, for a `visible` on a GPU (width-invariant
+                forwards at fixed shapes size their span by it; reading it there would wait).
         Returns:
             Forward: (logits_to_keep, vocab) float32 logits; with `hidden` the states, else None.
         """
@@ -222,7 +225,8 @@ class KVState:
         if visible.shape != (q, self.length + q):
             raise ValueError(f"mask shape {tuple(visible.shape)} != {(q, self.length + q)}")
         run = getattr(self, "_" + self.choice.kind)  # _reference, _lean, _captured or _invariant
-        return run(token_ids, position_ids, visible, logits_to_keep, embeds, hidden)
+        bound = {"most_keys": most_keys} if self.choice.kind in ("captured", "invariant") else {}
+        return run(token_ids, position_ids, visible, logits_to_keep, embeds, hidden, **bound)
 
     def _reference(self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden) -> Forward:
         ids, positions, inputs = self._inputs(token_ids, position_ids, embeds)
@@ -233,19 +237,20 @@ class KVState:
         )
         return self._done(len(token_ids), out, hidden)
 
-    def _lean(self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden, unpadded=False) -> Forward:
+    def _lean(self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden, **_) -> Forward:
         ids, positions, inputs = self._inputs(token_ids, position_ids, embeds)
         mask = self._additive(visible)
         self.watch.start()
         out = self.lean(ids, positions, mask, self.cache.layers, logits_to_keep, embeds=inputs, hidden=hidden)
         return self._done(len(token_ids), out, hidden)
 
-    def _captured(self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden) -> Forward:
+    def _captured(self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden, most_keys=None) -> Forward:
         """The padded forward (graphs.py) when q fits a bucket; else, and for taps (captured
         forwards hand out final states only), the unpadded lean forward."""
         if not self.padded.fits(len(token_ids)) or (isinstance(hidden, tuple) and hidden):
             run = self._invariant if self.padded.static is not None else self._lean
-            return run(token_ids, position_ids, visible, logits_to_keep, embeds, hidden, unpadded=True)
+            args = (token_ids, position_ids, visible, logits_to_keep, embeds, hidden)
+            return run(*args, unpadded=True, most_keys=most_keys)
         captured = self.padded.capture_s
         self.watch.start()
         out = self.padded(
@@ -257,20 +262,24 @@ class KVState:
             embeds=embeds,
             dtype=self.model.dtype,
             device=self.device,
+            most_keys=most_keys,
         )
         return self._done(len(token_ids), out, hidden, (self.padded.capture_s - captured) * 1e3)
 
-    def _invariant(self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden, unpadded=False) -> Forward:
+    def _invariant(
+        self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden, unpadded=False, most_keys=None
+    ) -> Forward:
         """Each row over its own keys (invariant.py): no mask. At fixed shapes (StaticRows) where
         the choice is padded: through the padded forward when the rows fit a bucket, else (a long
         prefill, taps) the same rows eagerly; else grouped by key count (RowGroups)."""
         if self.padded is not None and not unpadded:
-            return self._captured(token_ids, position_ids, visible, logits_to_keep, embeds, hidden)
+            return self._captured(token_ids, position_ids, visible, logits_to_keep, embeds, hidden, most_keys)
         ids, positions, inputs = self._inputs(token_ids, position_ids, embeds)
         verdict = self.verdict
         if self.padded is not None:
-            static = self.padded.static_for(int(visible.sum(1).max()))  # the most keys a row sees
-            slots, tail = (to_device(t, self.device) for t in StaticRows.host(visible, static.positions_end))
+            static = self.padded.static_for(most_keys or int(visible.sum(1).max()))  # the most keys a row sees
+            built = StaticRows.build(visible, static.positions_end, check=most_keys is None)
+            slots, tail = (t if t.device == self.device else to_device(t, self.device) for t in built)
             rows = dataclasses.replace(static, slots=slots, tail=tail)
         else:
             rows = RowGroups.of(
@@ -357,13 +366,13 @@ def chain_then_tree_visibility(past: int, n_chain: int, tree_ancestors: torch.Te
         n_chain: pending committed tokens, causal among themselves; the last one is the root.
         tree_ancestors: (n, n) bool ancestor closure over the drafted nodes (root excluded).
     Returns:
-        (n_chain + n, past + n_chain + n) bool.
+        (n_chain + n, past + n_chain + n) bool, on the ancestors' device.
     """
-    n = tree_ancestors.shape[0]
+    n, device = tree_ancestors.shape[0], tree_ancestors.device
     q = n_chain + n
-    visible = torch.zeros(q, past + q, dtype=torch.bool)
+    visible = torch.zeros(q, past + q, dtype=torch.bool, device=device)
     visible[:, :past] = True
-    visible[:n_chain, past : past + n_chain] = torch.ones(n_chain, n_chain, dtype=torch.bool).tril()
+    visible[:n_chain, past : past + n_chain] = torch.ones(n_chain, n_chain, dtype=torch.bool, device=device).tril()
     visible[n_chain:, past : past + n_chain] = True
     visible[n_chain:, past + n_chain :] = tree_ancestors
     return visible

@@ -61,10 +61,16 @@ class LateRead:
             self.host = t
 
     def item(self):
+        return self._wait().item()
+
+    def tolist(self) -> list:
+        return self._wait().tolist()
+
+    def _wait(self) -> torch.Tensor:
         COUNTS["late"] += 1
         if self.event is not None:
             self.event.synchronize()
-        return self.host.item()
+        return self.host
 
 
 @contextlib.contextmanager

@@ -18,16 +18,15 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from dynatree_core.core.choice import forward_path
-from dynatree_core.core.forward import Forward
 from dynatree_core.core.invariant import invariant_wanted
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.core.kv import KVState
 from dynatree_core.core.models import context_length_of
 from dynatree_core.core.sampling_config import SamplingConfig
-from dynatree_core.core.taps import FINAL
 from dynatree_core.core.transfer import PhaseClock, to_device
 from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.baselines import Baseline
+from dynatree_core.decoding.batch import EarlyVerify, VerifyBatch, early_wanted, verify_forward
 from dynatree_core.drafting.policy import Policy
 from dynatree_core.drafting.request import DraftRequest
 from dynatree_core.drafts.heads import draft_kind, head_drafter, is_head  # noqa: F401 (draft_kind: engine's API)
@@ -59,6 +58,9 @@ class DecodeConfig:
     # policies that can keep their draft levels on the device do (drafting/device.py: the tree is
     # read once, not once per level); None: on CUDA, where a read is a sync (on a CPU it is free)
     device_draft: bool | None = None
+    # with device_draft, the verify forward is queued from the tree's rows built on the device before
+    # the host reads the tree (decoding/batch.py: one draining read per iteration); None: on
+    device_verify: bool | None = None
 
 
 def vocab_size(model: torch.nn.Module) -> int:
@@ -95,6 +97,7 @@ class DecodeState:
     context_length: int  # the target's positions (or the config's)
     weights: int = 0  # resident weight bytes (metrics.memory_mb's CPU accounting)
     device_draft: bool = False  # DecodeConfig.device_draft, resolved for the device
+    device_verify: bool = True  # DecodeConfig.device_verify, resolved
 
     @property
     def new_tokens(self) -> int:
@@ -110,31 +113,6 @@ class DecodeState:
     def draft_forward_ms(self) -> float:
         """The draft's time inside forwards so far (on CUDA, reading it waits for its events)."""
         return self.drafter.kv.forward_ms if self.drafter else 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifyBatch:
-    """What the iteration's ONE target forward reads: the pending committed tokens (`chain`, the
-    root last) then the tree's nodes in `order` (root excluded: it is the chain's last token)."""
-
-    order: list[int]
-    ancestors: torch.Tensor  # (n, n) bool over `order`, root first
-    past: int  # tokens in the target's cache before this forward
-    chain: list[int]
-    root_pos: int
-    tokens: list[int]  # q = len(chain) + n - 1
-    positions: list[int]
-    visible: torch.Tensor  # (q, past + q) bool
-
-    @classmethod
-    def of(cls, tree: DraftTree, state: DecodeState) -> VerifyBatch:
-        order = tree.order(state.config.order)
-        ancestors = tree.ancestor_mask(order)
-        past, chain, root = state.target_kv.length, state.target_kv.pending, len(state.committed) - 1
-        tokens = chain + [tree.tokens[n] for n in order[1:]]
-        positions = list(range(past, past + len(chain))) + tree.position_ids(order[1:], root)
-        visible = chain_then_tree_visibility(past, len(chain), ancestors[1:, 1:])
-        return cls(order, ancestors, past, chain, root, tokens, positions, visible)
 
 
 def start_run(
@@ -187,6 +165,7 @@ def start_run(
         context_length=ctx,
         weights=weights,
         device_draft=config.device_draft if config.device_draft is not None else device.type == "cuda",
+        device_verify=config.device_verify is not False,
     )
 
 
@@ -233,17 +212,23 @@ def _iteration(state: DecodeState, index: int, budget: int) -> IterationRecord:
     clock = PhaseClock(state.device)  # phase boundaries, read after the verification's read (no sync of its own)
     clock.mark()
     draft_forwards, draft_forward_ms = state.draft_forwards(), state.draft_forward_ms()
-    tree, drafted = _draft(state, budget)
+    early = EarlyVerify(state, clock, captured) if early_wanted(state) else None
+    tree, drafted = _draft(state, budget, early)
     draft_forwards = state.draft_forwards() - draft_forwards
-    clock.mark()
-    draft_capture_ms = (state.capture_s() - captured) * 1e3
-    batch = VerifyBatch.of(tree, state)
-    clock.mark()
-    out = _verify_forward(state, batch)  # ONE target forward
-    clock.mark()
-    verify_capture_ms = (state.capture_s() - captured) * 1e3 - draft_capture_ms
+    if early is not None and early.out is not None:  # queued from the device's rows (batch.py)
+        draft_capture_ms, verify_capture_ms = early.draft_capture_ms, early.verify_capture_ms
+        batch, out, width = early.batch(tree), early.out, early.width
+    else:
+        clock.mark()
+        draft_capture_ms = (state.capture_s() - captured) * 1e3
+        batch = VerifyBatch.of(tree, state)
+        clock.mark()
+        out = verify_forward(state, batch.tokens, batch.positions, batch.visible, len(batch.order))  # ONE forward
+        clock.mark()
+        verify_capture_ms = (state.capture_s() - captured) * 1e3 - draft_capture_ms
+        width = len(batch.tokens)
     if state.verifier == "greedy":  # the iteration's blocking read: the target's choices
-        outcome = verify_greedy(tree, batch.order, out.logits)
+        outcome = verify_greedy(tree, batch.order, out.logits[: len(batch.order)])
     else:
         sampling = state.config.sampling
         outcome = verify_sampling(tree, batch.order, out.logits, sampling, state.verifier, state.gen, state.draw)
@@ -264,16 +249,17 @@ def _iteration(state: DecodeState, index: int, budget: int) -> IterationRecord:
     record.overhead_ms = t2 - t1 + (time.perf_counter() - committed) * 1e3
     # the draft's forward time: its CUDA events are done by now, so reading them waits for nothing
     record.draft_forward_ms = state.draft_forward_ms() - draft_forward_ms
-    state.policy.observe_cost(len(batch.tokens), record.verify_ms)
+    state.policy.observe_cost(width, record.verify_ms)
     if state.config.analyze and state.verifier != "greedy":  # outside the timings: an explanation, not the work
         record.analysis = analyze(tree, batch.order, out.logits, state.config.sampling, state.verifier, state.draw)
     return record
 
 
-def _draft(state: DecodeState, budget: int) -> tuple[DraftTree, bool]:
+def _draft(state: DecodeState, budget: int, early: EarlyVerify | None) -> tuple[DraftTree, bool]:
     """The policy's tree (max depth budget - 1: the bonus needs 1 slot), and whether it drafted:
     a feature draft before the target's first forward has no features, so that iteration is the
-    prefill alone (a root-only tree)."""
+    prefill alone (a root-only tree). `early`: the verify forward, for a policy that queues it
+    from its device levels (drafting/device.read_verifying)."""
     drafter, committed = state.drafter, state.committed
     if drafter is not None and not drafter.ready:
         tree = DraftTree.with_root(committed[-1])
@@ -281,19 +267,9 @@ def _draft(state: DecodeState, budget: int) -> tuple[DraftTree, bool]:
         return tree, False
     config = state.config
     request = DraftRequest(
-        committed[-1], budget - 1, drafter, committed, state.draw, config.sampling, state.gen, state.device_draft
+        committed[-1], budget - 1, drafter, committed, state.draw, config.sampling, state.gen, state.device_draft, early
     )
     return state.policy.draft(request), True
-
-
-def _verify_forward(state: DecodeState, batch: VerifyBatch) -> Forward:
-    """The target's forward over the batch; a feature draft gets the hidden states (or taps) it
-    reads from the same forward."""
-    drafter = state.drafter
-    features = drafter is not None and drafter.wants_features
-    hidden = (drafter.taps if drafter.taps != (FINAL,) else True) if features else False
-    keep = len(batch.order)
-    return state.target_kv.forward(batch.tokens, batch.positions, batch.visible, logits_to_keep=keep, hidden=hidden)
 
 
 def _record(state: DecodeState, index: int, tree: DraftTree, batch: VerifyBatch, outcome, new_tokens, stop):

@@ -51,6 +51,7 @@ class Level:
     parents: torch.Tensor  # (C,) long: the row of this forward that proposed it
     fate: torch.Tensor  # (C,) long: ADMITTED, THRESHOLD, BUDGET or PADDING (a padded row's child)
     selected: torch.Tensor  # (W,) long: candidates that are the next forward's rows, in row order
+    cum: torch.Tensor  # (C,) float64: cumulative log-probs (they order the verify rows: tree_rows)
 
 
 @dataclasses.dataclass
@@ -64,16 +65,98 @@ class ReadLevel:
     selected: list[int]
 
 
+@dataclasses.dataclass
+class TreeRows:
+    """The tree's nodes as the rows of the target's verify forward, built on the device from the
+    levels (no host read): the admitted candidates in the order DraftTree.order("bfs") gives the
+    tree the host replays (by depth, most probable first, ties in node order), then padding rows
+    up to a width the host knows without reading (the most nodes the tree can have)."""
+
+    tokens: torch.Tensor  # (W,) long
+    depths: torch.Tensor  # (W,) long: 1 for the root's children
+    parents: torch.Tensor  # (W,) long: the parent's row, rows counted from 1 (0: the root); a padding row's own
+    valid: torch.Tensor  # (W,) bool: a node (else padding: it sees only itself, nothing sees it)
+    ancestors: torch.Tensor  # (W + 1, W + 1) bool, the root's row first: [i, j] row j is row i or its ancestor
+
+
+@dataclasses.dataclass
+class ReadRows:
+    """TreeRows on the host: what the engine checks the replayed tree against."""
+
+    tokens: list[int]
+    parents: list[int]
+    nodes: int  # valid rows (a prefix)
+
+
+def tree_rows(levels: list[Level], width: int) -> TreeRows:
+    """The verify forward's `width` rows (at least the admitted candidates' count) from the levels.
+    Three stable sorts give the bfs order, minor key first; the ancestor closure takes one gather
+    per level (a row's ancestors are its parent's plus itself)."""
+    tokens = torch.cat([lv.tokens for lv in levels])
+    device = tokens.device
+    admitted = torch.cat([lv.fate for lv in levels]) == ADMITTED
+    depths = torch.cat([torch.full_like(lv.tokens, d) for d, lv in enumerate(levels, start=1)])
+    parent, start = [torch.full_like(levels[0].tokens, -1)], 0  # each candidate's parent candidate (-1: root)
+    for prev, lv in zip(levels[:-1], levels[1:], strict=True):
+        parent.append(start + prev.selected[lv.parents])
+        start += prev.tokens.shape[0]
+    parent = torch.cat(parent)
+    order = torch.sort(torch.cat([lv.cum for lv in levels]), descending=True, stable=True).indices
+    order = order[torch.sort(depths[order], stable=True).indices]
+    order = order[torch.sort((~admitted[order]).to(torch.int8), stable=True).indices]
+    row_of = torch.empty_like(order)
+    row_of[order] = torch.arange(1, order.shape[0] + 1, device=device)
+    pick, rows = order[:width], torch.arange(1, width + 1, device=device)
+    valid = admitted[pick]
+    up = parent[pick]
+    parents = torch.where(valid, torch.where(up >= 0, row_of[up.clamp(min=0)], 0), rows)
+    table = torch.cat([torch.zeros(1, dtype=torch.long, device=device), parents])
+    eye = torch.eye(width + 1, dtype=torch.bool, device=device)
+    ancestors = eye
+    for _ in levels:
+        ancestors = eye | ancestors[table]
+    return TreeRows(tokens[pick], depths[pick], parents, valid, ancestors)
+
+
 def read_levels(levels: list[Level]) -> list[ReadLevel]:
     """Every level's record in ONE device->host copy (float64 holds ids and float32 values exactly)."""
+    return _parse(levels, to_list(_flat(levels)))
+
+
+def _flat(levels: list[Level], rows: TreeRows | None = None) -> torch.Tensor:
     parts = [torch.cat([lv.tokens, lv.logp, lv.parents, lv.fate, lv.selected]).double() for lv in levels]
-    flat = iter(to_list(torch.cat(parts)))
+    if rows is not None:
+        parts.append(torch.cat([rows.tokens, rows.parents, rows.valid.sum()[None]]).double())
+    return torch.cat(parts)
+
+
+def _parse(levels: list[Level], values: list[float], rows: TreeRows | None = None) -> list[ReadLevel]:
+    flat = iter(values)
     take = lambda n, kind=int: [kind(next(flat)) for _ in range(n)]  # noqa: E731
     out = []
     for lv in levels:
         c = lv.tokens.shape[0]
         out.append(ReadLevel(take(c), take(c, float), take(c), take(c), take(lv.selected.shape[0])))
+    if rows is not None:
+        w = rows.tokens.shape[0]
+        out.append(ReadRows(take(w), take(w), take(1)[0]))
     return out
+
+
+def read_verifying(request: DraftRequest, levels: list[Level], width: int) -> list[ReadLevel]:
+    """read_levels, with the target's verify forward queued from the tree's rows first where the
+    engine asked for it (`request.early`: decoding/batch.EarlyVerify): the levels and rows are
+    copied into pinned memory behind the draft, the verify forward is queued behind that copy, and
+    the host waits for the copy alone (counted "late": the device is busy verifying meanwhile),
+    then replays the tree while the target runs. The rows as read go to `request.early.read`."""
+    early = request.early
+    if early is None:
+        return read_levels(levels)
+    rows = tree_rows(levels, width)
+    pending = LateRead(_flat(levels, rows))
+    early.launch(rows, depth=len(levels))
+    *read, early.read = _parse(levels, pending.tolist(), rows)
+    return read
 
 
 def expand_frontier(tree: DraftTree, frontier: list[int], drafter, level: int) -> None:
@@ -145,7 +228,7 @@ def admitted_levels(
         tokens, lp, cum_c, rows, real = tokens[order], lp[order], cum_c[order], rows[order], real[order]
         fate = admit(cum_c, real, log_tau, budget - drafted)
         width = min(tokens.shape[0], budget)  # the next level's rows: every node this one may admit
-        levels.append(Level(tokens, lp, rows, fate, torch.arange(width, device=tokens.device)))
+        levels.append(Level(tokens, lp, rows, fate, torch.arange(width, device=tokens.device), cum_c))
         admitted = fate == ADMITTED
         drafted = drafted + admitted.sum()
         cum, valid = cum_c[:width], admitted[:width]
@@ -153,7 +236,8 @@ def admitted_levels(
             late.append(LateRead(admitted.any() & (drafted < budget)))
             if level >= 2 and not late[-2].item():  # the level before admitted nothing: this one was spare
                 break
-    return read_levels(levels)
+    nodes = sum(lv.tokens.shape[0] for lv in levels)
+    return read_verifying(request, levels, min(budget, nodes))
 
 
 def grow_topk_on_device(request: DraftRequest, *, depth: int, branch: int, tau: float, budget: int) -> DraftTree:
@@ -242,10 +326,14 @@ def grow_all_on_device(
             selected = most_probable_first(cum_c, torch.ones_like(tokens, dtype=torch.bool))[:beam]
         if level == len(widths):
             selected = selected[:0]
-        levels.append(Level(tokens, lp, rows, torch.zeros_like(tokens), selected))
+        levels.append(Level(tokens, lp, rows, torch.zeros_like(tokens), selected, cum_c))
         cum = cum_c[selected]
+    # every candidate is a node, except in a beam, whose tree the host reranks (eagle2.py) before it
+    # is verified: no verify forward queued from its rows
+    nodes = sum(lv.tokens.shape[0] for lv in levels)
+    read = read_levels(levels) if beam else read_verifying(request, levels, nodes)
     frontier = [0]
-    for level, lv in enumerate(read_levels(levels), start=1):
+    for level, lv in enumerate(read, start=1):
         expand_frontier(tree, frontier, drafter, level)
         rows = zip(lv.tokens, lv.logp, lv.parents, strict=True)
         new = [tree.add(frontier[r], tok, lp, reason=reason) for tok, lp, r in rows]

@@ -32,6 +32,10 @@ class DraftRequest:
     # keep the draft levels on the device and read the tree once (drafting/device.py), where the
     # policy can; greedy ("top") drafting only
     on_device: bool = False
+    # the engine's verify forward, queued from the tree's rows on the device before the host reads
+    # the tree (decoding/batch.EarlyVerify; drafting/device.read_verifying calls it); None: the
+    # engine builds the verify batch from the tree on the host
+    early: Any = None
 
 
 def level_top(logp: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:

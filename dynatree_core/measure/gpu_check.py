@@ -85,8 +85,10 @@ def tiny_pair(arch: str, device: torch.device) -> tuple[torch.nn.Module, torch.n
     return target.to(device), draft.to(device)
 
 
-def _run(target, draft, prompt, policy: str, params: dict, *, graphs_on: bool, max_new: int = 32, levels=None):
-    config = DecodeConfig(max_new_tokens=max_new, graphs=graphs_on, device_draft=levels)
+def _run(
+    target, draft, prompt, policy: str, params: dict, *, graphs_on: bool, max_new: int = 32, levels=None, verify=None
+):
+    config = DecodeConfig(max_new_tokens=max_new, graphs=graphs_on, device_draft=levels, device_verify=verify)
     return generate(target, prompt, make_method(policy, params), draft=draft, config=config)
 
 
@@ -282,26 +284,29 @@ def measured_widths(model, *, context: int = 256) -> dict:
 
 def run_measures(target, draft, device: torch.device) -> dict:
     """Capture seconds, memory per run and host round trips per iteration of one graphs run of
-    fixed_tree (draft levels on the device, the CUDA default), and the round trips and speed of
-    the same run with its levels decided on the host (one read per level)."""
+    fixed_tree (draft levels on the device and the verify forward queued from its rows, the CUDA
+    default), and the round trips and speed of the same run with the verify batch built on the host
+    from the tree read (`host_batch`) and with its levels decided on the host (one read per level)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     runs = {}
-    for levels in (True, False):
+    for levels, verify in ((True, True), (True, False), (False, False)):
         with transfer.counting() as moved:
-            result = _run(target, draft, PROMPTS[0], "fixed_tree", {}, graphs_on=True, max_new=64, levels=levels)
-        runs[levels] = result, {k: round(v / max(result.iterations, 1), 2) for k, v in moved.items()}
-        if levels:
+            args = dict(graphs_on=True, max_new=64, levels=levels, verify=verify)
+            result = _run(target, draft, PROMPTS[0], "fixed_tree", {}, **args)
+        runs[levels, verify] = result, {k: round(v / max(result.iterations, 1), 2) for k, v in moved.items()}
+        if verify:
             memory = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
-    (result, per), (host, host_per) = runs[True], runs[False]
+    (result, per), (batch, batch_per), (host, host_per) = runs.values()
     return {
         "forward_path": result.forward_path,
         "capture_s": round(result.capture_s, 3),
         "run_memory_mb": None if memory is None else round(memory, 1),
         "per_iteration": per,
         "tokens_per_s": round(result.throughput_tps, 1),
+        "host_batch": {"per_iteration": batch_per, "tokens_per_s": round(batch.throughput_tps, 1)},
         "host_levels": {"per_iteration": host_per, "tokens_per_s": round(host.throughput_tps, 1)},
     }
 
@@ -378,7 +383,13 @@ def verdict_table(report: dict) -> str:
             "",
             f"forward path: {run['forward_path']}; capture {run['capture_s']} s; memory per run "
             f"{run['run_memory_mb']} MB; per iteration {run['per_iteration']}; {run['tokens_per_s']} tokens/s",
-            f"draft levels decided on the host instead: per iteration {run['host_levels']['per_iteration']}; "
-            f"{run['host_levels']['tokens_per_s']} tokens/s",
+            *(
+                f"{what} instead: per iteration {run[key]['per_iteration']}; {run[key]['tokens_per_s']} tokens/s"
+                for key, what in (
+                    ("host_batch", "the verify batch built on the host"),
+                    ("host_levels", "draft levels decided on the host"),
+                )
+                if key in run
+            ),
         ]
     return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""What the iteration's ONE target forward reads, built two ways.
+
+On the host (`VerifyBatch.of`): from the tree the policy returned, its nodes in `DecodeConfig.order`
+with their ancestor mask and positions. From the device (`EarlyVerify`): where a policy decides its
+draft levels on the device (drafting/device.py), the tree's rows, mask and positions are built
+there from the levels (`device.tree_rows`) and the verify forward is queued BEFORE the host reads
+the tree: the host replays the tree while the target runs, and the iteration's only draining read
+is the verification's. The rows are the nodes in the bfs order, padded to the most nodes the tree
+could have (a padding row sees only itself and nothing sees it); the host checks the rows it
+read against the tree it replayed, node for node, so the two builds cannot silently differ.
+SGLang's EAGLE worker builds its verify input on the GPU the same way (../shared/GPU_NOTES.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dynatree_core.core.forward import Forward
+from dynatree_core.core.kv import chain_then_tree_visibility
+from dynatree_core.core.taps import FINAL
+from dynatree_core.core.transfer import PhaseClock, to_device
+from dynatree_core.core.tree import DraftTree
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyBatch:
+    """What the iteration's ONE target forward reads: the pending committed tokens (`chain`, the
+    root last) then the tree's nodes in `order` (root excluded: it is the chain's last token)."""
+
+    order: list[int]
+    ancestors: torch.Tensor  # (n, n) bool over `order`, root first
+    past: int  # tokens in the target's cache before this forward
+    chain: list[int]
+    root_pos: int
+    tokens: list[int]  # q = len(chain) + n - 1
+    positions: list[int]
+    visible: torch.Tensor | None  # (q, past + q) bool; None where the forward was queued from the device
+
+    @classmethod
+    def of(cls, tree: DraftTree, state, *, visible: bool = True, past: int | None = None) -> VerifyBatch:
+        """`state`: the run's DecodeState. `visible=False` skips the (q, past + q) mask and `past`
+        gives the cache's length before the forward (the forward came from the device, and ran)."""
+        order = tree.order(state.config.order)
+        ancestors = tree.ancestor_mask(order)
+        past = state.target_kv.length if past is None else past
+        chain, root = state.target_kv.pending, len(state.committed) - 1
+        tokens = chain + [tree.tokens[n] for n in order[1:]]
+        positions = list(range(past, past + len(chain))) + tree.position_ids(order[1:], root)
+        mask = chain_then_tree_visibility(past, len(chain), ancestors[1:, 1:]) if visible else None
+        return cls(order, ancestors, past, chain, root, tokens, positions, mask)
+
+
+def verify_forward(state, tokens, positions, visible: torch.Tensor, keep: int, most_keys: int | None = None) -> Forward:
+    """The target's forward over a batch (host lists, or device tensors with `most_keys`, a bound on
+    the keys a row sees: KVState.forward), the logits of its last `keep` rows; a feature draft gets
+    the hidden states (or taps) it reads from the same forward."""
+    drafter = state.drafter
+    features = drafter is not None and drafter.wants_features
+    hidden = (drafter.taps if drafter.taps != (FINAL,) else True) if features else False
+    kv = state.target_kv
+    return kv.forward(tokens, positions, visible, logits_to_keep=keep, hidden=hidden, most_keys=most_keys)
+
+
+def early_wanted(state) -> bool:
+    """Where the verify forward is queued from the device's tree rows: greedy verification of a
+    tree drafted on the device, sent in bfs order (the rows' order), through a forward that builds
+    its inputs from a mask on the device (not the width-invariant forward at free shapes, which
+    groups its rows by key count on the host: core/invariant.RowGroups)."""
+    drafter, kv = state.drafter, state.target_kv
+    return (
+        state.device_verify
+        and state.device_draft
+        and state.verifier == "greedy"
+        and state.config.order == "bfs"
+        and drafter is not None
+        and drafter.ready
+        and not (kv.invariant and kv.padded is None)
+    )
+
+
+class EarlyVerify:
+    """The engine's side of `DraftRequest.early`: `launch` queues the target's forward over the
+    tree's rows (device.TreeRows) and marks the phases on the iteration's clock; after the policy
+    returns its tree, `batch` checks the tree against the rows as read and gives the host record
+    of the batch."""
+
+    def __init__(self, state, clock: PhaseClock, captured: float):
+        """`captured`: the run's graph-capture seconds when the iteration began (DecodeState.capture_s)."""
+        self.state, self.clock, self.captured = state, clock, captured
+        self.draft_capture_ms = self.verify_capture_ms = 0.0  # captures are set-up, not the phases' work
+        self.out: Forward | None = None
+        self.read = None  # device.ReadRows, set by device.read_verifying
+        self.width = 0  # rows of the forward
+        self.past = 0  # the target cache's length before it
+
+    def launch(self, rows, *, depth: int) -> None:
+        """Queue the forward over the chain then `rows` (`depth`: the levels drafted, so no row
+        sits deeper). Three clock marks, as the host build's: draft done, batch built, verify done."""
+        self.clock.mark()
+        self.draft_capture_ms = (self.state.capture_s() - self.captured) * 1e3
+        kv, device = self.state.target_kv, rows.tokens.device
+        past, chain, root = kv.length, kv.pending, len(self.state.committed) - 1
+        self.past = past
+        ids = torch.cat([to_device(torch.tensor(chain), device), rows.tokens])  # one upload: the chain
+        positions = torch.cat([torch.arange(past, past + len(chain), device=device), root + rows.depths])
+        visible = chain_then_tree_visibility(past, len(chain), rows.ancestors[1:, 1:])
+        self.width = ids.shape[0]
+        self.clock.mark()
+        # no row sees more than the past, the chain and its ancestors (`depth` at most, itself included)
+        most_keys = past + len(chain) + depth
+        self.out = verify_forward(self.state, ids, positions, visible, rows.tokens.shape[0] + 1, most_keys)
+        self.clock.mark()
+        self.verify_capture_ms = (self.state.capture_s() - self.captured) * 1e3 - self.draft_capture_ms
+
+    def batch(self, tree: DraftTree) -> VerifyBatch:
+        """The host's record of what was verified; raises if the tree the host replayed is not the
+        rows the device verified (the two builds disagree: never by construction)."""
+        batch = VerifyBatch.of(tree, self.state, visible=False, past=self.past)
+        row = {node: i for i, node in enumerate(batch.order)}
+        n, read = len(batch.order) - 1, self.read
+        nodes = batch.order[1:]
+        if (
+            read.nodes != n
+            or read.tokens[:n] != [tree.tokens[v] for v in nodes]
+            or read.parents[:n] != [row[tree.parents[v]] for v in nodes]
+        ):
+            raise RuntimeError("the verify rows built on the device differ from the tree the host read")
+        return batch
