@@ -27,6 +27,8 @@ Results are data, not code: every script writes its reports (JSON, CSV) into ass
     live_page           the live page in Chromium vs the CLI, engine-time tokens/s, cpu-live-page*.json
     first_iterations    the first ten live iterations' tokens/s against the rest's, in Chromium
     gpu_check_shaped    gpu-check's pair checks on SmolLM2's shapes with random weights (CUDA only)
+    verify_rows         rows per verify forward queued from the device's rows vs the host-built batch,
+                        cpu-verify-rows.json
     app_server          not a benchmark: `streamlit run app.py` on a free port as a context manager,
                         shared by live_page, first_iterations and tests/test_e2e.py
 

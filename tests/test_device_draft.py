@@ -43,8 +43,9 @@ def signature(tree) -> tuple:
     return tree.tokens, tree.parents, tree.logp, [str(s) for s in tree.status], [str(r) for r in tree.reason]
 
 
-def runs(target, draft, prompt, policy, params, n=24, **config):
-    """The records of a host-path run and a device-path run of the same request."""
+def runs(target, draft, prompt, policy, params, n=24, switch="device_draft", **config):
+    """The records of two runs of the same request, `switch` off then on: by default the host path
+    and the device path."""
     return [
         list(
             decode(
@@ -52,10 +53,10 @@ def runs(target, draft, prompt, policy, params, n=24, **config):
                 prompt,
                 make_method(policy, params),
                 draft=draft,
-                config=DecodeConfig(n, **config, device_draft=d),
+                config=DecodeConfig(n, **config, **{switch: on}),
             )
         )
-        for d in (False, True)
+        for on in (False, True)
     ]
 
 
@@ -155,21 +156,15 @@ def test_the_verify_forward_queued_from_the_devices_rows_is_the_host_batchs(arch
     target, prompt = tiny_model(arch), [1, 5, 7, 9, 11]
     for draft in (noisy_copy(arch, 0.3), feature_draft(arch)):
         for policy, params in DEVICE_POLICIES[::3] + [("delayed", {})]:
-            late, host = [
-                list(
-                    decode(
-                        target,
-                        prompt,
-                        make_method(policy, params),
-                        draft=draft,
-                        config=DecodeConfig(24, graphs=graphs, device_draft=True, device_verify=v),
-                    )
-                )
-                for v in (True, False)
-            ]
+            host, late = runs(
+                target, draft, prompt, policy, params, switch="device_verify", graphs=graphs, device_draft=True
+            )
             assert [t for r in late for t in r.committed] == hf_greedy(target, prompt, 24), f"{policy} {params}"
             if policy != "delayed_auto":  # its shape follows measured times
                 assert [verified(r) for r in late] == [verified(r) for r in host], f"{policy} {params}"
+                # the host sends the chain and the nodes; the device's rows are padded, never fewer
+                assert all(h.verify_rows == h.chain_len + len(h.order) - 1 for h in host)
+                assert all(a.verify_rows >= b.verify_rows for a, b in zip(late, host, strict=True))
 
 
 def test_rows_that_differ_from_the_tree_the_host_read_raise(monkeypatch):

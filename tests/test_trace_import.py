@@ -154,6 +154,7 @@ def test_every_value_outside_its_domain_is_refused_with_its_field():
         (plain, "tree.tokens", lambda r: tree_of(r)["tokens"].__setitem__(1, 96)),
         (plain, "target_tokens", lambda r: r["target_tokens"].__setitem__(0, 10**6)),
         (plain, "draft_forward_ms must not be negative", lambda r: r.__setitem__("draft_forward_ms", -0.1)),
+        (plain, "verify_rows must be an integer", lambda r: r.__setitem__("verify_rows", -1)),
         (sampled, "a probability lies in", lambda r: first_step(r, "test").__setitem__("prob", 1.5)),
         (sampled, "a probability lies in", lambda r: first_step(r, "test").__setitem__("u", -0.2)),
         (sampled, "a probability lies in", lambda r: r["analysis"]["0"].__setitem__("reach", 2.0)),

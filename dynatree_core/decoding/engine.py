@@ -243,6 +243,7 @@ def _iteration(state: DecodeState, index: int, budget: int) -> IterationRecord:
     record = _record(state, index, tree, batch, outcome, new_tokens, stop)
     record.draft_forwards = draft_forwards
     record.capture_ms = draft_capture_ms + verify_capture_ms
+    record.verify_rows = width
     record.draft_ms = t1 - draft_capture_ms
     record.verify_ms = t3 - t2 - verify_capture_ms
     record.commit_ms = (committed - host) * 1e3  # with the verification on a CPU; host work on a GPU

@@ -211,12 +211,14 @@ def admitted_levels(
     a node budget (common.admit_level), decided on the device, read once. `propose(level, logp,
     cum, valid, drafted)` gives a level's candidates (tokens, log-probs, float64 cumulative
     log-probs, proposing rows, and which are real) from its rows' distributions, cumulative
-    log-probs and validity, and the nodes drafted before it. Whether a level admitted anything is
-    read one level late (LateRead): a tree that ends early costs at most one wasted forward. A
-    tree that cannot end before `cap` (`ends_early=False`) runs every level without reading."""
+    log-probs and validity, and the nodes drafted before it. How many nodes a level admitted is
+    read one level late (LateRead): a tree that ends early costs at most one wasted forward, and
+    the counts bound the verify rows (read_verifying) near the tree's size. A tree that cannot end
+    before `cap` (`ends_early=False`) runs every level without reading."""
     drafter = drafter_of(request)
     levels: list[Level] = []
     late: list[LateRead] = []
+    counts = None  # (admitted, drafted) through the level before the last, as read late
     for level in range(1, cap + 1):
         logp = level_forward(drafter, levels)  # over every row the level could have
         if level == 1:
@@ -233,11 +235,18 @@ def admitted_levels(
         drafted = drafted + admitted.sum()
         cum, valid = cum_c[:width], admitted[:width]
         if ends_early:
-            late.append(LateRead(admitted.any() & (drafted < budget)))
-            if level >= 2 and not late[-2].item():  # the level before admitted nothing: this one was spare
-                break
-    nodes = sum(lv.tokens.shape[0] for lv in levels)
-    return read_verifying(request, levels, min(budget, nodes))
+            late.append(LateRead(torch.stack([admitted.sum(), drafted])))
+            if level >= 2:
+                counts = late[-2].tolist()
+                if counts[0] == 0 or counts[1] >= budget:  # the level before ended the tree: this one was spare
+                    break
+    # the verify rows: at most the budget; with the counts before the last level, at most the nodes
+    # drafted then plus k children for each row the last level expanded (its rows: those admitted before)
+    width = min(budget, sum(lv.tokens.shape[0] for lv in levels))
+    if counts is not None:
+        per_row = levels[-1].tokens.shape[0] // levels[-2].selected.shape[0]
+        width = min(width, counts[1] + max(0, min(budget - counts[1], counts[0] * per_row)))
+    return read_verifying(request, levels, width)
 
 
 def grow_topk_on_device(request: DraftRequest, *, depth: int, branch: int, tau: float, budget: int) -> DraftTree:

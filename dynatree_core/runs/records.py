@@ -43,6 +43,9 @@ class IterationRecord:
     verifier: str = "greedy"
     draft_forward_ms: float = 0.0  # part of draft_ms spent inside draft model forwards
     capture_ms: float = 0.0  # CUDA graph captures this iteration (core/graphs.py), left out of the timings above
+    # rows of the target's forward: the chain and the verified nodes, or more where the forward was
+    # queued from the device's rows, padded to a bound (decoding/batch.py); 0 in older records
+    verify_rows: int = 0
     forward_path: str = ""  # how the target's forward ran (kv.KVState.path; a capture fallback says why)
     # the verifier's steps: {"kind": "test" | "residual" | "sample" | "argmax", "node", ...}
     verification: list[dict] = dataclasses.field(default_factory=list)

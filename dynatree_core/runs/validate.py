@@ -265,6 +265,8 @@ def _check_counters(rec: dict) -> None:
     for name in ("draft_forward_ms", "capture_ms"):
         if name in rec and _num(rec[name], name) < 0:
             raise ValueError(f"{name} must not be negative")
+    if "verify_rows" in rec:
+        _int(rec["verify_rows"], "verify_rows", hi=2**31)
     for name in ("stop", "verifier", "forward_path"):
         if rec.get(name) is not None and not isinstance(rec[name], str):
             raise ValueError(f"{name} must be a string")
