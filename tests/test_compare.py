@@ -88,6 +88,9 @@ def test_comparison_numbers_agree_with_running_each_policy_alone():
         assert len(stats.accepted_lengths) == 2 * alone.iterations
         assert stats.committed_per_iteration == [len(r.committed) for r in alone.records]
         assert stats.tree_size_max >= stats.tree_size_mean > 0
+        # rows per verify forward: the chain (the prompt on the first) and the nodes, on the host batch
+        rows = [r.chain_len + r.drafted for r in alone.records]
+        assert stats.verify_rows_mean == pytest.approx(sum(rows) / len(rows))
         assert all(0 <= a <= 1 for a in stats.acceptance_by_depth)
         assert 0 < stats.outside_forwards_share < 1
         assert all(0 <= r.draft_forward_ms <= r.draft_ms for r in alone.records)

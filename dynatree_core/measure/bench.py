@@ -33,7 +33,7 @@ SUMMARY_FIELDS = (
     "label", "policy", "verifier", "params", "throughput_tps", "throughput_std", "speedup", "tokens_per_iteration",
     "acceptance_rate", "mean_accepted_length", "iterations", "ttft_ms", "tpot_ms", "draft_ms_per_iteration",
     "verify_ms_per_iteration", "overhead_ms_per_iteration", "peak_memory_mb", "memory_overhead", "tree_size_mean",
-    "tree_size_max", "exact", "runs", "outside_forwards_share",
+    "tree_size_max", "verify_rows_mean", "exact", "runs", "outside_forwards_share",
 )  # fmt: skip
 
 

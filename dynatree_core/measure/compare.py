@@ -69,6 +69,7 @@ class EntryStats:
     exact: int | None = None  # greedy: runs whose output equals ar's on the same prompt
     outside_forwards_share: float | None = None  # wall time outside model forwards / wall (None: black box)
     memory_overhead: float | None = None  # peak memory over ar's, minus 1
+    verify_rows_mean: float | None = None  # rows per target forward (padded where queued from the device)
 
 
 @dataclasses.dataclass
@@ -209,6 +210,7 @@ def entry_stats(entry: Entry, verifier: str, rounds: list[list[RunResult]], best
         peak_memory_mb=max(r.peak_memory_mb for r in runs),
         tree_size_mean=None if black_box else statistics.fmean(rec.drafted for rec in records),
         tree_size_max=None if black_box else max(rec.drafted for rec in records),
+        verify_rows_mean=None if black_box else statistics.fmean(rec.verify_rows for rec in records),
         accepted_lengths=[len(rec.accepted) for rec in records],
         committed_per_iteration=[len(rec.committed) for rec in runs[0].records],
         acceptance_by_depth=_depth_acceptance(records),

@@ -10,7 +10,7 @@ MAX_ENTRIES = 64
 _NONNEGATIVE = (
     "throughput_tps", "throughput_std", "speedup", "tokens_per_iteration", "mean_accepted_length", "iterations",
     "ttft_ms", "tpot_ms", "draft_ms_per_iteration", "verify_ms_per_iteration", "overhead_ms_per_iteration",
-    "peak_memory_mb", "tree_size_mean", "tree_size_max",
+    "peak_memory_mb", "tree_size_mean", "tree_size_max", "verify_rows_mean",
 )  # fmt: skip
 _SHARES = ("acceptance_rate", "outside_forwards_share")
 REQUIRED_NUMBERS = (
