@@ -149,8 +149,8 @@ def verified(record) -> tuple:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("graphs", [False, True])
 def test_the_verify_forward_queued_from_the_devices_rows_is_the_host_batchs(arch, graphs):
-    """The verify forward built on the device from the levels (rows padded to the most nodes the
-    tree could have) sends the same nodes with the same masks and positions, and the target makes
+    """The verify forward built on the device from the levels (rows padded to a bound the host
+    knows without reading) sends the same nodes with the same masks and positions, and the target makes
     the same choices there, as the batch the host builds from the tree: every iteration's record
     is equal, for a token draft and a feature draft (its features read from those rows)."""
     target, prompt = tiny_model(arch), [1, 5, 7, 9, 11]

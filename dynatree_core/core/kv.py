@@ -225,10 +225,9 @@ class KVState:
         if visible.shape != (q, self.length + q):
             raise ValueError(f"mask shape {tuple(visible.shape)} != {(q, self.length + q)}")
         run = getattr(self, "_" + self.choice.kind)  # _reference, _lean, _captured or _invariant
-        bound = {"most_keys": most_keys} if self.choice.kind in ("captured", "invariant") else {}
-        return run(token_ids, position_ids, visible, logits_to_keep, embeds, hidden, **bound)
+        return run(token_ids, position_ids, visible, logits_to_keep, embeds, hidden, most_keys=most_keys)
 
-    def _reference(self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden) -> Forward:
+    def _reference(self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden, **_) -> Forward:
         ids, positions, inputs = self._inputs(token_ids, position_ids, embeds)
         mask = self._additive(visible)
         self.watch.start()
@@ -277,7 +276,8 @@ class KVState:
         ids, positions, inputs = self._inputs(token_ids, position_ids, embeds)
         verdict = self.verdict
         if self.padded is not None:
-            static = self.padded.static_for(most_keys or int(visible.sum(1).max()))  # the most keys a row sees
+            needed = most_keys if most_keys is not None else int(visible.sum(1).max())  # the most keys a row sees
+            static = self.padded.static_for(needed)
             built = StaticRows.build(visible, static.positions_end, check=most_keys is None)
             slots, tail = (t if t.device == self.device else to_device(t, self.device) for t in built)
             rows = dataclasses.replace(static, slots=slots, tail=tail)

@@ -5,8 +5,8 @@ with their ancestor mask and positions. From the device (`EarlyVerify`): where a
 draft levels on the device (drafting/device.py), the tree's rows, mask and positions are built
 there from the levels (`device.tree_rows`) and the verify forward is queued BEFORE the host reads
 the tree: the host replays the tree while the target runs, and the iteration's only draining read
-is the verification's. The rows are the nodes in the bfs order, padded to the most nodes the tree
-could have (a padding row sees only itself and nothing sees it); the host checks the rows it
+is the verification's. The rows are the nodes in the bfs order, padded to a bound the host knows
+without reading (a padding row sees only itself and nothing sees it); the host checks the rows it
 read against the tree it replayed, node for node, so the two builds cannot silently differ.
 SGLang's EAGLE worker builds its verify input on the GPU the same way (../shared/GPU_NOTES.md).
 """

@@ -70,7 +70,7 @@ class TreeRows:
     """The tree's nodes as the rows of the target's verify forward, built on the device from the
     levels (no host read): the admitted candidates in the order DraftTree.order("bfs") gives the
     tree the host replays (by depth, most probable first, ties in node order), then padding rows
-    up to a width the host knows without reading (the most nodes the tree can have)."""
+    up to a width the host knows without reading (admitted_levels bounds it by the counts read late)."""
 
     tokens: torch.Tensor  # (W,) long
     depths: torch.Tensor  # (W,) long: 1 for the root's children
