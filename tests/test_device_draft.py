@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_feature_draft import feature_draft
 
+from dynatree_core.core.capture import StepGraphs
 from dynatree_core.core.transfer import counting
 from dynatree_core.decoding.engine import DecodeConfig, decode, generate
 from dynatree_core.decoding.methods import make_method
@@ -224,8 +225,9 @@ class PathDrafter:
 
     vocab = 12
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, steps: StepGraphs | None = None):
         self.seed = seed
+        self.steps = steps if steps is not None else StepGraphs(torch.device("cpu"), capture=False)
         self.slots: dict[int, int] = {}
         self.paths: list[tuple] = []
         self.level_paths: list[tuple] = []

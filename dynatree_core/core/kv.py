@@ -29,6 +29,7 @@ import dataclasses
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from dynatree_core.core.capture import StepGraphs, capture_wanted
 from dynatree_core.core.choice import choose_forward
 from dynatree_core.core.forward import Forward, reference_forward
 from dynatree_core.core.graphs import PaddedForward
@@ -162,6 +163,10 @@ class KVState:
             self.padded = PaddedForward(
                 self.lean, self.cache.layers, model, capture=self.choice.capture, static=template
             )
+        # the tensor work between this model's forwards, captured where its forwards are (capture.py)
+        self.steps = StepGraphs(
+            self.device, capture=capture_wanted(self.device, self.padded is not None, self.choice.capture)
+        )
         self.length = 0  # tokens whose KV is in the cache
         self.pending: list[int] = list(prompt_ids)  # committed, not yet in the cache
         self.forwards = 0
@@ -180,7 +185,7 @@ class KVState:
 
     @property
     def capture_s(self) -> float:
-        return self.padded.capture_s if self.padded is not None else 0.0
+        return self.steps.capture_s + (self.padded.capture_s if self.padded is not None else 0.0)
 
     @property
     def path(self) -> str:

@@ -52,6 +52,21 @@ class Level:
     fate: torch.Tensor  # (C,) long: ADMITTED, THRESHOLD, BUDGET or PADDING (a padded row's child)
     selected: torch.Tensor  # (W,) long: candidates that are the next forward's rows, in row order
     cum: torch.Tensor  # (C,) float64: cumulative log-probs (they order the verify rows: tree_rows)
+    # the fields above but cum as one float64 row (tokens, logp, parents, fate, selected): what is
+    # read (float64 holds ids and float32 values exactly); made by the level's step, else on reading
+    record: torch.Tensor | None = None
+
+    def flat(self) -> torch.Tensor:
+        if self.record is not None:
+            return self.record
+        return torch.cat([self.tokens, self.logp, self.parents, self.fate, self.selected]).double()
+
+    @classmethod
+    def of_record(cls, record: torch.Tensor, cum: torch.Tensor) -> Level:
+        """The Level a record holds (its cumulative log-probs apart)."""
+        c = cum.shape[0]
+        tokens, logp, parents, fate, selected = record.split([c, c, c, c, record.shape[0] - 4 * c])
+        return cls(tokens.long(), logp.float(), parents.long(), fate.long(), selected.long(), cum, record)
 
 
 @dataclasses.dataclass
@@ -124,7 +139,7 @@ def read_levels(levels: list[Level]) -> list[ReadLevel]:
 
 
 def _flat(levels: list[Level], rows: TreeRows | None = None) -> torch.Tensor:
-    parts = [torch.cat([lv.tokens, lv.logp, lv.parents, lv.fate, lv.selected]).double() for lv in levels]
+    parts = [lv.flat() for lv in levels]
     if rows is not None:
         parts.append(torch.cat([rows.tokens, rows.parents, rows.valid.sum()[None]]).double())
     return torch.cat(parts)
@@ -152,11 +167,31 @@ def read_verifying(request: DraftRequest, levels: list[Level], width: int) -> li
     early = request.early
     if early is None:
         return read_levels(levels)
-    rows = tree_rows(levels, width)
-    pending = LateRead(_flat(levels, rows))
+    steps = drafter_of(request).steps
+    if steps.capture:  # the rows and the record to read, one captured step (core/capture.py)
+        shapes = tuple((lv.tokens.shape[0], lv.selected.shape[0]) for lv in levels)
+        inputs = [t for lv in levels for t in (lv.flat(), lv.cum)]
+        *built, flat = steps(("rows", shapes, width), _verify_rows(width), *inputs)
+        rows = TreeRows(*built)
+    else:
+        rows = tree_rows(levels, width)
+        flat = _flat(levels, rows)
+    pending = LateRead(flat)
     early.launch(rows, depth=len(levels))
     *read, early.read = _parse(levels, pending.tolist(), rows)
     return read
+
+
+def _verify_rows(width: int):
+    """tree_rows and the record to read, as a pure function of the levels' records and cumulative
+    log-probs (read_verifying's step)."""
+
+    def build(*inputs):
+        levels = [Level.of_record(record, cum) for record, cum in zip(inputs[::2], inputs[1::2], strict=True)]
+        rows = tree_rows(levels, width)
+        return rows.tokens, rows.depths, rows.parents, rows.valid, rows.ancestors, _flat(levels, rows)
+
+    return build
 
 
 def expand_frontier(tree: DraftTree, frontier: list[int], drafter, level: int) -> None:
@@ -204,38 +239,88 @@ def level_forward(drafter, levels: list[Level]) -> torch.Tensor:
     return drafter.expand_level(prev.tokens[prev.selected], prev.parents[prev.selected], len(levels))
 
 
+def _start(steps, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The root level's row: cumulative log-prob 0, real, nothing drafted (made once per run)."""
+    return (
+        steps.constant(("cum0",), lambda: torch.zeros(1, dtype=torch.float64, device=device)),
+        steps.constant(("valid0",), lambda: torch.ones(1, dtype=torch.bool, device=device)),
+        steps.constant(("drafted0",), lambda: torch.zeros((), dtype=torch.long, device=device)),
+    )
+
+
+def _decision(propose, level: int, log_tau: float, budget: int):
+    """A level's decision as a pure function of its tensors (a captured step: admitted_levels):
+    the candidates `propose` gives, most probable first, their fates, the next level's rows
+    (every candidate the level may admit), and the (admitted, drafted) counts read late."""
+
+    def decide(logp, cum, valid, drafted, *inputs):
+        tokens, lp, cum_c, rows, real = propose(level, logp, cum, valid, drafted, *inputs)
+        order = most_probable_first(cum_c, real)
+        tokens, lp, cum_c, rows, real = tokens[order], lp[order], cum_c[order], rows[order], real[order]
+        fate = admit(cum_c, real, log_tau, budget - drafted)
+        width = min(tokens.shape[0], budget)  # the next level's rows: every node this one may admit
+        admitted = fate == ADMITTED
+        n = admitted.sum()
+        total = drafted + n
+        selected = torch.arange(width, device=tokens.device)
+        record = torch.cat([tokens, lp, rows, fate, selected]).double()
+        return (
+            tokens,
+            lp,
+            rows,
+            fate,
+            cum_c,
+            cum_c[:width],
+            admitted[:width],
+            total,
+            torch.stack([n, total]),
+            selected,
+            record,
+        )
+
+    return decide
+
+
 def admitted_levels(
-    request: DraftRequest, cap: int, *, log_tau: float, budget: int, propose, ends_early: bool = True
+    request: DraftRequest,
+    cap: int,
+    *,
+    log_tau: float,
+    budget: int,
+    propose,
+    key_of: tuple,
+    inputs=(),
+    ends_early: bool = True,
 ) -> list[ReadLevel]:
     """Up to `cap` levels whose candidates are admitted most probable first under a threshold and
     a node budget (common.admit_level), decided on the device, read once. `propose(level, logp,
     cum, valid, drafted)` gives a level's candidates (tokens, log-probs, float64 cumulative
     log-probs, proposing rows, and which are real) from its rows' distributions, cumulative
-    log-probs and validity, and the nodes drafted before it. How many nodes a level admitted is
+    log-probs and validity, and the nodes drafted before it; `key_of` names every Python value it
+    reads (the policy's parameters: a captured step replays the values it was captured with);
+    values that change from one iteration to the next go in as device tensors (`inputs`, handed to
+    `propose` after `drafted`), not in the key. How many nodes a level admitted is
     read one level late (LateRead): a tree that ends early costs at most one wasted forward, and
     the counts bound the verify rows (read_verifying) near the tree's size. A tree that cannot end
     before `cap` (`ends_early=False`) runs every level without reading."""
     drafter = drafter_of(request)
+    steps = drafter.steps
     levels: list[Level] = []
     late: list[LateRead] = []
     counts = None  # (admitted, drafted) through the level before the last, as read late
     for level in range(1, cap + 1):
         logp = level_forward(drafter, levels)  # over every row the level could have
         if level == 1:
-            cum = torch.zeros(1, dtype=torch.float64, device=logp.device)
-            valid = torch.ones(1, dtype=torch.bool, device=logp.device)
-            drafted = torch.zeros((), dtype=torch.long, device=logp.device)  # made there: no upload
-        tokens, lp, cum_c, rows, real = propose(level, logp, cum, valid, drafted)
-        order = most_probable_first(cum_c, real)
-        tokens, lp, cum_c, rows, real = tokens[order], lp[order], cum_c[order], rows[order], real[order]
-        fate = admit(cum_c, real, log_tau, budget - drafted)
-        width = min(tokens.shape[0], budget)  # the next level's rows: every node this one may admit
-        levels.append(Level(tokens, lp, rows, fate, torch.arange(width, device=tokens.device), cum_c))
-        admitted = fate == ADMITTED
-        drafted = drafted + admitted.sum()
-        cum, valid = cum_c[:width], admitted[:width]
+            cum, valid, drafted = _start(steps, logp.device)
+        # the level's decision, one captured step where forwards are (core/capture.py): every value
+        # it reads besides its tensors is in the key
+        key = ("admit", key_of, level, tuple(logp.shape), log_tau, budget)
+        tokens, lp, rows, fate, cum_c, cum, valid, drafted, count, selected, record = steps(
+            key, _decision(propose, level, log_tau, budget), logp, cum, valid, drafted, *inputs
+        )
+        levels.append(Level(tokens, lp, rows, fate, selected, cum_c, record))
         if ends_early:
-            late.append(LateRead(torch.stack([admitted.sum(), drafted])))
+            late.append(LateRead(count))
             if level >= 2:
                 counts = late[-2].tolist()
                 if counts[0] == 0 or counts[1] >= budget:  # the level before ended the tree: this one was spare
@@ -262,7 +347,10 @@ def grow_topk_on_device(request: DraftRequest, *, depth: int, branch: int, tau: 
 
     # only a threshold, or a budget smaller than the levels before the last, ends a tree early
     ends_early = tau > 0 or budget <= sum(branch**d for d in range(1, cap))
-    levels = admitted_levels(request, cap, log_tau=safe_log(tau), budget=budget, propose=propose, ends_early=ends_early)
+    log_tau = safe_log(tau)
+    levels = admitted_levels(
+        request, cap, log_tau=log_tau, budget=budget, propose=propose, key_of=("topk", branch), ends_early=ends_early
+    )
     return replay_topk(tree, levels, request.drafter, cap=cap, depth=depth, budget=budget)
 
 

@@ -7,6 +7,7 @@ import collections
 
 import torch
 
+from dynatree_core.core.transfer import to_device
 from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.drafting.common import admit_level, drafter_of, leaf_reason, safe_log
 from dynatree_core.drafting.device import admitted_levels, children, replay_level
@@ -112,7 +113,15 @@ class DynaTreeAdaptive(Policy):
                 return Reason.DEPTH_GATE
         return None
 
-    def _propose(self, level: int, logp, cum, valid, drafted):
+    def _log_tau_h(self, drafter) -> torch.Tensor:
+        """log tau_h on the device: uploaded each iteration where the branch adapts (it drifts by
+        0.05 steps: in a captured step's key it would capture a graph per value), else unused."""
+        device = drafter.steps.device
+        if not self.config["adaptive_branch"]:
+            return drafter.steps.constant(("unused",), lambda: torch.zeros((), dtype=torch.float64, device=device))
+        return to_device(torch.tensor(safe_log(self.tau_h), dtype=torch.float64), device)
+
+    def _propose(self, level: int, logp, cum, valid, drafted, log_tau_h):
         """A level's candidates on the device (device.admitted_levels): the rows `_gate` and the
         budget let expand (their depth is level - 1) propose their top-B(u) children."""
         c, depth = self.config, level - 1
@@ -126,7 +135,7 @@ class DynaTreeAdaptive(Policy):
         branch = torch.full((logp.shape[0],), c["b_mid"], dtype=torch.long, device=logp.device)
         if c["adaptive_branch"]:
             branch = torch.where(top < safe_log(c["tau_l"]), c["b_max"], branch)
-            branch = torch.where(top >= safe_log(self.tau_h), c["b_min"], branch)
+            branch = torch.where(top >= log_tau_h, c["b_min"], branch)
         rank = torch.arange(tokens.shape[0], device=tokens.device) % (tokens.shape[0] // logp.shape[0])
         return tokens, lp, cum_c, rows, ok[rows] & (rank < branch[rows])
 
@@ -140,7 +149,19 @@ class DynaTreeAdaptive(Policy):
         log_tau, widest = safe_log(c["tau"]), max(c["b_min"], c["b_mid"], c["b_max"])
         levels = None
         if request.on_device and cap > 0:  # the levels decided on the device, read once (device.py)
-            levels = iter(admitted_levels(request, cap, log_tau=log_tau, budget=c["budget"], propose=self._propose))
+            # what _propose reads: the config and d0 (a few values) in the key, tau_h (it drifts) as a tensor
+            key_of = ("dynatree", tuple(sorted(c.items())), self.d0)
+            log_tau_h = self._log_tau_h(drafter)
+            levels = admitted_levels(
+                request,
+                cap,
+                log_tau=log_tau,
+                budget=c["budget"],
+                propose=self._propose,
+                key_of=key_of,
+                inputs=(log_tau_h,),
+            )
+            levels = iter(levels)
         frontier, drafted = [0], 0
         while frontier:
             expand = []

@@ -149,7 +149,10 @@ class DySpecThreshold(Policy):
             return tree
         log_th = safe_log(c["threshold"])
         if request.on_device:  # the levels decided on the device, read once (device.py)
-            levels = admitted_levels(request, cap, log_tau=log_th, budget=c["budget"], propose=self._propose)
+            key_of = ("dyspec_threshold", c["max_children"], c["threshold"])  # what _propose reads
+            levels = admitted_levels(
+                request, cap, log_tau=log_th, budget=c["budget"], propose=self._propose, key_of=key_of
+            )
             return replay_topk(tree, levels, drafter, cap=cap, depth=c["depth"], budget=c["budget"])
         frontier, drafted = [0], 0
         for level in range(cap):

@@ -52,6 +52,11 @@ class Drafter:
     def forwards(self) -> int:
         return self.kv.forwards
 
+    @property
+    def steps(self):
+        """The tensor work between its forwards, captured where they are (core/capture.StepGraphs)."""
+        return self.kv.steps
+
     def expand(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
         """Draft log-probabilities for the children of `nodes`, in one forward.
 

@@ -1,0 +1,132 @@
+"""Captured device steps: the small tensor work between forwards, replayed as one CUDA graph each.
+
+A forward is captured whole (graphs.py), but between forwards an iteration still launches its own
+kernels: a draft level's top-k, sorts and admission, the verify rows' sorts and ancestor closure.
+On a GPU each op is a kernel launch of a few microseconds, host and device; a fixed_tree iteration
+issued about 430 of them outside its forwards (`measure/launches.py`), where `ar` issues a few.
+SGLang captures its EAGLE draft loop, top-k included, as one graph (../shared/GPU_NOTES.md).
+
+`StepGraphs(key, fn, *inputs)` runs `fn`, a pure function of device tensors returning a tuple of
+tensors, as one graph per `key`:
+- the key names everything `fn` reads besides its tensor inputs (level, widths, thresholds, the
+  policy's parameters): a graph replays the Python values it was captured with, so a value left out
+  of the key would be replayed stale. The first call captures with the `fn` given then; later calls
+  with the same key replay that capture and never call their own `fn`;
+- inputs are copied into the step's own buffers before a replay (nothing to copy where the caller
+  passes the buffer itself, as for constants: `constant`); the outputs are the step's buffers,
+  valid until the same key replays again (the next iteration's level): consume them before that;
+- capture happens where captured forwards do (CUDA, the run's graphs switch); everywhere else `fn`
+  runs as it is, except on STAND_IN_DEVICES (the tests and measure/launches.py add "cpu"), where a
+  stand-in graph replays the captured `fn` eagerly over the same buffers: what the engine sees of a
+  graph (its buffers, its captured Python values) on a machine without one;
+- a capture that fails warns once and the run goes on eagerly (graphs.py does the same); capture
+  seconds are counted apart (`capture_s`) and kept out of the phase timings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from dynatree_core.core.graphs import POOLS
+
+STAND_IN_DEVICES: tuple[str, ...] = ()  # where steps replay stand-in graphs (module docstring)
+REPLAYS: Counter = Counter()  # "step": replays of captured steps, process-wide (measure/launches.py reads it)
+_WARNED: set[str] = set()
+
+
+@dataclasses.dataclass
+class _Step:
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]
+    graph: object
+
+
+class _StandInGraph:
+    """A graph's replay, eagerly: the captured `fn` over the step's input buffers, into its outputs."""
+
+    def __init__(self, fn, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...]):
+        self.fn, self.inputs, self.outputs = fn, inputs, outputs
+
+    def replay(self) -> None:
+        for out, new in zip(self.outputs, self.fn(*self.inputs), strict=True):
+            out.copy_(new)
+
+
+def capture_wanted(device: torch.device, fixed_shapes: bool, captured: bool) -> bool:
+    """Capture a run's steps: where its forwards run at fixed shapes and are captured (CUDA), or
+    on a stand-in device."""
+    return fixed_shapes and (captured or device.type in STAND_IN_DEVICES)
+
+
+class StepGraphs:
+    """One run's captured steps on one device (module docstring)."""
+
+    def __init__(self, device: torch.device, *, capture: bool):
+        self.device, self.capture = device, capture
+        self.steps: dict[tuple, _Step] = {}
+        self.constants: dict[tuple, torch.Tensor] = {}
+        self.captures = 0
+        self.capture_s = 0.0
+        self.fallback: str | None = None  # why capture was given up
+
+    def __call__(self, key: tuple, fn: Callable[..., tuple[torch.Tensor, ...]], *inputs: torch.Tensor):
+        if not self.capture:
+            return fn(*inputs)
+        step = self.steps.get(key)
+        if step is None:
+            t0 = time.perf_counter()
+            try:
+                step = self.steps[key] = self._capture(fn, inputs)
+                self.captures += 1
+            except Exception as exc:  # any capture failure: warn once, continue eagerly
+                self._give_up(exc)
+                return fn(*inputs)
+            finally:
+                self.capture_s += time.perf_counter() - t0
+        for buf, t in zip(step.inputs, inputs, strict=True):
+            if buf.data_ptr() != t.data_ptr() or buf.shape != t.shape:
+                buf.copy_(t)
+        step.graph.replay()
+        REPLAYS["step"] += 1
+        return step.outputs
+
+    def constant(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A device tensor made once per run (never written): passed as a step's input each
+        iteration, it is copied nowhere (the step captured over it)."""
+        if key not in self.constants:
+            self.constants[key] = make()
+        return self.constants[key]
+
+    def _capture(self, fn, inputs: tuple[torch.Tensor, ...]) -> _Step:
+        """Warm up on a side stream, then capture (torch.cuda.graphs docs); the step's input
+        buffers are the inputs themselves where they are constants, else copies."""
+        constant = {t.data_ptr() for t in self.constants.values()}
+        static = tuple(t if t.data_ptr() in constant else t.clone() for t in inputs)
+        if self.device.type != "cuda":  # a stand-in device
+            outputs = tuple(t.clone() for t in fn(*static))
+            return _Step(static, outputs, _StandInGraph(fn, static, outputs))
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    fn(*static)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=POOLS.acquire(self.device, graph)):
+                outputs = tuple(fn(*static))
+        return _Step(static, outputs, graph)
+
+    def _give_up(self, exc: Exception) -> None:
+        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:160]
+        if reason not in _WARNED:
+            _WARNED.add(reason)
+            warnings.warn(f"capturing a device step failed ({reason}); continuing without", stacklevel=4)
+        self.capture, self.fallback = False, reason
+        self.steps.clear()

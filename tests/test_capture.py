@@ -1,0 +1,127 @@
+"""Captured device steps (core/capture.py): a draft level's decision and the verify rows replayed as
+one graph each where forwards are captured. CI has no GPU: stand-in graphs replay the captured
+function over the step's own buffers, so what a graph changes for the engine (static buffers
+overwritten by the next replay, inputs copied in, Python values frozen at capture) is what these
+tests see; `gpu-check` runs the same runs on a GPU with real graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCHS, examples, hf_greedy, noisy_copy, tiny_model
+from hypothesis import given
+from hypothesis import strategies as st
+from test_device_draft import PathDrafter, RowsProbe, check_rows, signature, verified
+from test_feature_draft import feature_draft
+
+from dynatree_core.core import capture
+from dynatree_core.core.capture import StepGraphs
+from dynatree_core.core.kv import KVState
+from dynatree_core.decoding.engine import DecodeConfig, decode
+from dynatree_core.decoding.methods import make_method
+from dynatree_core.drafting import DraftRequest, make_policy
+
+CPU = torch.device("cpu")
+STEPPED = [  # the policies whose levels are decided by captured steps (device.admitted_levels)
+    ("fixed_tree", {}),
+    ("fixed_tree", {"budget": 5, "tau": 0.0, "branch": 4}),
+    ("dynatree", {}),
+    ("dynatree", {"budget": 6, "d0": 2, "rho_deep": 0.5, "tau_h": 0.5, "tau_l": 0.2}),
+    ("dyspec_threshold", {"threshold": 0.005, "budget": 7, "max_children": 3}),
+]
+
+
+def records(target, draft, prompt, policy, params, *, stand_in: bool, monkeypatch, n: int = 24):
+    monkeypatch.setattr(capture, "STAND_IN_DEVICES", ("cpu",) if stand_in else ())
+    config = DecodeConfig(n, graphs=True, device_draft=True, device_verify=True)
+    return list(decode(target, prompt, make_method(policy, params), draft=draft, config=config))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_captured_steps_replay_what_the_eager_steps_compute(arch, monkeypatch):
+    """Every iteration's record (nodes, mask, positions, the target's choices, committed tokens)
+    is the same with the levels' decisions and the verify rows replayed from captured steps as
+    computed eagerly, for a token draft and a feature draft; the steps were captured once per
+    shape and replayed after (dynatree's tau_h, which drifts, goes in as a tensor, not a capture)."""
+    target, prompt, n = tiny_model(arch), [1, 5, 7, 9, 11], 24
+    for draft in (noisy_copy(arch, 0.3), feature_draft(arch)):
+        for policy, params in STEPPED:
+            before = capture.REPLAYS["step"]
+            stepped = records(target, draft, prompt, policy, params, stand_in=True, monkeypatch=monkeypatch)
+            replays = capture.REPLAYS["step"] - before
+            eager = records(target, draft, prompt, policy, params, stand_in=False, monkeypatch=monkeypatch)
+            assert [t for r in stepped for t in r.committed] == hf_greedy(target, prompt, 24), f"{policy} {params}"
+            assert [verified(r) for r in stepped] == [verified(r) for r in eager], f"{policy} {params}"
+            drafting = sum(1 for r in stepped if r.draft_forwards)
+            # steps are captured where the draft's forwards run at fixed shapes (not HF's static cache)
+            assert (replays >= drafting) == fixed_shapes(draft, monkeypatch) and replays in (0, *range(drafting, 9 * n))
+            assert capture.REPLAYS["step"] - before == replays, "the eager run replays nothing"
+
+
+def fixed_shapes(draft, monkeypatch) -> bool:
+    monkeypatch.setattr(capture, "STAND_IN_DEVICES", ("cpu",))
+    model = draft.lm if hasattr(draft, "lm") else draft
+    return KVState(model, [1], graphs=True).steps.capture
+
+
+_SHARED = StepGraphs(CPU, capture=True)  # on a CPU: stand-in graphs, kept across examples (replays)
+
+
+@examples(60)
+@given(
+    seed=st.integers(0, 10**6),
+    policy=st.sampled_from(["fixed_tree", "dynatree", "dyspec_threshold"]),
+    budget=st.integers(1, 12),
+    tau=st.sampled_from([0.0, 0.01, 0.1]),
+    max_depth=st.integers(1, 5),
+)
+def test_replayed_steps_decide_as_the_host_does(seed, policy, budget, tau, max_depth):
+    """Trees drafted with one set of captured steps, replayed across examples with other draft
+    distributions, are the host path's trees, and their verify rows are the tree's."""
+    values = {"budget": budget, "tau" if policy != "dyspec_threshold" else "threshold": tau}
+    host = make_policy(policy, values).draft(DraftRequest(7, max_depth, PathDrafter(seed)))
+    probe = RowsProbe()
+    request = DraftRequest(7, max_depth, PathDrafter(seed, _SHARED), on_device=True, early=probe)
+    tree = make_policy(policy, values).draft(request)
+    assert signature(tree) == signature(host)
+    check_rows(tree, probe)
+
+
+def test_a_step_replays_the_values_it_was_captured_with():
+    """The contract the keys keep: a second call with the same key replays the first capture (its
+    Python values), copies new inputs into the step's buffers, and returns the same buffers."""
+    steps = StepGraphs(CPU, capture=True)
+    x = torch.arange(4.0)
+    (first,) = steps(("k",), lambda t: (t * 2,), x)
+    (second,) = steps(("k",), lambda t: (t * 3,), x + 1)  # a value left out of the key: replayed stale
+    assert second is first and second.tolist() == [2.0, 4.0, 6.0, 8.0]
+    (other,) = steps(("k", 3), lambda t: (t * 3,), x)
+    assert other.tolist() == [0.0, 3.0, 6.0, 9.0] and steps.captures == 2
+
+
+def test_constants_are_captured_over_not_copied():
+    steps = StepGraphs(CPU, capture=True)
+    zero = steps.constant(("zero",), lambda: torch.zeros(3))
+    assert steps.constant(("zero",), lambda: torch.ones(3)) is zero
+    steps(("k",), lambda t, c: (t + c,), torch.ones(3), zero)
+    step = steps.steps[("k",)]
+    assert step.inputs[1] is zero and step.inputs[0] is not zero
+
+
+def test_without_capture_a_step_is_the_function(monkeypatch):
+    steps = StepGraphs(CPU, capture=False)
+    (out,) = steps(("k",), lambda t: (t + 1,), torch.zeros(2))
+    assert out.tolist() == [1.0, 1.0] and not steps.steps and steps.captures == 0
+
+
+def test_a_failed_capture_warns_once_and_the_run_goes_on_eagerly(monkeypatch):
+    def fail(self, fn, inputs):
+        raise RuntimeError("injected step capture failure")
+
+    monkeypatch.setattr(capture.StepGraphs, "_capture", fail)
+    monkeypatch.setattr(capture, "_WARNED", set())
+    target, draft, prompt = tiny_model("llama"), noisy_copy("llama", 0.3), [1, 5, 7, 9, 11]
+    with pytest.warns(UserWarning, match="injected step capture failure") as caught:
+        stepped = records(target, draft, prompt, "fixed_tree", {}, stand_in=True, monkeypatch=monkeypatch)
+    assert len([w for w in caught if "device step failed" in str(w.message)]) == 1
+    assert [t for r in stepped for t in r.committed] == hf_greedy(target, prompt, 24)
