@@ -22,12 +22,14 @@ from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting import DraftRequest, make_policy
 
 CPU = torch.device("cpu")
-STEPPED = [  # the policies whose levels are decided by captured steps (device.admitted_levels)
+STEPPED = [  # policies whose levels are decided by captured steps (device.admitted_levels, grow_all_on_device)
     ("fixed_tree", {}),
     ("fixed_tree", {"budget": 5, "tau": 0.0, "branch": 4}),
     ("dynatree", {}),
     ("dynatree", {"budget": 6, "d0": 2, "rho_deep": 0.5, "tau_h": 0.5, "tau_l": 0.2}),
     ("dyspec_threshold", {"threshold": 0.005, "budget": 7, "max_children": 3}),
+    ("eagle2", {"depth": 5, "topk": 2, "total": 6}),  # device.grow_all_on_device: a beam, read before verifying
+    ("delayed", {}),
 ]
 
 
@@ -104,8 +106,23 @@ def test_constants_are_captured_over_not_copied():
     zero = steps.constant(("zero",), lambda: torch.zeros(3))
     assert steps.constant(("zero",), lambda: torch.ones(3)) is zero
     steps(("k",), lambda t, c: (t + c,), torch.ones(3), zero)
-    step = steps.steps[("k",)]
+    (step,) = steps.steps.values()
     assert step.inputs[1] is zero and step.inputs[0] is not zero
+
+
+def test_a_step_reads_another_steps_outputs_where_they_are():
+    """Chained steps: an input that is another step's output is read in place (no copy); the
+    same key over other buffers is another graph, so no step's outputs are written by another."""
+    steps = StepGraphs(CPU, capture=True)
+    (a,) = steps(("a",), lambda t: (t + 1,), torch.zeros(2))
+    (b,) = steps(("b",), lambda t: (t * 10,), a)
+    assert [s.inputs[0] is a for s in steps.steps.values()] == [False, True]
+    (a2,) = steps(("a2",), lambda t: (t + 2,), torch.zeros(2))
+    (b2,) = steps(("b",), lambda t: (t * 10,), a2)
+    assert b2 is not b and b2.tolist() == [20.0, 20.0] and b.tolist() == [10.0, 10.0] and a.tolist() == [1.0, 1.0]
+    (a,) = steps(("a",), lambda t: (t + 1,), torch.full((2,), 4.0))
+    (b3,) = steps(("b",), lambda t: (t * 10,), a)
+    assert b3 is b and b.tolist() == [50.0, 50.0] and steps.captures == 4
 
 
 def test_without_capture_a_step_is_the_function(monkeypatch):
@@ -115,7 +132,7 @@ def test_without_capture_a_step_is_the_function(monkeypatch):
 
 
 def test_a_failed_capture_warns_once_and_the_run_goes_on_eagerly(monkeypatch):
-    def fail(self, fn, inputs):
+    def fail(self, fn, inputs, chained):
         raise RuntimeError("injected step capture failure")
 
     monkeypatch.setattr(capture.StepGraphs, "_capture", fail)

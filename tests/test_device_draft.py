@@ -171,16 +171,16 @@ def test_the_verify_forward_queued_from_the_devices_rows_is_the_host_batchs(arch
 def test_rows_that_differ_from_the_tree_the_host_read_raise(monkeypatch):
     """The host checks the device's verify rows against the tree it replayed: rows out of order
     stop the run with an error instead of verifying a different tree."""
-    from dynatree_core.drafting import device
+    from dynatree_core.drafting import levels
 
-    built = device.tree_rows
+    built = levels.tree_rows
 
     def swapped(levels, width):
         rows = built(levels, width)
         rows.tokens[[0, 1]] = rows.tokens[[1, 0]]
         return rows
 
-    monkeypatch.setattr(device, "tree_rows", swapped)
+    monkeypatch.setattr(levels, "tree_rows", swapped)
     target, prompt = tiny_model("llama"), [1, 5, 7, 9, 11]
     config = DecodeConfig(8, device_draft=True)
     with pytest.raises(RuntimeError, match="verify rows"):

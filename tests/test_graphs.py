@@ -16,7 +16,7 @@ import torch
 from conftest import hf_greedy, noisy_copy, tiny_model
 from test_fastpath import LEAN_ARCHS, _branching_tree, _prefill, _tree_forward
 
-from dynatree_core.core import graphs
+from dynatree_core.core import capture, graphs
 from dynatree_core.core.choice import forward_path
 from dynatree_core.core.graphs import bucket_for, buckets, graphs_enabled, span_for
 from dynatree_core.core.kv import KVState, chain_then_tree_visibility
@@ -208,7 +208,7 @@ def test_a_failed_capture_warns_once_and_the_run_goes_on_eagerly(monkeypatch):
         raise RuntimeError("injected capture failure")
 
     _force_capture(monkeypatch, fail)
-    graphs._WARNED.clear()
+    capture._WARNED.clear()
     target, draft, prompt = tiny_model("llama"), noisy_copy("llama", 0.01), [1, 5, 7, 9, 11]
     config = DecodeConfig(max_new_tokens=20, graphs=True)
     with pytest.warns(UserWarning, match="injected capture failure") as caught:
@@ -248,7 +248,7 @@ def test_capture_time_is_reported_apart_and_kept_out_of_forward_timings(monkeypa
 def test_graphs_of_all_runs_share_one_pool_per_device_and_a_released_pool_is_never_reused(monkeypatch):
     handles = iter(range(100))
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
-    pools = graphs._Pools()
+    pools = capture._Pools()
     device = torch.device("cuda", 1)
 
     class Graph:

@@ -12,9 +12,11 @@ tensors, as one graph per `key`:
   policy's parameters): a graph replays the Python values it was captured with, so a value left out
   of the key would be replayed stale. The first call captures with the `fn` given then; later calls
   with the same key replay that capture and never call their own `fn`;
-- inputs are copied into the step's own buffers before a replay (nothing to copy where the caller
-  passes the buffer itself, as for constants: `constant`); the outputs are the step's buffers,
-  valid until the same key replays again (the next iteration's level): consume them before that;
+- inputs are copied into the step's own buffers before a replay, except those that are another
+  step's outputs or a `constant`: their buffers never move, so the graph reads them where they
+  are (chained steps: a level's decision reads the last level's outputs; one graph per key and
+  per set of such buffers read). The outputs are the step's buffers, valid until the same step
+  replays again (the next iteration's level): consume them before that;
 - capture happens where captured forwards do (CUDA, the run's graphs switch); everywhere else `fn`
   runs as it is, except on STAND_IN_DEVICES (the tests and measure/launches.py add "cpu"), where a
   stand-in graph replays the captured `fn` eagerly over the same buffers: what the engine sees of a
@@ -28,16 +30,52 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable
 
 import torch
 
-from dynatree_core.core.graphs import POOLS
-
 STAND_IN_DEVICES: tuple[str, ...] = ()  # where steps replay stand-in graphs (module docstring)
 REPLAYS: Counter = Counter()  # "step": replays of captured steps, process-wide (measure/launches.py reads it)
-_WARNED: set[str] = set()
+_WARNED: set[str] = set()  # one warning per kind of capture failure per process (forwards' and steps')
+
+
+class _Pools:
+    """One graph memory pool per device, shared by every run's graphs, with a count of the live
+    graphs that use it: when the last one is released, the handle is dropped, so a later capture
+    gets a fresh pool instead of one torch has torn down (`use_count > 0` assertion)."""
+
+    def __init__(self):
+        self.handles: dict[str, object] = {}
+        self.live: dict[str, int] = {}
+
+    def acquire(self, device: torch.device, graph) -> object:
+        key = str(device)
+        if key not in self.handles:
+            self.handles[key] = torch.cuda.graph_pool_handle()
+            self.live[key] = 0
+        self.live[key] += 1
+        weakref.finalize(graph, self._release, key)
+        return self.handles[key]
+
+    def _release(self, key: str) -> None:
+        self.live[key] -= 1
+        if self.live[key] <= 0:
+            self.handles.pop(key, None)
+            self.live.pop(key, None)
+
+
+POOLS = _Pools()
+
+
+def capture_failed(exc: Exception, what: str) -> str:
+    """Why a capture failed, in one line; warned once per process for each reason."""
+    reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:160]
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"{what} ({reason}); continuing without graphs", stacklevel=5)
+    return reason
 
 
 @dataclasses.dataclass
@@ -58,6 +96,11 @@ class _StandInGraph:
             out.copy_(new)
 
 
+def _where(t: torch.Tensor) -> tuple:
+    """A tensor's memory as a graph reads it: address, shape, strides, dtype."""
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+
+
 def capture_wanted(device: torch.device, fixed_shapes: bool, captured: bool) -> bool:
     """Capture a run's steps: where its forwards run at fixed shapes and are captured (CUDA), or
     on a stand-in device."""
@@ -71,6 +114,7 @@ class StepGraphs:
         self.device, self.capture = device, capture
         self.steps: dict[tuple, _Step] = {}
         self.constants: dict[tuple, torch.Tensor] = {}
+        self.fixed: set[tuple] = set()  # where the steps' outputs and the constants lie (`_where`)
         self.captures = 0
         self.capture_s = 0.0
         self.fallback: str | None = None  # why capture was given up
@@ -78,19 +122,24 @@ class StepGraphs:
     def __call__(self, key: tuple, fn: Callable[..., tuple[torch.Tensor, ...]], *inputs: torch.Tensor):
         if not self.capture:
             return fn(*inputs)
+        # inputs that are another step's outputs (or constants) are read where they are, not copied:
+        # their buffers are fixed, so the graph is keyed by which buffers it reads
+        chained = tuple(_where(t) if _where(t) in self.fixed else None for t in inputs)
+        key = (key, chained)
         step = self.steps.get(key)
         if step is None:
             t0 = time.perf_counter()
             try:
-                step = self.steps[key] = self._capture(fn, inputs)
+                step = self.steps[key] = self._capture(fn, inputs, chained)
                 self.captures += 1
+                self.fixed.update(_where(t) for t in step.outputs)
             except Exception as exc:  # any capture failure: warn once, continue eagerly
                 self._give_up(exc)
                 return fn(*inputs)
             finally:
                 self.capture_s += time.perf_counter() - t0
-        for buf, t in zip(step.inputs, inputs, strict=True):
-            if buf.data_ptr() != t.data_ptr() or buf.shape != t.shape:
+        for buf, t, chain in zip(step.inputs, inputs, chained, strict=True):
+            if chain is None:
                 buf.copy_(t)
         step.graph.replay()
         REPLAYS["step"] += 1
@@ -101,13 +150,13 @@ class StepGraphs:
         iteration, it is copied nowhere (the step captured over it)."""
         if key not in self.constants:
             self.constants[key] = make()
+            self.fixed.add(_where(self.constants[key]))
         return self.constants[key]
 
-    def _capture(self, fn, inputs: tuple[torch.Tensor, ...]) -> _Step:
+    def _capture(self, fn, inputs: tuple[torch.Tensor, ...], chained: tuple) -> _Step:
         """Warm up on a side stream, then capture (torch.cuda.graphs docs); the step's input
-        buffers are the inputs themselves where they are constants, else copies."""
-        constant = {t.data_ptr() for t in self.constants.values()}
-        static = tuple(t if t.data_ptr() in constant else t.clone() for t in inputs)
+        buffers are the inputs themselves where they are fixed (`chained`), else copies."""
+        static = tuple(t if chain is not None else t.clone() for t, chain in zip(inputs, chained, strict=True))
         if self.device.type != "cuda":  # a stand-in device
             outputs = tuple(t.clone() for t in fn(*static))
             return _Step(static, outputs, _StandInGraph(fn, static, outputs))
@@ -124,9 +173,6 @@ class StepGraphs:
         return _Step(static, outputs, graph)
 
     def _give_up(self, exc: Exception) -> None:
-        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:160]
-        if reason not in _WARNED:
-            _WARNED.add(reason)
-            warnings.warn(f"capturing a device step failed ({reason}); continuing without", stacklevel=4)
-        self.capture, self.fallback = False, reason
+        self.capture, self.fallback = False, capture_failed(exc, "capturing a device step failed")
         self.steps.clear()
+        self.fixed.clear()

@@ -46,14 +46,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import warnings
 import weakref
 
 import torch
 
+from dynatree_core.core.capture import POOLS, capture_failed
 from dynatree_core.core.forward import Forward
 from dynatree_core.core.invariant import StaticRows
-from dynatree_core.core.transfer import to_device
+from dynatree_core.core.transfer import to_device, upload_into
 
 MAX_BUCKET = 128
 MIN_SPAN = 256  # the fewest key slots a padded forward reads (smaller spans would mean more graphs)
@@ -63,7 +63,6 @@ MEASURE_DEVICES = ("cuda",)  # where widths are measured (tests add "cpu", with 
 # rope types whose update has no data-dependent branch (longrope switches factors on the longest
 # position, dynamic rescales per call): only these are captured
 CAPTURE_SAFE_ROPE = ("default", "linear", "llama3", "yarn")
-_WARNED: set[str] = set()  # one warning per kind of capture failure per process
 
 
 def capture_safe(model: torch.nn.Module) -> bool:
@@ -78,32 +77,6 @@ def capture_wanted(device: torch.device, model: torch.nn.Module) -> bool:
     return device.type == "cuda" and capture_safe(model)
 
 
-class _Pools:
-    """One graph memory pool per device, shared by every run's graphs, with a count of the live
-    graphs that use it: when the last one is released, the handle is dropped, so a later capture
-    gets a fresh pool instead of one torch has torn down (`use_count > 0` assertion)."""
-
-    def __init__(self):
-        self.handles: dict[str, object] = {}
-        self.live: dict[str, int] = {}
-
-    def acquire(self, device: torch.device, graph) -> object:
-        key = str(device)
-        if key not in self.handles:
-            self.handles[key] = torch.cuda.graph_pool_handle()
-            self.live[key] = 0
-        self.live[key] += 1
-        weakref.finalize(graph, self._release, key)
-        return self.handles[key]
-
-    def _release(self, key: str) -> None:
-        self.live[key] -= 1
-        if self.live[key] <= 0:
-            self.handles.pop(key, None)
-            self.live.pop(key, None)
-
-
-POOLS = _Pools()
 _CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lean forward -> {dtype: {bucket: width}}
 
 
@@ -156,8 +129,8 @@ class _Bucket:
 
     def __init__(self, width: int, span: int, hidden_size: int, dtype, device, embeds: bool):
         self.width, self.span = width, span
-        self.ids = torch.zeros(1, width, dtype=torch.long, device=device)
-        self.positions = torch.zeros(1, width, dtype=torch.long, device=device)
+        self.both = torch.zeros(2, width, dtype=torch.long, device=device)  # ids, positions: filled by one copy
+        self.ids, self.positions = self.both[0:1], self.both[1:2]
         self.slots = torch.zeros(width, dtype=torch.long, device=device)
         self.rows = torch.arange(width, device=device)  # slots = rows + cache length
         self.mask = torch.zeros(1, 1, width, span, dtype=dtype, device=device)
@@ -254,10 +227,12 @@ class PaddedForward:
         dtype: torch.dtype,
         device: torch.device,
         most_keys: int | None = None,
+        states: bool = True,
     ) -> Forward:
         """q rows at the bucket that holds them; `visible` (q, length + q) bool, host or device.
         Returns the logits of the last `logits_to_keep` rows and the final states of all q rows.
-        `most_keys`: a bound on the keys a row sees, not read from a device `visible` (KVState.forward)."""
+        `most_keys`: a bound on the keys a row sees, not read from a device `visible` (KVState.forward);
+        `states`: hand out the final states (a feature draft reads them), else None."""
         q = len(ids)
         width = self.width_for(q, length, dtype, device, embeds is not None)
         self._ensure_buffers(length, width, dtype, device)
@@ -266,12 +241,13 @@ class PaddedForward:
         span = self.layers[0].capacity if self.static else span_for(length + width, self.layers[0].capacity)
         buf = self._bucket(width, span, dtype, device, embeds is not None)
         # fill the static inputs in place (padded rows: token 0, position 0, their own slot only)
-        on = isinstance(ids, torch.Tensor)  # ids and positions already on the device (a level drafted there)
-        both = torch.zeros(2, width, dtype=torch.long, device=device if on else None)  # padded rows 0
-        both[0, :q], both[1, :q] = (ids, positions) if on else (torch.tensor(ids), torch.tensor(positions))
-        both = both if on else to_device(both, device)  # one upload
-        buf.ids[0].copy_(both[0])
-        buf.positions[0].copy_(both[1])
+        if isinstance(ids, torch.Tensor):  # already on the device (a level drafted there, the verify rows)
+            buf.both[0, :q].copy_(ids)
+            buf.both[1, :q].copy_(positions)
+            if q < width:
+                buf.both[:, q:].zero_()
+        else:  # one upload, into the buffer
+            upload_into(buf.both, torch.tensor([[*ids, *[0] * (width - q)], [*positions, *[0] * (width - q)]]))
         torch.add(buf.rows, length, out=buf.slots)
         # the mask in place (no tensor allocated per forward): rows see what `visible` says, each
         # padded row only its own slot, every slot past the valid ones nothing
@@ -280,8 +256,8 @@ class PaddedForward:
             full[:q, : length + q] = visible
             full[q:, length + q :] = torch.eye(width - q, dtype=torch.bool, device=visible.device)
             slots, tail = StaticRows.build(full, self.static.positions_end, check=most_keys is None)
-            buf.static.slots.copy_(slots if slots.device == device else to_device(slots, device))
-            buf.static.tail.copy_(tail if tail.device == device else to_device(tail, device))
+            upload_into(buf.static.slots, slots)
+            upload_into(buf.static.tail, tail)
         else:
             mask = buf.mask[0, 0]
             mask.fill_(torch.finfo(dtype).min)
@@ -293,8 +269,8 @@ class PaddedForward:
         self._run(buf)
         for layer in self.layers:
             layer.set_length(length + q)
-        # copies: the next replay overwrites the bucket's outputs
-        return Forward(buf.logits[q - logits_to_keep : q].clone(), buf.states[:q].clone())
+        # copies (the next replay overwrites the bucket's outputs); the states only where wanted
+        return Forward(buf.logits[q - logits_to_keep : q].clone(), buf.states[:q].clone() if states else None)
 
     def _bucket(self, width: int, span: int, dtype, device, embeds: bool) -> _Bucket:
         """The static buffers of (width, span), made on first use (their graph on first run)."""
@@ -392,9 +368,5 @@ class PaddedForward:
         return graph
 
     def _give_up(self, exc: Exception) -> None:
-        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:160]
-        if reason not in _WARNED:
-            _WARNED.add(reason)
-            warnings.warn(f"CUDA graph capture failed ({reason}); continuing without graphs", stacklevel=4)
-        self.capture, self.fallback = False, reason
+        self.capture, self.fallback = False, capture_failed(exc, "CUDA graph capture failed")
         self._drop_buckets()

@@ -267,6 +267,7 @@ class KVState:
             dtype=self.model.dtype,
             device=self.device,
             most_keys=most_keys,
+            states=bool(hidden),
         )
         return self._done(len(token_ids), out, hidden, (self.padded.capture_s - captured) * 1e3)
 
@@ -375,9 +376,10 @@ def chain_then_tree_visibility(past: int, n_chain: int, tree_ancestors: torch.Te
     """
     n, device = tree_ancestors.shape[0], tree_ancestors.device
     q = n_chain + n
-    visible = torch.zeros(q, past + q, dtype=torch.bool, device=device)
-    visible[:, :past] = True
-    visible[:n_chain, past : past + n_chain] = torch.ones(n_chain, n_chain, dtype=torch.bool, device=device).tril()
-    visible[n_chain:, past : past + n_chain] = True
-    visible[n_chain:, past + n_chain :] = tree_ancestors
+    # three ops: everyone sees the past; the new rows causal (the chain's rows see the chain up
+    # to themselves, the tree's rows all of it), then the tree's rows see their ancestors only
+    visible = torch.ones(q, past + q, dtype=torch.bool, device=device)
+    visible[:, past:].tril_()
+    if n:
+        visible[n_chain:, past + n_chain :] = tree_ancestors
     return visible

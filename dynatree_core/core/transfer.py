@@ -27,6 +27,13 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
+def upload_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy `src` into a buffer: one upload, straight into it, where `src` is on another device."""
+    if src.device != dst.device:
+        COUNTS["to_device"] += 1
+    dst.copy_(src, non_blocking=True)
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """One device->host read (the host waits for the device)."""
     COUNTS["to_host"] += 1

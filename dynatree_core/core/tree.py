@@ -274,12 +274,14 @@ class DraftTree:
     def ancestor_mask(self, order: list[int]) -> torch.Tensor:
         """(n, n) bool: entry [i, j] is True when order[j] is order[i] or one of its ancestors."""
         index = {node: i for i, node in enumerate(order)}
-        mask = torch.zeros(len(order), len(order), dtype=torch.bool)
-        for i, node in enumerate(order):
+        rows = []
+        for node in order:
+            row = [False] * len(order)
             while node >= 0:
-                mask[i, index[node]] = True
+                row[index[node]] = True
                 node = self.parents[node]
-        return mask
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.bool).reshape(len(order), len(order))  # one tensor op
 
     def position_ids(self, order: list[int], root_position: int) -> list[int]:
         """RoPE/absolute positions: the root's position plus the node's depth."""

@@ -3,7 +3,7 @@
 On the host (`VerifyBatch.of`): from the tree the policy returned, its nodes in `DecodeConfig.order`
 with their ancestor mask and positions. From the device (`EarlyVerify`): where a policy decides its
 draft levels on the device (drafting/device.py), the tree's rows, mask and positions are built
-there from the levels (`device.tree_rows`) and the verify forward is queued BEFORE the host reads
+there from the levels (`levels.tree_rows`) and the verify forward is queued BEFORE the host reads
 the tree: the host replays the tree while the target runs, and the iteration's only draining read
 is the verification's. The rows are the nodes in the bfs order, padded to a bound the host knows
 without reading (a padding row sees only itself and nothing sees it); the host checks the rows it
@@ -82,7 +82,7 @@ def early_wanted(state) -> bool:
 
 class EarlyVerify:
     """The engine's side of `DraftRequest.early`: `launch` queues the target's forward over the
-    tree's rows (device.TreeRows) and marks the phases on the iteration's clock; after the policy
+    tree's rows (drafting/levels.TreeRows) and marks the phases on the iteration's clock; after the policy
     returns its tree, `batch` checks the tree against the rows as read and gives the host record
     of the batch."""
 
@@ -91,7 +91,7 @@ class EarlyVerify:
         self.state, self.clock, self.captured = state, clock, captured
         self.draft_capture_ms = self.verify_capture_ms = 0.0  # captures are set-up, not the phases' work
         self.out: Forward | None = None
-        self.read = None  # device.ReadRows, set by device.read_verifying
+        self.read = None  # levels.ReadRows, set by levels.read_verifying
         self.width = 0  # rows of the forward
         self.past = 0  # the target cache's length before it
 

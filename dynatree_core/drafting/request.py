@@ -33,7 +33,7 @@ class DraftRequest:
     # policy can; greedy ("top") drafting only
     on_device: bool = False
     # the engine's verify forward, queued from the tree's rows on the device before the host reads
-    # the tree (decoding/batch.EarlyVerify; drafting/device.read_verifying calls it); None: the
+    # the tree (decoding/batch.EarlyVerify; drafting/levels.read_verifying calls it); None: the
     # engine builds the verify batch from the tree on the host
     early: Any = None
 

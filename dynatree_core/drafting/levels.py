@@ -1,0 +1,177 @@
+"""A tree's draft levels as the device holds them, and the verify rows built from them there.
+
+drafting/device.py grows the levels; this module holds what a level is on the device (`Level`)
+and once read (`ReadLevel`), reads every level in one copy (`read_levels`), and builds the
+target's verify rows from the levels without a read (`tree_rows`): the admitted candidates in the
+tree's bfs order, their parents' rows, depths and the ancestor closure, padded to a width the
+host knows. Where the engine queues the verify forward from those rows (decoding/batch.py,
+`DraftRequest.early`), `read_verifying` builds them, copies the levels and rows behind the draft,
+queues the forward, and only then waits for the copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dynatree_core.core.transfer import LateRead, to_list
+from dynatree_core.drafting.common import drafter_of
+from dynatree_core.drafting.request import DraftRequest
+
+# a candidate's fate, as the level records it
+ADMITTED, THRESHOLD, BUDGET, PADDING = 0, 1, 2, 3
+
+
+@dataclasses.dataclass
+class Level:
+    """One draft forward's candidates in the order the tree adds them (device tensors), and which
+    of them are the rows of the next forward (`selected`)."""
+
+    tokens: torch.Tensor  # (C,) long
+    logp: torch.Tensor  # (C,) float32: the draft's log-probability of the token
+    parents: torch.Tensor  # (C,) long: the row of this forward that proposed it
+    fate: torch.Tensor  # (C,) long: ADMITTED, THRESHOLD, BUDGET or PADDING (a padded row's child)
+    selected: torch.Tensor  # (W,) long: candidates that are the next forward's rows, in row order
+    cum: torch.Tensor  # (C,) float64: cumulative log-probs (they order the verify rows: tree_rows)
+    # the fields above but cum as one float64 row (tokens, logp, parents, fate, selected): what is
+    # read (float64 holds ids and float32 values exactly); made by the level's step, else on reading
+    record: torch.Tensor | None = None
+    prefix: bool = False  # `selected` is every candidate up to its length: the next rows are a slice
+
+    def flat(self) -> torch.Tensor:
+        if self.record is not None:
+            return self.record
+        return torch.cat([self.tokens, self.logp, self.parents, self.fate, self.selected]).double()
+
+    @classmethod
+    def of_record(cls, record: torch.Tensor, cum: torch.Tensor) -> Level:
+        """The Level a record holds (its cumulative log-probs apart)."""
+        c = cum.shape[0]
+        tokens, logp, parents, fate, selected = record.split([c, c, c, c, record.shape[0] - 4 * c])
+        return cls(tokens.long(), logp.float(), parents.long(), fate.long(), selected.long(), cum, record)
+
+
+@dataclasses.dataclass
+class ReadLevel:
+    """A Level on the host."""
+
+    tokens: list[int]
+    logp: list[float]
+    parents: list[int]
+    fate: list[int]
+    selected: list[int]
+
+
+@dataclasses.dataclass
+class TreeRows:
+    """The tree's nodes as the rows of the target's verify forward, built on the device from the
+    levels (no host read): the admitted candidates in the order DraftTree.order("bfs") gives the
+    tree the host replays (by depth, most probable first, ties in node order), then padding rows
+    up to a width the host knows without reading (admitted_levels bounds it by the counts read late)."""
+
+    tokens: torch.Tensor  # (W,) long
+    depths: torch.Tensor  # (W,) long: 1 for the root's children
+    parents: torch.Tensor  # (W,) long: the parent's row, rows counted from 1 (0: the root); a padding row's own
+    valid: torch.Tensor  # (W,) bool: a node (else padding: it sees only itself, nothing sees it)
+    ancestors: torch.Tensor  # (W + 1, W + 1) bool, the root's row first: [i, j] row j is row i or its ancestor
+
+
+@dataclasses.dataclass
+class ReadRows:
+    """TreeRows on the host: what the engine checks the replayed tree against."""
+
+    tokens: list[int]
+    parents: list[int]
+    nodes: int  # valid rows (a prefix)
+
+
+def tree_rows(levels: list[Level], width: int) -> TreeRows:
+    """The verify forward's `width` rows (at least the admitted candidates' count) from the levels.
+    Three stable sorts give the bfs order, minor key first; the ancestor closure takes one gather
+    per level (a row's ancestors are its parent's plus itself)."""
+    tokens = torch.cat([lv.tokens for lv in levels])
+    device = tokens.device
+    admitted = torch.cat([lv.fate for lv in levels]) == ADMITTED
+    depths = torch.cat([torch.full_like(lv.tokens, d) for d, lv in enumerate(levels, start=1)])
+    parent, start = [torch.full_like(levels[0].tokens, -1)], 0  # each candidate's parent candidate (-1: root)
+    for prev, lv in zip(levels[:-1], levels[1:], strict=True):
+        parent.append(start + prev.selected[lv.parents])
+        start += prev.tokens.shape[0]
+    parent = torch.cat(parent)
+    order = torch.sort(torch.cat([lv.cum for lv in levels]), descending=True, stable=True).indices
+    order = order[torch.sort(depths[order], stable=True).indices]
+    order = order[torch.sort((~admitted[order]).to(torch.int8), stable=True).indices]
+    row_of = torch.empty_like(order)
+    row_of[order] = torch.arange(1, order.shape[0] + 1, device=device)
+    pick, rows = order[:width], torch.arange(1, width + 1, device=device)
+    valid = admitted[pick]
+    up = parent[pick]
+    parents = torch.where(valid, torch.where(up >= 0, row_of[up.clamp(min=0)], 0), rows)
+    table = torch.cat([torch.zeros(1, dtype=torch.long, device=device), parents])
+    eye = torch.eye(width + 1, dtype=torch.bool, device=device)
+    ancestors = eye
+    for _ in levels:
+        ancestors = eye | ancestors[table]
+    return TreeRows(tokens[pick], depths[pick], parents, valid, ancestors)
+
+
+def read_levels(levels: list[Level]) -> list[ReadLevel]:
+    """Every level's record in ONE device->host copy (float64 holds ids and float32 values exactly)."""
+    return _parse(levels, to_list(_flat(levels)))
+
+
+def _flat(levels: list[Level], rows: TreeRows | None = None) -> torch.Tensor:
+    parts = [lv.flat() for lv in levels]
+    if rows is not None:
+        parts.append(torch.cat([rows.tokens, rows.parents, rows.valid.sum()[None]]).double())
+    return torch.cat(parts)
+
+
+def _parse(levels: list[Level], values: list[float], rows: TreeRows | None = None) -> list[ReadLevel]:
+    flat = iter(values)
+    take = lambda n, kind=int: [kind(next(flat)) for _ in range(n)]  # noqa: E731
+    out = []
+    for lv in levels:
+        c = lv.tokens.shape[0]
+        out.append(ReadLevel(take(c), take(c, float), take(c), take(c), take(lv.selected.shape[0])))
+    if rows is not None:
+        w = rows.tokens.shape[0]
+        out.append(ReadRows(take(w), take(w), take(1)[0]))
+    return out
+
+
+def read_verifying(request: DraftRequest, levels: list[Level], width: int) -> list[ReadLevel]:
+    """read_levels, with the target's verify forward queued from the tree's rows first where the
+    engine asked for it (`request.early`: decoding/batch.EarlyVerify): the levels and rows are
+    copied into pinned memory behind the draft, the verify forward is queued behind that copy, and
+    the host waits for the copy alone (counted "late": the device is busy verifying meanwhile),
+    then replays the tree while the target runs. The rows as read go to `request.early.read`."""
+    early = request.early
+    if early is None:
+        return read_levels(levels)
+    steps = drafter_of(request).steps
+    if steps.capture:  # the rows and the record to read, one captured step (core/capture.py)
+        shapes = tuple((lv.tokens.shape[0], lv.selected.shape[0]) for lv in levels)
+        inputs = [t for lv in levels for t in (lv.flat(), lv.cum)]
+        *built, flat = steps(("rows", shapes, width), _verify_rows(width), *inputs)
+        rows = TreeRows(*built)
+    else:
+        rows = tree_rows(levels, width)
+        flat = _flat(levels, rows)
+    pending = LateRead(flat)
+    early.launch(rows, depth=len(levels))
+    *read, early.read = _parse(levels, pending.tolist(), rows)
+    return read
+
+
+def _verify_rows(width: int):
+    """tree_rows and the record to read, as a pure function of the levels' records and cumulative
+    log-probs (read_verifying's step)."""
+
+    def build(*inputs):
+        levels = [Level.of_record(record, cum) for record, cum in zip(inputs[::2], inputs[1::2], strict=True)]
+        rows = tree_rows(levels, width)
+        return rows.tokens, rows.depths, rows.parents, rows.valid, rows.ancestors, _flat(levels, rows)
+
+    return build

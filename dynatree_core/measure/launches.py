@@ -1,0 +1,126 @@
+"""The device work an iteration launches outside its captured forwards, counted on any device.
+
+On a GPU a small model is launch-bound: a captured forward is one graph replay, but every tensor op
+between forwards (a level's top-k and sorts, the mask, the cache's compaction) is a kernel launch
+of a few microseconds on the host and on the device (../shared/GPU_NOTES.md: width is nearly free,
+kernel count is not). Counting them needs no GPU: every op torch dispatches is seen here
+(a TorchDispatchMode), and a run at fixed shapes on a CPU makes the same calls a GPU run makes.
+
+Counted per iteration:
+- `ops`: ops that launch work (views and bare allocations excluded), outside forward graphs and
+  captured steps; on a GPU only those on the model's device (`host_ops`: those on host tensors,
+  the host's own bookkeeping, apart); on a CPU host and device are one, so `ops` holds both;
+- `replays`: forward graphs and captured steps (core/capture.py), each one launch;
+- `sites`: the library function each op came from, the busiest first.
+Captures run as stand-in graphs on a CPU (capture.STAND_IN_DEVICES), so a CPU count says what a
+GPU would launch; on CUDA the real graphs run and replay() dispatches nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dynatree_core.core import capture, graphs
+
+# ops that allocate, alias or read a scalar: no kernel of their own (a read is counted by transfer.py)
+NO_LAUNCH = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias"})
+NO_LAUNCH |= {"lift_fresh", "_local_scalar_dense", "is_nonzero", "_has_compatible_shallow_copy_type", "detach_"}
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self, device_type: str):
+        super().__init__()
+        self.device_type = device_type
+        self.counts: Counter = Counter()
+        self.sites: Counter = Counter()
+        self.inside = 0  # > 0 inside a replay (a graph's ops are one launch, counted by the replay)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.inside or func.is_view or func.overloadpacket.__name__ in NO_LAUNCH:
+            return out
+        on_device = self.device_type == "cpu" or any(_on(t, self.device_type) for t in (*args, out))
+        self.counts["ops" if on_device else "host_ops"] += 1
+        if on_device:
+            self.sites[_site()] += 1
+        return out
+
+    @contextlib.contextmanager
+    def replay(self, counted: bool = True) -> Iterator[None]:
+        """A replay (one launch), or with `counted` False a capture (set-up: nothing counted)."""
+        self.counts["replays"] += counted
+        self.inside += 1
+        try:
+            yield
+        finally:
+            self.inside -= 1
+
+
+def _on(t, device_type: str) -> bool:
+    if isinstance(t, torch.Tensor):
+        return t.device.type == device_type
+    return isinstance(t, list | tuple) and any(_on(x, device_type) for x in t)
+
+
+def _site() -> str:
+    """The innermost dynatree_core function on the stack (this module excluded)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename.replace("\\", "/")
+        if "/dynatree_core/" in name and not name.endswith("measure/launches.py"):
+            return f"{name.split('/dynatree_core/')[-1]}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "torch"
+
+
+@contextlib.contextmanager
+def counting_launches(device: torch.device) -> Iterator[_Counter]:
+    """Count the launches of the block (module docstring); on a CPU, captures run as stand-ins."""
+    counter = _Counter(device.type)
+    # a forward's graph replay or its eager run at fixed shapes (captures happen inside: not counted);
+    # a stand-in step's replay; a step's capture
+    patched = {
+        (graphs.PaddedForward, "_run"): True,
+        (capture._StandInGraph, "replay"): True,
+        (capture.StepGraphs, "_capture"): False,
+    }
+    saved = {(owner, name): getattr(owner, name) for owner, name in patched}
+
+    def wrapped(fn, counted: bool):
+        def wrapper(*args, **kwargs):
+            with counter.replay(counted):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    devices = capture.STAND_IN_DEVICES
+    for (owner, name), counted in patched.items():
+        setattr(owner, name, wrapped(saved[owner, name], counted))
+    if device.type != "cuda":
+        capture.STAND_IN_DEVICES = (*devices, device.type)
+    try:
+        with counter:
+            yield counter
+    finally:
+        for (owner, name), fn in saved.items():
+            setattr(owner, name, fn)
+        capture.STAND_IN_DEVICES = devices
+
+
+def per_iteration(run: Callable[[], object], device: torch.device, top: int = 8) -> dict:
+    """Run `run` (returns a RunResult) with launches counted: per-iteration means and busiest sites."""
+    before = capture.REPLAYS["step"]
+    with counting_launches(device) as counter:
+        result = run()
+    iterations = max(result.iterations, 1)
+    if device.type == "cuda":  # real graphs: a step's replay dispatches nothing, the counter says so
+        counter.counts["replays"] += capture.REPLAYS["step"] - before
+    out = {k: round(counter.counts[k] / iterations, 1) for k in ("ops", "host_ops", "replays")}
+    out["sites"] = {site: round(n / iterations, 1) for site, n in counter.sites.most_common(top)}
+    return out
