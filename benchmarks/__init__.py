@@ -29,6 +29,8 @@ Results are data, not code: every script writes its reports (JSON, CSV) into ass
     gpu_check_shaped    gpu-check's pair checks on SmolLM2's shapes with random weights (CUDA only)
     verify_rows         rows per verify forward queued from the device's rows vs the host-built batch,
                         cpu-verify-rows.json
+    launches            launches per iteration outside the forwards: levels on the host, on the device
+                        op by op, and as captured steps, cpu-launches.json
     app_server          not a benchmark: `streamlit run app.py` on a free port as a context manager,
                         shared by live_page, first_iterations and tests/test_e2e.py
 

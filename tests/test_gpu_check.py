@@ -103,6 +103,11 @@ def test_the_run_measures_count_round_trips_with_levels_on_the_device_and_on_the
     assert run["per_iteration"]["to_host"] <= 1 and run["per_iteration"].get("sync", 0) == 0, run
     batch, host = run["host_batch"]["per_iteration"], run["host_levels"]["per_iteration"]
     assert host["to_host"] > batch["to_host"] > run["per_iteration"]["to_host"], run
+    # launches: the captured steps (stand-ins here) launch fewer ops than the same run's steps eagerly
+    stepped, eager = run["launches"], run["eager_steps"]["launches"]
+    assert stepped["replays"] > eager["replays"] > 0 and eager["ops"] > 2 * stepped["ops"], run
+    assert run["eager_steps"]["per_iteration"] == run["per_iteration"], "the same reads either way"
     report = {"checks": [], "verdict": "pass", "device": "cpu", "name": "cpu", "measures": {"run": run}}
     table = gpu_check.verdict_table(report)
     assert "decided on the host" in table and "verify batch built on the host" in table
+    assert "not captured instead" in table and "replays launched" in table

@@ -28,6 +28,7 @@ tensors, as one graph per `key`:
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import warnings
 import weakref
@@ -103,7 +104,9 @@ def _where(t: torch.Tensor) -> tuple:
 
 def capture_wanted(device: torch.device, fixed_shapes: bool, captured: bool) -> bool:
     """Capture a run's steps: where its forwards run at fixed shapes and are captured (CUDA), or
-    on a stand-in device."""
+    on a stand-in device; DYNATREE_STEP_GRAPHS=0 turns it off (to measure what it buys)."""
+    if os.environ.get("DYNATREE_STEP_GRAPHS", "1") == "0":
+        return False
     return fixed_shapes and (captured or device.type in STAND_IN_DEVICES)
 
 

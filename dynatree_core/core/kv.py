@@ -27,96 +27,16 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache
 
 from dynatree_core.core.capture import StepGraphs, capture_wanted
 from dynatree_core.core.choice import choose_forward
 from dynatree_core.core.forward import Forward, reference_forward
 from dynatree_core.core.graphs import PaddedForward
 from dynatree_core.core.invariant import RowGroups, StaticRows, static_span
+from dynatree_core.core.slots import SLACK, SlotLayer, SlotStore
 from dynatree_core.core.transfer import Stopwatch, to_device
 from dynatree_core.errors import DynaTreeError
-
-SLACK = 128  # slots beyond prompt + new tokens: room for one iteration's tree before the buffer grows
-
-
-class SlotLayer(DynamicLayer):
-    """One layer's keys/values in a buffer preallocated for the run: (1, kv_heads, capacity, head_dim).
-
-    `keys` / `values` are views of the first `length` slots, so code written for transformers'
-    `DynamicLayer` (which reads `.keys`) sees the same thing. `update` writes, never concatenates.
-    """
-
-    def __init__(self, capacity: int):
-        super().__init__()
-        self.capacity = capacity
-        self.length = 0
-        self.grows = 0
-        self.key_buf: torch.Tensor | None = None
-        self.value_buf: torch.Tensor | None = None
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        shape = lambda t: (*t.shape[:-2], self.capacity, t.shape[-1])  # noqa: E731
-        # zeros, not empty: the padded forward (graphs.py) attends over every slot, masked ones
-        # included, and 0 x NaN from uninitialised memory would still be NaN
-        self.key_buf = torch.zeros(shape(key_states), dtype=self.dtype, device=self.device)
-        self.value_buf = torch.zeros(shape(value_states), dtype=self.dtype, device=self.device)
-        self.is_initialized = True
-        self._views()
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write q new entries at slots length..length+q; return views of all valid slots."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
-        if end > self.capacity:
-            self.grow(end)
-        self.key_buf[..., self.length : end, :].copy_(key_states)
-        self.value_buf[..., self.length : end, :].copy_(value_states)
-        self.length = end
-        self._views()
-        return self.keys, self.values
-
-    def keep(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
-        """Move entries `src` to slots `dst` (index tensors on the buffers' device; sources at or
-        after their destinations) and keep the first `length` slots: the accepted path joins the
-        committed prefix in place."""
-        if len(src) and self.is_initialized:  # RHS indexing gathers a copy before the write
-            self.key_buf[..., dst, :] = self.key_buf[..., src, :]
-            self.value_buf[..., dst, :] = self.value_buf[..., src, :]
-        self.length = length
-        self._views()
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def set_length(self, length: int) -> None:
-        """The first `length` slots are valid (a padded forward wrote more: graphs.py)."""
-        self.length = length
-        self._views()
-
-    def nbytes(self) -> int:
-        if not self.is_initialized:
-            return 0
-        return (self.key_buf.numel() + self.value_buf.numel()) * self.key_buf.element_size()
-
-    def grow(self, needed: int) -> None:
-        """Reallocate the buffers to hold `needed` slots (plus slack), keeping the valid entries."""
-        capacity = max(needed + SLACK, self.capacity * 3 // 2)
-        for name in ("key_buf", "value_buf"):
-            old = getattr(self, name)
-            new = torch.zeros((*old.shape[:-2], capacity, old.shape[-1]), dtype=old.dtype, device=old.device)
-            new[..., : self.length, :] = old[..., : self.length, :]
-            setattr(self, name, new)
-        self.capacity = capacity
-        self.grows += 1
-
-    def _views(self) -> None:
-        if self.key_buf is None:
-            return
-        self.keys = self.key_buf[..., : self.length, :]
-        self.values = self.value_buf[..., : self.length, :]
 
 
 class KVState:
@@ -148,7 +68,8 @@ class KVState:
         if self.static:
             n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
             slots = (capacity or len(prompt_ids)) + SLACK
-            self.cache = Cache(layers=[SlotLayer(slots) for _ in range(n_layers)])
+            store = SlotStore(n_layers)  # every layer's buffers in one tensor: compaction is one copy
+            self.cache = Cache(layers=[SlotLayer(slots, store=store, index=i) for i in range(n_layers)])
         else:
             self.cache = DynamicCache(config=model.config)
         self.lean = self.choice.lean  # the lean forward (or a draft's own) under lean/captured/invariant
@@ -340,8 +261,17 @@ class KVState:
         while prefix < len(index) and index[prefix] == prefix:
             prefix += 1
         moves = torch.tensor([index[prefix:], list(range(prefix, len(index)))], dtype=torch.long)
+        layers = self.cache.layers
+        store = getattr(layers[0], "store", None)
+        if store is not None and store.holds(layers):  # every layer in one buffer: one gather, one write
+            src, dst = to_device(moves, store.buf.device) if len(index) > prefix else moves
+            store.keep(src, dst)
+            for layer in layers:
+                layer.set_length(len(index))
+            self.length = len(index)
+            return
         on: dict[torch.device, torch.Tensor] = {}  # one upload per device (one device unless the model is split)
-        for layer in self.cache.layers:
+        for layer in layers:
             _check_layer(layer)
             buf = layer.key_buf if isinstance(layer, SlotLayer) else layer.keys
             device = buf.device if buf is not None else self.device

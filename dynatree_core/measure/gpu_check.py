@@ -24,9 +24,11 @@ wide levels (fixed_tree, eagle2, dyspec_threshold, where an H200 run once left `
 
 then measures, on the embedded target: replay vs eager milliseconds per width bucket, the width
 each narrow bucket runs at (measured at capture: graphs.py), capture seconds, GPU memory per run
-and host round trips per iteration (core/transfer.py's counts). It prints a verdict table and
-writes JSON. Without CUDA it says so in one line and exits 0; `--device cpu`
-runs the same checks on the padded forward run eagerly (what the test suite does, tiny models).
+and host round trips and launches per iteration (core/transfer.py's counts, measure/launches.py),
+with the draft levels and verify batch built on the device or the host and with the steps between
+forwards captured or not. It prints a verdict table and writes JSON. Without CUDA it says so in
+one line and exits 0; `--device cpu` runs the same checks on the padded forward run eagerly (what
+the test suite does, tiny models).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from dynatree_core.decoding.engine import DecodeConfig, decode, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting.policy import POLICIES
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.measure import divergence
+from dynatree_core.measure import divergence, launches
 
 ARCHS = ("llama", "qwen2", "mistral")
 PROMPTS = ([1, 5, 7, 9, 11, 13, 2, 8], [42, 17, 8, 8, 60, 2, 90, 33, 12, 4, 77, 5])
@@ -283,32 +285,15 @@ def measured_widths(model, *, context: int = 256) -> dict:
 
 
 def run_measures(target, draft, device: torch.device) -> dict:
-    """Capture seconds, memory per run and host round trips per iteration of one graphs run of
-    fixed_tree (draft levels on the device and the verify forward queued from its rows, the CUDA
-    default), and the round trips and speed of the same run with the verify batch built on the host
-    from the tree read (`host_batch`) and with its levels decided on the host (one read per level)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    runs = {}
-    for levels, verify in ((True, True), (True, False), (False, False)):
-        with transfer.counting() as moved:
-            args = dict(graphs_on=True, max_new=64, levels=levels, verify=verify)
-            result = _run(target, draft, PROMPTS[0], "fixed_tree", {}, **args)
-        runs[levels, verify] = result, {k: round(v / max(result.iterations, 1), 2) for k, v in moved.items()}
-        if verify:
-            memory = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
-    (result, per), (batch, batch_per), (host, host_per) = runs.values()
-    return {
-        "forward_path": result.forward_path,
-        "capture_s": round(result.capture_s, 3),
-        "run_memory_mb": None if memory is None else round(memory, 1),
-        "per_iteration": per,
-        "tokens_per_s": round(result.throughput_tps, 1),
-        "host_batch": {"per_iteration": batch_per, "tokens_per_s": round(batch.throughput_tps, 1)},
-        "host_levels": {"per_iteration": host_per, "tokens_per_s": round(host.throughput_tps, 1)},
-    }
+    """fixed_tree's round trips, launches and speed per iteration, by where its levels and verify
+    batch are built (measure/launches.run_measures)."""
+
+    def run(levels: bool, verify: bool):
+        return _run(
+            target, draft, PROMPTS[0], "fixed_tree", {}, graphs_on=True, max_new=64, levels=levels, verify=verify
+        )
+
+    return launches.run_measures(run, device)
 
 
 def gpu_check(device: str = "auto", *, embedded: bool = True, out: Path | None = None, log=print) -> dict | None:
@@ -378,18 +363,5 @@ def verdict_table(report: dict) -> str:
             for b, w in measures["widths"].items()
         ]
     if measures.get("run"):
-        run = measures["run"]
-        lines += [
-            "",
-            f"forward path: {run['forward_path']}; capture {run['capture_s']} s; memory per run "
-            f"{run['run_memory_mb']} MB; per iteration {run['per_iteration']}; {run['tokens_per_s']} tokens/s",
-            *(
-                f"{what} instead: per iteration {run[key]['per_iteration']}; {run[key]['tokens_per_s']} tokens/s"
-                for key, what in (
-                    ("host_batch", "the verify batch built on the host"),
-                    ("host_levels", "draft levels decided on the host"),
-                )
-                if key in run
-            ),
-        ]
+        lines += ["", *launches.run_lines(measures["run"])]
     return "\n".join(lines)

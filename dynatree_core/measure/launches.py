@@ -19,6 +19,7 @@ GPU would launch; on CUDA the real graphs run and replay() dispatches nothing.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -26,7 +27,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dynatree_core.core import capture, graphs
+from dynatree_core.core import capture, graphs, transfer
 
 # ops that allocate, alias or read a scalar: no kernel of their own (a read is counted by transfer.py)
 NO_LAUNCH = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias"})
@@ -124,3 +125,79 @@ def per_iteration(run: Callable[[], object], device: torch.device, top: int = 8)
     out = {k: round(counter.counts[k] / iterations, 1) for k in ("ops", "host_ops", "replays")}
     out["sites"] = {site: round(n / iterations, 1) for site, n in counter.sites.most_common(top)}
     return out
+
+
+# fixed_tree's variants in gpu-check's run measure: where its levels and verify batch are built
+VARIANTS = {
+    "host_batch": ("the verify batch built on the host", True, False),
+    "host_levels": ("draft levels decided on the host", False, False),
+    "eager_steps": ("the steps between forwards not captured", True, True),
+}
+
+
+def run_measures(run: Callable[[bool, bool], object], device: torch.device) -> dict:
+    """Capture seconds, memory per run, host round trips and speed per iteration of `run(levels,
+    verify)` with the draft levels and the verify batch on the device (the CUDA default), and the
+    same for each of VARIANTS; launches per iteration counted in a run of their own (the counter
+    slows a run down: its speed is not reported)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    with transfer.counting() as moved:
+        result = run(True, True)
+    memory = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
+    out = {
+        "forward_path": result.forward_path,
+        "capture_s": round(result.capture_s, 3),
+        "run_memory_mb": None if memory is None else round(memory, 1),
+        **_measured(result, moved, lambda: run(True, True), device),
+    }
+    for key, (_, levels, verify) in VARIANTS.items():
+        with _steps_captured(key != "eager_steps"):
+            with transfer.counting() as moved:
+                result = run(levels, verify)
+            out[key] = _measured(result, moved, lambda lv=levels, v=verify: run(lv, v), device)
+    return out
+
+
+def _measured(result, moved, again: Callable[[], object], device: torch.device) -> dict:
+    iterations = max(result.iterations, 1)
+    return {
+        "per_iteration": {k: round(v / iterations, 2) for k, v in moved.items()},
+        "tokens_per_s": round(result.throughput_tps, 1),
+        "launches": per_iteration(again, device, top=5),
+    }
+
+
+@contextlib.contextmanager
+def _steps_captured(on: bool) -> Iterator[None]:
+    """Runs whose steps between forwards are captured (the default) or not (DYNATREE_STEP_GRAPHS=0)."""
+    saved = os.environ.get("DYNATREE_STEP_GRAPHS")
+    os.environ["DYNATREE_STEP_GRAPHS"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("DYNATREE_STEP_GRAPHS")
+        else:
+            os.environ["DYNATREE_STEP_GRAPHS"] = saved
+
+
+def run_lines(run: dict) -> list[str]:
+    """run_measures' report as lines of gpu-check's verdict."""
+
+    def launched(m: dict) -> str:
+        return f"{m['launches']['ops']} ops + {m['launches']['replays']} replays launched"
+
+    lines = [
+        f"forward path: {run['forward_path']}; capture {run['capture_s']} s; memory per run {run['run_memory_mb']} MB; "
+        f"per iteration {run['per_iteration']}, {launched(run)}; {run['tokens_per_s']} tokens/s"
+    ]
+    for key, (what, _, _) in VARIANTS.items():
+        if key in run:
+            m = run[key]
+            lines.append(
+                f"{what} instead: per iteration {m['per_iteration']}, {launched(m)}; {m['tokens_per_s']} tokens/s"
+            )
+    return lines

@@ -1,0 +1,57 @@
+"""The static cache's buffers (core/slots.py): every layer's keys and values views of one store,
+grown for all layers at once, compacted in one copy; a layer that cannot share keeps its own."""
+
+from __future__ import annotations
+
+import torch
+from conftest import tiny_model
+
+from dynatree_core.core.kv import KVState
+from dynatree_core.core.slots import SlotLayer, SlotStore
+
+
+def _entries(n: int, seed: int, heads: int = 2, dim: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, heads, n, dim, generator=g), torch.randn(1, heads, n, dim, generator=g)
+
+
+def test_layers_share_one_buffer_that_grows_for_all_of_them_at_once():
+    store = SlotStore(3)
+    layers = [SlotLayer(4, store=store, index=i) for i in range(3)]
+    written = [_entries(3, i) for i in range(3)]
+    for layer, (k, v) in zip(layers, written, strict=True):
+        layer.update(k, v)
+    assert all(
+        layer.in_store and layer.key_buf.data_ptr() == store.buf[i, 0].data_ptr() for i, layer in enumerate(layers)
+    )
+    k, v = _entries(5, 9)
+    layers[0].update(k, v)  # 8 slots > 4: the store grows, every layer moves with it
+    assert store.capacity >= 8 and all(layer.capacity == store.capacity and layer.grows == 1 for layer in layers)
+    assert all(layer.key_buf.data_ptr() == store.buf[i, 0].data_ptr() for i, layer in enumerate(layers))
+    for layer, (k0, v0) in zip(layers[1:], written[1:], strict=True):  # kept through the growth
+        assert torch.equal(layer.keys, k0) and torch.equal(layer.values, v0)
+    assert torch.equal(layers[0].keys[..., 3:, :], k)
+
+
+def test_compaction_moves_every_layer_in_one_copy_as_the_per_layer_moves_would():
+    target = tiny_model("llama")
+    kv = KVState(target, list(range(1, 12)), static=True)
+    kv.forward(list(range(1, 12)), list(range(11)), torch.ones(11, 11, dtype=torch.bool).tril(), 1)
+    layers = kv.cache.layers
+    store = layers[0].store
+    assert store.holds(layers)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in layers]
+    keep = [0, 1, 2, 3, 4, 7, 9]
+    kv.keep(keep)
+    for layer, (k, v) in zip(layers, before, strict=True):
+        assert layer.length == len(keep) and torch.equal(layer.keys, k[..., keep, :])
+        assert torch.equal(layer.values, v[..., keep, :])
+
+
+def test_a_layer_of_other_shapes_keeps_buffers_of_its_own():
+    store = SlotStore(2)
+    a, b = SlotLayer(4, store=store, index=0), SlotLayer(4, store=store, index=1)
+    a.update(*_entries(2, 0, heads=2))
+    b.update(*_entries(2, 1, heads=3))  # other head count: not the store's shape
+    assert a.in_store and not b.in_store and b.key_buf.shape == (1, 3, 4, 4)
+    assert not store.holds([a, b]) and store.holds([a])
