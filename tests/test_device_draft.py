@@ -241,7 +241,10 @@ class PathDrafter:
     def expand(self, tree, nodes):
         return torch.stack([self.row(tuple(tree.tokens[n] for n in tree.path(n)[1:])) for n in nodes])
 
-    def expand_level(self, tokens, parents, depth):
+    def to_logp(self, logits):
+        return logits  # its rows are log-probabilities already
+
+    def expand_level(self, tokens, parents, depth, *, raw=False):
         if tokens is None:
             self.level_paths = [()]
         else:

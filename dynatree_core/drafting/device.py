@@ -89,14 +89,15 @@ def admit(cum: torch.Tensor, valid: torch.Tensor, log_tau: float, room: torch.Te
 
 
 def level_forward(drafter, levels: list[Level]) -> torch.Tensor:
-    """The next level's ONE draft forward: the root's first, then the rows the last level selected."""
+    """The next level's ONE draft forward, its logits (the step that decides the level makes them
+    log-probabilities: Drafter.to_logp): the root's first, then the rows the last level selected."""
     if not levels:
-        return drafter.expand_level(None, None, 0)
+        return drafter.expand_level(None, None, 0, raw=True)
     prev = levels[-1]
     if prev.prefix:  # the first candidates: views, no gather
         width = prev.selected.shape[0]
-        return drafter.expand_level(prev.tokens[:width], prev.parents[:width], len(levels))
-    return drafter.expand_level(prev.tokens[prev.selected], prev.parents[prev.selected], len(levels))
+        return drafter.expand_level(prev.tokens[:width], prev.parents[:width], len(levels), raw=True)
+    return drafter.expand_level(prev.tokens[prev.selected], prev.parents[prev.selected], len(levels), raw=True)
 
 
 def _start(steps, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -108,13 +109,13 @@ def _start(steps, device: torch.device) -> tuple[torch.Tensor, ...]:
     )
 
 
-def _decision(propose, level: int, log_tau: float, budget: int):
+def _decision(propose, level: int, log_tau: float, budget: int, to_logp):
     """A level's decision as a pure function of its tensors (a captured step: admitted_levels):
     the candidates `propose` gives, most probable first, their fates, the next level's rows
     (every candidate the level may admit), and the (admitted, drafted) counts read late."""
 
-    def decide(logp, cum, valid, drafted, *inputs):
-        tokens, lp, cum_c, rows, real = propose(level, logp, cum, valid, drafted, *inputs)
+    def decide(logits, cum, valid, drafted, *inputs):
+        tokens, lp, cum_c, rows, real = propose(level, to_logp(logits), cum, valid, drafted, *inputs)
         order = most_probable_first(cum_c, real)
         tokens, lp, cum_c, rows, real = tokens[order], lp[order], cum_c[order], rows[order], real[order]
         fate = admit(cum_c, real, log_tau, budget - drafted)
@@ -169,14 +170,14 @@ def admitted_levels(
     late: list[LateRead] = []
     counts = None  # (admitted, drafted) through the level before the last, as read late
     for level in range(1, cap + 1):
-        logp = level_forward(drafter, levels)  # over every row the level could have
+        logits = level_forward(drafter, levels)  # over every row the level could have
         if level == 1:
-            cum, valid, drafted = _start(steps, logp.device)
+            cum, valid, drafted = _start(steps, logits.device)
         # the level's decision, one captured step where forwards are (core/capture.py): every value
         # it reads besides its tensors is in the key
-        key = ("admit", key_of, level, tuple(logp.shape), log_tau, budget)
+        key = ("admit", key_of, level, tuple(logits.shape), log_tau, budget)
         tokens, lp, rows, fate, cum_c, cum, valid, drafted, count, selected, record = steps(
-            key, _decision(propose, level, log_tau, budget), logp, cum, valid, drafted, *inputs
+            key, _decision(propose, level, log_tau, budget, drafter.to_logp), logits, cum, valid, drafted, *inputs
         )
         levels.append(Level(tokens, lp, rows, fate, selected, cum_c, record, prefix=True))
         if ends_early:
@@ -257,12 +258,12 @@ def replay_level(tree: DraftTree, frontier: list[int], expand: list[int], lv: Re
     return added
 
 
-def _grown(width: int, beam: int, last: bool):
+def _grown(width: int, beam: int, last: bool, to_logp):
     """A level of grow_all_on_device as a pure function of its tensors (a captured step): each row's
     top `width` children; the next rows all of them, the `beam` most probable, or none (`last`)."""
 
-    def grow(logp, cum):
-        tokens, lp, cum_c, rows = children(logp, cum, width)
+    def grow(logits, cum):
+        tokens, lp, cum_c, rows = children(to_logp(logits), cum, width)
         selected = torch.arange(tokens.shape[0], device=tokens.device)
         if beam:
             selected = most_probable_first(cum_c, torch.ones_like(tokens, dtype=torch.bool))[:beam]
@@ -292,12 +293,14 @@ def grow_all_on_device(
         return tree
     levels: list[Level] = []
     for level, width in enumerate(widths, start=1):
-        logp = root if level == 1 and root is not None else level_forward(drafter, levels)
+        given = level == 1 and root is not None  # log-probabilities already
+        logits = root if given else level_forward(drafter, levels)
         if level == 1:
-            cum = _start(drafter.steps, logp.device)[0]
+            cum = _start(drafter.steps, logits.device)[0]
         last = level == len(widths)
-        key = ("grow", level, width, beam, last, tuple(logp.shape))  # one captured step (core/capture.py)
-        *fields, cum, record = drafter.steps(key, _grown(width, beam, last), logp, cum)
+        key = ("grow", level, width, beam, last, given, tuple(logits.shape))  # one captured step (core/capture.py)
+        to_logp = (lambda x: x) if given else drafter.to_logp
+        *fields, cum, record = drafter.steps(key, _grown(width, beam, last, to_logp), logits, cum)
         levels.append(Level(*fields, record, prefix=not beam and not last))
     # every candidate is a node, except in a beam, whose tree the host reranks (eagle2.py) before it
     # is verified: no verify forward queued from its rows

@@ -264,7 +264,7 @@ class FeatureDrafter(Drafter):
             self.pending_features.append(features.detach())
             self.pending_tokens.extend(int(t) for t in tokens)
 
-    def expand(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+    def expand_logits(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
         kv = self.kv
         if nodes == [0]:
             if not self.pending_tokens:
@@ -296,7 +296,7 @@ class FeatureDrafter(Drafter):
             for i, n in enumerate(nodes):
                 self.slots[n] = start + i
                 self.out[n] = states[i]
-        return self._logp(logits)
+        return logits
 
     def _level_logits(self, tokens, parents, depth: int, visible: torch.Tensor) -> torch.Tensor:
         """A device level (Drafter.expand_level): each row reads its parent row's predicted feature."""

@@ -64,6 +64,10 @@ class Drafter:
         list of verified nodes whose parents were expanded earlier in this iteration.
         Returns: (len(nodes), vocab) float32 log-probabilities.
         """
+        return self.to_logp(self.expand_logits(tree, nodes))
+
+    def expand_logits(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        """`expand`'s forward: the draft's logits, before `to_logp`."""
         kv = self.kv
         if nodes == [0]:
             self.slots = {}
@@ -83,18 +87,21 @@ class Drafter:
                 len(nodes),
             ).logits
             self.slots.update({n: start + i for i, n in enumerate(nodes)})
-        return self._logp(logits)
+        return logits
 
-    def expand_level(self, tokens: torch.Tensor | None, parents: torch.Tensor | None, depth: int) -> torch.Tensor:
+    def expand_level(
+        self, tokens: torch.Tensor | None, parents: torch.Tensor | None, depth: int, *, raw: bool = False
+    ) -> torch.Tensor:
         """One tree level held on the device, in one forward and with no host read: `tokens` (P,)
         at `depth`, `parents` (P,) their parents' rows in the level before (the root level is one
         row); `None, None, 0` runs the root (the pending chain). Every row is computed, padded
-        ones too (their children are never admitted). Returns (P, vocab) log-probabilities."""
+        ones too (their children are never admitted). Returns (P, vocab) log-probabilities, or with
+        `raw` the logits `to_logp` makes them from (drafting/device.py does that in a captured step)."""
         if tokens is None:
-            logp = self.expand(DraftTree.with_root(0), [0])
-            self.ancestors = torch.zeros(1, 0, dtype=torch.long, device=logp.device)
+            logits = self.expand_logits(DraftTree.with_root(0), [0])
+            self.ancestors = torch.zeros(1, 0, dtype=torch.long, device=logits.device)
             self.level_starts = []
-            return logp
+            return logits if raw else self.to_logp(logits)
         p, start = tokens.shape[0], self.kv.length
         own = torch.arange(start, start + p, device=tokens.device)
         self.ancestors = torch.cat([self.ancestors[parents], own[:, None]], dim=1)  # the root is committed
@@ -102,7 +109,8 @@ class Drafter:
         visible[:, : self.committed] = True
         visible.scatter_(1, self.ancestors, True)
         self.level_starts.append(start)
-        return self._logp(self._level_logits(tokens, parents, depth, visible))
+        logits = self._level_logits(tokens, parents, depth, visible)
+        return logits if raw else self.to_logp(logits)
 
     def _level_logits(self, tokens, parents, depth: int, visible: torch.Tensor) -> torch.Tensor:
         p = tokens.shape[0]
@@ -126,7 +134,7 @@ class Drafter:
             visible[i, length + i] = True
         return visible
 
-    def _logp(self, logits: torch.Tensor) -> torch.Tensor:
+    def to_logp(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits -> (q, target vocab) log-probabilities (through the token map if any)."""
         if self.token_map is not None:
             return self.token_map.to_target_logp(logits)
