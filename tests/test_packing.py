@@ -97,3 +97,27 @@ def test_load_pair_packs_on_cpu_unless_switched_off_and_reports_say_which(tiny_p
     monkeypatch.setenv("DYNATREE_PACK", "0")
     assert not is_packed(load_pair(*tiny_pair_dirs, device="cpu", dtype="float32").target.model)
     assert _bench_says_packed(tiny_pair_dirs, tmp_path) is False
+
+
+def test_decoding_with_a_packed_feature_draft_never_unpacks_a_weight(monkeypatch):
+    """A packed layer's `.weight` is a dense copy made per read: decoding reads dtypes through
+    packing.linear_dtype instead (every draft forward and pair of inputs once read fc.weight)."""
+    from dynatree_core.drafts.feature import FeatureDraft
+
+    target = copy.deepcopy(tiny_model("llama")).float()
+    draft = FeatureDraft.from_target(target, None, seed=0).float()
+    assert pack_linears(draft) > 0 and isinstance(draft.fc, PackedLinear)
+    reads = []
+    import traceback
+
+    def weight(self):
+        reads.append("".join(traceback.format_stack(limit=4)))
+        return self.packed.to_dense()
+
+    monkeypatch.setattr(PackedLinear, "weight", property(weight))
+    for device_draft in (False, True):
+        config = DecodeConfig(max_new_tokens=12, device_draft=device_draft)
+        generate(target, [1, 5, 7, 9], make_method("fixed_tree", {}), draft=draft, config=config)
+        reads.clear()  # the first run builds the lean forward, which fuses weights once per model
+        generate(target, [1, 5, 7, 9], make_method("fixed_tree", {}), draft=draft, config=config)
+        assert reads == [], reads[0]

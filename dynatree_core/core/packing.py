@@ -21,6 +21,11 @@ import os
 import torch
 
 
+def linear_dtype(linear: torch.nn.Module) -> torch.dtype:
+    """A linear layer's weight dtype, packed or not, without copying a packed weight."""
+    return linear.dense_dtype if isinstance(linear, PackedLinear) else linear.weight.dtype
+
+
 class PackedLinear(torch.nn.Module):
     """An `nn.Linear` whose weight lives in oneDNN's packed layout (CPU, float32 / bfloat16)."""
 
@@ -35,7 +40,8 @@ class PackedLinear(torch.nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """A dense copy (for code that reads the weight, e.g. building a full-vocabulary head)."""
+        """A dense copy (for code that reads the weight, e.g. building a full-vocabulary head): a
+        copy per read, so never read it for its dtype (`linear_dtype`)."""
         return self.packed.to_dense(self.dense_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.core.packing import linear_dtype
 from dynatree_core.core.taps import FINAL
 from dynatree_core.core.transfer import to_device
 from dynatree_core.core.tree import DraftTree
@@ -101,7 +102,7 @@ class FeatureDraft(torch.nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+        return linear_dtype(self.fc)  # a packed fc's .weight is a copy made per read
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.embed
@@ -118,7 +119,7 @@ class FeatureDraft(torch.nn.Module):
 
     def inputs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """(q, H) layer inputs for q (token, feature) pairs: fc([embed(token); feature])."""
-        emb = self.embed(to_device(tokens, self.embed.weight.device)).to(self.fc.weight.dtype)
+        emb = self.embed(to_device(tokens, self.embed.weight.device)).to(self.dtype)
         return self.fc(torch.cat([emb, features.to(emb.dtype)], dim=-1))
 
     # -- construction and files --

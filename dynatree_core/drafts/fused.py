@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from dynatree_core.core.forward import Forward
 from dynatree_core.core.kv import KVState
+from dynatree_core.core.packing import linear_dtype
 from dynatree_core.core.taps import check_taps, eagle3_taps
 from dynatree_core.core.transfer import to_device
 from dynatree_core.core.vocab import OTHER, TokenMap
@@ -138,7 +139,7 @@ class FusedDraft(torch.nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+        return linear_dtype(self.fc)  # a packed fc's .weight is a copy made per read
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.embed
