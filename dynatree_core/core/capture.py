@@ -40,6 +40,8 @@ from collections.abc import Callable
 
 import torch
 
+from dynatree_core.core.log import log_exception
+
 STAND_IN_DEVICES: tuple[str, ...] = ()  # where steps replay stand-in graphs (module docstring)
 REPLAYS: Counter = Counter()  # "step": replays of captured steps, process-wide (measure/launches.py reads it)
 _WARNED: set[str] = set()  # one warning per kind of capture failure per process (forwards' and steps')
@@ -78,6 +80,7 @@ def capture_failed(exc: Exception, what: str) -> str:
     reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:160]
     if reason not in _WARNED:
         _WARNED.add(reason)
+        log_exception(what, exc)  # the traceback, in the server log, where a maintainer looks
         warnings.warn(f"{what} ({reason}); continuing without graphs", stacklevel=5)
     return reason
 
