@@ -42,21 +42,28 @@ def records(target, draft, prompt, policy, params, *, stand_in: bool, monkeypatc
 @pytest.mark.parametrize("arch", ARCHS)
 def test_captured_steps_replay_what_the_eager_steps_compute(arch, monkeypatch):
     """Every iteration's record (nodes, mask, positions, the target's choices, committed tokens)
-    is the same with the levels' decisions and the verify rows replayed from captured steps as
-    computed eagerly, for a token draft and a feature draft; the steps were captured once per
-    shape and replayed after (dynatree's tau_h, which drifts, goes in as a tensor, not a capture)."""
+    is the same with the levels (their forwards and inputs), the levels' decisions and the verify
+    rows replayed from captured steps as computed eagerly, for a token draft and a feature draft,
+    the trees' log-probabilities bit for bit; the steps were captured once per shape and replayed after (dynatree's tau_h, which drifts, goes in as a tensor, not a capture)."""
     target, prompt, n = tiny_model(arch), [1, 5, 7, 9, 11], 24
     for draft in (noisy_copy(arch, 0.3), feature_draft(arch)):
         for policy, params in STEPPED:
-            before = capture.REPLAYS["step"]
+            before, levels_before = capture.REPLAYS["step"], capture.REPLAYS["level"]
             stepped = records(target, draft, prompt, policy, params, stand_in=True, monkeypatch=monkeypatch)
-            replays = capture.REPLAYS["step"] - before
+            replays, levels = capture.REPLAYS["step"] - before, capture.REPLAYS["level"] - levels_before
             eager = records(target, draft, prompt, policy, params, stand_in=False, monkeypatch=monkeypatch)
             assert [t for r in stepped for t in r.committed] == hf_greedy(target, prompt, 24), f"{policy} {params}"
             assert [verified(r) for r in stepped] == [verified(r) for r in eager], f"{policy} {params}"
+            # the drafts' log-probabilities too, bit for bit: a captured level sees what the eager one does
+            assert [signature(r.tree) for r in stepped] == [signature(r.tree) for r in eager], f"{policy} {params}"
             drafting = sum(1 for r in stepped if r.draft_forwards)
-            # steps are captured where the draft's forwards run at fixed shapes (not HF's static cache)
-            assert (replays >= drafting) == fixed_shapes(draft, monkeypatch) and replays in (0, *range(drafting, 9 * n))
+            forwards = sum(r.draft_forwards for r in stepped)
+            # steps are captured where the draft's forwards run at fixed shapes (not HF's static cache):
+            # every level after the root's is one step with its forward (KVState.level), and each
+            # forward's decision one more, plus the verify rows
+            captured = fixed_shapes(draft, monkeypatch)
+            assert (replays >= drafting) == captured and replays in (0, *range(drafting, 2 * forwards + drafting + 1))
+            assert levels == (forwards - drafting if captured else 0), f"{policy} {params}: {levels} level steps"
             assert capture.REPLAYS["step"] - before == replays, "the eager run replays nothing"
 
 

@@ -33,6 +33,7 @@ def test_layers_share_one_buffer_that_grows_for_all_of_them_at_once():
     assert torch.equal(layers[0].keys[..., 3:, :], k)
 
 
+@torch.inference_mode()  # as the engine runs (a lean forward built under it is shared by tests)
 def test_compaction_moves_every_layer_in_one_copy_as_the_per_layer_moves_would():
     target = tiny_model("llama")
     kv = KVState(target, list(range(1, 12)), static=True)

@@ -43,7 +43,7 @@ import torch
 from dynatree_core.core.log import log_exception
 
 STAND_IN_DEVICES: tuple[str, ...] = ()  # where steps replay stand-in graphs (module docstring)
-REPLAYS: Counter = Counter()  # "step": replays of captured steps, process-wide (measure/launches.py reads it)
+REPLAYS: Counter = Counter()  # "step": replays of captured steps ("level": of them, draft levels), process-wide
 _WARNED: set[str] = set()  # one warning per kind of capture failure per process (forwards' and steps')
 
 
@@ -152,6 +152,8 @@ class StepGraphs:
                 buf.copy_(t)
         step.graph.replay()
         REPLAYS["step"] += 1
+        if key[0][:1] == ("level",):  # a draft level's forward with its inputs (KVState.level)
+            REPLAYS["level"] += 1
         return step.outputs
 
     def constant(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -161,6 +163,18 @@ class StepGraphs:
             self.constants[key] = make()
             self.fixed.add(_where(self.constants[key]))
         return self.constants[key]
+
+    def buffer(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A device tensor made once per run at a fixed address, which the host writes between
+        steps (the committed length a draft level's step reads): read in place, never copied."""
+        return self.constant(key, make)
+
+    def forget(self, stale: Callable[[tuple], bool]) -> None:
+        """Release the steps whose key `stale` names (graphs over buffers that moved or a span
+        no longer used): their memory, and their outputs' place among the fixed buffers."""
+        for key in [key for key in self.steps if stale(key[0])]:
+            step = self.steps.pop(key)
+            self.fixed.difference_update(_where(t) for t in step.outputs)
 
     def _capture(self, fn, inputs: tuple[torch.Tensor, ...], chained: tuple) -> _Step:
         """Warm up on a side stream, then capture (torch.cuda.graphs docs); the step's input

@@ -29,16 +29,17 @@ which is what the CPU tests compare against the unpadded forward. Wider forwards
 largest bucket (a long prompt's prefill) take the unpadded lean path. A cache that grows, by
 either path, reallocates its buffers: the buckets and graphs built over the old ones are dropped
 before the next call (checked on every call, not only when this class grows them itself).
+A forward whose inputs the device makes (a draft level's mask, slots and positions from the
+committed length) can skip the buckets: `filled` wraps the input-making and the forward in one
+pure step that core/capture.py captures whole (KVState.level).
 
-Safety on a GPU nobody has tried yet:
-- a capture that fails (out of memory, an op that cannot be captured, a library version) warns
-  once, and the model goes on with the same padded forward run eagerly; `fallback` says why;
-- graphs of every run on one device share one memory pool (replays never overlap: one stream),
-  and a pool whose graphs are all gone is never reused for a new capture (torch asserts);
-- capture streams are made on the model's device (cuda:N), and models whose rotary update has
-  a data-dependent branch (`capture_safe`) are never captured;
-- capture seconds are counted apart (`capture_s`), so forward timings and cost models see
-  replays only.
+Safety: a capture that fails (out of memory, an op that cannot be captured, a library version)
+warns once, and the model goes on with the same padded forward run eagerly (`fallback` says why);
+graphs of every run on one device share one memory pool (replays never overlap: one stream), and
+a pool whose graphs are all gone is never reused for a new capture (torch asserts); capture
+streams are made on the model's device (cuda:N); models whose rotary update has a data-dependent
+branch (`capture_safe`) are never captured; capture seconds are counted apart (`capture_s`), so
+forward timings and cost models see replays only.
 """
 
 from __future__ import annotations
@@ -154,11 +155,9 @@ class PaddedForward:
         # width-invariant forwards (invariant.StaticRows): StaticRows(span, linear_rows) as a template
         self.static: StaticRows | None = static
         self.sizes = buckets(max_width or MAX_BUCKET)
-        config = model.config.get_text_config(decoder=True)
-        self.hidden_size = config.hidden_size
+        self.hidden_size = model.config.get_text_config(decoder=True).hidden_size
         block = lean.blocks[0]
-        self.kv_heads = block.qk_heads - block.heads
-        self.head_dim = block.head_dim
+        self.kv_heads, self.head_dim = block.qk_heads - block.heads, block.head_dim
         self.buckets: dict[tuple[int, int, bool], _Bucket] = {}  # (width, span, embeds)
         self.captures = 0  # graphs captured so far (a cache that grows forces recaptures)
         self.capture_s = 0.0  # seconds spent capturing (warm-up included), kept out of forward timings
@@ -184,8 +183,8 @@ class PaddedForward:
         forward's SlotLayer.update): every bucket and graph over the old buffers is then stale."""
         return tuple((layer.capacity, layer.grows, id(layer.key_buf)) for layer in self.layers)
 
-    def _drop_buckets(self) -> None:
-        self.buckets.clear()  # releases their graphs; the shared pool forgets a pool with none left
+    def _drop_buckets(self) -> None:  # releases their graphs; the pool forgets one with none left
+        self.buckets.clear()
 
     def static_for(self, needed: int) -> StaticRows:
         """The width-invariant template, its span grown (every bucket dropped) to hold `needed` keys
@@ -267,10 +266,39 @@ class PaddedForward:
             buf.embeds.zero_()
             buf.embeds[0, :q] = embeds.to(device=device, dtype=dtype)
         self._run(buf)
-        for layer in self.layers:
-            layer.set_length(length + q)
+        self.advance(length + q)
         # copies (the next replay overwrites the bucket's outputs); the states only where wanted
         return Forward(buf.logits[q - logits_to_keep : q].clone(), buf.states[:q].clone() if states else None)
+
+    def plan(self, q: int, length: int, dtype, device, embeds: bool) -> tuple[int, int, tuple] | None:
+        """For a forward whose inputs a captured step makes (`filled`): the width q rows run at,
+        the span they read and the buffers' epoch (graphs over older buffers are stale), the
+        buffers made ready; None for width-invariant rows or q wider than every bucket."""
+        if self.static is not None or not self.fits(q):
+            return None
+        width = self.width_for(q, length, dtype, device, embeds)
+        self._ensure_buffers(length, width, dtype, device)
+        return width, span_for(length + width, self.layers[0].capacity), self._epoch
+
+    def filled(self, fill, width: int, span: int, keep: int):
+        """A pure step (core/capture.py) that runs `fill` and then the lean forward on what it
+        made, the forward's inputs never passing through the buckets: fill(*inputs) -> (ids
+        (1, width), positions (1, width), slots (width,), mask (1, 1, width, span), embeds
+        (1, width, hidden) or None, *extra). The step returns the first `keep` rows' float32
+        logits and final states, then `extra`. Call `advance` after it."""
+
+        def step(*inputs):
+            ids, positions, slots, mask, embeds, *extra = fill(*inputs)
+            writers = [_SlotWriter(layer, slots, span) for layer in self.layers]
+            out = self.lean(ids, positions, mask, writers, width, embeds=embeds, hidden=True)
+            return (out.logits[:keep].float(), out.states[:keep], *extra)
+
+        return step
+
+    def advance(self, length: int) -> None:
+        """The layers' valid length after a `filled` step (its padded rows wrote past it)."""
+        for layer in self.layers:
+            layer.set_length(length)
 
     def _bucket(self, width: int, span: int, dtype, device, embeds: bool) -> _Bucket:
         """The static buffers of (width, span), made on first use (their graph on first run)."""

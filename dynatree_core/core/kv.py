@@ -192,6 +192,27 @@ class KVState:
         )
         return self._done(len(token_ids), out, hidden, (self.padded.capture_s - captured) * 1e3)
 
+    def level(self, key: tuple, make_fill, inputs: tuple, q: int, *, embeds: bool):
+        """One forward of q rows whose inputs a device function makes, that function and the
+        forward captured as ONE step (graphs.PaddedForward.filled; a draft level: drafts/session.py):
+        `make_fill(width, span)` gives the function of `inputs` (its Python values all in `key`).
+        Returns (Forward with logits and states, the fill's extra outputs), or None where this run
+        cannot (steps not captured, width-invariant rows, too wide): then the caller uses `forward`."""
+        if not self.steps.capture or self.padded is None:
+            return None
+        plan = self.padded.plan(q, self.length, self.model.dtype, self.device, embeds)
+        if plan is None:
+            return None
+        width, span, epoch = plan
+        # steps over other buffers or another span are never replayed again: release them
+        self.steps.forget(lambda k: k[0] == "level" and k[-2:] != (span, epoch))
+        captured = self.steps.capture_s
+        self.watch.start()
+        step = self.padded.filled(make_fill(width, span), width, span, q)
+        logits, states, *extra = self.steps(("level", *key, q, width, span, epoch), step, *inputs)
+        self.padded.advance(self.length + q)
+        return self._done(q, Forward(logits, states), True, (self.steps.capture_s - captured) * 1e3), extra
+
     def _invariant(
         self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden, unpadded=False, most_keys=None
     ) -> Forward:

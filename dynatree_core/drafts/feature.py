@@ -311,6 +311,19 @@ class FeatureDrafter(Drafter):
         self.level_states = out.states
         return out.logits
 
+    position_shift = 0  # the root's pair sits at the committed length's position
+
+    def _level_inputs(self, depth: int) -> tuple[torch.Tensor, ...]:
+        """A captured level reads its parents' predicted features (the root's, then the last level's)."""
+        return (self.out[0][None] if depth == 1 else self.level_states,)
+
+    def _level_embeds(self, tokens, parents, width: int, features) -> torch.Tensor:
+        rows = self._pair_rows(tokens, features[parents], fused=False).to(self.kv.model.dtype)
+        return torch.cat([rows, rows.new_zeros(width - rows.shape[0], rows.shape[1])])[None]
+
+    def _level_done(self, out) -> None:
+        self.level_states = out.states
+
     def _pair_rows(self, tokens: torch.Tensor, features: torch.Tensor, *, fused: bool) -> torch.Tensor:
         """The layer's input rows for (token, feature) pairs: the target's features (`fused`: as
         the target handed them over) or a parent node's predicted one; here both read the same way."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.core.transfer import upload_into
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.core.vocab import TokenMap
 
@@ -47,6 +48,7 @@ class Drafter:
         # the first slot of every level after the root's
         self.ancestors = torch.zeros(1, 0, dtype=torch.long)
         self.level_starts: list[int] = []
+        self._committed_on_device: torch.Tensor | None = None  # _upload_committed
 
     @property
     def forwards(self) -> int:
@@ -101,16 +103,81 @@ class Drafter:
             logits = self.expand_logits(DraftTree.with_root(0), [0])
             self.ancestors = torch.zeros(1, 0, dtype=torch.long, device=logits.device)
             self.level_starts = []
+            self._committed_on_device = self._upload_committed(logits.device)
             return logits if raw else self.to_logp(logits)
         p, start = tokens.shape[0], self.kv.length
-        own = torch.arange(start, start + p, device=tokens.device)
-        self.ancestors = torch.cat([self.ancestors[parents], own[:, None]], dim=1)  # the root is committed
-        visible = torch.zeros(p, start + p, dtype=torch.bool, device=tokens.device)
-        visible[:, : self.committed] = True
-        visible.scatter_(1, self.ancestors, True)
         self.level_starts.append(start)
-        logits = self._level_logits(tokens, parents, depth, visible)
+        logits = self._captured_level(tokens, parents, depth, start)
+        if logits is None:
+            own = torch.arange(start, start + p, device=tokens.device)
+            self.ancestors = torch.cat([self.ancestors[parents], own[:, None]], dim=1)  # the root is committed
+            visible = torch.zeros(p, start + p, dtype=torch.bool, device=tokens.device)
+            visible[:, : self.committed] = True
+            visible.scatter_(1, self.ancestors, True)
+            logits = self._level_logits(tokens, parents, depth, visible)
         return logits if raw else self.to_logp(logits)
+
+    def _upload_committed(self, device: torch.device) -> torch.Tensor | None:
+        """Where the run captures its steps: the committed length, uploaded once an iteration into
+        a buffer the level steps read in place (and the root's empty ancestor list, made once)."""
+        steps = self.steps
+        if not steps.capture:
+            return None
+        self.ancestors = steps.constant(("no ancestors",), lambda: self.ancestors)
+        committed = steps.buffer(("committed",), lambda: torch.zeros(1, dtype=torch.long, device=device))
+        upload_into(committed, torch.tensor([self.committed]))
+        return committed
+
+    def _captured_level(self, tokens, parents, depth: int, start: int) -> torch.Tensor | None:
+        """expand_level's forward and everything it reads made on the device in ONE captured step
+        (KVState.level), from the committed length the root's forward uploaded: the rows' slots,
+        ancestors, mask, positions and inputs. Slots sit at a fixed offset from the committed
+        length (a level's width is fixed), so the graph of a level replays every iteration.
+        None where the run does not capture its steps."""
+        if self._committed_on_device is None:
+            return None
+        p, offset = tokens.shape[0], start - self.committed
+        position = depth + self.position_shift
+        dtype = self.kv.model.dtype
+
+        def make_fill(width: int, span: int):
+            def fill(tokens, parents, ancestors, committed, *extra):
+                rows = torch.arange(width, device=tokens.device)
+                slots = committed + offset + rows
+                ancestors = torch.cat([ancestors[parents], slots[:p, None]], dim=1)  # the root is committed
+                every = torch.cat([ancestors, slots[p:, None].expand(width - p, depth)])  # padding: its own slot
+                seen = (torch.arange(span, device=tokens.device) < committed) & (rows < p)[:, None]
+                seen = seen.scatter(1, every, True)
+                mask = torch.zeros(1, 1, width, span, dtype=dtype, device=tokens.device)
+                mask.masked_fill_(~seen, torch.finfo(dtype).min)
+                positions = (committed + position).expand(width).contiguous()[None]
+                ids = torch.cat([self._draft_ids(tokens), tokens.new_zeros(width - p)])[None]
+                embeds = self._level_embeds(tokens, parents, width, *extra)
+                return ids, positions, slots, mask, embeds, ancestors
+
+            return fill
+
+        inputs = (tokens, parents, self.ancestors, self._committed_on_device, *self._level_inputs(depth))
+        key = (type(self).__name__, depth, offset)
+        done = self.kv.level(key, make_fill, inputs, p, embeds=self.wants_features)
+        if done is None:
+            return None
+        out, (self.ancestors,) = done
+        self._level_done(out)
+        return out.logits
+
+    position_shift = -1  # a level at depth d sits at position committed + shift + d (feature drafts: 0)
+
+    def _level_inputs(self, depth: int) -> tuple[torch.Tensor, ...]:
+        """What a captured level reads besides its tokens, parents, ancestors and the committed length."""
+        return ()
+
+    def _level_embeds(self, tokens, parents, width: int, *extra) -> torch.Tensor | None:
+        """A captured level's input vectors (1, width, hidden), or None: the tokens' embeddings."""
+        return None
+
+    def _level_done(self, out) -> None:
+        """What a captured level keeps of its forward besides the logits."""
 
     def _level_logits(self, tokens, parents, depth: int, visible: torch.Tensor) -> torch.Tensor:
         p = tokens.shape[0]
