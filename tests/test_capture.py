@@ -44,13 +44,14 @@ def test_captured_steps_replay_what_the_eager_steps_compute(arch, monkeypatch):
     """Every iteration's record (nodes, mask, positions, the target's choices, committed tokens)
     is the same with the levels (their forwards and inputs), the levels' decisions and the verify
     rows replayed from captured steps as computed eagerly, for a token draft and a feature draft,
-    the trees' log-probabilities bit for bit; the steps were captured once per shape and replayed after (dynatree's tau_h, which drifts, goes in as a tensor, not a capture)."""
-    target, prompt, n = tiny_model(arch), [1, 5, 7, 9, 11], 24
+    the trees' log-probabilities bit for bit; the steps were captured once per shape and replayed
+    after (dynatree's tau_h, which drifts, goes in as a tensor, not a capture)."""
+    target, prompt = tiny_model(arch), [1, 5, 7, 9, 11]
     for draft in (noisy_copy(arch, 0.3), feature_draft(arch)):
         for policy, params in STEPPED:
-            before, levels_before = capture.REPLAYS["step"], capture.REPLAYS["level"]
+            before = capture.REPLAYS.copy()
             stepped = records(target, draft, prompt, policy, params, stand_in=True, monkeypatch=monkeypatch)
-            replays, levels = capture.REPLAYS["step"] - before, capture.REPLAYS["level"] - levels_before
+            replays, levels, verifies = (capture.REPLAYS[k] - before[k] for k in ("step", "level", "verify"))
             eager = records(target, draft, prompt, policy, params, stand_in=False, monkeypatch=monkeypatch)
             assert [t for r in stepped for t in r.committed] == hf_greedy(target, prompt, 24), f"{policy} {params}"
             assert [verified(r) for r in stepped] == [verified(r) for r in eager], f"{policy} {params}"
@@ -59,12 +60,34 @@ def test_captured_steps_replay_what_the_eager_steps_compute(arch, monkeypatch):
             drafting = sum(1 for r in stepped if r.draft_forwards)
             forwards = sum(r.draft_forwards for r in stepped)
             # steps are captured where the draft's forwards run at fixed shapes (not HF's static cache):
-            # every level after the root's is one step with its forward (KVState.level), and each
-            # forward's decision one more, plus the verify rows
+            # every draft forward but the prefill is one step with its inputs (KVState.level), each
+            # forward's decision one more, plus the verify rows and the verify forward with its inputs
+            # (where it is queued from the rows: not eagle2, which reads its beam before verifying)
             captured = fixed_shapes(draft, monkeypatch)
-            assert (replays >= drafting) == captured and replays in (0, *range(drafting, 2 * forwards + drafting + 1))
-            assert levels == (forwards - drafting if captured else 0), f"{policy} {params}: {levels} level steps"
-            assert capture.REPLAYS["step"] - before == replays, "the eager run replays nothing"
+            assert (replays >= drafting) == captured and replays in (0, *range(drafting, 3 * forwards + 1))
+            assert levels == (forwards - 1 if captured else 0), f"{policy} {params}: {levels} level steps"
+            early = policy != "eagle2" and fixed_shapes(target, monkeypatch)
+            assert verifies == (drafting if early else 0), f"{policy} {params}: {verifies} verify steps"
+            assert capture.REPLAYS["step"] - before["step"] == replays, "the eager run replays nothing"
+
+
+def test_a_fused_drafts_captured_forwards_are_its_eager_ones(monkeypatch):
+    """A fused draft (EAGLE-3's layout) runs its own forward, never at fixed shapes, and reads the
+    target's taps, so the verify forward runs uncaptured too: with the target's steps captured it
+    drafts the same trees, bit for bit, and no forward went through a captured step."""
+    from dynatree_core.core.vocab import TokenMap
+    from dynatree_core.drafts.fused import FusedDraft
+
+    target, prompt = tiny_model("llama"), [1, 5, 7, 9, 11]
+    draft = FusedDraft.from_target(target, TokenMap([-1, *range(1, 96, 3)], 96), taps=(1, 1, 1))
+    for policy, params in STEPPED[:3]:
+        before = capture.REPLAYS.copy()
+        stepped = records(target, draft, prompt, policy, params, stand_in=True, monkeypatch=monkeypatch)
+        levels, verifies = (capture.REPLAYS[k] - before[k] for k in ("level", "verify"))
+        eager = records(target, draft, prompt, policy, params, stand_in=False, monkeypatch=monkeypatch)
+        assert [t for r in stepped for t in r.committed] == hf_greedy(target, prompt, 24), f"{policy} {params}"
+        assert [signature(r.tree) for r in stepped] == [signature(r.tree) for r in eager], f"{policy} {params}"
+        assert levels == 0 and verifies == 0 and sum(r.draft_forwards for r in stepped) > 0
 
 
 def fixed_shapes(draft, monkeypatch) -> bool:

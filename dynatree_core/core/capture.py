@@ -12,8 +12,8 @@ tensors, as one graph per `key`:
   policy's parameters): a graph replays the Python values it was captured with, so a value left out
   of the key would be replayed stale. The first call captures with the `fn` given then; later calls
   with the same key replay that capture and never call their own `fn`;
-- inputs are copied into the step's own buffers before a replay, except those that are another
-  step's outputs or a `constant`: their buffers never move, so the graph reads them where they
+- inputs are copied into the step's own buffers before a replay, except another step's outputs
+  (or views of them) and `constant`s: their buffers never move, so the graph reads them where they
   are (chained steps: a level's decision reads the last level's outputs; one graph per key and
   per set of such buffers read). The outputs are the step's buffers, valid until the same step
   replays again (the next iteration's level): consume them before that;
@@ -43,7 +43,9 @@ import torch
 from dynatree_core.core.log import log_exception
 
 STAND_IN_DEVICES: tuple[str, ...] = ()  # where steps replay stand-in graphs (module docstring)
-REPLAYS: Counter = Counter()  # "step": replays of captured steps ("level": of them, draft levels), process-wide
+# "step": replays of captured steps, process-wide; "level", "verify": those that are a draft level's
+# or the verify forward with its inputs (KVState.level)
+REPLAYS: Counter = Counter()
 _WARNED: set[str] = set()  # one warning per kind of capture failure per process (forwards' and steps')
 
 
@@ -108,6 +110,12 @@ def _where(t: torch.Tensor) -> tuple:
     return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
 
 
+def _memory(t: torch.Tensor) -> int:
+    """The allocation a tensor lies in: a view of a step's output (a level's first rows) is read
+    in place as the output is, its own place (`_where`) in the key."""
+    return t.untyped_storage().data_ptr()
+
+
 def capture_wanted(device: torch.device, fixed_shapes: bool, captured: bool) -> bool:
     """Capture a run's steps: where its forwards run at fixed shapes and are captured (CUDA), or
     on a stand-in device; DYNATREE_STEP_GRAPHS=0 turns it off (to measure what it buys)."""
@@ -123,7 +131,7 @@ class StepGraphs:
         self.device, self.capture = device, capture
         self.steps: dict[tuple, _Step] = {}
         self.constants: dict[tuple, torch.Tensor] = {}
-        self.fixed: set[tuple] = set()  # where the steps' outputs and the constants lie (`_where`)
+        self.fixed: set[int] = set()  # the memory of the steps' outputs and the constants (`_memory`)
         self.captures = 0
         self.capture_s = 0.0
         self.fallback: str | None = None  # why capture was given up
@@ -133,7 +141,7 @@ class StepGraphs:
             return fn(*inputs)
         # inputs that are another step's outputs (or constants) are read where they are, not copied:
         # their buffers are fixed, so the graph is keyed by which buffers it reads
-        chained = tuple(_where(t) if _where(t) in self.fixed else None for t in inputs)
+        chained = tuple(_where(t) if _memory(t) in self.fixed else None for t in inputs)
         key = (key, chained)
         step = self.steps.get(key)
         if step is None:
@@ -141,7 +149,7 @@ class StepGraphs:
             try:
                 step = self.steps[key] = self._capture(fn, inputs, chained)
                 self.captures += 1
-                self.fixed.update(_where(t) for t in step.outputs)
+                self.fixed.update(_memory(t) for t in step.outputs)
             except Exception as exc:  # any capture failure: warn once, continue eagerly
                 self._give_up(exc)
                 return fn(*inputs)
@@ -152,8 +160,8 @@ class StepGraphs:
                 buf.copy_(t)
         step.graph.replay()
         REPLAYS["step"] += 1
-        if key[0][:1] == ("level",):  # a draft level's forward with its inputs (KVState.level)
-            REPLAYS["level"] += 1
+        if key[0][:1] in (("level",), ("verify",)):  # a forward with its inputs (KVState.level)
+            REPLAYS[key[0][0]] += 1
         return step.outputs
 
     def constant(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -161,8 +169,15 @@ class StepGraphs:
         iteration, it is copied nowhere (the step captured over it)."""
         if key not in self.constants:
             self.constants[key] = make()
-            self.fixed.add(_where(self.constants[key]))
+            self.fixed.add(_memory(self.constants[key]))
         return self.constants[key]
+
+    def share_fixed(self, other: StepGraphs) -> None:
+        """Read `other`'s outputs in place too, and it ours (one run's target and draft on one
+        device: the verify forward's step reads the rows the draft's step built)."""
+        if other.device == self.device:
+            self.fixed |= other.fixed
+            other.fixed = self.fixed
 
     def buffer(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """A device tensor made once per run at a fixed address, which the host writes between
@@ -174,7 +189,7 @@ class StepGraphs:
         no longer used): their memory, and their outputs' place among the fixed buffers."""
         for key in [key for key in self.steps if stale(key[0])]:
             step = self.steps.pop(key)
-            self.fixed.difference_update(_where(t) for t in step.outputs)
+            self.fixed.difference_update(_memory(t) for t in step.outputs)
 
     def _capture(self, fn, inputs: tuple[torch.Tensor, ...], chained: tuple) -> _Step:
         """Warm up on a side stream, then capture (torch.cuda.graphs docs); the step's input

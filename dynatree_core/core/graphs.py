@@ -195,7 +195,7 @@ class PaddedForward:
             self._drop_buckets()
         return self.static
 
-    def fits(self, q: int) -> bool:
+    def fits(self, q: int) -> bool:  # a bucket holds q rows
         return bucket_for(q, self.sizes) is not None
 
     def _ensure_buffers(self, length: int, width: int, dtype, device) -> None:
@@ -270,33 +270,31 @@ class PaddedForward:
         # copies (the next replay overwrites the bucket's outputs); the states only where wanted
         return Forward(buf.logits[q - logits_to_keep : q].clone(), buf.states[:q].clone() if states else None)
 
-    def plan(self, q: int, length: int, dtype, device, embeds: bool) -> tuple[int, int, tuple] | None:
-        """For a forward whose inputs a captured step makes (`filled`): the width q rows run at,
-        the span they read and the buffers' epoch (graphs over older buffers are stale), the
-        buffers made ready; None for width-invariant rows or q wider than every bucket."""
-        if self.static is not None or not self.fits(q):
-            return None
+    def plan(self, q: int, length: int, dtype, device, embeds: bool) -> tuple[int, int, tuple]:
+        """For a forward whose inputs a captured step makes (`filled`; not width-invariant rows, q
+        fits a bucket): the width q rows run at, the span they read and the buffers' epoch (graphs
+        over older buffers are stale), the buffers made ready."""
         width = self.width_for(q, length, dtype, device, embeds)
         self._ensure_buffers(length, width, dtype, device)
         return width, span_for(length + width, self.layers[0].capacity), self._epoch
 
-    def filled(self, fill, width: int, span: int, keep: int):
+    def filled(self, fill, width: int, span: int, q: int, keep: int):
         """A pure step (core/capture.py) that runs `fill` and then the lean forward on what it
         made, the forward's inputs never passing through the buckets: fill(*inputs) -> (ids
         (1, width), positions (1, width), slots (width,), mask (1, 1, width, span), embeds
-        (1, width, hidden) or None, *extra). The step returns the first `keep` rows' float32
-        logits and final states, then `extra`. Call `advance` after it."""
+        (1, width, hidden) or None, *extra), the first q rows real. The step returns the float32
+        logits of the last `keep` real rows and the real rows' final states, then `extra`. Call
+        `advance` after it."""
 
         def step(*inputs):
             ids, positions, slots, mask, embeds, *extra = fill(*inputs)
             writers = [_SlotWriter(layer, slots, span) for layer in self.layers]
             out = self.lean(ids, positions, mask, writers, width, embeds=embeds, hidden=True)
-            return (out.logits[:keep].float(), out.states[:keep], *extra)
+            return (out.logits[q - keep : q].float(), out.states[:q], *extra)
 
         return step
 
-    def advance(self, length: int) -> None:
-        """The layers' valid length after a `filled` step (its padded rows wrote past it)."""
+    def advance(self, length: int) -> None:  # the valid length after a step (padded rows wrote past it)
         for layer in self.layers:
             layer.set_length(length)
 

@@ -192,24 +192,29 @@ class KVState:
         )
         return self._done(len(token_ids), out, hidden, (self.padded.capture_s - captured) * 1e3)
 
-    def level(self, key: tuple, make_fill, inputs: tuple, q: int, *, embeds: bool):
+    def fills(self, q: int) -> bool:
+        """Whether `level` runs a q-row forward as one captured step (its conditions below)."""
+        padded = self.padded
+        return self.steps.capture and padded is not None and padded.static is None and padded.fits(q)
+
+    def level(self, key: tuple, make_fill, inputs: tuple, q: int, *, embeds: bool, keep: int | None = None):
         """One forward of q rows whose inputs a device function makes, that function and the
-        forward captured as ONE step (graphs.PaddedForward.filled; a draft level: drafts/session.py):
-        `make_fill(width, span)` gives the function of `inputs` (its Python values all in `key`).
-        Returns (Forward with logits and states, the fill's extra outputs), or None where this run
-        cannot (steps not captured, width-invariant rows, too wide): then the caller uses `forward`."""
-        if not self.steps.capture or self.padded is None:
+        forward captured as ONE step (graphs.PaddedForward.filled; a draft level: drafts/session.py,
+        the verify forward: decoding/batch.py): `make_fill(width, span)` gives the function of
+        `inputs` (its Python values all in `key`, whose first item names the kind: "level" or
+        "verify"). Returns (Forward with the last `keep` rows' logits (default: all) and every row's
+        states, the fill's extra outputs), or None where this run cannot (`fills`): the caller then
+        uses `forward`."""
+        if not self.fills(q):
             return None
-        plan = self.padded.plan(q, self.length, self.model.dtype, self.device, embeds)
-        if plan is None:
-            return None
-        width, span, epoch = plan
+        width, span, epoch = self.padded.plan(q, self.length, self.model.dtype, self.device, embeds)
         # steps over other buffers or another span are never replayed again: release them
-        self.steps.forget(lambda k: k[0] == "level" and k[-2:] != (span, epoch))
+        self.steps.forget(lambda k: k[:1] == key[:1] and k[-2:] != (span, epoch))
         captured = self.steps.capture_s
         self.watch.start()
-        step = self.padded.filled(make_fill(width, span), width, span, q)
-        logits, states, *extra = self.steps(("level", *key, q, width, span, epoch), step, *inputs)
+        keep = q if keep is None else keep
+        step = self.padded.filled(make_fill(width, span), width, span, q, keep)
+        logits, states, *extra = self.steps((*key, q, keep, width, span, epoch), step, *inputs)
         self.padded.advance(self.length + q)
         return self._done(q, Forward(logits, states), True, (self.steps.capture_s - captured) * 1e3), extra
 

@@ -20,7 +20,7 @@ import torch
 from dynatree_core.core.forward import Forward
 from dynatree_core.core.kv import chain_then_tree_visibility
 from dynatree_core.core.taps import FINAL
-from dynatree_core.core.transfer import PhaseClock, to_device
+from dynatree_core.core.transfer import PhaseClock, to_device, upload_into
 from dynatree_core.core.tree import DraftTree
 
 
@@ -103,16 +103,37 @@ class EarlyVerify:
         kv, device = self.state.target_kv, rows.tokens.device
         past, chain, root = kv.length, kv.pending, len(self.state.committed) - 1
         self.past = past
-        ids = torch.cat([to_device(torch.tensor(chain), device), rows.tokens])  # one upload: the chain
-        positions = torch.cat([torch.arange(past, past + len(chain), device=device), root + rows.depths])
-        visible = chain_then_tree_visibility(past, len(chain), rows.ancestors[1:, 1:])
-        self.width = ids.shape[0]
-        self.clock.mark()
-        # no row sees more than the past, the chain and its ancestors (`depth` at most, itself included)
-        most_keys = past + len(chain) + depth
-        self.out = verify_forward(self.state, ids, positions, visible, rows.tokens.shape[0] + 1, most_keys)
+        self.width = len(chain) + rows.tokens.shape[0]
+        self.out = self._captured(rows, past, chain, root)
+        if self.out is None:
+            ids = torch.cat([to_device(torch.tensor(chain), device), rows.tokens])  # one upload: the chain
+            positions = torch.cat([torch.arange(past, past + len(chain), device=device), root + rows.depths])
+            visible = chain_then_tree_visibility(past, len(chain), rows.ancestors[1:, 1:])
+            self.clock.mark()
+            # no row sees more than the past, the chain and its ancestors (`depth` at most, itself included)
+            most_keys = past + len(chain) + depth
+            self.out = verify_forward(self.state, ids, positions, visible, rows.tokens.shape[0] + 1, most_keys)
         self.clock.mark()
         self.verify_capture_ms = (self.state.capture_s() - self.captured) * 1e3 - self.draft_capture_ms
+
+    def _captured(self, rows, past: int, chain: list[int], root: int) -> Forward | None:
+        """The verify forward and its inputs (ids, positions, slots, mask) as ONE captured step
+        (KVState.level) where the target's steps are captured and its forward is at fixed shapes
+        without width-invariant rows (else None): the chain, the cache's length and the root's
+        position go up in one upload into a buffer the step reads; the rows are the rows step's
+        outputs, read where they are. A feature draft's taps other than the final states: None."""
+        state, kv = self.state, self.state.target_kv
+        drafter = state.drafter
+        if not kv.fills(len(chain) + rows.tokens.shape[0]) or (drafter.wants_features and drafter.taps != (FINAL,)):
+            return None
+        n, w = len(chain), rows.tokens.shape[0]
+        host = kv.steps.buffer(("verify inputs", n), lambda: torch.zeros(n + 2, dtype=torch.long, device=kv.device))
+        upload_into(host, torch.tensor([past, root, *chain]))
+        self.clock.mark()
+        done = kv.level(("verify", n, w), _verify_fill(n, w, kv.model.dtype), (host, rows.tokens, rows.depths,
+                        rows.ancestors), n + w, embeds=False, keep=w + 1)  # fmt: skip
+        out, _ = done
+        return Forward(out.logits, out.states if drafter.wants_features else None)
 
     def batch(self, tree: DraftTree) -> VerifyBatch:
         """The host's record of what was verified; raises if the tree the host replayed is not the
@@ -128,3 +149,33 @@ class EarlyVerify:
         ):
             raise RuntimeError("the verify rows built on the device differ from the tree the host read")
         return batch
+
+
+def _verify_fill(n: int, w: int, dtype: torch.dtype):
+    """The verify forward's inputs from the uploaded [past, root, *chain] and the tree's rows, at
+    a fixed width and span (KVState.level): the chain (causal) then the rows, which see the past,
+    the chain and their ancestors (TreeRows.ancestors, the root's row first); padding sees itself."""
+    q = n + w
+
+    def make_fill(width: int, span: int):
+        def fill(host, tokens, depths, ancestors):
+            device = tokens.device
+            past, root, chain = host[0], host[1], host[2:]
+            pad = torch.zeros(width - q, dtype=torch.long, device=device)
+            ids = torch.cat([chain, tokens, pad])[None]
+            positions = torch.cat([past + torch.arange(n, device=device), root + depths, pad])[None]
+            rows = torch.arange(width, device=device)
+            slots = past + rows
+            # the new rows among themselves: chain_then_tree_visibility's block, padding rows on the diagonal
+            block = torch.eye(width, dtype=torch.bool, device=device)
+            block[:q, :q] = chain_then_tree_visibility(0, n, ancestors[1:, 1:])
+            cols = torch.arange(span, device=device) - past  # a key slot, counted from the first new row
+            seen = (cols < 0)[None] & (rows < q)[:, None]
+            seen |= (cols >= 0)[None] & (cols < width)[None] & block[:, cols.clamp(0, width - 1)]
+            mask = torch.zeros(1, 1, width, span, dtype=dtype, device=device)
+            mask.masked_fill_(~seen, torch.finfo(dtype).min)
+            return ids, positions, slots, mask, None
+
+        return fill
+
+    return make_fill

@@ -150,6 +150,7 @@ def start_run(
         else:
             drafter = Drafter(draft, prompt_ids, vocab, draft_token_map, kv=KVState(draft, prompt_ids, **paths))
         weights += weight_bytes(draft)
+        target_kv.steps.share_fixed(drafter.steps)  # the verify step reads the draft's rows in place
     policy.reset()
     return DecodeState(
         target_kv=target_kv,

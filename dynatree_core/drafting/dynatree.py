@@ -7,7 +7,7 @@ import collections
 
 import torch
 
-from dynatree_core.core.transfer import to_device
+from dynatree_core.core.transfer import to_device, upload_into
 from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.drafting.common import admit_level, drafter_of, leaf_reason, safe_log
 from dynatree_core.drafting.device import admitted_levels, children, replay_level
@@ -116,10 +116,16 @@ class DynaTreeAdaptive(Policy):
     def _log_tau_h(self, drafter) -> torch.Tensor:
         """log tau_h on the device: uploaded each iteration where the branch adapts (it drifts by
         0.05 steps: in a captured step's key it would capture a graph per value), else unused."""
-        device = drafter.steps.device
+        steps, device = drafter.steps, drafter.steps.device
         if not self.config["adaptive_branch"]:
-            return drafter.steps.constant(("unused",), lambda: torch.zeros((), dtype=torch.float64, device=device))
-        return to_device(torch.tensor(safe_log(self.tau_h), dtype=torch.float64), device)
+            return steps.constant(("unused",), lambda: torch.zeros((), dtype=torch.float64, device=device))
+        value = torch.tensor(safe_log(self.tau_h), dtype=torch.float64)
+        if not steps.capture:
+            return to_device(value, device)
+        # captured steps read it in place: one upload an iteration, not a copy into every level's step
+        held = steps.buffer(("log tau_h",), lambda: torch.zeros((), dtype=torch.float64, device=device))
+        upload_into(held, value)
+        return held
 
     def _propose(self, level: int, logp, cum, valid, drafted, log_tau_h):
         """A level's candidates on the device (device.admitted_levels): the rows `_gate` and the

@@ -271,17 +271,18 @@ class FeatureDrafter(Drafter):
             if not self.pending_tokens:
                 raise DynaTreeError("the feature draft has no target features yet: it drafts from the second iteration")
             self.slots, self.out = {}, {}
-            feats = torch.cat(self.pending_features)
-            tokens = torch.tensor(self.pending_tokens)
+            feats = torch.cat(self.pending_features) if len(self.pending_features) > 1 else self.pending_features[0]
             n = len(self.pending_tokens)
-            visible = chain_then_tree_visibility(kv.length, n, torch.zeros(0, 0, dtype=torch.bool))
-            positions = list(range(kv.length + 1, kv.length + 1 + n))
-            rows = self._pair_rows(tokens, feats, fused=True)
-            out = kv.forward(self.pending_tokens, positions, visible, 1, embeds=rows, hidden=True)
+            out = self._captured_root(self.pending_tokens, kv.length + 1, feats)
+            if out is None:
+                visible = chain_then_tree_visibility(kv.length, n, torch.zeros(0, 0, dtype=torch.bool))
+                positions = list(range(kv.length + 1, kv.length + 1 + n))
+                rows = self._pair_rows(torch.tensor(self.pending_tokens), feats, fused=True)
+                out = kv.forward(self.pending_tokens, positions, visible, 1, embeds=rows, hidden=True)
             logits, states = out.logits, out.states
             self.pending_features, self.pending_tokens = [], []
             self.committed = kv.length
-            self.root_position = positions[-1]
+            self.root_position = kv.length
             self.slots[0] = kv.length - 1
             self.out[0] = states[-1]
         else:
@@ -318,7 +319,14 @@ class FeatureDrafter(Drafter):
         return (self.out[0][None] if depth == 1 else self.level_states,)
 
     def _level_embeds(self, tokens, parents, width: int, features) -> torch.Tensor:
-        rows = self._pair_rows(tokens, features[parents], fused=False).to(self.kv.model.dtype)
+        return self._padded(self._pair_rows(tokens, features[parents], fused=False), width)
+
+    def _root_embeds(self, chain, width: int, features) -> torch.Tensor:
+        return self._padded(self._pair_rows(chain, features, fused=True), width)
+
+    def _padded(self, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """(q, H) input rows as a fixed-width forward's (1, width, H) inputs, zero rows after."""
+        rows = rows.to(self.kv.model.dtype)
         return torch.cat([rows, rows.new_zeros(width - rows.shape[0], rows.shape[1])])[None]
 
     def _level_done(self, out) -> None:

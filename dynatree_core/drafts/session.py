@@ -73,9 +73,12 @@ class Drafter:
         kv = self.kv
         if nodes == [0]:
             self.slots = {}
-            chain = self._draft_ids(kv.pending)
-            visible = chain_then_tree_visibility(kv.length, len(chain), torch.zeros(0, 0, dtype=torch.bool))
-            logits = kv.forward(chain, list(range(kv.length, kv.length + len(chain))), visible, 1).logits
+            out = self._captured_root(kv.pending, kv.length)
+            if out is None:
+                chain = self._draft_ids(kv.pending)
+                visible = chain_then_tree_visibility(kv.length, len(chain), torch.zeros(0, 0, dtype=torch.bool))
+                out = kv.forward(chain, list(range(kv.length, kv.length + len(chain))), visible, 1)
+            logits = out.logits
             kv.pending = []
             self.committed = kv.length
             self.slots[0] = kv.length - 1
@@ -116,6 +119,40 @@ class Drafter:
             visible.scatter_(1, self.ancestors, True)
             logits = self._level_logits(tokens, parents, depth, visible)
         return logits if raw else self.to_logp(logits)
+
+    def _captured_root(self, tokens: list[int], first: int, *extra: torch.Tensor):
+        """The root's forward (the pending chain at positions from `first`, causal after the
+        committed entries) as ONE captured step with its inputs (KVState.level), after the
+        prefill, where the run captures its steps; the chain, the cache's length and `first` go
+        up in one upload. `extra`: what `_root_embeds` reads. None elsewhere."""
+        kv, n = self.kv, len(tokens)
+        if kv.length == 0 or not kv.fills(n):
+            return None
+        host = kv.steps.buffer(("root inputs", n), lambda: torch.zeros(n + 2, dtype=torch.long, device=kv.device))
+        upload_into(host, torch.tensor([kv.length, first, *tokens]))
+        dtype = kv.model.dtype
+
+        def make_fill(width: int, span: int):
+            def fill(host, *extra):
+                length, first, chain = host[0], host[1], host[2:]
+                rows, pad = torch.arange(width, device=host.device), host.new_zeros(width - n)
+                ids = torch.cat([self._draft_ids(chain), pad])[None]
+                positions = torch.cat([first + rows[:n], pad])[None]
+                slots = length + rows
+                key = torch.arange(span, device=host.device) - length  # a slot, from the first new row
+                seen = ((rows < n)[:, None] & (key[None] <= rows[:, None])) | (key[None] == rows[:, None])
+                mask = torch.zeros(1, 1, width, span, dtype=dtype, device=host.device)
+                mask.masked_fill_(~seen, torch.finfo(dtype).min)
+                return ids, positions, slots, mask, self._root_embeds(chain, width, *extra)
+
+            return fill
+
+        key = ("level", type(self).__name__, "root", n)
+        return kv.level(key, make_fill, (host, *extra), n, embeds=self.wants_features, keep=1)[0]
+
+    def _root_embeds(self, chain: torch.Tensor, width: int, *extra) -> torch.Tensor | None:
+        """A captured root's input vectors (1, width, hidden), or None: the tokens' embeddings."""
+        return None
 
     def _upload_committed(self, device: torch.device) -> torch.Tensor | None:
         """Where the run captures its steps: the committed length, uploaded once an iteration into
@@ -158,7 +195,7 @@ class Drafter:
             return fill
 
         inputs = (tokens, parents, self.ancestors, self._committed_on_device, *self._level_inputs(depth))
-        key = (type(self).__name__, depth, offset)
+        key = ("level", type(self).__name__, depth, offset)
         done = self.kv.level(key, make_fill, inputs, p, embeds=self.wants_features)
         if done is None:
             return None
