@@ -90,6 +90,29 @@ def test_a_fused_drafts_captured_forwards_are_its_eager_ones(monkeypatch):
         assert levels == 0 and verifies == 0 and sum(r.draft_forwards for r in stepped) > 0
 
 
+def test_captured_forwards_stay_exact_where_the_span_they_read_doubles(monkeypatch):
+    """A prompt just short of the smallest span (graphs.MIN_SPAN): the iterations cross into the
+    next span, their forwards' steps are captured again over it, and the trees stay the eager ones."""
+    from dynatree_core.core.graphs import MIN_SPAN
+
+    target, draft = tiny_model("llama"), noisy_copy("llama", 0.3)
+    prompt = [1 + i % 90 for i in range(MIN_SPAN - 20)]
+    stepped = records(target, draft, prompt, "fixed_tree", {}, stand_in=True, monkeypatch=monkeypatch, n=32)
+    eager = records(target, draft, prompt, "fixed_tree", {}, stand_in=False, monkeypatch=monkeypatch, n=32)
+    assert [t for r in stepped for t in r.committed] == hf_greedy(target, prompt, 32)
+    assert [signature(r.tree) for r in stepped] == [signature(r.tree) for r in eager]
+    assert [verified(r) for r in stepped] == [verified(r) for r in eager]
+
+
+def test_forgotten_steps_release_their_outputs_place_among_the_fixed():
+    steps = StepGraphs(CPU, capture=True)
+    (a,) = steps(("level", 256), lambda t: (t + 1,), torch.zeros(2))
+    (b,) = steps(("level", 512), lambda t: (t + 2,), torch.zeros(2))
+    steps.forget(lambda key: key[-1] == 256)
+    assert [key[0] for key in steps.steps] == [("level", 512)]
+    assert capture._memory(b) in steps.fixed and capture._memory(a) not in steps.fixed
+
+
 def fixed_shapes(draft, monkeypatch) -> bool:
     monkeypatch.setattr(capture, "STAND_IN_DEVICES", ("cpu",))
     model = draft.lm if hasattr(draft, "lm") else draft

@@ -208,8 +208,10 @@ class KVState:
         if not self.fills(q):
             return None
         width, span, epoch = self.padded.plan(q, self.length, self.model.dtype, self.device, embeds)
-        # steps over other buffers or another span are never replayed again: release them
-        self.steps.forget(lambda k: k[:1] == key[:1] and k[-2:] != (span, epoch))
+        # release steps over buffers that moved, and over spans the cache has outgrown (a forward's
+        # span doubles as the cache grows; one iteration's forwards straddle two spans at most, so
+        # a span a quarter of this one is never used again; were it, it would be captured again)
+        self.steps.forget(lambda k: k[:1] == key[:1] and (k[-1] != epoch or 4 * k[-2] <= span))
         captured = self.steps.capture_s
         self.watch.start()
         keep = q if keep is None else keep
