@@ -104,9 +104,10 @@ class Drafter:
         `raw` the logits `to_logp` makes them from (drafting/device.py does that in a captured step)."""
         if tokens is None:
             logits = self.expand_logits(DraftTree.with_root(0), [0])
-            self.ancestors = torch.zeros(1, 0, dtype=torch.long, device=logits.device)
             self.level_starts = []
             self._committed_on_device = self._upload_committed(logits.device)
+            if self._committed_on_device is None:
+                self.ancestors = torch.zeros(1, 0, dtype=torch.long, device=logits.device)
             return logits if raw else self.to_logp(logits)
         p, start = tokens.shape[0], self.kv.length
         self.level_starts.append(start)
@@ -160,7 +161,7 @@ class Drafter:
         steps = self.steps
         if not steps.capture:
             return None
-        self.ancestors = steps.constant(("no ancestors",), lambda: self.ancestors)
+        self.ancestors = steps.constant(("no ancestors",), lambda: torch.zeros(1, 0, dtype=torch.long, device=device))
         committed = steps.buffer(("committed",), lambda: torch.zeros(1, dtype=torch.long, device=device))
         upload_into(committed, torch.tensor([self.committed]))
         return committed
