@@ -257,11 +257,7 @@ class KVState:
         return ids, positions, inputs
 
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
-        """visible (q, kv) bool -> (1, 1, q, kv) additive mask: 0 where visible, the dtype's min elsewhere."""
-        dtype = self.model.dtype
-        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)
-        mask.masked_fill_(~to_device(visible, self.device), torch.finfo(dtype).min)
-        return mask[None, None]
+        return additive(to_device(visible, self.device), self.model.dtype)
 
     def _done(self, q: int, out: Forward, hidden, capture_ms: float = 0.0) -> Forward:
         """Account for a forward of q rows (its span on the stopwatch, less any capture in it)."""
@@ -320,6 +316,12 @@ class KVState:
 def _check_layer(layer) -> None:
     if getattr(layer, "is_sliding", False):
         raise DynaTreeError("models with sliding-window attention caches are not supported yet")
+
+
+def additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """visible (q, kv) bool -> (1, 1, q, kv) additive mask: 0 where visible, the dtype's min elsewhere."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~visible, torch.finfo(dtype).min)[None, None]
 
 
 def chain_then_tree_visibility(past: int, n_chain: int, tree_ancestors: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from dynatree_core.core.forward import Forward
-from dynatree_core.core.kv import chain_then_tree_visibility
+from dynatree_core.core.kv import additive, chain_then_tree_visibility
 from dynatree_core.core.taps import FINAL
 from dynatree_core.core.transfer import PhaseClock, to_device, upload_into
 from dynatree_core.core.tree import DraftTree
@@ -172,9 +172,7 @@ def _verify_fill(n: int, w: int, dtype: torch.dtype):
             cols = torch.arange(span, device=device) - past  # a key slot, counted from the first new row
             seen = (cols < 0)[None] & (rows < q)[:, None]
             seen |= (cols >= 0)[None] & (cols < width)[None] & block[:, cols.clamp(0, width - 1)]
-            mask = torch.zeros(1, 1, width, span, dtype=dtype, device=device)
-            mask.masked_fill_(~seen, torch.finfo(dtype).min)
-            return ids, positions, slots, mask, None
+            return ids, positions, slots, additive(seen, dtype), None
 
         return fill
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.core.kv import KVState, additive, chain_then_tree_visibility
 from dynatree_core.core.transfer import upload_into
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.core.vocab import TokenMap
@@ -142,9 +142,7 @@ class Drafter:
                 slots = length + rows
                 key = torch.arange(span, device=host.device) - length  # a slot, from the first new row
                 seen = ((rows < n)[:, None] & (key[None] <= rows[:, None])) | (key[None] == rows[:, None])
-                mask = torch.zeros(1, 1, width, span, dtype=dtype, device=host.device)
-                mask.masked_fill_(~seen, torch.finfo(dtype).min)
-                return ids, positions, slots, mask, self._root_embeds(chain, width, *extra)
+                return ids, positions, slots, additive(seen, dtype), self._root_embeds(chain, width, *extra)
 
             return fill
 
@@ -186,12 +184,10 @@ class Drafter:
                 every = torch.cat([ancestors, slots[p:, None].expand(width - p, depth)])  # padding: its own slot
                 seen = (torch.arange(span, device=tokens.device) < committed) & (rows < p)[:, None]
                 seen = seen.scatter(1, every, True)
-                mask = torch.zeros(1, 1, width, span, dtype=dtype, device=tokens.device)
-                mask.masked_fill_(~seen, torch.finfo(dtype).min)
                 positions = (committed + position).expand(width).contiguous()[None]
                 ids = torch.cat([self._draft_ids(tokens), tokens.new_zeros(width - p)])[None]
                 embeds = self._level_embeds(tokens, parents, width, *extra)
-                return ids, positions, slots, mask, embeds, ancestors
+                return ids, positions, slots, additive(seen, dtype), embeds, ancestors
 
             return fill
 
