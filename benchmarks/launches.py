@@ -9,7 +9,7 @@ captured as one graph a step (`device_steps`: CUDA's default; stand-in graphs he
 that launch work (views and allocations excluded) and replays, per iteration; on a CPU host and
 device ops are one count. The tokens are the same every way (checked).
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks.launches [--prompts 2] [--max-new-tokens 48]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.launches [--prompts 2] [--max-new-tokens 48] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -56,9 +56,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=2, help="the first N OOD prompts")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", default=str(RESULTS / "cpu-launches.json"))
+    parser.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="bfloat16: width-invariant target forwards"
+    )
+    parser.add_argument("--out", help="default: assets/benchmarks/cpu-launches[-bfloat16].json")
     args = parser.parse_args(argv)
-    pair = load_pair("embedded", device=args.device, dtype="float32")
+    args.out = args.out or str(RESULTS / f"cpu-launches{'' if args.dtype == 'float32' else '-' + args.dtype}.json")
+    pair = load_pair("embedded", device=args.device, dtype=args.dtype)
     prompts = load_prompts("ood")[: args.prompts]
     encoded = [encode_prompt(pair.target.tokenizer, p.text, chat=p.chat, history=p.history) for p in prompts]
     saved = os.environ.get("DYNATREE_STEP_GRAPHS")

@@ -6,6 +6,8 @@ tests see; `gpu-check` runs the same runs on a GPU with real graphs."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import ARCHS, examples, hf_greedy, noisy_copy, tiny_model
@@ -17,7 +19,7 @@ from test_feature_draft import feature_draft
 from dynatree_core.core import capture
 from dynatree_core.core.capture import StepGraphs
 from dynatree_core.core.kv import KVState
-from dynatree_core.decoding.engine import DecodeConfig, decode
+from dynatree_core.decoding.engine import DecodeConfig, decode, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting import DraftRequest, make_policy
 
@@ -62,13 +64,107 @@ def test_captured_steps_replay_what_the_eager_steps_compute(arch, monkeypatch):
             # steps are captured where the draft's forwards run at fixed shapes (not HF's static cache):
             # every draft forward but the prefill is one step with its inputs (KVState.level), each
             # forward's decision one more, plus the verify rows and the verify forward with its inputs
-            # (where it is queued from the rows: not eagle2, which reads its beam before verifying)
             captured = fixed_shapes(draft, monkeypatch)
-            assert (replays >= drafting) == captured and replays in (0, *range(drafting, 3 * forwards + 1))
+            most = 3 * forwards + len(stepped)  # and at most one chain's verify an iteration
+            assert (replays >= drafting) == captured and replays in (0, *range(drafting, most + 1))
             assert levels == (forwards - 1 if captured else 0), f"{policy} {params}: {levels} level steps"
-            early = policy != "eagle2" and fixed_shapes(target, monkeypatch)
-            assert verifies == (drafting if early else 0), f"{policy} {params}: {verifies} verify steps"
+            # every iteration's verify forward is one step (core/filled.py): queued from the rows,
+            # or from a batch built on the host (eagle2, which reads its beam before verifying; an
+            # iteration that drafted nothing) but for a prefill (the target's cache empty)
+            expected = captured_verifies(stepped, policy) if fixed_shapes(target, monkeypatch) else 0
+            assert verifies == expected, f"{policy} {params}: {verifies} verify steps"
             assert capture.REPLAYS["step"] - before["step"] == replays, "the eager run replays nothing"
+
+
+@pytest.mark.parametrize("arch", ("llama", "qwen2"))
+def test_width_invariant_verify_forwards_capture_their_inputs_and_keep_ars_tokens(arch, monkeypatch):
+    """bfloat16 (width-invariant forwards by default, at fixed shapes): every verify forward after
+    the prefill is one captured step with its inputs (queued from the rows, or from a batch built
+    on the host: eagle2), each row's slots in sequence order built inside it
+    (invariant.StaticRows.build); the tokens are bfloat16 `ar`'s, and every record and tree the
+    eager run's, bit for bit."""
+    from test_invariant import _model, _skip_unless_bitwise
+
+    target, prompt = _model(arch, torch.bfloat16), [1, 5, 7, 9, 11]
+    _skip_unless_bitwise(target)
+    draft = copy.deepcopy(noisy_copy(arch, 0.01)).to(torch.bfloat16)
+    ar = generate(target, prompt, make_method("ar"), config=DecodeConfig(24, graphs=True))
+    for policy, params in STEPPED:
+        before = capture.REPLAYS.copy()
+        stepped = records(target, draft, prompt, policy, params, stand_in=True, monkeypatch=monkeypatch)
+        verifies = capture.REPLAYS["verify"] - before["verify"]
+        eager = records(target, draft, prompt, policy, params, stand_in=False, monkeypatch=monkeypatch)
+        assert {r.forward_path for r in stepped} == {"lean+invariant+padded"}
+        assert [t for r in stepped for t in r.committed] == ar.token_ids, f"{policy} {params}"
+        assert [verified(r) for r in stepped] == [verified(r) for r in eager], f"{policy} {params}"
+        assert [signature(r.tree) for r in stepped] == [signature(r.tree) for r in eager], f"{policy} {params}"
+        assert verifies == captured_verifies(stepped, policy), f"{policy} {params}: {verifies} verify steps"
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_ars_forward_after_the_prefill_is_one_captured_step_with_its_inputs(dtype, monkeypatch):
+    """`ar`'s loop with the target's steps captured: after the prefill every token's forward is
+    one replay of the chain's step (KVState.chain: its inputs built inside it from one upload), and
+    the tokens are those of the same run with nothing captured (float32: HF's greedy; bfloat16, at
+    fixed width-invariant shapes: the eager run's)."""
+    from test_invariant import _model
+
+    target, prompt = _model("llama", dtype), [1, 5, 7, 9, 11]
+    config = DecodeConfig(24, graphs=True)
+    monkeypatch.setattr(capture, "STAND_IN_DEVICES", ("cpu",))
+    before = capture.REPLAYS.copy()
+    stepped = generate(target, prompt, make_method("ar"), config=config)
+    assert capture.REPLAYS["verify"] - before["verify"] == len(stepped.token_ids) - 1
+    monkeypatch.setattr(capture, "STAND_IN_DEVICES", ())
+    eager = generate(target, prompt, make_method("ar"), config=config)
+    assert stepped.token_ids == eager.token_ids and stepped.forward_path == eager.forward_path
+    if dtype == torch.float32:
+        assert stepped.token_ids == hf_greedy(target, prompt, 24)
+
+
+HOST_BUILT = [  # verify batches built on the host: levels read on the host, or sampled verification
+    ("dyspec", {}, "greedy"),
+    ("salf", {}, "greedy"),
+    ("fixed_tree", {"depth": 2, "branch": 3, "tau": 0.0}, "specinfer"),
+]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_batches_built_on_the_host_verify_as_one_captured_step_a_width(dtype, monkeypatch):
+    """A verify batch built on the host (dyspec and salf read their levels; sampled verification)
+    goes up in one upload, its ids, positions and block of the mask padded to the width it runs at,
+    and runs as one captured step (KVState.rows), one graph a width whatever the tree's size in it:
+    every record and tree is the eager run's, bit for bit, and greedy tokens are `ar`'s."""
+    from test_invariant import _model
+
+    from dynatree_core.core.sampling_config import SamplingConfig
+    from dynatree_core.decoding.engine import iterate, start_run
+
+    target, prompt = _model("llama", dtype), [1, 5, 7, 9, 11]
+    draft = copy.deepcopy(noisy_copy("llama", 0.3)).to(dtype)
+    ar = generate(target, prompt, make_method("ar"), config=DecodeConfig(24, graphs=True))
+    for policy, params, verifier in HOST_BUILT:
+        sampling = SamplingConfig(temperature=0.9, top_k=20) if verifier != "greedy" else None
+        config = DecodeConfig(
+            24, graphs=True, verifier=verifier, seed=3, **({"sampling": sampling} if sampling else {})
+        )
+        runs = {}
+        for stand_in in (True, False):
+            monkeypatch.setattr(capture, "STAND_IN_DEVICES", ("cpu",) if stand_in else ())
+            before = capture.REPLAYS["verify"]
+            state = start_run(target, prompt, make_method(policy, params), draft=draft, config=config)
+            runs[stand_in] = (list(iterate(state)), capture.REPLAYS["verify"] - before, state.target_kv.steps)
+        (stepped, verifies, steps), (eager, _, _) = runs[True], runs[False]
+        assert [verified(r) for r in stepped] == [verified(r) for r in eager], f"{policy} {verifier}"
+        assert [signature(r.tree) for r in stepped] == [signature(r.tree) for r in eager], f"{policy} {verifier}"
+        if verifier == "greedy":
+            assert [t for r in stepped for t in r.committed] == ar.token_ids, f"{policy} {params}"
+        assert verifies == captured_verifies(stepped, "eagle2"), f"{policy} {verifier}: {verifies} verify steps"
+        widths = [key[0][2] for key in steps.steps if key[0][:2] == ("verify", "rows")]
+        sizes = {r.verify_rows for r in stepped[1:] if len(r.order) > 1}
+        assert len(widths) == len(set(widths)) < max(len(sizes), 2), (
+            f"{policy}: a graph per width, {widths} for {sizes}"
+        )
 
 
 def test_a_fused_drafts_captured_forwards_are_its_eager_ones(monkeypatch):
@@ -111,6 +207,14 @@ def test_forgotten_steps_release_their_outputs_place_among_the_fixed():
     steps.forget(lambda key: key[-1] == 256)
     assert [key[0] for key in steps.steps] == [("level", 512)]
     assert capture._memory(b) in steps.fixed and capture._memory(a) not in steps.fixed
+
+
+def captured_verifies(records, policy: str) -> int:
+    """Iterations whose verify forward is a captured step where the target's steps are: queued
+    from the rows (a tree drafted on the device, not eagle2's), or built on the host over a
+    non-empty cache (past = root - chain + 1 > 0)."""
+    early = [policy != "eagle2" and r.draft_forwards > 0 for r in records]
+    return sum(1 for r, e in zip(records, early, strict=True) if e or r.prefix_len + 1 - r.chain_len > 0)
 
 
 def fixed_shapes(draft, monkeypatch) -> bool:

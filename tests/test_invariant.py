@@ -366,6 +366,28 @@ def test_static_rows_hold_each_rows_slots_in_sequence_order_then_masked_padding(
         StaticRows.build(visible, 3)
 
 
+@pytest.mark.parametrize("q,length,span", [(1, 40, 64), (5, 300, 256), (17, 100, 128), (33, 256, 256)])
+def test_static_rows_built_without_a_sort_list_every_rows_visible_slots_in_order(q, length, span):
+    """StaticRows.build places each visible slot by a cumulative count (capturable, no host read
+    without `check`): each row's slots are its visible slots ascending, whatever the row's count
+    (none, some, exactly the span), with a cache wider than the span or narrower."""
+    gen = torch.Generator().manual_seed(q * length)
+    visible = torch.rand(q, length, generator=gen) < torch.rand(q, 1, generator=gen)
+    visible[0] = False
+    for i in range(1, q):
+        while int(visible[i].sum()) > span:  # rows over the span are refused (checked apart)
+            visible[i, visible[i].nonzero()[0]] = False
+    if q > 2 and length >= span:
+        visible[2] = False
+        visible[2, :span] = True  # a row that sees exactly the span
+    slots, tail = StaticRows.build(visible, span, check=False)
+    assert slots.is_contiguous() and slots.shape[0] % invariant.ATTENTION_ROWS == 0
+    for i in range(q):
+        seen = visible[i].nonzero().flatten().tolist()
+        assert slots[i, : len(seen)].tolist() == seen
+        assert tail[i, : len(seen)].eq(0).all() and tail[i, len(seen) :].isinf().all()
+
+
 def test_captured_width_invariant_forwards_replay_and_stay_exact(monkeypatch):
     """With captures (stand-in graphs on this CPU) the width-invariant forward is captured per
     bucket; where the fixed-shape attention is not invariant on a device, rows are grouped eagerly."""

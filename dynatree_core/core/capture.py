@@ -87,6 +87,23 @@ def capture_failed(exc: Exception, what: str) -> str:
     return reason
 
 
+def capture_graph(device: torch.device, run: Callable[[], object], pool: Callable | None = None) -> tuple:
+    """`run` captured as a CUDA graph on `device`: warmed up twice on a side stream (library
+    handles and workspaces are made outside the capture), then captured (torch.cuda.graphs docs)
+    into `pool(graph)`'s memory pool, or one of its own. Returns (graph, what the captured call returned)."""
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool(graph) if pool is not None else None):
+            out = run()
+    return graph, out
+
+
 @dataclasses.dataclass
 class _Step:
     inputs: tuple[torch.Tensor, ...]
@@ -198,19 +215,10 @@ class StepGraphs:
         if self.device.type != "cuda":  # a stand-in device
             outputs = tuple(t.clone() for t in fn(*static))
             return _Step(static, outputs, _StandInGraph(fn, static, outputs))
-        with torch.cuda.device(self.device):
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    fn(*static)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            # a pool of its own (not the forwards' shared one): a step's outputs outlive other
-            # replays (a level's are read after the next level's forward), and a capture into a
-            # shared pool may place them in memory an earlier graph uses for its temporaries
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outputs = tuple(fn(*static))
+        # a pool of its own (not the forwards' shared one): a step's outputs outlive other replays
+        # (a level's are read after the next level's forward), and a capture into a shared pool
+        # may place them in memory an earlier graph uses for its temporaries
+        graph, outputs = capture_graph(self.device, lambda: tuple(fn(*static)))
         return _Step(static, outputs, graph)
 
     def _give_up(self, exc: Exception) -> None:

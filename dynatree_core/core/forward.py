@@ -80,3 +80,9 @@ def reference_forward(
     if taps:  # transformers' hidden_states[i] is the input of layer i (core/taps.py)
         states = stack_taps(taps, {t: base.hidden_states[t][0] for t in taps if t >= 0}, states)
     return Forward(logits, states if hidden else None)
+
+
+def additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """visible (q, kv) bool -> (1, 1, q, kv) additive mask: 0 where visible, the dtype's min elsewhere."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~visible, torch.finfo(dtype).min)[None, None]

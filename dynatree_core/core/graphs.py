@@ -51,8 +51,8 @@ import weakref
 
 import torch
 
-from dynatree_core.core.capture import POOLS, capture_failed
-from dynatree_core.core.forward import Forward
+from dynatree_core.core.capture import POOLS, capture_failed, capture_graph
+from dynatree_core.core.forward import Forward, additive
 from dynatree_core.core.invariant import StaticRows
 from dynatree_core.core.transfer import to_device, upload_into
 
@@ -270,26 +270,37 @@ class PaddedForward:
         # copies (the next replay overwrites the bucket's outputs); the states only where wanted
         return Forward(buf.logits[q - logits_to_keep : q].clone(), buf.states[:q].clone() if states else None)
 
-    def plan(self, q: int, length: int, dtype, device, embeds: bool) -> tuple[int, int, tuple]:
-        """For a forward whose inputs a captured step makes (`filled`; not width-invariant rows, q
-        fits a bucket): the width q rows run at, the span they read and the buffers' epoch (graphs
-        over older buffers are stale), the buffers made ready."""
+    def plan(self, q: int, length: int, dtype, device, embeds: bool, most_keys: int = 0) -> tuple[int, int, tuple]:
+        """For a forward whose inputs a captured step makes (`filled`; q fits a bucket): the width
+        q rows run at, the span of slots its rows' visibility covers, and what else its graph
+        captured (the buffers, whose graphs are stale once they move; width-invariant rows: their
+        span, grown should a row see more than `most_keys` keys), the buffers made ready."""
         width = self.width_for(q, length, dtype, device, embeds)
         self._ensure_buffers(length, width, dtype, device)
-        return width, span_for(length + width, self.layers[0].capacity), self._epoch
+        capacity = self.layers[0].capacity
+        if self.static is None:
+            return width, span_for(length + width, capacity), self._epoch
+        return width, capacity, (self._epoch, self.static_for(most_keys).positions_end)  # rows name any slot
 
-    def filled(self, fill, width: int, span: int, q: int, keep: int):
+    def filled(self, fill, width: int, span: int, q: int, keep: int, dtype):
         """A pure step (core/capture.py) that runs `fill` and then the lean forward on what it
         made, the forward's inputs never passing through the buckets: fill(*inputs) -> (ids
-        (1, width), positions (1, width), slots (width,), mask (1, 1, width, span), embeds
-        (1, width, hidden) or None, *extra), the first q rows real. The step returns the float32
-        logits of the last `keep` real rows and the real rows' final states, then `extra`. Call
-        `advance` after it."""
+        (1, width), positions (1, width), slots (width,), seen (width, span) bool (row i may
+        attend to slot j; a padding row to its own), embeds (1, width, hidden) or None, *extra),
+        the first q rows real. `seen` becomes the additive mask, or for width-invariant forwards
+        each row's slots in sequence order (invariant.StaticRows), in the step. The step returns
+        the float32 logits of the last `keep` real rows and the real rows' final states, then
+        `extra`. Call `advance` after it."""
+        static = self.static
 
         def step(*inputs):
-            ids, positions, slots, mask, embeds, *extra = fill(*inputs)
+            ids, positions, slots, seen, embeds, *extra = fill(*inputs)
+            mask, rows = additive(seen, dtype), None
+            if static is not None:
+                built = StaticRows.build(seen, static.positions_end, check=False)
+                mask, rows = None, dataclasses.replace(static, slots=built[0], tail=built[1])
             writers = [_SlotWriter(layer, slots, span) for layer in self.layers]
-            out = self.lean(ids, positions, mask, writers, width, embeds=embeds, hidden=True)
+            out = self.lean(ids, positions, mask, writers, width, embeds=embeds, hidden=True, rows=rows)
             return (out.logits[q - keep : q].float(), out.states[:q], *extra)
 
         return step
@@ -379,19 +390,8 @@ class PaddedForward:
             self._step(buf)
 
     def _capture(self, buf: _Bucket):
-        """Warm up on a side stream of the model's device, then capture one step (torch.cuda.graphs
-        docs); the graph draws on the device's shared pool."""
-        with torch.cuda.device(self.device):
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # library handles and workspaces get created outside the capture
-                    self._step(buf)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=POOLS.acquire(self.device, graph)):
-                self._step(buf)
-        return graph
+        """One step captured (capture.capture_graph), the graph drawing on the device's shared pool."""
+        return capture_graph(self.device, lambda: self._step(buf), lambda graph: POOLS.acquire(self.device, graph))[0]
 
     def _give_up(self, exc: Exception) -> None:
         self.capture, self.fallback = False, capture_failed(exc, "CUDA graph capture failed")

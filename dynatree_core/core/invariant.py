@@ -124,22 +124,25 @@ class StaticRows:
     @staticmethod
     def build(visible: torch.Tensor, span: int, *, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """visible (q, L) bool -> (slots, tail) on its device, R = q rounded up to ATTENTION_ROWS.
-        `check`: refuse a row that sees more than `span` keys (a read of the counts; a caller that
-        knows a bound, as a mask built on a GPU does, passes False rather than wait for it)."""
+        Fixed shapes and no host read (without `check`), so a captured step builds them too
+        (graphs.PaddedForward.filled). `check`: refuse a row that sees more than `span` keys (a
+        read of the counts; a caller that knows a bound passes False rather than wait for it)."""
         q, length = visible.shape
         device = visible.device
         counts = visible.sum(1)
         if check and q and int(counts.max()) > span:
             raise ValueError(f"a row sees {int(counts.max())} keys, more than the span of {span}")
         rows = -(-max(q, 1) // ATTENTION_ROWS) * ATTENTION_ROWS
-        slots = torch.zeros(rows, span, dtype=torch.long, device=device)
-        # a stable sort puts each row's visible slots first, in ascending (= sequence) order
-        order = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)
-        slots[:q, : min(length, span)] = order[:, :span]
+        # a visible slot's place in its row is the count of visible slots before it, so each row's
+        # slots land in ascending (= sequence) order; the others go to a column cut off after (no
+        # row sees more than `span` keys: checked, or the caller's bound)
+        place = torch.where(visible, visible.cumsum(1) - 1, span)
+        slots = torch.zeros(rows, span + 1, dtype=torch.long, device=device)
+        slots[:q].scatter_(1, place, torch.arange(length, device=device).expand(q, length))
         tail = torch.full((rows, span), float("-inf"), device=device)
         tail[:q].masked_fill_(torch.arange(span, device=device)[None] < counts[:, None], 0.0)
         tail[q:, 0] = 0.0
-        return slots, tail
+        return slots[:, :span].contiguous(), tail
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
         return static_sequence_attention(q, keys, values, self, scale)

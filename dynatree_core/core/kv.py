@@ -31,7 +31,8 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from dynatree_core.core.capture import StepGraphs, capture_wanted
 from dynatree_core.core.choice import choose_forward
-from dynatree_core.core.forward import Forward, reference_forward
+from dynatree_core.core.filled import FilledForwards
+from dynatree_core.core.forward import Forward, additive, reference_forward
 from dynatree_core.core.graphs import PaddedForward
 from dynatree_core.core.invariant import RowGroups, StaticRows, static_span
 from dynatree_core.core.slots import SLACK, SlotLayer, SlotStore
@@ -39,7 +40,7 @@ from dynatree_core.core.transfer import Stopwatch, to_device
 from dynatree_core.errors import DynaTreeError
 
 
-class KVState:
+class KVState(FilledForwards):
     """One model's cache for one run. Never shared between runs or sessions.
 
     Args:
@@ -192,34 +193,6 @@ class KVState:
         )
         return self._done(len(token_ids), out, hidden, (self.padded.capture_s - captured) * 1e3)
 
-    def fills(self, q: int) -> bool:
-        """Whether `level` runs a q-row forward as one captured step (its conditions below)."""
-        padded = self.padded
-        return self.steps.capture and padded is not None and padded.static is None and padded.fits(q)
-
-    def level(self, key: tuple, make_fill, inputs: tuple, q: int, *, embeds: bool, keep: int | None = None):
-        """One forward of q rows whose inputs a device function makes, that function and the
-        forward captured as ONE step (graphs.PaddedForward.filled; a draft level: drafts/session.py,
-        the verify forward: decoding/batch.py): `make_fill(width, span)` gives the function of
-        `inputs` (its Python values all in `key`, whose first item names the kind: "level" or
-        "verify"). Returns (Forward with the last `keep` rows' logits (default: all) and every row's
-        states, the fill's extra outputs), or None where this run cannot (`fills`): the caller then
-        uses `forward`."""
-        if not self.fills(q):
-            return None
-        width, span, epoch = self.padded.plan(q, self.length, self.model.dtype, self.device, embeds)
-        # release steps over buffers that moved, and over spans the cache has outgrown (a forward's
-        # span doubles as the cache grows; one iteration's forwards straddle two spans at most, so
-        # a span a quarter of this one is never used again; were it, it would be captured again)
-        self.steps.forget(lambda k: k[:1] == key[:1] and (k[-1] != epoch or 4 * k[-2] <= span))
-        captured = self.steps.capture_s
-        self.watch.start()
-        keep = q if keep is None else keep
-        step = self.padded.filled(make_fill(width, span), width, span, q, keep)
-        logits, states, *extra = self.steps((*key, q, keep, width, span, epoch), step, *inputs)
-        self.padded.advance(self.length + q)
-        return self._done(q, Forward(logits, states), True, (self.steps.capture_s - captured) * 1e3), extra
-
     def _invariant(
         self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden, unpadded=False, most_keys=None
     ) -> Forward:
@@ -316,12 +289,6 @@ class KVState:
 def _check_layer(layer) -> None:
     if getattr(layer, "is_sliding", False):
         raise DynaTreeError("models with sliding-window attention caches are not supported yet")
-
-
-def additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """visible (q, kv) bool -> (1, 1, q, kv) additive mask: 0 where visible, the dtype's min elsewhere."""
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    return mask.masked_fill_(~visible, torch.finfo(dtype).min)[None, None]
 
 
 def chain_then_tree_visibility(past: int, n_chain: int, tree_ancestors: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,9 @@ import dataclasses
 
 import torch
 
+from dynatree_core.core.filled import seen_over
 from dynatree_core.core.forward import Forward
-from dynatree_core.core.kv import additive, chain_then_tree_visibility
+from dynatree_core.core.kv import chain_then_tree_visibility
 from dynatree_core.core.taps import FINAL
 from dynatree_core.core.transfer import PhaseClock, to_device, upload_into
 from dynatree_core.core.tree import DraftTree
@@ -63,6 +64,26 @@ def verify_forward(state, tokens, positions, visible: torch.Tensor, keep: int, m
     return kv.forward(tokens, positions, visible, logits_to_keep=keep, hidden=hidden, most_keys=most_keys)
 
 
+def host_verify(state, batch: VerifyBatch) -> Forward:
+    """The ONE target forward over a batch built on the host, as one captured step with its
+    inputs where the run captures its steps (core/filled.py; not for a feature draft's taps other
+    than the final states): a batch that is only the pending chain (`ar`, or an iteration that
+    drafted nothing) from one upload of the chain (`chain`: `ar`'s loop launches an upload and a
+    replay a token), a tree's from one upload of its rows and their block of the mask (`rows`:
+    one graph a width, whatever the tree's size within it)."""
+    drafter, kv, keep = state.drafter, state.target_kv, len(batch.order)
+    features = drafter is not None and drafter.wants_features
+    if not (features and drafter.taps != (FINAL,)):
+        if keep == 1:
+            out = kv.chain(("verify", "chain"), batch.chain, batch.past, 1)
+        else:
+            block = chain_then_tree_visibility(0, len(batch.chain), batch.ancestors[1:, 1:])
+            out = kv.rows(("verify",), batch.tokens, batch.positions, block, keep)
+        if out is not None:
+            return Forward(out.logits, out.states if features else None)
+    return verify_forward(state, batch.tokens, batch.positions, batch.visible, keep)
+
+
 def early_wanted(state) -> bool:
     """Where the verify forward is queued from the device's tree rows: greedy verification of a
     tree drafted on the device, sent in bfs order (the rows' order), through a forward that builds
@@ -104,22 +125,22 @@ class EarlyVerify:
         past, chain, root = kv.length, kv.pending, len(self.state.committed) - 1
         self.past = past
         self.width = len(chain) + rows.tokens.shape[0]
-        self.out = self._captured(rows, past, chain, root)
+        # no row sees more than the past, the chain and its ancestors (`depth` at most, itself included)
+        most_keys = past + len(chain) + depth
+        self.out = self._captured(rows, past, chain, root, most_keys)
         if self.out is None:
             ids = torch.cat([to_device(torch.tensor(chain), device), rows.tokens])  # one upload: the chain
             positions = torch.cat([torch.arange(past, past + len(chain), device=device), root + rows.depths])
             visible = chain_then_tree_visibility(past, len(chain), rows.ancestors[1:, 1:])
             self.clock.mark()
-            # no row sees more than the past, the chain and its ancestors (`depth` at most, itself included)
-            most_keys = past + len(chain) + depth
             self.out = verify_forward(self.state, ids, positions, visible, rows.tokens.shape[0] + 1, most_keys)
         self.clock.mark()
         self.verify_capture_ms = (self.state.capture_s() - self.captured) * 1e3 - self.draft_capture_ms
 
-    def _captured(self, rows, past: int, chain: list[int], root: int) -> Forward | None:
+    def _captured(self, rows, past: int, chain: list[int], root: int, most_keys: int) -> Forward | None:
         """The verify forward and its inputs (ids, positions, slots, mask) as ONE captured step
-        (KVState.level) where the target's steps are captured and its forward is at fixed shapes
-        without width-invariant rows (else None): the chain, the cache's length and the root's
+        (KVState.level) where the target's steps are captured and its forward is at fixed shapes,
+        width-invariant rows included (else None): the chain, the cache's length and the root's
         position go up in one upload into a buffer the step reads; the rows are the rows step's
         outputs, read where they are. A feature draft's taps other than the final states: None."""
         state, kv = self.state, self.state.target_kv
@@ -130,9 +151,10 @@ class EarlyVerify:
         host = kv.steps.buffer(("verify inputs", n), lambda: torch.zeros(n + 2, dtype=torch.long, device=kv.device))
         upload_into(host, torch.tensor([past, root, *chain]))
         self.clock.mark()
-        done = kv.level(("verify", n, w), _verify_fill(n, w, kv.model.dtype), (host, rows.tokens, rows.depths,
-                        rows.ancestors), n + w, embeds=False, keep=w + 1)  # fmt: skip
-        out, _ = done
+        inputs = (host, rows.tokens, rows.depths, rows.ancestors)
+        out, _ = kv.level(
+            ("verify", n, w), _verify_fill(n, w), inputs, n + w, embeds=False, most_keys=most_keys, keep=w + 1
+        )
         return Forward(out.logits, out.states if drafter.wants_features else None)
 
     def batch(self, tree: DraftTree) -> VerifyBatch:
@@ -151,7 +173,7 @@ class EarlyVerify:
         return batch
 
 
-def _verify_fill(n: int, w: int, dtype: torch.dtype):
+def _verify_fill(n: int, w: int):
     """The verify forward's inputs from the uploaded [past, root, *chain] and the tree's rows, at
     a fixed width and span (KVState.level): the chain (causal) then the rows, which see the past,
     the chain and their ancestors (TreeRows.ancestors, the root's row first); padding sees itself."""
@@ -169,10 +191,7 @@ def _verify_fill(n: int, w: int, dtype: torch.dtype):
             # the new rows among themselves: chain_then_tree_visibility's block, padding rows on the diagonal
             block = torch.eye(width, dtype=torch.bool, device=device)
             block[:q, :q] = chain_then_tree_visibility(0, n, ancestors[1:, 1:])
-            cols = torch.arange(span, device=device) - past  # a key slot, counted from the first new row
-            seen = (cols < 0)[None] & (rows < q)[:, None]
-            seen |= (cols >= 0)[None] & (cols < width)[None] & block[:, cols.clamp(0, width - 1)]
-            return ids, positions, slots, additive(seen, dtype), None
+            return ids, positions, slots, seen_over(past, block, rows < q, span), None
 
         return fill
 

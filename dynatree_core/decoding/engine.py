@@ -26,7 +26,7 @@ from dynatree_core.core.transfer import PhaseClock, to_device
 from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.baselines import Baseline
-from dynatree_core.decoding.batch import EarlyVerify, VerifyBatch, early_wanted, verify_forward
+from dynatree_core.decoding.batch import EarlyVerify, VerifyBatch, early_wanted, host_verify
 from dynatree_core.drafting.policy import Policy
 from dynatree_core.drafting.request import DraftRequest
 from dynatree_core.drafts.heads import draft_kind, head_drafter, is_head  # noqa: F401 (draft_kind: engine's API)
@@ -224,7 +224,7 @@ def _iteration(state: DecodeState, index: int, budget: int) -> IterationRecord:
         draft_capture_ms = (state.capture_s() - captured) * 1e3
         batch = VerifyBatch.of(tree, state)
         clock.mark()
-        out = verify_forward(state, batch.tokens, batch.positions, batch.visible, len(batch.order))  # ONE forward
+        out = host_verify(state, batch)  # ONE forward
         clock.mark()
         verify_capture_ms = (state.capture_s() - captured) * 1e3 - draft_capture_ms
         width = len(batch.tokens)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dynatree_core.core.kv import KVState, additive, chain_then_tree_visibility
+from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.core.transfer import upload_into
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.core.vocab import TokenMap
@@ -122,32 +122,12 @@ class Drafter:
         return logits if raw else self.to_logp(logits)
 
     def _captured_root(self, tokens: list[int], first: int, *extra: torch.Tensor):
-        """The root's forward (the pending chain at positions from `first`, causal after the
-        committed entries) as ONE captured step with its inputs (KVState.level), after the
-        prefill, where the run captures its steps; the chain, the cache's length and `first` go
-        up in one upload. `extra`: what `_root_embeds` reads. None elsewhere."""
-        kv, n = self.kv, len(tokens)
-        if kv.length == 0 or not kv.fills(n):
-            return None
-        host = kv.steps.buffer(("root inputs", n), lambda: torch.zeros(n + 2, dtype=torch.long, device=kv.device))
-        upload_into(host, torch.tensor([kv.length, first, *tokens]))
-        dtype = kv.model.dtype
-
-        def make_fill(width: int, span: int):
-            def fill(host, *extra):
-                length, first, chain = host[0], host[1], host[2:]
-                rows, pad = torch.arange(width, device=host.device), host.new_zeros(width - n)
-                ids = torch.cat([self._draft_ids(chain), pad])[None]
-                positions = torch.cat([first + rows[:n], pad])[None]
-                slots = length + rows
-                key = torch.arange(span, device=host.device) - length  # a slot, from the first new row
-                seen = ((rows < n)[:, None] & (key[None] <= rows[:, None])) | (key[None] == rows[:, None])
-                return ids, positions, slots, additive(seen, dtype), self._root_embeds(chain, width, *extra)
-
-            return fill
-
-        key = ("level", type(self).__name__, "root", n)
-        return kv.level(key, make_fill, (host, *extra), n, embeds=self.wants_features, keep=1)[0]
+        """The root's forward (the pending chain at positions from `first`) as ONE captured step
+        with its inputs (KVState.chain), after the prefill, where the run captures its steps.
+        `extra`: what `_root_embeds` reads. None elsewhere."""
+        embeds = self._root_embeds if self.wants_features else None
+        key = ("level", type(self).__name__, "root")  # names the ids map and the embeds hook it captures
+        return self.kv.chain(key, tokens, first, 1, ids=self._draft_ids, embeds=embeds, extra=extra)
 
     def _root_embeds(self, chain: torch.Tensor, width: int, *extra) -> torch.Tensor | None:
         """A captured root's input vectors (1, width, hidden), or None: the tokens' embeddings."""
@@ -174,7 +154,6 @@ class Drafter:
             return None
         p, offset = tokens.shape[0], start - self.committed
         position = depth + self.position_shift
-        dtype = self.kv.model.dtype
 
         def make_fill(width: int, span: int):
             def fill(tokens, parents, ancestors, committed, *extra):
@@ -187,13 +166,14 @@ class Drafter:
                 positions = (committed + position).expand(width).contiguous()[None]
                 ids = torch.cat([self._draft_ids(tokens), tokens.new_zeros(width - p)])[None]
                 embeds = self._level_embeds(tokens, parents, width, *extra)
-                return ids, positions, slots, additive(seen, dtype), embeds, ancestors
+                return ids, positions, slots, seen, embeds, ancestors
 
             return fill
 
         inputs = (tokens, parents, self.ancestors, self._committed_on_device, *self._level_inputs(depth))
         key = ("level", type(self).__name__, depth, offset)
-        done = self.kv.level(key, make_fill, inputs, p, embeds=self.wants_features)
+        # a row sees the committed entries, its ancestors and itself
+        done = self.kv.level(key, make_fill, inputs, p, embeds=self.wants_features, most_keys=self.committed + depth)
         if done is None:
             return None
         out, (self.ancestors,) = done

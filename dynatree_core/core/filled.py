@@ -1,0 +1,157 @@
+"""Forwards whose inputs the device makes, captured with them as ONE step (KVState's part).
+
+A captured forward (graphs.py) replays fixed shapes over fixed buffers, but its inputs (ids,
+positions, the slots its keys go to, the mask) depend on the cache's length, a Python number that
+changes every iteration, so built op by op they cost a dozen launches or more a forward around
+the one replay. Here the length and the tokens go to the device in one upload into a buffer a
+step reads in place, and a pure function makes every input from it there: that function and the
+lean forward are one step (graphs.PaddedForward.filled) that core/capture.py captures once per
+key and replays. Three callers' shapes of it:
+
+- `level`: the general form, the caller's function (a draft level: drafts/session.py; the verify
+  forward queued from the tree's rows on the device: decoding/batch.py);
+- `chain`: a chain of pending tokens after the cache (the draft's root; the target's forward
+  where a batch has no tree rows: every token of `ar` after the prefill);
+- `rows`: a batch built on the host (the chain, then a tree's nodes, with their block of the
+  mask), padded to the width it runs at, so one graph serves every batch of that width.
+
+A fill hands the forward which slots each row sees, a (width, span) boolean (`seen_over`); the
+step turns it into the additive mask, or for width-invariant rows into each row's slots in
+sequence order (invariant.StaticRows.build). The prefill runs eagerly (its width is the prompt's).
+
+Contract: knows a KVState's cache, padded forward and steps; never trees or policies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynatree_core.core.forward import Forward
+from dynatree_core.core.transfer import upload_into
+
+
+class FilledForwards:
+    """KVState's forwards with their inputs made on the device (module docstring); a mixin over
+    KVState's `padded`, `steps`, `length`, `watch` and `_done`."""
+
+    def fills(self, q: int) -> bool:
+        """Whether `level` runs a q-row forward as one captured step (its conditions below)."""
+        return self.steps.capture and self.padded is not None and self.padded.fits(q)
+
+    def level(
+        self,
+        key: tuple,
+        make_fill,
+        inputs: tuple,
+        q: int,
+        *,
+        embeds: bool,
+        most_keys: int,
+        keep: int | None = None,
+        whole: bool = False,
+    ):
+        """One forward of q rows whose inputs a device function makes, that function and the
+        forward captured as ONE step (graphs.PaddedForward.filled; a draft level: drafts/session.py,
+        the verify forward: decoding/batch.py): `make_fill(width, span)` gives the function of
+        `inputs` (its Python values all in `key`, whose first item names the kind: "level" or
+        "verify"); `most_keys` bounds the keys a row sees (width-invariant rows span them).
+        `whole`: the inputs come padded to the width (`rows`), so the step, keyed by the width, not
+        q, returns every row and the real ones are cut after it. Returns (Forward with the last
+        `keep` rows' logits (default: all) and every row's states, the fill's extra outputs), or
+        None where this run cannot (`fills`): the caller then uses `forward`."""
+        if not self.fills(q):
+            return None
+        dtype = self.model.dtype
+        width, span, epoch = self.padded.plan(q, self.length, dtype, self.device, embeds, most_keys)
+        # release steps over buffers that moved, and over spans the cache has outgrown (a forward's
+        # span doubles as the cache grows; one iteration's forwards straddle two spans at most, so
+        # a span a quarter of this one is never used again; were it, it would be captured again)
+        self.steps.forget(lambda k: k[:1] == key[:1] and (k[-1] != epoch or 4 * k[-2] <= span))
+        captured = self.steps.capture_s
+        self.watch.start()
+        keep = q if keep is None else keep
+        cut = (width, width) if whole else (q, keep)  # the rows the step hands out
+        step = self.padded.filled(make_fill(width, span), width, span, *cut, dtype)
+        logits, states, *extra = self.steps((*key, *cut, width, span, epoch), step, *inputs)
+        if whole:
+            logits, states = logits[q - keep : q], states[:q]
+        self.padded.advance(self.length + q)
+        return self._done(q, Forward(logits, states), True, (self.steps.capture_s - captured) * 1e3), extra
+
+    def rows(self, key: tuple, tokens: list[int], positions: list[int], block: torch.Tensor, keep: int):
+        """A forward of q new rows that see every cache entry and, among themselves, what `block`
+        (q, q) bool (host) says (a verify batch built on the host: the chain, then the tree's nodes)
+        as ONE captured step with its inputs (`level`), keyed by the width the rows run at, not by
+        q: the cache's length, q, the ids, positions and block padded to that width (a padding row
+        sees only itself) go up in one upload. Returns the Forward (the last `keep` rows' logits,
+        every row's states), or None where the run cannot (`fills`, and the prefill)."""
+        q = len(tokens)
+        if self.length == 0 or not self.fills(q):
+            return None
+        width = self.padded.width_for(q, self.length, self.model.dtype, self.device, False)
+        packed = torch.zeros(2 + 2 * width + width * width, dtype=torch.long)
+        packed[:2] = torch.tensor([self.length, q])
+        packed[2 : 2 + 2 * width].view(2, width)[:, :q] = torch.tensor([tokens, positions])
+        square = torch.eye(width, dtype=torch.long)
+        square[:q, :q] = block
+        packed[2 + 2 * width :] = square.flatten()
+        host = self.steps.buffer(("rows", key, width), lambda: torch.zeros_like(packed, device=self.device))
+        upload_into(host, packed)
+
+        def make_fill(width: int, span: int):
+            def fill(host):
+                length, real = host[0], host[1]
+                ids, positions = host[2 : 2 + 2 * width].view(2, width)
+                square = host[2 + 2 * width :].view(width, width).bool()
+                rows = torch.arange(width, device=host.device)
+                return ids[None], positions[None], length + rows, seen_over(length, square, rows < real, span), None
+
+            return fill
+
+        most_keys = self.length + int(block.sum(1).max())
+        return self.level(
+            (*key, "rows"), make_fill, (host,), q, embeds=False, most_keys=most_keys, keep=keep, whole=True
+        )[0]
+
+    def chain(self, key: tuple, tokens: list[int], first: int, keep: int, *, ids=None, embeds=None, extra=()):
+        """The forward of a chain of pending tokens (at positions from `first`, causal after the
+        cache's entries) as ONE captured step with its inputs (`level`): the cache's length, `first`
+        and the tokens go up in one upload into a buffer the step reads. `ids(chain)` maps the
+        tokens to the model's ids, `embeds(chain, width, *extra)` gives its input vectors (a
+        feature draft's); both are captured with the step, so `key` must name them. Returns the
+        Forward (the last `keep` rows' logits, every row's states), or None where the run cannot
+        (`fills`), and for the prefill (an empty cache): the caller then uses `forward`."""
+        n = len(tokens)
+        if self.length == 0 or not self.fills(n):
+            return None
+        host = self.steps.buffer(("chain", key, n), lambda: torch.zeros(n + 2, dtype=torch.long, device=self.device))
+        upload_into(host, torch.tensor([self.length, first, *tokens]))
+
+        def make_fill(width: int, span: int):
+            def fill(host, *extra):
+                length, first, chain = host[0], host[1], host[2:]
+                rows, pad = torch.arange(width, device=host.device), host.new_zeros(width - n)
+                row_ids = torch.cat([ids(chain) if ids is not None else chain, pad])[None]
+                positions = torch.cat([first + rows[:n], pad])[None]
+                slot = torch.arange(span, device=host.device) - length  # a slot, counted from the first new row
+                seen = ((rows < n)[:, None] & (slot[None] <= rows[:, None])) | (slot[None] == rows[:, None])
+                vectors = embeds(chain, width, *extra) if embeds is not None else None
+                return row_ids, positions, length + rows, seen, vectors
+
+            return fill
+
+        most_keys = self.length + n
+        return self.level(
+            (*key, n), make_fill, (host, *extra), n, embeds=embeds is not None, most_keys=most_keys, keep=keep
+        )[0]
+
+
+def seen_over(past: torch.Tensor, block: torch.Tensor, real: torch.Tensor, span: int) -> torch.Tensor:
+    """(width, span) bool on the device: which of the first `span` slots each of `width` new rows
+    (written at slots past .. past + width) sees: every slot before `past` for the real rows
+    (`real` (width,) bool), and the new rows' slots as `block` (width, width) says. `past` may be a
+    device scalar: fixed shapes, no host read (a captured step's mask)."""
+    width = block.shape[0]
+    cols = torch.arange(span, device=block.device) - past  # a slot, counted from the first new row
+    seen = (cols < 0)[None] & real[:, None]
+    return seen | ((cols >= 0) & (cols < width))[None] & block[:, cols.clamp(0, width - 1)]
