@@ -83,18 +83,17 @@ class FilledForwards:
         (q, q) bool (host) says (a verify batch built on the host: the chain, then the tree's nodes)
         as ONE captured step with its inputs (`level`), keyed by the width the rows run at, not by
         q: the cache's length, q, the ids, positions and block padded to that width (a padding row
-        sees only itself) go up in one upload. Returns the Forward (the last `keep` rows' logits,
+        sees only itself) go up in one upload. Each row sees its sequence (as in any verify batch:
+        `positions` bound its keys). Returns the Forward (the last `keep` rows' logits,
         every row's states), or None where the run cannot (`fills`, and the prefill)."""
         q = len(tokens)
         if self.length == 0 or not self.fills(q):
             return None
         width = self.padded.width_for(q, self.length, self.model.dtype, self.device, False)
-        packed = torch.zeros(2 + 2 * width + width * width, dtype=torch.long)
-        packed[:2] = torch.tensor([self.length, q])
-        packed[2 : 2 + 2 * width].view(2, width)[:, :q] = torch.tensor([tokens, positions])
+        pad = [0] * (width - q)
         square = torch.eye(width, dtype=torch.long)
         square[:q, :q] = block
-        packed[2 + 2 * width :] = square.flatten()
+        packed = torch.cat([torch.tensor([self.length, q, *tokens, *pad, *positions, *pad]), square.flatten()])
         host = self.steps.buffer(("rows", key, width), lambda: torch.zeros_like(packed, device=self.device))
         upload_into(host, packed)
 
@@ -108,7 +107,7 @@ class FilledForwards:
 
             return fill
 
-        most_keys = self.length + int(block.sum(1).max())
+        most_keys = max(positions) + 1  # a row sees its sequence: the keys at positions 0 .. its own
         return self.level(
             (*key, "rows"), make_fill, (host,), q, embeds=False, most_keys=most_keys, keep=keep, whole=True
         )[0]
