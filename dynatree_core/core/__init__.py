@@ -5,8 +5,9 @@
 - Forwards: one result type, `Forward` (forward.py, beside the HF reference forward); the one
   place that picks an implementation for a model, `choose_forward` (choice.py); the lean forward
   (fastpath.py), captured CUDA-graph forwards (graphs.py), the tensor work between forwards
-  captured as steps (capture.py) and width-invariant forwards (invariant.py); per-run KV caches
-  that run the chosen forward and compact in place (kv.py).
+  captured as steps (capture.py), forwards captured with the inputs they make on the device
+  (filled.py) and width-invariant forwards (invariant.py); per-run KV caches that run the chosen
+  forward and compact in place (kv.py).
 - Models: loading them (models.py), the preset pairs (presets.py), the deployer's allow-list
   (specs.py), device and dtype names (devices.py), GGUF conversion (gguf.py), the hub probe
   (hub.py), the cache root (cache_dir.py), weights loaded whole and checkpoints written whole

@@ -37,20 +37,24 @@ class VerifyBatch:
     root_pos: int
     tokens: list[int]  # q = len(chain) + n - 1
     positions: list[int]
-    visible: torch.Tensor | None  # (q, past + q) bool; None where the forward was queued from the device
 
     @classmethod
-    def of(cls, tree: DraftTree, state, *, visible: bool = True, past: int | None = None) -> VerifyBatch:
-        """`state`: the run's DecodeState. `visible=False` skips the (q, past + q) mask and `past`
-        gives the cache's length before the forward (the forward came from the device, and ran)."""
+    def of(cls, tree: DraftTree, state, *, past: int | None = None) -> VerifyBatch:
+        """`state`: the run's DecodeState; `past` the cache's length before the forward, where it
+        ran already (queued from the device)."""
         order = tree.order(state.config.order)
         ancestors = tree.ancestor_mask(order)
         past = state.target_kv.length if past is None else past
         chain, root = state.target_kv.pending, len(state.committed) - 1
         tokens = chain + [tree.tokens[n] for n in order[1:]]
         positions = list(range(past, past + len(chain))) + tree.position_ids(order[1:], root)
-        mask = chain_then_tree_visibility(past, len(chain), ancestors[1:, 1:]) if visible else None
-        return cls(order, ancestors, past, chain, root, tokens, positions, mask)
+        return cls(order, ancestors, past, chain, root, tokens, positions)
+
+    def visible(self, past: int | None = None) -> torch.Tensor:
+        """(q, past + q) bool: the rows see the cache's entries, the chain causally, the tree's
+        nodes their ancestors (`past=0`: the new rows' block among themselves)."""
+        past = self.past if past is None else past
+        return chain_then_tree_visibility(past, len(self.chain), self.ancestors[1:, 1:])
 
 
 def verify_forward(state, tokens, positions, visible: torch.Tensor, keep: int, most_keys: int | None = None) -> Forward:
@@ -77,11 +81,10 @@ def host_verify(state, batch: VerifyBatch) -> Forward:
         if keep == 1:
             out = kv.chain(("verify", "chain"), batch.chain, batch.past, 1)
         else:
-            block = chain_then_tree_visibility(0, len(batch.chain), batch.ancestors[1:, 1:])
-            out = kv.rows(("verify",), batch.tokens, batch.positions, block, keep)
+            out = kv.rows(("verify",), batch.tokens, batch.positions, batch.visible(past=0), keep)
         if out is not None:
             return Forward(out.logits, out.states if features else None)
-    return verify_forward(state, batch.tokens, batch.positions, batch.visible, keep)
+    return verify_forward(state, batch.tokens, batch.positions, batch.visible(), keep)
 
 
 def early_wanted(state) -> bool:
@@ -160,7 +163,7 @@ class EarlyVerify:
     def batch(self, tree: DraftTree) -> VerifyBatch:
         """The host's record of what was verified; raises if the tree the host replayed is not the
         rows the device verified (the two builds disagree: never by construction)."""
-        batch = VerifyBatch.of(tree, self.state, visible=False, past=self.past)
+        batch = VerifyBatch.of(tree, self.state, past=self.past)
         row = {node: i for i, node in enumerate(batch.order)}
         n, read = len(batch.order) - 1, self.read
         nodes = batch.order[1:]
