@@ -32,7 +32,7 @@ from dynatree_core.core.transfer import upload_into
 
 class FilledForwards:
     """KVState's forwards with their inputs made on the device (module docstring); a mixin over
-    KVState's `padded`, `steps`, `length`, `watch` and `_done`."""
+    KVState's `model`, `device`, `padded`, `steps`, `length`, `watch` and `_done`."""
 
     def fills(self, q: int) -> bool:
         """Whether `level` runs a q-row forward as one captured step (its conditions below)."""
