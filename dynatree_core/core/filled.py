@@ -132,10 +132,10 @@ class FilledForwards:
                 rows, pad = torch.arange(width, device=host.device), host.new_zeros(width - n)
                 row_ids = torch.cat([ids(chain) if ids is not None else chain, pad])[None]
                 positions = torch.cat([first + rows[:n], pad])[None]
-                slot = torch.arange(span, device=host.device) - length  # a slot, counted from the first new row
-                seen = ((rows < n)[:, None] & (slot[None] <= rows[:, None])) | (slot[None] == rows[:, None])
+                real = rows < n  # causal among the chain's rows; a padding row sees itself
+                block = (rows[None] <= rows[:, None]) & real[:, None] | (rows[None] == rows[:, None])
                 vectors = embeds(chain, width, *extra) if embeds is not None else None
-                return row_ids, positions, length + rows, seen, vectors
+                return row_ids, positions, length + rows, seen_over(length, block, real, span), vectors
 
             return fill
 

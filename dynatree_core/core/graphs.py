@@ -295,8 +295,9 @@ class PaddedForward:
 
         def step(*inputs):
             ids, positions, slots, seen, embeds, *extra = fill(*inputs)
-            mask, rows = additive(seen, dtype), None
-            if static is not None:
+            if static is None:
+                mask, rows = additive(seen, dtype), None
+            else:
                 built = StaticRows.build(seen, static.positions_end, check=False)
                 mask, rows = None, dataclasses.replace(static, slots=built[0], tail=built[1])
             writers = [_SlotWriter(layer, slots, span) for layer in self.layers]
