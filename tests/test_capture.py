@@ -288,7 +288,7 @@ def test_without_capture_a_step_is_the_function(monkeypatch):
     assert out.tolist() == [1.0, 1.0] and not steps.steps and steps.captures == 0
 
 
-def test_a_failed_capture_warns_once_and_the_run_goes_on_eagerly(monkeypatch):
+def test_a_failed_capture_warns_once_says_so_and_the_run_goes_on_eagerly(monkeypatch):
     def fail(self, fn, inputs, chained):
         raise RuntimeError("injected step capture failure")
 
@@ -299,3 +299,5 @@ def test_a_failed_capture_warns_once_and_the_run_goes_on_eagerly(monkeypatch):
         stepped = records(target, draft, prompt, "fixed_tree", {}, stand_in=True, monkeypatch=monkeypatch)
     assert len([w for w in caught if "device step failed" in str(w.message)]) == 1
     assert [t for r in stepped for t in r.committed] == hf_greedy(target, prompt, 24)
+    # the run says so where a user reads how its forwards went (gpu-check's fallback row reads it)
+    assert "step capture failed: RuntimeError: injected step capture failure" in stepped[-1].forward_path

@@ -43,7 +43,7 @@ from unittest import mock
 
 import torch
 
-from dynatree_core.core import graphs, transfer
+from dynatree_core.core import capture, graphs, transfer
 from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.decoding.engine import DecodeConfig, decode, generate
@@ -131,8 +131,10 @@ def pair_checks(name: str, target, draft, token_map=None) -> list[dict]:
             if rec is not None:
                 outs[i] += rec.committed
     row("interleaved", all(o == wants[tuple(p)] for o, p in zip(outs, PROMPTS, strict=True)), "two runs")
-    fail = mock.patch.object(graphs.PaddedForward, "_capture", side_effect=RuntimeError("injected capture failure"))
-    with fail, mock.patch.object(graphs, "capture_wanted", return_value=True), _quiet():
+    injected = RuntimeError("injected capture failure")  # every capture: the forwards' and the steps'
+    fail = mock.patch.object(graphs, "capture_graph", side_effect=injected)
+    fail_steps = mock.patch.object(capture, "capture_graph", side_effect=injected)
+    with fail, fail_steps, mock.patch.object(graphs, "capture_wanted", return_value=True), _quiet():
         fell = _run(target, draft, PROMPTS[0], "fixed_tree", {}, graphs_on=True)
     ok = fell.token_ids == wants[tuple(PROMPTS[0])] and "capture failed" in fell.forward_path
     row("fallback", ok, fell.forward_path)
