@@ -68,35 +68,32 @@ write_pack(Path('.device/pack-smoke.jsonl.gz'), *take(*read_pack(Path(sys.argv[1
   calls)
     cat <<'EOF'
 Every call: export PYTHONUNBUFFERED=1 first. One warm machine: each call within 30 s of
-the last (a machine idle 30 s goes back); every call up to 600 s. Seconds are one H200 session's
-(2026-11-26). Copy the reports from files_at into assets/benchmarks/.
+the last (a machine idle 30 s goes back); every call up to 600 s. Seconds are one H100 session's
+(2026-11-27: tiny 63 s, install + bf16 285 s, f32 255 s; 671 s of device time with the start).
+Copy the reports from files_at into assets/benchmarks/ (files_at is read-only: copy, then chmod u+w).
 
-1. carry [".device/part-00"]:  (~90 s; carries half the wheel, so it measures what needs none)
-   benchmarks/gpu_session.sh receive 00 && benchmarks/gpu_session.sh measure shaped
-2. carry [".device/part-01", ".device/wheels", ".device/wheel-name"]:  (~340 s)
-   benchmarks/gpu_session.sh receive 01 && benchmarks/gpu_session.sh install && benchmarks/gpu_session.sh measure bf16
-3. benchmarks/gpu_session.sh measure f32    (~170 s; the static-cache reference warmed per size)
-3b. benchmarks/gpu_session.sh measure f32-batch    (~100 s: the policies with a device path and the AR
-   references again, levels on the device but the verify batch built on the host from the tree read,
-   not queued from the device's rows: whether the padded verify rows cost more than the read and the
-   host's tree build they hide; compare each policy's ratio to `ar` in its own run)
-3c. benchmarks/gpu_session.sh measure f32-host    (~100 s: the same, their draft levels decided on the
-   host, one read per level: whether deciding them on the device pays). With under 200 s of device
-   time left after 3, run 3b only, then 4.
-3d. benchmarks/gpu_session.sh measure f32-nosteps    (~100 s, if time is left after 4: the same with
-   the steps between forwards run op by op, not captured: what the captured steps buy; gpu-check's
-   run measure, call 4's check, also reports launches and speed both ways for fixed_tree)
-4. where bfloat16 was not 8/8 on every row: benchmarks/gpu_session.sh measure check    (the `bits`
-   rows name where the bits part); else benchmarks/gpu_session.sh measure bf16-shared
-(`measure tiny`: gpu-check on the tiny pairs, ~60 s, passed on 2026-11-25 and 2026-11-26)
+1. carry [".device/part-00"]:  (~30 s; carries half the wheel)
+   benchmarks/gpu_session.sh receive 00
+2. carry [".device/part-01", ".device/wheels", ".device/wheel-name"]:
+   benchmarks/gpu_session.sh receive 01 && benchmarks/gpu_session.sh install && benchmarks/gpu_session.sh measure check
+   (gpu-check on the tiny pairs and the embedded one: the `bits` rows name where bfloat16 parts
+   from `ar`, 7/8 on 2026-11-27; launches, syncs and replay ms per width; the fallback row)
+3. benchmarks/gpu_session.sh measure bf16    (~255 s)
+4. benchmarks/gpu_session.sh measure f32    (~225 s; the static-cache reference warmed per size)
+5. with time left: benchmarks/gpu_session.sh measure bf16-shared, then f32-batch / f32-host / f32-nosteps
+   (f32-batch: the verify batch built on the host from the tree read; f32-host: levels read per
+   level; f32-nosteps: the steps between forwards op by op; compare each policy's ratio to `ar`
+   in its own run)
+(`measure tiny`: gpu-check on the tiny pairs without the wheel, ~60 s; `measure shaped`: SmolLM2's
+shapes with random weights)
 
 The draft at scale: a session of its own (15 minutes of device time hold the start, the wheel's two
 parts and ONE call of the recipe, so the whole recipe runs in that call; the pack cannot travel
 with a wheel part: 64 MiB a call):
-5. carry [".device/part-00"]: benchmarks/gpu_session.sh receive 00
-6. carry [".device/part-01", ".device/wheels", ".device/wheel-name"]:
+d1. carry [".device/part-00"]: benchmarks/gpu_session.sh receive 00
+d2. carry [".device/part-01", ".device/wheels", ".device/wheel-name"]:
    benchmarks/gpu_session.sh receive 01 && benchmarks/gpu_session.sh install
-7. carry [".device/pack.jsonl.gz"], timeout_s 600: benchmarks/gpu_session.sh draft 450 570 init
+d3. carry [".device/pack.jsonl.gz"], timeout_s 600: benchmarks/gpu_session.sh draft 450 570 init
    (450 s of stage work: answers ~200 s and follow-ups ~50 s, training ~150 s, quality and export;
    the model's load and conversion come on top. `init`: ~150 s of training cannot make 15 passes
    from scratch over millions of answer tokens, so it trains on from the shipped draft (15 passes

@@ -204,3 +204,44 @@ def test_lean_forward_switches_and_coverage(monkeypatch):
 def test_static_cache_serves_every_architecture(arch):
     kv = KVState(tiny_model(arch), [1, 2, 3])
     assert kv.static and all(isinstance(layer, SlotLayer) for layer in kv.cache.layers)
+
+
+# The forms a GPU's lean forward takes (one fused RMSNorm kernel, the target's projections fused),
+# run here by naming the CPU among those devices: the same logits up to rounding, the same tokens.
+@pytest.fixture
+def gpu_forms(monkeypatch):
+    from dynatree_core.core import fastpath
+
+    monkeypatch.setattr(fastpath, "FUSED_NORM_DEVICES", ("cpu",))
+    monkeypatch.setattr(fastpath, "FUSE_MAX_BYTES_BY_DEVICE", {"cpu": 1 << 30})
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_the_rotation_is_transformers_bit_for_bit(dtype):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from dynatree_core.core.fastpath import _rotate, rope_pair
+
+    model = tiny_model("llama")
+    gen = torch.Generator().manual_seed(3)
+    positions = torch.tensor([[0, 1, 2, 3, 7, 7, 8, 40, 41]])
+    cos, sin = model.model.rotary_emb(torch.zeros(1, 9, 1, dtype=dtype), positions)  # (1, 9, head_dim)
+    q, k = (torch.randn(1, heads, 9, cos.shape[-1], generator=gen).to(dtype) for heads in (4, 2))
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    pair = rope_pair(cos, sin)
+    assert torch.equal(_rotate(q, *pair), want_q) and torch.equal(_rotate(k, *pair), want_k)
+
+
+@pytest.mark.parametrize("arch", LEAN_ARCHS)
+@torch.inference_mode()
+def test_the_gpus_forms_keep_the_logits_and_every_policy_exact(arch, gpu_forms):
+    model = copy.deepcopy(tiny_model(arch))  # a model of its own: its lean forward built with these forms
+    lean = lean_forward_for(model)
+    assert lean.blocks[0].qkv is not None and lean.blocks[0].gate_up is not None
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    ref = KVState(model, prompt, **PATHS["static"])
+    torch.testing.assert_close(_prefill(KVState(model, prompt), prompt), _prefill(ref, prompt), rtol=1e-5, atol=1e-5)
+    draft = noisy_copy(arch, 0.3)
+    for name, params in POLICIES[:6]:
+        result = generate(model, prompt, make_method(name, params), draft=draft, config=DecodeConfig(20))
+        assert result.token_ids == hf_greedy(model, prompt, 20), name

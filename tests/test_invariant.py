@@ -429,3 +429,18 @@ def test_the_span_holds_a_whole_run_whose_trees_fill_slots_past_it():
     assert state.target_kv.peak_bytes > 0 and state.target_kv.cache.layers[0].capacity > 256, (
         "slots past the span were filled"
     )
+
+
+@pytest.mark.parametrize("arch", ("llama", "qwen2", "llama-wide"))
+@torch.inference_mode()
+def test_the_gpus_forms_keep_a_path_nodes_bits_those_ar_computes_alone(arch, monkeypatch):
+    """bfloat16 with the forms a GPU's lean forward takes (one fused RMSNorm kernel, fused
+    projections): still bit for bit, grouped and at fixed shapes."""
+    from dynatree_core.core import fastpath
+
+    monkeypatch.setattr(fastpath, "FUSED_NORM_DEVICES", ("cpu",))
+    monkeypatch.setattr(fastpath, "FUSE_MAX_BYTES_BY_DEVICE", {"cpu": 1 << 30})
+    model = _model(arch, torch.bfloat16)
+    assert lean_forward_for(model).blocks[0].qkv is not None
+    _assert_path_bits_match_ar(model, f"{arch} bfloat16, the GPU's forms")
+    assert gpu_check.path_bits_match(model, [*PROMPT, 17], graphs=True)

@@ -59,6 +59,13 @@ def supports_lean(model: torch.nn.Module) -> bool:
 
 
 FUSE_MAX_BYTES = 64 << 20  # fuse q/k/v and gate/up when the fused copy costs at most this much
+# on a GPU the copy is cheap and every call a kernel launch (a small model is launch-bound there:
+# ../shared/GPU_NOTES.md), so the target is fused too: 5 -> 2 GEMMs and 2 -> 1 rotations a layer
+FUSE_MAX_BYTES_BY_DEVICE = {"cuda": 1 << 30}
+# devices whose F.rms_norm is one fused kernel (torch's _fused_rms_norm on CUDA) where transformers'
+# formulation is eight: there the norm takes it (its own rounding, the same for every width); the
+# CPU keeps transformers' formulation, bit for bit HF's
+FUSED_NORM_DEVICES = ("cuda",)
 
 
 def lean_forward_for(model: torch.nn.Module, fast: bool | None = None) -> LeanForward | None:
@@ -68,14 +75,16 @@ def lean_forward_for(model: torch.nn.Module, fast: bool | None = None) -> LeanFo
     model's modules or weights change (packing replaces modules, training bumps tensor versions).
     A small model (the draft) also gets fused q/k/v and gate/up projections: 7 -> 4 linear calls
     per layer, worth ~10% of a draft level here; a large one (the target) keeps separate calls,
-    since the fused copy would cost as much memory as its layers."""
+    since the fused copy would cost as much memory as its layers (on a GPU it is fused too:
+    FUSE_MAX_BYTES_BY_DEVICE)."""
     if not fast_forward_enabled(fast) or not supports_lean(model):
         return None
     signature = _signature(model)
     cached = _LEAN.get(model)
     if cached is not None and cached[0] == signature:
         return cached[1]
-    lean = LeanForward(model, fuse=_fused_bytes(model) <= FUSE_MAX_BYTES)
+    device = model.get_input_embeddings().weight.device.type
+    lean = LeanForward(model, fuse=_fused_bytes(model) <= FUSE_MAX_BYTES_BY_DEVICE.get(device, FUSE_MAX_BYTES))
     _LEAN[model] = (signature, lean)
     return lean
 
@@ -130,11 +139,15 @@ def _fused(modules: list[torch.nn.Module]) -> Callable[[torch.Tensor], torch.Ten
 
 
 def _rms_norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """RMSNorm exactly as transformers computes it (in float32, then scaled in the model's dtype);
-    an Identity (a layer without that norm: EAGLE-1's first) passes x through."""
+    """RMSNorm exactly as transformers computes it (in float32, then scaled in the model's dtype),
+    or where the device fuses it (FUSED_NORM_DEVICES) as one F.rms_norm; an Identity (a layer
+    without that norm: EAGLE-1's first) passes x through."""
     if isinstance(module, torch.nn.Identity):
         return lambda x: x
     weight, eps = module.weight, module.variance_epsilon
+    if weight.device.type in FUSED_NORM_DEVICES:
+        shape = (weight.shape[-1],)
+        return lambda x: F.rms_norm(x, shape, weight, eps)
 
     def norm(x: torch.Tensor) -> torch.Tensor:
         h = x.float()
@@ -159,10 +172,18 @@ def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
     return mask.repeat(1, 1, groups, 1) if groups > 1 else mask
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as in transformers' apply_rotary_pos_emb: x * cos + rotate_half(x) * sin."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def rope_pair(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding's (cos, sin), (B, q, head_dim) each, as `_rotate` takes them, once per
+    forward: broadcast over heads, and sin's first half negated (rotate_half's sign)."""
+    half = sin.shape[-1] // 2
+    return cos[:, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as in transformers' apply_rotary_pos_emb, x * cos + rotate_half(x) * sin, bit for bit:
+    rotate_half(x) * sin = (-x2 * s1, x1 * s2) = roll(x, d/2) * (-s1, s2) (a sign flip is exact),
+    so one roll stands for rotate_half's neg and cat (rope_pair made the signed sin once)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 class _Block:
@@ -195,7 +216,8 @@ class _Block:
 
     def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: int = 1) -> tuple[torch.Tensor, ...]:
         """q, k, v as (B, heads, q, head_dim) for h (B, q, hidden), RoPE applied to q and k (one
-        rotation when fused). The engine runs B = 1; batched data generation (training/) more."""
+        rotation when fused; cos and sin from rope_pair). The engine runs B = 1; batched data
+        generation (training/) more."""
         heads = lambda t: t.view(h.shape[0], h.shape[1], -1, self.head_dim).transpose(1, 2)  # noqa: E731
         if self.qkv is None:
             q, k, v = (min_rows(f, h, rows) for f in (self.q, self.k, self.v))
@@ -238,8 +260,7 @@ class LeanForward:
         core/invariant.py's width-invariant attention over each row's own keys (`mask` unused)."""
         x = F.embedding(ids, self.embed.weight) if embeds is None else embeds  # (1, q, hidden)
         rope = self.rotary(x, positions) if rows is None else self.rope_table(x, positions, rows.positions_end)
-        cos, sin = rope  # (1, q, head_dim) each
-        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        cos, sin = rope_pair(*rope)  # (1, 1, q, head_dim) each, sin signed for _rotate
         folded = None if rows is not None else fold_mask(mask, self.blocks[0].groups)  # once per forward
         pad = rows.linear_rows if rows is not None else 1  # linears' fewest rows (invariant.width_verdict)
         taps = hidden if isinstance(hidden, tuple) else ()

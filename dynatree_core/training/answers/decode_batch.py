@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dynatree_core.core.fastpath import LeanForward, fold_groups, fold_mask, lean_forward_for
+from dynatree_core.core.fastpath import LeanForward, fold_groups, fold_mask, lean_forward_for, rope_pair
 from dynatree_core.decoding.engine import vocab_size
 from dynatree_core.errors import DynaTreeError
 
@@ -100,8 +100,7 @@ def _forward(
     row (T = 1), to each row's slot in `slots` (B,). Returns the post-norm states (B, T, H);
     the inputs of the layers in `taps` (core/taps.py) are appended to `tapped`, in layer order."""
     x = F.embedding(ids, lean.embed.weight)
-    cos, sin = lean.rotary(x, positions)
-    cos, sin = cos[:, None], sin[:, None]
+    cos, sin = rope_pair(*lean.rotary(x, positions))
     b, width, length = ids.shape[0], ids.shape[1], mask.shape[-1]
     rows = torch.arange(b, device=ids.device)
     for i, (block, (kbuf, vbuf)) in enumerate(zip(lean.blocks, caches, strict=True)):

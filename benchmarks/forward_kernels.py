@@ -1,0 +1,132 @@
+"""Kernels one target forward launches, by the form its lean forward takes: the CPU's (transformers'
+RMSNorm, the target's projections separate) and the GPU's (one fused RMSNorm kernel, q/k/v and
+gate/up fused: core/fastpath.py's FUSED_NORM_DEVICES and FUSE_MAX_BYTES_BY_DEVICE). On a GPU a
+small model's forward is launch-bound (../shared/GPU_NOTES.md): a captured forward's time follows
+its kernel count, which needs no GPU to count (every op torch dispatches, views and allocations
+excluded: measure/launches.py's rule). The embedded target, unpacked (a GPU does not pack), a
+1-row and a 16-row forward, with shared kernels and with width-invariant rows at fixed shapes
+(invariant.StaticRows, bfloat16's exact path on a GPU); the logits of both forms are compared too.
+The rotation's new form is the CPU's default too: its time on this CPU against transformers'
+(`rotation_us`, q and k of one layer, the median of 5 rounds of 2,000 calls).
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.forward_kernels [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks import RESULTS
+from dynatree_core.core import fastpath
+from dynatree_core.core.fastpath import _rotate, rope_pair
+from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.decoding.pairs import load_pair
+from dynatree_core.measure.launches import NO_LAUNCH
+
+FORMS = {"cpu": ((), {}), "gpu": (("cpu",), {"cpu": 1 << 30})}  # FUSED_NORM_DEVICES, FUSE_MAX_BYTES_BY_DEVICE
+
+
+class _Ops(TorchDispatchMode):
+    """Ops that launch work, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and func.overloadpacket.__name__ not in NO_LAUNCH:
+            self.names[func.overloadpacket.__name__] += 1
+        return out
+
+
+def _forward(model, prompt: list[int], rows: int, invariant: bool) -> tuple[Counter, torch.Tensor]:
+    """The second `rows`-row forward after the prompt's prefill (chains of `rows` tokens; the
+    first made the fixed-shape buffers): its ops by name, and its last row's logits."""
+    kv = KVState(model, prompt, invariant=invariant, graphs=True if invariant else None)
+    visible = chain_then_tree_visibility(0, len(prompt), torch.zeros(0, 0, dtype=torch.bool))
+    kv.forward(prompt, list(range(len(prompt))), visible, 1)
+    for start in (len(prompt), len(prompt) + rows):
+        kv.pending = []
+        tokens = [(7 * i + start) % 500 + 10 for i in range(rows)]
+        visible = chain_then_tree_visibility(kv.length, rows, torch.zeros(0, 0, dtype=torch.bool))
+        with _Ops() as ops:
+            logits = kv.forward(tokens, list(range(start, start + rows)), visible, 1).logits
+    return ops.names, logits[-1].float()
+
+
+def _rotation_us(model, rows: int) -> dict[str, float]:
+    """Microseconds for one layer's q and k rotation: transformers' apply_rotary_pos_emb against
+    _rotate over rope_pair's signed sin (made once per forward, so not timed)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    lean = fastpath.LeanForward(model)
+    block, dtype = lean.blocks[0], model.dtype
+    cos, sin = lean.rotary(torch.zeros(1, rows, 1, dtype=dtype), torch.arange(rows)[None])
+    q = torch.randn(1, block.heads, rows, block.head_dim).to(dtype)
+    k = torch.randn(1, block.qk_heads - block.heads, rows, block.head_dim).to(dtype)
+    pair = rope_pair(cos, sin)
+    ways = {
+        "transformers": lambda: apply_rotary_pos_emb(q, k, cos[:, None], sin[:, None]),
+        "roll": lambda: (_rotate(q, *pair), _rotate(k, *pair)),
+    }
+    out = {}
+    for name, fn in ways.items():
+        rounds = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(2000):
+                fn()
+            rounds.append((time.perf_counter() - t0) / 2000 * 1e6)
+        out[name] = round(statistics.median(rounds), 2)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--out", help="default: assets/benchmarks/cpu-forward-kernels[-bfloat16].json")
+    args = parser.parse_args(argv)
+    out = args.out or str(RESULTS / f"cpu-forward-kernels{'' if args.dtype == 'float32' else '-' + args.dtype}.json")
+    prompt = [(13 * i) % 900 + 5 for i in range(40)]
+    report: dict = {"dtype": args.dtype, "rows": {}}
+    logits = {}
+    saved = fastpath.FUSED_NORM_DEVICES, fastpath.FUSE_MAX_BYTES_BY_DEVICE
+    with torch.inference_mode():
+        for form, (norm_devices, fuse_bytes) in FORMS.items():
+            fastpath.FUSED_NORM_DEVICES, fastpath.FUSE_MAX_BYTES_BY_DEVICE = norm_devices, fuse_bytes
+            try:
+                model = load_pair("embedded", device="cpu", dtype=args.dtype, need_draft=False, pack=False).target.model
+                if form == "cpu":
+                    report["rotation_us"] = {f"{rows} rows": _rotation_us(model, rows) for rows in (1, 16)}
+                for invariant in (False, True):
+                    for rows in (1, 16):
+                        names, last = _forward(model, prompt, rows, invariant)
+                        key = f"{'invariant' if invariant else 'shared'} {rows} row{'s' if rows > 1 else ''}"
+                        ops = sum(names.values())
+                        report["rows"].setdefault(key, {})[form] = {"ops": ops, "by_op": dict(names.most_common(12))}
+                        logits[form, key] = last
+            finally:
+                fastpath.FUSED_NORM_DEVICES, fastpath.FUSE_MAX_BYTES_BY_DEVICE = saved
+    print(f"| {args.dtype} forward | CPU form ops | GPU form ops | ratio | max logit difference |")
+    print("|---|---|---|---|---|")
+    for key, forms in report["rows"].items():
+        diff = (logits["cpu", key] - logits["gpu", key]).abs().max().item()
+        forms["max_logit_difference"] = diff
+        cpu, gpu = forms["cpu"]["ops"], forms["gpu"]["ops"]
+        print(f"| {key} | {cpu} | {gpu} | {gpu / cpu:.2f} | {diff:.3g} |")
+    print(f"rotation, one layer's q and k (us): {report['rotation_us']}")
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"report: {out}")
+
+
+if __name__ == "__main__":
+    main()
