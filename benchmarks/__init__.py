@@ -31,6 +31,8 @@ Results are data, not code: every script writes its reports (JSON, CSV) into ass
                         cpu-verify-rows.json
     launches            launches per iteration outside the forwards: levels on the host, on the device
                         op by op, and as captured steps, cpu-launches.json
+    forward_kernels     kernels one target forward launches in the CPU's form and the GPU's (fused norm
+                        and projections), and the rotation's time both ways, cpu-forward-kernels.json
     app_server          not a benchmark: `streamlit run app.py` on a free port as a context manager,
                         shared by live_page, first_iterations and tests/test_e2e.py
 
