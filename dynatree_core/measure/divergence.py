@@ -28,7 +28,7 @@ import torch
 from dynatree_core.decoding.engine import DecodeConfig, iterate, start_run
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.measure.bench import encode_prompts
-from dynatree_core.measure.prompt_sets import load_prompts
+from dynatree_core.measure.prompt_sets import choose_prompts
 
 
 @dataclasses.dataclass
@@ -139,12 +139,17 @@ def divergence(
 
 
 DIVERGENCE_POLICIES = ("fixed_tree", "eagle2", "dyspec_threshold")
+# the OOD prompt traced, in bench's order (choose_prompts): the multi-turn one (0-based 3), where
+# every tree policy but delayed_auto parted from bfloat16 `ar` on an H100 (2026-11-27) while the
+# first prompt stayed token-identical
+DIVERGENCE_PROMPT = 3
 
 
 def divergence_checks(name: str, pair, *, dtype=torch.bfloat16, max_new: int = 128) -> list[dict]:
-    """Per policy in DIVERGENCE_POLICIES: measure/divergence.py's trace on the first OOD prompt in
-    `dtype`, width-invariant; a row {pair, check, ok, detail, trace}."""
-    prompt = encode_prompts(pair.target.tokenizer, load_prompts("ood", limit=1), None)[0]
+    """Per policy in DIVERGENCE_POLICIES: measure/divergence.py's trace on OOD prompt
+    DIVERGENCE_PROMPT in `dtype`, width-invariant; a row {pair, check, ok, detail, trace}."""
+    traced = choose_prompts("ood", DIVERGENCE_PROMPT + 1)[DIVERGENCE_PROMPT:]  # bench's order
+    prompt = encode_prompts(pair.target.tokenizer, traced, None)[0]
 
     def in_dtype(model):  # gpu-check loads the pair in float32 (a CPU pair's packed linears cannot be cast)
         return model if model.dtype == dtype else copy.deepcopy(model).to(dtype)

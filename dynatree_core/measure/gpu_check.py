@@ -15,8 +15,9 @@ and, in float32 and in bfloat16, the width-invariant forwards (core/invariant.py
                   17-row tree gets, bit for bit, the logits `ar` computes for it alone
     policies D    every tree policy, width-invariant, reproduces `ar` token for token in dtype D
 
-and, for the embedded pair in bfloat16 on the first OOD prompt, 128 tokens, the policies with
-wide levels (fixed_tree, eagle2, dyspec_threshold, where an H200 run once left `ar`):
+and, for the embedded pair in bfloat16 on the multi-turn OOD prompt (divergence.DIVERGENCE_PROMPT),
+128 tokens, the policies with wide levels (fixed_tree, eagle2, dyspec_threshold; where an H200 run
+once left `ar`, and every tree policy on that prompt on an H100):
 
     bits P        every committed position's logits equal `ar`'s bit for bit; else the first
                   position that differs, its difference against ar's top-two gap, and the first
