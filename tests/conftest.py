@@ -211,3 +211,14 @@ def pick_custom_pair(at, target: str, draft: str):
     next(t for t in at.text_input if t.label == "Target").set_value(target)
     next(t for t in at.text_input if t.label == "Draft").set_value(draft)
     return at.run()
+
+
+@pytest.fixture
+def gpu_forms(monkeypatch):
+    """The lean forward in the forms it takes on a GPU (one fused RMSNorm kernel, the target's
+    projections fused: core/fastpath.py), here by naming the CPU among those devices; a model
+    must be new to the test (its lean forward is built once per model)."""
+    from dynatree_core.core import fastpath
+
+    monkeypatch.setattr(fastpath, "FUSED_NORM_DEVICES", ("cpu",))
+    monkeypatch.setattr(fastpath, "FUSE_MAX_BYTES_BY_DEVICE", {"cpu": 1 << 30})

@@ -207,15 +207,8 @@ def test_static_cache_serves_every_architecture(arch):
 
 
 # The forms a GPU's lean forward takes (one fused RMSNorm kernel, the target's projections fused),
-# run here by naming the CPU among those devices: the same logits up to rounding, the same tokens.
-@pytest.fixture
-def gpu_forms(monkeypatch):
-    from dynatree_core.core import fastpath
-
-    monkeypatch.setattr(fastpath, "FUSED_NORM_DEVICES", ("cpu",))
-    monkeypatch.setattr(fastpath, "FUSE_MAX_BYTES_BY_DEVICE", {"cpu": 1 << 30})
-
-
+# run here by naming the CPU among those devices (conftest's gpu_forms): the same logits up to
+# rounding, the same tokens.
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 def test_the_rotation_is_transformers_bit_for_bit(dtype):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb

@@ -433,13 +433,9 @@ def test_the_span_holds_a_whole_run_whose_trees_fill_slots_past_it():
 
 @pytest.mark.parametrize("arch", ("llama", "qwen2", "llama-wide"))
 @torch.inference_mode()
-def test_the_gpus_forms_keep_a_path_nodes_bits_those_ar_computes_alone(arch, monkeypatch):
+def test_the_gpus_forms_keep_a_path_nodes_bits_those_ar_computes_alone(arch, gpu_forms):
     """bfloat16 with the forms a GPU's lean forward takes (one fused RMSNorm kernel, fused
     projections): still bit for bit, grouped and at fixed shapes."""
-    from dynatree_core.core import fastpath
-
-    monkeypatch.setattr(fastpath, "FUSED_NORM_DEVICES", ("cpu",))
-    monkeypatch.setattr(fastpath, "FUSE_MAX_BYTES_BY_DEVICE", {"cpu": 1 << 30})
     model = _model(arch, torch.bfloat16)
     assert lean_forward_for(model).blocks[0].qkv is not None
     _assert_path_bits_match_ar(model, f"{arch} bfloat16, the GPU's forms")
