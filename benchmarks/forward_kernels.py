@@ -1,6 +1,7 @@
 """Kernels one target forward launches, by the form its lean forward takes: the CPU's (transformers'
 RMSNorm, the target's projections separate) and the GPU's (one fused RMSNorm kernel, q/k/v and
-gate/up fused: core/fastpath.py's FUSED_NORM_DEVICES and FUSE_MAX_BYTES_BY_DEVICE). On a GPU a
+gate/up fused, the residual adds inside the o and down GEMMs and the rotation's add in one addcmul:
+core/fastpath.py's device_forms). On a GPU a
 small model's forward is launch-bound (../shared/GPU_NOTES.md): a captured forward's time follows
 its kernel count, which needs no GPU to count (every op torch dispatches, views and allocations
 excluded: measure/launches.py's rule). The embedded target, unpacked (a GPU does not pack), a
@@ -15,6 +16,7 @@ The rotation's new form is the CPU's default too: its time on this CPU against t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -30,7 +32,7 @@ from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.decoding.pairs import load_pair
 from dynatree_core.measure.launches import NO_LAUNCH
 
-FORMS = {"cpu": ((), {}), "gpu": (("cpu",), {"cpu": 1 << 30})}  # FUSED_NORM_DEVICES, FUSE_MAX_BYTES_BY_DEVICE
+FORMS = ("cpu", "gpu")
 
 
 class _Ops(TorchDispatchMode):
@@ -98,11 +100,9 @@ def main(argv: list[str] | None = None) -> None:
     prompt = [(13 * i) % 900 + 5 for i in range(40)]
     report: dict = {"dtype": args.dtype, "rows": {}}
     logits = {}
-    saved = fastpath.FUSED_NORM_DEVICES, fastpath.FUSE_MAX_BYTES_BY_DEVICE
     with torch.inference_mode():
-        for form, (norm_devices, fuse_bytes) in FORMS.items():
-            fastpath.FUSED_NORM_DEVICES, fastpath.FUSE_MAX_BYTES_BY_DEVICE = norm_devices, fuse_bytes
-            try:
+        for form in FORMS:
+            with fastpath.device_forms("cuda", on="cpu") if form == "gpu" else contextlib.nullcontext():
                 model = load_pair("embedded", device="cpu", dtype=args.dtype, need_draft=False, pack=False).target.model
                 if form == "cpu":
                     report["rotation_us"] = {f"{rows} rows": _rotation_us(model, rows) for rows in (1, 16)}
@@ -113,8 +113,6 @@ def main(argv: list[str] | None = None) -> None:
                         ops = sum(names.values())
                         report["rows"].setdefault(key, {})[form] = {"ops": ops, "by_op": dict(names.most_common(12))}
                         logits[form, key] = last
-            finally:
-                fastpath.FUSED_NORM_DEVICES, fastpath.FUSE_MAX_BYTES_BY_DEVICE = saved
     print(f"| {args.dtype} forward | CPU form ops | GPU form ops | ratio | max logit difference |")
     print("|---|---|---|---|---|")
     for key, forms in report["rows"].items():

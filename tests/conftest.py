@@ -214,11 +214,12 @@ def pick_custom_pair(at, target: str, draft: str):
 
 
 @pytest.fixture
-def gpu_forms(monkeypatch):
+def gpu_forms():
     """The lean forward in the forms it takes on a GPU (one fused RMSNorm kernel, the target's
-    projections fused: core/fastpath.py), here by naming the CPU among those devices; a model
-    must be new to the test (its lean forward is built once per model)."""
-    from dynatree_core.core import fastpath
+    projections fused, the residual adds inside their GEMMs: core/fastpath.py), here by naming
+    the CPU among those devices; a model must be new to the test (its lean forward is built once
+    per model)."""
+    from dynatree_core.core.fastpath import device_forms
 
-    monkeypatch.setattr(fastpath, "FUSED_NORM_DEVICES", ("cpu",))
-    monkeypatch.setattr(fastpath, "FUSE_MAX_BYTES_BY_DEVICE", {"cpu": 1 << 30})
+    with device_forms("cuda", on="cpu"):
+        yield

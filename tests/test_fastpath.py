@@ -238,3 +238,33 @@ def test_the_gpus_forms_keep_the_logits_and_every_policy_exact(arch, gpu_forms):
     for name, params in POLICIES[:6]:
         result = generate(model, prompt, make_method(name, params), draft=draft, config=DecodeConfig(20))
         assert result.token_ids == hf_greedy(model, prompt, 20), name
+
+
+@torch.inference_mode()
+def test_the_gpus_fused_adds_write_into_the_residual_and_leave_inputs_and_taps_alone(gpu_forms):
+    """The residual adds inside the o and down GEMMs update x in place: an `embeds` input passed
+    by a caller must come back unchanged, and a tapped layer input must be the value it had then
+    (transformers' own hidden states are the reference)."""
+    from dynatree_core.core.fastpath import _residual, _rotate, _rotate_fused
+
+    model = copy.deepcopy(tiny_model("llama"))
+    block = lean_forward_for(model).blocks[0]
+    assert block.add_o is not None and block.add_down is not None and block.rotate is _rotate_fused
+    size, dtype = model.config.hidden_size, model.dtype
+    x, a = torch.randn(1, 5, size, dtype=dtype), torch.randn(1, 5, size, dtype=dtype)
+    want = x + block.o(a)
+    assert block.add_o(x, a) is x and torch.allclose(x, want, atol=1e-5)
+    q, cos, sin = torch.randn(1, 2, 5, 16), torch.randn(1, 1, 5, 16), torch.randn(1, 1, 5, 16)
+    torch.testing.assert_close(_rotate_fused(q, cos, sin), _rotate(q, cos, sin))
+    assert _residual(torch.nn.Linear(4, 4, bias=False)) is not None and _residual(torch.nn.Linear(4, 4)) is None
+    embeds = torch.randn(1, 6, size, dtype=dtype)
+    kept = embeds.clone()
+    ids, positions = torch.arange(6)[None], torch.arange(6)[None]
+    mask = torch.zeros(1, 1, 6, 6, dtype=dtype).masked_fill_(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
+    layers = KVState(model, list(range(6)), capacity=16).cache.layers
+    fused = lean_forward_for(model)(ids, positions, mask, layers, 6, embeds=embeds, hidden=(0, 1))
+    assert torch.equal(embeds, kept), "the caller's embeds were written"
+    reference = model(inputs_embeds=embeds, output_hidden_states=True)
+    for tap in (0, 1):
+        torch.testing.assert_close(fused.states[:, tap], reference.hidden_states[tap][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused.logits, reference.logits[0], rtol=1e-4, atol=1e-4)

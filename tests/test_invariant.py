@@ -264,6 +264,32 @@ def test_a_one_row_kernel_of_its_own_is_padded_away(dtype):
 
 
 @torch.inference_mode()
+def test_the_gpus_residual_gemm_is_probed_as_the_forward_takes_it(gpu_forms):
+    """On a GPU the o projection adds the residual inside its GEMM (fastpath._residual): the probe
+    runs that form. One that changes with every row count is named; one whose one-row call
+    differs pads the linears, the forward then takes the separate add, and the bits match again."""
+    model = _model("llama-wide", torch.bfloat16)
+    lean = lean_forward_for(model)
+    block = lean.blocks[0]
+    fused = block.add_o
+    assert fused is not None
+    for shaky, reason, rows in (
+        (lambda x, a: fused(x, a) + len(a) * 1e-2, "x + o: a row's bits change with the row count, padded or not", 1),
+        (lambda x, a: fused(x, a) + (len(a) == 1) * 1e-2, None, 2),
+    ):
+        block.add_o = shaky
+        lean.__dict__.pop("_width_verdicts", None)
+        try:
+            verdict = width_verdict(lean, torch.bfloat16, torch.device("cpu"))
+            assert (verdict.reason, verdict.linear_rows) == (reason, rows), verdict
+            if reason is None:
+                _assert_path_bits_match_ar(model, "a one-row residual GEMM of its own, padded")
+        finally:
+            block.add_o = fused
+            lean.__dict__.pop("_width_verdicts", None)
+
+
+@torch.inference_mode()
 def test_unpacked_float32_linears_are_padded_to_the_rows_from_which_they_agree():
     """float32 F.linear on this CPU (MKL, no oneDNN packing) gives a row other bits at 1-3, 5-7 and
     9-11 rows than at 12 and more: the probe pads every linear to 16 rows and stays bitwise."""

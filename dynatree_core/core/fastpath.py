@@ -22,9 +22,10 @@ Contract: knows models and cache layers, never trees or policies.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,29 @@ FUSE_MAX_BYTES_BY_DEVICE = {"cuda": 1 << 30}
 # formulation is eight: there the norm takes it (its own rounding, the same for every width); the
 # CPU keeps transformers' formulation, bit for bit HF's
 FUSED_NORM_DEVICES = ("cuda",)
+# devices where the residual adds ride in the o and down GEMMs (x.addmm_(a, W.T): the GEMM's
+# epilogue adds x, beta 1) and the rotation's add in one addcmul: 3 kernels fewer a layer, each
+# with its own rounding, the same for every width (invariant.width_verdict probes the GEMM form)
+FUSED_ADD_DEVICES = ("cuda",)
+
+
+@contextlib.contextmanager
+def device_forms(of: str, on: str) -> Iterator[None]:
+    """Give device type `on` the forms the lean forward takes on `of` (fused norm, projections and
+    adds), for lean forwards built inside: how the CPU runs and counts the GPU's forms."""
+    saved = FUSED_NORM_DEVICES, FUSED_ADD_DEVICES, dict(FUSE_MAX_BYTES_BY_DEVICE)
+    module = globals()
+    for name in ("FUSED_NORM_DEVICES", "FUSED_ADD_DEVICES"):
+        devices = module[name]
+        module[name] = tuple(devices) + ((on,) if of in devices else ())
+    if of in FUSE_MAX_BYTES_BY_DEVICE:
+        FUSE_MAX_BYTES_BY_DEVICE[on] = FUSE_MAX_BYTES_BY_DEVICE[of]
+    try:
+        yield
+    finally:
+        module["FUSED_NORM_DEVICES"], module["FUSED_ADD_DEVICES"] = saved[:2]
+        FUSE_MAX_BYTES_BY_DEVICE.clear()
+        FUSE_MAX_BYTES_BY_DEVICE.update(saved[2])
 
 
 def lean_forward_for(model: torch.nn.Module, fast: bool | None = None) -> LeanForward | None:
@@ -138,6 +162,26 @@ def _fused(modules: list[torch.nn.Module]) -> Callable[[torch.Tensor], torch.Ten
     return lambda x: F.linear(x, weight, bias)
 
 
+def _residual(module: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """x + module(a) as one GEMM adding into x in place (addmm_, beta 1: the epilogue reads x), on
+    FUSED_ADD_DEVICES for a plain linear without bias; None elsewhere. x (.., out) contiguous,
+    a (.., in); returns x, updated."""
+    weight = module.weight
+    if (
+        weight.device.type not in FUSED_ADD_DEVICES
+        or module.bias is not None
+        or getattr(module, "packed", None) is not None
+    ):
+        return None
+    transposed = weight.t()
+
+    def add(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        x.view(-1, x.shape[-1]).addmm_(a.reshape(-1, a.shape[-1]), transposed)
+        return x
+
+    return add
+
+
 def _rms_norm(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """RMSNorm exactly as transformers computes it (in float32, then scaled in the model's dtype),
     or where the device fuses it (FUSED_NORM_DEVICES) as one F.rms_norm; an Identity (a layer
@@ -186,6 +230,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
+def _rotate_fused(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """_rotate with its add inside one addcmul (FUSED_ADD_DEVICES): 3 kernels for 4."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
+
+
 class _Block:
     """One decoder layer's callables and shapes."""
 
@@ -198,6 +247,9 @@ class _Block:
         self.gate_up = _fused([mlp.gate_proj, mlp.up_proj]) if fuse else None
         self.q, self.k, self.v = (_linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
         self.gate, self.up = _linear(mlp.gate_proj), _linear(mlp.up_proj)
+        self.add_o, self.add_down = _residual(attn.o_proj), _residual(mlp.down_proj)  # None: x + o(a)
+        fused_add = attn.o_proj.weight.device.type in FUSED_ADD_DEVICES
+        self.rotate = _rotate_fused if fused_add else _rotate
         self.head_dim = attn.head_dim
         self.groups = attn.num_key_value_groups
         self.scaling = attn.scaling
@@ -212,7 +264,15 @@ class _Block:
             gate, up = min_rows(self.gate_up, h, rows).split(self.mlp_size, dim=-1)
         else:
             gate, up = min_rows(self.gate, h, rows), min_rows(self.up, h, rows)
-        return x + min_rows(self.down, F.silu(gate) * up, rows)
+        return self.residual(x, "down", F.silu(gate) * up, rows)
+
+    def residual(self, x: torch.Tensor, name: str, a: torch.Tensor, rows: int) -> torch.Tensor:
+        """x + the linear `name` ("o" or "down") of a: inside its GEMM (`add_<name>`, in place on
+        x) unless the linears are padded (rows > 1: the forms width_verdict chose the padding for)."""
+        fused = getattr(self, f"add_{name}")
+        if fused is not None and rows == 1:
+            return fused(x, a)
+        return x + min_rows(getattr(self, name), a, rows)
 
     def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: int = 1) -> tuple[torch.Tensor, ...]:
         """q, k, v as (B, heads, q, head_dim) for h (B, q, hidden), RoPE applied to q and k (one
@@ -221,9 +281,9 @@ class _Block:
         heads = lambda t: t.view(h.shape[0], h.shape[1], -1, self.head_dim).transpose(1, 2)  # noqa: E731
         if self.qkv is None:
             q, k, v = (min_rows(f, h, rows) for f in (self.q, self.k, self.v))
-            return _rotate(heads(q), cos, sin), _rotate(heads(k), cos, sin), heads(v)
+            return self.rotate(heads(q), cos, sin), self.rotate(heads(k), cos, sin), heads(v)
         qkv = heads(min_rows(self.qkv, h, rows))
-        qk = _rotate(qkv[:, : self.qk_heads], cos, sin)
+        qk = self.rotate(qkv[:, : self.qk_heads], cos, sin)
         return qk[:, : self.heads], qk[:, self.heads :], qkv[:, self.qk_heads :]
 
 
@@ -259,6 +319,9 @@ class LeanForward:
         those states stacked (q, len(taps), hidden) (see KVState.forward); `rows`: attend with
         core/invariant.py's width-invariant attention over each row's own keys (`mask` unused)."""
         x = F.embedding(ids, self.embed.weight) if embeds is None else embeds  # (1, q, hidden)
+        in_place = self.blocks[0].add_o is not None  # the residual adds write into x (_residual)
+        if in_place and embeds is not None:
+            x = x.clone()  # the caller's tensor stays as it was
         rope = self.rotary(x, positions) if rows is None else self.rope_table(x, positions, rows.positions_end)
         cos, sin = rope_pair(*rope)  # (1, 1, q, head_dim) each, sin signed for _rotate
         folded = None if rows is not None else fold_mask(mask, self.blocks[0].groups)  # once per forward
@@ -267,7 +330,7 @@ class LeanForward:
         tapped = {}
         for i, (block, cache) in enumerate(zip(self.blocks, layers, strict=True)):
             if i in taps:
-                tapped[i] = x[0]
+                tapped[i] = x[0].clone() if in_place else x[0]
             q, k, v = block.project(block.norm1(x), cos, sin, pad)  # (1, heads, q, head_dim), q and k rotated
             keys, values = cache.update(k, v)  # views of slots 0 .. L + q
             if rows is not None:
@@ -276,7 +339,7 @@ class LeanForward:
                 attn = F.scaled_dot_product_attention(
                     fold_groups(q, block.groups), keys, values, attn_mask=folded, scale=block.scaling
                 ).reshape(q.shape)  # CUDA kernels return it strided (rows, heads) major: a view would fail
-            x = block.mlp(x + min_rows(block.o, attn.transpose(1, 2).reshape(1, ids.shape[1], -1), pad), pad)
+            x = block.mlp(block.residual(x, "o", attn.transpose(1, 2).reshape(1, ids.shape[1], -1), pad), pad)
         if not hidden:
             return Forward(min_rows(self.head, self.norm(x[0, -logits_to_keep:]), pad))
         states = self.norm(x[0])

@@ -345,10 +345,11 @@ class WidthVerdict:
 @torch.inference_mode()
 def width_verdict(lean, dtype: torch.dtype, device: torch.device, *, attention: bool = True) -> WidthVerdict:
     """Probe every operation of the lean forward whose result could depend on the number of rows:
-    each linear of one layer and the head (the fewest rows from which they are invariant: float32
-    on this CPU without oneDNN packing needs 16, a one-row cuBLAS GEMV differs from its GEMM), the
-    RMSNorm and sequence_attention, at the widths in PROBE_WIDTHS (the attention also at the key
-    counts in PROBE_KEYS, in calls of ATTENTION_ROWS rows where the batch count matters; not with
+    each linear of one layer (o and down also with their residual add, where it rides in the
+    GEMM) and the head (the fewest rows from which they are invariant: float32 on this CPU without
+    oneDNN packing needs 16, a one-row cuBLAS GEMV differs from its GEMM), the RMSNorm and
+    sequence_attention, at the widths in PROBE_WIDTHS (the attention also at the key counts in
+    PROBE_KEYS, in calls of ATTENTION_ROWS rows where the batch count matters; not with
     `attention=False`, for runs whose attention is StaticRows', probed by static_attention_agrees).
     Cached per (dtype, device, attention) on `lean`: a few dozen calls on the model's own weights, once."""
     cache, key = lean.__dict__.setdefault("_width_verdicts", {}), (dtype, str(device), attention)
@@ -367,6 +368,10 @@ def width_verdict(lean, dtype: torch.dtype, device: torch.device, *, attention: 
     linears |= {name: (fn, x) for name, fn in fused.items() if fn is not None}
     if block.qkv is None:
         linears |= {name: (getattr(block, name), x) for name in ("q", "k", "v", "gate", "up")}
+    for name in ("o", "down"):  # the residual add inside the GEMM (fastpath._residual), where taken
+        fused, inp = getattr(block, f"add_{name}"), linears[name][1]
+        if fused is not None:
+            linears[f"x + {name}"] = (lambda a, fused=fused: fused(x[: a.shape[-2]].clone(), a), inp)
     changes = "a row's bits change with the row count"
     rows, reason = 1, None
     for name, (fn, inp) in linears.items():
