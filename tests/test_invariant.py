@@ -381,6 +381,32 @@ def test_a_run_at_fixed_shapes_skips_the_probe_of_the_attention_it_does_not_run(
     assert sorted(key[2] for key in lean._width_verdicts) == [False, True]
 
 
+@torch.inference_mode()
+def test_where_forwards_replay_graphs_the_probe_replays_its_calls_too(monkeypatch):
+    """A library may pick other kernels under stream capture than eagerly: where the run's
+    forwards are captured, the probe's calls go through capture.replayed. Here a stand-in for a
+    captured one-row GEMM of its own (the eager calls agree): only the captured verdict pads."""
+    from dynatree_core.core import capture, choice
+
+    def replayed(fn, device):
+        return lambda x: fn(x) + (x.shape[-2] == 1) * 1e-2 if x.dim() == 2 and x.shape[-1] > 8 else fn(x)
+
+    monkeypatch.setattr(capture, "replayed", replayed)
+    model = _model("llama-wide", torch.bfloat16)
+    lean = lean_forward_for(model)
+    lean.__dict__.pop("_width_verdicts", None)
+    lean.__dict__.pop("_static_verdicts", None)
+    cpu = torch.device("cpu")
+    assert width_verdict(lean, torch.bfloat16, cpu, attention=False).linear_rows == 1
+    assert width_verdict(lean, torch.bfloat16, cpu, attention=False, captured=True).linear_rows == 2
+    monkeypatch.setattr(choice.cuda_graphs, "capture_wanted", lambda device, model: True)
+    picked = choice.choose_forward(model, graphs=True, invariant=True)
+    assert picked.capture and picked.verdict.linear_rows == 2, picked
+    assert (torch.bfloat16, "cpu", True) in lean._static_verdicts
+    lean.__dict__.pop("_width_verdicts", None)
+    lean.__dict__.pop("_static_verdicts", None)
+
+
 def test_static_rows_hold_each_rows_slots_in_sequence_order_then_masked_padding():
     visible = torch.tensor([[1, 1, 0, 0, 1], [1, 0, 1, 1, 1]], dtype=torch.bool)
     slots, tail = StaticRows.build(visible, 8)
@@ -430,7 +456,7 @@ def test_captured_width_invariant_forwards_replay_and_stay_exact(monkeypatch):
     tree = generate(target, PROMPT, make_method("fixed_tree"), draft=draft, config=config)
     assert ar.forward_path == tree.forward_path == "lean+invariant+graphs"
     assert tree.token_ids == ar.token_ids and tree.tokens_per_iteration > 1
-    monkeypatch.setattr(choice, "static_attention_agrees", lambda *a: False)
+    monkeypatch.setattr(choice, "static_attention_agrees", lambda *a, **k: False)
     assert KVState(target, PROMPT, invariant=True, graphs=True).path == "lean+invariant"
 
 

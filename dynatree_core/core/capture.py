@@ -104,6 +104,24 @@ def capture_graph(device: torch.device, run: Callable[[], object], pool: Callabl
     return graph, out
 
 
+def replayed(
+    fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """fn(x) the way a captured forward runs it: on CUDA captured as a graph and replayed (a library
+    may pick other kernels under stream capture than eagerly), its output copied out; elsewhere fn
+    itself. invariant.py's probes take it where the run's forwards are captured."""
+    if device.type != "cuda":
+        return fn
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        static = x.clone()
+        graph, out = capture_graph(device, lambda: fn(static))
+        graph.replay()
+        return out.clone()
+
+    return call
+
+
 @dataclasses.dataclass
 class _Step:
     inputs: tuple[torch.Tensor, ...]

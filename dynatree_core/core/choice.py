@@ -113,11 +113,14 @@ def _pick(model, static, fast, graphs, invariant: bool) -> ForwardChoice:
         # fixed shapes (invariant.StaticRows), captured where graphs are: where this device's
         # kernels keep a row's bits in calls of other rows (else each row group eagerly, whose
         # attention the verdict then probes too)
-        padded = cuda_graphs.graphs_enabled(device, graphs) and static_attention_agrees(lean, model.dtype, device)
-        verdict = width_verdict(lean, model.dtype, device, attention=not padded)
+        # (probed the way they will run: replayed from graphs where the forwards are captured)
+        wanted = cuda_graphs.graphs_enabled(device, graphs)
+        capture = wanted and cuda_graphs.capture_wanted(device, model)
+        padded = wanted and static_attention_agrees(lean, model.dtype, device, captured=capture)
+        capture = padded and capture
+        verdict = width_verdict(lean, model.dtype, device, attention=not padded, captured=capture)
         note = f" (not bitwise on this device: {verdict.reason})" if verdict.reason else ""
         why = "width-invariant forwards asked for (each row's logits as if alone)"
-        capture = padded and cuda_graphs.capture_wanted(device, model)
         path = "lean+invariant" + ("+graphs" if capture else "+padded" if padded else "") + note
         return ForwardChoice("invariant", path, why, True, lean, capture=capture, verdict=verdict, padded=padded)
     if cuda_graphs.graphs_enabled(device, graphs):

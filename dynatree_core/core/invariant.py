@@ -19,10 +19,7 @@ alone (`ar`) or one of many (a tree): only the batch count changes. Where a libr
 kernel by the batch count too (a batched GEMM may choose its tiles, or split the reduction over
 keys, by how many items it has), every call runs a fixed number of rows (`attention_rows`, the
 last call padded by repeating its last row), so the call's shape depends on the key count
-alone, which is the same for a row alone and in a tree. On an H200, bfloat16 fixed_tree, eagle2
-and dyspec_threshold (the policies with wide levels) still left bfloat16 `ar` at a near-tie of
-one prompt in eight while the probe, then at 96 keys with at most 5 rows a call, passed: a
-kernel chosen by the batch count is the suspect, not yet confirmed there.
+alone, which is the same for a row alone and in a tree.
 
 Elementwise transcendental ops are row-wise too, but a vectorised kernel computes the last few
 elements of a tensor on a scalar path with other rounding, so cos/sin of a position could change
@@ -34,8 +31,10 @@ Linears are row-wise by nature, but a library may still pick its kernel by the r
 uses, and finds the fewest rows from which each linear agrees with its widest call: the forward
 pads every linear's input to that many rows (`min_rows`; a one-row GEMV then runs as the GEMM).
 The same probe runs the attention at short and long key counts and pads its calls to
-`attention_rows` where the batch count changes a row's bits. A run on a device where something
-stays variant says so in its forward path (never silently different).
+`attention_rows` where the batch count changes a row's bits. Where the run's forwards replay CUDA
+graphs, the probe's calls do too (`captured`: a library may pick other kernels under stream
+capture). A run on a device where something stays variant says so in its forward path (never
+silently different).
 
 Contract: knows tensors, cache slots and the lean forward's linears; never trees or policies.
 """
@@ -47,6 +46,7 @@ import os
 
 import torch
 
+from dynatree_core.core import capture
 from dynatree_core.core.transfer import to_device
 
 PROBE_WIDTHS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 32, 33, 64)  # row counts a run's forwards take
@@ -184,11 +184,12 @@ def static_span(capacity: int) -> int:
     return span
 
 
-def static_attention_agrees(lean, dtype: torch.dtype, device: torch.device) -> bool:
+def static_attention_agrees(lean, dtype: torch.dtype, device: torch.device, *, captured: bool = False) -> bool:
     """StaticRows attention gives rows 0 and 7 the same bits alone and among 33 rows (other
-    padding, other rows in their call), at spans 256 and 1024. Cached per (dtype, device)."""
+    padding, other rows in their call), at spans 256 and 1024; `captured`: each call replayed from
+    a graph, as the run's forwards are (capture.replayed). Cached per (dtype, device, captured)."""
     cache = lean.__dict__.setdefault("_static_verdicts", {})
-    key = (dtype, str(device))
+    key = (dtype, str(device), captured)
     if key not in cache:
         block, gen = lean.blocks[0], torch.Generator().manual_seed(1)
         kv_heads = block.qk_heads - block.heads
@@ -201,8 +202,9 @@ def static_attention_agrees(lean, dtype: torch.dtype, device: torch.device) -> b
             visible[:, 0] = True
 
             def attend(which, q=q, keys=keys, values=values, visible=visible, span=span):
-                slots, tail = (t.to(device) for t in StaticRows.build(visible[which], span))
-                return static_sequence_attention(q[:, :, which], keys, values, StaticRows(slots, tail), 0.125)
+                rows = StaticRows(*(t.to(device) for t in StaticRows.build(visible[which], span)))
+                fn = lambda part: static_sequence_attention(part, keys, values, rows, 0.125)  # noqa: E731
+                return (capture.replayed(fn, device) if captured else fn)(q[:, :, which])
 
             many = attend(list(range(33)))
             ok = ok and all(torch.equal(many[:, :, i], attend([i])[:, :, 0]) for i in (0, 7))
@@ -343,7 +345,9 @@ class WidthVerdict:
 
 
 @torch.inference_mode()
-def width_verdict(lean, dtype: torch.dtype, device: torch.device, *, attention: bool = True) -> WidthVerdict:
+def width_verdict(
+    lean, dtype: torch.dtype, device: torch.device, *, attention: bool = True, captured: bool = False
+) -> WidthVerdict:
     """Probe every operation of the lean forward whose result could depend on the number of rows:
     each linear of one layer (o and down also with their residual add, where it rides in the
     GEMM) and the head (the fewest rows from which they are invariant: float32 on this CPU without
@@ -351,8 +355,9 @@ def width_verdict(lean, dtype: torch.dtype, device: torch.device, *, attention: 
     sequence_attention, at the widths in PROBE_WIDTHS (the attention also at the key counts in
     PROBE_KEYS, in calls of ATTENTION_ROWS rows where the batch count matters; not with
     `attention=False`, for runs whose attention is StaticRows', probed by static_attention_agrees).
-    Cached per (dtype, device, attention) on `lean`: a few dozen calls on the model's own weights, once."""
-    cache, key = lean.__dict__.setdefault("_width_verdicts", {}), (dtype, str(device), attention)
+    `captured`: each call replayed from a graph, as the run's forwards are. Cached per (dtype,
+    device, attention, captured) on `lean`: a few dozen calls on the model's own weights, once."""
+    cache, key = lean.__dict__.setdefault("_width_verdicts", {}), (dtype, str(device), attention, captured)
     if key in cache:
         return cache[key]
     block = lean.blocks[0]
@@ -374,13 +379,14 @@ def width_verdict(lean, dtype: torch.dtype, device: torch.device, *, attention: 
             linears[f"x + {name}"] = (lambda a, fused=fused: fused(x[: a.shape[-2]].clone(), a), inp)
     changes = "a row's bits change with the row count"
     rows, reason = 1, None
+    as_run = (lambda fn: capture.replayed(fn, device)) if captured else (lambda fn: fn)  # noqa: E731
     for name, (fn, inp) in linears.items():
-        fewest = _fewest_rows(fn, inp)
+        fewest = _fewest_rows(as_run(fn), inp)
         if fewest is None:
             reason = f"{name}: {changes}, padded or not"
             break
         rows = max(rows, fewest)
-    if reason is None and _fewest_rows(block.norm1, x) != 1:
+    if reason is None and _fewest_rows(as_run(block.norm1), x) != 1:
         reason = f"norm: {changes}"
     kv_heads = block.qk_heads - block.heads
     attention_rows = 1
