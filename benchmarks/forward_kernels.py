@@ -4,9 +4,10 @@ gate/up fused, the residual adds inside the o and down GEMMs and the rotation's 
 core/fastpath.py's device_forms). On a GPU a
 small model's forward is launch-bound (../shared/GPU_NOTES.md): a captured forward's time follows
 its kernel count, which needs no GPU to count (every op torch dispatches, views and allocations
-excluded: measure/launches.py's rule). The embedded target, unpacked (a GPU does not pack), a
-1-row and a 16-row forward, with shared kernels and with width-invariant rows at fixed shapes
-(invariant.StaticRows, bfloat16's exact path on a GPU); the logits of both forms are compared too.
+excluded, conversions and strided copies counted: measure/launches.py's rule). The embedded
+target, unpacked (a GPU does not pack), a 1-row and a 16-row forward, with shared kernels and
+with width-invariant rows at fixed shapes (static_rows.StaticRows, bfloat16's exact path on a GPU);
+the logits of both forms are compared too.
 The rotation's new form is the CPU's default too: its time on this CPU against transformers'
 (`rotation_us`, q and k of one layer, the median of 5 rounds of 2,000 calls).
 
@@ -30,7 +31,7 @@ from dynatree_core.core import fastpath
 from dynatree_core.core.fastpath import _rotate, rope_pair
 from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.decoding.pairs import load_pair
-from dynatree_core.measure.launches import NO_LAUNCH
+from dynatree_core.measure.launches import launches_work
 
 FORMS = ("cpu", "gpu")
 
@@ -44,7 +45,7 @@ class _Ops(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not func.is_view and func.overloadpacket.__name__ not in NO_LAUNCH:
+        if launches_work(func, args, out):
             self.names[func.overloadpacket.__name__] += 1
         return out
 

@@ -81,7 +81,7 @@ def test_width_invariant_verify_forwards_capture_their_inputs_and_keep_ars_token
     """bfloat16 (width-invariant forwards by default, at fixed shapes): every verify forward after
     the prefill is one captured step with its inputs (queued from the rows, or from a batch built
     on the host: eagle2), each row's slots in sequence order built inside it
-    (invariant.StaticRows.build); the tokens are bfloat16 `ar`'s, and every record and tree the
+    (static_rows.StaticRows.build); the tokens are bfloat16 `ar`'s, and every record and tree the
     eager run's, bit for bit."""
     from test_invariant import _model, _skip_unless_bitwise
 

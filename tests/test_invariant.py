@@ -20,17 +20,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dynatree_core.core import invariant
 from dynatree_core.core.fastpath import lean_forward_for
-from dynatree_core.core.invariant import (
-    RopeTable,
-    RowGroups,
-    StaticRows,
-    invariant_wanted,
-    sequence_attention,
-    static_sequence_attention,
-    width_verdict,
-)
+from dynatree_core.core.invariant import RopeTable, RowGroups, invariant_wanted, sequence_attention, width_verdict
 from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.core.packing import pack_linears, packing_enabled
+from dynatree_core.core.static_rows import StaticRows, static_sequence_attention
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method

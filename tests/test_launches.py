@@ -25,6 +25,19 @@ def test_views_and_allocations_launch_nothing_and_every_kernel_counts():
     assert sum(counter.sites.values()) == 3
 
 
+def test_ops_that_only_may_alias_count_where_they_copy():
+    """`to` and `reshape` dispatch as views where they can return their input; a conversion or a
+    reshape of strided rows is a kernel all the same (seen under inference mode, as forwards run)."""
+    a = torch.randn(4, 6, dtype=torch.bfloat16)
+    for mode in (torch.inference_mode(), torch.no_grad()):
+        with mode, launches.counting_launches(CPU) as counter:
+            a.to(torch.bfloat16)  # itself: nothing
+            a.reshape(24)  # a view
+            a.float()  # a conversion: one kernel
+            a.t().reshape(24)  # strided rows copied: one kernel
+        assert counter.counts["ops"] == 2, counter.counts
+
+
 def test_on_a_gpu_ops_on_host_tensors_are_the_hosts_not_launches():
     with launches._Counter("cuda") as counter:
         torch.arange(4) + 1  # host tensors, counted apart

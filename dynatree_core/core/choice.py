@@ -28,7 +28,8 @@ import torch
 
 from dynatree_core.core import graphs as cuda_graphs  # looked up at call time: tests stand in for a GPU
 from dynatree_core.core.fastpath import fast_forward_enabled, lean_forward_for
-from dynatree_core.core.invariant import WidthVerdict, static_attention_agrees, width_verdict
+from dynatree_core.core.invariant import WidthVerdict, width_verdict
+from dynatree_core.core.static_rows import static_attention_agrees
 
 KINDS = ("reference", "lean", "captured", "invariant")  # kv.KVState runs `_<kind>`
 
@@ -58,7 +59,7 @@ class ForwardChoice:
     lean: Callable | None = None
     capture: bool = False
     verdict: WidthVerdict | None = None
-    padded: bool = False  # `invariant` only: fixed shapes (invariant.StaticRows), captured when `capture`
+    padded: bool = False  # `invariant` only: fixed shapes (static_rows.StaticRows), captured when `capture`
 
 
 def static_cache_enabled(static: bool | None = None) -> bool:
@@ -110,7 +111,7 @@ def _pick(model, static, fast, graphs, invariant: bool) -> ForwardChoice:
         return ForwardChoice("reference", "static", f"{why}: HF forward over the static cache", True)
     device = model.get_input_embeddings().weight.device
     if invariant:
-        # fixed shapes (invariant.StaticRows), captured where graphs are: where this device's
+        # fixed shapes (static_rows.StaticRows), captured where graphs are: where this device's
         # kernels keep a row's bits in calls of other rows (else each row group eagerly, whose
         # attention the verdict then probes too)
         # (probed the way they will run: replayed from graphs where the forwards are captured)

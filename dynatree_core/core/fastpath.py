@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from dynatree_core.core.forward import Forward
-from dynatree_core.core.invariant import RopeTable, RowGroups, StaticRows, min_rows
+from dynatree_core.core.invariant import RopeTable, RowGroups, min_rows
+from dynatree_core.core.static_rows import StaticRows
 from dynatree_core.core.taps import stack_taps
 
 LEAN_TYPES = ("llama", "qwen2", "mistral")  # model_type values whose decoder layer is the Llama block

@@ -17,7 +17,7 @@ key and replays. Three callers' shapes of it:
 
 A fill hands the forward which slots each row sees, a (width, span) boolean (`seen_over`); the
 step turns it into the additive mask, or for width-invariant rows into each row's slots in
-sequence order (invariant.StaticRows.build). The prefill runs eagerly (its width is the prompt's).
+sequence order (static_rows.StaticRows.build). The prefill runs eagerly (its width is the prompt's).
 
 Contract: knows a KVState's cache, padded forward and steps; never trees or policies.
 """

@@ -19,7 +19,7 @@ at fixed shapes over the static cache (kv.SlotLayer):
   bucket is timed against the wider ones up to MEASURE_UP_TO rows and the fastest kept (cuBLAS's
   float32 GEMM can pick slow tiles at narrow widths, where a wider bucket runs faster);
 - new keys/values go to the slots named in a slot buffer (`index_copy_`), not to a Python slice;
-- width-invariant runs (`static`): no mask; each row's slots and padding (invariant.StaticRows,
+- width-invariant runs (`static`): no mask; each row's slots and padding (static_rows.StaticRows,
   the run's span) are the static inputs instead, so the same rows replay bitwise at any bucket.
 
 Every input (ids, positions, slots, mask, draft input vectors) is a static buffer per bucket,
@@ -53,7 +53,7 @@ import torch
 
 from dynatree_core.core.capture import POOLS, capture_failed, capture_graph
 from dynatree_core.core.forward import Forward, additive
-from dynatree_core.core.invariant import StaticRows
+from dynatree_core.core.static_rows import StaticRows
 from dynatree_core.core.transfer import to_device, upload_into
 
 MAX_BUCKET = 128
@@ -152,7 +152,7 @@ class PaddedForward:
         self, lean, layers: list, model: torch.nn.Module, *, capture: bool, max_width: int | None = None, static=None
     ):
         self.lean, self.layers, self.capture = lean, layers, capture
-        # width-invariant forwards (invariant.StaticRows): StaticRows(span, linear_rows) as a template
+        # width-invariant forwards (static_rows.StaticRows): StaticRows(span, linear_rows) as a template
         self.static: StaticRows | None = static
         self.sizes = buckets(max_width or MAX_BUCKET)
         self.hidden_size = model.config.get_text_config(decoder=True).hidden_size
@@ -288,7 +288,7 @@ class PaddedForward:
         (1, width), positions (1, width), slots (width,), seen (width, span) bool (row i may
         attend to slot j; a padding row to its own), embeds (1, width, hidden) or None, *extra),
         the first q rows real. `seen` becomes the additive mask, or for width-invariant forwards
-        each row's slots in sequence order (invariant.StaticRows), in the step. The step returns
+        each row's slots in sequence order (static_rows.StaticRows), in the step. The step returns
         the float32 logits of the last `keep` real rows and the real rows' final states, then
         `extra`. Call `advance` after it."""
         static = self.static

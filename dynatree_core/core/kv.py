@@ -34,8 +34,9 @@ from dynatree_core.core.choice import choose_forward
 from dynatree_core.core.filled import FilledForwards
 from dynatree_core.core.forward import Forward, additive, reference_forward
 from dynatree_core.core.graphs import PaddedForward
-from dynatree_core.core.invariant import RowGroups, StaticRows, static_span
+from dynatree_core.core.invariant import RowGroups
 from dynatree_core.core.slots import SLACK, SlotLayer, SlotStore
+from dynatree_core.core.static_rows import StaticRows, static_span
 from dynatree_core.core.transfer import Stopwatch, to_device
 from dynatree_core.errors import DynaTreeError
 

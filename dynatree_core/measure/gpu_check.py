@@ -160,7 +160,7 @@ def _tree(root: int) -> tuple[DraftTree, list[int]]:
 def path_bits_match(target, prompt: list[int], graphs: bool | None = None) -> bool:
     """A path node's logits in one tree verification == `ar`'s for it decoded one token at a time,
     bit for bit, with width-invariant forwards (the promise of core/invariant.py); `graphs`: at
-    fixed shapes (invariant.StaticRows) where the device's default or True says so."""
+    fixed shapes (static_rows.StaticRows) where the device's default or True says so."""
     tree, path = _tree(prompt[-1])
     head = prompt[:-1]
     causal = chain_then_tree_visibility(0, len(head), torch.zeros(0, 0, dtype=torch.bool))
@@ -183,7 +183,8 @@ def invariance_checks(name: str, target, draft) -> list[dict]:
     """Per dtype in INVARIANCE_DTYPES: the kernels' verdict with the path's bits, and every tree
     policy's tokens against `ar`'s, width-invariant. Copies the models into each dtype."""
     from dynatree_core.core.fastpath import lean_forward_for
-    from dynatree_core.core.invariant import static_attention_agrees, width_verdict
+    from dynatree_core.core.invariant import width_verdict
+    from dynatree_core.core.static_rows import static_attention_agrees
 
     rows = []
     for dtype in INVARIANCE_DTYPES:

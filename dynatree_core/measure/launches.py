@@ -32,6 +32,21 @@ from dynatree_core.core import capture, graphs, transfer
 # ops that allocate, alias or read a scalar: no kernel of their own (a read is counted by transfer.py)
 NO_LAUNCH = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias"})
 NO_LAUNCH |= {"lift_fresh", "_local_scalar_dense", "is_nonzero", "_has_compatible_shallow_copy_type", "detach_"}
+NO_LAUNCH |= {"_unsafe_view"}  # a view that a copying reshape returns: the copy (clone) is the launch
+
+
+def launches_work(func, args, out) -> bool:
+    """Whether a dispatched op launched a kernel: not an allocation, alias or scalar read
+    (NO_LAUNCH), and not a view, unless an op that only may alias (`to`, `reshape`: schemas that
+    return their input where they can) made new memory (a conversion, a copy of strided rows)."""
+    if func.overloadpacket.__name__ in NO_LAUNCH:
+        return False
+    if not func.is_view:
+        return True
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    outs = out if isinstance(out, list | tuple) else (out,)
+    home = first.untyped_storage().data_ptr() if first is not None else None
+    return any(isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() != home for o in outs)
 
 
 class _Counter(TorchDispatchMode):
@@ -44,7 +59,7 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.inside or func.is_view or func.overloadpacket.__name__ in NO_LAUNCH:
+        if self.inside or not launches_work(func, args, out):
             return out
         on_device = self.device_type == "cpu" or any(_on(t, self.device_type) for t in (*args, out))
         self.counts["ops" if on_device else "host_ops"] += 1
