@@ -531,13 +531,16 @@ return {charts, legends};
 }"""
 
 
-@pytest.mark.parametrize("screen", [LAPTOP, {"width": 1920, "height": 1080}], ids=["1366x768", "1920x1080"])
-def test_compare_page_shows_progress_live_trees_and_results(app_url, screen):
+@pytest.mark.parametrize(
+    "screen,repetitions", [(LAPTOP, 3), ({"width": 1920, "height": 1080}, 1)], ids=["1366x768", "1920x1080"]
+)
+def test_compare_page_shows_progress_live_trees_and_results(app_url, screen, repetitions):
     """The comparison page in a real browser: four policies (the page's defaults) on the embedded
     pair; the progress text is seen advancing and live trees are drawn while it runs, four to a
     row under one shared legend, none with a legend of its own and no two token labels
     overlapping; the results carry the exactness badge, the table and the charts. The example
-    selector says "(your own)" once the prompt is edited."""
+    selector says "(your own)" once the prompt is edited. The wide screen checks the layout
+    with one measured repetition (half the runs: the same page, half the wait)."""
     from playwright.sync_api import Error as PlaywrightError
     from playwright.sync_api import sync_playwright
 
@@ -546,6 +549,14 @@ def test_compare_page_shows_progress_live_trees_and_results(app_url, screen):
         page = browser.new_page(viewport=screen)
         page.goto(f"{app_url}/Compare_Policies")
         page.get_by_role("button", name="Compare").wait_for(timeout=120_000)
+        if repetitions != 3:  # from the slider's default
+            slider = page.get_by_role("slider", name="Repetitions")
+            slider.focus()
+            for _ in range(abs(3 - repetitions)):
+                slider.press("ArrowLeft" if repetitions < 3 else "ArrowRight")
+            page.wait_for_selector("[data-testid=stApp][data-test-script-state=notRunning]", timeout=60_000)
+            shown = page.locator("[data-testid=stSlider]").filter(has_text="Repetitions")
+            assert shown.locator("[data-testid=stSliderThumbValue]").inner_text().strip() == str(repetitions)
         prompt = page.get_by_label("Prompt", exact=True)
         prompt.fill("Why is the sky blue? Answer in one sentence.")
         prompt.press("Control+Enter")
