@@ -116,9 +116,9 @@ def _pick(model, static, fast, graphs, invariant: bool) -> ForwardChoice:
         # attention the verdict then probes too)
         # (probed the way they will run: replayed from graphs where the forwards are captured)
         wanted = cuda_graphs.graphs_enabled(device, graphs)
-        capture = wanted and cuda_graphs.capture_wanted(device, model)
-        padded = wanted and static_attention_agrees(lean, model.dtype, device, captured=capture)
-        capture = padded and capture
+        replays = wanted and cuda_graphs.capture_wanted(device, model)
+        padded = wanted and static_attention_agrees(lean, model.dtype, device, captured=replays)
+        capture = padded and replays
         verdict = width_verdict(lean, model.dtype, device, attention=not padded, captured=capture)
         note = f" (not bitwise on this device: {verdict.reason})" if verdict.reason else ""
         why = "width-invariant forwards asked for (each row's logits as if alone)"

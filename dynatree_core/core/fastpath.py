@@ -78,17 +78,16 @@ FUSED_ADD_DEVICES = ("cuda",)
 def device_forms(of: str, on: str) -> Iterator[None]:
     """Give device type `on` the forms the lean forward takes on `of` (fused norm, projections and
     adds), for lean forwards built inside: how the CPU runs and counts the GPU's forms."""
+    global FUSED_NORM_DEVICES, FUSED_ADD_DEVICES
     saved = FUSED_NORM_DEVICES, FUSED_ADD_DEVICES, dict(FUSE_MAX_BYTES_BY_DEVICE)
-    module = globals()
-    for name in ("FUSED_NORM_DEVICES", "FUSED_ADD_DEVICES"):
-        devices = module[name]
-        module[name] = tuple(devices) + ((on,) if of in devices else ())
+    FUSED_NORM_DEVICES = (*FUSED_NORM_DEVICES, *((on,) if of in FUSED_NORM_DEVICES else ()))
+    FUSED_ADD_DEVICES = (*FUSED_ADD_DEVICES, *((on,) if of in FUSED_ADD_DEVICES else ()))
     if of in FUSE_MAX_BYTES_BY_DEVICE:
         FUSE_MAX_BYTES_BY_DEVICE[on] = FUSE_MAX_BYTES_BY_DEVICE[of]
     try:
         yield
     finally:
-        module["FUSED_NORM_DEVICES"], module["FUSED_ADD_DEVICES"] = saved[:2]
+        FUSED_NORM_DEVICES, FUSED_ADD_DEVICES = saved[:2]
         FUSE_MAX_BYTES_BY_DEVICE.clear()
         FUSE_MAX_BYTES_BY_DEVICE.update(saved[2])
 
