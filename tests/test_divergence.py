@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import noisy_copy, tiny_model
 
-from dynatree_core.core import invariant
+from dynatree_core.core import capture, invariant
 from dynatree_core.core.fastpath import lean_forward_for
 from dynatree_core.measure.divergence import divergence, trace_line
 
@@ -41,6 +41,20 @@ def test_a_bitwise_device_gets_a_bitwise_trace(policy):
     assert trace["bitwise"] and trace["token_identical"], trace
     assert trace["positions"] == 40 and trace["path"] == "lean+invariant"
     assert trace_line(trace).startswith("bitwise over 40 positions, token-identical")
+
+
+@pytest.mark.parametrize("policy", ("fixed_tree", "eagle2"))
+def test_the_trace_reads_the_logits_of_captured_steps(policy, monkeypatch):
+    """Where the run's forwards and steps are captured (CUDA; stand-in graphs here), the verify
+    forward runs as a captured step (core/filled.py), not through KVState.forward: the trace still
+    reads each forward's logits (on an H100 it read the prefill's one row for a tree's, 2026-11-27)."""
+    monkeypatch.setattr(capture, "STAND_IN_DEVICES", ("cpu",))
+    target, draft = _pair()
+    _skip_unless_bitwise(target)
+    before = capture.REPLAYS["verify"]
+    trace = divergence(target, draft, PROMPT, policy, max_new=40, graphs=True)
+    assert capture.REPLAYS["verify"] > before, "the verify forwards ran as captured steps"
+    assert trace["bitwise"] and trace["token_identical"] and trace["positions"] == 40, trace
 
 
 def test_attention_that_follows_the_batch_count_is_found_after_layer_0(monkeypatch):

@@ -45,21 +45,22 @@ class _Run:
         return self.state.committed[self.state.prompt_len :]
 
 
-def _start(target, draft, prompt: list[int], policy: str, max_new: int, token_map) -> tuple[_Run, object]:
-    config = DecodeConfig(max_new_tokens=max_new, width_invariant=True)
+def _start(target, draft, prompt: list[int], policy: str, max_new: int, token_map, graphs) -> tuple[_Run, object]:
+    config = DecodeConfig(max_new_tokens=max_new, width_invariant=True, graphs=graphs)
     method = make_method(policy)
     state = start_run(
         target, prompt, method, draft=None if policy == "ar" else draft, config=config, draft_token_map=token_map
     )
     run = _Run(state)
-    forward = state.target_kv.forward
+    done = state.target_kv._done  # every target forward ends there: eager, padded, or a captured step's
 
     def keeping(*args, **kwargs):  # the verify forward's logits, one row per node of its order
-        out = forward(*args, **kwargs)
-        run.last = out.logits.float().cpu()
+        out = done(*args, **kwargs)
+        # a copy: a captured step's logits are its buffer, rewritten at the step's next replay
+        run.last = out.logits.to("cpu", torch.float32, copy=True)
         return out
 
-    state.target_kv.forward = keeping
+    state.target_kv._done = keeping
     return run, iterate(state)
 
 
@@ -97,15 +98,16 @@ def _where(cache: dict | None) -> str:
 
 @torch.inference_mode()
 def divergence(
-    target, draft, prompt: list[int], policy: str = "fixed_tree", *, max_new: int = 64, token_map=None
+    target, draft, prompt: list[int], policy: str = "fixed_tree", *, max_new: int = 64, token_map=None, graphs=None
 ) -> dict:
     """The first position where `policy`'s width-invariant run leaves `ar`'s logits bits (module
     docstring): its position, the rows of its forward, the logits' largest difference, ar's
-    top-two gap there, whether the tokens parted, and the first differing cache entry."""
-    ar, ar_steps = _start(target, draft, prompt, "ar", max_new, token_map)
+    top-two gap there, whether the tokens parted, and the first differing cache entry. `graphs`:
+    DecodeConfig's (None: the device's default, captured forwards and steps on CUDA)."""
+    ar, ar_steps = _start(target, draft, prompt, "ar", max_new, token_map, graphs)
     for record in ar_steps:
         _keep_path(ar, record)
-    tree, tree_steps = _start(target, draft, prompt, policy, max_new, token_map)
+    tree, tree_steps = _start(target, draft, prompt, policy, max_new, token_map, graphs)
     report = {
         "policy": policy,
         "dtype": str(target.dtype),
