@@ -111,3 +111,29 @@ def test_the_run_measures_count_round_trips_with_levels_on_the_device_and_on_the
     table = gpu_check.verdict_table(report)
     assert "decided on the host" in table and "verify batch built on the host" in table
     assert "not captured instead" in table and "replays launched" in table
+
+
+def test_a_check_that_raises_is_a_failed_row_and_the_report_is_written_after_each_stage(tmp_path, monkeypatch):
+    """A stage that raises (as the embedded `bits` trace did on an H100) costs its own rows, not the
+    report: the run goes on, the error is named in a failed row, and the JSON on disk holds every
+    stage done so far (a run stopped at its time limit keeps them)."""
+    out, seen = tmp_path / "r.json", []
+
+    def checks(name, target, draft):
+        seen.append(json.loads(out.read_text())["checks"] if out.exists() else [])
+        return [{"pair": name, "check": "policies", "ok": True, "detail": ""}]
+
+    def raising(name, target, draft):
+        if name == "tiny qwen2":
+            raise IndexError("index 2 is out of bounds for dimension 0 with size 1")
+        return [{"pair": name, "check": "invariant float32", "ok": True, "detail": ""}]
+
+    monkeypatch.setattr(gpu_check, "pair_checks", checks)
+    monkeypatch.setattr(gpu_check, "invariance_checks", raising)
+    report = gpu_check.gpu_check("cpu", embedded=False, out=out, log=lambda line: None)
+    failed = [r for r in report["checks"] if not r["ok"]]
+    assert [(r["pair"], r["check"]) for r in failed] == [("tiny qwen2", "invariance")]
+    assert failed[0]["detail"] == "raised IndexError: index 2 is out of bounds for dimension 0 with size 1"
+    assert len(report["checks"]) == 6 and report["verdict"] == "FAIL"
+    assert [len(s) for s in seen] == [0, 2, 4], "each stage's rows on disk before the next stage"
+    assert json.loads(out.read_text()) == report

@@ -15,21 +15,22 @@ and, in float32 and in bfloat16, the width-invariant forwards (core/invariant.py
                   17-row tree gets, bit for bit, the logits `ar` computes for it alone
     policies D    every tree policy, width-invariant, reproduces `ar` token for token in dtype D
 
-and, for the embedded pair in bfloat16 on the multi-turn OOD prompt (divergence.DIVERGENCE_PROMPT),
-128 tokens, the policies with wide levels (fixed_tree, eagle2, dyspec_threshold; where an H200 run
-once left `ar`, and every tree policy on that prompt on an H100):
+then measures on the embedded target: replay vs eager milliseconds per width bucket, the width
+each narrow bucket runs at (measured at capture: graphs.py), capture seconds, GPU memory per run
+and host round trips and launches per iteration (core/transfer.py's counts, measure/launches.py),
+with the draft levels and verify batch built on the device or the host and with the steps between
+forwards captured or not; and last, the embedded pair in bfloat16 on the multi-turn OOD prompt
+(divergence.DIVERGENCE_PROMPT), 128 tokens, with the policies of wide levels (fixed_tree, eagle2,
+dyspec_threshold: where an H100 run once left `ar`):
 
     bits P        every committed position's logits equal `ar`'s bit for bit; else the first
                   position that differs, its difference against ar's top-two gap, and the first
                   differing cache entry, which names the op (measure/divergence.py)
 
-then measures, on the embedded target: replay vs eager milliseconds per width bucket, the width
-each narrow bucket runs at (measured at capture: graphs.py), capture seconds, GPU memory per run
-and host round trips and launches per iteration (core/transfer.py's counts, measure/launches.py),
-with the draft levels and verify batch built on the device or the host and with the steps between
-forwards captured or not. It prints a verdict table and writes JSON. Without CUDA it says so in
-one line and exits 0; `--device cpu` runs the same checks on the padded forward run eagerly (what
-the test suite does, tiny models).
+A stage that raises is one failed row naming the error, and the JSON is rewritten after each stage
+(a run stopped at its time limit keeps what it did). It prints a verdict table. Without CUDA it
+says so in one line and exits 0; `--device cpu` runs the same checks on the padded forward run
+eagerly (what the test suite does, tiny models).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import torch
 
 from dynatree_core.core import capture, graphs, transfer
 from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.core.log import log_exception
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.decoding.engine import DecodeConfig, decode, generate
 from dynatree_core.decoding.methods import make_method
@@ -319,35 +321,54 @@ def gpu_check(device: str = "auto", *, embedded: bool = True, out: Path | None =
         dev = torch.device(device)
     except RuntimeError as exc:
         raise DynaTreeError(f"gpu-check: {device!r} is not a device (auto, cuda, cuda:N or cpu)") from exc
-    rows: list[dict] = []
+    report = {"device": str(dev), "name": _device_name(dev), "checks": [], "measures": {}}
+    rows, measures = report["checks"], report["measures"]
+
+    def stage(pair: str, what: str, fn: Callable[[], list[dict]]) -> None:
+        """fn's rows; where it raises, one failed row naming the error (the traceback in the log),
+        so a broken check costs its own rows, not the report; the report is written after each
+        stage, so a run stopped at its time limit keeps what it measured."""
+        try:
+            rows.extend(fn())
+        except Exception as exc:  # a check that raises is a failed check, reported as one
+            log_exception(f"gpu-check: {pair} {what}", exc)
+            reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+            rows.append({"pair": pair, "check": what, "ok": False, "detail": f"raised {type(exc).__name__}: {reason}"})
+        _write(report, out)
+
     for arch in ARCHS:
         target, draft = tiny_pair(arch, dev)
-        rows += pair_checks(f"tiny {arch}", target, draft)
-        rows += invariance_checks(f"tiny {arch}", target, draft)
+        stage(f"tiny {arch}", "checks", lambda t=target, d=draft, a=arch: pair_checks(f"tiny {a}", t, d))
+        stage(f"tiny {arch}", "invariance", lambda t=target, d=draft, a=arch: invariance_checks(f"tiny {a}", t, d))
         log(f"gpu-check: tiny {arch} done")
-    measures: dict = {}
     if embedded:
         from dynatree_core.decoding.pairs import load_pair
 
         pair = load_pair("embedded", device=device, dtype="float32")
         target, draft = pair.target.model, pair.draft.model
-        rows += pair_checks("embedded", target, draft)
-        rows += invariance_checks("embedded", target, draft)
-        rows += divergence.divergence_checks("embedded", pair)
+        stage("embedded", "checks", lambda: pair_checks("embedded", target, draft))
+        stage("embedded", "invariance", lambda: invariance_checks("embedded", target, draft))
+        # the measures before the bits trace: they are the round's goals; the trace, a diagnosis
+        for name, fn in (
+            ("buckets", lambda: bucket_ms(target, dev)),
+            ("widths", lambda: measured_widths(target)),
+            ("run", lambda: run_measures(target, draft, dev)),
+        ):
+            stage("embedded", f"measure {name}", lambda name=name, fn=fn: measures.update({name: fn()}) or [])
+        stage("embedded", "bits", lambda: divergence.divergence_checks("embedded", pair))
         log("gpu-check: embedded pair done")
-        measures = {
-            "buckets": bucket_ms(target, dev),
-            "widths": measured_widths(target),
-            "run": run_measures(target, draft, dev),
-        }
-    report = {"device": str(dev), "name": _device_name(dev), "checks": rows, "measures": measures}
-    report["verdict"] = "pass" if all(r["ok"] for r in rows) else "FAIL"
     log(verdict_table(report))
+    if out is not None:
+        log(f"gpu-check: report written to {out}")
+    return report
+
+
+def _write(report: dict, out: Path | None) -> None:
+    """The report as it stands, with its verdict, to `out` (JSON) where one is given."""
+    report["verdict"] = "pass" if all(r["ok"] for r in report["checks"]) else "FAIL"
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1))
-        log(f"gpu-check: report written to {out}")
-    return report
 
 
 def _device_name(device: torch.device) -> str:
