@@ -193,6 +193,23 @@ def test_sequence_attention_equals_masked_attention_up_to_rounding(dtype, form):
     torch.testing.assert_close(out.float(), ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fixed_shape_attention_over_keys_and_values_side_by_side_is_bitwise_the_same(dtype):
+    """The static cache keeps a layer's keys and values side by side (slots.SlotStore): one
+    gather reads both. Bit for bit the two gathers of separate tensors, at widths 1 to 33."""
+    gen = torch.Generator().manual_seed(2)
+    store = torch.randn(3, 2, 1, 2, 64, 8, generator=gen).to(dtype)  # (layers, k/v, 1, kv_heads, slots, d)
+    keys, values = store[1, 0, :, :, :40], store[1, 1, :, :, :40]
+    for width in (1, 7, 16, 33):
+        q = torch.randn(1, 6, width, 8, generator=gen).to(dtype)
+        visible = torch.rand(width, 40, generator=gen) > 0.5
+        visible[:, 0] = True
+        rows = StaticRows(*StaticRows.build(visible, 32))
+        joint = static_sequence_attention(q, keys, values, rows, 0.3)
+        apart = static_sequence_attention(q, keys.clone(), values.clone(), rows, 0.3)
+        assert torch.equal(joint, apart), width
+
+
 def test_rope_table_gives_the_rotary_values_whatever_its_length():
     model = _model("llama", torch.float32)
     rotary = model.model.rotary_emb
