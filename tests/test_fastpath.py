@@ -268,3 +268,29 @@ def test_the_gpus_fused_adds_write_into_the_residual_and_leave_inputs_and_taps_a
     for tap in (0, 1):
         torch.testing.assert_close(fused.states[:, tap], reference.hidden_states[tap][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused.logits, reference.logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_the_gpus_rotation_writes_over_the_fused_projection_so_k_lies_beside_v(gpu_forms):
+    """On a GPU the rotation writes q and k over the fused q/k/v output (one cache write then
+    takes k and v: slots.side_by_side): the same bits as the rotation into a new tensor; under
+    autograd (out= has none) it rotates into a new tensor and the backward runs."""
+    from dynatree_core.core.fastpath import _rotate_fused
+    from dynatree_core.core.slots import side_by_side
+
+    model = copy.deepcopy(tiny_model("llama"))
+    block = lean_forward_for(model).blocks[0]
+    assert block.qkv is not None, "the GPU's form fuses q/k/v"
+    dtype = model.dtype
+    h = torch.randn(1, 5, model.config.hidden_size, dtype=dtype)
+    cos, sin = (torch.randn(1, 1, 5, block.head_dim, dtype=dtype) for _ in "cs")
+    with torch.inference_mode():
+        q, k, v = block.project(h, cos, sin)
+        qkv = block.qkv(h).view(1, 5, -1, block.head_dim).transpose(1, 2)
+        want = _rotate_fused(qkv[:, : block.qk_heads], cos, sin)
+    assert side_by_side(k, v) is not None
+    assert torch.equal(q, want[:, : block.heads]) and torch.equal(k, want[:, block.heads :])
+    assert torch.equal(v, qkv[:, block.qk_heads :])
+    graded = h.clone().requires_grad_()
+    q, k, v = block.project(graded, cos, sin)
+    (q.sum() + k.sum() + v.sum()).backward()
+    assert graded.grad is not None and side_by_side(k, v) is None

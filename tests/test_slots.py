@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_model
 
 from dynatree_core.core.kv import KVState
-from dynatree_core.core.slots import SlotLayer, SlotStore
+from dynatree_core.core.slots import SlotLayer, SlotStore, side_by_side, write_slots
 
 
 def _entries(n: int, seed: int, heads: int = 2, dim: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,3 +56,29 @@ def test_a_layer_of_other_shapes_keeps_buffers_of_its_own():
     b.update(*_entries(2, 1, heads=3))  # other head count: not the store's shape
     assert a.in_store and not b.in_store and b.key_buf.shape == (1, 3, 4, 4)
     assert not store.holds([a, b]) and store.holds([a])
+
+
+def test_keys_and_values_side_by_side_go_in_one_write_as_two_writes_would():
+    """A store's layer and a fused q/k/v output (k beside v) take one write for both
+    (side_by_side); what lands in the buffers is what the two writes put there, and tensors that
+    are not side by side (other storage, v before k, other strides) take two."""
+    store = SlotStore(2)
+    layer, alone = SlotLayer(8, store=store, index=1), SlotLayer(8)
+    for target in (layer, alone):
+        target.update(*_entries(2, 0))
+    qkv = torch.randn(1, 6, 3, 4)  # q heads 0-1, k heads 2-3, v heads 4-5
+    k, v = qkv[:, 2:4], qkv[:, 4:6]
+    assert side_by_side(k, v) is not None and side_by_side(layer.key_buf, layer.value_buf) is not None
+    assert side_by_side(v, k) is None and side_by_side(k, v.clone()) is None, "v before k; other storage"
+    assert side_by_side(k, qkv[:, 3:5, :, :2]) is None, "other shapes"
+    slots = torch.tensor([5, 2, 7])
+    write_slots(layer, slots, k, v)
+    write_slots(alone, slots, k.clone(), v.clone())  # two index_copy_
+    assert torch.equal(layer.key_buf, alone.key_buf) and torch.equal(layer.value_buf, alone.value_buf)
+    assert torch.equal(layer.key_buf[0, :, 5], k[0, :, 0]) and torch.equal(layer.value_buf[0, :, 7], v[0, :, 2])
+    assert torch.equal(store.buf[0], torch.zeros_like(store.buf[0])), "the other layer untouched"
+    layer.set_length(2)
+    alone.set_length(2)
+    layer.update(k, v)  # the eager write: one copy of both
+    alone.update(k.clone(), v.clone())
+    assert torch.equal(layer.keys, alone.keys) and torch.equal(layer.values, alone.values)

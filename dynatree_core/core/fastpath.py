@@ -235,6 +235,12 @@ def _rotate_fused(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) 
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
 
+def _rotate_in_place(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """_rotate_fused written over x (its products read x first): a fused q/k/v output keeps the
+    rotated k beside v, so the cache takes both in one write (slots.side_by_side)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin, out=x)
+
+
 class _Block:
     """One decoder layer's callables and shapes."""
 
@@ -283,7 +289,10 @@ class _Block:
             q, k, v = (min_rows(f, h, rows) for f in (self.q, self.k, self.v))
             return self.rotate(heads(q), cos, sin), self.rotate(heads(k), cos, sin), heads(v)
         qkv = heads(min_rows(self.qkv, h, rows))
-        qk = self.rotate(qkv[:, : self.qk_heads], cos, sin)
+        if self.rotate is _rotate_fused and not qkv.requires_grad:  # out= has no autograd
+            qk = _rotate_in_place(qkv[:, : self.qk_heads], cos, sin)
+        else:
+            qk = self.rotate(qkv[:, : self.qk_heads], cos, sin)
         return qk[:, : self.heads], qk[:, self.heads :], qkv[:, self.qk_heads :]
 
 

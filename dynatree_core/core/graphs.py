@@ -53,6 +53,7 @@ import torch
 
 from dynatree_core.core.capture import POOLS, capture_failed, capture_graph
 from dynatree_core.core.forward import Forward, additive
+from dynatree_core.core.slots import write_slots
 from dynatree_core.core.static_rows import StaticRows
 from dynatree_core.core.transfer import to_device, upload_into
 
@@ -120,8 +121,7 @@ class _SlotWriter:
         self.layer, self.slots, self.span = layer, slots, span
 
     def update(self, keys: torch.Tensor, values: torch.Tensor):
-        self.layer.key_buf.index_copy_(2, self.slots, keys)
-        self.layer.value_buf.index_copy_(2, self.slots, values)
+        write_slots(self.layer, self.slots, keys, values)
         return self.layer.key_buf[:, :, : self.span], self.layer.value_buf[:, :, : self.span]
 
 

@@ -17,6 +17,30 @@ from transformers.cache_utils import DynamicLayer
 SLACK = 128  # slots beyond prompt + new tokens: room for one iteration's tree before the buffer grows
 
 
+def side_by_side(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """a and b as one (2, *a.shape) view where they are equally shaped and strided slices of one
+    buffer, b after a (a layer's keys and values in the store; a fused q/k/v output's k and v), so
+    one op reads or writes both; else None."""
+    same = a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
+    if not same or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return None
+    step = b.storage_offset() - a.storage_offset()
+    return a.as_strided((2, *a.shape), (step, *a.stride()), a.storage_offset()) if step > 0 else None
+
+
+def write_slots(layer, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """keys / values (1, kv_heads, q, d) into a layer's buffers at `slots` (q indices): one
+    index_copy_ where both sides lie side by side (a store's layer; the fused q/k/v output's k and
+    v, fastpath), else one for each."""
+    dst = side_by_side(layer.key_buf, layer.value_buf)
+    src = side_by_side(keys, values) if dst is not None else None
+    if src is not None:
+        dst.index_copy_(3, slots, src)
+    else:
+        layer.key_buf.index_copy_(2, slots, keys)
+        layer.value_buf.index_copy_(2, slots, values)
+
+
 class SlotStore:
     """One buffer for every layer's keys and values, allocated at the first layer's first write
     and grown for all layers at once."""
@@ -118,8 +142,13 @@ class SlotLayer(DynamicLayer):
         end = self.length + key_states.shape[-2]
         if end > self.capacity:
             self.grow(end)
-        self.key_buf[..., self.length : end, :].copy_(key_states)
-        self.value_buf[..., self.length : end, :].copy_(value_states)
+        dst = side_by_side(self.key_buf, self.value_buf)
+        src = side_by_side(key_states, value_states) if dst is not None else None
+        if src is not None:  # keys and values in one copy
+            dst[..., self.length : end, :].copy_(src)
+        else:
+            self.key_buf[..., self.length : end, :].copy_(key_states)
+            self.value_buf[..., self.length : end, :].copy_(value_states)
         self.set_length(end)
         return self.keys, self.values
 

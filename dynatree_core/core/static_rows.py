@@ -21,6 +21,7 @@ import torch
 
 from dynatree_core.core import capture
 from dynatree_core.core.invariant import ATTENTION_ROWS
+from dynatree_core.core.slots import side_by_side
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,7 @@ def static_sequence_attention(
     per_kv, c = q[0].view(kv_heads, groups, width, d), ATTENTION_ROWS
     out = q.new_empty(count, kv_heads, groups, d)  # row-major: (1, W, heads * d) once cut to W
     qs = q.new_empty(kv_heads, c, groups, d, dtype=torch.float32)  # rows past W pad: dropped
-    both = _side_by_side(keys, values)
+    both = side_by_side(keys[0], values[0])  # side by side in the static cache's store (slots.py)
     for at in range(0, count, c):
         index, real = rows.slots[at : at + c].reshape(-1), min(c, width - at)
         qs[:, :real].copy_(per_kv[:, :, at : at + real].transpose(1, 2))  # layout and float32: one copy
@@ -97,19 +98,6 @@ def static_sequence_attention(
         mixed = torch.bmm(torch.softmax(scores.view(kv_heads * c, groups, span), dim=-1), vs)
         out[at : at + c].copy_(mixed.view(kv_heads, c, groups, d).transpose(0, 1))
     return out[:width].view(1, width, heads, d).transpose(1, 2)
-
-
-def _side_by_side(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
-    """keys and values (1, kv_heads, S, d) as one (2, kv_heads, S, d) view where they are two
-    equally strided slices of one buffer (the static cache's SlotStore keeps a layer's keys and
-    values side by side: slots.py), so one gather reads both; else None."""
-    same = keys.shape == values.shape and keys.stride() == values.stride() and keys.dtype == values.dtype
-    if not same or keys.untyped_storage().data_ptr() != values.untyped_storage().data_ptr():
-        return None
-    step = values.storage_offset() - keys.storage_offset()
-    if step <= 0:
-        return None
-    return keys.as_strided((2, *keys.shape[1:]), (step, *keys.stride()[1:]), keys.storage_offset())
 
 
 def static_span(capacity: int) -> int:
