@@ -28,14 +28,19 @@ def side_by_side(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     return a.as_strided((2, *a.shape), (step, *a.stride()), a.storage_offset()) if step > 0 else None
 
 
-def write_slots(layer, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """keys / values (1, kv_heads, q, d) into a layer's buffers at `slots` (q indices): one
-    index_copy_ where both sides lie side by side (a store's layer; the fused q/k/v output's k and
-    v, fastpath), else one for each."""
+def _joint(layer, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the layer's buffers, the new entries), each as one side_by_side view, where both sides lie
+    side by side (a store's layer; the fused q/k/v output's k and v, fastpath): one op writes both."""
     dst = side_by_side(layer.key_buf, layer.value_buf)
     src = side_by_side(keys, values) if dst is not None else None
-    if src is not None:
-        dst.index_copy_(3, slots, src)
+    return (dst, src) if src is not None else None
+
+
+def write_slots(layer, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """keys / values (1, kv_heads, q, d) into a layer's buffers at `slots` (q indices): one
+    index_copy_ where both sides lie side by side (_joint), else one for each."""
+    if (joint := _joint(layer, keys, values)) is not None:
+        joint[0].index_copy_(3, slots, joint[1])
     else:
         layer.key_buf.index_copy_(2, slots, keys)
         layer.value_buf.index_copy_(2, slots, values)
@@ -142,10 +147,8 @@ class SlotLayer(DynamicLayer):
         end = self.length + key_states.shape[-2]
         if end > self.capacity:
             self.grow(end)
-        dst = side_by_side(self.key_buf, self.value_buf)
-        src = side_by_side(key_states, value_states) if dst is not None else None
-        if src is not None:  # keys and values in one copy
-            dst[..., self.length : end, :].copy_(src)
+        if (joint := _joint(self, key_states, value_states)) is not None:  # keys and values in one copy
+            joint[0][..., self.length : end, :].copy_(joint[1])
         else:
             self.key_buf[..., self.length : end, :].copy_(key_states)
             self.value_buf[..., self.length : end, :].copy_(value_states)
