@@ -10,8 +10,12 @@ import functools
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# Triton's kernels (core/kernels.py) run here in its interpreter: read when Triton is first
+# imported, which torch itself may do, so before torch
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from hypothesis import HealthCheck, settings
 from transformers import (
     GPT2Config,
@@ -222,4 +226,15 @@ def gpu_forms():
     from dynatree_core.core.fastpath import device_forms
 
     with device_forms("cuda", on="cpu"):
+        yield
+
+
+@pytest.fixture
+def gpu_kernels(gpu_forms):
+    """The GPU's forms with Triton's kernels as well (core/kernels.py: the rotation, silu * up and
+    the fixed-shape attention), here in Triton's interpreter, its attention in blocks of 128 slots
+    (the interpreter runs a program at a time: fewer, larger ones); a model must be new to the test."""
+    from dynatree_core.core.kernels import kernel_forms
+
+    with kernel_forms("cpu", block_keys=128):
         yield

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from dynatree_core.core import kernels
 from dynatree_core.core.forward import Forward
 from dynatree_core.core.invariant import RopeTable, RowGroups, min_rows
 from dynatree_core.core.static_rows import StaticRows
@@ -254,8 +255,9 @@ class _Block:
         self.q, self.k, self.v = (_linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
         self.gate, self.up = _linear(mlp.gate_proj), _linear(mlp.up_proj)
         self.add_o, self.add_down = _residual(attn.o_proj), _residual(mlp.down_proj)  # None: x + o(a)
-        fused_add = attn.o_proj.weight.device.type in FUSED_ADD_DEVICES
-        self.rotate = _rotate_fused if fused_add else _rotate
+        device = attn.o_proj.weight.device.type
+        self.rotate = _rotate_fused if device in FUSED_ADD_DEVICES else _rotate
+        self.kernels = kernels.enabled(device)  # Triton's rotation and silu * up (core/kernels.py)
         self.head_dim = attn.head_dim
         self.groups = attn.num_key_value_groups
         self.scaling = attn.scaling
@@ -267,7 +269,10 @@ class _Block:
         linear's input to at least this many rows (invariant.min_rows)."""
         h = self.norm2(x)
         if self.gate_up is not None:
-            gate, up = min_rows(self.gate_up, h, rows).split(self.mlp_size, dim=-1)
+            both = min_rows(self.gate_up, h, rows)
+            if self.kernels and not both.requires_grad:  # one kernel (its own rounding: once)
+                return self.residual(x, "down", kernels.silu_mul(both), rows)
+            gate, up = both.split(self.mlp_size, dim=-1)
         else:
             gate, up = min_rows(self.gate, h, rows), min_rows(self.up, h, rows)
         return self.residual(x, "down", F.silu(gate) * up, rows)
@@ -287,9 +292,12 @@ class _Block:
         heads = lambda t: t.view(h.shape[0], h.shape[1], -1, self.head_dim).transpose(1, 2)  # noqa: E731
         if self.qkv is None:
             q, k, v = (min_rows(f, h, rows) for f in (self.q, self.k, self.v))
-            return self.rotate(heads(q), cos, sin), self.rotate(heads(k), cos, sin), heads(v)
+            rotate = kernels.rotated if self.kernels and not q.requires_grad else self.rotate  # new tensors
+            return rotate(heads(q), cos, sin), rotate(heads(k), cos, sin), heads(v)
         qkv = heads(min_rows(self.qkv, h, rows))
-        if self.rotate is _rotate_fused and not qkv.requires_grad:  # out= has no autograd
+        if self.kernels and not qkv.requires_grad:  # Triton's rotation in one kernel, over q and k
+            qk = kernels.rotated(qkv[:, : self.qk_heads], cos, sin)
+        elif self.rotate is _rotate_fused and not qkv.requires_grad:  # out= has no autograd
             qk = _rotate_in_place(qkv[:, : self.qk_heads], cos, sin)
         else:
             qk = self.rotate(qkv[:, : self.qk_heads], cos, sin)

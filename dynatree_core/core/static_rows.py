@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-from dynatree_core.core import capture
+from dynatree_core.core import capture, kernels
 from dynatree_core.core.invariant import ATTENTION_ROWS
 from dynatree_core.core.slots import side_by_side
 
@@ -74,7 +74,10 @@ def static_sequence_attention(
 ) -> torch.Tensor:
     """sequence_attention at fixed shapes (StaticRows): q (1, heads, W, d), keys / values
     (1, kv_heads, S, d) holding every slot `rows.slots` names -> (1, heads, W, d), a view of
-    (1, W, heads * d) rows (what the o projection reads, without a copy); a kernel a step."""
+    (1, W, heads * d) rows (what the o projection reads, without a copy); a kernel a step, or on
+    a device that takes Triton's kernels, two launches for the whole (kernels.static_attention)."""
+    if kernels.enabled(q.device.type) and not q.requires_grad:
+        return kernels.static_attention(q, keys[0], values[0], rows.slots, rows.tail, scale)
     _, heads, width, d = q.shape
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
