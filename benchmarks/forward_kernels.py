@@ -19,21 +19,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import time
 from collections import Counter
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernels form runs Triton here in its interpreter (before torch)
 
-from benchmarks import RESULTS
-from dynatree_core.core import fastpath
-from dynatree_core.core.fastpath import _rotate, rope_pair
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility
-from dynatree_core.decoding.pairs import load_pair
-from dynatree_core.measure.launches import launches_work
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-FORMS = ("cpu", "gpu")
+from benchmarks import RESULTS  # noqa: E402
+from dynatree_core.core import fastpath, kernels  # noqa: E402
+from dynatree_core.core.fastpath import _rotate, rope_pair  # noqa: E402
+from dynatree_core.core.kv import KVState, chain_then_tree_visibility  # noqa: E402
+from dynatree_core.decoding.pairs import load_pair  # noqa: E402
+from dynatree_core.measure.launches import launches_work  # noqa: E402
+
+FORMS = ("cpu", "gpu", "gpu+kernels")  # the last: with Triton's kernels (core/kernels.py)
 
 
 class _Ops(TorchDispatchMode):
@@ -103,7 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     logits = {}
     with torch.inference_mode():
         for form in FORMS:
-            with fastpath.device_forms("cuda", on="cpu") if form == "gpu" else contextlib.nullcontext():
+            gpu = fastpath.device_forms("cuda", on="cpu") if form != "cpu" else contextlib.nullcontext()
+            # the interpreter runs a program at a time: one block of keys (the count is the same)
+            fused = kernels.kernel_forms("cpu", block_keys=1024) if form == "gpu+kernels" else contextlib.nullcontext()
+            with gpu, fused:
                 model = load_pair("embedded", device="cpu", dtype=args.dtype, need_draft=False, pack=False).target.model
                 if form == "cpu":
                     report["rotation_us"] = {f"{rows} rows": _rotation_us(model, rows) for rows in (1, 16)}
@@ -114,13 +120,13 @@ def main(argv: list[str] | None = None) -> None:
                         ops = sum(names.values())
                         report["rows"].setdefault(key, {})[form] = {"ops": ops, "by_op": dict(names.most_common(12))}
                         logits[form, key] = last
-    print(f"| {args.dtype} forward | CPU form ops | GPU form ops | ratio | max logit difference |")
+    print(f"| {args.dtype} forward | CPU form ops | GPU form ops | with Triton's kernels | max logit difference |")
     print("|---|---|---|---|---|")
     for key, forms in report["rows"].items():
-        diff = (logits["cpu", key] - logits["gpu", key]).abs().max().item()
+        diff = max((logits["cpu", key] - logits[form, key]).abs().max().item() for form in FORMS[1:])
         forms["max_logit_difference"] = diff
-        cpu, gpu = forms["cpu"]["ops"], forms["gpu"]["ops"]
-        print(f"| {key} | {cpu} | {gpu} | {gpu / cpu:.2f} | {diff:.3g} |")
+        cpu, gpu, fused = (forms[form]["ops"] for form in FORMS)
+        print(f"| {key} | {cpu} | {gpu} | {fused} | {diff:.3g} |")
     print(f"rotation, one layer's q and k (us): {report['rotation_us']}")
     with open(out, "w") as f:
         json.dump(report, f, indent=1)

@@ -77,11 +77,13 @@ Copy the reports from files_at into assets/benchmarks/ (files_at is read-only: c
    benchmarks/gpu_session.sh receive 00
 2. carry [".device/part-01", ".device/wheels", ".device/wheel-name"]:
    benchmarks/gpu_session.sh receive 01 && benchmarks/gpu_session.sh install && benchmarks/gpu_session.sh measure check
-   (gpu-check on the tiny pairs and the embedded one: the `bits` rows name where bfloat16 parts
-   from `ar`, 7/8 on 2026-11-27; launches, syncs and replay ms per width; the fallback row)
-3. benchmarks/gpu_session.sh measure bf16    (~255 s)
+   (gpu-check on the tiny pairs and the embedded one, forward paths "lean+kernels+...": Triton's
+   kernels compiled and checked; if the paths lack "kernels", the log says why; launches, syncs
+   and replay ms per width; the bits rows; the fallback row)
+3. benchmarks/gpu_session.sh measure bf16    (~255 s; with Triton's kernels)
 4. benchmarks/gpu_session.sh measure f32    (~225 s; the static-cache reference warmed per size)
-5. with time left: benchmarks/gpu_session.sh measure bf16-shared, then f32-batch / f32-host / f32-nosteps
+5. with time left: benchmarks/gpu_session.sh measure bf16-torch (the same without Triton's
+   kernels: ar and three trees, to set against 3.'s ratios), then bf16-shared, f32-batch / f32-host / f32-nosteps
    (f32-batch: the verify batch built on the host from the tree read; f32-host: levels read per
    level; f32-nosteps: the steps between forwards op by op; compare each policy's ratio to `ar`
    in its own run)
@@ -127,7 +129,9 @@ EOF
       f32-nosteps) DYNATREE_STEP_GRAPHS=0 bench float32 float32-no-steps --policies ar,linear,fixed_tree,dynatree,dyspec_threshold,eagle2,delayed_auto ;;  # steps between forwards op by op
       bf16) bench bfloat16 bfloat16 ;;  # width-invariant (the bfloat16 default): eager forwards
       bf16-shared) bench bfloat16 bfloat16-shared --width-invariant off ;;  # captured, may differ at near-ties
-      *) echo "measure: check, tiny, shaped, f32, f32-batch, f32-host, f32-nosteps, bf16 or bf16-shared" >&2; exit 2 ;;
+      bf16-torch) DYNATREE_KERNELS=0 bench bfloat16 bfloat16-torch-ops --policies ar,fixed_tree,eagle2,salf ;;  # without Triton's kernels
+      f32-torch) DYNATREE_KERNELS=0 bench float32 float32-torch-ops --policies ar,fixed_tree,eagle2,salf ;;
+      *) echo "measure: check, tiny, shaped, f32, f32-batch, f32-host, f32-nosteps, bf16, bf16-shared, bf16-torch or f32-torch" >&2; exit 2 ;;
     esac
     ;;
   draft)

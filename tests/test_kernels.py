@@ -62,6 +62,10 @@ def test_the_rotation_and_silu_kernels_are_the_torch_forms_up_to_rounding(dtype)
     tol = 1e-6 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     assert torch.equal(qkv[:, 6:], v), "v untouched"
+    x = torch.randn(2, 3, 5, 16, generator=gen).to(dtype)  # one cos / sin for both batch rows
+    torch.testing.assert_close(
+        kernels.rotated(x.clone(), cos[:1], sin[:1]), _rotate_fused(x, cos[:1], sin[:1]), atol=tol, rtol=tol
+    )
     gate_up = torch.randn(2, 3, 40, generator=gen).to(dtype)
     want = F.silu(gate_up[..., :20]) * gate_up[..., 20:]
     torch.testing.assert_close(kernels.silu_mul(gate_up), want, atol=tol, rtol=tol)
@@ -140,7 +144,7 @@ def test_with_the_kernels_bfloat16_trees_are_token_identical_to_ar(gpu_kernels, 
     assert lean_forward_for(target).blocks[0].kernels and lean_forward_for(draft).blocks[0].kernels
     config = DecodeConfig(max_new_tokens=12, graphs=True)
     ar = generate(target, PROMPT, make_method("ar"), config=config)
-    assert ar.forward_path == "lean+invariant+graphs"
+    assert ar.forward_path == "lean+kernels+invariant+graphs"
     for name, params in (("fixed_tree", {"depth": 3, "branch": 2}), ("dynatree", {})):
         tree = generate(target, PROMPT, make_method(name, params), draft=draft, config=config)
         assert tree.token_ids == ar.token_ids, name

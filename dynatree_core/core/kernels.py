@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from dynatree_core.core.log import log_exception, log_info
 
 BLOCK_KEYS = 32  # slots per program of the attention's first pass (a span is a power of two >= 256)
+SILU_BLOCK = 1024  # columns per program of silu * up
 KERNEL_DEVICES = ("cuda",)  # device types whose lean forward takes these kernels
 _VERDICTS: dict[str, bool] = {}  # device type -> whether the kernels passed their check there
 
@@ -166,6 +167,8 @@ def static_attention(
     (kv_heads, S, d) (any strides, head_dim contiguous), slots / tail (>= W, span) -> (1, heads, W,
     d), a view of (1, W, heads * d) rows."""
     _, heads, width, d = q.shape
+    if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError("static_attention: head_dim must be contiguous in q, keys and values")
     out = q.new_empty(width, heads, d)
     _attention_merge_op(*_attention_parts(q, keys, values, slots, tail, scale), out)
     return out.view(1, width, heads, d).transpose(1, 2)
@@ -178,9 +181,10 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> Non
     b, heads, rows, d = x.shape
     from dynatree_core.core.triton_kernels import rotate_kernel
 
+    batch = lambda t: t.stride(0) if t.shape[0] > 1 else 0  # noqa: E731 - one cos/sin for every batch row
     rotate_kernel[(b * rows,)](
-        x, cos, signed_sin, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(2),
-        signed_sin.stride(0), signed_sin.stride(2), rows, heads, D=d, DP=_pow2(d), HP=_pow2(heads),
+        x, cos, signed_sin, x.stride(0), x.stride(1), x.stride(2), batch(cos), cos.stride(2),
+        batch(signed_sin), signed_sin.stride(2), rows, heads, D=d, DP=_pow2(d), HP=_pow2(heads),
     )  # fmt: skip
 
 
@@ -198,7 +202,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(*gate_up.shape[:-1], size)
     from dynatree_core.core.triton_kernels import silu_mul_kernel
 
-    silu_mul_kernel[(flat.shape[0], -(-size // 256))](flat, out, flat.stride(0), size, BLOCK=256)
+    silu_mul_kernel[(flat.shape[0], -(-size // SILU_BLOCK))](flat, out, flat.stride(0), size, BLOCK=SILU_BLOCK)
     return out
 
 

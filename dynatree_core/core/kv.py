@@ -113,9 +113,12 @@ class KVState(FilledForwards):
     @property
     def path(self) -> str:
         """How this run's forwards go now: the choice's path, or the captured forward's own (it
-        says when a capture failed and the run went on eagerly), and a captured step's failure
+        says when a capture failed and the run went on eagerly), "kernels" where the lean forward
+        takes Triton's (core/kernels.py), and a captured step's failure
         (the forwards then fill their inputs op by op)."""
         path = self.padded.path if self.padded is not None else self.choice.path
+        if self.lean is not None and self.lean.blocks[0].kernels:  # core/kernels.py (Triton's)
+            path = path.replace("lean+", "lean+kernels+", 1)
         if self.steps.fallback:
             path += f" (inputs op by op: step capture failed: {self.steps.fallback})"
         return path
