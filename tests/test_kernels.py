@@ -130,6 +130,8 @@ def test_with_the_kernels_a_layer_launches_the_fused_ops_in_place_of_the_torch_o
 def test_with_the_kernels_a_path_nodes_bits_are_those_ar_computes_alone(dtype, gpu_kernels):
     model = _model("llama", dtype)
     assert lean_forward_for(model).blocks[0].kernels, "the kernels are on"
+    path = KVState(model, PROMPT, invariant=True, graphs=True).path
+    assert path == "lean+kernels+invariant+padded", f"the fixed-shape attention (the kernel's) is not taken: {path}"
     assert gpu_check.path_bits_match(model, [*PROMPT, 17], graphs=True)
 
 
