@@ -184,7 +184,7 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> Non
     batch = lambda t: t.stride(0) if t.shape[0] > 1 else 0  # noqa: E731 - one cos/sin for every batch row
     rotate_kernel[(b * rows,)](
         x, cos, signed_sin, x.stride(0), x.stride(1), x.stride(2), batch(cos), cos.stride(2),
-        batch(signed_sin), signed_sin.stride(2), rows, heads, D=d, DP=_pow2(d), HP=_pow2(heads),
+        batch(signed_sin), signed_sin.stride(2), rows, heads, D=d, HALF=_pow2(d // 2), HP=_pow2(heads),
     )  # fmt: skip
 
 

@@ -74,20 +74,27 @@ def attention_merge(
 @triton.jit
 def rotate_kernel(
     x_ptr, cos_ptr, sin_ptr, sx_b, sx_h, sx_q, sc_b, sc_q, ss_b, ss_q, rows, heads,
-    D: tl.constexpr, DP: tl.constexpr, HP: tl.constexpr,
+    D: tl.constexpr, HALF: tl.constexpr, HP: tl.constexpr,
 ):  # fmt: skip
-    # one (batch row, position), every head: x * cos + roll(x, D / 2) * signed_sin, written over x
+    # one (batch row, position), every head: x * cos + roll(x, D / 2) * signed_sin, written over x.
+    # Each half is loaded as its own tensor of one shape, so the thread that writes element j and
+    # j + D / 2 is the one that read both (no thread reads what another writes: no barrier needed)
     at = tl.program_id(0)
     b, r = at // rows, at % rows
-    h, d = tl.arange(0, HP), tl.arange(0, DP)
-    inside = (h < heads)[:, None] & (d < D)[None, :]
-    base = x_ptr + b * sx_b + r * sx_q + h[:, None] * sx_h
-    x = tl.load(base + d[None, :], mask=inside, other=0.0).to(tl.float32)
-    rolled = tl.load(base + ((d + D // 2) % D)[None, :], mask=inside, other=0.0).to(tl.float32)
-    cos = tl.load(cos_ptr + b * sc_b + r * sc_q + d, mask=d < D, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + b * ss_b + r * ss_q + d, mask=d < D, other=0.0).to(tl.float32)
-    out = x * cos[None, :] + rolled * sin[None, :]
-    tl.store(base + d[None, :], out.to(x_ptr.dtype.element_ty), mask=inside)
+    h, j = tl.arange(0, HP), tl.arange(0, HALF)
+    inside = (h < heads)[:, None] & (j < D // 2)[None, :]
+    lo_ptr = x_ptr + b * sx_b + r * sx_q + h[:, None] * sx_h + j[None, :]
+    hi_ptr = lo_ptr + D // 2
+    lo = tl.load(lo_ptr, mask=inside, other=0.0).to(tl.float32)
+    hi = tl.load(hi_ptr, mask=inside, other=0.0).to(tl.float32)
+    c, s = cos_ptr + b * sc_b + r * sc_q + j, sin_ptr + b * ss_b + r * ss_q + j
+    half = j < D // 2
+    cos_lo = tl.load(c, mask=half, other=0.0).to(tl.float32)[None, :]
+    cos_hi = tl.load(c + D // 2, mask=half, other=0.0).to(tl.float32)[None, :]
+    sin_lo = tl.load(s, mask=half, other=0.0).to(tl.float32)[None, :]
+    sin_hi = tl.load(s + D // 2, mask=half, other=0.0).to(tl.float32)[None, :]
+    tl.store(lo_ptr, (lo * cos_lo + hi * sin_lo).to(x_ptr.dtype.element_ty), mask=inside)
+    tl.store(hi_ptr, (hi * cos_hi + lo * sin_hi).to(x_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
