@@ -117,7 +117,8 @@ class KVState(FilledForwards):
         takes Triton's (core/kernels.py), and a captured step's failure
         (the forwards then fill their inputs op by op)."""
         path = self.padded.path if self.padded is not None else self.choice.path
-        if self.lean is not None and self.lean.blocks[0].kernels:  # core/kernels.py (Triton's)
+        blocks = getattr(self.lean, "blocks", None)  # None: no lean forward, or a draft's own (drafts/fused.py)
+        if blocks and blocks[0].kernels:  # core/kernels.py (Triton's)
             path = path.replace("lean+", "lean+kernels+", 1)
         if self.steps.fallback:
             path += f" (inputs op by op: step capture failed: {self.steps.fallback})"
