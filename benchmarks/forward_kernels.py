@@ -27,43 +27,29 @@ from collections import Counter
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernels form runs Triton here in its interpreter (before torch)
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from benchmarks import RESULTS  # noqa: E402
 from dynatree_core.core import fastpath, kernels  # noqa: E402
 from dynatree_core.core.fastpath import _rotate, rope_pair  # noqa: E402
 from dynatree_core.core.kv import KVState, chain_then_tree_visibility  # noqa: E402
 from dynatree_core.decoding.pairs import load_pair  # noqa: E402
-from dynatree_core.measure.launches import launches_work  # noqa: E402
+from dynatree_core.measure.launches import OpNames  # noqa: E402
 
 FORMS = ("cpu", "gpu", "gpu+kernels")  # the last: with Triton's kernels (core/kernels.py)
 
 
-class _Ops(TorchDispatchMode):
-    """Ops that launch work, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.names: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if launches_work(func, args, out):
-            self.names[func.overloadpacket.__name__] += 1
-        return out
-
-
-def _forward(model, prompt: list[int], rows: int, invariant: bool) -> tuple[Counter, torch.Tensor]:
+def forward_ops(model, prompt: list[int], rows: int, invariant: bool) -> tuple[Counter, torch.Tensor]:
     """The second `rows`-row forward after the prompt's prefill (chains of `rows` tokens; the
     first made the fixed-shape buffers): its ops by name, and its last row's logits."""
+    ids = min(500, model.config.vocab_size - 10)  # token ids 10 .. 10 + ids
     kv = KVState(model, prompt, invariant=invariant, graphs=True if invariant else None)
     visible = chain_then_tree_visibility(0, len(prompt), torch.zeros(0, 0, dtype=torch.bool))
     kv.forward(prompt, list(range(len(prompt))), visible, 1)
     for start in (len(prompt), len(prompt) + rows):
         kv.pending = []
-        tokens = [(7 * i + start) % 500 + 10 for i in range(rows)]
+        tokens = [(7 * i + start) % ids + 10 for i in range(rows)]
         visible = chain_then_tree_visibility(kv.length, rows, torch.zeros(0, 0, dtype=torch.bool))
-        with _Ops() as ops:
+        with OpNames() as ops:
             logits = kv.forward(tokens, list(range(start, start + rows)), visible, 1).logits
     return ops.names, logits[-1].float()
 
@@ -115,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
                     report["rotation_us"] = {f"{rows} rows": _rotation_us(model, rows) for rows in (1, 16)}
                 for invariant in (False, True):
                     for rows in (1, 16):
-                        names, last = _forward(model, prompt, rows, invariant)
+                        names, last = forward_ops(model, prompt, rows, invariant)
                         key = f"{'invariant' if invariant else 'shared'} {rows} row{'s' if rows > 1 else ''}"
                         ops = sum(names.values())
                         report["rows"].setdefault(key, {})[form] = {"ops": ops, "by_op": dict(names.most_common(12))}

@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from conftest import noisy_copy
 from test_invariant import PROMPT, _model
 
+from benchmarks.forward_kernels import forward_ops
 from dynatree_core.core import kernels
 from dynatree_core.core.fastpath import _rotate_fused, lean_forward_for
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.core.kv import KVState
 from dynatree_core.core.static_rows import StaticRows, static_sequence_attention
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.measure import gpu_check
-from dynatree_core.measure.launches import launches_work
 
 
 def _attention_case(dtype: torch.dtype, rows: int = 9, span: int = 256):
@@ -83,40 +83,12 @@ def test_a_kernel_that_fails_its_check_leaves_the_torch_forms(monkeypatch):
     assert not kernels.enabled("cpu"), "DYNATREE_KERNELS=0 switches them off"
 
 
-def _ops(model, rows: int) -> dict[str, int]:
-    """Ops launched by the second `rows`-row forward after a prefill, at fixed shapes (bfloat16's path)."""
-    from collections import Counter
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if launches_work(func, args, out):
-                self.names[func.overloadpacket.__name__] += 1
-            return out
-
-    kv = KVState(model, PROMPT, invariant=True, graphs=True)
-    causal = chain_then_tree_visibility(0, len(PROMPT), torch.zeros(0, 0, dtype=torch.bool))
-    kv.forward(PROMPT, list(range(len(PROMPT))), causal, 1)
-    for start in (len(PROMPT), len(PROMPT) + rows):
-        kv.pending = []
-        visible = chain_then_tree_visibility(kv.length, rows, torch.zeros(0, 0, dtype=torch.bool))
-        with Ops() as ops:
-            kv.forward([5 + i for i in range(rows)], list(range(start, start + rows)), visible, 1)
-    return ops.names
-
-
 @torch.inference_mode()
 def test_with_the_kernels_a_layer_launches_the_fused_ops_in_place_of_the_torch_ones(gpu_forms):
     """The same forward (the GPU's forms, fixed shapes, bfloat16) counted without and with the kernels."""
-    plain = _ops(_model("llama", torch.bfloat16), 3)
+    plain = forward_ops(_model("llama", torch.bfloat16), PROMPT, 3, invariant=True)[0]
     with kernels.kernel_forms("cpu", block_keys=128):
-        fused = _ops(_model("llama", torch.bfloat16), 3)
+        fused = forward_ops(_model("llama", torch.bfloat16), PROMPT, 3, invariant=True)[0]
     layers = 2
     for name in ("attention_parts", "attention_merge", "rotate_", "silu_mul"):
         assert fused[name] == layers and plain[name] == 0, name

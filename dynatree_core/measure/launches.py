@@ -49,6 +49,21 @@ def launches_work(func, args, out) -> bool:
     return any(isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() != home for o in outs)
 
 
+class OpNames(TorchDispatchMode):
+    """Ops that launch work (launches_work's rule), counted by name: a forward's kernels by kind
+    (benchmarks/forward_kernels.py, tests/test_kernels.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if launches_work(func, args, out):
+            self.names[func.overloadpacket.__name__] += 1
+        return out
+
+
 class _Counter(TorchDispatchMode):
     def __init__(self, device_type: str):
         super().__init__()
