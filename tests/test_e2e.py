@@ -558,6 +558,18 @@ return {charts, legends};
 }"""
 
 
+# Every text the comparison's progress bar is drawn with, recorded in the page on every DOM change.
+PROGRESS_RECORDER = """() => {
+  const log = [];
+  window.progressLog = () => log;
+  new MutationObserver(() => {
+    for (const bar of document.querySelectorAll("[data-testid=stProgress]")) {
+      if (log[log.length - 1] !== bar.textContent) log.push(bar.textContent);
+    }
+  }).observe(document.body, {subtree: true, childList: true, characterData: true});
+}"""
+
+
 @pytest.mark.parametrize(
     "screen,repetitions", [(LAPTOP, 3), ({"width": 1920, "height": 1080}, 1)], ids=["1366x768", "1920x1080"]
 )
@@ -587,21 +599,19 @@ def test_compare_page_shows_progress_live_trees_and_results(app_url, screen, rep
         prompt = page.get_by_label("Prompt", exact=True)
         prompt.fill("Why is the sky blue? Answer in one sentence.")
         prompt.press("Control+Enter")
-        page.wait_for_selector("[data-testid=stApp][data-test-script-state=notRunning]", timeout=60_000)
+        # Awaited, not read once: the script state still reads notRunning until the edit's rerun starts
         examples = page.locator("[data-testid=stSelectbox]").filter(has_text="Example prompts")
-        shown = examples.evaluate(
-            "e => e.innerText + ' ' + [...e.querySelectorAll('input')].map(i => i.value).join(' ')"
+        selected = "e => e.innerText + ' ' + [...e.querySelectorAll('input')].map(i => i.value).join(' ')"
+        assert _until(lambda: "(your own)" in examples.evaluate(selected), 60), (
+            f"an edited prompt is still the example: {examples.evaluate(selected)!r}"
         )
-        assert "(your own)" in shown, f"an edited prompt is no longer the example: {shown!r}"
+        page.wait_for_selector("[data-testid=stApp][data-test-script-state=notRunning]", timeout=60_000)
+        page.evaluate(PROGRESS_RECORDER)
         page.get_by_role("button", name="Compare").click()
-        done, live, seen, shared = set(), [], 0, set()
+        live, seen, shared = [], 0, set()
         deadline = time.monotonic() + 900
         while time.monotonic() < deadline:
             with contextlib.suppress(PlaywrightError):
-                text = page.locator("[data-testid=stProgress]").inner_text(timeout=1_000)
-                match = re.search(r"(\d+)/(\d+) runs", text)
-                if match:
-                    done.add(int(match.group(1)))
                 snap = page.evaluate(CHART_LABELS)
                 trees = [c for c in snap["charts"] if c["width"] and c["height"] < 300]  # live trees: 220 px tall
                 live += trees
@@ -612,7 +622,10 @@ def test_compare_page_shows_progress_live_trees_and_results(app_url, screen, rep
                 break
             time.sleep(0.3)
         assert page.get_by_text("Results", exact=True).count(), "the comparison did not finish in time"
-        assert len(done) >= 3, f"progress seen only at {sorted(done)}"
+        done = [
+            int(m.group(1)) for t in page.evaluate("window.progressLog()") if (m := re.search(r"(\d+)/\d+ runs", t))
+        ]
+        assert len(set(done)) >= 3 and done == sorted(done), f"progress drawn only at {done}"
         assert seen >= 1 and live, "no live tree was drawn while the comparison ran"
         assert all(c["legend"] == 0 for c in live), "a live tree carries its own legend"
         assert all(c["overlaps"] == 0 for c in live), [c for c in live if c["overlaps"]]
