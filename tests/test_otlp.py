@@ -113,21 +113,30 @@ def test_same_seed_same_draws(name):
     assert run() == run()
 
 
-def test_spectr_division_factor_solves_its_equation():
-    p, q = random_pair(6, 5)
+@pytest.mark.parametrize("vocab,seed", [(6, 5), (6, 9), (40, 3), (2000, 4)])
+def test_spectr_division_factor_solves_its_equation(vocab, seed):
+    """rho* (found piece by piece between the ratios p/q) is the root that bisection on the
+    equation itself finds, pass over the vocabulary by pass."""
+    p, q = random_pair(vocab, seed)
 
     def gap(rho: float, k: int) -> float:  # Eq. 6-7: p_acc(rho) - rho * beta(rho)
         beta = float(torch.minimum(p / rho, q).sum())
         return 1 - (1 - beta) ** k - rho * beta
 
+    def bisect(k: int) -> float:
+        lo, hi = 1.0, float(k)
+        for _ in range(60):
+            lo, hi = ((lo + hi) / 2, hi) if gap((lo + hi) / 2, k) > 0 else (lo, (lo + hi) / 2)
+        return (lo + hi) / 2
+
     solved = 0
-    for k in (2, 3, 4):
+    for k in (2, 3, 4, 8):
         rho = spectr_rho(p, q, k)
         assert 1 <= rho <= k
         if gap(1.0, k) <= 0:  # the equation has no root above 1: rho* = 1
             assert rho == 1.0
         else:
-            assert rho > 1 and abs(gap(rho, k)) < 1e-9
+            assert rho > 1 and abs(gap(rho, k)) < 1e-9 and rho == pytest.approx(bisect(k), abs=1e-12)
             solved += 1
     assert solved >= 2, "the pair exercises the root finding"
 

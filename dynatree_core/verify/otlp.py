@@ -27,6 +27,7 @@ Every solver has two forms that share their arithmetic:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 EPS = 1e-12
@@ -107,18 +108,39 @@ def naive_distribution(p, q, xs):
 
 # ----- SpecTr (K-SEQ) -----------------------------------------------------------------------------
 def spectr_rho(p: torch.Tensor, q: torch.Tensor, k: int, iters: int = 60) -> float:
-    """rho* in [1, k]: the root of p_acc(rho) - rho * beta(rho), Eq. 6-7, by bisection."""
+    """rho* in [1, k]: the root of gap(rho) = p_acc(rho) - rho * beta(rho), Eq. 6-7, by bisection.
 
-    def gap(rho: float) -> float:
-        beta = float(torch.minimum(p / rho, q).sum())
-        return 1 - (1 - beta) ** k - rho * beta
+    beta(rho) = sum_i min(p_i / rho, q_i) = P / rho + Q, where P sums p over the tokens whose ratio
+    p_i / q_i <= rho and Q sums q over the others: between two ratios, A / rho + B. gap does not
+    rise with rho (p_acc falls with beta, rho * beta = P + rho * Q rises), so the root lies in one
+    piece, found from gap at every ratio inside (1, k) in one vectorised pass; the bisection then
+    runs on that piece's two scalars instead of a pass over the vocabulary per step."""
+    p, q = (t.detach().to("cpu", torch.float64).numpy() for t in (p, q))  # scalar-sized work: numpy
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(q > 0, p / q, np.inf)
+    above = ratio > 1
+    inside = above & (ratio < k)
+    order = np.argsort(ratio[inside], kind="stable")
+    at = np.concatenate([[1.0], ratio[inside][order]])  # piece j starts at at[j] (rho = 1 for the first)
+    a = p[~above].sum() + np.concatenate([[0.0], np.cumsum(p[inside][order])])  # its P
+    b = np.maximum(q[above].sum() - np.concatenate([[0.0], np.cumsum(q[inside][order])]), 0.0)  # its Q
+    beta = a / at + b
+    n = max(int(np.count_nonzero(1 - (1 - beta) ** k - at * beta > 0)), 1)  # gap > 0 on a prefix of the pieces
+    start, end = float(at[n - 1]), float(at[n]) if n < at.size else float(k)
+    a_n, b_n = float(a[n - 1]), float(b[n - 1])
+
+    def positive(rho: float) -> bool:
+        if rho < start or rho >= end:  # another piece: gap > 0 before the root's, <= 0 after it
+            return rho < start
+        beta = a_n / rho + b_n
+        return 1 - (1 - beta) ** k - rho * beta > 0
 
     lo, hi = 1.0, float(k)
-    if gap(lo) <= 0:
+    if not positive(lo):
         return lo
     for _ in range(iters):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if gap(mid) > 0 else (lo, mid)
+        lo, hi = (mid, hi) if positive(mid) else (lo, mid)
     return (lo + hi) / 2
 
 
@@ -252,6 +274,11 @@ def _beats(wa, wb):
     return torch.where(total > 0, wa / torch.where(total > 0, total, 1), 0.5)
 
 
+def _beats_scalar(wa: float, wb: float) -> float:
+    """_beats on two Python floats (the same float64 division, without a tensor op per match)."""
+    return wa / (wa + wb) if wa + wb > 0 else 0.5
+
+
 def _match(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Law of the winner of a match between independent players with token laws a and b."""
     support = ((a + b) > 0).nonzero().flatten()
@@ -287,10 +314,10 @@ def khisti_sample(p, q, xs, gen=None, trace=None):
     if not xs:
         return _sample(trace, p, "p", gen), None
     r, w = khisti_importance_sample(p, q, len(xs))
-    bracket = list(xs)
+    bracket, weight = list(xs), dict(zip(xs, w[xs].tolist(), strict=True))  # float64: _beats on scalars
     while len(bracket) > 1:  # line 2: tournament selection among the draft tokens
         nxt = [
-            a if uniform_draw(gen) <= float(_beats(w[a], w[b])) else b
+            a if uniform_draw(gen) <= _beats_scalar(weight[a], weight[b]) else b
             for a, b in zip(bracket[0:-1:2], bracket[1::2], strict=True)
         ]
         bracket = nxt + bracket[len(nxt) * 2 :]
