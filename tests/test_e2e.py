@@ -88,28 +88,42 @@ def _metric(page, label: str, timeout_ms: int = 30_000) -> str:
     return metric.locator("[data-testid=stMetricValue]").inner_text(timeout=timeout_ms)
 
 
-# What the live page draws while a run decodes, recorded in the page on every DOM change (a
-# MutationObserver): each new value of the Iterations metric of the current (not stale) elements,
-# with whether "Finished:" showed then, and whether the run's export button was drawn before it.
-ITERATIONS_RECORDER = """() => {
-  const log = {values: [], exportWhileDecoding: false};
-  window.iterationsLog = () => log;
+def _recorder(name: str, read: str) -> str:
+    """JS that records in the page, on every DOM change (a MutationObserver), each entry that
+    `read(within)` returns whenever it differs from the last one kept; `window.NAME()` gives them
+    back. `within(selector)`: the matching elements of the current (not stale) containers. In the
+    page, not polled: on a busy 2-core host one Playwright round trip can take longer than the
+    page takes to draw several updates (a poll saw only 2 of the live run's values)."""
+    return f"""() => {{
+  const log = [];
+  window.{name} = () => log;
   const live = () => [...document.querySelectorAll("[data-testid=stElementContainer]:not([data-stale=true])")];
   const within = sel => live().flatMap(e => [...e.querySelectorAll(sel)]);
-  new MutationObserver(() => {  // textContent, not innerText: reading it forces no layout
-    const finished = within("[data-testid=stAlert]").some(a => a.textContent.includes("Finished:"));
-    const metric = within("[data-testid=stMetric]").find(m => m.textContent.startsWith("Iterations"));
-    const value = metric ? parseInt(metric.querySelector("[data-testid=stMetricValue]").textContent, 10) : NaN;
-    const last = log.values[log.values.length - 1];
-    const changed = !last || last[0] !== value || last[1] !== finished;
-    if (!Number.isNaN(value) && changed) log.values.push([value, finished]);
-    const exporting = within("button").some(b => b.textContent.includes("Export run (JSON)"));
-    log.exportWhileDecoding ||= exporting && !finished && log.values.length > 0;
-  }).observe(document.body, {subtree: true, childList: true, characterData: true});
-}"""
+  const read = {read};
+  new MutationObserver(() => {{
+    for (const entry of read(within)) {{
+      if (JSON.stringify(log[log.length - 1]) !== JSON.stringify(entry)) log.push(entry);
+    }}
+  }}).observe(document.body, {{subtree: true, childList: true, characterData: true}});
+}}"""
+
+
+# What the live page draws while a run decodes: [Iterations metric (null before it shows), whether
+# "Finished:" shows, whether the run's export button is drawn] (textContent: reading it forces no layout).
+ITERATIONS_RECORDER = _recorder(
+    "iterationsLog",
+    """within => {
+  const metric = within("[data-testid=stMetric]").find(m => m.textContent.startsWith("Iterations"));
+  const value = metric ? parseInt(metric.querySelector("[data-testid=stMetricValue]").textContent, 10) : NaN;
+  return [[Number.isNaN(value) ? null : value,
+           within("[data-testid=stAlert]").some(a => a.textContent.includes("Finished:")),
+           within("button").some(b => b.textContent.includes("Export run (JSON)"))]];
+}""",
+)
 
 
 def test_run_with_the_embedded_models_updates_live(app_url):
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
@@ -128,15 +142,19 @@ def test_run_with_the_embedded_models_updates_live(app_url):
         _idle(page)
         page.evaluate(ITERATIONS_RECORDER)
         page.get_by_role("button", name="Run", exact=True).click()
-        page.get_by_text("Finished:", exact=False).wait_for(timeout=600_000)
-        drawn = page.evaluate("window.iterationsLog()")
-        # Live: the iteration count is drawn growing while the run is still going. Recorded in the
-        # page on every change, not polled: on a busy 2-core host one Playwright round trip can take
-        # longer than the page takes to draw several iterations (a poll saw only 2 of the values).
-        decoding = [v for v, finished in drawn["values"] if not finished]
+        try:
+            page.get_by_text("Finished:", exact=False).wait_for(timeout=600_000)
+        except PlaywrightTimeout:
+            drawn = page.evaluate("window.iterationsLog()")[-5:]
+            pytest.fail(f"no Finished: in 10 minutes; last drawn [iterations, finished, export]: {drawn}")
+        # Live: the iteration count is drawn growing while the run is still going.
+        drawn = [entry for entry in page.evaluate("window.iterationsLog()") if entry[0] is not None]
+        decoding = [value for value, finished, _ in drawn if not finished]
+        decoding = [v for i, v in enumerate(decoding) if i == 0 or v != decoding[i - 1]]
         assert len(set(decoding)) >= 2, f"iteration counter drawn while decoding only at {decoding}: not updating live"
         assert decoding == sorted(decoding), f"the iteration counter went back while decoding: {decoding}"
-        assert not drawn["exportWhileDecoding"], "while the engine decodes the page draws what changes each iteration"
+        exporting = [value for value, finished, export in drawn if export and not finished]
+        assert not exporting, f"export drawn while decoding (at iterations {exporting}): it should wait for the end"
         _idle(page)
         # Streamlit's frontend loads an element's code on first use: it can draw after the script stopped
         export = page.get_by_role("button", name="Export run (JSON)")
@@ -558,16 +576,10 @@ return {charts, legends};
 }"""
 
 
-# Every text the comparison's progress bar is drawn with, recorded in the page on every DOM change.
-PROGRESS_RECORDER = """() => {
-  const log = [];
-  window.progressLog = () => log;
-  new MutationObserver(() => {
-    for (const bar of document.querySelectorAll("[data-testid=stProgress]")) {
-      if (log[log.length - 1] !== bar.textContent) log.push(bar.textContent);
-    }
-  }).observe(document.body, {subtree: true, childList: true, characterData: true});
-}"""
+# Every text the comparison's progress bar is drawn with.
+PROGRESS_RECORDER = _recorder(
+    "progressLog", '() => [...document.querySelectorAll("[data-testid=stProgress]")].map(b => b.textContent)'
+)
 
 
 @pytest.mark.parametrize(
