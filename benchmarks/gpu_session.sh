@@ -17,7 +17,8 @@
 # On the device machine (what `calls` prints runs these):
 #   receive N     copies .device/part-N to /root/stage (kept between calls to one warm machine)
 #   install       joins the parts and installs the wheels under /root/pylib (--no-deps)
-#   measure WHAT  writes reports to $OUT: check (gpu-check), tiny and shaped (gpu-check's tiny pairs and
+#   measure WHAT  (first, once per machine, Triton's kernels checked in a process of their own: off
+#                 where that fails or crashes) writes reports to $OUT: check (gpu-check), tiny and shaped (gpu-check's tiny pairs and
 #                 SmolLM2's shapes, random weights: no wheel needed), f32 / f32-batch / f32-host / f32-nosteps / bf16 / bf16-shared (`bench`
 #                 on the embedded pair, OOD prompts 1-8, 128 tokens, with the three AR references)
 #   draft B S [smoke] [init]  the one-sitting draft recipe (`draft-gpu`) on the staged pack: B seconds
@@ -31,6 +32,21 @@ ASIDE=../device-aside
 MOVED=(assets/draft-data/answers assets/draft-data/corpus.npz assets/draft-data/onpolicy assets/models/smollm2-draft assets/models/smollm2-feature-draft-corpus assets/models/smollm2-fused-draft)
 POLICIES=ar,linear,fixed_tree,dynatree,salf,eagle2,dyspec_threshold,dyspec,delayed_auto
 PY=${PY:-python3}  # the device image's python3 holds torch
+
+kernels_probe() {  # once per machine, in a process of its own: a Triton kernel's CUDA fault would
+  # poison the measuring process's context; a probe that fails or crashes turns them off for every
+  # later call on this machine (DYNATREE_KERNELS=0), so the measures still run on the torch forms
+  [ -n "${DYNATREE_KERNELS:-}" ] && return
+  mkdir -p /root/stage
+  if [ ! -f /root/stage/kernels-verdict ]; then
+    if timeout 300 env PYTHONPATH=/root/pylib:. $PY -c "import sys, torch
+from dynatree_core.core import kernels
+ok = kernels.enabled('cuda'); torch.cuda.synchronize()
+sys.exit(0 if ok else 3)"; then echo on > /root/stage/kernels-verdict; else echo off > /root/stage/kernels-verdict; fi
+  fi
+  echo "Triton's kernels: $(cat /root/stage/kernels-verdict) (their check in float32 and bfloat16, a process of its own)"
+  [ "$(cat /root/stage/kernels-verdict)" = on ] || export DYNATREE_KERNELS=0
+}
 
 bench() {  # bench DTYPE NAME [extra flags]: one report per call of at most 10 minutes
   local dtype=$1 name=$2
@@ -77,9 +93,11 @@ Copy the reports from files_at into assets/benchmarks/ (files_at is read-only: c
    benchmarks/gpu_session.sh receive 00
 2. carry [".device/part-01", ".device/wheels", ".device/wheel-name"]:
    benchmarks/gpu_session.sh receive 01 && benchmarks/gpu_session.sh install && benchmarks/gpu_session.sh measure check
-   (gpu-check on the tiny pairs and the embedded one, forward paths "lean+kernels+...": Triton's
-   kernels compiled and checked; if the paths lack "kernels", the log says why; launches, syncs
-   and replay ms per width; the bits rows; the fallback row)
+   (first "Triton's kernels: on|off": their check in a process of its own, once per machine; off,
+   or a crash in it, runs every later call on the torch forms. Then gpu-check on the tiny pairs and
+   the embedded one, forward paths "lean+kernels+...": Triton's kernels compiled and checked; if
+   the paths lack "kernels", the log says why; launches, syncs and replay ms per width; the bits
+   rows; the fallback row)
 3. benchmarks/gpu_session.sh measure bf16    (~255 s; with Triton's kernels)
 4. benchmarks/gpu_session.sh measure f32    (~225 s; the static-cache reference warmed per size)
 5. with time left: benchmarks/gpu_session.sh measure bf16-torch (the same without Triton's
@@ -119,6 +137,7 @@ EOF
     $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
     ;;
   measure)
+    case "$2" in tiny | shaped) ;; *) kernels_probe ;; esac
     case "$2" in
       check) PYTHONPATH=/root/pylib:. $PY -m dynatree_core gpu-check --out "$OUT/gpu-check.json" | tail -60 ;;
       tiny) $PY -m dynatree_core gpu-check --no-embedded --out "$OUT/gpu-check-tiny.json" | tail -30 ;;  # no wheel needed
@@ -137,6 +156,7 @@ EOF
   draft)
     mkdir -p /root/stage
     [ -f /root/stage/pack.jsonl.gz ] || cp .device/pack.jsonl.gz /root/stage/
+    kernels_probe
     smoke=0 init=()
     for word in "${@:4}"; do
       case "$word" in

@@ -73,6 +73,9 @@ def test_the_rotation_and_silu_kernels_are_the_torch_forms_up_to_rounding(dtype)
 
 def test_a_kernel_that_fails_its_check_leaves_the_torch_forms(monkeypatch):
     assert kernels.check(torch.device("cpu"))
+    silu_mul = kernels.silu_mul
+    monkeypatch.setattr(kernels, "silu_mul", lambda x: silu_mul(x) * (1 if x.dtype == torch.float32 else 1.05))
+    assert not kernels.check(torch.device("cpu")), "checked in bfloat16 too"
     monkeypatch.setattr(kernels, "silu_mul", lambda x: 1 / 0)
     assert not kernels.check(torch.device("cpu"))
     monkeypatch.setattr(kernels, "KERNEL_DEVICES", ("cuda", "cpu"))

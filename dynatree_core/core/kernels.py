@@ -85,32 +85,42 @@ def kernel_forms(on: str, block_keys: int = BLOCK_KEYS) -> Iterator[None]:
 
 
 def check(device: torch.device) -> bool:
-    """Each kernel against its torch form on small random inputs (float32, within 1e-4): False,
-    logged, where one raises (a Triton too old for the code, a driver it cannot compile for) or
-    disagrees."""
+    """Each kernel against its torch form on small random inputs, in float32 (within 1e-4) and in
+    bfloat16 (the torch form in float32 on the same rounded inputs, within 2e-2): False, logged,
+    where one raises (a Triton too old for the code, a driver it cannot compile for) or disagrees.
+    On CUDA the device is drained inside the check, so a kernel's fault surfaces here."""
     gen = torch.Generator().manual_seed(0)
-    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device)  # noqa: E731
     try:
-        q, k, v = rand(1, 6, 5, 64), rand(1, 2, 300, 64), rand(1, 2, 300, 64)
-        slots = torch.randint(0, 300, (5, 256), generator=gen).to(device)
-        tail = torch.zeros(5, 256).masked_fill_(torch.arange(256) >= 200, float("-inf")).to(device)
-        scores = torch.einsum("hgwd,hwsd->hgws", q[0].view(2, 3, 5, 64), k[0][:, slots]) * 0.125 + tail
-        want = torch.einsum("hgws,hwsd->hgwd", scores.softmax(-1), v[0][:, slots]).reshape(1, 6, 5, 64)
-        got = static_attention(q, k[0], v[0], slots, tail, 0.125)
-        x, cos, sin = rand(1, 4, 5, 64), rand(1, 1, 5, 64), rand(1, 1, 5, 64)
-        turned = x * cos + x.roll(32, -1) * sin  # fastpath._rotate
-        gate_up = rand(1, 5, 96)
-        ok = (
-            torch.allclose(got, want, atol=1e-4)
-            and torch.allclose(rotated(x.clone(), cos, sin), turned, atol=1e-4)
-            and torch.allclose(silu_mul(gate_up), F.silu(gate_up[..., :48]) * gate_up[..., 48:], atol=1e-5)
-        )
+        ok = all([_agrees(device, torch.float32, 1e-4, gen), _agrees(device, torch.bfloat16, 2e-2, gen)])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     except Exception as exc:  # noqa: BLE001 - any failure means the torch forms
         log_exception(f"kernels.check on {device}: the torch forms stay", exc)
         return False
     if not ok:
         log_info("kernels.check on %s: a kernel disagrees with its torch form; the torch forms stay", device)
     return ok
+
+
+def _agrees(device: torch.device, dtype: torch.dtype, tol: float, gen: torch.Generator) -> bool:
+    """check's comparisons in one dtype; the torch forms run in float32 on the same inputs."""
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
+    close = lambda got, want: torch.allclose(got.float(), want, atol=tol, rtol=tol)  # noqa: E731
+    q, k, v = rand(1, 6, 5, 64), rand(1, 2, 300, 64), rand(1, 2, 300, 64)
+    slots = torch.randint(0, 300, (5, 256), generator=gen).to(device)
+    tail = torch.zeros(5, 256).masked_fill_(torch.arange(256) >= 200, float("-inf")).to(device)
+    k32, v32 = k[0].float(), v[0].float()
+    scores = torch.einsum("hgwd,hwsd->hgws", q[0].float().view(2, 3, 5, 64), k32[:, slots]) * 0.125 + tail
+    want = torch.einsum("hgws,hwsd->hgwd", scores.softmax(-1), v32[:, slots]).reshape(1, 6, 5, 64)
+    x, cos, sin = rand(1, 4, 5, 64), rand(1, 1, 5, 64), rand(1, 1, 5, 64)
+    turned = x.float() * cos.float() + x.float().roll(32, -1) * sin.float()  # fastpath._rotate
+    gate_up = rand(1, 5, 96)
+    silu = F.silu(gate_up[..., :48].float()) * gate_up[..., 48:].float()
+    return (
+        close(static_attention(q, k[0], v[0], slots, tail, 0.125), want)
+        and close(rotated(x.clone(), cos, sin), turned)
+        and close(silu_mul(gate_up), silu)
+    )
 
 
 def _pow2(n: int) -> int:
