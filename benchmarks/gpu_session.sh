@@ -85,8 +85,9 @@ write_pack(Path('.device/pack-smoke.jsonl.gz'), *take(*read_pack(Path(sys.argv[1
     cat <<'EOF'
 Every call: export PYTHONUNBUFFERED=1 first. One warm machine: each call within 30 s of
 the last (a machine idle 30 s goes back); every call up to 600 s. Seconds from H100 sessions
-(2026-11-27: tiny 63-68 s, install + bf16 285 s, bf16 245 s, f32 240-255 s; install + check reached
-the embedded `bits` rows in 147 s, the whole check is untimed; 756 s of device time with the start).
+(2026-11-27: tiny 63-68 s, install + bf16 285 s, bf16 245 s, f32 240-255 s) and the H200 one
+(2026-11-27: install + bf16 286 s with the kernels' probe, the whole check 143 s, f32 244 s; 745 s
+of device time with the start: calls 1, 2, 4 and the check fit, call 5 does not).
 Copy the reports from files_at into assets/benchmarks/ (files_at is read-only: copy, then chmod u+w).
 
 1. carry [".device/part-00"]:  (~30 s; carries half the wheel)

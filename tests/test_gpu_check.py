@@ -46,9 +46,18 @@ def test_the_checks_pass_on_the_padded_path_and_a_broken_one_fails(tmp_path, mon
     assert not next(r for r in rows if r["check"] == "policies")["ok"]
 
 
-def test_the_invariance_check_fails_when_a_kernel_changes_with_the_row_count(monkeypatch):
-    """A head whose rows change with the number of rows (as a GEMV/GEMM split would): both the
-    verdict and the path's bits must say no, in each dtype."""
+@pytest.mark.parametrize(
+    "shift, ok",
+    [
+        (lambda x: x.float().sum() * 1e-3, False),  # a row reads the other rows: nothing helps
+        (lambda x: len(x) * 1e-2, True),  # other bits at every row count: calls of one shape help
+    ],
+    ids=["reads-other-rows", "every-row-count"],
+)
+def test_the_invariance_check_fails_when_a_kernel_changes_with_its_call(monkeypatch, shift, ok):
+    """A head whose rows change with the other rows of the call: both the verdict and the path's
+    bits must say no, in each dtype; one that changes with the row count only is run in calls of
+    one shape (invariant.LINEAR_CALL_ROWS) and the check says so."""
     from dynatree_core.core import fastpath
 
     real = fastpath.LeanForward.__init__
@@ -56,13 +65,15 @@ def test_the_invariance_check_fails_when_a_kernel_changes_with_the_row_count(mon
     def shaky(self, *args, **kwargs):
         real(self, *args, **kwargs)
         head = self.head
-        self.head = lambda x: head(x) + len(x) * 1e-2  # other bits at every row count: no padding helps
+        self.head = lambda x: head(x) + shift(x)
 
     monkeypatch.setattr(fastpath.LeanForward, "__init__", shaky)
     target, draft = gpu_check.tiny_pair("llama", torch.device("cpu"))
     rows = {r["check"]: r for r in gpu_check.invariance_checks("shaky", target, draft)}
     for dtype in ("float32", "bfloat16"):
-        assert not rows[f"invariant {dtype}"]["ok"] and rows[f"invariant {dtype}"]["detail"].startswith("head")
+        row = rows[f"invariant {dtype}"]
+        assert row["ok"] == ok, row
+        assert row["detail"].startswith("bitwise (linears in calls of 16 rows" if ok else "head"), row
 
 
 def test_a_device_that_does_not_exist_is_a_message(capsys):

@@ -244,17 +244,52 @@ def _with_head(model, shaky) -> tuple:
 
 
 @torch.inference_mode()
-def test_a_kernel_that_changes_with_every_row_count_is_named_and_the_run_says_so():
+def test_a_kernel_whose_row_reads_the_other_rows_is_named_and_the_run_says_so():
     model = _model("llama", torch.bfloat16)
-    lean, head = _with_head(model, lambda head: lambda x: head(x) + len(x) * 1e-2)
+    lean, head = _with_head(model, lambda head: lambda x: head(x) + x.float().sum() * 1e-3)
     try:
         verdict = width_verdict(lean, torch.bfloat16, torch.device("cpu")).reason
-        assert verdict == "head: a row's bits change with the row count, padded or not"
+        calls = f"in calls of {invariant.LINEAR_CALL_ROWS} rows or not"
+        assert verdict == f"head: a row's bits change with the row count, padded or not, {calls}"
         kv = KVState(model, PROMPT, invariant=True)
         assert kv.path.startswith("lean+invariant (not bitwise on this device: head")
     finally:
         lean.head = head
         lean.__dict__.pop("_width_verdicts", None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@torch.inference_mode()
+def test_a_kernel_that_changes_with_every_row_count_runs_every_call_at_one_shape(dtype):
+    """A head whose bits change with every row count, padded or not (cuBLAS's float32 GEMM at
+    SmolLM2's o projection on the H200): every linear call runs exactly LINEAR_CALL_ROWS rows,
+    wider inputs in chunks, and a path node inside a 17-row tree gets `ar`'s bits again."""
+    model = _model("llama-wide", dtype)
+    lean, head = _with_head(model, lambda head: lambda x: head(x) + len(x) * 1e-2)
+    try:
+        verdict = width_verdict(lean, dtype, torch.device("cpu"))
+        assert verdict.reason is None and verdict.linear_rows == -invariant.LINEAR_CALL_ROWS, verdict
+        assert invariant.linears_note(verdict.linear_rows) == f"linears in calls of {invariant.LINEAR_CALL_ROWS} rows"
+        _assert_path_bits_match_ar(model, f"linears in calls of one shape, {dtype}")
+        long = [(7 * i) % 90 + 1 for i in range(300)]  # at fixed shapes too, a prefill past every bucket
+        assert gpu_check.path_bits_match(model, [*PROMPT, 17], graphs=True)
+        assert gpu_check.path_bits_match(model, long, graphs=True)
+    finally:
+        lean.head = head
+        lean.__dict__.pop("_width_verdicts", None)
+
+
+def test_linears_in_calls_of_one_shape_give_the_plain_result():
+    """min_rows(-R): chunks of R rows, the last padded, joined back: the same values as one call."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(7, 5, generator=gen, dtype=torch.float64)
+    seen = []
+    fn = lambda x: seen.append(x.shape[-2]) or x @ w.T  # noqa: E731
+    for n in (1, 3, 4, 9):
+        x = torch.randn(1, n, 5, generator=gen, dtype=torch.float64)
+        seen.clear()
+        assert torch.allclose(invariant.min_rows(fn, x, -4), x @ w.T)
+        assert seen == [4] * -(-n // 4), (n, seen)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -276,15 +311,16 @@ def test_a_one_row_kernel_of_its_own_is_padded_away(dtype):
 @torch.inference_mode()
 def test_the_gpus_residual_gemm_is_probed_as_the_forward_takes_it(gpu_forms):
     """On a GPU the o projection adds the residual inside its GEMM (fastpath._residual): the probe
-    runs that form. One that changes with every row count is named; one whose one-row call
-    differs pads the linears, the forward then takes the separate add, and the bits match again."""
+    runs that form. One whose row reads the other rows puts the linears in calls of one shape and
+    one whose one-row call differs pads them; either way the forward then takes the separate add,
+    and the bits match again."""
     model = _model("llama-wide", torch.bfloat16)
     lean = lean_forward_for(model)
     block = lean.blocks[0]
     fused = block.add_o
     assert fused is not None
     for shaky, reason, rows in (
-        (lambda x, a: fused(x, a) + len(a) * 1e-2, "x + o: a row's bits change with the row count, padded or not", 1),
+        (lambda x, a: fused(x, a) + a.float().sum() * 1e-3, None, -invariant.LINEAR_CALL_ROWS),
         (lambda x, a: fused(x, a) + (len(a) == 1) * 1e-2, None, 2),
     ):
         block.add_o = shaky

@@ -30,6 +30,9 @@ Linears are row-wise by nature, but a library may still pick its kernel by the r
 `width_verdict` checks the model's own linears, its norm and this attention at the widths a run
 uses, and finds the fewest rows from which each linear agrees with its widest call: the forward
 pads every linear's input to that many rows (`min_rows`; a one-row GEMV then runs as the GEMM).
+Where no padding helps (a row's bits change with every row count: cuBLAS's float32 GEMM at some
+shapes), every linear call runs exactly LINEAR_CALL_ROWS rows, wider inputs in chunks of that
+many: one shape, one kernel, and a deterministic GEMM's row does not read the other rows.
 The same probe runs the attention at short and long key counts and pads its calls to
 `attention_rows` where the batch count changes a row's bits. Where the run's forwards replay CUDA
 graphs, the probe's calls do too (`captured`: a library may pick other kernels under stream
@@ -52,6 +55,7 @@ from dynatree_core.core.transfer import to_device
 PROBE_WIDTHS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 32, 33, 64)  # row counts a run's forwards take
 PROBE_KEYS = (96, 200, 500, 1100, 2600)  # key counts the attention probe sees: a GEMM may split long reductions
 ATTENTION_ROWS = 16  # rows per attention call where the batch count must not change (WidthVerdict)
+LINEAR_CALL_ROWS = 16  # rows per linear call where no padding makes a linear invariant (min_rows(-16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,12 +180,22 @@ class RopeTable:
 
 def min_rows(fn, x: torch.Tensor, rows: int) -> torch.Tensor:
     """fn(x) computed with x padded to at least `rows` rows (dim -2) and cut back: where a library
-    runs a one-row product as a GEMV and more rows as a GEMM, padding keeps every call a GEMM."""
-    n = x.shape[-2]
-    if n >= rows:
+    runs a one-row product as a GEMV and more rows as a GEMM, padding keeps every call a GEMM.
+    rows < 0: every call exactly -rows rows, a wider x in chunks of that many (the last padded)."""
+    n, size = x.shape[-2], abs(rows)
+    if rows < 0 and n > size:
+        return torch.cat([min_rows(fn, x[..., i : i + size, :], rows) for i in range(0, n, size)], dim=-2)
+    if n >= size:
         return fn(x)
-    pad = x.new_zeros(*x.shape[:-2], rows - n, x.shape[-1])
+    pad = x.new_zeros(*x.shape[:-2], size - n, x.shape[-1])
     return fn(torch.cat([x, pad], dim=-2))[..., :n, :]
+
+
+def linears_note(rows: int) -> str:
+    """How a verdict's `linear_rows` shapes the linears' calls, for reports; "" when it does not."""
+    if rows < 0:
+        return f"linears in calls of {-rows} rows"
+    return f"linears padded to {rows} rows" if rows > 1 else ""
 
 
 def _fewest_rows(fn, x: torch.Tensor) -> int | None:
@@ -196,6 +210,13 @@ def _fewest_rows(fn, x: torch.Tensor) -> int | None:
         return None
     padded_ok = all(torch.equal(min_rows(fn, x[:w], rows), full[:w]) for w in PROBE_WIDTHS if w < rows)
     return rows if padded_ok else None
+
+
+def _agrees_in_calls(fn, x: torch.Tensor, rows: int = LINEAR_CALL_ROWS) -> bool:
+    """Whether fn, every call exactly `rows` rows (min_rows(-rows)), gives each row of x the same
+    bits at every probed width: the form left where no padding helps."""
+    full = min_rows(fn, x, -rows)
+    return all(torch.equal(min_rows(fn, x[:w], -rows), full[:w]) for w in PROBE_WIDTHS)
 
 
 def _attention_agrees(kv_heads: int, groups: int, d: int, dtype, device, gen, attention_rows: int = 1) -> bool:
@@ -231,7 +252,7 @@ class WidthVerdict:
     linears' inputs padded to `linear_rows` rows where the library needs it), else which op is not."""
 
     reason: str | None
-    linear_rows: int = 1
+    linear_rows: int = 1  # < 0: every linear call exactly -linear_rows rows (min_rows)
     attention_rows: int = 1  # >1: attention calls padded to this many rows (the batch count mattered)
 
 
@@ -271,10 +292,14 @@ def width_verdict(
     changes = "a row's bits change with the row count"
     rows, reason = 1, None
     as_run = (lambda fn: capture.replayed(fn, device)) if captured else (lambda fn: fn)  # noqa: E731
-    for name, (fn, inp) in linears.items():
+    for fn, inp in linears.values():
         fewest = _fewest_rows(as_run(fn), inp)
-        if fewest is None:
-            reason = f"{name}: {changes}, padded or not"
+        if fewest is None:  # no padding helps: every linear in calls of one shape, if that does
+            rows = -LINEAR_CALL_ROWS  # the forward then adds the residual apart (fastpath.residual)
+            plain = {n: v for n, v in linears.items() if not n.startswith("x + ")}
+            failed = next((n for n, (f, i) in plain.items() if not _agrees_in_calls(as_run(f), i)), None)
+            if failed:
+                reason = f"{failed}: {changes}, padded or not, in calls of {LINEAR_CALL_ROWS} rows or not"
             break
         rows = max(rows, fewest)
     if reason is None and _fewest_rows(as_run(block.norm1), x) != 1:

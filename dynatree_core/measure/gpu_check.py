@@ -185,7 +185,7 @@ def invariance_checks(name: str, target, draft) -> list[dict]:
     """Per dtype in INVARIANCE_DTYPES: the kernels' verdict with the path's bits, and every tree
     policy's tokens against `ar`'s, width-invariant. Copies the models into each dtype."""
     from dynatree_core.core.fastpath import lean_forward_for
-    from dynatree_core.core.invariant import width_verdict
+    from dynatree_core.core.invariant import linears_note, width_verdict
     from dynatree_core.core.static_rows import static_attention_agrees
 
     rows = []
@@ -197,7 +197,7 @@ def invariance_checks(name: str, target, draft) -> list[dict]:
         found = width_verdict(lean, dtype, device) if lean is not None else None
         verdict = found.reason if found is not None else "no lean forward for this model"
         bits = lean is not None and path_bits_match(t, PROMPTS[0])
-        pads = [f"linears padded to {found.linear_rows} rows"] if found and found.linear_rows > 1 else []
+        pads = [linears_note(found.linear_rows)] if found and found.linear_rows != 1 else []
         pads += [f"attention in calls of {found.attention_rows} rows"] if found and found.attention_rows > 1 else []
         padded = f" ({'; '.join(pads)})" if pads else ""
         detail = verdict or ("bitwise" + padded if bits else "a path node's logits differ from ar's")
@@ -207,7 +207,7 @@ def invariance_checks(name: str, target, draft) -> list[dict]:
             detail += "; fixed shapes: " + ("captured where graphs are" if fixed else "not invariant, grouped eagerly")
         if lean is not None and device.type == "cuda":  # probed again as a captured run calls them
             replayed = width_verdict(lean, dtype, device, attention=False, captured=True)
-            rows_note = f", linears padded to {replayed.linear_rows} rows" if replayed.linear_rows > 1 else ""
+            rows_note = f", {linears_note(replayed.linear_rows)}" if replayed.linear_rows != 1 else ""
             attention = static_attention_agrees(lean, dtype, device, captured=True)
             detail += f"; replayed from graphs: {replayed.reason or 'bitwise'}{rows_note}"
             detail += "" if attention else ", fixed-shape attention not invariant"
