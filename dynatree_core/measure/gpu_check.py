@@ -197,7 +197,7 @@ def invariance_checks(name: str, target, draft) -> list[dict]:
         found = width_verdict(lean, dtype, device) if lean is not None else None
         verdict = found.reason if found is not None else "no lean forward for this model"
         bits = lean is not None and path_bits_match(t, PROMPTS[0])
-        pads = [linears_note(found.linear_rows)] if found and found.linear_rows != 1 else []
+        pads = [note] if found and (note := linears_note(found.linear_rows)) else []
         pads += [f"attention in calls of {found.attention_rows} rows"] if found and found.attention_rows > 1 else []
         padded = f" ({'; '.join(pads)})" if pads else ""
         detail = verdict or ("bitwise" + padded if bits else "a path node's logits differ from ar's")
@@ -207,7 +207,7 @@ def invariance_checks(name: str, target, draft) -> list[dict]:
             detail += "; fixed shapes: " + ("captured where graphs are" if fixed else "not invariant, grouped eagerly")
         if lean is not None and device.type == "cuda":  # probed again as a captured run calls them
             replayed = width_verdict(lean, dtype, device, attention=False, captured=True)
-            rows_note = f", {linears_note(replayed.linear_rows)}" if replayed.linear_rows != 1 else ""
+            rows_note = f", {note}" if (note := linears_note(replayed.linear_rows)) else ""
             attention = static_attention_agrees(lean, dtype, device, captured=True)
             detail += f"; replayed from graphs: {replayed.reason or 'bitwise'}{rows_note}"
             detail += "" if attention else ", fixed-shape attention not invariant"
