@@ -188,3 +188,17 @@ def test_a_bench_over_both_prompt_sets_reports_each_side_apart():
     assert "| fixed_tree | 2.00 | 3.00 | 1.50 | 2.00 |" in lines, lines
     assert not BenchReport({}, {}, [], rows[:1] + rows[3:4]).by_prompt_set(), "one side only: no split table"
     assert {p.domain for p in load_prompts("chat,ood:qa")} == {"chat", "ood/qa"}
+
+
+def test_sequences_read_each_member_once(tmp_path, monkeypatch):
+    """A shard's sequences come from one read of each ids member: an NpzFile inflates a member on
+    every access, so reading it per sequence made an 8192-job GPU shard take minutes (quadratic)."""
+    store = answers.AnswerStore(tmp_path / "ids", tmp_path / "features")
+    seqs = [(np.arange(i, i + 5 + i % 3), 2 + i % 2) for i in range(40)]
+    store.write_ids("main", 0, seqs, ["debian"] * 40, np.full(40, np.nan, np.float16), 1000)
+    reads = []
+    real = np.lib.npyio.NpzFile.__getitem__
+    monkeypatch.setattr(np.lib.npyio.NpzFile, "__getitem__", lambda self, key: reads.append(key) or real(self, key))
+    got = store.sequences("main", 0)
+    assert [(ids.tolist(), plen) for ids, plen, _ in got] == [(ids.tolist(), plen) for ids, plen in seqs]
+    assert len(reads) == len(set(reads)) <= 4, reads

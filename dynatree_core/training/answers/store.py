@@ -95,12 +95,9 @@ class AnswerStore:
 
     def sequences(self, stage: str, k: int) -> list[tuple[np.ndarray, int, int]]:
         """(ids, prompt length, source index) of every sequence of a shard."""
-        data = np.load(self.ids_path(stage, k))
-        off = data["offsets"]
-        return [
-            (data["ids"][off[i] : off[i + 1]].astype(np.int64), int(data["prompt_lens"][i]), int(data["source"][i]))
-            for i in range(len(off) - 1)
-        ]
+        with np.load(self.ids_path(stage, k)) as data:  # each member read once: an NpzFile inflates on every access
+            ids, off, plens, source = (data[name] for name in ("ids", "offsets", "prompt_lens", "source"))
+        return [(ids[off[i] : off[i + 1]].astype(np.int64), int(plens[i]), int(source[i])) for i in range(len(off) - 1)]
 
     def write(self, stage: str, k: int, rows, jobs: list[sources.Job], vocab: int) -> None:
         """A decoded shard: its features (and its teacher, when the rows kept it), then its ids
