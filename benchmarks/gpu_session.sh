@@ -25,7 +25,8 @@
 #                 of stage work in all, this call ending after S; the same command goes on where it
 #                 stopped (on the same warm machine); `smoke` first runs every stage on 256 jobs
 #                 for a minute; `init` trains on from the shipped feature draft (--init-from), not
-#                 from scratch; once exported, the draft, its card and summary.json go to $OUT
+#                 from scratch; every call returns stages.json, summary.json and draft-run.log, and
+#                 once exported the draft and its card
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ASIDE=../device-aside
@@ -111,16 +112,20 @@ shapes with random weights)
 
 The draft at scale: a session of its own (15 minutes of device time hold the start, the wheel's two
 parts and ONE call of the recipe, so the whole recipe runs in that call; the pack cannot travel
-with a wheel part: 64 MiB a call):
+with a wheel part: 64 MiB a call). H100, 2026-11-28: the start and d1-d2 took 59 s; every stage
+ran on CUDA in the smoke (256 jobs: answers to export); answers 15.5K answer tokens/s at 1024 rows
+(1.6M in 104 s), follow-ups 4-6K/s; training 24-62K pairs/s. No smoke needed any more.
 d1. carry [".device/part-00"]: benchmarks/gpu_session.sh receive 00
 d2. carry [".device/part-01", ".device/wheels", ".device/wheel-name"]:
    benchmarks/gpu_session.sh receive 01 && benchmarks/gpu_session.sh install
-d3. carry [".device/pack.jsonl.gz"], timeout_s 600: benchmarks/gpu_session.sh draft 450 570 init
+d3. carry [".device/pack.jsonl.gz"], timeout_s 600: benchmarks/gpu_session.sh draft 450 530 init
    (450 s of stage work: answers ~200 s and follow-ups ~50 s, training ~150 s, quality and export;
-   the model's load and conversion come on top. `init`: ~150 s of training cannot make 15 passes
-   from scratch over millions of answer tokens, so it trains on from the shipped draft (15 passes
-   over 3.58M); drop `init` for a from-scratch run where a sitting holds more. With device time
-   left and no "exported", the same command again within 30 s goes on from where it stopped)
+   the model's load, the kernels' probe and conversion come on top; a hard stop 45 s after 530, and
+   the book (stages.json, summary.json) and draft-run.log (every line with the call's seconds) come
+   back from every call. `init`: ~150 s of training cannot make 15 passes from scratch over
+   millions of answer tokens, so it trains on from the shipped draft (15 passes over 3.58M); drop
+   `init` for a from-scratch run where a sitting holds more. With device time left and no
+   "exported", the same command again within 30 s goes on from where it stopped)
 then bring files_at's draft into a candidate folder and run, here, on the CPU:
    PYTHONPATH=. .venv/bin/python -m benchmarks.draft_merit --candidate CANDIDATE
 EOF
@@ -171,13 +176,14 @@ EOF
       PYTHONPATH=/root/pylib:. $PY -m dynatree_core.training draft-gpu --pack /root/stage/pack-smoke.jsonl.gz \
         --out /root/draft-smoke --budget-s 60 --train-s 10 | tail -12
     fi
-    code=0
-    PYTHONPATH=/root/pylib:. $PY -m dynatree_core.training draft-gpu --pack /root/stage/pack.jsonl.gz \
-      --out /root/draft-run --budget-s "$2" --stop-after-s "$3" "${init[@]}" || code=$?
-    [ "$code" -eq 0 ] || [ "$code" -eq 3 ] || exit "$code"  # 3: stopped on time, the same call goes on
-    cp /root/draft-run/stages.json "$OUT/" 2>/dev/null || true
+    code=0  # a hard stop 45 s after S (a stage that overran it): the book and the log still come back
+    timeout -s INT -k 15 $(($3 + 45)) env PYTHONPATH=/root/pylib:. $PY -m dynatree_core.training draft-gpu \
+      --pack /root/stage/pack.jsonl.gz --out /root/draft-run --budget-s "$2" --stop-after-s "$3" "${init[@]}" \
+      2>&1 | tee -a /root/draft-run.log | grep -v "it/s]" || code=${PIPESTATUS[0]}
+    cp /root/draft-run/stages.json /root/draft-run/summary.json /root/draft-run.log "$OUT/" 2>/dev/null || true
+    [ "$code" -eq 0 ] || [ "$code" -eq 3 ] || [ "$code" -eq 124 ] || exit "$code"  # 3, 124: stopped on time; the same call goes on
     if [ "$code" -eq 0 ] && [ -f /root/draft-run/export/README.md ]; then
-      cp /root/draft-run/export/* /root/draft-run/summary.json "$OUT/" && echo exported
+      cp /root/draft-run/export/* "$OUT/" && echo exported
     fi
     ;;
   *)

@@ -85,7 +85,9 @@ class GpuRun:
     """One call of the recipe over its run directory (module docstring)."""
 
     def __init__(self, cfg: GpuRecipe, log=print):
-        self.cfg, self.log, self.started = cfg, log, time.perf_counter()
+        self.cfg, self.started = cfg, time.perf_counter()
+        # every line with this call's seconds so far: a cut-off call's log still says where its time went
+        self.log = lambda line: log(f"[{time.perf_counter() - self.started:4.0f} s] {line}")
         self.out = cfg.out
         self.book = Book(self.out / "stages.json")
         self.device = resolve_device(cfg.device)
