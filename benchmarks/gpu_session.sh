@@ -118,9 +118,11 @@ ran on CUDA in the smoke (256 jobs: answers to export); answers 15.5K answer tok
 d1. carry [".device/part-00"]: benchmarks/gpu_session.sh receive 00
 d2. carry [".device/part-01", ".device/wheels", ".device/wheel-name"]:
    benchmarks/gpu_session.sh receive 01 && benchmarks/gpu_session.sh install
-d3. carry [".device/pack.jsonl.gz"], timeout_s 600: benchmarks/gpu_session.sh draft 450 530 init
-   (450 s of stage work: answers ~200 s and follow-ups ~50 s, training ~150 s, quality and export;
-   the model's load, the kernels' probe and conversion come on top; a hard stop 45 s after 530, and
+d3. carry [".device/pack.jsonl.gz"], timeout_s 600: benchmarks/gpu_session.sh draft 500 540 init
+   (500 s of stage work: answers 220 s (two 8192-job shards of ~104 s on an H100; a shard starts
+   only when the last one's time still fits the share) and follow-ups ~55 s, training ~180 s,
+   quality and export; the model's load, the kernels' probe and conversion come on top, so quality
+   and export may need the same command again; a hard stop 45 s after 540, and
    the book (stages.json, summary.json) and draft-run.log (every line with the call's seconds) come
    back from every call. `init`: ~150 s of training cannot make 15 passes from scratch over
    millions of answer tokens, so it trains on from the shipped draft (15 passes over 3.58M); drop
