@@ -19,7 +19,8 @@
 #   install       joins the parts and installs the wheels under /root/pylib (--no-deps)
 #   measure WHAT  (first, once per machine, Triton's kernels checked in a process of their own: off
 #                 where that fails or crashes) writes reports to $OUT: check (gpu-check), tiny and shaped (gpu-check's tiny pairs and
-#                 SmolLM2's shapes, random weights: no wheel needed), f32 / f32-batch / f32-host / f32-nosteps / bf16 / bf16-shared (`bench`
+#                 SmolLM2's shapes, random weights: no wheel needed), answers (the recipe's answer
+#                 decoding timed and profiled: benchmarks/answer_profile.py), f32 / f32-batch / f32-host / f32-nosteps / bf16 / bf16-shared (`bench`
 #                 on the embedded pair, OOD prompts 1-8, 128 tokens, with the three AR references)
 #   draft B S [smoke] [init]  the one-sitting draft recipe (`draft-gpu`) on the staged pack: B seconds
 #                 of stage work in all, this call ending after S; the same command goes on where it
@@ -128,6 +129,9 @@ d3. carry [".device/pack.jsonl.gz"], timeout_s 600: benchmarks/gpu_session.sh dr
    millions of answer tokens, so it trains on from the shipped draft (15 passes over 3.58M); drop
    `init` for a from-scratch run where a sitting holds more. With device time left and no
    "exported", the same command again within 30 s goes on from where it stopped)
+d4. with 150 s of device time left (after "exported"): benchmarks/gpu_session.sh measure answers
+   (benchmarks/answer_profile.py: 4,096 pack jobs timed at 1,024 rows, then 1,024 of them profiled:
+   the device's busy share and the top ops on device and host; why the answers run at 16K tokens/s)
 then bring files_at's draft into a candidate folder and run, here, on the CPU:
    PYTHONPATH=. .venv/bin/python -m benchmarks.draft_merit --candidate CANDIDATE
 EOF
@@ -158,7 +162,11 @@ EOF
       bf16-shared) bench bfloat16 bfloat16-shared --width-invariant off ;;  # captured, may differ at near-ties
       bf16-torch) DYNATREE_KERNELS=0 bench bfloat16 bfloat16-torch-ops --policies ar,fixed_tree,eagle2,salf ;;  # without Triton's kernels
       f32-torch) DYNATREE_KERNELS=0 bench float32 float32-torch-ops --policies ar,fixed_tree,eagle2,salf ;;
-      *) echo "measure: check, tiny, shaped, f32, f32-batch, f32-host, f32-nosteps, bf16, bf16-shared, bf16-torch or f32-torch" >&2; exit 2 ;;
+      answers)  # where the recipe's answer decoding spends its time (the pack staged by a draft call, or carried)
+        [ -f /root/stage/pack.jsonl.gz ] || cp .device/pack.jsonl.gz /root/stage/
+        PYTHONPATH=/root/pylib:. $PY -m benchmarks.answer_profile --pack /root/stage/pack.jsonl.gz \
+          --out "$OUT/gpu-answer-profile.json" 2>&1 | grep -v "it/s]" | tail -40 ;;
+      *) echo "measure: check, tiny, shaped, f32, f32-batch, f32-host, f32-nosteps, bf16, bf16-shared, bf16-torch, f32-torch or answers" >&2; exit 2 ;;
     esac
     ;;
   draft)

@@ -201,3 +201,21 @@ def test_a_missing_or_broken_pack_is_one_line_naming_the_fix(tmp_path):
     (tmp_path / "bad.jsonl.gz").write_text("not a pack\n")
     with pytest.raises(SystemExit, match="not a dynatree-prompt-pack file"):
         main(["draft-gpu", "--pack", str(tmp_path / "bad.jsonl.gz"), "--out", str(tmp_path / "run")])
+
+
+def test_answer_profile_counts_the_decoding_it_profiles(tmp_path, tiny_pair_dirs):
+    """benchmarks/answer_profile.py (the GPU sitting's look at the answers' time) on the CPU: its
+    counts are the decoded rows' own, and the host table names the forward's ops."""
+    from benchmarks import answer_profile
+
+    jobs = _write_pack(tmp_path / "pack.jsonl.gz", n=6, follow=0)
+    out = tmp_path / "profile.json"
+    report = answer_profile.main(["--pack", str(tmp_path / "pack.jsonl.gz"), "--target", tiny_pair_dirs[0],
+                                  "--device", "cpu", "--dtype", "float32", "--jobs", "6", "--batch", "4",
+                                  "--profile-jobs", "3", "--profile-new", "2", "--out", str(out)])  # fmt: skip
+    assert json.loads(out.read_text()) == report
+    timed, profiled = report["timed"], report["profiled"]
+    assert timed["jobs"] == 6 and 0 < timed["answer_tokens"] <= sum(j.max_new for j in jobs)
+    assert timed["rows_per_step"] * timed["steps"] == pytest.approx(timed["answer_tokens"], abs=timed["steps"])
+    assert profiled["jobs"] == 3 and profiled["answer_tokens"] <= 6 and profiled["device_busy_share"] is None
+    assert report["device_top"] == [] and any("mm" in row["op"] for row in report["host_top"])
