@@ -77,6 +77,15 @@ def test_each_window_of_a_packed_row_gets_the_depth_mask_it_would_get_alone(leve
     )
 
 
+@pytest.mark.parametrize("level", [1, 3])
+def test_the_level_mask_is_built_on_the_windows_device(level):
+    """No host tensor in the build (a step on a GPU would build it on the host and copy it over):
+    on the meta device any host tensor mixed in raises."""
+    seg = torch.tensor([[0] * 6 + [1] * 4 + [-1] * 2])
+    mask = level_mask(seg.to("meta"), level)
+    assert mask.device.type == "meta" and mask.shape == level_mask(seg, level).shape
+
+
 def _two_windows(hidden: int, taps: int = 0):
     gen = torch.Generator().manual_seed(3)
     shape = lambda n: (n, taps, hidden) if taps else (n, hidden)  # noqa: E731

@@ -87,9 +87,11 @@ def level_mask(seg: torch.Tensor, level: int) -> torch.Tensor:
     rule, per window): row j of level k is a depth-k node whose root is pair r = j - k + 1 of the
     same window; it sees that window's level-1 pairs <= r (committed: true inputs), its ancestors
     (level m at pair r + m - 1, m = 2..k-1) and itself. A row whose root would lie outside its
-    window sees only itself (it is never counted). Level 1 is the plain causal mask per window."""
+    window sees only itself (it is never counted). Level 1 is the plain causal mask per window.
+    Built on `seg`'s device: on the host it cost a training step ~24 ms (20 rows of 512) and a
+    copy of the (R, 1, T, T) mask to the GPU."""
     rows, width = seg.shape
-    j = torch.arange(width)
+    j = torch.arange(width, device=seg.device)
     k = level - 1
     root = j - k  # (T,)
     root_ok = (root >= 0) & (seg.gather(1, root.clamp(min=0)[None].expand(rows, -1)) == seg) & (seg >= 0)  # (R, T)
@@ -98,9 +100,9 @@ def level_mask(seg: torch.Tensor, level: int) -> torch.Tensor:
     for m in range(1, level):  # keys of level m + 1: the ancestor at pair r + m (itself when m == k)
         blocks.append(((j[None, :] == (root + m)[:, None])[None] & root_ok[:, :, None]).expand(rows, -1, -1))
     see = torch.cat(blocks, dim=-1)
-    own = torch.arange(k * width, level * width)  # every row sees itself: no empty softmax
+    own = torch.arange(k * width, level * width, device=seg.device)  # every row sees itself: no empty softmax
     see[:, j, own] = True
-    mask = torch.zeros(see.shape, dtype=torch.float32)
+    mask = torch.zeros(see.shape, dtype=torch.float32, device=seg.device)
     return mask.masked_fill_(~see, torch.finfo(torch.float32).min)[:, None]
 
 

@@ -144,7 +144,7 @@ def unrolled_outputs(draft, batch: PackedBatch, levels: int, *, noise: float = 0
         if level > 1:  # pair j reads its parent's output, at pair j-1 (pair 0 reads a placeholder: never counted)
             prev = outs[-1].detach() if detach else outs[-1]
             hidden = torch.cat([hidden[:, :1], prev[:, :-1].to(hidden.dtype)], dim=1)
-        mask = level_mask(batch.seg.cpu(), level).to(device=tokens.device)
+        mask = level_mask(batch.seg, level)
         select = None
         if last is not None:
             select = torch.zeros_like(last)
