@@ -165,7 +165,7 @@ EOF
       answers)  # where the recipe's answer decoding spends its time (the pack staged by a draft call, or carried)
         [ -f /root/stage/pack.jsonl.gz ] || cp .device/pack.jsonl.gz /root/stage/
         PYTHONPATH=/root/pylib:. $PY -m benchmarks.answer_profile --pack /root/stage/pack.jsonl.gz \
-          --out "$OUT/gpu-answer-profile.json" 2>&1 | grep -v "it/s]" | tail -40 ;;
+          --out "$OUT/gpu-answer-profile.json" 2>&1 | grep --line-buffered -v "it/s]" | tail -40 ;;
       *) echo "measure: check, tiny, shaped, f32, f32-batch, f32-host, f32-nosteps, bf16, bf16-shared, bf16-torch, f32-torch or answers" >&2; exit 2 ;;
     esac
     ;;
@@ -189,7 +189,7 @@ EOF
     code=0  # a hard stop 45 s after S (a stage that overran it): the book and the log still come back
     timeout -s INT -k 15 $(($3 + 45)) env PYTHONPATH=/root/pylib:. $PY -m dynatree_core.training draft-gpu \
       --pack /root/stage/pack.jsonl.gz --out /root/draft-run --budget-s "$2" --stop-after-s "$3" "${init[@]}" \
-      2>&1 | tee -a /root/draft-run.log | grep -v "it/s]" || code=${PIPESTATUS[0]}
+      2>&1 | tee -a /root/draft-run.log | grep --line-buffered -v "it/s]" || code=${PIPESTATUS[0]}
     cp /root/draft-run/stages.json /root/draft-run/summary.json /root/draft-run.log "$OUT/" 2>/dev/null || true
     [ "$code" -eq 0 ] || [ "$code" -eq 3 ] || [ "$code" -eq 124 ] || exit "$code"  # 3, 124: stopped on time; the same call goes on
     if [ "$code" -eq 0 ] && [ -f /root/draft-run/export/README.md ]; then
