@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if not args.pack.is_file():
+        p.error(f"no prompt pack at {args.pack} (build one: python -m dynatree_core.training prompt-pack)")
 
     target = load_model(args.target, device=args.device, dtype=args.dtype)
     decoder = BatchDecoder(target.model)
