@@ -1,7 +1,7 @@
 """Where the draft recipe's answer decoding spends its time (`draft-gpu`'s answers stage), run from
 the repo root with nothing else torch-heavy running:
 
-    PYTHONPATH=. python -m benchmarks.answer_profile --pack PACK [--jobs 4096] [--batch 1024]
+    PYTHONPATH=. python -m benchmarks.answer_profile --pack PACK [--jobs 2048] [--batch 1024]
         [--device cuda] [--target embedded] [--out FILE.json]
 
 One process, the target in the recipe's dtype (bfloat16), the pack's first `--jobs` jobs sorted by
@@ -9,8 +9,10 @@ prompt length (as `decode_shard` sorts a shard) and decoded as the recipe decode
 batching, features and the compact teacher kept):
 
 1. a warm-up: 64 jobs, 8 tokens each;
-2. the timed run: answer tokens/s, decoding steps and live rows per step (the progress callback is
-   told each step's rows), ms per step;
+2. the timed runs, the same jobs twice: the decoding step captured (the recipe's way on CUDA: one
+   graph per attention span while the batch is whole) and eager (`graphs=False`); each with answer
+   tokens/s, decoding steps and live rows per step (the progress callback is told each step's
+   rows), ms per step; and the captured run's speed over the eager one's;
 3. the profiled run (torch.profiler) over the first `--profile-jobs` jobs at `--profile-new` tokens
    at most: the ops with the most self time on the device and on the host, and the device's busy
    share (its kernels' summed time over the run's wall): near 1, the GPU bounds the decoding; far
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--target", default="embedded")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--jobs", type=int, default=4096)
+    p.add_argument("--jobs", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--profile-jobs", type=int, default=1024)
     p.add_argument("--profile-new", type=int, default=48)
@@ -79,15 +81,19 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"no prompt pack at {args.pack} (build one: python -m dynatree_core.training prompt-pack)")
 
     target = load_model(args.target, device=args.device, dtype=args.dtype)
-    decoder = BatchDecoder(target.model)
+    decoder, eager = BatchDecoder(target.model), BatchDecoder(target.model, graphs=False)
     jobs = read_pack(args.pack)[1][: args.jobs]
     prompts = [encode_job(target.tokenizer, j) for j in jobs]
     order = np.argsort([len(q) for q in prompts], kind="stable")
     jobs, prompts = [jobs[i] for i in order], [prompts[i] for i in order]
 
-    _decode(decoder, target, prompts[:64], jobs[:64], batch=args.batch, max_new=8)  # warm-up
+    for dec in (decoder, eager):
+        _decode(dec, target, prompts[:64], jobs[:64], batch=args.batch, max_new=8)  # warm-up
     timed = _decode(decoder, target, prompts, jobs, batch=args.batch)
     print(f"timed: {json.dumps(timed)}", flush=True)
+    timed_eager = _decode(eager, target, prompts, jobs, batch=args.batch)
+    timed["speed_over_eager"] = round(timed_eager["wall_s"] / timed["wall_s"], 3)
+    print(f"timed eager: {json.dumps(timed_eager)}; captured / eager speed {timed['speed_over_eager']}", flush=True)
 
     cuda = decoder.device.type == "cuda"
     n = args.profile_jobs
@@ -99,7 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
     profiled["device_busy_share"] = round(busy / profiled["wall_s"], 3) if cuda else None
     report = {
         "target": args.target, "device": str(decoder.device), "dtype": args.dtype, "batch": args.batch,
-        "device_name": torch.cuda.get_device_name() if cuda else "cpu", "timed": timed, "profiled": profiled,
+        "device_name": torch.cuda.get_device_name() if cuda else "cpu", "timed": timed, "timed_eager": timed_eager,
+        "profiled": profiled,
         "device_top": _table(events, device_key, args.top) if cuda else [],
         "host_top": _table(events, "self_cpu_time_total", args.top),
     }  # fmt: skip

@@ -14,7 +14,8 @@ from dynatree_core.core.presets import REPO_ROOT as REPO
 from dynatree_core.measure.prompt_sets import load_prompts, ood_categories
 from dynatree_core.training.answers import sources
 from dynatree_core.training.answers import store as answers
-from dynatree_core.training.answers.decode_batch import BatchDecoder, host_f16
+from dynatree_core.training.answers.decode_batch import BatchDecoder
+from dynatree_core.training.answers.decode_ops import host_f16
 
 
 def _pool(seed=0, log=print):

@@ -8,8 +8,11 @@ import pytest
 import torch
 from conftest import hf_greedy, tiny_model
 
+from dynatree_core.core import capture
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.training.answers.decode_batch import BatchDecoder, sample_rows
+from dynatree_core.training.answers import decode_batch
+from dynatree_core.training.answers.decode_batch import BatchDecoder
+from dynatree_core.training.answers.decode_ops import sample_rows
 
 LEAN_ARCHS = ("llama", "qwen2")
 PROMPTS = [[5, 9, 14], [3, 7, 22, 41, 8, 2, 60], [11], [30, 31, 32, 33, 34]]
@@ -35,6 +38,44 @@ def test_greedy_rows_equal_hf_greedy_and_features_equal_a_separate_forward(arch,
         want = hf_features(model, row.ids.tolist())[:-1]
         # float16 storage: compare at its resolution
         np.testing.assert_allclose(row.features.astype(np.float64), want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("span", [128, 4])  # 4: the span changes every few steps, older graphs released
+def test_the_captured_step_decodes_what_the_eager_one_does(monkeypatch, span):
+    """The step as a captured graph per span (stand-in graphs on the CPU: the captured function
+    replayed over its own input buffers) gives HF's greedy rows and the eager path's features and
+    teachers; the tail (after the first compaction) runs eagerly."""
+    monkeypatch.setattr(capture, "STAND_IN_DEVICES", ("cpu",))
+    monkeypatch.setattr(decode_batch, "SPAN", span)
+    model = tiny_model("llama")
+    limits = [9, 4, 12, 1]
+    kw = dict(max_new=limits, temperature=[0.0] * 4, eos=frozenset(), seed=0, batch=2, teacher=True)
+    before = capture.REPLAYS["step"]
+    decoder = BatchDecoder(model, graphs=True)
+    rows = decoder.generate(PROMPTS, **kw)
+    assert capture.REPLAYS["step"] > before, "the whole batch's steps replay a captured graph"
+    assert decoder.captured.endswith("graphs"), decoder.captured
+    eager = BatchDecoder(model, graphs=False).generate(PROMPTS, **kw)
+    for prompt, limit, row, ref in zip(PROMPTS, limits, rows, eager, strict=True):
+        assert row.ids.tolist() == prompt + hf_greedy(model, prompt, limit)
+        np.testing.assert_allclose(row.features.astype(np.float64), ref.features, rtol=2e-3, atol=2e-3)
+        assert np.array_equal(row.teacher["ids"][:, 0], ref.teacher["ids"][:, 0])
+        np.testing.assert_allclose(row.teacher["lse"], ref.teacher["lse"], rtol=1e-6)
+
+
+def test_sampled_rows_draw_only_where_hot_and_keep_their_teacher():
+    """Mixed temperatures in one batch: greedy rows equal HF greedy whatever the sampled rows do,
+    and every row's teacher has one row per answer token."""
+    model = tiny_model("qwen2")
+    limits = [6, 6, 6, 6]
+    rows = BatchDecoder(model).generate(
+        PROMPTS, max_new=limits, temperature=[0.0, 1.0, 0.0, 1.0], eos=frozenset(), seed=3, batch=4, teacher=True
+    )
+    for i in (0, 2):
+        assert rows[i].ids.tolist() == PROMPTS[i] + hf_greedy(model, PROMPTS[i], limits[i])
+    k = min(32, model.config.vocab_size)
+    for row in rows:
+        assert row.teacher["ids"].shape == (len(row.ids) - row.prompt_len, k), "a teacher row per answer token"
 
 
 def test_eos_ends_a_row_and_is_kept():

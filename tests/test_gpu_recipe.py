@@ -217,5 +217,8 @@ def test_answer_profile_counts_the_decoding_it_profiles(tmp_path, tiny_pair_dirs
     timed, profiled = report["timed"], report["profiled"]
     assert timed["jobs"] == 6 and 0 < timed["answer_tokens"] <= sum(j.max_new for j in jobs)
     assert timed["rows_per_step"] * timed["steps"] == pytest.approx(timed["answer_tokens"], abs=timed["steps"])
+    eager = report["timed_eager"]  # the same jobs, the step not captured: the same greedy/seeded tokens
+    assert eager["answer_tokens"] == timed["answer_tokens"] and eager["steps"] == timed["steps"]
+    assert timed["speed_over_eager"] > 0
     assert profiled["jobs"] == 3 and profiled["answer_tokens"] <= 6 and profiled["device_busy_share"] is None
     assert report["device_top"] == [] and any("mm" in row["op"] for row in report["host_top"])

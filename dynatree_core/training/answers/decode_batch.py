@@ -4,9 +4,10 @@ A feature draft (drafts/feature.py) learns from the target's own answers and the
 final hidden states along them. Generating the answers with HF `generate` and then labelling
 them in a second teacher-forced pass computes every hidden state twice; here the target decodes
 a batch of prompts through its lean blocks (core/fastpath.py) over preallocated KV buffers, and the
-post-norm hidden state of every row it reads is the feature, kept as it goes:
+post-norm hidden state of every row it reads is the feature, kept as it goes (the forward,
+the sampling and the compact teacher: decode_ops.py):
 
-    prefill: rows (B, P), left-padded   -> features of the prompt positions, first next-token logits
+    prefill: rows (B, P), right-padded  -> features of the prompt positions, first next-token logits
     step t:  one token per row (B, 1)   -> the feature of that token, its next-token logits
 
 so a sequence of N tokens (prompt + answer) comes with the features of its first N - 1 positions
@@ -14,144 +15,58 @@ so a sequence of N tokens (prompt + answer) comes with the features of its first
 (prefill only): on a machine where the features are missing it recomputes them from the ids,
 and the tests check both against the stock HF forward.
 
-Attention: every row attends over its own slots; left padding is masked per row. Query heads are
-folded into the query length per key/value head (q viewed as (B, kv_heads, groups * q, d)), so
-SDPA sees equal head counts and needs no grouped-query expansion of the cache. Rows that finish
-(EOS or their token limit) leave the batch once a quarter of it has finished: the buffers are
-compacted on the batch axis, so compute follows the live rows.
+Continuous batching: a finished row (EOS or its token limit) takes the next prompt once an eighth
+of the batch is free; when no prompt waits and a quarter has finished, the buffers are compacted on
+the batch axis, so compute follows the live rows. The host keeps its own copy of every row's state
+(job, length, tokens made, limit), so a step reads one thing back from the device, its sampled
+tokens; features and teachers stay in per-row device buffers until a refill harvests them in one
+copy. On CUDA the step (forward, feature, logits, teacher) is one captured graph per attention span
+while the batch is whole (core/capture.py's StepGraphs); the tail runs it eagerly.
 
 Contract: knows models, never trees, policies or prompt sources.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from dynatree_core.core.fastpath import LeanForward, fold_groups, fold_mask, lean_forward_for, rope_pair
+from dynatree_core.core import capture
+from dynatree_core.core.graphs import capture_safe, graphs_enabled
 from dynatree_core.decoding.engine import vocab_size
-from dynatree_core.errors import DynaTreeError
+from dynatree_core.training.answers.decode_ops import (
+    TEACHER_K,
+    Decoded,
+    additive_mask,
+    compact_teacher,
+    forward_rows,
+    host_f16,
+    lean_or_fail,
+    sample_rows,
+)
 
-TOP_K = 64  # sampled rows draw from the top-k (then top-p) of the tempered distribution
-TEACHER_K = 32  # the teacher's top-k kept per loss position (the rest of its mass is renormalised away)
-
-
-def compact_teacher(logits: torch.Tensor, k: int = TEACHER_K) -> dict[str, torch.Tensor]:
-    """The target's next-token distribution at n positions, kept small: its top-k token ids
-    ("ids", (n, k) int64) and logits ("logits", (n, k) float32) and the log-sum-exp over its whole
-    vocabulary ("lse", (n,) float32), so p(top-k) = exp(logits - lse) and the mass they cover is known.
-    A training step then needs no target LM head at all (SpecForge's compact teacher keeps the
-    draft vocabulary's slice; the top-k is smaller still, and any token map can be applied later)."""
-    top = logits.topk(min(k, logits.shape[-1]), dim=-1)
-    return {"ids": top.indices, "logits": top.values.float(), "lse": torch.logsumexp(logits.float(), dim=-1)}
-
-
-@dataclasses.dataclass
-class Decoded:
-    """One finished row: ids = prompt + answer (EOS included when it came), features (len(ids) - 1, H)
-    and, when asked for, the compact teacher at every answer position (`compact_teacher`'s keys,
-    host arrays of len(ids) - prompt_len rows: the logits each answer token was drawn from)."""
-
-    ids: np.ndarray
-    prompt_len: int
-    features: np.ndarray
-    teacher: dict[str, np.ndarray] | None = None
-
-
-def lean_or_fail(model: torch.nn.Module) -> LeanForward:
-    lean = lean_forward_for(model, fast=True)
-    if lean is None:
-        raise DynaTreeError(
-            f"batched draft data needs a Llama-family target (llama, qwen2, mistral); this one is "
-            f"{model.config.model_type!r}"
-        )
-    return lean
-
-
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, block) -> torch.Tensor:
-    """Attention for q (B, heads, T, d) over keys/values (B, kv_heads, L, d) with the additive mask
-    (B, 1, T, L), query heads folded per key/value head (fastpath.fold_groups)."""
-    b, heads, t, d = q.shape
-    q, mask = fold_groups(q, block.groups), fold_mask(mask, block.groups)
-    if t == 1:  # a decoding step: two batched matmuls beat SDPA's kernel on CPU (memory-bound on the cache)
-        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * block.scaling + mask.float()
-        out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
-    else:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=block.scaling)
-    return out.reshape(b, heads, t, d)
-
-
-def _forward(
-    lean: LeanForward,
-    ids: torch.Tensor,
-    positions: torch.Tensor,
-    mask: torch.Tensor,
-    caches: list[tuple[torch.Tensor, torch.Tensor]],
-    slots: torch.Tensor | None = None,
-    *,
-    taps: tuple[int, ...] = (),
-    tapped: list[torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Rows ids (B, T) at `positions` (B, T), reading the first L cache slots through `mask`
-    (B, 1, T, L). Keys/values go to slots 0 .. T (slots None: a prefill) or, for one token per
-    row (T = 1), to each row's slot in `slots` (B,). Returns the post-norm states (B, T, H);
-    the inputs of the layers in `taps` (core/taps.py) are appended to `tapped`, in layer order."""
-    x = F.embedding(ids, lean.embed.weight)
-    cos, sin = rope_pair(*lean.rotary(x, positions))
-    b, width, length = ids.shape[0], ids.shape[1], mask.shape[-1]
-    rows = torch.arange(b, device=ids.device)
-    for i, (block, (kbuf, vbuf)) in enumerate(zip(lean.blocks, caches, strict=True)):
-        if i in taps:
-            tapped.append(x)
-        q, k, v = block.project(block.norm1(x), cos, sin)
-        if slots is None:
-            kbuf[:, :, :width] = k
-            vbuf[:, :, :width] = v
-        else:
-            kbuf[rows, :, slots] = k[:, :, 0]
-            vbuf[rows, :, slots] = v[:, :, 0]
-        attn = _attend(q, kbuf[:, :, :length], vbuf[:, :, :length], mask, block)
-        x = block.mlp(x + block.o(attn.transpose(1, 2).reshape(b, width, -1)))
-    return lean.norm(x)
-
-
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
-
-
-def sample_rows(
-    logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator, *, top_p: float = 0.95
-) -> torch.Tensor:
-    """Next tokens for logits (B, V): argmax where temperature is 0, else a draw from the tempered
-    top-k (TOP_K) distribution cut to top-p."""
-    pick = logits.argmax(-1)
-    hot = temperature > 0
-    if not bool(hot.any()):
-        return pick
-    top = logits[hot].topk(min(TOP_K, logits.shape[-1]), dim=-1)
-    probs = torch.softmax(top.values / temperature[hot, None], dim=-1)
-    before = probs.cumsum(-1) - probs  # mass of the better tokens
-    probs = probs.masked_fill(before >= top_p, 0.0)
-    draw = torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator)
-    pick[hot] = top.indices.gather(1, draw)[:, 0]
-    return pick
+SPAN = 128  # a captured step attends over the cache's first multiple of SPAN slots that holds the longest row
+PREFILL_ROWS_CUDA = 64  # prompts prefilled per forward on CUDA (8 elsewhere)
+SPANS_KEPT = 2  # captured steps kept (the spans used last); an older span's graph is released
 
 
 class BatchDecoder:
-    """Batched decoding (module docstring) of one Llama-family target; holds no per-run state."""
+    """Batched decoding (module docstring) of one Llama-family target; of its runs it keeps only how the
+    last one ran its step (`captured`)."""
 
-    def __init__(self, model: torch.nn.Module, *, prefill_rows: int = 8):
+    def __init__(self, model: torch.nn.Module, *, prefill_rows: int | None = None, graphs: bool | None = None):
         self.model = model
+        self.graphs = graphs  # capture the decoding step (None: on CUDA unless DYNATREE_GRAPHS=0)
+        self.captured = ""  # how the last `generate` ran its step: "eager", "N graphs", or why capture failed
         self.lean = lean_or_fail(model)
         config = model.config.get_text_config(decoder=True)
         self.hidden = config.hidden_size
         block = self.lean.blocks[0]
         self.kv_heads = block.qk_heads - block.heads
         self.head_dim = block.head_dim
-        self.prefill_rows = prefill_rows  # prefill this many rows per forward (bounds activation memory)
+        # prefill this many rows per forward (bounds activation memory); on CUDA a forward is launch-bound
+        # at 8 rows, and a refill of a 1,024-row batch admits 128 prompts
+        self.prefill_rows = prefill_rows or (PREFILL_ROWS_CUDA if self.device.type == "cuda" else 8)
 
     @property
     def device(self) -> torch.device:
@@ -177,7 +92,7 @@ class BatchDecoder:
             ids[i, : len(p)] = torch.tensor(p, device=self.device)
         slots = torch.arange(width, device=self.device)
         positions = slots[None].expand(len(prompts), -1)
-        mask = _additive((slots[None, :] <= slots[:, None])[None, None], self.model.dtype)  # (1, 1, W, W)
+        mask = additive_mask((slots[None, :] <= slots[:, None])[None, None], self.model.dtype)  # (1, 1, W, W)
         caches = self._buffers(len(prompts), width)
         states, tapped = [], []
         for r0 in range(0, len(prompts), self.prefill_rows):
@@ -185,7 +100,7 @@ class BatchDecoder:
             part = [(k[r0:r1], v[r0:r1]) for k, v in caches]
             rows: list[torch.Tensor] = []
             block = mask.expand(r1 - r0, -1, -1, -1)
-            states.append(_forward(self.lean, ids[r0:r1], positions[r0:r1], block, part, taps=taps, tapped=rows))
+            states.append(forward_rows(self.lean, ids[r0:r1], positions[r0:r1], block, part, taps=taps, tapped=rows))
             if taps:
                 tapped.append(torch.stack(rows, dim=2))
         return torch.cat(states), caches, (torch.cat(tapped) if taps else None)
@@ -225,106 +140,202 @@ class BatchDecoder:
         batching: a finished row takes the next prompt (prefilled with the others that start then), so
         the batch stays full until the prompts run out. Results keep the prompts' order. `progress(tokens)`
         is called with each step's new tokens; `teacher`: keep the compact teacher of every logits row."""
-        n = len(prompts)
-        size = min(batch, n)
-        queue = list(range(n))[::-1]  # pop() takes them in order
-        caches = self._buffers(size, max(len(p) for p in prompts) + max(max_new))
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        eos_ids = torch.tensor(sorted(eos) or [-1], device=self.device)
-        job = torch.full((size,), -1, device=self.device)  # batch row -> prompt index (-1: free)
-        lens = torch.zeros(size, dtype=torch.long, device=self.device)  # valid cache slots per row
-        temps = torch.zeros(size, device=self.device)
-        limit = torch.zeros(size, dtype=torch.long, device=self.device)
-        made = torch.zeros(size, dtype=torch.long, device=self.device)
-        logits = torch.zeros(size, vocab_size(self.model), device=self.device)
-        answers: list[list[int]] = [[] for _ in range(n)]
-        feats: list[list[np.ndarray]] = [[] for _ in range(n)]
-        kept: list[list] | None = [[] for _ in range(n)] if teacher else None
-
-        def admit(free: list[int]) -> None:
-            take = [queue.pop() for _ in free[: len(queue)]]
-            if not take:
-                return
-            rows = torch.tensor(free[: len(take)], device=self.device)
-            states, small, _ = self._prefill([prompts[j] for j in take])
-            width = states.shape[1]
-            for (k, v), (sk, sv) in zip(caches, small, strict=True):
-                k[rows, :, :width] = sk
-                v[rows, :, :width] = sv
-            ends = torch.tensor([len(prompts[j]) for j in take], device=self.device)
-            logits[rows] = self.lean.head(states[torch.arange(len(take)), ends - 1]).float()
-            _keep(kept, take, logits[rows])
-            for i, j in enumerate(take):
-                feats[j].append(host_f16(states[i, : len(prompts[j])]))
-            job[rows] = torch.tensor(take, device=self.device)
-            lens[rows] = ends
-            temps[rows] = torch.tensor([float(temperature[j]) for j in take], device=self.device)
-            limit[rows] = torch.tensor([int(max_new[j]) for j in take], device=self.device)
-            made[rows] = 0
-
-        admit(list(range(size)))
+        run = _Decoding(self, prompts, max_new, temperature, eos, seed, min(batch, len(prompts)), teacher)
+        run.admit(list(range(run.size)))
         while True:
-            alive = job >= 0
-            token = sample_rows(logits, temps, generator, top_p=top_p)
-            for i, tok in zip(job.tolist(), token.tolist(), strict=True):
-                if i >= 0:
-                    answers[i].append(tok)
-            made += alive.long()
+            live = run.sample(top_p)
             if progress is not None:
-                progress(int(alive.sum()))
-            finished = alive & (torch.isin(token, eos_ids) | (made >= limit))
-            job = job.masked_fill(finished, -1)
-            alive = job >= 0
-            free = torch.nonzero(~alive)[:, 0].tolist()
-            if not queue and len(free) * 4 >= len(job) and bool(alive.any()):  # the tail: drop free rows
-                keep = torch.nonzero(alive)[:, 0]
-                caches = [(k.index_select(0, keep), v.index_select(0, keep)) for k, v in caches]
-                job, lens, temps, limit, made, token, logits = _rows(keep, job, lens, temps, limit, made, token, logits)
-                alive, free = job >= 0, []
-            if bool(alive.any()):
-                logits = self._extend(token, lens, caches, job, feats)
-                _keep(kept, job.tolist(), logits)
-                lens = lens + alive.long()
-            elif not queue:
+                progress(len(live))
+            free = np.flatnonzero(run.job < 0)
+            if not run.queue and len(free) * 4 >= run.size and len(free) < run.size:  # the tail: drop free rows
+                run.compact(np.flatnonzero(run.job >= 0))
+                free = free[:0]
+            if (run.job >= 0).any():
+                run.extend()
+            elif not run.queue:
                 break
-            if queue and free and len(free) * 8 >= len(job):  # refill once an eighth of the rows is free
-                admit(free)
-        return [_decoded(p, answers[j], feats[j], kept and kept[j]) for j, p in enumerate(prompts)]
+            if run.queue and len(free) and len(free) * 8 >= run.size:  # refill once an eighth of the rows is free
+                run.admit(free.tolist())
+        run.harvest()
+        g = run.graphs
+        self.captured = f"eager ({g.fallback})" if g.fallback else f"{g.captures} graphs" if g.captures else "eager"
+        return run.results
 
-    def _extend(self, token, lens, caches, job, feats) -> torch.Tensor:
-        """One decoding step of every row: each row reads its token at slot `lens` (b,), its
-        feature is kept for its job; returns the next logits (b, vocab)."""
-        slots = torch.arange(int(lens.max()) + 1, device=self.device)
+    def _extend(self, token, lens, caches, length: int) -> torch.Tensor:
+        """One decoding step of every row: each row reads its token at slot `lens` (b,) over the
+        first `length` slots (the host knows the longest live row); returns the post-norm states (b, H)."""
+        slots = torch.arange(length, device=self.device)
         visible = (slots[None, :] <= lens[:, None])[:, None, None]  # (b, 1, 1, length)
-        mask = _additive(visible, self.model.dtype)
-        out = _forward(self.lean, token[:, None], lens[:, None], mask, caches, lens)[:, 0]
-        host = host_f16(out)
-        for r, i in enumerate(job.tolist()):
-            if i >= 0:  # the feature of the token just read
-                feats[i].append(host[r : r + 1])
-        return self.lean.head(out).float()
+        mask = additive_mask(visible, self.model.dtype)
+        return forward_rows(self.lean, token[:, None], lens[:, None], mask, caches, lens)[:, 0]
 
 
-def _rows(keep: torch.Tensor, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return tuple(a[keep] for a in rows)
+class _Decoding:
+    """One `generate` call's batch. Per row: its job, cache length, tokens made, token limit and
+    temperature, on the device and mirrored on the host, so the host decides admission, compaction,
+    finishing and the attention length without reading the device; a step reads one thing back,
+    its sampled tokens (b,). The rows' features and teachers stay on the device in per-row buffers
+    (answer position m at column m) and come to the host in one copy per refill, not per step."""
 
+    def __init__(self, dec: BatchDecoder, prompts, max_new, temperature, eos, seed: int, size: int, teacher: bool):
+        self.dec, self.prompts, self.max_new, self.temperature = dec, prompts, max_new, temperature
+        self.size, dev, cap = size, dec.device, max(max_new)
+        self.queue = list(range(len(prompts)))[::-1]  # pop() takes them in order
+        self.capacity = max(len(p) for p in prompts) + cap
+        self.caches = dec._buffers(size, self.capacity)
+        # the step captured while the batch is whole (its buffers never move before the tail's first
+        # compaction); on CUDA with a capture-safe target, or on a stand-in device (the CPU tests)
+        wanted = graphs_enabled(dev, dec.graphs) and (dev.type == "cuda" or dev.type in capture.STAND_IN_DEVICES)
+        self.graphs = capture.StepGraphs(dev, capture=wanted and capture_safe(dec.model))
+        self.spans: list[int] = []  # the captured spans, the last used last
+        self.whole = True  # no compaction yet: the buffers the captured steps read have not moved
+        self.generator = torch.Generator(device=dev).manual_seed(seed)
+        self.eos = np.asarray(sorted(eos) or [-1])
+        self.eos_dev = torch.tensor(self.eos, device=dev)
+        self.job = np.full(size, -1)  # batch row -> prompt index (-1: free)
+        self.lens = np.zeros(size, dtype=np.int64)  # valid cache slots per row
+        self.made = np.zeros(size, dtype=np.int64)
+        self.limit = np.zeros(size, dtype=np.int64)
+        self.toks = np.zeros((size, cap), dtype=np.int64)
+        self.d = {  # the device's copy of the per-row state
+            "lens": torch.zeros(size, dtype=torch.long, device=dev),
+            "made": torch.zeros(size, dtype=torch.long, device=dev),
+            "limit": torch.zeros(size, dtype=torch.long, device=dev),
+            "temps": torch.zeros(size, device=dev),
+            "alive": torch.zeros(size, dtype=torch.bool, device=dev),
+            "logits": torch.zeros(size, vocab_size(dec.model), device=dev),
+            "feats": torch.zeros(size, cap, dec.hidden, dtype=torch.float16, device=dev),
+        }
+        if teacher:  # column m: the logits answer token m was drawn from (cap + 1: a finished row's spare)
+            k = min(TEACHER_K, self.d["logits"].shape[-1])
+            self.d["t_ids"] = torch.zeros(size, cap + 1, k, dtype=torch.long, device=dev)
+            self.d["t_logits"] = torch.zeros(size, cap + 1, k, device=dev)
+            self.d["t_lse"] = torch.zeros(size, cap + 1, device=dev)
+        self.rows = torch.arange(size, device=dev)
+        self.hot: torch.Tensor | None = None  # the live rows that sample (temperature > 0)
+        self.token: torch.Tensor | None = None
+        self.pending: list[tuple[int, int, int]] = []  # finished rows not yet harvested: (row, job, made)
+        self.prompt_feats: dict[int, np.ndarray] = {}
+        self.results: list[Decoded | None] = [None] * len(prompts)
 
-def _keep(kept: list[list] | None, jobs: list[int], logits: torch.Tensor) -> None:
-    """With a teacher kept: each row's compact teacher of `logits` (rows, vocab), appended to its
-    job's list as (the step's host arrays, the row) (job -1: a free row, nothing kept)."""
-    if kept is None:
-        return
-    host = {k: v.cpu().numpy() for k, v in compact_teacher(logits).items()}
-    for r, i in enumerate(jobs):
-        if i >= 0:
-            kept[i].append((host, r))
+    def admit(self, free: list[int]) -> None:
+        """Harvest the finished rows, then prefill the next prompts into the free rows `free`."""
+        self.harvest()
+        take = [self.queue.pop() for _ in free[: len(self.queue)]]
+        if not take:
+            return
+        dec, d, dev = self.dec, self.d, self.dec.device
+        at = free[: len(take)]
+        rows = torch.tensor(at, device=dev)
+        states, small, _ = dec._prefill([self.prompts[j] for j in take])
+        width = states.shape[1]
+        for (k, v), (sk, sv) in zip(self.caches, small, strict=True):
+            k[rows, :, :width] = sk
+            v[rows, :, :width] = sv
+        ends = np.array([len(self.prompts[j]) for j in take])
+        d["logits"][rows] = dec.lean.head(states[torch.arange(len(take)), torch.tensor(ends - 1, device=dev)]).float()
+        self._keep(rows, torch.zeros(len(take), dtype=torch.long, device=dev), d["logits"][rows])
+        host = host_f16(states)
+        for i, j in enumerate(take):
+            self.prompt_feats[j] = host[i, : ends[i]]
+        self.job[at], self.lens[at], self.made[at] = take, ends, 0
+        self.limit[at] = [int(self.max_new[j]) for j in take]
+        temps = np.zeros(self.size, dtype=np.float32)
+        temps[self.job >= 0] = [float(self.temperature[j]) for j in self.job[self.job >= 0]]
+        for key, value in (("lens", self.lens), ("made", self.made), ("limit", self.limit), ("temps", temps),
+                           ("alive", self.job >= 0)):  # fmt: skip
+            d[key].copy_(torch.from_numpy(value))
+        hot = np.flatnonzero(temps > 0)
+        self.hot = torch.from_numpy(hot).to(dev) if len(hot) else None
 
+    def sample(self, top_p: float) -> np.ndarray:
+        """Each row's next token (the step's one read of the device); the rows that finish (EOS or
+        their limit) are set aside for the next harvest. Returns the rows that made a token."""
+        d = self.d
+        self.token = sample_rows(d["logits"], d["temps"], self.generator, top_p=top_p, hot=self.hot)
+        token = self.token.cpu().numpy()
+        live = np.flatnonzero(self.job >= 0)
+        self.toks[live, self.made[live]] = token[live]
+        self.made[live] += 1
+        d["made"] += d["alive"]
+        done = live[np.isin(token[live], self.eos) | (self.made[live] >= self.limit[live])]
+        d["alive"] &= ~(torch.isin(self.token, self.eos_dev) | (d["made"] >= d["limit"]))
+        self.pending += [(int(r), int(self.job[r]), int(self.made[r])) for r in done]
+        self.job[done] = -1
+        return live
 
-def _decoded(prompt: list[int], answer: list[int], feats: list[np.ndarray], kept: list | None) -> Decoded:
-    ids = np.asarray(prompt + answer, dtype=np.int64)
-    teacher = {k: np.stack([h[k][r] for h, r in kept]) for k in ("ids", "logits", "lse")} if kept else None
-    return Decoded(ids=ids, prompt_len=len(prompt), features=np.concatenate(feats)[: len(ids) - 1], teacher=teacher)
+    def extend(self) -> None:
+        """One forward of every row: the token just drawn read at its slot, its feature kept at its
+        answer column, the next logits (and their teacher) in place. While the batch is whole the
+        step is one captured graph per span (the attention's slots rounded up to SPAN); the tail,
+        whose batch shrinks, runs it eagerly over the exact length."""
+        d, live = self.d, self.job >= 0
+        length = int(self.lens[live].max()) + 1
+        if self.graphs.capture and self.whole:
+            span = min(-(-length // SPAN) * SPAN, self.capacity)
+            self._keep_span(span)
+            (d["logits"],) = self.graphs(("answer-step", span), self._step(span), self.token, d["lens"], d["made"])
+        else:
+            (d["logits"],) = self._step(length)(self.token, d["lens"], d["made"])
+        self.lens += live
+        d["lens"] += d["alive"]
 
+    def _step(self, length: int):
+        """The step over the first `length` cache slots, a pure function of its tensor inputs but for
+        its writes (the rows' keys/values, feature and teacher at their slot and column: the same
+        values however often it runs, so a capture's warm-up runs change nothing)."""
+        d, rows = self.d, self.rows
 
-def host_f16(states: torch.Tensor) -> np.ndarray:
-    return states.float().cpu().numpy().astype(np.float16)
+        def step(token: torch.Tensor, lens: torch.Tensor, made: torch.Tensor) -> tuple[torch.Tensor]:
+            out = self.dec._extend(token, lens, self.caches, length)
+            d["feats"][rows, (made - 1).clamp(min=0)] = out.to(torch.float16)
+            logits = self.dec.lean.head(out).float()
+            self._keep(rows, made, logits)
+            return (logits,)
+
+        return step
+
+    def _keep_span(self, span: int) -> None:
+        """`span` becomes the last used; the graphs of spans older than the last SPANS_KEPT go."""
+        self.spans = [s for s in self.spans if s != span] + [span]
+        if len(self.spans) > SPANS_KEPT:
+            old, self.spans = set(self.spans[:-SPANS_KEPT]), self.spans[-SPANS_KEPT:]
+            self.graphs.forget(lambda key: key[0] == "answer-step" and key[1] in old)
+
+    def _keep(self, rows: torch.Tensor, cols: torch.Tensor, logits: torch.Tensor) -> None:
+        if "t_ids" in self.d:
+            for key, value in compact_teacher(logits).items():
+                self.d[f"t_{key}"][rows, cols] = value
+
+    def compact(self, keep: np.ndarray) -> None:
+        """The batch cut to the rows `keep` (the tail: no prompt waits and a quarter of the rows is free)."""
+        self.harvest()
+        self.whole = False
+        idx = torch.from_numpy(keep).to(self.dec.device)
+        self.caches = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.caches]
+        self.d = {key: value.index_select(0, idx) for key, value in self.d.items()}
+        for key in ("job", "lens", "made", "limit", "toks"):
+            setattr(self, key, getattr(self, key)[keep])
+        self.token = self.token.index_select(0, idx)
+        self.size, self.rows = len(keep), torch.arange(len(keep), device=self.dec.device)
+        hot = np.flatnonzero((self.d["temps"] > 0).cpu().numpy())
+        self.hot = torch.from_numpy(hot).to(self.dec.device) if len(hot) else None
+
+    def harvest(self) -> None:
+        """The finished rows' results, their device buffers read in one copy."""
+        if not self.pending:
+            return
+        rows = torch.tensor([r for r, _, _ in self.pending], device=self.dec.device)
+        most = max(m for _, _, m in self.pending)
+        feats = self.d["feats"][rows, : max(most - 1, 0)].cpu().numpy()
+        kept = {key: self.d[f"t_{key}"][rows, :most].cpu().numpy() for key in ("ids", "logits", "lse")
+                if f"t_{key}" in self.d}  # fmt: skip
+        for i, (r, j, m) in enumerate(self.pending):
+            prompt = self.prompts[j]
+            self.results[j] = Decoded(
+                ids=np.asarray(prompt + self.toks[r, :m].tolist(), dtype=np.int64),
+                prompt_len=len(prompt),
+                features=np.concatenate([self.prompt_feats.pop(j), feats[i, : m - 1]]),
+                teacher={key: value[i, :m] for key, value in kept.items()} or None,
+            )
+        self.pending = []

@@ -27,7 +27,8 @@ import torch
 
 from dynatree_core.decoding.pairs import encode_prompt
 from dynatree_core.training.answers import sources
-from dynatree_core.training.answers.decode_batch import TEACHER_K, BatchDecoder, compact_teacher, host_f16
+from dynatree_core.training.answers.decode_batch import BatchDecoder
+from dynatree_core.training.answers.decode_ops import TEACHER_K, compact_teacher, host_f16
 from dynatree_core.training.ledger import record
 from dynatree_core.training.token.corpus import checksum
 
@@ -197,7 +198,7 @@ def decode_shard(
     record("answers", dt, tokens=made, prompt_tokens=read, item=f"{stage} {k}")
     log(
         f"answers: {stage} shard {k}: {made} answer tokens (+{read} prompt) in {dt:.0f} s, "
-        f"{made / dt:.0f} answer tokens/s, {(made + read) / dt:.0f} featurised tokens/s"
+        f"{made / dt:.0f} answer tokens/s, {(made + read) / dt:.0f} featurised tokens/s; step: {decoder.captured}"
     )
     return made, read, dt
 

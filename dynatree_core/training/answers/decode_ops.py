@@ -1,0 +1,135 @@
+"""The pieces of batched decoding (decode_batch.py): the forward of a batch of rows over
+preallocated per-row key/value buffers through the target's lean blocks (core/fastpath.py), the
+rows' sampling, and the compact teacher kept from their logits.
+
+Attention: every row attends over its own slots; slots past a row's length are masked per row. Query
+heads are folded into the query length per key/value head (q viewed as (B, kv_heads, groups * q, d)),
+so SDPA sees equal head counts and needs no grouped-query expansion of the cache.
+
+Contract: knows models, never trees, policies, prompt sources or the batch's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dynatree_core.core.fastpath import LeanForward, fold_groups, fold_mask, lean_forward_for, rope_pair
+from dynatree_core.errors import DynaTreeError
+
+TOP_K = 64  # sampled rows draw from the top-k (then top-p) of the tempered distribution
+TEACHER_K = 32  # the teacher's top-k kept per loss position (the rest of its mass is renormalised away)
+
+
+def compact_teacher(logits: torch.Tensor, k: int = TEACHER_K) -> dict[str, torch.Tensor]:
+    """The target's next-token distribution at n positions, kept small: its top-k token ids
+    ("ids", (n, k) int64) and logits ("logits", (n, k) float32) and the log-sum-exp over its whole
+    vocabulary ("lse", (n,) float32), so p(top-k) = exp(logits - lse) and the mass they cover is known.
+    A training step then needs no target LM head at all (SpecForge's compact teacher keeps the
+    draft vocabulary's slice; the top-k is smaller still, and any token map can be applied later)."""
+    top = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    return {"ids": top.indices, "logits": top.values.float(), "lse": torch.logsumexp(logits.float(), dim=-1)}
+
+
+@dataclasses.dataclass
+class Decoded:
+    """One finished row: ids = prompt + answer (EOS included when it came), features (len(ids) - 1, H)
+    and, when asked for, the compact teacher at every answer position (`compact_teacher`'s keys,
+    host arrays of len(ids) - prompt_len rows: the logits each answer token was drawn from)."""
+
+    ids: np.ndarray
+    prompt_len: int
+    features: np.ndarray
+    teacher: dict[str, np.ndarray] | None = None
+
+
+def lean_or_fail(model: torch.nn.Module) -> LeanForward:
+    lean = lean_forward_for(model, fast=True)
+    if lean is None:
+        raise DynaTreeError(
+            f"batched draft data needs a Llama-family target (llama, qwen2, mistral); this one is "
+            f"{model.config.model_type!r}"
+        )
+    return lean
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, block) -> torch.Tensor:
+    """Attention for q (B, heads, T, d) over keys/values (B, kv_heads, L, d) with the additive mask
+    (B, 1, T, L), query heads folded per key/value head (fastpath.fold_groups)."""
+    b, heads, t, d = q.shape
+    q, mask = fold_groups(q, block.groups), fold_mask(mask, block.groups)
+    if t == 1:  # a decoding step: two batched matmuls beat SDPA's kernel on CPU (memory-bound on the cache)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * block.scaling + mask.float()
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
+    else:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=block.scaling)
+    return out.reshape(b, heads, t, d)
+
+
+def forward_rows(
+    lean: LeanForward,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    slots: torch.Tensor | None = None,
+    *,
+    taps: tuple[int, ...] = (),
+    tapped: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Rows ids (B, T) at `positions` (B, T), reading the first L cache slots through `mask`
+    (B, 1, T, L). Keys/values go to slots 0 .. T (slots None: a prefill) or, for one token per
+    row (T = 1), to each row's slot in `slots` (B,). Returns the post-norm states (B, T, H);
+    the inputs of the layers in `taps` (core/taps.py) are appended to `tapped`, in layer order."""
+    x = F.embedding(ids, lean.embed.weight)
+    cos, sin = rope_pair(*lean.rotary(x, positions))
+    b, width, length = ids.shape[0], ids.shape[1], mask.shape[-1]
+    rows = torch.arange(b, device=ids.device)
+    for i, (block, (kbuf, vbuf)) in enumerate(zip(lean.blocks, caches, strict=True)):
+        if i in taps:
+            tapped.append(x)
+        q, k, v = block.project(block.norm1(x), cos, sin)
+        if slots is None:
+            kbuf[:, :, :width] = k
+            vbuf[:, :, :width] = v
+        else:
+            kbuf[rows, :, slots] = k[:, :, 0]
+            vbuf[rows, :, slots] = v[:, :, 0]
+        attn = attend(q, kbuf[:, :, :length], vbuf[:, :, :length], mask, block)
+        x = block.mlp(x + block.o(attn.transpose(1, 2).reshape(b, width, -1)))
+    return lean.norm(x)
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    generator: torch.Generator,
+    *,
+    top_p: float = 0.95,
+    hot: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Next tokens for logits (B, V): argmax where temperature is 0, else a draw from the tempered
+    top-k (TOP_K) distribution cut to top-p. `hot`: the indices of the rows that draw, when the caller
+    knows them (None: the rows with temperature > 0, found by reading the device)."""
+    pick = logits.argmax(-1)
+    if hot is None:
+        hot = torch.nonzero(temperature > 0)[:, 0]
+    if len(hot) == 0:
+        return pick
+    top = logits.index_select(0, hot).topk(min(TOP_K, logits.shape[-1]), dim=-1)
+    probs = torch.softmax(top.values / temperature[hot, None], dim=-1)
+    before = probs.cumsum(-1) - probs  # mass of the better tokens
+    probs = probs.masked_fill(before >= top_p, 0.0)
+    draw = torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator)
+    return pick.index_copy_(0, hot, top.indices.gather(1, draw)[:, 0])
+
+
+def host_f16(states: torch.Tensor) -> np.ndarray:
+    return states.float().cpu().numpy().astype(np.float16)
