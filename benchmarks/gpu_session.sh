@@ -130,8 +130,9 @@ d3. carry [".device/pack.jsonl.gz"], timeout_s 600: benchmarks/gpu_session.sh dr
    `init` for a from-scratch run where a sitting holds more. With device time left and no
    "exported", the same command again within 30 s goes on from where it stopped)
 d4. with 150 s of device time left (after "exported"): benchmarks/gpu_session.sh measure answers
-   (benchmarks/answer_profile.py: 4,096 pack jobs timed at 1,024 rows, then 1,024 of them profiled:
-   the device's busy share and the top ops on device and host; why the answers run at 16K tokens/s)
+   (benchmarks/answer_profile.py: 2,048 pack jobs timed twice at 1,024 rows, the step captured and
+   eager, then 1,024 of them profiled: the device's busy share and the top ops on device and host;
+   the 2026-11-28 sitting's eager loop, with ~10 device reads a step, ran at 16K tokens/s)
 then bring files_at's draft into a candidate folder and run, here, on the CPU:
    PYTHONPATH=. .venv/bin/python -m benchmarks.draft_merit --candidate CANDIDATE
 EOF

@@ -179,7 +179,7 @@ class _Decoding:
 
     def __init__(self, dec: BatchDecoder, prompts, max_new, temperature, eos, seed: int, size: int, teacher: bool):
         self.dec, self.prompts, self.max_new, self.temperature = dec, prompts, max_new, temperature
-        self.size, dev, cap = size, dec.device, max(max_new)
+        self.size, dev, cap = size, dec.device, max(max(max_new), 1)  # a row makes one token at least
         self.queue = list(range(len(prompts)))[::-1]  # pop() takes them in order
         self.capacity = max(len(p) for p in prompts) + cap
         self.caches = dec._buffers(size, self.capacity)
