@@ -415,3 +415,36 @@ def test_the_card_says_which_rows_are_human_written_text_and_counts_passes_over_
     assert not any("human-written" in line for line in answers_only)
     assert any("`written-*` are human-written text" in line for line in mixed)
     assert any("**2.00 passes**" in line for line in mixed) and "| **all** | 20 | 200 | 800 |" in mixed
+
+
+def test_checkpoints_follow_their_interval_and_the_last_state_is_always_saved(tiny_store, tmp_path, monkeypatch):
+    """`checkpoint_every_s`: a log line writes the checkpoint only once that long (on the loop's clock)
+    has passed since the last one; 0 writes one at every log line; the run's end writes its state."""
+    from dynatree_core.training import trainer
+
+    store, target = tiny_store
+    vocab = target.model.config.vocab_size
+    token_map = TokenMap([-1, *range(vocab)], vocab)
+    data = PackedAnswers(store, token_map, stages=("questions",), heldout=False)
+    written: list[int] = []
+    real = trainer._Run.checkpoint
+    monkeypatch.setattr(trainer._Run, "checkpoint", lambda self: (written.append(self.state["step"]), real(self)))
+
+    def run(every: float, out) -> dict:
+        written.clear()
+        ticks = iter(range(10**6))  # every reading of the clock advances one second
+        cfg = PackedTrainConfig(passes=3.0, pairs_per_step=8, log_every=1, eval_every_s=0, warmup=1,
+                                checkpoint_every_s=every)  # fmt: skip
+        draft = FeatureDraft.from_target(target.model, token_map)
+        head = target.model.get_output_embeddings()
+        train_packed(draft, data, out, cfg, target_head=head, clock=lambda: float(next(ticks)), log=lambda m: None)
+        return torch.load(out / "checkpoint.pt", weights_only=False)["state"]
+
+    every_line = run(0.0, tmp_path / "a")
+    steps = every_line["step"]
+    assert steps >= 4 and written[:steps] == list(range(1, steps + 1)), "0: a checkpoint at every log line"
+    spaced = run(5.0, tmp_path / "b")
+    assert spaced["step"] == steps, "the same schedule"
+    lines = written[:-1]  # the last entry is the run's end
+    assert 1 <= len(lines) < steps and written[-1] == steps, f"checkpoints at steps {written} of {steps}"
+    assert all(b - a >= 2 for a, b in zip(lines, lines[1:], strict=False)), "at most one per interval"

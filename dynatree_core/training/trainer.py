@@ -49,6 +49,9 @@ class Loop:
     total: float = 0.0  # > 0: the schedule is this many units of data seen (packed: passes x answer pairs)
     budget_s: float = 0.0  # > 0: the schedule is this much training time (cosine over time)
     log_every: int = 25
+    # > 0: a log line checkpoints only when this many seconds have passed since the last checkpoint
+    # (a fast device's steps are shorter than writing the checkpoint); 0: every log line
+    checkpoint_every_s: float = 0.0
     eval_every: int = 0  # > 0: evaluate every this many steps and when the schedule ends
     eval_every_s: float = 0.0  # > 0: every this many training seconds and when the process ends
     eval_first: bool = False  # with eval_every_s: also before the first step
@@ -144,6 +147,7 @@ class _Run:
             self.state |= saved["state"]
             log(f"{loop.name}: resumed at step {self.state['step']} ({self.state['seen']:,} {loop.unit} seen)")
         self.block_s, self.block_tokens, self.loss, self.parts, self.lr = 0.0, 0, None, {}, loop.lr
+        self.saved_at: float | None = None  # the loop's clock at the last checkpoint (or the first step)
 
     def step(self, batch) -> None:
         """One optimiser step on `batch` at the schedule's learning rate (module docstring)."""
@@ -166,8 +170,9 @@ class _Run:
         body = {"model": self.recipe.model.state_dict(), "opt": self.opt.state_dict(), "state": self.state}
         save_whole(body | {"run": self.recipe.run} | self.recipe.extra, self.out / "checkpoint.pt")
 
-    def log_block(self) -> None:
-        """The block's line and its ledger entry (training seconds), then the checkpoint."""
+    def log_block(self, now: float) -> None:
+        """The block's line and its ledger entry (training seconds), then the checkpoint when it is
+        due (`Loop.checkpoint_every_s`; `now` on the loop's clock)."""
         loop, step = self.loop, self.state["step"]
         record(loop.name, self.block_s, tokens=self.block_tokens, item=f"steps to {step}", run=str(self.out))
         terms = "".join(f" {k} {v:.3f}" for k, v in self.parts.items())
@@ -175,7 +180,9 @@ class _Run:
         rate = self.block_tokens / max(self.block_s, 1e-9)
         self.log(f"{loop.name}: step {step} loss {self.loss.item():.4f}{terms} lr {self.lr:.2e}{note} "
                  f"({rate:.0f} {loop.unit}/s)")  # fmt: skip
-        self.checkpoint()
+        if loop.checkpoint_every_s <= 0 or now - (self.saved_at or 0.0) >= loop.checkpoint_every_s:
+            self.checkpoint()
+            self.saved_at = now
         self.block_s, self.block_tokens = 0.0, 0
 
     def evaluate(self) -> None:
@@ -204,15 +211,17 @@ def train(recipe: Recipe, out: Path, loop: Loop, *, saved: dict | None = None, c
             run.evaluate()
             state["next_eval_s"] = state["spent_s"] + loop.eval_every_s
         t0 = clock()  # a step's training time: its batch, forward, backward and update
+        run.saved_at = t0 if run.saved_at is None else run.saved_at  # the checkpoints' interval starts here
         batch, place = next(batches)
         run.step(batch)
         state.update(place)  # a resumed run starts after this batch
-        dt = counted_s(clock() - t0, recent)
+        t1 = clock()
+        dt = counted_s(t1 - t0, recent)
         state["spent_s"] += dt
         run.block_s += dt
         end = finished(loop, state)
         if state["step"] % loop.log_every == 0 or end:
-            run.log_block()
+            run.log_block(t1)
         if loop.eval_every > 0 and (state["step"] % loop.eval_every == 0 or end):
             run.evaluate()
             run.checkpoint()

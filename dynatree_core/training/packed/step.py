@@ -50,6 +50,7 @@ class PackedTrainConfig:
     train_head: bool = False  # fused kind: train its head too (EAGLE-3 does; frozen = the target's rows)
     seed: int = 0
     log_every: int = 10
+    checkpoint_every_s: float = 0.0  # > 0: a log line checkpoints only this long after the last (trainer.Loop)
     eval_every_s: float = 1800.0  # training seconds between held-out / OOD evaluations (<= 0: none)
     eval_windows: int = 96  # held-out windows in each evaluation (OOD: all of them)
     eval_first: bool = False  # also evaluate before the first step (the curve's starting point)

@@ -3,8 +3,9 @@ step (packed/step.py) over packed answer windows, through the one loop (trainer.
 
 `passes` over the training pairs, linear warm-up then cosine decay to zero over the whole run (by
 loss pairs seen, or by training time under `budget_s`), gradient clip 0.5, a checkpoint at every
-log line (a rerun resumes it only for the same draft and loss: resume.py; its place in the data
-included, so a run stopped with `stop_after_s` continues the same schedule), and held-out and OOD
+log line (or at the first after `checkpoint_every_s` seconds) and at the end (a rerun resumes it
+only for the same draft and loss: resume.py; its place in the data included, so a run stopped with
+`stop_after_s` continues the same schedule), and held-out and OOD
 agreement by depth at fixed intervals of training time into `curve.json` (the card's learning curve).
 """
 
@@ -99,6 +100,7 @@ def train_packed(
     recipe = _recipe(draft, data, cfg, run, target_head=target_head, evals=evals, info=info, log=log)
     loop = Loop("train-packed", cfg.lr, cfg.warmup, clip=0.5, weight_decay=cfg.weight_decay,
                 total=cfg.passes * max(data.answer_pairs(), 1), budget_s=cfg.budget_s, log_every=cfg.log_every,
+                checkpoint_every_s=cfg.checkpoint_every_s,
                 eval_every_s=cfg.eval_every_s, eval_first=cfg.eval_first, stop_after_s=cfg.stop_after_s,
                 autocast=cfg.autocast, device=cfg.device, unit="pairs")  # fmt: skip
     state = trainer.train(recipe, out, loop, saved=saved, clock=clock, log=log)
