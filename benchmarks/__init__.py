@@ -24,6 +24,8 @@ Results are data, not code: every script writes its reports (JSON, CSV) into ass
     draft_data_speed    draft-data throughput: HF generate + teacher-forced pass vs one-pass batching
     answer_profile      the draft recipe's answer decoding timed and profiled (device busy share, top
                         ops on device and host), for a lent GPU's `gpu_session.sh measure answers`
+    train_profile       the draft recipe's training step timed and profiled over a run's answers, for a
+                        lent GPU's `gpu_session.sh measure train`
     train_step          the feature draft's training step before and after the cheap step
     drawing_contention  what Python drawing costs the engine: a decoding thread vs a decoding process
     live_page           the live page in Chromium vs the CLI, engine-time tokens/s, cpu-live-page*.json

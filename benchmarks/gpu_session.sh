@@ -20,7 +20,8 @@
 #   measure WHAT  (first, once per machine, Triton's kernels checked in a process of their own: off
 #                 where that fails or crashes) writes reports to $OUT: check (gpu-check), tiny and shaped (gpu-check's tiny pairs and
 #                 SmolLM2's shapes, random weights: no wheel needed), answers (the recipe's answer
-#                 decoding timed and profiled: benchmarks/answer_profile.py), f32 / f32-batch / f32-host / f32-nosteps / bf16 / bf16-shared (`bench`
+#                 decoding timed and profiled: benchmarks/answer_profile.py), train (its training
+#                 step over the draft call's answers: benchmarks/train_profile.py), f32 / f32-batch / f32-host / f32-nosteps / bf16 / bf16-shared (`bench`
 #                 on the embedded pair, OOD prompts 1-8, 128 tokens, with the three AR references)
 #   draft B S [smoke] [init]  the one-sitting draft recipe (`draft-gpu`) on the staged pack: B seconds
 #                 of stage work in all, this call ending after S; the same command goes on where it
@@ -133,6 +134,9 @@ d4. with 150 s of device time left (after "exported"): benchmarks/gpu_session.sh
    (benchmarks/answer_profile.py: 2,048 pack jobs timed twice at 1,024 rows, the step captured and
    eager, then 1,024 of them profiled: the device's busy share and the top ops on device and host;
    the 2026-11-28 sitting's eager loop, with ~10 device reads a step, ran at 16K tokens/s)
+   and/or benchmarks/gpu_session.sh measure train (~60 s; benchmarks/train_profile.py over the draft
+   call's answers: 20 s of the recipe's schedule timed, then ~6 steps profiled, in a scratch folder;
+   why training runs at the pairs/s its log shows)
 then bring files_at's draft into a candidate folder and run, here, on the CPU:
    PYTHONPATH=. .venv/bin/python -m benchmarks.draft_merit --candidate CANDIDATE
 EOF
@@ -167,7 +171,10 @@ EOF
         [ -f /root/stage/pack.jsonl.gz ] || cp .device/pack.jsonl.gz /root/stage/
         PYTHONPATH=/root/pylib:. $PY -m benchmarks.answer_profile --pack /root/stage/pack.jsonl.gz \
           --out "$OUT/gpu-answer-profile.json" 2>&1 | grep --line-buffered -v "it/s]" | tail -40 ;;
-      *) echo "measure: check, tiny, shaped, f32, f32-batch, f32-host, f32-nosteps, bf16, bf16-shared, bf16-torch, f32-torch or answers" >&2; exit 2 ;;
+      train)  # where the recipe's training step spends its time (the draft call's run, its answers stored)
+        PYTHONPATH=/root/pylib:. $PY -m benchmarks.train_profile --run /root/draft-run \
+          --out "$OUT/gpu-train-profile.json" 2>&1 | grep --line-buffered -v "it/s]" | tail -40 ;;
+      *) echo "measure: check, tiny, shaped, f32, f32-batch, f32-host, f32-nosteps, bf16, bf16-shared, bf16-torch, f32-torch, answers or train" >&2; exit 2 ;;
     esac
     ;;
   draft)

@@ -222,3 +222,22 @@ def test_answer_profile_counts_the_decoding_it_profiles(tmp_path, tiny_pair_dirs
     assert timed["speed_over_eager"] > 0
     assert profiled["jobs"] == 3 and profiled["answer_tokens"] <= 6 and profiled["device_busy_share"] is None
     assert report["device_top"] == [] and any("mm" in row["op"] for row in report["host_top"])
+
+
+def test_train_profile_times_the_recipes_step_without_touching_the_run(sandbox, tiny_pair_dirs):
+    """benchmarks/train_profile.py on the CPU: the recipe's training step over a run's answers, timed
+    through the loop and then profiled, written to a scratch folder (the run's files stay as they were)."""
+    from benchmarks import train_profile
+
+    _write_pack(sandbox / "pack.jsonl.gz", follow=0)
+    main(_args(sandbox, tiny_pair_dirs[0], "--until", "follow"))
+    run = sandbox / "run"
+    main(_args(sandbox, tiny_pair_dirs[0], "--until", "train"))  # the run's token map exists, as in a real run
+    before = _files(run)
+    report = train_profile.main(["--run", str(run), "--target", tiny_pair_dirs[0], "--device", "cpu",
+                                 "--seconds", "1", "--profile-steps", "2", "--pairs-per-step", "16"])  # fmt: skip
+    assert _files(run) == before, "the profile writes nothing into the run"
+    timed, profiled = report["timed"], report["profiled"]
+    assert timed["steps"] >= 1 and timed["pairs_per_s_by_block"] and all(r > 0 for r in timed["pairs_per_s_by_block"])
+    assert timed["answer_pairs"] > 0 and profiled["steps"] >= 1 and profiled["device_busy_share"] is None
+    assert report["device_top"] == [] and any("mm" in row["op"] for row in report["host_top"])
