@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
         cuda = run.device.type == "cuda"
         # about `--profile-steps` steps: a schedule of that many steps' pairs (windows vary in size)
         passes = args.profile_steps * args.pairs_per_step / max(data.answer_pairs(), 1)
-        short = dataclasses.replace(cfg, budget_s=0.0, passes=passes, log_every=1, warmup=1)
+        short = dataclasses.replace(cfg, budget_s=0.0, passes=passes, log_every=args.profile_steps, warmup=1)
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
             lines, profiled_wall = _schedule(draft, data, Path(scratch) / "profiled", short, head)
     events = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
