@@ -64,6 +64,32 @@ def _table(events, key: str, n: int) -> list[dict]:
     return [{"op": e.key, "calls": e.count, "self_ms": round(getattr(e, key) / 1000, 2)} for e in rows]
 
 
+def profiled_tables(prof, wall_s: float, cuda: bool, top: int) -> dict:
+    """A torch.profiler run's report: the device's busy share (its kernels' summed self time over
+    `wall_s`; None off CUDA), the device's name, and the `top` ops by self time on device and host."""
+    events = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
+    device_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    busy = sum(getattr(e, device_key) for e in events) / 1e6 if cuda else None
+    return {
+        "device_busy_share": round(busy / wall_s, 3) if cuda else None,
+        "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+        "device_top": _table(events, device_key, top) if cuda else [],
+        "host_top": _table(events, "self_cpu_time_total", top),
+    }
+
+
+def finish(report: dict, out: Path | None) -> dict:
+    """Print the report's profiled line and top ops; write it to `out` as JSON."""
+    print(f"profiled: {json.dumps(report['profiled'])}")
+    for name in ("device_top", "host_top"):
+        print(name)
+        for row in report[name]:
+            print(f"  {row['self_ms']:10.2f} ms  {row['calls']:7d}  {row['op'][:70]}")
+    if out:
+        out.write_text(json.dumps(report, indent=1))
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pack", type=Path, required=True)
@@ -99,25 +125,11 @@ def main(argv: list[str] | None = None) -> dict:
     n = args.profile_jobs
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         profiled = _decode(decoder, target, prompts[:n], jobs[:n], batch=args.batch, max_new=args.profile_new)
-    events = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
-    device_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    busy = sum(getattr(e, device_key) for e in events) / 1e6 if cuda else None
-    profiled["device_busy_share"] = round(busy / profiled["wall_s"], 3) if cuda else None
-    report = {
-        "target": args.target, "device": str(decoder.device), "dtype": args.dtype, "batch": args.batch,
-        "device_name": torch.cuda.get_device_name() if cuda else "cpu", "timed": timed, "timed_eager": timed_eager,
-        "profiled": profiled,
-        "device_top": _table(events, device_key, args.top) if cuda else [],
-        "host_top": _table(events, "self_cpu_time_total", args.top),
-    }  # fmt: skip
-    print(f"profiled: {json.dumps(profiled)}")
-    for name in ("device_top", "host_top"):
-        print(name)
-        for row in report[name]:
-            print(f"  {row['self_ms']:10.2f} ms  {row['calls']:7d}  {row['op'][:70]}")
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1))
-    return report
+    tables = profiled_tables(prof, profiled["wall_s"], cuda, args.top)
+    profiled["device_busy_share"] = tables.pop("device_busy_share")
+    report = {"target": args.target, "device": str(decoder.device), "dtype": args.dtype, "batch": args.batch,
+              "timed": timed, "timed_eager": timed_eager, "profiled": profiled} | tables  # fmt: skip
+    return finish(report, args.out)
 
 
 if __name__ == "__main__":

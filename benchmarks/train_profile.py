@@ -31,16 +31,12 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.answer_profile import finish, profiled_tables
 from dynatree_core.drafts.feature import FeatureDraft
 from dynatree_core.training.gpu.recipe import TRAIN_SETTINGS, GpuRecipe, GpuRun
 from dynatree_core.training.packed.data import PackedAnswers
 from dynatree_core.training.packed.step import PackedTrainConfig
 from dynatree_core.training.packed.train import train_packed
-
-
-def _table(events, key: str, n: int) -> list[dict]:
-    rows = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:n]
-    return [{"op": e.key, "calls": e.count, "self_ms": round(getattr(e, key) / 1000, 2)} for e in rows]
 
 
 def _schedule(draft, data, folder: Path, cfg: PackedTrainConfig, head) -> tuple[list[str], float]:
@@ -98,25 +94,12 @@ def main(argv: list[str] | None = None) -> dict:
         short = dataclasses.replace(cfg, budget_s=0.0, passes=passes, log_every=args.profile_steps, warmup=1)
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
             lines, profiled_wall = _schedule(draft, data, Path(scratch) / "profiled", short, head)
-    events = [e for e in prof.key_averages() if not e.key.startswith("ProfilerStep")]
-    device_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    busy = sum(getattr(e, device_key) for e in events) / 1e6 if cuda else None
+    tables = profiled_tables(prof, profiled_wall, cuda, args.top)
     profiled = {"steps": _rates(lines)[1], "wall_s": round(profiled_wall, 3),
-                "device_busy_share": round(busy / profiled_wall, 3) if cuda else None}  # fmt: skip
-    report = {
-        "target": args.target, "device": str(run.device), "pairs_per_step": args.pairs_per_step,
-        "device_name": torch.cuda.get_device_name() if cuda else "cpu", "timed": timed, "profiled": profiled,
-        "device_top": _table(events, device_key, args.top) if cuda else [],
-        "host_top": _table(events, "self_cpu_time_total", args.top),
-    }  # fmt: skip
-    print(f"profiled: {json.dumps(profiled)}")
-    for name in ("device_top", "host_top"):
-        print(name)
-        for row in report[name]:
-            print(f"  {row['self_ms']:10.2f} ms  {row['calls']:7d}  {row['op'][:70]}")
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1))
-    return report
+                "device_busy_share": tables.pop("device_busy_share")}  # fmt: skip
+    report = {"target": args.target, "device": str(run.device), "pairs_per_step": args.pairs_per_step,
+              "timed": timed, "profiled": profiled} | tables  # fmt: skip
+    return finish(report, args.out)
 
 
 if __name__ == "__main__":
