@@ -308,6 +308,19 @@ def test_a_one_row_kernel_of_its_own_is_padded_away(dtype):
         lean.__dict__.pop("_width_verdicts", None)
 
 
+def test_a_one_row_kernel_that_differs_only_for_some_rows_is_found():
+    """A one-row kernel whose rounding departs from the GEMM's only for some rows' values (oneDNN's
+    bfloat16 GEMV on a Zen host: the down projection, 3 of 65 random rows): the probe calls every
+    row alone, not only the first, and pads to 2 rows."""
+    x = torch.zeros(65, 4)
+    x[37, 0] = 3.0  # the only row the one-row form rounds differently
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return t * 2 + (t.shape[-2] == 1) * (t[..., :1] > 2) * 1e-2
+
+    assert invariant._fewest_rows(fn, x) == 2
+
+
 @torch.inference_mode()
 def test_the_gpus_residual_gemm_is_probed_as_the_forward_takes_it(gpu_forms):
     """On a GPU the o projection adds the residual inside its GEMM (fastpath._residual): the probe

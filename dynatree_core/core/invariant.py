@@ -198,18 +198,26 @@ def linears_note(rows: int) -> str:
     return f"linears padded to {rows} rows" if rows > 1 else ""
 
 
+def _agrees_at(fn, x: torch.Tensor, full: torch.Tensor, w: int) -> bool:
+    """fn over x's rows in calls of w rows (tiled from the top; every row alone for w = 1) gives
+    each row the bits of `full`. Every row, not only the first: whether a one-row kernel (a GEMV)
+    rounds a row as the GEMM does can depend on the row's values (oneDNN's bfloat16 down projection
+    on a Zen host: 3 of 65 random rows differ alone, the first does not)."""
+    return all(torch.equal(fn(x[i : i + w]), full[i : i + w]) for i in range(0, x.shape[-2] - w + 1, w))
+
+
 def _fewest_rows(fn, x: torch.Tensor) -> int | None:
     """The fewest rows from which fn gives each row the bits of the widest call (x's rows), with
     narrower calls padded up to it; 1 when every width agrees, None when no padding helps."""
     full = fn(x)
-    differ = [w for w in PROBE_WIDTHS if not torch.equal(fn(x[:w]), full[:w])]
+    differ = [w for w in PROBE_WIDTHS if not _agrees_at(fn, x, full, w)]
     if not differ:
         return 1
     rows = next((w for w in PROBE_WIDTHS if w > max(differ)), None)
     if rows is None:
         return None
-    padded_ok = all(torch.equal(min_rows(fn, x[:w], rows), full[:w]) for w in PROBE_WIDTHS if w < rows)
-    return rows if padded_ok else None
+    padded = lambda t: min_rows(fn, t, rows)  # noqa: E731
+    return rows if all(_agrees_at(padded, x, full, w) for w in PROBE_WIDTHS if w < rows) else None
 
 
 def _agrees_in_calls(fn, x: torch.Tensor, rows: int = LINEAR_CALL_ROWS) -> bool:
@@ -287,8 +295,11 @@ def width_verdict(
         linears |= {name: (getattr(block, name), x) for name in ("q", "k", "v", "gate", "up")}
     for name in ("o", "down"):  # the residual add inside the GEMM (fastpath._residual), where taken
         fused, inp = getattr(block, f"add_{name}"), linears[name][1]
-        if fused is not None:
-            linears[f"x + {name}"] = (lambda a, fused=fused: fused(x[: a.shape[-2]].clone(), a), inp)
+        if fused is not None:  # x and the linear's input side by side, so a call's rows slice both
+            h = x.shape[-1]
+            both = torch.cat([x[: inp.shape[-2]], inp], dim=-1)
+            add = lambda t, fused=fused, h=h: fused(t[..., :h].clone(), t[..., h:].contiguous())  # noqa: E731
+            linears[f"x + {name}"] = (add, both)
     changes = "a row's bits change with the row count"
     rows, reason = 1, None
     as_run = (lambda fn: capture.replayed(fn, device)) if captured else (lambda fn: fn)  # noqa: E731
