@@ -213,6 +213,7 @@ class _Decoding:
             self.d["t_lse"] = torch.zeros(size, cap + 1, device=dev)
         self.rows = torch.arange(size, device=dev)
         self.hot: torch.Tensor | None = None  # the live rows that sample (temperature > 0)
+        self.temps = np.zeros(size, dtype=np.float32)  # the host's copy of the rows' temperatures
         self.token: torch.Tensor | None = None
         self.pending: list[tuple[int, int, int]] = []  # finished rows not yet harvested: (row, job, made)
         self.prompt_feats: dict[int, np.ndarray] = {}
@@ -245,8 +246,13 @@ class _Decoding:
         for key, value in (("lens", self.lens), ("made", self.made), ("limit", self.limit), ("temps", temps),
                            ("alive", self.job >= 0)):  # fmt: skip
             d[key].copy_(torch.from_numpy(value))
+        self._set_hot(temps)
+
+    def _set_hot(self, temps: np.ndarray) -> None:
+        """The rows that draw (temperature > 0), from the host's copy of the temperatures."""
+        self.temps = temps
         hot = np.flatnonzero(temps > 0)
-        self.hot = torch.from_numpy(hot).to(dev) if len(hot) else None
+        self.hot = torch.from_numpy(hot).to(self.dec.device) if len(hot) else None
 
     def sample(self, top_p: float) -> np.ndarray:
         """Each row's next token (the step's one read of the device); the rows that finish (EOS or
@@ -318,8 +324,7 @@ class _Decoding:
             setattr(self, key, getattr(self, key)[keep])
         self.token = self.token.index_select(0, idx)
         self.size, self.rows = len(keep), torch.arange(len(keep), device=self.dec.device)
-        hot = np.flatnonzero((self.d["temps"] > 0).cpu().numpy())
-        self.hot = torch.from_numpy(hot).to(self.dec.device) if len(hot) else None
+        self._set_hot(self.temps[keep])
 
     def harvest(self) -> None:
         """The finished rows' results, their device buffers read in one copy."""
