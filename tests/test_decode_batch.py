@@ -10,6 +10,7 @@ from conftest import hf_greedy, tiny_model
 
 from dynatree_core.core import capture
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.measure.launches import counting_waits
 from dynatree_core.training.answers import decode_batch
 from dynatree_core.training.answers.decode_batch import BatchDecoder
 from dynatree_core.training.answers.decode_ops import sample_rows
@@ -117,3 +118,15 @@ def test_sampling_follows_temperature_and_is_seeded():
 def test_non_llama_target_is_refused_clearly():
     with pytest.raises(DynaTreeError, match="Llama-family"):
         BatchDecoder(tiny_model("gpt2"))
+
+
+@pytest.mark.parametrize("temperature", [[0.0] * 4, [0.0, 1.0, 0.0, 1.0]])
+def test_decoding_never_waits_on_the_devices_values_beyond_its_explicit_reads(temperature):
+    """The loop's only reads are its explicit copies (a step's sampled tokens, a refill's harvest):
+    no op sizes its output by the device's values or reads a scalar (on a GPU each drains the
+    queue), all-greedy batches included (whose sampling rows the host knows to be none)."""
+    model = tiny_model("llama")
+    with counting_waits() as waits:
+        BatchDecoder(model).generate(PROMPTS, max_new=[9, 4, 12, 5], temperature=temperature, eos=frozenset(),
+                                     seed=0, batch=2, teacher=True)  # fmt: skip
+    assert waits.total == 0, dict(waits.sites)

@@ -67,3 +67,19 @@ def test_captured_steps_launch_fewer_ops_than_the_same_steps_eagerly(monkeypatch
     assert any("device.py" in site for site in eager["sites"]), "the levels' decisions, eagerly"
     # captured: only the run's constants, made once (device._start's lambdas)
     assert all(site.endswith("<lambda>") for site in stepped["sites"] if "device.py" in site), stepped
+
+
+def test_reads_of_values_and_shapes_made_by_values_are_waits_and_nothing_else_is():
+    x, mask, index = torch.randn(4, 5), torch.randn(4, 5) > 0, torch.tensor([1, 2])
+    with launches.counting_waits() as waits:
+        x[index], x.index_select(0, index), x.masked_fill(mask, 0), torch.where(mask, x, 0)  # shapes known
+        torch.repeat_interleave(x[0], torch.tensor([1, 2, 1, 1, 1]), dim=0, output_size=6)
+    assert waits.total == 0, dict(waits.kinds)
+    with launches.counting_waits() as waits:
+        int(mask.sum()), bool(mask.any()), x.sum().item()  # three scalar reads
+        x[mask], mask.nonzero()  # shapes made by the values
+        y = x.clone()
+        y[mask] = 0
+        torch.repeat_interleave(torch.tensor([1, 2]))
+    assert waits.kinds == {"_local_scalar_dense": 3, "index by a mask": 1, "nonzero": 1, "index_put by a mask": 1,
+                           "repeat_interleave": 1}, dict(waits.kinds)  # fmt: skip

@@ -25,10 +25,18 @@ from dynatree_core.drafting import POLICIES as REGISTRY
 from dynatree_core.drafts.feature import FeatureDraft
 from dynatree_core.drafts.fused import FusedDraft
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.measure.launches import counting_waits
 from dynatree_core.training.answers import store as answers
 from dynatree_core.training.feature.depth import depth_mask, unrolled_predictions
-from dynatree_core.training.packed.data import PackedAnswers, PackedBatch, level_mask, pack_rows
-from dynatree_core.training.packed.step import PackedTrainConfig, soft_ce, unrolled_outputs
+from dynatree_core.training.packed.data import PackedAnswers, PackedBatch, level_mask, pack_rows, prefetch
+from dynatree_core.training.packed.step import (
+    PackedTrainConfig,
+    packed_loss,
+    plan_step,
+    root_ok,
+    soft_ce,
+    unrolled_outputs,
+)
 from dynatree_core.training.packed.train import train_packed
 
 TAPS = (0, 1, FINAL)  # the tiny targets have 2 layers: both layer inputs and the final state
@@ -212,6 +220,94 @@ def test_soft_cross_entropy_leaves_other_out_and_equals_the_explicit_sum():
     ce, _ = soft_ce(draft, h, slots, p)
     logq = torch.log_softmax(draft.reduced_logits(h), -1)
     torch.testing.assert_close(ce.double(), -(p * logq.gather(1, slots)).sum(-1).mean(), rtol=1e-5, atol=1e-5)
+
+
+def _teacher_batch(hidden: int, taps: int = 0) -> PackedBatch:
+    """Two rows of two windows each, with a random teacher and goal (float64)."""
+    gen = torch.Generator().manual_seed(0)
+    seg = torch.tensor([[0] * 7 + [1] * 6 + [-1] * 3, [0] * 10 + [1] * 4 + [-1] * 2])
+    positions = torch.zeros_like(seg)
+    for r, s in [(r, s) for r in range(2) for s in range(2)]:
+        positions[r, seg[r] == s] = torch.arange(1, int((seg[r] == s).sum()) + 1)
+    shape = (2, 16, taps, hidden) if taps else (2, 16, hidden)
+    real = seg >= 0
+    counted = real & (torch.rand(seg.shape, generator=gen) < 0.8)  # a few real pairs the map cannot learn
+    p = torch.softmax(torch.randn(2, 16, 3, generator=gen, dtype=torch.float64), -1) * counted[..., None]
+    return PackedBatch(torch.randint(0, 96, seg.shape, generator=gen), torch.randn(shape, generator=gen,
+                       dtype=torch.float64), torch.randn(2, 16, hidden, generator=gen, dtype=torch.float64),
+                       positions, seg, real, counted, torch.randint(1, 97, (2, 16, 3), generator=gen), p,
+                       int(real.sum()), int(real.sum()))  # fmt: skip
+
+
+def _reference_loss(draft, batch: PackedBatch, cfg: PackedTrainConfig, share: torch.Tensor) -> torch.Tensor:
+    """The module docstring's loss written with boolean masks over every slot's output."""
+    fused = isinstance(draft, FusedDraft)
+    outs = unrolled_outputs(draft, batch, cfg.levels)
+    last = batch.counted & root_ok(batch.seg, cfg.levels) & (share if fused else True)
+    total, weights = 0.0, 0.0
+    for level, out in enumerate(outs, 1):
+        rows = torch.zeros_like(last)
+        rows[:, : 16 - (cfg.levels - level)] = last[:, cfg.levels - level :]
+        rows &= batch.counted & root_ok(batch.seg, level)
+        on = rows if fused else rows & share
+        ce = soft_ce(draft, out[on], batch.teacher_slots[on], batch.teacher_p[on])[0]
+        term = ce
+        if not fused:
+            reg = torch.nn.functional.smooth_l1_loss(out[rows].float(), batch.goal[rows].float(), reduction="none")
+            term = cfg.ce_weight * ce + cfg.regression_weight * reg.mean(-1).mean()
+        total, weights = total + cfg.level_decay ** (level - 1) * term, weights + cfg.level_decay ** (level - 1)
+    return total / weights
+
+
+@pytest.mark.parametrize("levels", [1, 3])
+@pytest.mark.parametrize("kind", ["feature", "fused"])
+def test_the_planned_step_takes_the_loss_of_its_definition_and_never_waits_for_the_device(kind, levels):
+    """The step's choices (loss rows, where each level is computed, the CE's share) are planned on
+    the host: its loss equals the definition's (boolean masks over every slot), and its forward and
+    backward make no op that waits for the device's values (on a GPU each drains the kernel queue)."""
+    target = tiny_model("llama")
+    if kind == "fused":
+        draft, batch = FusedDraft.from_target(target, _full_map(), taps=TAPS).double(), _teacher_batch(32, 3)
+    else:
+        draft, batch = FeatureDraft.from_target(target, _full_map()).double(), _teacher_batch(32)
+    for ce_share in (1.0, 0.5):
+        cfg = PackedTrainConfig(levels=levels, ce_share=ce_share)
+        batch.plan = plan_step(batch, cfg, kind == "fused", torch.Generator().manual_seed(7))
+        share = torch.rand(batch.seg.shape, generator=torch.Generator().manual_seed(7)) < ce_share
+        with counting_waits() as waits:
+            loss = packed_loss(draft, batch, cfg, parts=False)[0]
+            loss.backward()
+        assert waits.total == 0, f"the step waited for the device: {dict(waits.sites)}"
+        torch.testing.assert_close(loss, _reference_loss(draft, batch, cfg, share))
+
+
+def test_prefetch_keeps_the_order_with_several_workers_and_raises_their_failures():
+    import threading
+    import time
+
+    def slow(i: int) -> int:  # later items often finish first
+        time.sleep(0.002 * ((7 * i) % 5))
+        return i * i
+
+    assert list(prefetch(lambda: iter(range(40)), slow, workers=4)) == [i * i for i in range(40)]
+    first = prefetch(lambda: iter(range(10**9)), slow, workers=3)
+    assert [next(first) for _ in range(5)] == [0, 1, 4, 9, 16]
+    first.close()  # an endless source stopped early: its threads end
+    alive = lambda: [t.name for t in threading.enumerate() if t.name.startswith("prefetch")]  # noqa: E731
+    for _ in range(100):
+        if not alive():
+            break
+        time.sleep(0.02)
+    assert not alive(), alive()
+
+    def broken_make():
+        yield 1
+        raise ValueError("no shard")
+
+    with pytest.raises(ValueError, match="no shard"):
+        list(prefetch(broken_make, workers=2))
+    with pytest.raises(ZeroDivisionError):
+        list(prefetch(lambda: iter(range(3)), lambda i: 1 / (i - 2), workers=2))
 
 
 @pytest.fixture

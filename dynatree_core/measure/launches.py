@@ -144,6 +144,58 @@ def counting_launches(device: torch.device) -> Iterator[_Counter]:
         capture.STAND_IN_DEVICES = devices
 
 
+# ops after which the host waits for the device: a scalar read (`int(t)`, `bool(t)`, `.item()`), or
+# an output whose shape depends on the values (a boolean mask's rows, `nonzero`, `unique`)
+WAITS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2",
+                   "unique_consecutive", "unique_dim"})  # fmt: skip
+
+
+def waits_for_values(func, args, kwargs) -> str | None:
+    """The kind of wait a dispatched op makes the host do (None: none). Boolean indexing and
+    `repeat_interleave` without `output_size` size their output by the values; a copy to the host
+    from a device waits for it (seen on a GPU only: on a CPU every tensor is on the host)."""
+    name = func.overloadpacket.__name__
+    if name in WAITS:
+        return name
+    if name in ("index", "index_put", "index_put_"):
+        masks = args[1] if len(args) > 1 else ()
+        if any(isinstance(m, torch.Tensor) and m.dtype in (torch.bool, torch.uint8) for m in masks):
+            return f"{name.rstrip('_')} by a mask"
+    if name == "repeat_interleave" and isinstance(args[0], torch.Tensor) and "output_size" not in (kwargs or {}):
+        return name
+    if name == "_to_copy" and args[0].device.type != "cpu" and str((kwargs or {}).get("device", "")) == "cpu":
+        return "copy to the host"
+    return None
+
+
+class _Waits(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.kinds: Counter = Counter()
+        self.sites: Counter = Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.kinds.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kind = waits_for_values(func, args, kwargs)
+        if kind is not None:
+            self.kinds[kind] += 1
+            self.sites[_site()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def counting_waits() -> Iterator[_Waits]:
+    """Count the block's ops that make the host wait for the device's values (`waits_for_values`):
+    on a GPU each drains the queue of launched kernels. Counted on any device, so a CPU test holds
+    a GPU's loop to them: `with counting_waits() as w: ...; w.total, w.kinds, w.sites`."""
+    counter = _Waits()
+    with counter:
+        yield counter
+
+
 def per_iteration(run: Callable[[], object], device: torch.device, top: int = 8) -> dict:
     """Run `run` (returns a RunResult) with launches counted: per-iteration means and busiest sites."""
     before = capture.REPLAYS["step"]

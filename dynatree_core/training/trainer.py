@@ -17,7 +17,10 @@ evaluation cadence). The loop owns what every recipe did alike:
 - the compute ledger (ledger.py): the training seconds of each block of `log_every` steps.
 
 Training seconds are the steps' own time: a step that took over PAUSED times the recent median
-(the process was stopped with SIGSTOP while tests ran) counts as that median (`counted_s`).
+(the process was stopped with SIGSTOP while tests ran) counts as that median (`counted_s`). On a
+GPU a step's host time is its launches (a step that never reads the device, as the packed one,
+runs ahead of the kernels): the device is synchronised before each log line's clock reading, so
+every block of steps counts the kernels it queued.
 """
 
 from __future__ import annotations
@@ -138,7 +141,9 @@ class _Run:
 
     def __init__(self, recipe: Recipe, out: Path, loop: Loop, saved: dict | None, log):
         self.recipe, self.out, self.loop, self.log = recipe, out, loop, log
-        self.opt = torch.optim.AdamW(recipe.params, lr=loop.lr, weight_decay=loop.weight_decay, betas=(0.9, 0.95))
+        cuda = torch.device(loop.device).type == "cuda"  # one fused kernel for the update, not one per op
+        self.opt = torch.optim.AdamW(recipe.params, lr=loop.lr, weight_decay=loop.weight_decay, betas=(0.9, 0.95),
+                                     fused=cuda or None)  # fmt: skip
         first_eval = 0.0 if loop.eval_first else loop.eval_every_s
         self.state = {"step": 0, "seen": 0, "spent_s": 0.0, "curve": [], "next_eval_s": first_eval}
         if saved is not None:
@@ -204,6 +209,7 @@ def train(recipe: Recipe, out: Path, loop: Loop, *, saved: dict | None = None, c
     out.mkdir(parents=True, exist_ok=True)
     run = _Run(recipe, out, loop, saved, log)
     state, recent, started = run.state, [], run.state["spent_s"]
+    cuda = torch.device(loop.device).type == "cuda"
     recipe.model.train()
     batches = iter(recipe.batches(state))
     while not finished(loop, state) and not (loop.stop_after_s > 0 and state["spent_s"] - started >= loop.stop_after_s):
@@ -215,6 +221,8 @@ def train(recipe: Recipe, out: Path, loop: Loop, *, saved: dict | None = None, c
         batch, place = next(batches)
         run.step(batch)
         state.update(place)  # a resumed run starts after this batch
+        if cuda and (state["step"] % loop.log_every == 0 or finished(loop, state)):
+            torch.cuda.synchronize()  # the queued steps finish inside the block they belong to
         t1 = clock()
         dt = counted_s(t1 - t0, recent)
         state["spent_s"] += dt

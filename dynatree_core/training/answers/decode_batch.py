@@ -212,7 +212,7 @@ class _Decoding:
             self.d["t_logits"] = torch.zeros(size, cap + 1, k, device=dev)
             self.d["t_lse"] = torch.zeros(size, cap + 1, device=dev)
         self.rows = torch.arange(size, device=dev)
-        self.hot: torch.Tensor | None = None  # the live rows that sample (temperature > 0)
+        self.hot = torch.zeros(0, dtype=torch.long, device=dev)  # the live rows that sample (temperature > 0)
         self.temps = np.zeros(size, dtype=np.float32)  # the host's copy of the rows' temperatures
         self.token: torch.Tensor | None = None
         self.pending: list[tuple[int, int, int]] = []  # finished rows not yet harvested: (row, job, made)
@@ -249,10 +249,10 @@ class _Decoding:
         self._set_hot(temps)
 
     def _set_hot(self, temps: np.ndarray) -> None:
-        """The rows that draw (temperature > 0), from the host's copy of the temperatures."""
+        """The rows that draw (temperature > 0), from the host's copy of the temperatures (none: an
+        empty index, which sample_rows reads as none, where None would make it read the device)."""
         self.temps = temps
-        hot = np.flatnonzero(temps > 0)
-        self.hot = torch.from_numpy(hot).to(self.dec.device) if len(hot) else None
+        self.hot = torch.from_numpy(np.flatnonzero(temps > 0)).to(self.dec.device)
 
     def sample(self, top_p: float) -> np.ndarray:
         """Each row's next token (the step's one read of the device); the rows that finish (EOS or

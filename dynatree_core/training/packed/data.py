@@ -15,8 +15,8 @@ token map and renormalised over the entries the map holds. A pair counts toward 
 its next token is part of the answer and the teacher's argmax is a token the map can propose
 (EAGLE-3 masks the others out: the draft could never propose them).
 
-Batches are assembled on a background thread (`prefetch`), so reading the memory-mapped shards
-overlaps the previous step's arithmetic.
+Batches are assembled on background threads (`prefetch`), so reading the memory-mapped shards
+overlaps the previous steps' arithmetic.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -44,7 +45,9 @@ class PackedBatch:
     seg (R, T) int64 window index within the row (-1: empty); answer (R, T) bool: the pair's next
     token is an answer token; counted (R, T) bool: an answer pair the map can learn (the loss's);
     teacher_slots (R, T, K) int64 draft slots (OTHER where the map lacks the token);
-    teacher_p (R, T, K) float32, summing to 1 over a counted pair's slots; pairs: real pair slots."""
+    teacher_p (R, T, K) float32, summing to 1 over a counted pair's slots; pairs: real pair slots;
+    answer_pairs: the answer pairs among them (what a pass counts); plan: the step's choices made on
+    the host (packed/step.py's StepPlan), or None."""
 
     tokens: torch.Tensor
     inputs: torch.Tensor
@@ -56,12 +59,21 @@ class PackedBatch:
     teacher_slots: torch.Tensor
     teacher_p: torch.Tensor
     pairs: int
+    answer_pairs: int = 0
+    plan: object = None
 
     def to(self, device: torch.device) -> PackedBatch:
+        return self._mapped(lambda t: t.to(device, non_blocking=True))
+
+    def pinned(self) -> PackedBatch:
+        """In page-locked memory: its upload to a GPU runs behind the queued kernels, not before them."""
+        return self._mapped(torch.Tensor.pin_memory)
+
+    def _mapped(self, fn) -> PackedBatch:
         moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for name, value in moved.items():
-            if isinstance(value, torch.Tensor):
-                moved[name] = value.to(device, non_blocking=True)
+            if isinstance(value, torch.Tensor) or (name == "plan" and value is not None):
+                moved[name] = fn(value) if isinstance(value, torch.Tensor) else value.to_all(fn)
         return PackedBatch(**moved)
 
 
@@ -201,6 +213,7 @@ class PackedAnswers:
             teacher_slots=as_t(slots),
             teacher_p=as_t(probs),
             pairs=int(sum(pairs)),
+            answer_pairs=int(answers.sum()),
         )
 
     def step_rows(self, order: np.ndarray, cursor: int, pairs: int) -> tuple[np.ndarray, int]:
@@ -214,18 +227,39 @@ class PackedAnswers:
         return order[cursor:end], end
 
 
-def prefetch(make, depth: int = 2):
-    """Iterate `make()`'s items assembled on a background thread, `depth` ahead."""
-    items: queue.Queue = queue.Queue(maxsize=depth)
-    stop = object()
+def prefetch(make, build=None, *, depth: int = 2, workers: int = 1):
+    """Iterate `build(item)` for `make()`'s items, in their order, built by `workers` background
+    threads (reading the shards and numpy's copies release the GIL: a GPU's step outruns one
+    thread), up to `depth` finished ahead. A failure of `make` or `build` is raised here."""
+    build = build or (lambda item: item)
+    ahead: queue.Queue = queue.Queue(maxsize=depth + workers - 1)
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="prefetch")
 
-    def work() -> None:
+    def put(value) -> None:
+        while not stop.is_set():
+            try:
+                return ahead.put(value, timeout=0.1)
+            except queue.Full:
+                continue
+
+    def produce() -> None:
         try:
             for item in make():
-                items.put(item)
-        finally:
-            items.put(stop)
+                if stop.is_set():
+                    return
+                put(pool.submit(build, item))
+        except BaseException as error:  # noqa: BLE001  (handed to the reader, raised there)
+            put(error)
+            return
+        put(None)
 
-    threading.Thread(target=work, daemon=True).start()
-    while (item := items.get()) is not stop:
-        yield item
+    threading.Thread(target=produce, daemon=True, name="prefetch-order").start()
+    try:
+        while (got := ahead.get()) is not None:
+            if isinstance(got, BaseException):
+                raise got
+            yield got.result()
+    finally:
+        stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)

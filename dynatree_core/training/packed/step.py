@@ -86,7 +86,8 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def level_forward(draft, tokens, hidden, positions, mask, past=None, select=None):
     """One pass of the draft's layer over packed rows, written out so that the query side runs
     only where an output is needed: keys and values for every pair (later pairs and levels read
-    them), queries, attention, o and the MLP only at `select` (R, T) bool rows (None: all).
+    them), queries, attention, o and the MLP only at `select`, (index (R, S), valid (R, S)) as
+    `compacted` gives them (None: all).
     Same arithmetic as the drafter's forward (tests/test_packed_training.py).
 
     Returns (outputs (R, S, H) at the selected rows in row-major order, S = the most selected in
@@ -113,9 +114,7 @@ def level_forward(draft, tokens, hidden, positions, mask, past=None, select=None
         index = torch.arange(width, device=tokens.device)[None].expand(rows, -1)
         valid = torch.ones(rows, width, dtype=torch.bool, device=tokens.device)
     else:
-        count = select.sum(1)
-        index = torch.argsort((~select).to(torch.int8), dim=1, stable=True)[:, : max(int(count.max()), 1)]
-        valid = torch.arange(index.shape[1], device=tokens.device)[None] < count[:, None]
+        index, valid = select
     xq, rq = _gather_rows(x, index), _gather_rows(resid, index)
     q = attn.q_proj(xq).view(rows, -1, heads, dim).transpose(1, 2)
     q = _rope(q, _gather_rows(cos, index)[:, None], _gather_rows(sin, index)[:, None])
@@ -128,17 +127,41 @@ def level_forward(draft, tokens, hidden, positions, mask, past=None, select=None
     return h, valid, (k, v)
 
 
-def unrolled_outputs(draft, batch: PackedBatch, levels: int, *, noise: float = 0.0, detach: bool = True, last=None):
+def compacted(select: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selected slots of (R, T) bool `select` moved to the front of each row, in order: their
+    indices (R, S) and validity (R, S), S the most selected in a row (at least 1). S is read from
+    the values: the step plans it on the host (`plan_step`), where reading costs nothing."""
+    count = select.sum(1)
+    index = torch.argsort((~select).to(torch.int8), dim=1, stable=True)[:, : max(int(count.max()), 1)]
+    return index, torch.arange(index.shape[1], device=select.device)[None] < count[:, None]
+
+
+def level_selects(last: torch.Tensor, levels: int) -> list[torch.Tensor]:
+    """(R, T) bool per level 1..levels: where that level's outputs are needed for the last level's
+    rows `last` (level m at their ancestors, the pairs `levels - m` earlier)."""
+    selects = []
+    for level in range(1, levels + 1):
+        select = torch.zeros_like(last)
+        select[:, : last.shape[1] - (levels - level)] = last[:, levels - level :]
+        selects.append(select)
+    return selects
+
+
+def unrolled_outputs(draft, batch: PackedBatch, levels: int, *, noise: float = 0.0, detach: bool = True, last=None,
+                     selects=None):  # fmt: skip
     """Per level 1..levels, the draft's outputs (R, T, H) at every pair slot (module docstring).
 
     With `last` (R, T) bool, only what the last level's rows `last` depend on is computed: the
     last level at those rows, returned as (outputs, valid) (level_forward), and level m < levels
     at their ancestors, the pairs `levels - m` earlier, returned (R, T, H) with zeros elsewhere
-    (keys and values are computed everywhere; no needed row attends to the rest)."""
+    (keys and values are computed everywhere; no needed row attends to the rest). `selects`: the
+    levels' `compacted` selections, planned ahead (StepPlan), in place of `last`."""
     tokens, positions = batch.tokens, batch.positions
     hidden = level_inputs(draft, batch)
     if noise > 0:
         hidden = hidden + (torch.rand_like(hidden) * 2 - 1) * noise
+    if selects is None and last is not None:
+        selects = [compacted(s) for s in level_selects(last, levels)]
     outs: list = []
     past = None
     for level in range(1, levels + 1):
@@ -146,15 +169,11 @@ def unrolled_outputs(draft, batch: PackedBatch, levels: int, *, noise: float = 0
             prev = outs[-1].detach() if detach else outs[-1]
             hidden = torch.cat([hidden[:, :1], prev[:, :-1].to(hidden.dtype)], dim=1)
         mask = level_mask(batch.seg, level)
-        select = None
-        if last is not None:
-            select = torch.zeros_like(last)
-            select[:, : last.shape[1] - (levels - level)] = last[:, levels - level :]
+        select = None if selects is None else selects[level - 1]
         out, valid, past = level_forward(draft, tokens, hidden, positions, mask, past, select)
         if select is not None and level < levels:  # back to pair slots, for the next level's inputs
-            index = torch.argsort((~select).to(torch.int8), dim=1, stable=True)[:, : out.shape[1]]
-            full = torch.zeros(*select.shape, out.shape[-1], dtype=out.dtype, device=out.device)
-            out = full.scatter(1, index[..., None].expand(-1, -1, out.shape[-1]), out * valid[..., None])
+            full = torch.zeros(*tokens.shape, out.shape[-1], dtype=out.dtype, device=out.device)
+            out = full.scatter(1, select[0][..., None].expand(-1, -1, out.shape[-1]), out * valid[..., None])
         outs.append((out, valid) if select is not None and level == levels else out)
     return outs
 
@@ -179,41 +198,92 @@ def soft_ce(draft, h: torch.Tensor, slots: torch.Tensor, p: torch.Tensor) -> tup
     return (lse - (p * picked).sum(-1)).mean(), z
 
 
-def packed_loss(draft, batch: PackedBatch, cfg: PackedTrainConfig, *, parts: bool = True) -> tuple[torch.Tensor, dict]:
-    """The step's loss (module docstring); with `parts`, its terms and per-level agreement with
-    the teacher's argmax (for the log)."""
-    fused = isinstance(draft, FusedDraft)
-    share = torch.rand(batch.counted.shape, device=batch.counted.device) < cfg.ce_share if cfg.ce_share < 1 else None
-    last = batch.counted & root_ok(batch.seg, cfg.levels)
+@dataclasses.dataclass
+class LevelPlan:
+    """One level's selections: `select` ((index, valid), `compacted`) where its outputs are computed;
+    `rows` (n,): the flat (R * T) pair slots of its loss rows, and `outs` (n,): the same rows in
+    its flattened output ((R * S) for the last level, whose outputs are compacted; (R * T) before);
+    `ce` (m,): the positions among the n rows where the CE is taken (None: all of them)."""
+
+    select: tuple[torch.Tensor, torch.Tensor]
+    rows: torch.Tensor
+    outs: torch.Tensor
+    ce: torch.Tensor | None
+
+    def to_all(self, fn) -> LevelPlan:
+        """`fn` applied to each tensor (a move to the device, pinning)."""
+        move = lambda t: None if t is None else fn(t)  # noqa: E731
+        return LevelPlan((move(self.select[0]), move(self.select[1])), move(self.rows), move(self.outs), move(self.ce))
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """Every data-dependent choice of a step (which rows the loss takes, where each level's outputs
+    are computed, the CE's random share), decided on the host before the batch moves, so that on a
+    GPU the step's forward and backward never wait for the device's values (each such read drains
+    the queue of launched kernels; tests/test_packed_training.py counts none)."""
+
+    levels: list[LevelPlan]
+
+    def to_all(self, fn) -> StepPlan:
+        return StepPlan([level.to_all(fn) for level in self.levels])
+
+
+def plan_step(batch: PackedBatch, cfg: PackedTrainConfig, fused: bool, generator=None) -> StepPlan:
+    """The step's plan (StepPlan) from `batch`'s masks, on their device: the host's before the
+    batch moves. The CE's share is drawn from `generator` (None: torch's default)."""
+    counted, seg = batch.counted, batch.seg
+    share = None
+    if cfg.ce_share < 1:
+        share = torch.rand(counted.shape, generator=generator, device=counted.device) < cfg.ce_share
+    last = counted & root_ok(seg, cfg.levels)
     if fused and share is not None:  # the fused kind's only loss is the CE: its outputs are needed there only
         last &= share
-    outs = unrolled_outputs(draft, batch, cfg.levels, noise=cfg.noise, last=last)
-    total, weights, info = 0.0, 0.0, {}
-    for level, out in enumerate(outs, 1):
+    plans = []
+    for level, select in enumerate(level_selects(last, cfg.levels), 1):
+        index, valid = compacted(select)
         if level < cfg.levels:  # levels before the last are computed at the last one's ancestors only
-            rows = torch.zeros_like(last)
-            rows[:, : last.shape[1] - (cfg.levels - level)] = last[:, cfg.levels - level :]
-            rows &= batch.counted & root_ok(batch.seg, level)
+            rows = (select & counted & root_ok(seg, level)).flatten().nonzero()[:, 0]
+            outs = rows
         else:
-            rows = last
-        if not bool(rows.any()):
+            rows, outs = last.flatten().nonzero()[:, 0], valid.flatten().nonzero()[:, 0]
+        ce = None if share is None or fused else share.flatten()[rows].nonzero()[:, 0]  # feature kind: CE on the share
+        plans.append(LevelPlan((index, valid), rows, outs, ce))
+    return StepPlan(plans)
+
+
+def packed_loss(draft, batch: PackedBatch, cfg: PackedTrainConfig, *, parts: bool = True) -> tuple[torch.Tensor, dict]:
+    """The step's loss (module docstring) over `batch.plan` (planned here when the batch has none);
+    with `parts`, its terms and per-level agreement with the teacher's argmax (for the log: read
+    from the device, on logging steps only)."""
+    fused = isinstance(draft, FusedDraft)
+    plan = batch.plan if batch.plan is not None else plan_step(batch, cfg, fused)
+    outs = unrolled_outputs(draft, batch, cfg.levels, noise=cfg.noise, selects=[p.select for p in plan.levels])
+    flat = lambda t: t.flatten(0, 1)  # noqa: E731  (R, T, ...) -> (R * T, ...)
+    total, weights, info = 0.0, 0.0, {}
+    for level, (out, at) in enumerate(zip(outs, plan.levels, strict=True), 1):
+        if at.rows.numel() == 0:  # a shape: known on the host
             continue
-        h = out[0][out[1]] if isinstance(out, tuple) else out[rows]  # the selected rows, row-major like out[rows]
-        on = share[rows] if share is not None and not fused else slice(None)  # feature kind: CE on the share only
-        slots = batch.teacher_slots[rows][on]
-        ce, z = soft_ce(draft, h[on], slots, batch.teacher_p[rows][on])
-        term = ce if fused else cfg.ce_weight * ce
+        h = flat(out[0] if isinstance(out, tuple) else out).index_select(0, at.outs)
+        rows = at.rows if at.ce is None else at.rows.index_select(0, at.ce)
+        hc = h if at.ce is None else h.index_select(0, at.ce)
+        term = 0.0
+        if hc.shape[0]:
+            slots, p = flat(batch.teacher_slots).index_select(0, rows), flat(batch.teacher_p).index_select(0, rows)
+            ce, z = soft_ce(draft, hc, slots, p)
+            term = ce if fused else cfg.ce_weight * ce
+            if parts:
+                info[f"ce{level}"] = float(ce.detach())
+                best = z.detach()[:, OTHER + 1 :].argmax(-1) + OTHER + 1
+                info[f"agree{level}"] = float((best == slots[:, 0]).float().mean())
         if not fused and cfg.regression_weight > 0:
-            reg = F.smooth_l1_loss(h.float(), batch.goal[rows].float(), reduction="none").mean(-1).mean()
+            goal = flat(batch.goal).index_select(0, at.rows)
+            reg = F.smooth_l1_loss(h.float(), goal.float(), reduction="none").mean(-1).mean()
             term = term + cfg.regression_weight * reg
             if parts:
                 info[f"reg{level}"] = float(reg.detach())
         weight = cfg.level_decay ** (level - 1)
         total, weights = total + weight * term, weights + weight
-        if parts:
-            info[f"ce{level}"] = float(ce.detach())
-            best = z.detach()[:, OTHER + 1 :].argmax(-1) + OTHER + 1
-            info[f"agree{level}"] = float((best == slots[:, 0]).float().mean())
     return total / max(weights, 1e-9), info
 
 

@@ -21,7 +21,7 @@ import torch
 from dynatree_core.drafts.fused import FusedDraft
 from dynatree_core.training import trainer
 from dynatree_core.training.packed.data import PackedAnswers, prefetch
-from dynatree_core.training.packed.step import PackedTrainConfig, packed_agreement, packed_loss
+from dynatree_core.training.packed.step import PackedTrainConfig, packed_agreement, packed_loss, plan_step
 from dynatree_core.training.resume import head_run
 from dynatree_core.training.trainer import Loop, Recipe, open_checkpoint
 
@@ -30,32 +30,43 @@ from dynatree_core.training.trainer import Loop, Recipe, open_checkpoint
 # process runs (device, logging, evaluations, stop_after_s) may change between runs.
 RUN_SETTINGS = ("pairs_per_step", "lr", "warmup", "weight_decay", "levels", "level_decay", "regression_weight",
                 "ce_weight", "ce_share", "noise", "train_head", "seed")  # fmt: skip
+PREFETCH_WORKERS = 4  # batch-building threads beside a GPU (one beside a CPU, whose cores train)
 
 
 def _recipe(draft, data: PackedAnswers, cfg: PackedTrainConfig, run: dict, *, target_head, evals, info, log):
-    """The packed loss, batches (in a seeded order per pass, built on a prefetch thread) and the
+    """The packed loss, batches (in a seeded order per pass, built on prefetch threads) and the
     agreement by depth on each of `evals`, for the one loop."""
     device = torch.device(cfg.device)
     pass_pairs = max(data.answer_pairs(), 1)
 
+    fused, pin = isinstance(draft, FusedDraft), device.type == "cuda"
+
     def batches(state: dict):
         torch.manual_seed(cfg.seed + state["step"])
 
-        def make():  # on the prefetch thread: its own place in the data, handed over with each batch
+        def make():  # the steps' windows in order, each with its place in the data (handed over with its batch)
             epoch, cursor = state.get("pass", 0), state.get("cursor", 0)
             while True:
                 order = np.random.default_rng(cfg.seed + epoch).permutation(data.train_rows)
                 while cursor < len(order):
+                    # the step's random choices follow its place in the data: a resumed run makes the same
+                    seed = cfg.seed + 1_000_003 * epoch + cursor
                     rows, cursor = data.step_rows(order, cursor, cfg.pairs_per_step)
-                    yield data.batch(rows), {"pass": epoch, "cursor": cursor}
+                    yield rows, seed, {"pass": epoch, "cursor": cursor}
                 epoch, cursor = epoch + 1, 0
 
-        for batch, place in prefetch(make):
+        def build(item):  # on a prefetch thread
+            rows, seed, place = item
+            batch = data.batch(rows)
+            batch.plan = plan_step(batch, cfg, fused, torch.Generator().manual_seed(seed))  # the step never waits
+            return batch.pinned() if pin else batch, place
+
+        for batch, place in prefetch(make, build, workers=PREFETCH_WORKERS if pin else 1):
             yield batch.to(device), place
 
     def loss(batch, parts: bool):
         value, terms = packed_loss(draft, batch, cfg, parts=parts)
-        return value, terms, int(batch.answer.sum()), batch.pairs
+        return value, terms, batch.answer_pairs, batch.pairs
 
     def point(state: dict, loss: float) -> dict:
         point = {k: state.get(k, 0) for k in ("step", "seen", "pass")} | {"train_s": round(state["spent_s"], 1)}
