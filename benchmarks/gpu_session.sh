@@ -23,12 +23,14 @@
 #                 decoding timed and profiled: benchmarks/answer_profile.py), train (its training
 #                 step over the draft call's answers: benchmarks/train_profile.py), f32 / f32-batch / f32-host / f32-nosteps / bf16 / bf16-shared (`bench`
 #                 on the embedded pair, OOD prompts 1-8, 128 tokens, with the three AR references)
-#   draft B S [smoke] [init]  the one-sitting draft recipe (`draft-gpu`) on the staged pack: B seconds
-#                 of stage work in all, this call ending after S; the same command goes on where it
-#                 stopped (on the same warm machine); `smoke` first runs every stage on 256 jobs
+#   draft B S [smoke] [init] [prior]  the one-sitting draft recipe (`draft-gpu`) on the staged pack: B
+#                 seconds of stage work in all, this call ending after S; the same command goes on where
+#                 it stopped (on the same warm machine); `smoke` first runs every stage on 256 jobs
 #                 for a minute; `init` trains on from the shipped feature draft (--init-from), not
-#                 from scratch; every call returns stages.json, summary.json and draft-run.log, and
-#                 once exported the draft and its card
+#                 from scratch; `prior` relabels the committed answers (.device/prior: 4.4M answer
+#                 tokens, human-written text included) and trains on them too (--prior-answers);
+#                 every call returns stages.json, summary.json and draft-run.log, and once exported
+#                 the draft and its card
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ASIDE=../device-aside
@@ -73,6 +75,8 @@ case "${1:-}" in
     [ -f "$pack" ] && PYTHONPATH=. .venv/bin/python -c "import sys; from pathlib import Path
 from dynatree_core.training.answers.pack import read_pack, take, write_pack
 write_pack(Path('.device/pack-smoke.jsonl.gz'), *take(*read_pack(Path(sys.argv[1])), 256))" "$pack"
+    mkdir -p .device/prior  # the committed answers' ids (questions, main, written): `draft ... prior`
+    for stage in questions main written; do cp assets/draft-data/answers/"$stage"_*.npz .device/prior/ 2>/dev/null || true; done
     for path in "${MOVED[@]}"; do
       [ -e "$path" ] && mkdir -p "$ASIDE/$(dirname "$path")" && mv "$path" "$ASIDE/$path"
     done
@@ -120,9 +124,12 @@ ran on CUDA in the smoke (256 jobs: answers to export); answers 15.5K answer tok
 d1. carry [".device/part-00"]: benchmarks/gpu_session.sh receive 00
 d2. carry [".device/part-01", ".device/wheels", ".device/wheel-name"]:
    benchmarks/gpu_session.sh receive 01 && benchmarks/gpu_session.sh install
-d3. carry [".device/pack.jsonl.gz"], timeout_s 600: benchmarks/gpu_session.sh draft 500 540 init
+d3. carry [".device/pack.jsonl.gz", ".device/prior"], timeout_s 600:
+   benchmarks/gpu_session.sh draft 500 540 init prior
    (500 s of stage work: answers 220 s (two 8192-job shards of ~104 s on an H100; a shard starts
-   only when the last one's time still fits the share) and follow-ups ~55 s, training ~180 s,
+   only when the last one's time still fits the share) and follow-ups ~55 s, the relabel of the
+   committed answers (61 shards, 6.8M positions: not yet timed on a GPU; its seconds come out of
+   training's share), training ~180 s less that,
    quality and export; the model's load, the kernels' probe and conversion come on top, so quality
    and export may need the same command again; a hard stop 45 s after 540, and
    the book (stages.json, summary.json) and draft-run.log (every line with the call's seconds) come
@@ -181,12 +188,15 @@ EOF
     mkdir -p /root/stage
     [ -f /root/stage/pack.jsonl.gz ] || cp .device/pack.jsonl.gz /root/stage/
     kernels_probe
-    smoke=0 init=()
+    smoke=0 init=() prior=()
     for word in "${@:4}"; do
       case "$word" in
         smoke) smoke=1 ;;
         init) init=(--init-from assets/models/smollm2-feature-draft) ;;
-        *) echo "draft: B S [smoke] [init]" >&2; exit 2 ;;
+        prior)  # the committed answers, carried in .device/prior, kept on the machine for the next call
+          [ -d /root/stage/prior ] || cp -r .device/prior /root/stage/prior
+          prior=(--prior-answers /root/stage/prior) ;;
+        *) echo "draft: B S [smoke] [init] [prior]" >&2; exit 2 ;;
       esac
     done
     if [ "$smoke" = 1 ] && [ ! -d /root/draft-run ]; then  # every stage on 256 jobs: a CUDA-only failure in a minute
@@ -196,7 +206,7 @@ EOF
     fi
     code=0  # a hard stop 45 s after S (a stage that overran it): the book and the log still come back
     timeout -s INT -k 15 $(($3 + 45)) env PYTHONPATH=/root/pylib:. $PY -m dynatree_core.training draft-gpu \
-      --pack /root/stage/pack.jsonl.gz --out /root/draft-run --budget-s "$2" --stop-after-s "$3" "${init[@]}" \
+      --pack /root/stage/pack.jsonl.gz --out /root/draft-run --budget-s "$2" --stop-after-s "$3" "${init[@]}" "${prior[@]}" \
       2>&1 | tee -a /root/draft-run.log | grep --line-buffered -v "it/s]" || code=${PIPESTATUS[0]}
     cp /root/draft-run/stages.json /root/draft-run/summary.json /root/draft-run.log "$OUT/" 2>/dev/null || true
     [ "$code" -eq 0 ] || [ "$code" -eq 3 ] || [ "$code" -eq 124 ] || exit "$code"  # 3, 124: stopped on time; the same call goes on

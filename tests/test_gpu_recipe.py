@@ -145,7 +145,40 @@ def test_a_follow_up_job_becomes_a_two_turn_conversation(sandbox, tiny_pair_dirs
     assert np.load(store.features_path("follow1", 0)).shape[0] == sum(len(ids) - 1 for ids, _, _ in followed)
 
 
-def test_the_teacher_kept_while_decoding_is_the_teacher_forced_one(tmp_path, tiny_pair_dirs):
+def test_prior_answers_are_relabelled_and_trained_on_beside_the_packs_own(sandbox, tiny_pair_dirs):
+    """`--prior-answers`: an answer store's id shards (here an earlier run's) come in as stages
+    `prior-S`, get their features and teacher in the relabel stage and are trained on; the card
+    says how many answer tokens came from before and keeps the pack's table to the pack's answers."""
+    import shutil
+
+    target = tiny_pair_dirs[0]
+    _write_pack(sandbox / "pack.jsonl.gz", n=8, follow=0)
+    main(_args(sandbox, target, "--until", "answers", "--out", str(sandbox / "earlier")))
+    prior = sandbox / "prior"
+    prior.mkdir()
+    for path in (sandbox / "earlier" / "answers").glob("main_*.npz"):
+        shutil.copy(path, prior / path.name)
+    shutil.copy(prior / "main_00000.npz", prior / "written_00003.npz")  # a second stage, shards as numbered
+    with pytest.raises(SystemExit, match="no answer store at"):
+        main(_args(sandbox, target, "--prior-answers", str(sandbox / "none")))
+    main(_args(sandbox, target, "--prior-answers", str(prior)))
+    run = sandbox / "run"
+    store = AnswerStore(run / "answers", run / "answer-features")
+    assert store.shards("prior-main") == [0] and store.shards("prior-written") == [3]
+    assert all(store.has_features(s, k) and store.has_teacher(s, k) for s in ("prior-main", "prior-written")
+               for k in store.shards(s))  # fmt: skip
+    data = json.loads((run / "train" / "curve.json").read_text())["data"]
+    assert data["prior"]["stages"] == ["prior-main", "prior-written"] and data["prior"]["answer_tokens"] > 0
+    own = sum(row["answer_tokens"] for row in data["pack_answers"].values())
+    assert sum(row["answer_tokens"] for row in data["sources"].values()) == own + data["prior"]["answer_tokens"]
+    card = (run / "export" / "README.md").read_text()
+    assert f"Also trained on {data['prior']['answer_tokens']:,} answer tokens made before this run" in card
+    assert "--prior-answers prior" in card and str(sandbox) not in card, "the directory's name, no machine path"
+    assert "| templates | 3 | 3 | 90 | 3 |" in card, "the pack's table counts the pack's own answers"
+
+
+def test_the_teacher_kept_while_decoding_is_the_teacher_forced_one(tmp_path, tiny_pair_dirs, monkeypatch):
+    from dynatree_core.training.answers import store as answer_store
     from dynatree_core.training.answers.decode_batch import BatchDecoder
     from dynatree_core.training.answers.store import decode_shard, relabel
 
@@ -157,7 +190,11 @@ def test_the_teacher_kept_while_decoding_is_the_teacher_forced_one(tmp_path, tin
     decode_shard(store, BatchDecoder(target.model), target, "main", 0, jobs, batch=2, seed=0, teacher=True, log=print)
     kept = dict(np.load(store.teacher_path("main", 0)))
     store.teacher_path("main", 0).unlink()
+    store.features_path("main", 0).unlink()
+    copies, copy = [], answer_store.host_f16
+    monkeypatch.setattr(answer_store, "host_f16", lambda t: copies.append(t.shape) or copy(t))
     assert relabel(store, target, teacher=True, stages=("main",), log=print) == 1
+    assert len(copies) == 1, "a group's features come back in one copy, not one per sequence"
     forced = dict(np.load(store.teacher_path("main", 0)))
     loss = np.isfinite(forced["lse"])
     assert loss.any() and np.array_equal(np.isfinite(kept["lse"]), loss), "the same loss positions"

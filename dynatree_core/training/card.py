@@ -351,11 +351,10 @@ def _packed_lines(run_dir: Path, info: dict, chain, command: str, map_size, dest
 
 
 def _pack_lines(data: dict) -> list[str]:
-    """A run whose prompts came from a prompt pack (`draft-gpu`): per source, what the pack held and
-    what the target answered (its follow-up turns counted with the source they continue)."""
+    """A `draft-gpu` run's pack: per source, what it held and what the target answered (follow-ups in theirs)."""
     if not data.get("pack"):
         return []
-    stored = data.get("sources") or {}
+    stored = data.get("pack_answers") or data.get("sources") or {}  # the pack's own answers, not prior ones
     rows, tokens = [], 0
     for source, held in sorted(data["pack"].items()):
         got = stored.get(source, {})
@@ -363,7 +362,10 @@ def _pack_lines(data: dict) -> list[str]:
         rows.append((source, f"{held.get('passages', 0):,}", f"{held.get('prompts', 0):,}", f"{held.get('chars', 0):,}",
                      f"{got.get('prompts', 0):,}", f"{got.get('answer_tokens', 0):,}"))  # fmt: skip
     head = ["source", "passages", "prompts in the pack", "characters", "sequences answered", "answer tokens"]
-    return ["", f"The prompt pack ({tokens:,} answer tokens generated from it):", "", *_table(head, rows), ""]
+    prior = data.get("prior")  # answers made before the run (`--prior-answers`), relabelled in it
+    also = [f"Also trained on {prior['answer_tokens']:,} answer tokens made before this run (stages "
+            f"{', '.join(prior['stages'])}: `--prior-answers`), relabelled in it.", ""] if prior else []  # fmt: skip
+    return ["", f"The prompt pack ({tokens:,} answer tokens generated from it):", "", *_table(head, rows), "", *also]
 
 
 def _packed_curve(chain, total: int) -> list[tuple]:
@@ -372,9 +374,8 @@ def _packed_curve(chain, total: int) -> list[tuple]:
     for k, (_, part) in enumerate(chain, 1):
         for c in part["curve"]:
             cells = [" / ".join(f"{a:.3f}" for a in c.get(split, [])) or "-" for split in ("heldout", "ood")]
-            rows.append(
-                (k, c["step"], f"{(seen_before + c['seen']) / total:.2f}", f"{s_before + c['train_s']:.0f}", *cells)
-            )
+            seen, spent = f"{(seen_before + c['seen']) / total:.2f}", f"{s_before + c['train_s']:.0f}"
+            rows.append((k, c["step"], seen, spent, *cells))
         end = (part["curve"] or [{}])[-1]
         seen_before, s_before = seen_before + end.get("seen", 0), s_before + end.get("train_s", 0.0)
     return rows

@@ -281,6 +281,24 @@ def _rows_teacher(rows, vocab: int) -> dict[str, np.ndarray]:
     return labels
 
 
+TEACHER_ROWS = 4096  # head rows a relabel computes at once (their float32 logits over the vocabulary)
+
+
+def _split(array: np.ndarray, lens: list[int]) -> list[np.ndarray]:
+    return np.split(array, np.cumsum(lens)[:-1])
+
+
+def _teacher_rows(decoder: BatchDecoder, states: torch.Tensor) -> dict[str, np.ndarray]:
+    """compact_teacher of the target's head at `states` (n, H), TEACHER_ROWS at a time, read back once."""
+    parts = [
+        compact_teacher(decoder.lean.head(states[a : a + TEACHER_ROWS])) for a in range(0, len(states), TEACHER_ROWS)
+    ]
+    if not parts:
+        return {"ids": np.zeros((0, TEACHER_K), np.int64), "logits": np.zeros((0, TEACHER_K), np.float32),
+                "lse": np.zeros(0, np.float32)}  # fmt: skip
+    return {key: torch.cat([p[key] for p in parts]).cpu().numpy() for key in parts[0]}
+
+
 @torch.inference_mode()
 def relabel(
     store: AnswerStore,
@@ -317,20 +335,22 @@ def relabel(
             feats: list[np.ndarray | None] = [None] * len(seqs)
             tapped: list[np.ndarray | None] = [None] * len(seqs)
             labels = _teacher_arrays(int(starts[-1]), TEACHER_K, vocab)
-            for start in range(0, len(seqs), batch):
+            for start in range(0, len(seqs), batch):  # a group's results come back in one copy each
                 part = order[start : start + batch]
                 rows = decoder.teacher_forced([seqs[i][0].tolist() for i in part], taps=taps if want_t else ())
-                for i, row in zip(part, rows, strict=True):
-                    feats[i] = host_f16(row["features"])
-                    if want_t:
-                        tapped[i] = host_f16(row["taps"])
-                    first = max(seqs[i][1] - 1, 0)  # the row whose next token is the answer's first
-                    if want_h and first < len(row["features"]):
-                        top = compact_teacher(decoder.lean.head(row["features"][first:]))
-                        at = slice(starts[i] + first, starts[i + 1])
-                        labels["ids"][at] = top["ids"].cpu().numpy()
-                        labels["logits"][at] = top["logits"].cpu().numpy()
-                        labels["lse"][at] = top["lse"].cpu().numpy()
+                lens = [len(row["features"]) for row in rows]
+                for i, f in zip(part, _split(host_f16(torch.cat([r["features"] for r in rows])), lens), strict=True):
+                    feats[i] = f
+                if want_t:
+                    for i, t in zip(part, _split(host_f16(torch.cat([r["taps"] for r in rows])), lens), strict=True):
+                        tapped[i] = t
+                if want_h:  # from the row whose next token is the answer's first
+                    firsts = [min(max(seqs[i][1] - 1, 0), n) for i, n in zip(part, lens, strict=True)]
+                    answer = torch.cat([r["features"][f:] for r, f in zip(rows, firsts, strict=True)])
+                    counts = [n - f for n, f in zip(lens, firsts, strict=True)]
+                    for key, value in _teacher_rows(decoder, answer).items():
+                        for i, f, got in zip(part, firsts, _split(value, counts), strict=True):
+                            labels[key][starts[i] + f : starts[i + 1]] = got
             ids = np.load(store.ids_path(stage, k))["ids"]
             if want_f:
                 store.write_features(stage, k, feats, ids)

@@ -6,6 +6,9 @@ Stages of the run's answer store (answers/store.py: ids and features in shards),
     askN       round N of the follow-ups: every answered job with `follow_ups` >= N, the target shown
                the conversation so far and asked to write the user's next question
     followN    the target answers that question, the conversation so far as the earlier turns
+    prior-S    stage S of answers made earlier (`--prior-answers`: an answer store's id shards, such as
+               the committed ones), copied in as they are; the relabel stage computes their features
+               and teacher (teacher-forced, far cheaper than decoding them again)
 
 Every shard keeps its features and its compact teacher as it decodes (`decode_shard(teacher=True)`:
 the logits each answer token was drawn from), so no teacher-forced pass follows. A stage's job list
@@ -22,9 +25,11 @@ recipe's `room` callback decides whether another shard may start).
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 
 from dynatree_core.training.answers import sources
 from dynatree_core.training.answers.decode_batch import BatchDecoder
@@ -48,6 +53,28 @@ def saved_jobs(store: AnswerStore, stage: str) -> list[sources.Job] | None:
 def save_jobs(store: AnswerStore, stage: str, jobs: list[sources.Job]) -> list[sources.Job]:
     sources.save_jobs(store.ids_dir / f"{stage}.jobs.gz", jobs)
     return jobs
+
+
+PRIOR_STAGES = ("questions", "main", "written")  # an answer store's stages with answers worth training on
+
+
+def import_prior(store: AnswerStore, prior: Path) -> list[str]:
+    """The id shards of `prior`'s PRIOR_STAGES copied into `store` as stages `prior-S` (once: a
+    shard already there is kept); returns the stages that hold shards."""
+    stages = []
+    for stage in PRIOR_STAGES:
+        found = AnswerStore(prior, prior).shards(stage)
+        if not found:
+            continue
+        stages.append(f"prior-{stage}")
+        store.ids_dir.mkdir(parents=True, exist_ok=True)
+        for k in found:
+            dest = store.ids_path(stages[-1], k)
+            if not dest.exists():
+                tmp = dest.with_name(dest.stem + ".tmp.npz")
+                shutil.copyfile(prior / f"{stage}_{k:05d}.npz", tmp)
+                tmp.rename(dest)
+    return stages
 
 
 @dataclasses.dataclass

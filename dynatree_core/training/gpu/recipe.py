@@ -5,7 +5,8 @@
     follow    the follow-up rounds the pack's jobs ask for (the target writes the user's next
               question, then answers it)
     relabel   the OOD answers' features and teacher (store.relabel, teacher-forced), and the
-              teacher of any answer shard that lacks it
+              teacher of any answer shard that lacks it; with `prior_answers`, answers made before
+              (the committed ones) copied in and given features and teacher, trained on too
     train     the packed feature recipe (`make draft-feature-long`'s flags: feature kind, one level,
               CE share 0.25), cosine to zero over the training share of the budget
     quality   held-out and OOD agreement by depth (feature-quality --answers)
@@ -25,11 +26,9 @@ compute ledger included (ledger.kept_in).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -41,9 +40,9 @@ from dynatree_core.training.answers.store import AnswerStore
 from dynatree_core.training.cli import COMMITTED, SHIPPED
 from dynatree_core.training.gpu import answering
 from dynatree_core.training.gpu.book import Book
+from dynatree_core.training.gpu.settings import STAGES, GpuRecipe, command_line
 from dynatree_core.training.ledger import kept_in
 
-STAGES = ("answers", "follow", "relabel", "train", "quality", "export")
 ANSWER_SHARE = 0.55  # of the budget: the target's answers (and follow-ups)
 FOLLOW_SHARE = 0.2  # of the answers' share, kept for the follow-ups when the pack asks for them
 REPORT_SHARE = 0.1  # of the budget, kept for quality and export
@@ -57,29 +56,6 @@ MAP_SIZE = 24576  # a map rebuilt from the answers: the shipped feature draft's 
 # `make draft-feature-long`'s LONG_FLAGS (the feature kind's long schedule), over a time budget
 # (a checkpoint each 30 s, not each log line: on a GPU ten steps take less time than writing ~110 MB)
 TRAIN_SETTINGS = dict(levels=1, ce_share=0.25, lr=5e-4, warmup=50, passes=15.0, log_every=10, checkpoint_every_s=30.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuRecipe:
-    """One run's settings (the CLI's flags: commands.py)."""
-
-    pack: Path
-    out: Path
-    budget_s: float = 1500.0
-    until: str = "export"
-    target: str = "embedded"
-    device: str = "auto"
-    dtype: str = "bfloat16"
-    batch_rows: int = 0  # rows decoded together (0: 1024 on CUDA, 16 on the CPU)
-    shard_jobs: int = 0  # jobs a shard (0: 8 x batch_rows on CUDA, 512 on the CPU)
-    answer_tokens: int = 0  # > 0: the answers stop once this many answer tokens are stored
-    train_s: float = 0.0  # > 0: seconds of training instead of the budget's training share
-    pairs_per_step: int = 8192  # packed answer pairs a training step reads (PackedTrainConfig's default)
-    init_from: Path | None = None
-    token_map: Path | None = None  # default: the shipped feature draft's map (embedded), else rebuilt
-    ood_max_new: int = 256  # the OOD answers' token limit (a target without committed ones)
-    stop_after_s: float = 0.0  # > 0: this call stops starting work after this many seconds
-    seed: int = 0
 
 
 class GpuRun:
@@ -106,7 +82,8 @@ class GpuRun:
 
     def answer_stages(self) -> tuple[str, ...]:
         n = self.book.data["plan"].get("rounds", 0)
-        return ("main", *(f"{s}{r}" for r in range(1, n + 1) for s in ("ask", "follow")))
+        prior = tuple(self.book.data["plan"].get("prior", ()))
+        return ("main", *(f"{s}{r}" for r in range(1, n + 1) for s in ("ask", "follow")), *prior)
 
     def call_left(self) -> float:
         """Seconds this call may still start work in (inf without `stop_after_s`)."""
@@ -276,6 +253,9 @@ class GpuRun:
             t0 = time.perf_counter()
             ood_answers(ood, target, max_new=self.cfg.ood_max_new, log=self.log)
             self.book.add("relabel", time.perf_counter() - t0, 1)
+        if self.cfg.prior_answers is not None:
+            prior = self.book.plan("prior", lambda: answering.import_prior(self.store, self.cfg.prior_answers))
+            self.log(f"draft-gpu: relabel: prior answers, stages {', '.join(prior) or 'none'}")
         batch = 64 if self.device.type == "cuda" else 16
         work = [(store, stage, k) for store, stages in ((self.store, self.answer_stages()), (ood, ("ood",)))
                 for stage in stages for k in store.shards(stage) if not store.has_teacher(stage, k)]  # fmt: skip
@@ -336,8 +316,13 @@ class GpuRun:
         self.log(f"draft-gpu: train: {len(data.train_rows):,} windows, {pairs:,} answer pairs, a {budget:.0f} s "
                  f"schedule ({budget - self.book.seconds('train'):.0f} s left)")  # fmt: skip
         draft = start_draft("feature", target.model, token_map, None, cfg.seed, init_from=self.cfg.init_from, out=run)
+        prior = tuple(s for s in stages if s.startswith("prior-"))  # answers made before the run
         about = {"kind": "answers", **data.windows.describe(), "sources": source_summary(self.store, stages),
+                 "pack_answers": source_summary(self.store, tuple(s for s in stages if s not in prior)),
                  "pack": json.loads((self.out / "pack.json").read_text()).get("sources", {})}  # fmt: skip
+        if prior:
+            tokens = sum(row["answer_tokens"] for row in source_summary(self.store, prior).values())
+            about["prior"] = {"stages": list(prior), "answer_tokens": tokens}
         if self.cfg.init_from:
             about["init_from"] = portable(str(self.cfg.init_from))
         t0 = time.perf_counter()
@@ -372,7 +357,7 @@ class GpuRun:
         t0, dest = time.perf_counter(), self.out / "export"
         quality = json.loads((self.out / "quality.json").read_text())
         export_feature_draft(self.out / "train", dest, self.target("float32").model, quality=quality,
-                             command=self.command())  # fmt: skip
+                             command=command_line(self.cfg, self.batch))  # fmt: skip
         size = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
         if size > EXPORT_MB * 2**20:
             raise DynaTreeError(
@@ -381,13 +366,3 @@ class GpuRun:
         self.book.add("export", time.perf_counter() - t0, 1, size, done=True)
         self.log(f"draft-gpu: exported {size / 2**20:.1f} MB: bring back {portable(str(dest))}")
         return True
-
-    def command(self) -> str:
-        """The card's command line (no path of this machine)."""
-        cfg = self.cfg
-        target = Path(cfg.target).name if Path(cfg.target).is_dir() else cfg.target  # a directory: its name only
-        line = f"python -m dynatree_core.training draft-gpu --pack {cfg.pack.name} --target {target}"
-        line += f" --budget-s {cfg.budget_s:.0f} --dtype {cfg.dtype} --batch-rows {self.batch}"
-        line += f" --answer-tokens {cfg.answer_tokens}" if cfg.answer_tokens else ""
-        line += f" --pairs-per-step {cfg.pairs_per_step}" if cfg.pairs_per_step != 8192 else ""
-        return line + (f" --init-from {portable(str(cfg.init_from))}" if cfg.init_from else "")
