@@ -152,7 +152,8 @@ draft-feature: draft-feature-stages
 # teacher; the packed feature recipe (LONG_FLAGS' loss) cosine to zero over the training share; quality;
 # export. GPU_BUDGET seconds of the stages' work in all, split across them; everything under GPU_RUN, and
 # only GPU_RUN/export (the draft and its card) to bring back. Rerunning continues where it stopped;
-# GPU_FLAGS="--until answers --stop-after-s 540" runs one stage or one call's worth of it at a time.
+# GPU_FLAGS="--until answers --stop-after-s 540" runs one stage or one call's worth of it at a time;
+# GPU_FLAGS="--prior-answers assets/draft-data/answers" relabels the committed answers and trains on them too.
 PACK ?= $(HOME)/.cache/dynatree/draft-data/prompt-pack.jsonl.gz
 GPU_RUN ?= $(HOME)/.cache/dynatree/draft-runs/gpu
 GPU_BUDGET ?= 1500

@@ -281,7 +281,9 @@ def _rows_teacher(rows, vocab: int) -> dict[str, np.ndarray]:
     return labels
 
 
-TEACHER_ROWS = 4096  # head rows a relabel computes at once (their float32 logits over the vocabulary)
+# head rows a relabel computes at once (their float32 logits over the vocabulary): many on a GPU, few
+# enough on a CPU that the logits stay in its caches
+TEACHER_ROWS = {"cuda": 4096}
 
 
 def _split(array: np.ndarray, lens: list[int]) -> list[np.ndarray]:
@@ -290,9 +292,8 @@ def _split(array: np.ndarray, lens: list[int]) -> list[np.ndarray]:
 
 def _teacher_rows(decoder: BatchDecoder, states: torch.Tensor) -> dict[str, np.ndarray]:
     """compact_teacher of the target's head at `states` (n, H), TEACHER_ROWS at a time, read back once."""
-    parts = [
-        compact_teacher(decoder.lean.head(states[a : a + TEACHER_ROWS])) for a in range(0, len(states), TEACHER_ROWS)
-    ]
+    step = TEACHER_ROWS.get(states.device.type, 256)
+    parts = [compact_teacher(decoder.lean.head(states[a : a + step])) for a in range(0, len(states), step)]
     if not parts:
         return {"ids": np.zeros((0, TEACHER_K), np.int64), "logits": np.zeros((0, TEACHER_K), np.float32),
                 "lse": np.zeros(0, np.float32)}  # fmt: skip
