@@ -268,8 +268,9 @@ def test_a_kernel_that_changes_with_every_row_count_runs_every_call_at_one_shape
     lean, head = _with_head(model, lambda head: lambda x: head(x) + len(x) * 1e-2)
     try:
         verdict = width_verdict(lean, dtype, torch.device("cpu"))
-        assert verdict.reason is None and verdict.linear_rows == -invariant.LINEAR_CALL_ROWS, verdict
-        assert invariant.linears_note(verdict.linear_rows) == f"linears in calls of {invariant.LINEAR_CALL_ROWS} rows"
+        calls = -invariant.LINEAR_CALL_ROWS  # the head alone: the block's linears run as they come
+        assert verdict.reason is None and verdict.linear_rows == invariant.LinearRows(head=calls), verdict
+        assert invariant.linears_note(verdict.linear_rows) == f"head in calls of {invariant.LINEAR_CALL_ROWS} rows"
         _assert_path_bits_match_ar(model, f"linears in calls of one shape, {dtype}")
         long = [(7 * i) % 90 + 1 for i in range(300)]  # at fixed shapes too, a prefill past every bucket
         assert gpu_check.path_bits_match(model, [*PROMPT, 17], graphs=True)
@@ -301,7 +302,8 @@ def test_a_one_row_kernel_of_its_own_is_padded_away(dtype):
     lean, head = _with_head(model, lambda head: lambda x: head(x) + (len(x) == 1) * 1e-2)
     try:
         verdict = width_verdict(lean, dtype, torch.device("cpu"))
-        assert verdict.reason is None and verdict.linear_rows == 2, verdict
+        assert verdict.reason is None and verdict.linear_rows == invariant.LinearRows(head=2), verdict
+        assert invariant.linears_note(verdict.linear_rows) == "head padded to 2 rows"
         _assert_path_bits_match_ar(model, f"padded head, {dtype}")
     finally:
         lean.head = head
@@ -333,8 +335,8 @@ def test_the_gpus_residual_gemm_is_probed_as_the_forward_takes_it(gpu_forms):
     fused = block.add_o
     assert fused is not None
     for shaky, reason, rows in (
-        (lambda x, a: fused(x, a) + a.float().sum() * 1e-3, None, -invariant.LINEAR_CALL_ROWS),
-        (lambda x, a: fused(x, a) + (len(a) == 1) * 1e-2, None, 2),
+        (lambda x, a: fused(x, a) + a.float().sum() * 1e-3, None, invariant.LinearRows(o=-invariant.LINEAR_CALL_ROWS)),
+        (lambda x, a: fused(x, a) + (len(a) == 1) * 1e-2, None, invariant.LinearRows(o=2)),
     ):
         block.add_o = shaky
         lean.__dict__.pop("_width_verdicts", None)
@@ -354,7 +356,8 @@ def test_unpacked_float32_linears_are_padded_to_the_rows_from_which_they_agree()
     9-11 rows than at 12 and more: the probe pads every linear to 16 rows and stays bitwise."""
     model = copy.deepcopy(tiny_model("llama")).float()
     _skip_unless_bitwise(model)
-    assert KVState(model, PROMPT, invariant=True).verdict.linear_rows > 1, "padded, not invariant as it is"
+    rows = KVState(model, PROMPT, invariant=True).verdict.linear_rows
+    assert rows != invariant.LinearRows(), "padded, not invariant as it is"
 
 
 def test_architectures_without_the_lean_forward_are_not_claimed_invariant():
@@ -456,11 +459,12 @@ def test_where_forwards_replay_graphs_the_probe_replays_its_calls_too(monkeypatc
     lean.__dict__.pop("_width_verdicts", None)
     lean.__dict__.pop("_static_verdicts", None)
     cpu = torch.device("cpu")
-    assert width_verdict(lean, torch.bfloat16, cpu, attention=False).linear_rows == 1
-    assert width_verdict(lean, torch.bfloat16, cpu, attention=False, captured=True).linear_rows == 2
+    assert width_verdict(lean, torch.bfloat16, cpu, attention=False).linear_rows == invariant.LinearRows()
+    padded = width_verdict(lean, torch.bfloat16, cpu, attention=False, captured=True).linear_rows
+    assert padded == invariant.LinearRows.every(2), padded
     monkeypatch.setattr(choice.cuda_graphs, "capture_wanted", lambda device, model: True)
     picked = choice.choose_forward(model, graphs=True, invariant=True)
-    assert picked.capture and picked.verdict.linear_rows == 2, picked
+    assert picked.capture and picked.verdict.linear_rows == invariant.LinearRows.every(2), picked
     assert (torch.bfloat16, "cpu", True) in lean._static_verdicts
     lean.__dict__.pop("_width_verdicts", None)
     lean.__dict__.pop("_static_verdicts", None)

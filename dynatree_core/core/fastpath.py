@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from dynatree_core.core import kernels
 from dynatree_core.core.forward import Forward
-from dynatree_core.core.invariant import RopeTable, RowGroups, min_rows
+from dynatree_core.core.invariant import LinearRows, RopeTable, RowGroups, min_rows
 from dynatree_core.core.static_rows import StaticRows
 from dynatree_core.core.taps import stack_taps
 
@@ -264,22 +264,22 @@ class _Block:
         self.heads = attn.q_proj.out_features // attn.head_dim
         self.qk_heads = self.heads + attn.k_proj.out_features // attn.head_dim
 
-    def mlp(self, x: torch.Tensor, rows: int = 1) -> torch.Tensor:
-        """The block's second half: x + down(silu(gate(n2(x))) * up(n2(x))); `rows`: pad each
-        linear's input to at least this many rows (invariant.min_rows)."""
+    def mlp(self, x: torch.Tensor, rows: int = 1, down_rows: int = 1) -> torch.Tensor:
+        """The block's second half: x + down(silu(gate(n2(x))) * up(n2(x))); `rows`, `down_rows`:
+        how gate/up and down are called (invariant.min_rows, LinearRows)."""
         h = self.norm2(x)
         if self.gate_up is not None:
             both = min_rows(self.gate_up, h, rows)
             if self.kernels and not both.requires_grad:  # one kernel (its own rounding: once)
-                return self.residual(x, "down", kernels.silu_mul(both), rows)
+                return self.residual(x, "down", kernels.silu_mul(both), down_rows)
             gate, up = both.split(self.mlp_size, dim=-1)
         else:
             gate, up = min_rows(self.gate, h, rows), min_rows(self.up, h, rows)
-        return self.residual(x, "down", F.silu(gate) * up, rows)
+        return self.residual(x, "down", F.silu(gate) * up, down_rows)
 
     def residual(self, x: torch.Tensor, name: str, a: torch.Tensor, rows: int) -> torch.Tensor:
         """x + the linear `name` ("o" or "down") of a: inside its GEMM (`add_<name>`, in place on
-        x) unless the linears are padded (rows > 1: the forms width_verdict chose the padding for)."""
+        x) unless the linear is padded (rows != 1: the form width_verdict chose the padding for)."""
         fused = getattr(self, f"add_{name}")
         if fused is not None and rows == 1:
             return fused(x, a)
@@ -342,13 +342,13 @@ class LeanForward:
         rope = self.rotary(x, positions) if rows is None else self.rope_table(x, positions, rows.positions_end)
         cos, sin = rope_pair(*rope)  # (1, 1, q, head_dim) each, sin signed for _rotate
         folded = None if rows is not None else fold_mask(mask, self.blocks[0].groups)  # once per forward
-        pad = rows.linear_rows if rows is not None else 1  # linears' fewest rows (invariant.width_verdict)
+        pad = rows.linear_rows if rows is not None else LinearRows()  # how each linear is called (width_verdict)
         taps = hidden if isinstance(hidden, tuple) else ()
         tapped = {}
         for i, (block, cache) in enumerate(zip(self.blocks, layers, strict=True)):
             if i in taps:
                 tapped[i] = x[0].clone() if in_place else x[0]
-            q, k, v = block.project(block.norm1(x), cos, sin, pad)  # (1, heads, q, head_dim), q and k rotated
+            q, k, v = block.project(block.norm1(x), cos, sin, pad.qkv)  # (1, heads, q, head_dim), q and k rotated
             keys, values = cache.update(k, v)  # views of slots 0 .. L + q
             if rows is not None:
                 attn = rows.attend(q, keys, values, block.scaling)  # invariant.py: each row over its own keys
@@ -356,9 +356,10 @@ class LeanForward:
                 attn = F.scaled_dot_product_attention(
                     fold_groups(q, block.groups), keys, values, attn_mask=folded, scale=block.scaling
                 ).reshape(q.shape)  # CUDA kernels return it strided (rows, heads) major: a view would fail
-            x = block.mlp(block.residual(x, "o", attn.transpose(1, 2).reshape(1, ids.shape[1], -1), pad), pad)
+            x = block.residual(x, "o", attn.transpose(1, 2).reshape(1, ids.shape[1], -1), pad.o)
+            x = block.mlp(x, pad.gate_up, pad.down)
         if not hidden:
-            return Forward(min_rows(self.head, self.norm(x[0, -logits_to_keep:]), pad))
+            return Forward(min_rows(self.head, self.norm(x[0, -logits_to_keep:]), pad.head))
         states = self.norm(x[0])
-        logits = min_rows(self.head, states[-logits_to_keep:], pad)
+        logits = min_rows(self.head, states[-logits_to_keep:], pad.head)
         return Forward(logits, stack_taps(taps, tapped, states) if taps else states)

@@ -29,10 +29,12 @@ forward looks them up.
 Linears are row-wise by nature, but a library may still pick its kernel by the row count.
 `width_verdict` checks the model's own linears, its norm and this attention at the widths a run
 uses, and finds the fewest rows from which each linear agrees with its widest call: the forward
-pads every linear's input to that many rows (`min_rows`; a one-row GEMV then runs as the GEMM).
+pads that linear's input to that many rows (`min_rows`; a one-row GEMV then runs as the GEMM).
 Where no padding helps (a row's bits change with every row count: cuBLAS's float32 GEMM at some
-shapes), every linear call runs exactly LINEAR_CALL_ROWS rows, wider inputs in chunks of that
-many: one shape, one kernel, and a deterministic GEMM's row does not read the other rows.
+shapes), that linear's calls run exactly LINEAR_CALL_ROWS rows, wider inputs in chunks of that
+many: one shape, one kernel, and a deterministic GEMM's row does not read the other rows. Each
+linear gets its own rule (`LinearRows`): a padded call costs (bfloat16 `ar` 1.14x with every linear
+padded to 2 rows on a Zen host, where only the down projection needs it).
 The same probe runs the attention at short and long key counts and pads its calls to
 `attention_rows` where the batch count changes a row's bits. Where the run's forwards replay CUDA
 graphs, the probe's calls do too (`captured`: a library may pick other kernels under stream
@@ -59,6 +61,23 @@ LINEAR_CALL_ROWS = 16  # rows per linear call where no padding makes a linear in
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearRows:
+    """How each linear of a width-invariant forward is called (`min_rows`): with at least this many
+    rows (1: as it comes; more: padded up), or, negative, always exactly -rows rows. One entry per
+    linear of a block (q/k/v and gate/up one each, fused or not) and the head."""
+
+    qkv: int = 1
+    o: int = 1
+    gate_up: int = 1
+    down: int = 1
+    head: int = 1
+
+    @classmethod
+    def every(cls, rows: int) -> LinearRows:
+        return cls(rows, rows, rows, rows, rows)
+
+
+@dataclasses.dataclass(frozen=True)
 class RowGroups:
     """The rows of one forward grouped by how many keys they see.
 
@@ -67,7 +86,7 @@ class RowGroups:
 
     groups: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     positions_end: int = 0  # one past the largest position of the forward (sizes the RoPE table)
-    linear_rows: int = 1  # every linear's input padded to at least this many rows (WidthVerdict)
+    linear_rows: LinearRows = LinearRows()  # how each linear is called (WidthVerdict)
     attention_rows: int = 1  # >1: every attention call runs exactly this many rows (WidthVerdict)
     real: tuple[int, ...] = ()  # per group: its real rows (the rest repeat its last row); () = all real
 
@@ -77,7 +96,7 @@ class RowGroups:
         visible: torch.Tensor,
         device: torch.device,
         positions_end: int = 0,
-        linear_rows: int = 1,
+        linear_rows: LinearRows = LinearRows(),
         attention_rows: int = 1,
     ) -> RowGroups:
         """visible (q, L) bool (host): row i may attend to slot j. One upload for every group.
@@ -191,11 +210,14 @@ def min_rows(fn, x: torch.Tensor, rows: int) -> torch.Tensor:
     return fn(torch.cat([x, pad], dim=-2))[..., :n, :]
 
 
-def linears_note(rows: int) -> str:
+def linears_note(rows: LinearRows) -> str:
     """How a verdict's `linear_rows` shapes the linears' calls, for reports; "" when it does not."""
-    if rows < 0:
-        return f"linears in calls of {-rows} rows"
-    return f"linears padded to {rows} rows" if rows > 1 else ""
+    form = lambda r: f"in calls of {-r} rows" if r < 0 else f"padded to {r} rows"  # noqa: E731
+    values = dataclasses.astuple(rows)
+    if len(set(values)) == 1:
+        return f"linears {form(values[0])}" if values[0] != 1 else ""
+    names = [f.name.replace("_", "/").replace("qkv", "q/k/v") for f in dataclasses.fields(rows)]
+    return ", ".join(f"{name} {form(r)}" for name, r in zip(names, values, strict=True) if r != 1)
 
 
 def _agrees_at(fn, x: torch.Tensor, full: torch.Tensor, w: int) -> bool:
@@ -254,13 +276,18 @@ def _attention_agrees(kv_heads: int, groups: int, d: int, dtype, device, gen, at
     return True
 
 
+# the probe's linears (width_verdict) -> the LinearRows entry whose calls they make
+_FIELDS = {"q/k/v": "qkv", "q": "qkv", "k": "qkv", "v": "qkv", "o": "o", "gate/up": "gate_up", "gate": "gate_up",
+           "up": "gate_up", "down": "down", "head": "head"}  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class WidthVerdict:
     """What width_verdict found: `reason` None when every row's bits are width-invariant (with the
     linears' inputs padded to `linear_rows` rows where the library needs it), else which op is not."""
 
     reason: str | None
-    linear_rows: int = 1  # < 0: every linear call exactly -linear_rows rows (min_rows)
+    linear_rows: LinearRows = LinearRows()  # per linear: its fewest rows, or < 0: calls of exactly -rows
     attention_rows: int = 1  # >1: attention calls padded to this many rows (the batch count mattered)
 
 
@@ -301,18 +328,22 @@ def width_verdict(
             add = lambda t, fused=fused, h=h: fused(t[..., :h].clone(), t[..., h:].contiguous())  # noqa: E731
             linears[f"x + {name}"] = (add, both)
     changes = "a row's bits change with the row count"
-    rows, reason = 1, None
+    rows, reason = dict.fromkeys(_FIELDS.values(), 1), None
     as_run = (lambda fn: capture.replayed(fn, device)) if captured else (lambda fn: fn)  # noqa: E731
-    for fn, inp in linears.values():
+    for name, (fn, inp) in linears.items():
+        field = _FIELDS[name.removeprefix("x + ")]
+        if rows[field] < 0:
+            continue
         fewest = _fewest_rows(as_run(fn), inp)
-        if fewest is None:  # no padding helps: every linear in calls of one shape, if that does
-            rows = -LINEAR_CALL_ROWS  # the forward then adds the residual apart (fastpath.residual)
-            plain = {n: v for n, v in linears.items() if not n.startswith("x + ")}
+        if fewest is None:  # no padding helps: this linear in calls of one shape, if that does
+            rows[field] = -LINEAR_CALL_ROWS  # its residual then added apart (fastpath.residual)
+            plain = {n: v for n, v in linears.items() if _FIELDS.get(n) == field}
             failed = next((n for n, (f, i) in plain.items() if not _agrees_in_calls(as_run(f), i)), None)
             if failed:
                 reason = f"{failed}: {changes}, padded or not, in calls of {LINEAR_CALL_ROWS} rows or not"
-            break
-        rows = max(rows, fewest)
+                break
+        else:  # a residual GEMM that needs padding: the padded call takes the plain linear (fastpath.residual)
+            rows[field] = max(rows[field], fewest)
     if reason is None and _fewest_rows(as_run(block.norm1), x) != 1:
         reason = f"norm: {changes}"
     kv_heads = block.qk_heads - block.heads
@@ -323,5 +354,5 @@ def width_verdict(
             attention_rows = ATTENTION_ROWS
             if not _attention_agrees(*shape, gen, attention_rows):
                 reason = f"attention: {changes}, in calls of fixed size or not"
-    cache[key] = WidthVerdict(reason, rows, attention_rows)
+    cache[key] = WidthVerdict(reason, LinearRows(**rows), attention_rows)
     return cache[key]

@@ -20,7 +20,7 @@ import dataclasses
 import torch
 
 from dynatree_core.core import capture, kernels
-from dynatree_core.core.invariant import ATTENTION_ROWS
+from dynatree_core.core.invariant import ATTENTION_ROWS, LinearRows
 from dynatree_core.core.slots import side_by_side
 
 
@@ -40,7 +40,7 @@ class StaticRows:
     slots: torch.Tensor
     tail: torch.Tensor
     positions_end: int = 0  # sizes the RoPE table (the run's span: every position is below it)
-    linear_rows: int = 1
+    linear_rows: LinearRows = LinearRows()
 
     @staticmethod
     def build(visible: torch.Tensor, span: int, *, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
