@@ -342,7 +342,7 @@ def width_verdict(
             if failed:
                 reason = f"{failed}: {changes}, padded or not, in calls of {LINEAR_CALL_ROWS} rows or not"
                 break
-        else:  # a residual GEMM that needs padding: the padded call takes the plain linear (fastpath.residual)
+        else:  # the most any of its forms needs (padded, o and down take the plain linear: fastpath.residual)
             rows[field] = max(rows[field], fewest)
     if reason is None and _fewest_rows(as_run(block.norm1), x) != 1:
         reason = f"norm: {changes}"
