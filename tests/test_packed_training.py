@@ -308,6 +308,8 @@ def test_prefetch_keeps_the_order_with_several_workers_and_raises_their_failures
         list(prefetch(broken_make, workers=2))
     with pytest.raises(ZeroDivisionError):
         list(prefetch(lambda: iter(range(3)), lambda i: 1 / (i - 2), workers=2))
+    with pytest.raises(TimeoutError, match="no batch built in 0 s"):
+        list(prefetch(lambda: iter(range(3)), lambda i: time.sleep(0.5), wait_s=0.05))
 
 
 @pytest.fixture

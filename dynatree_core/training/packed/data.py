@@ -72,8 +72,10 @@ class PackedBatch:
     def _mapped(self, fn) -> PackedBatch:
         moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for name, value in moved.items():
-            if isinstance(value, torch.Tensor) or (name == "plan" and value is not None):
-                moved[name] = fn(value) if isinstance(value, torch.Tensor) else value.to_all(fn)
+            if isinstance(value, torch.Tensor):
+                moved[name] = fn(value)
+            elif name == "plan" and value is not None:
+                moved[name] = value.to_all(fn)
         return PackedBatch(**moved)
 
 
@@ -227,10 +229,14 @@ class PackedAnswers:
         return order[cursor:end], end
 
 
-def prefetch(make, build=None, *, depth: int = 2, workers: int = 1):
+PREFETCH_WAIT_S = 600.0  # a batch not ready after this long: the building is stuck, said as such
+
+
+def prefetch(make, build=None, *, depth: int = 2, workers: int = 1, wait_s: float = PREFETCH_WAIT_S):
     """Iterate `build(item)` for `make()`'s items, in their order, built by `workers` background
     threads (reading the shards and numpy's copies release the GIL: a GPU's step outruns one
-    thread), up to `depth` finished ahead. A failure of `make` or `build` is raised here."""
+    thread), up to `depth` finished ahead. A failure of `make` or `build` is raised here, and a
+    batch that takes over `wait_s` seconds is a TimeoutError naming the wait."""
     build = build or (lambda item: item)
     ahead: queue.Queue = queue.Queue(maxsize=depth + workers - 1)
     stop = threading.Event()
@@ -255,11 +261,19 @@ def prefetch(make, build=None, *, depth: int = 2, workers: int = 1):
         put(None)
 
     threading.Thread(target=produce, daemon=True, name="prefetch-order").start()
+    stuck = f"prefetch: no batch built in {wait_s:.0f} s (reading the answer shards is stuck)"
     try:
-        while (got := ahead.get()) is not None:
-            if isinstance(got, BaseException):
-                raise got
-            yield got.result()
+        while True:
+            try:
+                got = ahead.get(timeout=wait_s)
+                if got is None:
+                    return
+                if isinstance(got, BaseException):
+                    raise got
+                batch = got.result(timeout=wait_s)
+            except (queue.Empty, TimeoutError):
+                raise TimeoutError(stuck) from None
+            yield batch
     finally:
         stop.set()
         pool.shutdown(wait=False, cancel_futures=True)
