@@ -4,11 +4,14 @@ in this process, the same controls (step, run, pause, reset), and every failure 
 from __future__ import annotations
 
 import gc
+import io
+import sys
 import time
 
 import pytest
 import torch
 
+from dynatree_core.core.log import log_info
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.decoding.pairs import load_pair
@@ -174,22 +177,24 @@ def test_jobs_queue_in_arrival_order_and_a_step_meanwhile_is_answered_busy(engin
     from dynatree_core.live.engine_process import JobHandle
     from dynatree_core.measure.compare import compare
     from dynatree_core.measure.entries import Entry
+    from dynatree_core.ui.resources import _waiting_text  # imported before the jobs: it takes ~0.5 s
 
-    config = _config(engine, 24)
+    # jobs of about a second each here, so the first still runs while the queue is read and Step is
+    # pressed (24 tokens, one repetition: the first job ended 0.5-0.65 s after submission, and the
+    # queue's text, read after this import, saw it gone in 2 of 7 runs here)
+    config = _config(engine, 64)
     run = _start(engine, max_new=24)
     payload = {
         "entries": [Entry("fixed_tree"), Entry("linear")],
         "prompt_ids": PROMPT,
         "config": config,
-        "repetitions": 1,
+        "repetitions": 2,
         "include_hf": False,
     }
     handles = [JobHandle() for _ in range(3)]
     rids = [engine.submit("compare", payload, h) for h in handles]
     assert [engine.queue_position(r) for r in rids] == [0, 1, 2]
     assert engine.busy_with() == ("compare", 2) and engine.in_use
-    from dynatree_core.ui.resources import _waiting_text
-
     text = _waiting_text(engine, rids[2], "compare")  # what the third job's page shows while it waits
     assert "running a comparison" in text and "2 job(s) ahead of this one (a comparison)" in text
     deadline = time.monotonic() + 60
@@ -208,7 +213,7 @@ def test_jobs_queue_in_arrival_order_and_a_step_meanwhile_is_answered_busy(engin
         events.append(handles[0].events.get_nowait())
     assert [d[0] for k, d in events if k == "progress"] == sorted(d[0] for k, d in events if k == "progress")
     assert all(engine.queue_position(r) is None for r in rids) and engine.busy_with() is None
-    here = compare(pair, payload["entries"], PROMPT, config=config, repetitions=1, include_hf=False)
+    here = compare(pair, payload["entries"], PROMPT, config=config, repetitions=2, include_hf=False)
     for got in (h.result for h in handles):
         assert [e.token_ids for e in got.entries] == [e.token_ids for e in here.entries]
         assert got.correctness["ok"] is True
@@ -229,6 +234,20 @@ def test_a_failing_job_is_a_message_and_its_traceback_is_in_the_server_log(engin
     assert "job generate" in logged and "Traceback (most recent call last)" in logged
     assert "engine_child.py" in logged and "jobs.py" in logged, "the child's own stack"
     assert _job(engine, "generate", {"method": "ar", "prompt_ids": PROMPT, "config": config}).token_ids
+
+
+def test_the_log_writes_to_standard_error_as_it_is_when_a_line_is_logged(monkeypatch, tmp_path):
+    """An engine's watcher thread can log its end after the stream the logger was set up with is
+    closed (pytest's capture of an earlier test): the line goes to standard error as it is then."""
+    monkeypatch.setenv("DYNATREE_LOG", str(tmp_path / "server.log"))
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    log_info("first line")
+    first.close()
+    monkeypatch.setattr(sys, "stderr", second)
+    log_info("second line")
+    assert "second line" in second.getvalue() and "Logging error" not in second.getvalue()
+    assert "second line" in (tmp_path / "server.log").read_text()
 
 
 def test_every_command_is_answered(engine):

@@ -39,7 +39,7 @@ def logger() -> logging.Logger:
             log.setLevel(logging.INFO)
             log.propagate = False
             form = logging.Formatter("%(asctime)s %(process)d %(levelname)s %(message)s")
-            handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+            handlers: list[logging.Handler] = [_Stderr()]
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 handlers.append(logging.FileHandler(path, encoding="utf-8"))
@@ -50,6 +50,16 @@ def logger() -> logging.Logger:
                 log.addHandler(handler)
             log._dynatree_path = path  # type: ignore[attr-defined]
     return log
+
+
+class _Stderr(logging.StreamHandler):
+    """Standard error as it is when a record is written, not when the logger was set up: a
+    replaced stream (pytest's capture, closed after its test) may be gone when an engine's
+    watcher thread logs its end."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
 
 
 def log_exception(where: str, exc: BaseException | None = None) -> str:
