@@ -311,6 +311,12 @@ def test_prefetch_keeps_the_order_with_several_workers_and_raises_their_failures
     with pytest.raises(TimeoutError, match="no batch built in 0 s"):
         list(prefetch(lambda: iter(range(3)), lambda i: time.sleep(0.5), wait_s=0.05))
 
+    def timed_out(item):
+        raise TimeoutError("the build's own")
+
+    with pytest.raises(TimeoutError, match="the build's own"):  # not taken for a stuck prefetch
+        list(prefetch(lambda: iter(range(3)), timed_out, workers=2))
+
 
 @pytest.fixture
 def tiny_store(tmp_path, monkeypatch, tiny_pair_dirs):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -266,14 +266,15 @@ def prefetch(make, build=None, *, depth: int = 2, workers: int = 1, wait_s: floa
         while True:
             try:
                 got = ahead.get(timeout=wait_s)
-                if got is None:
-                    return
-                if isinstance(got, BaseException):
-                    raise got
-                batch = got.result(timeout=wait_s)
-            except (queue.Empty, TimeoutError):
+            except queue.Empty:
                 raise TimeoutError(stuck) from None
-            yield batch
+            if got is None:
+                return
+            if isinstance(got, BaseException):  # `make`'s own failure, as it came
+                raise got
+            if not wait([got], timeout=wait_s).done:  # waited apart: `build`'s own TimeoutError stays its own
+                raise TimeoutError(stuck)
+            yield got.result()
     finally:
         stop.set()
         pool.shutdown(wait=False, cancel_futures=True)
