@@ -206,8 +206,8 @@ def cmd_latency(args) -> None:
     from dynatree_core.core.choice import forward_path
     from dynatree_core.core.packing import is_packed
     from dynatree_core.decoding.pairs import load_pair
+    from dynatree_core.measure.latency import pair_profile
     from dynatree_core.runs.environment import environment
-    from dynatree_core.runs.latency import profile
     from dynatree_core.viz.bench import latency_figure
 
     try:
@@ -219,13 +219,10 @@ def cmd_latency(args) -> None:
         raise DynaTreeError("--tokens, --contexts and --repeats must be positive")
     target_spec, draft_spec = _resolve_models(args)
     pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype, pack=not args.no_pack)
-    models = {"target": pair.target.model}
-    if pair.draft is not None and not pair.draft_is_stand_in:
-        models["draft"] = pair.draft.model
     options = _forward_options(args)
     with _Progress("point") as progress:
-        points = profile(
-            models, tokens, contexts, args.repeats, progress=progress,
+        points = pair_profile(
+            pair, tokens, contexts, args.repeats, progress,
             static=options["static_cache"], fast=options["fast_forward"], graphs=options["graphs"],
         )  # fmt: skip
     model = pair.target.model
@@ -248,7 +245,7 @@ def cmd_latency(args) -> None:
         return
     print("| model | context | " + " | ".join(str(n) for n in tokens) + " |")
     print("|---|---|" + "---|" * len(tokens))
-    for name in models:
+    for name in dict.fromkeys(p.model for p in points):
         for context in contexts:
             row = [p.ms for p in points if p.model == name and p.context == context]
             print(f"| {name} | {context} | " + " | ".join(f"{ms:.1f}" for ms in row) + " |")

@@ -29,7 +29,7 @@ from dynatree_core.decoding.baselines import Baseline
 from dynatree_core.decoding.batch import EarlyVerify, VerifyBatch, early_wanted, host_verify
 from dynatree_core.drafting.policy import Policy
 from dynatree_core.drafting.request import DraftRequest
-from dynatree_core.drafts.heads import draft_kind, head_drafter, is_head  # noqa: F401 (draft_kind: engine's API)
+from dynatree_core.drafts.heads import draft_kind, make_drafter
 from dynatree_core.drafts.session import Drafter
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.runs.metrics import memory_mb, summarize, weight_bytes
@@ -144,11 +144,7 @@ def start_run(
     drafter = None
     weights = weight_bytes(target)  # CPU memory accounting (metrics.memory_mb)
     if policy.needs_draft_model:
-        vocab = min(vocab_size(draft), vocab_size(target))
-        if is_head(draft):  # reads the target's features; carries its own token map
-            drafter = head_drafter(draft, vocab, **paths)
-        else:
-            drafter = Drafter(draft, prompt_ids, vocab, draft_token_map, kv=KVState(draft, prompt_ids, **paths))
+        drafter = make_drafter(draft, prompt_ids, min(vocab_size(draft), vocab_size(target)), draft_token_map, **paths)
         weights += weight_bytes(draft)
         target_kv.steps.share_fixed(drafter.steps)  # the verify step reads the draft's rows in place
     policy.reset()

@@ -1,9 +1,9 @@
 """Drafts that read the target's own hidden states ("heads"), whatever their kind, behind one door.
 
 `is_head_dir(spec)` tells a directory holding one from a standalone draft LM; `load_head` builds
-it on the target it serves (checked against it: width, layers, vocabulary); `head_drafter` makes
-its per-run drafter, whose `taps` say which of the target's hidden states the verification
-forward hands over (core/taps.py). Kinds: the feature draft (feature.py: the final state) and
+it on the target it serves (checked against it: width, layers, vocabulary); `make_drafter` makes
+the per-run drafter of any draft, a head's or a standalone LM's (a head's `taps` say which of the
+target's hidden states the verification forward hands over: core/taps.py). Kinds: the feature draft (feature.py: the final state) and
 the fused-feature draft (fused.py: EAGLE-3's three layers); published EAGLE-1 and EAGLE-3 heads
 are read into those two kinds (published.py).
 """
@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 
 from dynatree_core.core.kv import KVState
+from dynatree_core.core.vocab import TokenMap
 from dynatree_core.drafts import feature, fused, published
+from dynatree_core.drafts.session import Drafter
 
 
 def is_head(model: torch.nn.Module | None) -> bool:
@@ -47,8 +49,14 @@ def load_head(spec: str, target: torch.nn.Module) -> torch.nn.Module:
     return published.load_published(path, target)
 
 
-def head_drafter(draft: torch.nn.Module, vocab: int, **paths) -> feature.FeatureDrafter:
-    """The per-run drafter of a head, over its own KV cache (`paths`: KVState's forward options)."""
+def make_drafter(
+    draft: torch.nn.Module, prompt_ids: list[int], vocab: int, token_map: TokenMap | None = None, **paths
+) -> Drafter:
+    """The per-run drafter of any draft kind, over its own KV cache (`paths`: KVState's forward
+    options): a head's (it reads the target's features and carries its own token map) or a
+    standalone draft LM's (the prompt pending in its cache; `token_map` for a reduced vocabulary)."""
     if isinstance(draft, fused.FusedDraft):
         return fused.FusedDrafter(draft, vocab, kv=KVState(draft, [], **paths))
-    return feature.FeatureDrafter(draft, vocab, kv=KVState(draft.lm, [], **paths))
+    if isinstance(draft, feature.FeatureDraft):
+        return feature.FeatureDrafter(draft, vocab, kv=KVState(draft.lm, [], **paths))
+    return Drafter(draft, prompt_ids, vocab, token_map, kv=KVState(draft, prompt_ids, **paths))

@@ -20,7 +20,7 @@ from dynatree_core.errors import DynaTreeError
 from dynatree_core.measure.bench import run_bench
 from dynatree_core.measure.compare import compare
 from dynatree_core.measure.lab import run_lab
-from dynatree_core.runs.latency import profile
+from dynatree_core.measure.latency import pair_profile
 
 Emit = Callable[[str, Any], None]
 RECORD_EVERY_S = 0.5  # live trees of a running comparison: at most two a second cross to the page
@@ -96,11 +96,8 @@ def generate_job(pair, payload: dict, emit: Emit):
 
 
 def latency_job(pair, payload: dict, emit: Emit):
-    """The pair's forward latency profile (runs/latency.py): context 128, 1-64 new tokens."""
-    models = {"target": pair.target.model}
-    if pair.draft is not None and not pair.draft_is_stand_in:
-        models["draft"] = pair.draft.model
-    return profile(models, tokens=(1, 2, 4, 8, 16, 32, 64), contexts=(128,), repeats=3)
+    """The pair's forward latency profile (measure/latency.py): context 128, 1-64 new tokens."""
+    return pair_profile(pair, (1, 2, 4, 8, 16, 32, 64), (128,), repeats=3)
 
 
 JOBS: dict[str, Callable[[Any, dict, Emit], Any]] = {

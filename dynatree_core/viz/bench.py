@@ -10,7 +10,7 @@ from plotly.subplots import make_subplots
 
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.measure.bench import BenchReport
-from dynatree_core.runs.latency import LatencyPoint
+from dynatree_core.measure.latency import LatencyPoint
 
 
 def grid_figure(report: BenchReport, sweeps: list[tuple[str, list[str]]]):
