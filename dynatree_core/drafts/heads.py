@@ -3,9 +3,9 @@
 `is_head_dir(spec)` tells a directory holding one from a standalone draft LM; `load_head` builds
 it on the target it serves (checked against it: width, layers, vocabulary); `make_drafter` makes
 the per-run drafter of any draft, a head's or a standalone LM's (a head's `taps` say which of the
-target's hidden states the verification forward hands over: core/taps.py). Kinds: the feature draft (feature.py: the final state) and
-the fused-feature draft (fused.py: EAGLE-3's three layers); published EAGLE-1 and EAGLE-3 heads
-are read into those two kinds (published.py).
+target's hidden states the verification forward hands over: core/taps.py). Kinds: the feature
+draft (feature.py: the final state) and the fused-feature draft (fused.py: EAGLE-3's three
+layers); published EAGLE-1 and EAGLE-3 heads are read into those two kinds (published.py).
 """
 
 from __future__ import annotations
