@@ -238,9 +238,11 @@ def test_replayed_steps_decide_as_the_host_does(seed, policy, budget, tau, max_d
     """Trees drafted with one set of captured steps, replayed across examples with other draft
     distributions, are the host path's trees, and their verify rows are the tree's."""
     values = {"budget": budget, "tau" if policy != "dyspec_threshold" else "threshold": tau}
-    host = make_policy(policy, values).draft(DraftRequest(7, max_depth, PathDrafter(seed)))
+    host = make_policy(policy, values).draft(DraftRequest(root_token=7, max_depth=max_depth, drafter=PathDrafter(seed)))
     probe = RowsProbe()
-    request = DraftRequest(7, max_depth, PathDrafter(seed, _SHARED), on_device=True, early=probe)
+    request = DraftRequest(
+        root_token=7, max_depth=max_depth, drafter=PathDrafter(seed, _SHARED), on_device=True, early=probe
+    )
     tree = make_policy(policy, values).draft(request)
     assert signature(tree) == signature(host)
     check_rows(tree, probe)

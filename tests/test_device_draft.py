@@ -272,7 +272,7 @@ def drafted(policy: str, values: dict, max_depth: int, seed: int, on_device: boo
     """The policy's tree; on the device, also checked against the verify rows built there."""
     probe = RowsProbe() if on_device else None
     tree = make_policy(policy, values).draft(
-        DraftRequest(7, max_depth, PathDrafter(seed), on_device=on_device, early=probe)
+        DraftRequest(root_token=7, max_depth=max_depth, drafter=PathDrafter(seed), on_device=on_device, early=probe)
     )
     if probe is not None:
         check_rows(tree, probe)
@@ -322,7 +322,9 @@ def test_eagle2s_beam_on_the_device_decides_as_the_host_does(seed, depth, topk, 
     trees = []
     for on_device in (False, True):
         policy = make_policy("eagle2", {"depth": depth, "topk": topk, "total": total})
-        trees.append(policy.draft(DraftRequest(7, 6, PathDrafter(seed), on_device=on_device)))
+        trees.append(
+            policy.draft(DraftRequest(root_token=7, max_depth=6, drafter=PathDrafter(seed), on_device=on_device))
+        )
     assert signature(trees[0]) == signature(trees[1])
 
 

@@ -57,7 +57,9 @@ class ScriptedDrafter:
 
 
 def draft(name: str, params: dict, drafter: ScriptedDrafter, max_depth: int = 32) -> DraftTree:
-    return make_policy(name, params).draft(DraftRequest(0, max_depth, drafter, [5, 0]))
+    return make_policy(name, params).draft(
+        DraftRequest(root_token=0, max_depth=max_depth, drafter=drafter, context=[5, 0])
+    )
 
 
 def check_invariants(tree: DraftTree) -> None:
@@ -159,7 +161,7 @@ def test_dynatree_early_stop_depth_limit_and_switches():
 
 def test_dynatree_history_moves_d0_with_acceptance():
     policy = make_policy("dynatree", {"window": 2, "d0": 4, "d_max": 8, "tau": 0.0})
-    request = DraftRequest(0, 32, ScriptedDrafter(seed=2), [0])
+    request = DraftRequest(root_token=0, max_depth=32, drafter=ScriptedDrafter(seed=2), context=[0])
     depth = max(policy.draft(request).depths)
     for _ in range(2):  # everything accepted: deeper
         policy.draft(request)
@@ -278,15 +280,17 @@ def test_delayed_tree_has_the_k_l1_l2_shape(k, l1, l2):
 def test_ngram_merges_the_continuations_of_earlier_matches():
     policy = make_policy("ngram", {"max_n": 2, "min_n": 1, "depth": 3, "branches": 3})
     context = [7, 1, 2, 3, 4, 9, 1, 2, 3, 5, 8, 1, 2]  # suffix (1, 2) occurred twice before
-    tree = policy.draft(DraftRequest(2, 32, None, context))
+    tree = policy.draft(DraftRequest(root_token=2, max_depth=32, drafter=None, context=context))
     check_invariants(tree)
     assert paths_of(tree) == {(3,), (3, 5), (3, 5, 8), (3, 4), (3, 4, 9)}  # (1 2) -> 3 5 8 and 3 4 9
     first = next(n for n in verified(tree) if tree.depths[n] == 1)
     assert math.exp(tree.logp[first]) == pytest.approx(1.0)  # both continuations start with 3
-    small = make_policy("ngram", {"max_n": 2, "depth": 3, "budget": 2}).draft(DraftRequest(2, 32, None, context))
+    small = make_policy("ngram", {"max_n": 2, "depth": 3, "budget": 2}).draft(
+        DraftRequest(root_token=2, max_depth=32, drafter=None, context=context)
+    )
     check_invariants(small)
     assert len(verified(small)) == 2 and "budget" in small.reason
-    none = policy.draft(DraftRequest(6, 32, None, [1, 2, 6]))
+    none = policy.draft(DraftRequest(root_token=6, max_depth=32, drafter=None, context=[1, 2, 6]))
     assert len(none) == 1 and none.reason[0] == "no_match"
 
 
@@ -311,7 +315,7 @@ def test_delayed_auto_picks_the_shape_the_cost_model_favours():
 def test_delayed_auto_shares_the_root_forward_with_its_tree():
     drafter = ScriptedDrafter(seed=5)
     policy = make_policy("delayed_auto", {"k": 3, "l1": 1, "l2": 2})
-    tree = policy.draft(DraftRequest(0, 32, drafter, [0]))
+    tree = policy.draft(DraftRequest(root_token=0, max_depth=32, drafter=drafter, context=[0]))
     check_invariants(tree)
     assert drafter.forwards == 1 + 2 and len(verified(tree)) == 1 + 3 * 2
     assert tree.notes == {"k": [3.0], "l1": [1.0], "l2": [2.0]}

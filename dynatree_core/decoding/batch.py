@@ -21,7 +21,7 @@ from dynatree_core.core.filled import seen_over
 from dynatree_core.core.forward import Forward
 from dynatree_core.core.kv import chain_then_tree_visibility
 from dynatree_core.core.taps import FINAL
-from dynatree_core.core.transfer import PhaseClock, to_device, upload_into
+from dynatree_core.core.transfer import to_device, upload_into
 from dynatree_core.core.tree import DraftTree
 
 
@@ -110,24 +110,20 @@ class EarlyVerify:
     returns its tree, `batch` checks the tree against the rows as read and gives the host record
     of the batch."""
 
-    def __init__(self, state, clock: PhaseClock, captured: float):
-        """`captured`: the run's graph-capture seconds when the iteration began (DecodeState.capture_s)."""
-        self.state, self.clock, self.captured = state, clock, captured
-        self.draft_capture_ms = self.verify_capture_ms = 0.0  # captures are set-up, not the phases' work
+    def __init__(self, state, clock):
+        """`clock`: the iteration's (engine.IterationClock): draft done, rows built, verify queued."""
+        self.state, self.clock = state, clock
         self.out: Forward | None = None
         self.read = None  # levels.ReadRows, set by levels.read_verifying
-        self.width = 0  # rows of the forward
-        self.past = 0  # the target cache's length before it
+        self.past = 0  # the target cache's length before the forward
 
     def launch(self, rows, *, depth: int) -> None:
         """Queue the forward over the chain then `rows` (`depth`: the levels drafted, so no row
-        sits deeper). Three clock marks, as the host build's: draft done, batch built, verify done."""
-        self.clock.mark()
-        self.draft_capture_ms = (self.state.capture_s() - self.captured) * 1e3
+        sits deeper), marking the clock's three phases as the host build does."""
+        self.clock.draft_done()
         kv, device = self.state.target_kv, rows.tokens.device
         past, chain, root = kv.length, kv.pending, len(self.state.committed) - 1
         self.past = past
-        self.width = len(chain) + rows.tokens.shape[0]
         # no row sees more than the past, the chain and its ancestors (`depth` at most, itself included)
         most_keys = past + len(chain) + depth
         self.out = self._captured(rows, past, chain, root, most_keys)
@@ -135,10 +131,9 @@ class EarlyVerify:
             ids = torch.cat([to_device(torch.tensor(chain), device), rows.tokens])  # one upload: the chain
             positions = torch.cat([torch.arange(past, past + len(chain), device=device), root + rows.depths])
             visible = chain_then_tree_visibility(past, len(chain), rows.ancestors[1:, 1:])
-            self.clock.mark()
+            self.clock.batch_built()
             self.out = verify_forward(self.state, ids, positions, visible, rows.tokens.shape[0] + 1, most_keys)
-        self.clock.mark()
-        self.verify_capture_ms = (self.state.capture_s() - self.captured) * 1e3 - self.draft_capture_ms
+        self.clock.verify_done(len(chain) + rows.tokens.shape[0])
 
     def _captured(self, rows, past: int, chain: list[int], root: int, most_keys: int) -> Forward | None:
         """The verify forward and its inputs (ids, positions, slots, mask) as ONE captured step
@@ -153,7 +148,7 @@ class EarlyVerify:
         n, w = len(chain), rows.tokens.shape[0]
         host = kv.steps.buffer(("verify inputs", n), lambda: torch.zeros(n + 2, dtype=torch.long, device=kv.device))
         upload_into(host, torch.tensor([past, root, *chain]))
-        self.clock.mark()
+        self.clock.batch_built()
         inputs = (host, rows.tokens, rows.depths, rows.ancestors)
         out, _ = kv.level(
             ("verify", n, w), _verify_fill(n, w), inputs, n + w, embeds=False, most_keys=most_keys, keep=w + 1

@@ -1,4 +1,4 @@
-"""The decoding loop: draft -> verify -> commit -> observe, one record per iteration.
+"""The decoding loop: draft -> rows -> forward -> verify -> commit -> record, one record per iteration.
 
 Each iteration sends the root (the last committed token, plus any committed tokens the target
 has not seen yet, i.e. the prompt on the first iteration) and every verified draft node to the
@@ -6,7 +6,7 @@ target in ONE forward, with an ancestor mask and position ids = root position + 
 accepted path keeps the KV that forward computed (compaction); the bonus token becomes the next
 root. The draft keeps its own cache in sync the same way. Per-run state lives here, never on
 the (possibly shared) model objects: a run's state is one `DecodeState`, each iteration's
-target inputs one `VerifyBatch`.
+target inputs one `VerifyBatch`, its timings one `IterationClock`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dynatree_core.drafts.session import Drafter
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.runs.metrics import memory_mb, summarize, weight_bytes
 from dynatree_core.runs.records import IterationRecord, RunResult
-from dynatree_core.verify.greedy import verify_greedy
+from dynatree_core.verify.greedy import Outcome, verify_greedy
 from dynatree_core.verify.registry import resolve_verifier
 from dynatree_core.verify.sampling import analyze, verify_sampling
 
@@ -204,53 +204,95 @@ def iterate(state: DecodeState) -> Iterator[IterationRecord]:
 
 
 def _iteration(state: DecodeState, index: int, budget: int) -> IterationRecord:
-    """One draft -> verify -> commit step. `budget`: tokens this iteration may commit."""
-    captured = state.capture_s()  # graph captures (core/graphs.py) are set-up, not the iteration's work
-    clock = PhaseClock(state.device)  # phase boundaries, read after the verification's read (no sync of its own)
-    clock.mark()
-    draft_forwards, draft_forward_ms = state.draft_forwards(), state.draft_forward_ms()
-    early = EarlyVerify(state, clock, captured) if early_wanted(state) else None
+    """One draft -> rows -> forward -> verify -> commit -> record step. `budget`: tokens this
+    iteration may commit. A policy that decides its levels on the device may queue the verify
+    forward itself from the tree's rows (`early`, decoding/batch.py); else the rows are built here."""
+    clock = IterationClock(state)
+    early = EarlyVerify(state, clock) if early_wanted(state) else None
     tree, drafted = _draft(state, budget, early)
-    draft_forwards = state.draft_forwards() - draft_forwards
-    if early is not None and early.out is not None:  # queued from the device's rows (batch.py)
-        draft_capture_ms, verify_capture_ms = early.draft_capture_ms, early.verify_capture_ms
-        batch, out, width = early.batch(tree), early.out, early.width
+    if early is not None and early.out is not None:
+        batch, out = early.batch(tree), early.out
     else:
-        clock.mark()
-        draft_capture_ms = (state.capture_s() - captured) * 1e3
-        batch = VerifyBatch.of(tree, state)
-        clock.mark()
-        out = host_verify(state, batch)  # ONE forward
-        clock.mark()
-        verify_capture_ms = (state.capture_s() - captured) * 1e3 - draft_capture_ms
-        width = len(batch.tokens)
-    if state.verifier == "greedy":  # the iteration's blocking read: the target's choices
-        outcome = verify_greedy(tree, batch.order, out.logits[: len(batch.order)])
-    else:
-        sampling = state.config.sampling
-        outcome = verify_sampling(tree, batch.order, out.logits, sampling, state.verifier, state.gen, state.draw)
-    t1, t2, t3 = clock.read()[1:]  # ms since the iteration began; done already, so no wait
-    host = clock.host_start()
+        clock.draft_done()
+        batch = VerifyBatch.of(tree, state)  # the rows: the pending chain, then the tree's nodes
+        clock.batch_built()
+        out = host_verify(state, batch)  # ONE target forward
+        clock.verify_done(len(batch.tokens))
+    outcome = _verify(state, tree, batch, out)  # the iteration's blocking read: the target's choices
+    clock.verified()
     accepted = [tree.tokens[n] for n in outcome.accepted]
     new_tokens, stop = cut(accepted + [outcome.bonus_token], budget, state.config.eos_token_ids)
     _commit(state, tree, batch, outcome.accepted, new_tokens, out.states)
     if drafted:  # a prefill-only iteration says nothing about the policy's trees
         state.policy.observe(outcome)
-    committed = time.perf_counter()
+    clock.committed()
     record = _record(state, index, tree, batch, outcome, new_tokens, stop)
-    record.draft_forwards = draft_forwards
-    record.capture_ms = draft_capture_ms + verify_capture_ms
-    record.verify_rows = width
-    record.draft_ms = t1 - draft_capture_ms
-    record.verify_ms = t3 - t2 - verify_capture_ms
-    record.commit_ms = (committed - host) * 1e3  # with the verification on a CPU; host work on a GPU
-    record.overhead_ms = t2 - t1 + (time.perf_counter() - committed) * 1e3
-    # the draft's forward time: its CUDA events are done by now, so reading them waits for nothing
-    record.draft_forward_ms = state.draft_forward_ms() - draft_forward_ms
-    state.policy.observe_cost(width, record.verify_ms)
+    clock.fill(record)
+    state.policy.observe_cost(record.verify_rows, record.verify_ms)
     if state.config.analyze and state.verifier != "greedy":  # outside the timings: an explanation, not the work
         record.analysis = analyze(tree, batch.order, out.logits, state.config.sampling, state.verifier, state.draw)
     return record
+
+
+def _verify(state: DecodeState, tree: DraftTree, batch: VerifyBatch, out) -> Outcome:
+    """The accepted path and bonus token from the target's logits over the tree's rows."""
+    if state.verifier == "greedy":
+        return verify_greedy(tree, batch.order, out.logits[: len(batch.order)])
+    sampling = state.config.sampling
+    return verify_sampling(tree, batch.order, out.logits, sampling, state.verifier, state.gen, state.draw)
+
+
+class IterationClock:
+    """One iteration's timings in one place. The phase boundaries (draft done, rows built, verify
+    forward queued) are marked without waiting for the device (core/transfer.PhaseClock) and read
+    after the verification's read; graph captures inside a phase are set-up, not its work, and are
+    taken out of it; commit and record are host work, timed on the host. `fill` writes them into
+    the record, with the draft's forwards and its time inside them."""
+
+    def __init__(self, state: DecodeState):
+        self.state = state
+        self.captured_s = state.capture_s()
+        self.draft_forwards, self.draft_forward_ms = state.draft_forwards(), state.draft_forward_ms()
+        self.phases = PhaseClock(state.device)
+        self.phases.mark()
+        self.draft_capture_ms = self.verify_capture_ms = 0.0
+        self.width = 0  # rows of the verify forward
+
+    def _capture_ms(self) -> float:
+        return (self.state.capture_s() - self.captured_s) * 1e3
+
+    def draft_done(self) -> None:
+        self.phases.mark()
+        self.draft_capture_ms = self._capture_ms()
+
+    def batch_built(self) -> None:
+        self.phases.mark()
+
+    def verify_done(self, width: int) -> None:
+        """The verify forward is queued (on a GPU it may still run); `width`: its rows."""
+        self.phases.mark()
+        self.verify_capture_ms = self._capture_ms() - self.draft_capture_ms
+        self.width = width
+
+    def verified(self) -> None:
+        """After the verification's read: the marks are done, reading them waits for nothing."""
+        self.marks = self.phases.read()[1:]
+        self.host_s = self.phases.host_start()
+
+    def committed(self) -> None:
+        self.committed_s = time.perf_counter()
+
+    def fill(self, record: IterationRecord) -> None:
+        state, (t1, t2, t3) = self.state, self.marks
+        record.draft_forwards = state.draft_forwards() - self.draft_forwards
+        record.capture_ms = self.draft_capture_ms + self.verify_capture_ms
+        record.verify_rows = self.width
+        record.draft_ms = t1 - self.draft_capture_ms
+        record.verify_ms = t3 - t2 - self.verify_capture_ms
+        record.commit_ms = (self.committed_s - self.host_s) * 1e3  # with the verification on a CPU; host work on a GPU
+        record.overhead_ms = t2 - t1 + (time.perf_counter() - self.committed_s) * 1e3
+        # the draft's forward time: its CUDA events are done by now, so reading them waits for nothing
+        record.draft_forward_ms = state.draft_forward_ms() - self.draft_forward_ms
 
 
 def _draft(state: DecodeState, budget: int, early: EarlyVerify | None) -> tuple[DraftTree, bool]:
@@ -263,9 +305,16 @@ def _draft(state: DecodeState, budget: int, early: EarlyVerify | None) -> tuple[
         tree = DraftTree.with_root(committed[-1])
         tree.reason[0] = Reason.NO_FEATURES.value
         return tree, False
-    config = state.config
     request = DraftRequest(
-        committed[-1], budget - 1, drafter, committed, state.draw, config.sampling, state.gen, state.device_draft, early
+        root_token=committed[-1],
+        max_depth=budget - 1,
+        drafter=drafter,
+        context=committed,
+        draw=state.draw,
+        sampling=state.config.sampling,
+        gen=state.gen,
+        on_device=state.device_draft,
+        early=early,
     )
     return state.policy.draft(request), True
 

@@ -16,9 +16,9 @@ from dynatree_core.core.tree import DraftTree
 from dynatree_core.drafts.session import Drafter
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class DraftRequest:
-    """What the engine hands a policy each iteration."""
+    """What the engine hands a policy each iteration (built by keyword: every field is named)."""
 
     root_token: int
     max_depth: int  # deepest level that max_new_tokens and the context window allow
