@@ -33,6 +33,8 @@ Results are data, not code: every script writes its reports (JSON, CSV) into ass
     gpu_check_shaped    gpu-check's pair checks on SmolLM2's shapes with random weights (CUDA only)
     verify_rows         rows per verify forward queued from the device's rows vs the host-built batch,
                         cpu-verify-rows.json
+    iteration_path      the files and functions one decoding iteration passes through, traced,
+                        cpu-iteration-path.json
     launches            launches per iteration outside the forwards: levels on the host, on the device
                         op by op, and as captured steps, cpu-launches.json
     forward_kernels     kernels one target forward launches in the CPU's form and the GPU's (fused norm

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 
 from benchmarks import RESULTS
+from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.decoding.pairs import encode_prompt, load_pair
@@ -28,19 +28,17 @@ from dynatree_core.measure.launches import per_iteration
 from dynatree_core.measure.prompt_sets import load_prompts
 
 POLICIES = ("fixed_tree", "dynatree", "dyspec_threshold", "linear", "eagle2", "delayed")
-WAYS = {"host": (False, "1"), "device_eager": (True, "0"), "device_steps": (True, "1")}  # device path, steps captured
+WAYS = {
+    "host": (False, True),
+    "device_eager": (True, False),
+    "device_steps": (True, True),
+}  # device path, steps captured
 
 
-def counted(pair, ids, policy: str, max_new: int, on_device: bool, steps: str) -> tuple[dict, list[int]]:
-    os.environ["DYNATREE_STEP_GRAPHS"] = steps
+def counted(pair, ids, policy: str, max_new: int, on_device: bool, steps: bool) -> tuple[dict, list[int]]:
     method = make_method(policy)
-    config = DecodeConfig(
-        max_new_tokens=max_new,
-        eos_token_ids=pair.target.eos_token_ids,
-        graphs=True,
-        device_draft=on_device,
-        device_verify=on_device,
-    )
+    forward = ForwardSettings(graphs=True, step_graphs=steps, device_draft=on_device, device_verify=on_device)
+    config = DecodeConfig(max_new_tokens=max_new, eos_token_ids=pair.target.eos_token_ids, forward=forward)
     out = {}
 
     def run():
@@ -65,27 +63,21 @@ def main(argv: list[str] | None = None) -> None:
     pair = load_pair("embedded", device=args.device, dtype=args.dtype)
     prompts = load_prompts("ood")[: args.prompts]
     encoded = [encode_prompt(pair.target.tokenizer, p.text, chat=p.chat, history=p.history) for p in prompts]
-    saved = os.environ.get("DYNATREE_STEP_GRAPHS")
     report = {}
-    try:
-        for policy in ("ar", *POLICIES):
-            report[policy] = {}
-            for way, (on_device, steps) in WAYS.items():
-                runs = [counted(pair, ids, policy, args.max_new_tokens, on_device, steps) for ids in encoded]
-                report[policy][way] = {
-                    k: round(sum(c[k] for c, _ in runs) / len(runs), 1) for k in ("ops", "host_ops", "replays")
-                }
-                report[policy][way]["sites"] = runs[0][0]["sites"]
-                report[policy][way]["tokens"] = [tokens for _, tokens in runs]
-                if policy == "ar":
-                    break
-            tokens = {way: r.pop("tokens") for way, r in report[policy].items()}
-            report[policy]["same_tokens"] = len({json.dumps(t) for t in tokens.values()}) == 1
-            print(policy, json.dumps({w: (r["ops"], r["replays"]) for w, r in report[policy].items() if w in WAYS}))
-    finally:
-        os.environ.pop("DYNATREE_STEP_GRAPHS", None)
-        if saved is not None:
-            os.environ["DYNATREE_STEP_GRAPHS"] = saved
+    for policy in ("ar", *POLICIES):
+        report[policy] = {}
+        for way, (on_device, steps) in WAYS.items():
+            runs = [counted(pair, ids, policy, args.max_new_tokens, on_device, steps) for ids in encoded]
+            report[policy][way] = {
+                k: round(sum(c[k] for c, _ in runs) / len(runs), 1) for k in ("ops", "host_ops", "replays")
+            }
+            report[policy][way]["sites"] = runs[0][0]["sites"]
+            report[policy][way]["tokens"] = [tokens for _, tokens in runs]
+            if policy == "ar":
+                break
+        tokens = {way: r.pop("tokens") for way, r in report[policy].items()}
+        report[policy]["same_tokens"] = len({json.dumps(t) for t in tokens.values()}) == 1
+        print(policy, json.dumps({w: (r["ops"], r["replays"]) for w, r in report[policy].items() if w in WAYS}))
     with open(args.out, "w") as f:
         json.dump({"settings": vars(args) | {"out": None}, "launches": report}, f, indent=1)
 

@@ -17,6 +17,7 @@ import json
 import statistics
 
 from benchmarks import RESULTS
+from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.decoding.engine import DecodeConfig, decode
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.decoding.pairs import encode_prompt, load_pair
@@ -34,8 +35,7 @@ def widths(pair, prompts, policy: str, max_new: int, device_verify: bool) -> lis
         config = DecodeConfig(
             max_new_tokens=max_new,
             eos_token_ids=pair.target.eos_token_ids,
-            device_draft=True,
-            device_verify=device_verify,
+            forward=ForwardSettings(device_draft=True, device_verify=device_verify),
         )
         records = decode(pair.target.model, ids, method, config=config, **pair.drafting(method))
         rows += [r.verify_rows for r in records if r.draft_forwards]

@@ -19,6 +19,7 @@ from test_feature_draft import feature_draft
 from dynatree_core.core import capture
 from dynatree_core.core.capture import StepGraphs
 from dynatree_core.core.kv import KVState
+from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.decoding.engine import DecodeConfig, decode, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting import DraftRequest, make_policy
@@ -37,7 +38,7 @@ STEPPED = [  # policies whose levels are decided by captured steps (device.admit
 
 def records(target, draft, prompt, policy, params, *, stand_in: bool, monkeypatch, n: int = 24):
     monkeypatch.setattr(capture, "STAND_IN_DEVICES", ("cpu",) if stand_in else ())
-    config = DecodeConfig(n, graphs=True, device_draft=True, device_verify=True)
+    config = DecodeConfig(n, forward=ForwardSettings(graphs=True, device_draft=True, device_verify=True))
     return list(decode(target, prompt, make_method(policy, params), draft=draft, config=config))
 
 
@@ -88,7 +89,7 @@ def test_width_invariant_verify_forwards_capture_their_inputs_and_keep_ars_token
     target, prompt = _model(arch, torch.bfloat16), [1, 5, 7, 9, 11]
     _skip_unless_bitwise(target)
     draft = copy.deepcopy(noisy_copy(arch, 0.01)).to(torch.bfloat16)
-    ar = generate(target, prompt, make_method("ar"), config=DecodeConfig(24, graphs=True))
+    ar = generate(target, prompt, make_method("ar"), config=DecodeConfig(24, forward=ForwardSettings(graphs=True)))
     for policy, params in STEPPED:
         before = capture.REPLAYS.copy()
         stepped = records(target, draft, prompt, policy, params, stand_in=True, monkeypatch=monkeypatch)
@@ -110,7 +111,7 @@ def test_ars_forward_after_the_prefill_is_one_captured_step_with_its_inputs(dtyp
     from test_invariant import _model
 
     target, prompt = _model("llama", dtype), [1, 5, 7, 9, 11]
-    config = DecodeConfig(24, graphs=True)
+    config = DecodeConfig(24, forward=ForwardSettings(graphs=True))
     monkeypatch.setattr(capture, "STAND_IN_DEVICES", ("cpu",))
     before = capture.REPLAYS.copy()
     stepped = generate(target, prompt, make_method("ar"), config=config)
@@ -142,11 +143,15 @@ def test_batches_built_on_the_host_verify_as_one_captured_step_a_width(dtype, mo
 
     target, prompt = _model("llama", dtype), [1, 5, 7, 9, 11]
     draft = copy.deepcopy(noisy_copy("llama", 0.3)).to(dtype)
-    ar = generate(target, prompt, make_method("ar"), config=DecodeConfig(24, graphs=True))
+    ar = generate(target, prompt, make_method("ar"), config=DecodeConfig(24, forward=ForwardSettings(graphs=True)))
     for policy, params, verifier in HOST_BUILT:
         sampling = SamplingConfig(temperature=0.9, top_k=20) if verifier != "greedy" else None
         config = DecodeConfig(
-            24, graphs=True, verifier=verifier, seed=3, **({"sampling": sampling} if sampling else {})
+            24,
+            forward=ForwardSettings(graphs=True),
+            verifier=verifier,
+            seed=3,
+            **{"sampling": sampling} if sampling else {},
         )
         runs = {}
         for stand_in in (True, False):

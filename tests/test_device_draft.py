@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from test_feature_draft import feature_draft
 
 from dynatree_core.core.capture import StepGraphs
+from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.core.transfer import counting
 from dynatree_core.decoding.engine import DecodeConfig, decode, generate
 from dynatree_core.decoding.methods import make_method
@@ -44,9 +45,9 @@ def signature(tree) -> tuple:
     return tree.tokens, tree.parents, tree.logp, [str(s) for s in tree.status], [str(r) for r in tree.reason]
 
 
-def runs(target, draft, prompt, policy, params, n=24, switch="device_draft", **config):
+def runs(target, draft, prompt, policy, params, n=24, switch="device_draft", **forward):
     """The records of two runs of the same request, `switch` off then on: by default the host path
-    and the device path."""
+    and the device path (`forward`: the other ForwardSettings)."""
     return [
         list(
             decode(
@@ -54,7 +55,7 @@ def runs(target, draft, prompt, policy, params, n=24, switch="device_draft", **c
                 prompt,
                 make_method(policy, params),
                 draft=draft,
-                config=DecodeConfig(n, **config, **{switch: on}),
+                config=DecodeConfig(n, forward=ForwardSettings(**forward, **{switch: on})),
             )
         )
         for on in (False, True)
@@ -122,7 +123,7 @@ def test_device_levels_are_exact_in_bfloat16_with_a_width_invariant_target(graph
     target = copy.deepcopy(tiny_model("llama")).to(torch.bfloat16)
     draft = copy.deepcopy(noisy_copy("llama", 0.05)).to(torch.bfloat16)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    config = DecodeConfig(32, width_invariant=True, graphs=graphs)
+    config = DecodeConfig(32, forward=ForwardSettings(width_invariant=True, graphs=graphs))
     ar = generate(target, prompt, make_method("ar", {}), config=config).token_ids
     for policy, params in DEVICE_POLICIES[::2]:
         results = [
@@ -131,7 +132,9 @@ def test_device_levels_are_exact_in_bfloat16_with_a_width_invariant_target(graph
                 prompt,
                 make_method(policy, params),
                 draft=draft,
-                config=dataclasses.replace(config, device_draft=True, device_verify=v),
+                config=dataclasses.replace(
+                    config, forward=dataclasses.replace(config.forward, device_draft=True, device_verify=v)
+                ),
             )
             for v in (True, False)
         ]
@@ -182,7 +185,7 @@ def test_rows_that_differ_from_the_tree_the_host_read_raise(monkeypatch):
 
     monkeypatch.setattr(levels, "tree_rows", swapped)
     target, prompt = tiny_model("llama"), [1, 5, 7, 9, 11]
-    config = DecodeConfig(8, device_draft=True)
+    config = DecodeConfig(8, forward=ForwardSettings(device_draft=True))
     with pytest.raises(RuntimeError, match="verify rows"):
         generate(target, prompt, make_method("fixed_tree", {"tau": 0.0}), draft=noisy_copy("llama", 0.3), config=config)
 
@@ -198,7 +201,7 @@ def test_an_iteration_drains_the_device_once_when_its_tree_is_verified_from_ther
     target, prompt = tiny_model("llama"), [1, 5, 7, 9, 11]
     for draft in (noisy_copy("llama", 0.01), feature_draft("llama")):
         for policy, params in DEVICE_POLICIES:
-            config = DecodeConfig(20, device_draft=True, device_verify=device_verify)
+            config = DecodeConfig(20, forward=ForwardSettings(device_draft=True, device_verify=device_verify))
             with counting() as moved:
                 result = generate(target, prompt, make_method(policy, params), draft=draft, config=config)
             early = device_verify and policy != "eagle2"
@@ -212,7 +215,11 @@ def test_an_iteration_drains_the_device_once_when_its_tree_is_verified_from_ther
                 assert moved["to_host"] <= result.iterations + (policy == "delayed_auto") * tree_reads
     with counting() as moved:  # salf decides its levels on the host (a heap over every level so far)
         result = generate(
-            target, prompt, make_method("salf", {}), draft=draft, config=DecodeConfig(20, device_draft=True)
+            target,
+            prompt,
+            make_method("salf", {}),
+            draft=draft,
+            config=DecodeConfig(20, forward=ForwardSettings(device_draft=True)),
         )
     assert moved["to_host"] <= result.draft_forwards + result.iterations and moved["sync"] == 0
 

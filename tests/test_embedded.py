@@ -16,6 +16,7 @@ from dynatree_core.core.presets import (
     EMBEDDED_FUSED_DRAFT_DIR,
     PRESETS,
 )
+from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.decoding.engine import DecodeConfig, decode, generate
 from dynatree_core.decoding.methods import catalogue, make_method
 from dynatree_core.decoding.pairs import encode_prompt, load_pair
@@ -141,7 +142,9 @@ def test_draft_levels_on_the_device_build_the_host_paths_trees_with_the_shipped_
         for drafting in (pair.drafting(policy), {"draft": shipped.model, "draft_token_map": shipped.token_map}):
             trees, sent = [], []
             for on, verify in ((False, None), (True, True), (True, False)):
-                config = dataclasses.replace(base, device_draft=on, device_verify=verify)
+                config = dataclasses.replace(
+                    base, forward=dataclasses.replace(base.forward, device_draft=on, device_verify=verify)
+                )
                 records = list(decode(pair.target.model, ids, make_method(name), config=config, **drafting))
                 assert [t for r in records for t in r.committed] == ref, f"{name} (device levels: {on})"
                 trees.append([(r.tree.tokens, r.tree.parents, r.tree.status, r.tree.reason) for r in records])
@@ -183,7 +186,9 @@ def test_bfloat16_tree_runs_reproduce_bfloat16_ar_on_the_embedded_pair(graphs):
     by default; here eagerly)."""
     pair = load_pair("embedded", device="cpu", dtype="bfloat16")
     eos = pair.target.eos_token_ids
-    config = DecodeConfig(max_new_tokens=40, eos_token_ids=eos, graphs=graphs, device_draft=bool(graphs))
+    config = DecodeConfig(
+        max_new_tokens=40, eos_token_ids=eos, forward=ForwardSettings(graphs=graphs, device_draft=bool(graphs))
+    )
     for text in PROMPTS[:2]:
         ids = encode_prompt(pair.target.tokenizer, text, chat=True)
         want = generate(pair.target.model, ids, make_method("ar"), config=config)

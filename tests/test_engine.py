@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import ARCHS, hf_greedy, noisy_copy, tiny_model
 
+from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.core.tree import Status
 from dynatree_core.decoding.engine import DecodeConfig, decode, generate
 from dynatree_core.decoding.methods import make_method
@@ -248,7 +249,7 @@ def test_cpu_memory_counts_weights_and_the_largest_caches():
 
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.01)
     prompt, n = PROMPTS[0], 20
-    config = DecodeConfig(max_new_tokens=n, static_cache=False)
+    config = DecodeConfig(max_new_tokens=n, forward=ForwardSettings(static_cache=False))
     ar = generate(target, prompt, make_method("ar"), config=config)
     # Expected sizes from the tiny Llama's config by hand (conftest._config: hidden 32, MLP 64,
     # 2 layers, 4 query / 2 key-value heads of 8, vocabulary 96, untied head, float64), not from
@@ -264,7 +265,12 @@ def test_cpu_memory_counts_weights_and_the_largest_caches():
     hf = generate(target, prompt, make_method("hf_generate"), config=config)
     assert hf.peak_memory_mb == pytest.approx(ar.peak_memory_mb)  # the config-sized estimate agrees
     # the static cache holds its whole buffer from the first forward: prompt + n + slack slots
-    static = generate(target, prompt, make_method("ar"), config=dataclasses.replace(config, static_cache=True))
+    static = generate(
+        target,
+        prompt,
+        make_method("ar"),
+        config=dataclasses.replace(config, forward=dataclasses.replace(config.forward, static_cache=True)),
+    )
     buffer = per_token * (len(prompt) + n + SLACK)
     assert static.peak_memory_mb == pytest.approx((weight_bytes(target) + buffer) / 2**20)
     tree = generate(target, prompt, make_method("fixed_tree", {"tau": 0.0}), draft=draft, config=config)

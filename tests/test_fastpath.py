@@ -17,6 +17,7 @@ from conftest import ARCHS, hf_greedy, noisy_copy, tiny_model
 from dynatree_core.core.fastpath import FUSE_MAX_BYTES, LeanForward, lean_forward_for, supports_lean
 from dynatree_core.core.kv import SLACK, KVState, SlotLayer, chain_then_tree_visibility
 from dynatree_core.core.packing import pack_linears
+from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
@@ -149,7 +150,8 @@ def test_static_buffers_are_written_in_place_and_grow_only_when_full():
 def test_every_policy_stays_exact_on_every_forward_path(arch, path, policy_name, params):
     target, draft = tiny_model(arch), noisy_copy(arch, 0.01)
     config = DecodeConfig(
-        max_new_tokens=30, static_cache=PATHS[path].get("static"), fast_forward=PATHS[path].get("fast")
+        max_new_tokens=30,
+        forward=ForwardSettings(static_cache=PATHS[path].get("static"), fast_forward=PATHS[path].get("fast")),
     )
     for prompt in ([1, 5, 7, 9, 11], [42, 17, 8, 8, 8, 8, 60, 2, 90, 33, 12, 4]):
         result = generate(target, prompt, make_method(policy_name, params), draft=draft, config=config)

@@ -8,6 +8,7 @@ import torch
 from conftest import ARCHS, hf_greedy, tiny_model
 from test_engine import POLICIES, PROMPTS
 
+from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.core.tree import Reason, Status
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.engine import DecodeConfig, decode, generate
@@ -16,7 +17,11 @@ from dynatree_core.drafting import POLICIES as REGISTRY
 from dynatree_core.drafts.feature import FeatureDraft, FeatureDrafter
 from dynatree_core.errors import DynaTreeError
 
-PATHS = {"lean": dict(), "static": dict(fast_forward=False), "dynamic": dict(static_cache=False)}
+PATHS = {
+    "lean": ForwardSettings(),
+    "static": ForwardSettings(fast_forward=False),
+    "dynamic": ForwardSettings(static_cache=False),
+}
 
 
 def feature_draft(arch: str, seed: int = 0, token_map: TokenMap | None = None) -> FeatureDraft:
@@ -41,7 +46,7 @@ def test_a_reduced_vocabulary_feature_draft_is_exact_on_every_forward_path(path)
     target = tiny_model("llama")
     token_map = TokenMap([-1, *range(0, 96, 2)], 96)  # half the vocabulary: odd ids are never proposed
     draft = feature_draft("llama", token_map=token_map)
-    config = DecodeConfig(max_new_tokens=30, **PATHS[path])
+    config = DecodeConfig(max_new_tokens=30, forward=PATHS[path])
     for prompt in PROMPTS:
         result = generate(target, prompt, make_method("fixed_tree"), draft=draft, config=config)
         assert result.token_ids == hf_greedy(target, prompt, 30)
@@ -69,7 +74,7 @@ def test_the_features_handed_over_equal_a_separate_forward(arch_name, path, monk
     pairs = _record_pairs(monkeypatch)
     target, draft = tiny_model(arch_name), feature_draft(arch_name)
     prompt = PROMPTS[2]
-    config = DecodeConfig(max_new_tokens=25, **PATHS[path])
+    config = DecodeConfig(max_new_tokens=25, forward=PATHS[path])
     result = generate(target, prompt, make_method("fixed_tree", {"tau": 0.0, "branch": 2}), draft=draft, config=config)
     sequence = prompt + result.token_ids
     tokens = [t for _, toks in pairs for t in toks]
@@ -101,7 +106,7 @@ def test_the_draft_cache_equals_a_recomputation(path, monkeypatch):
         PROMPTS[0],
         make_method("dynatree", {"budget": 10}),
         draft=draft,
-        config=DecodeConfig(max_new_tokens=30, **PATHS[path]),
+        config=DecodeConfig(max_new_tokens=30, forward=PATHS[path]),
     )
     assert len(roots) > 3
     tokens = torch.tensor([t for _, toks in pairs for t in toks])
@@ -140,7 +145,7 @@ def test_one_target_forward_per_iteration_and_one_draft_forward_per_level():
                 PROMPTS[0],
                 make_method("fixed_tree", {"tau": 0.0, "branch": 2}),
                 draft=draft,
-                config=DecodeConfig(max_new_tokens=30, static_cache=False),
+                config=DecodeConfig(max_new_tokens=30, forward=ForwardSettings(static_cache=False)),
             )
         )
     finally:

@@ -20,6 +20,7 @@ from dynatree_core.core import capture, graphs
 from dynatree_core.core.choice import forward_path
 from dynatree_core.core.graphs import bucket_for, buckets, graphs_enabled, span_for
 from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting.policy import POLICIES
@@ -95,7 +96,7 @@ def test_wider_than_every_bucket_falls_back_and_a_full_cache_grows(monkeypatch):
 )
 def test_policies_stay_exact_on_the_padded_path(arch, policy_name, params):
     target, draft = tiny_model(arch), noisy_copy(arch, 0.01)
-    config = DecodeConfig(max_new_tokens=30, graphs=True)
+    config = DecodeConfig(max_new_tokens=30, forward=ForwardSettings(graphs=True))
     for prompt in ([1, 5, 7, 9, 11], [42, 17, 8, 8, 8, 8, 60, 2, 90, 33, 12, 4]):
         result = generate(target, prompt, make_method(policy_name, params), draft=draft, config=config)
         assert result.token_ids == hf_greedy(target, prompt, 30), f"{policy_name} diverged on the padded path"
@@ -105,7 +106,7 @@ def test_policies_stay_exact_on_the_padded_path(arch, policy_name, params):
 def test_a_feature_draft_stays_exact_on_the_padded_path():
     target = tiny_model("llama")
     draft = FeatureDraft.from_target(target, seed=3)
-    config = DecodeConfig(max_new_tokens=30, graphs=True)
+    config = DecodeConfig(max_new_tokens=30, forward=ForwardSettings(graphs=True))
     result = generate(target, [1, 5, 7, 9, 11], make_method("dynatree", {}), draft=draft, config=config)
     assert result.token_ids == hf_greedy(target, [1, 5, 7, 9, 11], 30)
 
@@ -118,7 +119,11 @@ def test_captured_graphs_on_cuda_are_exact_and_replayed():
     config = DecodeConfig(max_new_tokens=30)
     result = generate(target, prompt, make_method("fixed_tree", {}), draft=draft, config=config)
     eager = generate(
-        target, prompt, make_method("fixed_tree", {}), draft=draft, config=DecodeConfig(max_new_tokens=30, graphs=False)
+        target,
+        prompt,
+        make_method("fixed_tree", {}),
+        draft=draft,
+        config=DecodeConfig(max_new_tokens=30, forward=ForwardSettings(graphs=False)),
     )
     assert result.forward_path == "lean+graphs" and result.token_ids == eager.token_ids
 
@@ -176,7 +181,7 @@ def test_every_policy_at_its_widest_settings_is_exact_on_the_padded_path(policy_
     between padded forwards, and the output still equals plain greedy decoding."""
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.01)
     prompt = [1, 5, 7, 9, 11]
-    config = DecodeConfig(max_new_tokens=20, graphs=True)
+    config = DecodeConfig(max_new_tokens=20, forward=ForwardSettings(graphs=True))
     result = generate(target, prompt, make_method(policy_name, _widest(policy_name)), draft=draft, config=config)
     assert result.token_ids == hf_greedy(target, prompt, 20), f"{policy_name} at its widest diverged"
 
@@ -186,7 +191,7 @@ def test_the_budget_256_tree_of_the_embedded_shape_is_exact_on_the_padded_path()
     path had grown the cache under the padded forward's buckets."""
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.01)
     params = {"depth": 16, "branch": 8, "tau": 0.0, "budget": 256}
-    config = DecodeConfig(max_new_tokens=40, graphs=True)
+    config = DecodeConfig(max_new_tokens=40, forward=ForwardSettings(graphs=True))
     result = generate(target, [1, 5, 7, 9, 11], make_method("fixed_tree", params), draft=draft, config=config)
     assert result.token_ids == hf_greedy(target, [1, 5, 7, 9, 11], 40)
 
@@ -210,7 +215,7 @@ def test_a_failed_capture_warns_once_and_the_run_goes_on_eagerly(monkeypatch):
     _force_capture(monkeypatch, fail)
     capture._WARNED.clear()
     target, draft, prompt = tiny_model("llama"), noisy_copy("llama", 0.01), [1, 5, 7, 9, 11]
-    config = DecodeConfig(max_new_tokens=20, graphs=True)
+    config = DecodeConfig(max_new_tokens=20, forward=ForwardSettings(graphs=True))
     with pytest.warns(UserWarning, match="injected capture failure") as caught:
         result = generate(target, prompt, make_method("fixed_tree", {}), draft=draft, config=config)
     assert len([w for w in caught if "capture failed" in str(w.message)]) == 1, "one warning, not one per bucket"
@@ -235,7 +240,7 @@ def test_capture_time_is_reported_apart_and_kept_out_of_forward_timings(monkeypa
     costs = []
     policy = make_method("fixed_tree", {})
     policy.observe_cost = lambda tokens, ms: costs.append(ms)
-    config = DecodeConfig(max_new_tokens=20, graphs=True)
+    config = DecodeConfig(max_new_tokens=20, forward=ForwardSettings(graphs=True))
     result = generate(target, prompt, policy, draft=draft, config=config)
     assert result.token_ids == hf_greedy(target, prompt, 20) and result.forward_path == "lean+graphs"
     captures = round(result.capture_s / 1000)
@@ -296,7 +301,11 @@ def test_an_iteration_reads_the_device_once_per_draft_forward_plus_once_for_veri
     for policy in ("fixed_tree", "dynatree", "dyspec_threshold", "eagle2", "salf"):
         with counting() as moved:
             result = generate(
-                target, prompt, make_method(policy, {}), draft=draft, config=DecodeConfig(20, device_draft=False)
+                target,
+                prompt,
+                make_method(policy, {}),
+                draft=draft,
+                config=DecodeConfig(20, forward=ForwardSettings(device_draft=False)),
             )
         forwards = result.draft_forwards + result.iterations
         assert moved["to_host"] <= result.draft_forwards + result.iterations, f"{policy}: {dict(moved)}"
@@ -322,7 +331,7 @@ def test_spans_shorter_than_the_buffer_give_the_unpadded_logits_and_greedy_token
     tree = _branching_tree(prompt[-1])
     torch.testing.assert_close(_tree_forward(kv, tree, 239)[0], _tree_forward(plain, tree, 239)[0], **TOL)
     assert {key[1] for key in kv.padded.buckets} == {256}, "the 240-slot context reads a 256-slot span"
-    config = DecodeConfig(max_new_tokens=60, graphs=True)
+    config = DecodeConfig(max_new_tokens=60, forward=ForwardSettings(graphs=True))
     result = generate(target, prompt, make_method("fixed_tree", {}), draft=draft, config=config)
     assert result.token_ids == hf_greedy(target, prompt, 60), "spans 256 then 512 keep greedy exact"
 
@@ -341,7 +350,7 @@ def test_each_bucket_runs_at_the_width_measured_fastest(monkeypatch):
     monkeypatch.setattr(graphs.PaddedForward, "_step", lambda self, buf: seen.append(buf.width) or real(self, buf))
     runs = []
     monkeypatch.setattr(graphs.PaddedForward, "__init__", _keeping(graphs.PaddedForward.__init__, runs))
-    config = DecodeConfig(max_new_tokens=30, graphs=True)
+    config = DecodeConfig(max_new_tokens=30, forward=ForwardSettings(graphs=True))
     result = generate(target, prompt, make_method("fixed_tree", {}), draft=draft, config=config)
     assert result.token_ids == hf_greedy(target, prompt, 30)
     target_padded = runs[0]

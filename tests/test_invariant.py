@@ -23,6 +23,7 @@ from dynatree_core.core.fastpath import lean_forward_for
 from dynatree_core.core.invariant import RopeTable, RowGroups, invariant_wanted, sequence_attention, width_verdict
 from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.core.packing import pack_linears, packing_enabled
+from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.core.static_rows import StaticRows, static_sequence_attention
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.decoding.engine import DecodeConfig, generate
@@ -158,7 +159,9 @@ def test_every_policy_in_bfloat16_reproduces_bfloat16_ar(arch, policy_name, para
     target = _model(arch, torch.bfloat16)
     _skip_unless_bitwise(target)
     draft = copy.deepcopy(noisy_copy(arch, 0.01)).to(torch.bfloat16)
-    config = DecodeConfig(max_new_tokens=30, graphs=graphs)  # bfloat16: width-invariant by default
+    config = DecodeConfig(
+        max_new_tokens=30, forward=ForwardSettings(graphs=graphs)
+    )  # bfloat16: width-invariant by default
     for prompt in ([1, 5, 7, 9, 11], [42, 17, 8, 8, 8, 8, 60, 2, 90, 33, 12, 4]):
         ar = generate(target, prompt, make_method("ar"), config=config)
         result = generate(target, prompt, make_method(policy_name, params), draft=draft, config=config)
@@ -364,7 +367,12 @@ def test_architectures_without_the_lean_forward_are_not_claimed_invariant():
     model = copy.deepcopy(tiny_model("gpt2")).to(torch.bfloat16)
     kv = KVState(model, PROMPT, invariant=True)
     assert not kv.invariant and kv.path.endswith("(not width-invariant: needs the lean forward)")
-    result = generate(model, PROMPT, make_method("ar"), config=DecodeConfig(max_new_tokens=3, width_invariant=True))
+    result = generate(
+        model,
+        PROMPT,
+        make_method("ar"),
+        config=DecodeConfig(max_new_tokens=3, forward=ForwardSettings(width_invariant=True)),
+    )
     assert "not width-invariant" in result.forward_path
 
 
@@ -514,7 +522,7 @@ def test_captured_width_invariant_forwards_replay_and_stay_exact(monkeypatch):
     target = _model("llama", torch.bfloat16)
     _skip_unless_bitwise(target)
     draft = copy.deepcopy(noisy_copy("llama", 0.01)).to(torch.bfloat16)
-    config = DecodeConfig(max_new_tokens=30, graphs=True)
+    config = DecodeConfig(max_new_tokens=30, forward=ForwardSettings(graphs=True))
     ar = generate(target, PROMPT, make_method("ar"), config=config)
     tree = generate(target, PROMPT, make_method("fixed_tree"), draft=draft, config=config)
     assert ar.forward_path == tree.forward_path == "lean+invariant+graphs"
@@ -533,7 +541,7 @@ def test_the_span_holds_a_whole_run_whose_trees_fill_slots_past_it():
     _skip_unless_bitwise(target)
     draft = copy.deepcopy(noisy_copy("llama", 0.01)).to(torch.bfloat16)
     prompt = [(5 * i) % 90 + 1 for i in range(200)]
-    config = DecodeConfig(max_new_tokens=56, graphs=True)
+    config = DecodeConfig(max_new_tokens=56, forward=ForwardSettings(graphs=True))
     ar = generate(target, prompt, make_method("ar"), config=config)
     state = start_run(
         target, prompt, make_method("fixed_tree", {"depth": 4, "branch": 3, "tau": 0.0}), draft=draft, config=config

@@ -16,6 +16,7 @@ from benchmarks.forward_kernels import forward_ops
 from dynatree_core.core import kernels
 from dynatree_core.core.fastpath import _rotate_fused, lean_forward_for
 from dynatree_core.core.kv import KVState
+from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.core.static_rows import StaticRows, static_sequence_attention
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
@@ -119,7 +120,7 @@ def test_with_the_kernels_bfloat16_trees_are_token_identical_to_ar(gpu_kernels, 
     target = _model("qwen2", torch.bfloat16)
     draft = copy.deepcopy(noisy_copy("qwen2", 0.01)).to(torch.bfloat16)
     assert lean_forward_for(target).blocks[0].kernels and lean_forward_for(draft).blocks[0].kernels
-    config = DecodeConfig(max_new_tokens=12, graphs=True)
+    config = DecodeConfig(max_new_tokens=12, forward=ForwardSettings(graphs=True))
     ar = generate(target, PROMPT, make_method("ar"), config=config)
     assert ar.forward_path == "lean+kernels+invariant+graphs"
     for name, params in (("fixed_tree", {"depth": 3, "branch": 2}), ("dynatree", {})):

@@ -8,6 +8,7 @@ import json
 import pytest
 from conftest import tiny_model
 
+from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.measure.latency import forward_ms, level_ms, profile
 from dynatree_core.viz.bench import latency_figure
@@ -41,7 +42,7 @@ def test_timed_forwards_start_from_the_same_cache(monkeypatch, fast):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(KVState, "forward", spy)
-    forward_ms(tiny_model("llama"), context=10, new_tokens=3, repeats=3, fast=fast)
+    forward_ms(tiny_model("llama"), context=10, new_tokens=3, repeats=3, settings=ForwardSettings(fast_forward=fast))
     assert [c[:2] for c in calls] == [(0, 0)] + [(10, 10)] * 4  # prefill, warm-up, 3 timed
     assert all(c[2] == fast for c in calls), "the forward path asked for is the one timed"
 

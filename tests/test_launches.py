@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from conftest import noisy_copy, tiny_model
 
+from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.measure import launches
@@ -48,14 +49,14 @@ def test_a_forward_at_fixed_shapes_is_one_launch_and_its_inside_is_not_counted()
     """`ar` at fixed shapes (the padded forward, eager on a CPU as a graph replays on a GPU): one
     replay an iteration, and a few ops around it (its inputs, the argmax, the cache's bookkeeping)."""
     target, prompt = tiny_model("llama"), [1, 5, 7, 9, 11]
-    config = DecodeConfig(16, graphs=True)
+    config = DecodeConfig(16, forward=ForwardSettings(graphs=True))
     ar = launches.per_iteration(lambda: generate(target, prompt, make_method("ar", {}), config=config), CPU)
     assert ar["replays"] == 1.0 and 0 < ar["ops"] < 20, ar
 
 
 def test_captured_steps_launch_fewer_ops_than_the_same_steps_eagerly(monkeypatch):
     target, draft, prompt = tiny_model("llama"), noisy_copy("llama", 0.3), [1, 5, 7, 9, 11]
-    config = DecodeConfig(16, graphs=True, device_draft=True, device_verify=True)
+    config = DecodeConfig(16, forward=ForwardSettings(graphs=True, device_draft=True, device_verify=True))
 
     def run():
         return generate(target, prompt, make_method("fixed_tree", {}), draft=draft, config=config)

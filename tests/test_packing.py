@@ -10,6 +10,7 @@ import torch
 from conftest import ARCHS, noisy_copy, tiny_model
 
 from dynatree_core.core.packing import PackedLinear, _packs, is_packed, pack_linears, packing_enabled
+from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
 
@@ -116,7 +117,7 @@ def test_decoding_with_a_packed_feature_draft_never_unpacks_a_weight(monkeypatch
 
     monkeypatch.setattr(PackedLinear, "weight", property(weight))
     for device_draft in (False, True):
-        config = DecodeConfig(max_new_tokens=12, device_draft=device_draft)
+        config = DecodeConfig(max_new_tokens=12, forward=ForwardSettings(device_draft=device_draft))
         generate(target, [1, 5, 7, 9], make_method("fixed_tree", {}), draft=draft, config=config)
         reads.clear()  # the first run builds the lean forward, which fuses weights once per model
         generate(target, [1, 5, 7, 9], make_method("fixed_tree", {}), draft=draft, config=config)

@@ -129,3 +129,69 @@ def test_a_log_scale_parameter_steps_by_a_tenth_of_its_defaults_decade():
     steps = {w.label: w.step for w in at.number_input}
     assert steps["tau"] == pytest.approx(0.001) and steps["rho_stop"] == pytest.approx(0.001)
     assert steps["tau_h"] == pytest.approx(0.01)
+
+
+# ----- how forwards run (core/settings.py) ---------------------------------------------------------
+def _environment_reads(path: Path) -> list[str]:
+    """Lines of `path` that read the process environment (os.environ / os.getenv)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [
+        ast.unparse(node)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv")
+        and isinstance(node.value, ast.Name) and node.value.id == "os"
+    ]  # fmt: skip
+
+
+def test_only_the_settings_module_reads_a_dynatree_variable():
+    """Every DYNATREE_* variable is read through core/settings.env: one registry, one reader."""
+    readers = []
+    for path in sorted((ROOT / "dynatree_core").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if path.name != "settings.py" and _environment_reads(path) and "DYNATREE_" in text:
+            readers.append(str(path.relative_to(ROOT)))
+    assert readers == [], f"read these through core/settings.env: {readers}"
+
+
+def test_every_dynatree_variable_the_library_names_is_registered_and_documented():
+    import re
+
+    from dynatree_core.core.settings import ENVIRONMENT
+
+    named = set()
+    for path in (ROOT / "dynatree_core").rglob("*.py"):
+        named |= set(re.findall(r"DYNATREE_[A-Z_]+", path.read_text(encoding="utf-8")))
+    named.discard("DYNATREE_USER_TEXT")  # a placeholder inside prompts (decoding/pairs.py), not a variable
+    assert named == set(ENVIRONMENT), f"unregistered: {named - set(ENVIRONMENT)}, unused: {set(ENVIRONMENT) - named}"
+    table = (ROOT / "docs/cli.md").read_text(encoding="utf-8").split("## Environment overrides")[1].split("\n\n")[2]
+    documented = re.findall(r"^\| `(DYNATREE_[A-Z_]+)` \| (.*?) \| (.*) \|$", table, flags=re.M)
+    assert [(n, d, h) for n, d, h in documented] == [
+        (o.name, f"`{o.default}`" if o.default else "unset", o.help) for o in ENVIRONMENT.values()
+    ], "docs/cli.md's table is the registry's"
+
+
+def test_an_override_sets_only_what_a_run_leaves_auto(monkeypatch):
+    from conftest import tiny_model
+
+    from dynatree_core.core.kv import KVState
+    from dynatree_core.core.settings import ForwardSettings, env
+
+    model = tiny_model("llama")
+    monkeypatch.setenv("DYNATREE_STATIC_CACHE", " 0 ")
+    assert env("DYNATREE_STATIC_CACHE") == "0"
+    assert KVState(model, [1, 2], **ForwardSettings().cache_switches()).choice.path == "dynamic"
+    asked = KVState(model, [1, 2], **ForwardSettings(static_cache=True).cache_switches())
+    assert asked.choice.path == "lean", "an explicit setting wins over the override"
+    for name in ("DYNATREE_STATIC_CACHE", "DYNATREE_LIVE_ENGINE", "DYNATREE_MAX_PAIRS"):
+        monkeypatch.delenv(name, raising=False)
+    assert env("DYNATREE_LIVE_ENGINE") == "process" and env("DYNATREE_MAX_PAIRS") == "", "defaults when unset"
+
+
+def test_the_engine_flags_build_one_forward_settings():
+    from dynatree_core.cli.commands import forward_settings
+    from dynatree_core.core.settings import ForwardSettings
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--no-graphs", "--device-draft", "on"])
+    assert forward_settings(args) == ForwardSettings(graphs=False, device_draft=True)
+    args = build_parser().parse_args(["bench", "--no-static-cache", "--width-invariant", "off"])
+    assert forward_settings(args) == ForwardSettings(static_cache=False, width_invariant=False)

@@ -10,6 +10,7 @@ import sys
 
 from tqdm import tqdm
 
+from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.decoding.settings import RunSpec
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.runs.environment import portable
@@ -40,15 +41,15 @@ class _Progress:
         self.close()
 
 
-def _forward_options(args) -> dict:
-    """DecodeConfig fields from the engine flags (None: the library default, on)."""
+def forward_settings(args) -> ForwardSettings:
+    """The run's ForwardSettings from the engine flags (None: auto, the override or the library's rule)."""
     auto = {"on": True, "off": False}  # auto: None, the library's choice
-    return {
-        "static_cache": False if args.no_static_cache else None,
-        "fast_forward": False if args.no_fast_forward else None,
-        "graphs": False if args.no_graphs else None,
+    return ForwardSettings(
+        static_cache=False if args.no_static_cache else None,
+        fast_forward=False if args.no_fast_forward else None,
+        graphs=False if args.no_graphs else None,
         **{k: auto.get(getattr(args, k)) for k in ("width_invariant", "device_draft", "device_verify")},
-    }
+    )
 
 
 def _read_prompt(args) -> str:
@@ -165,7 +166,9 @@ def cmd_bench(args) -> None:
     target_spec, draft_spec = _resolve_models(args)
     pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype, pack=not args.no_pack)
     config = spec.decode_config(
-        eos_token_ids=pair.target.eos_token_ids, context_length=pair.target.context_length, **_forward_options(args)
+        eos_token_ids=pair.target.eos_token_ids,
+        context_length=pair.target.context_length,
+        forward=forward_settings(args),
     )
     common = dict(
         config=config,
@@ -219,12 +222,9 @@ def cmd_latency(args) -> None:
         raise DynaTreeError("--tokens, --contexts and --repeats must be positive")
     target_spec, draft_spec = _resolve_models(args)
     pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype, pack=not args.no_pack)
-    options = _forward_options(args)
+    settings = forward_settings(args)
     with _Progress("point") as progress:
-        points = pair_profile(
-            pair, tokens, contexts, args.repeats, progress,
-            static=options["static_cache"], fast=options["fast_forward"], graphs=options["graphs"],
-        )  # fmt: skip
+        points = pair_profile(pair, tokens, contexts, args.repeats, progress, settings=settings)
     model = pair.target.model
     report = {
         "environment": environment(
@@ -232,7 +232,7 @@ def cmd_latency(args) -> None:
             str(model.dtype).removeprefix("torch."),
             is_packed(model),
             pair.dtype_source,
-            forward_path=forward_path(model, options["static_cache"], options["fast_forward"], options["graphs"]),
+            forward_path=forward_path(model, **settings.cache_switches()),
         ),
         "command": portable("python -m dynatree_core " + shlex.join(args.argv)),
         "points": [dataclasses.asdict(p) for p in points],
@@ -324,7 +324,7 @@ def cmd_generate(args) -> None:
             eos_token_ids=target.eos_token_ids,
             context_length=target.context_length,
             seed=spec.seed + i,
-            **_forward_options(args),
+            forward=forward_settings(args),
         )
         results.append(
             generate(
@@ -370,7 +370,7 @@ def cmd_compare(args) -> None:
     target = pair.target
     chat = args.chat if args.chat is not None else target.has_chat_template
     config = spec.decode_config(
-        eos_token_ids=target.eos_token_ids, context_length=target.context_length, **_forward_options(args)
+        eos_token_ids=target.eos_token_ids, context_length=target.context_length, forward=forward_settings(args)
     )
     models = {"target": target_spec, "draft": draft_spec or "", "device": args.device, "dtype": args.dtype}
     with _Progress() as progress:

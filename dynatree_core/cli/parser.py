@@ -67,7 +67,7 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _auto_on_off(p: argparse.ArgumentParser, flag: str, help: str) -> None:
-    """A switch whose `auto` leaves the choice to the library (commands._forward_options maps it)."""
+    """A switch whose `auto` leaves the choice to the library (commands.forward_settings maps it)."""
     p.add_argument(flag, choices=("auto", "on", "off"), default="auto", help=help)
 
 

@@ -5,10 +5,11 @@ writes; callers make their own subfolders.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from dynatree_core.core.settings import env
 
 
 def cache_dir() -> Path:
     """Where converted checkpoints live: $DYNATREE_CACHE or ~/.cache/dynatree."""
-    return Path(os.environ.get("DYNATREE_CACHE") or Path.home() / ".cache" / "dynatree")
+    return Path(env("DYNATREE_CACHE") or Path.home() / ".cache" / "dynatree")

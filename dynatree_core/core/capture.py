@@ -31,7 +31,6 @@ tensors, as one graph per `key`:
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 import warnings
 import weakref
@@ -41,6 +40,7 @@ from collections.abc import Callable
 import torch
 
 from dynatree_core.core.log import log_exception
+from dynatree_core.core.settings import env_on
 
 STAND_IN_DEVICES: tuple[str, ...] = ()  # where steps replay stand-in graphs (module docstring)
 # "step": replays of captured steps, process-wide; "level", "verify": those that are a draft level's
@@ -151,10 +151,11 @@ def _memory(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def capture_wanted(device: torch.device, fixed_shapes: bool, captured: bool) -> bool:
+def capture_wanted(device: torch.device, fixed_shapes: bool, captured: bool, steps: bool | None = None) -> bool:
     """Capture a run's steps: where its forwards run at fixed shapes and are captured (CUDA), or
-    on a stand-in device; DYNATREE_STEP_GRAPHS=0 turns it off (to measure what it buys)."""
-    if os.environ.get("DYNATREE_STEP_GRAPHS", "1") == "0":
+    on a stand-in device; `steps=False` (auto: DYNATREE_STEP_GRAPHS=0) turns it off (to measure
+    what it buys)."""
+    if not (steps if steps is not None else env_on("DYNATREE_STEP_GRAPHS")):
         return False
     return fixed_shapes and (captured or device.type in STAND_IN_DEVICES)
 

@@ -11,9 +11,10 @@ Four implementations give the same logits (tests pin each against the reference)
   invariant   the lean forward with width-invariant attention and linears (invariant.py).
 
 A draft that is no stock model (`own_forward`, drafts/fused.py) runs its own forward as `lean`.
-The switches (None: the environment's default) are the ones `DecodeConfig` carries:
-`static` DYNATREE_STATIC_CACHE, `fast` DYNATREE_FAST_FORWARD, `graphs` DYNATREE_GRAPHS (CUDA
-only by default); `invariant` is decided by the caller (invariant.invariant_wanted).
+The switches (None: the environment's override, else the default) are the run's
+`ForwardSettings` (core/settings.py): `static` DYNATREE_STATIC_CACHE, `fast` DYNATREE_FAST_FORWARD,
+`graphs` DYNATREE_GRAPHS (CUDA only by default); `invariant` is decided by the caller
+(invariant.invariant_wanted).
 
 Contract: knows models and devices, never caches' contents, trees or policies.
 """
@@ -21,7 +22,6 @@ Contract: knows models and devices, never caches' contents, trees or policies.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 
 import torch
@@ -29,6 +29,7 @@ import torch
 from dynatree_core.core import graphs as cuda_graphs  # looked up at call time: tests stand in for a GPU
 from dynatree_core.core.fastpath import fast_forward_enabled, lean_forward_for
 from dynatree_core.core.invariant import WidthVerdict, width_verdict
+from dynatree_core.core.settings import env_on
 from dynatree_core.core.static_rows import static_attention_agrees
 
 KINDS = ("reference", "lean", "captured", "invariant")  # kv.KVState runs `_<kind>`
@@ -64,7 +65,7 @@ class ForwardChoice:
 
 def static_cache_enabled(static: bool | None = None) -> bool:
     """An explicit choice wins; else on unless DYNATREE_STATIC_CACHE=0."""
-    return static if static is not None else os.environ.get("DYNATREE_STATIC_CACHE", "1") != "0"
+    return static if static is not None else env_on("DYNATREE_STATIC_CACHE")
 
 
 def full_attention_only(model: torch.nn.Module) -> bool:
@@ -132,7 +133,12 @@ def _pick(model, static, fast, graphs, invariant: bool) -> ForwardChoice:
 
 
 def forward_path(
-    model: torch.nn.Module, static: bool | None = None, fast: bool | None = None, graphs: bool | None = None
+    model: torch.nn.Module,
+    static: bool | None = None,
+    fast: bool | None = None,
+    graphs: bool | None = None,
+    steps: bool | None = None,
 ) -> str:
-    """The path name a run of `model` with these switches records (ForwardChoice.path)."""
+    """The path name a run of `model` with these switches records (ForwardChoice.path; `steps`
+    changes nothing here: a failed step capture is the run's to say, kv.KVState.path)."""
     return choose_forward(model, static=static, fast=fast, graphs=graphs).path

@@ -23,7 +23,6 @@ Contract: knows models and cache layers, never trees or policies.
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 from dynatree_core.core import kernels
 from dynatree_core.core.forward import Forward
 from dynatree_core.core.invariant import LinearRows, RopeTable, RowGroups, min_rows
+from dynatree_core.core.settings import env_on
 from dynatree_core.core.static_rows import StaticRows
 from dynatree_core.core.taps import stack_taps
 
@@ -41,7 +41,7 @@ LEAN_TYPES = ("llama", "qwen2", "mistral")  # model_type values whose decoder la
 
 def fast_forward_enabled(fast: bool | None = None) -> bool:
     """An explicit choice wins; else on unless DYNATREE_FAST_FORWARD=0."""
-    return fast if fast is not None else os.environ.get("DYNATREE_FAST_FORWARD", "1") != "0"
+    return fast if fast is not None else env_on("DYNATREE_FAST_FORWARD")
 
 
 def supports_lean(model: torch.nn.Module) -> bool:

@@ -45,7 +45,6 @@ forward timings and cost models see replays only.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 import weakref
 
@@ -53,6 +52,7 @@ import torch
 
 from dynatree_core.core.capture import POOLS, capture_failed, capture_graph
 from dynatree_core.core.forward import Forward, additive
+from dynatree_core.core.settings import env_on
 from dynatree_core.core.slots import write_slots
 from dynatree_core.core.static_rows import StaticRows
 from dynatree_core.core.transfer import to_device, upload_into
@@ -87,7 +87,7 @@ def graphs_enabled(device: torch.device, graphs: bool | None = None) -> bool:
     On a CPU `True` runs the padded forward eagerly (the tests' reference for the GPU path)."""
     if graphs is not None:
         return graphs
-    return device.type == "cuda" and os.environ.get("DYNATREE_GRAPHS", "1") != "0"
+    return device.type == "cuda" and env_on("DYNATREE_GRAPHS")
 
 
 def buckets(max_width: int = MAX_BUCKET) -> list[int]:

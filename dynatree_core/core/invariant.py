@@ -47,11 +47,11 @@ Contract: knows tensors, cache slots and the lean forward's linears; never trees
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
 from dynatree_core.core import capture
+from dynatree_core.core.settings import env
 from dynatree_core.core.transfer import to_device
 
 PROBE_WIDTHS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 32, 33, 64)  # row counts a run's forwards take
@@ -165,9 +165,9 @@ def invariant_wanted(model: torch.nn.Module, choice: bool | None = None) -> bool
     differ by ~1e-7 and the shared kernels are faster (BENCHMARKS.md, "Width invariance")."""
     if choice is not None:
         return choice
-    env = os.environ.get("DYNATREE_INVARIANT")
-    if env in ("0", "1"):
-        return env == "1"
+    override = env("DYNATREE_INVARIANT")
+    if override in ("0", "1"):
+        return override == "1"
     return model.dtype in (torch.bfloat16, torch.float16)
 
 

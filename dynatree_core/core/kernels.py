@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from dynatree_core.core.log import log_exception, log_info
+from dynatree_core.core.settings import env_on
 
 BLOCK_KEYS = 32  # slots per program of the attention's first pass (a span is a power of two >= 256)
 SILU_BLOCK = 1024  # columns per program of silu * up
@@ -49,7 +49,7 @@ _VERDICTS: dict[str, bool] = {}  # device type -> whether the kernels passed the
 def enabled(device_type: str) -> bool:
     """Whether forwards on this device type take the kernels: a KERNEL_DEVICES type, Triton
     importable, DYNATREE_KERNELS not 0, and the first check passed (run once, here)."""
-    if device_type not in KERNEL_DEVICES or not _importable() or os.environ.get("DYNATREE_KERNELS", "1") == "0":
+    if device_type not in KERNEL_DEVICES or not _importable() or not env_on("DYNATREE_KERNELS"):
         return False
     if device_type not in _VERDICTS:
         if device_type == "cuda" and torch.cuda.is_current_stream_capturing():

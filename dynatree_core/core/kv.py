@@ -50,7 +50,8 @@ class KVState(FilledForwards):
         capacity: expected final length (prompt + new tokens) for the static cache; grown if exceeded.
         static, fast, graphs, invariant: the switches choice.choose_forward decides the forward
             from (static cache, lean forward, captured forwards, width-invariant forwards); the
-            decision is `choice`, its name `path`.
+            decision is `choice`, its name `path`. `steps`: the work between forwards captured
+            as steps where the forwards are (capture.capture_wanted). None: auto (core/settings.py).
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class KVState(FilledForwards):
         static: bool | None = None,
         fast: bool | None = None,
         graphs: bool | None = None,
+        steps: bool | None = None,
         invariant: bool = False,
     ):
         self.model = model
@@ -88,7 +90,7 @@ class KVState(FilledForwards):
             )
         # the tensor work between this model's forwards, captured where its forwards are (capture.py)
         self.steps = StepGraphs(
-            self.device, capture=capture_wanted(self.device, self.padded is not None, self.choice.capture)
+            self.device, capture=capture_wanted(self.device, self.padded is not None, self.choice.capture, steps)
         )
         self.length = 0  # tokens whose KV is in the cache
         self.pending: list[int] = list(prompt_ids)  # committed, not yet in the cache

@@ -9,10 +9,11 @@ in one call, so the lines of two processes do not interleave within a record.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 from pathlib import Path
+
+from dynatree_core.core.settings import env
 
 LOG_ENV = "DYNATREE_LOG"
 _LOGGER = "dynatree"
@@ -21,7 +22,7 @@ _setup = threading.Lock()
 
 def log_path() -> Path:
     """The server log's file (DYNATREE_LOG, else ~/.cache/dynatree/server.log)."""
-    where = os.environ.get(LOG_ENV, "").strip()
+    where = env(LOG_ENV)
     return Path(where).expanduser() if where else Path.home() / ".cache" / "dynatree" / "server.log"
 
 

@@ -16,9 +16,10 @@ exactness is always judged against AR decoding with the same (packed) model.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from dynatree_core.core.settings import env_on
 
 
 def linear_dtype(linear: torch.nn.Module) -> torch.dtype:
@@ -67,7 +68,7 @@ def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
         and dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        and os.environ.get("DYNATREE_PACK", "1") != "0"
+        and env_on("DYNATREE_PACK")
         and _packs(dtype)
     )
 

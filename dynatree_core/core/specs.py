@@ -7,16 +7,15 @@ Nothing here loads a model.
 
 from __future__ import annotations
 
-import os
-
 from dynatree_core.core.presets import PRESETS
+from dynatree_core.core.settings import env
 from dynatree_core.errors import DynaTreeError
 
 
 def presets_only() -> bool:
     """A deployer's switch (DYNATREE_PRESETS_ONLY=1): serve the preset model pairs and nothing
     else, so a public instance cannot be pointed at arbitrary paths or hub ids."""
-    return os.environ.get("DYNATREE_PRESETS_ONLY", "").strip().lower() in ("1", "true", "yes", "on")
+    return env("DYNATREE_PRESETS_ONLY").lower() in ("1", "true", "yes", "on")
 
 
 def check_spec_allowed(spec: str) -> None:

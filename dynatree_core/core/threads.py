@@ -22,6 +22,7 @@ import os
 
 import torch
 
+from dynatree_core.core import settings
 from dynatree_core.errors import DynaTreeError
 
 ENV = "DYNATREE_THREADS"
@@ -48,7 +49,7 @@ def resolve_threads(requested: int | str | None = None, role: str = "cli") -> tu
     """(threads, source): source is "asked", "env" or "default". Invalid values raise DynaTreeError."""
     if requested not in (None, "", 0, "0", "auto"):
         return _positive(requested, "--threads"), "asked"
-    env = os.environ.get(ENV, "").strip()
+    env = settings.env(ENV)
     if env and env != "auto":
         return _positive(env, ENV), "env"
     return default_threads(role), "default"

@@ -12,7 +12,6 @@ target inputs one `VerifyBatch`, its timings one `IterationClock`.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -22,11 +21,13 @@ from dynatree_core.core.invariant import invariant_wanted
 from dynatree_core.core.kv import KVState
 from dynatree_core.core.models import context_length_of
 from dynatree_core.core.sampling_config import SamplingConfig
-from dynatree_core.core.transfer import PhaseClock, to_device
+from dynatree_core.core.settings import ForwardSettings
+from dynatree_core.core.transfer import to_device
 from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.baselines import Baseline
 from dynatree_core.decoding.batch import EarlyVerify, VerifyBatch, early_wanted, host_verify
+from dynatree_core.decoding.clock import IterationClock
 from dynatree_core.drafting.policy import Policy
 from dynatree_core.drafting.request import DraftRequest
 from dynatree_core.drafts.heads import draft_kind, make_drafter
@@ -49,18 +50,7 @@ class DecodeConfig:
     verifier: str = "auto"  # greedy at T=0; else specinfer (i.i.d. draws), without_replacement, or nss
     seed: int = 0  # seeds the draft's and the verifier's random draws
     analyze: bool = False  # per-node expected acceptance / reach probabilities (the app's; costs time)
-    # How forwards run (core/choice.py picks); None: on unless DYNATREE_STATIC_CACHE / DYNATREE_FAST_FORWARD=0
-    static_cache: bool | None = None  # preallocated per-run KV buffers, compacted in place
-    fast_forward: bool | None = None  # the lean forward over them (Llama-family models)
-    graphs: bool | None = None  # fixed-shape forwards, one CUDA graph per width (core/graphs.py; default: on CUDA)
-    # the target's forwards width-invariant (core/invariant.py); None: invariant_wanted's rule
-    width_invariant: bool | None = None
-    # policies that can keep their draft levels on the device do (drafting/device.py: the tree is
-    # read once, not once per level); None: on CUDA, where a read is a sync (on a CPU it is free)
-    device_draft: bool | None = None
-    # with device_draft, the verify forward is queued from the tree's rows built on the device before
-    # the host reads the tree (decoding/batch.py: one draining read per iteration); None: on
-    device_verify: bool | None = None
+    forward: ForwardSettings = ForwardSettings()  # how forwards run (core/settings.py; None fields: auto)
 
 
 def vocab_size(model: torch.nn.Module) -> int:
@@ -96,8 +86,8 @@ class DecodeState:
     prompt_len: int
     context_length: int  # the target's positions (or the config's)
     weights: int = 0  # resident weight bytes (metrics.memory_mb's CPU accounting)
-    device_draft: bool = False  # DecodeConfig.device_draft, resolved for the device
-    device_verify: bool = True  # DecodeConfig.device_verify, resolved
+    device_draft: bool = False  # ForwardSettings.device_draft, resolved for the device
+    device_verify: bool = True  # ForwardSettings.device_verify, resolved
 
     @property
     def new_tokens(self) -> int:
@@ -139,8 +129,9 @@ def start_run(
     gen = torch.Generator().manual_seed(config.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    paths = dict(capacity=min(ctx, len(prompt_ids) + config.max_new_tokens), **_paths(config))
-    target_kv = KVState(target, prompt_ids, **paths, invariant=invariant_wanted(target, config.width_invariant))
+    forward = config.forward
+    paths = dict(capacity=min(ctx, len(prompt_ids) + config.max_new_tokens), **forward.cache_switches())
+    target_kv = KVState(target, prompt_ids, **paths, invariant=invariant_wanted(target, forward.width_invariant))
     drafter = None
     weights = weight_bytes(target)  # CPU memory accounting (metrics.memory_mb)
     if policy.needs_draft_model:
@@ -161,8 +152,8 @@ def start_run(
         prompt_len=len(prompt_ids),
         context_length=ctx,
         weights=weights,
-        device_draft=config.device_draft if config.device_draft is not None else device.type == "cuda",
-        device_verify=config.device_verify is not False,
+        device_draft=forward.device_draft if forward.device_draft is not None else device.type == "cuda",
+        device_verify=forward.device_verify is not False,
     )
 
 
@@ -240,59 +231,6 @@ def _verify(state: DecodeState, tree: DraftTree, batch: VerifyBatch, out) -> Out
         return verify_greedy(tree, batch.order, out.logits[: len(batch.order)])
     sampling = state.config.sampling
     return verify_sampling(tree, batch.order, out.logits, sampling, state.verifier, state.gen, state.draw)
-
-
-class IterationClock:
-    """One iteration's timings in one place. The phase boundaries (draft done, rows built, verify
-    forward queued) are marked without waiting for the device (core/transfer.PhaseClock) and read
-    after the verification's read; graph captures inside a phase are set-up, not its work, and are
-    taken out of it; commit and record are host work, timed on the host. `fill` writes them into
-    the record, with the draft's forwards and its time inside them."""
-
-    def __init__(self, state: DecodeState):
-        self.state = state
-        self.captured_s = state.capture_s()
-        self.draft_forwards, self.draft_forward_ms = state.draft_forwards(), state.draft_forward_ms()
-        self.phases = PhaseClock(state.device)
-        self.phases.mark()
-        self.draft_capture_ms = self.verify_capture_ms = 0.0
-        self.width = 0  # rows of the verify forward
-
-    def _capture_ms(self) -> float:
-        return (self.state.capture_s() - self.captured_s) * 1e3
-
-    def draft_done(self) -> None:
-        self.phases.mark()
-        self.draft_capture_ms = self._capture_ms()
-
-    def batch_built(self) -> None:
-        self.phases.mark()
-
-    def verify_done(self, width: int) -> None:
-        """The verify forward is queued (on a GPU it may still run); `width`: its rows."""
-        self.phases.mark()
-        self.verify_capture_ms = self._capture_ms() - self.draft_capture_ms
-        self.width = width
-
-    def verified(self) -> None:
-        """After the verification's read: the marks are done, reading them waits for nothing."""
-        self.marks = self.phases.read()[1:]
-        self.host_s = self.phases.host_start()
-
-    def committed(self) -> None:
-        self.committed_s = time.perf_counter()
-
-    def fill(self, record: IterationRecord) -> None:
-        state, (t1, t2, t3) = self.state, self.marks
-        record.draft_forwards = state.draft_forwards() - self.draft_forwards
-        record.capture_ms = self.draft_capture_ms + self.verify_capture_ms
-        record.verify_rows = self.width
-        record.draft_ms = t1 - self.draft_capture_ms
-        record.verify_ms = t3 - t2 - self.verify_capture_ms
-        record.commit_ms = (self.committed_s - self.host_s) * 1e3  # with the verification on a CPU; host work on a GPU
-        record.overhead_ms = t2 - t1 + (time.perf_counter() - self.committed_s) * 1e3
-        # the draft's forward time: its CUDA events are done by now, so reading them waits for nothing
-        record.draft_forward_ms = state.draft_forward_ms() - self.draft_forward_ms
 
 
 def _draft(state: DecodeState, budget: int, early: EarlyVerify | None) -> tuple[DraftTree, bool]:
@@ -376,10 +314,6 @@ def _commit(
     drafter.commit(tree, in_cache, new_tokens)
 
 
-def _paths(config: DecodeConfig) -> dict:
-    return {"static": config.static_cache, "fast": config.fast_forward, "graphs": config.graphs}
-
-
 def generate(
     target: torch.nn.Module,
     prompt_ids: list[int],
@@ -416,6 +350,6 @@ def generate(
         device=str(device),
         dtype=str(target.dtype).removeprefix("torch."),
         threads=torch.get_num_threads(),
-        forward_path=records[-1].forward_path if records else forward_path(target, **_paths(config)),
+        forward_path=records[-1].forward_path if records else forward_path(target, **config.forward.cache_switches()),
         draft_kind=draft_kind(draft) if policy.needs_draft_model else "",
     )

@@ -13,7 +13,7 @@ way (../shared/GPU_NOTES.md).
 The price: levels run at their widest, and a tree the host path stops early (an empty frontier,
 a spent budget) runs one spare draft forward: whether a level admitted anything is read one
 level late (transfer.LateRead: the device is busy with the next level meanwhile). On a CPU a
-read costs nothing, so the engine drafts this way on CUDA only (DecodeConfig.device_draft).
+read costs nothing, so the engine drafts this way on CUDA only (ForwardSettings.device_draft).
 Greedy ("top") drafting only: sampled drafting draws on the host.
 
 Two shapes of tree: `admitted_levels` (fixed_tree, linear, dynatree, dyspec_threshold: a

@@ -38,7 +38,6 @@ import collections
 import contextlib
 import itertools
 import multiprocessing as mp
-import os
 import queue
 import sys
 import threading
@@ -48,6 +47,7 @@ import weakref
 from typing import Any
 
 from dynatree_core.core.log import log_info
+from dynatree_core.core.settings import env
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.live.engine_child import POLL_S, EngineInfo, PairSpec, StartRun, pair_info, serve
 
@@ -82,7 +82,7 @@ def _main_left_out():
 
 def env_seconds(name: str, default: float) -> float:
     """A positive number of seconds from environment variable `name` (unset: `default`)."""
-    raw = os.environ.get(name, "").strip()
+    raw = env(name)
     try:
         value = float(raw) if raw else default
     except ValueError:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from dynatree_core.core.log import log_info
+from dynatree_core.core.settings import env
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.live.engine_process import EngineProcess, PairSpec
 
@@ -39,7 +40,7 @@ def _memory_gib() -> float:
 def max_pairs() -> int:
     """How many pairs the server keeps loaded at once: DYNATREE_MAX_PAIRS, else one per
     GIB_PER_PAIR GiB of memory, between 1 and MAX_DEFAULT_PAIRS."""
-    raw = os.environ.get(MAX_PAIRS_ENV, "").strip()
+    raw = env(MAX_PAIRS_ENV)
     if not raw:
         return max(1, min(MAX_DEFAULT_PAIRS, int(_memory_gib() // GIB_PER_PAIR)))
     try:

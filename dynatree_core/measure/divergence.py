@@ -25,6 +25,7 @@ import dataclasses
 
 import torch
 
+from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.decoding.engine import DecodeConfig, iterate, start_run
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.measure.bench import encode_prompts
@@ -46,7 +47,7 @@ class _Run:
 
 
 def _start(target, draft, prompt: list[int], policy: str, max_new: int, token_map, graphs) -> tuple[_Run, object]:
-    config = DecodeConfig(max_new_tokens=max_new, width_invariant=True, graphs=graphs)
+    config = DecodeConfig(max_new_tokens=max_new, forward=ForwardSettings(width_invariant=True, graphs=graphs))
     method = make_method(policy)
     state = start_run(
         target, prompt, method, draft=None if policy == "ar" else draft, config=config, draft_token_map=token_map

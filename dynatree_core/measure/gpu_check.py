@@ -48,6 +48,7 @@ import torch
 from dynatree_core.core import capture, graphs, transfer
 from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.core.log import log_exception
+from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.decoding.engine import DecodeConfig, decode, generate
 from dynatree_core.decoding.methods import make_method
@@ -90,15 +91,17 @@ def tiny_pair(arch: str, device: torch.device) -> tuple[torch.nn.Module, torch.n
     return target.to(device), draft.to(device)
 
 
-def _run(
-    target, draft, prompt, policy: str, params: dict, *, graphs_on: bool, max_new: int = 32, levels=None, verify=None
-):
-    config = DecodeConfig(max_new_tokens=max_new, graphs=graphs_on, device_draft=levels, device_verify=verify)
+GRAPHS = ForwardSettings(graphs=True)  # captured forwards (on a CPU: the same shapes, eagerly)
+
+
+def _run(target, draft, prompt, policy: str, params: dict, *, max_new: int = 32, **forward):
+    """A greedy run of `policy`; `forward`: its ForwardSettings' fields."""
+    config = DecodeConfig(max_new_tokens=max_new, forward=ForwardSettings(**forward))
     return generate(target, prompt, make_method(policy, params), draft=draft, config=config)
 
 
 def _ar(target, prompt, max_new: int = 32) -> list[int]:
-    return _run(target, None, prompt, "ar", {}, graphs_on=False, max_new=max_new).token_ids
+    return _run(target, None, prompt, "ar", {}, graphs=False, max_new=max_new).token_ids
 
 
 def pair_checks(name: str, target, draft, token_map=None) -> list[dict]:
@@ -112,19 +115,17 @@ def pair_checks(name: str, target, draft, token_map=None) -> list[dict]:
     bad = []
     for policy in [n for n in POLICIES if POLICIES[n].needs_draft_model]:
         for p in PROMPTS:
-            on = _run(target, draft, p, policy, {}, graphs_on=True)
-            off = _run(target, draft, p, policy, {}, graphs_on=False)
+            on = _run(target, draft, p, policy, {}, graphs=True)
+            off = _run(target, draft, p, policy, {}, graphs=False)
             if not (on.token_ids == off.token_ids == wants[tuple(p)]):
                 bad.append(policy)
     row("policies", not bad, f"diverged: {', '.join(sorted(set(bad)))}" if bad else f"{len(POLICIES) - 2} policies")
-    wide = _run(target, draft, PROMPTS[0], "fixed_tree", WIDE, graphs_on=True)
+    wide = _run(target, draft, PROMPTS[0], "fixed_tree", WIDE, graphs=True)
     row("wide tree", wide.token_ids == wants[tuple(PROMPTS[0])], f"up to {WIDE['budget']} nodes a forward")
-    long = _run(target, draft, PROMPTS[1], "fixed_tree", WIDE, graphs_on=True, max_new=200)
+    long = _run(target, draft, PROMPTS[1], "fixed_tree", WIDE, graphs=True, max_new=200)
     row("buffer grows", long.token_ids == _ar(target, PROMPTS[1], 200), f"{long.iterations} iterations")
     runs = [
-        decode(
-            target, p, make_method("fixed_tree", {}), draft=draft, config=DecodeConfig(max_new_tokens=32, graphs=True)
-        )
+        decode(target, p, make_method("fixed_tree", {}), draft=draft, config=DecodeConfig(32, forward=GRAPHS))
         for p in PROMPTS
     ]
     outs: list[list[int]] = [[], []]
@@ -138,7 +139,7 @@ def pair_checks(name: str, target, draft, token_map=None) -> list[dict]:
     fail = mock.patch.object(graphs, "capture_graph", side_effect=injected)
     fail_steps = mock.patch.object(capture, "capture_graph", side_effect=injected)
     with fail, fail_steps, mock.patch.object(graphs, "capture_wanted", return_value=True), _quiet():
-        fell = _run(target, draft, PROMPTS[0], "fixed_tree", {}, graphs_on=True)
+        fell = _run(target, draft, PROMPTS[0], "fixed_tree", {}, graphs=True)
     ok = fell.token_ids == wants[tuple(PROMPTS[0])] and "capture failed" in fell.forward_path
     row("fallback", ok, fell.forward_path)
     return rows
@@ -213,7 +214,7 @@ def invariance_checks(name: str, target, draft) -> list[dict]:
             detail += "" if attention else ", fixed-shape attention not invariant"
         ok = verdict is None and bits and (replayed is None or replayed.reason is None)
         rows.append({"pair": name, "check": f"invariant {label}", "ok": ok, "detail": detail})
-        config = DecodeConfig(max_new_tokens=32, width_invariant=True)
+        config = DecodeConfig(max_new_tokens=32, forward=ForwardSettings(width_invariant=True))
         bad = []
         for p in PROMPTS:
             want = generate(t, p, make_method("ar"), config=config).token_ids
@@ -302,10 +303,9 @@ def run_measures(target, draft, device: torch.device) -> dict:
     """fixed_tree's round trips, launches and speed per iteration, by where its levels and verify
     batch are built (measure/launches.run_measures)."""
 
-    def run(levels: bool, verify: bool):
-        return _run(
-            target, draft, PROMPTS[0], "fixed_tree", {}, graphs_on=True, max_new=64, levels=levels, verify=verify
-        )
+    def run(levels: bool, verify: bool, steps: bool):
+        on = dict(graphs=True, step_graphs=steps, device_draft=levels, device_verify=verify)
+        return _run(target, draft, PROMPTS[0], "fixed_tree", {}, max_new=64, **on)
 
     return launches.run_measures(run, device)
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from dynatree_core.core.kv import KVState, chain_then_tree_visibility
+from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.core.taps import FINAL
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.core.vocab import TokenMap
@@ -70,14 +71,12 @@ def forward_ms(
     new_tokens: int,
     repeats: int = 5,
     *,
-    static: bool | None = None,
-    fast: bool | None = None,
-    graphs: bool | None = None,
+    settings: ForwardSettings = ForwardSettings(),
 ) -> float:
     """Median ms of a target forward over `new_tokens` tokens with `context` tokens already
-    cached, on the forward path the engine would use (`static` / `fast` / `graphs`: KVState's switches)."""
+    cached, on the forward path the engine would take with these settings."""
     ids = _ids(model.get_input_embeddings().weight.shape[0], context + new_tokens)
-    kv = KVState(model, ids[:context], capacity=context + new_tokens, static=static, fast=fast, graphs=graphs)
+    kv = KVState(model, ids[:context], capacity=context + new_tokens, **settings.cache_switches())
     prefill = chain_then_tree_visibility(0, context, torch.zeros(0, 0, dtype=torch.bool))
     kv.forward(kv.pending, list(range(context)), prefill, logits_to_keep=1)
     kv.pending = []
@@ -99,15 +98,13 @@ def level_ms(
     repeats: int = 5,
     *,
     token_map: TokenMap | None = None,
-    static: bool | None = None,
-    fast: bool | None = None,
-    graphs: bool | None = None,
+    settings: ForwardSettings = ForwardSettings(),
 ) -> float:
     """Median ms of one draft level of `new_tokens` nodes (children of the root) after `context`
     committed tokens, through the drafter the engine makes for this draft (`vocab`: the pair's
     shared vocabulary; `token_map`: a reduced-vocabulary draft's)."""
     ids = _ids(vocab, context + new_tokens)
-    drafter = make_drafter(draft, ids[:context], vocab, token_map, static=static, fast=fast, graphs=graphs)
+    drafter = make_drafter(draft, ids[:context], vocab, token_map, **settings.cache_switches())
     if drafter.wants_features:  # a head reads (feature, next token) pairs; the zero features cost the same
         hidden = draft.config.hidden_size
         shape = (context, hidden) if drafter.taps == (FINAL,) else (context, len(drafter.taps), hidden)
@@ -131,16 +128,13 @@ def profile(
     progress=None,
     *,
     token_map: TokenMap | None = None,
-    static: bool | None = None,
-    fast: bool | None = None,
-    graphs: bool | None = None,
+    settings: ForwardSettings = ForwardSettings(),
 ) -> list[LatencyPoint]:
     """Every (model, context, tokens) point: the target's forwards, then the draft's levels."""
-    switches = dict(static=static, fast=fast, graphs=graphs)
     vocab = min(vocab_size(target), vocab_size(draft)) if draft is not None else 0
-    timers = {"target": lambda c, n: forward_ms(target, c, n, repeats, **switches)}
+    timers = {"target": lambda c, n: forward_ms(target, c, n, repeats, settings=settings)}
     if draft is not None:
-        timers["draft"] = lambda c, n: level_ms(draft, vocab, c, n, repeats, token_map=token_map, **switches)
+        timers["draft"] = lambda c, n: level_ms(draft, vocab, c, n, repeats, token_map=token_map, settings=settings)
     points = []
     total, done = len(timers) * len(tokens) * len(contexts), 0
     for name, timer in timers.items():
@@ -153,11 +147,20 @@ def profile(
     return points
 
 
-def pair_profile(pair, tokens: tuple[int, ...], contexts: tuple[int, ...], repeats: int, progress=None, **switches):
+def pair_profile(
+    pair, tokens: tuple[int, ...], contexts: tuple[int, ...], repeats: int, progress=None, *, settings=ForwardSettings()
+) -> list[LatencyPoint]:
     """`profile` of a loaded model pair (decoding/pairs.ModelPair): its draft unless it is a stand-in."""
     if pair.draft is None or pair.draft_is_stand_in:
-        return profile(pair.target.model, None, tokens, contexts, repeats, progress, **switches)
+        return profile(pair.target.model, None, tokens, contexts, repeats, progress, settings=settings)
     draft = pair.draft
     return profile(
-        pair.target.model, draft.model, tokens, contexts, repeats, progress, token_map=draft.token_map, **switches
+        pair.target.model,
+        draft.model,
+        tokens,
+        contexts,
+        repeats,
+        progress,
+        token_map=draft.token_map,
+        settings=settings,
     )

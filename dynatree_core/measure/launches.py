@@ -19,7 +19,6 @@ GPU would launch; on CUDA the real graphs run and replay() dispatches nothing.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -217,9 +216,9 @@ VARIANTS = {
 }
 
 
-def run_measures(run: Callable[[bool, bool], object], device: torch.device) -> dict:
+def run_measures(run: Callable[[bool, bool, bool], object], device: torch.device) -> dict:
     """Capture seconds, memory per run, host round trips and speed per iteration of `run(levels,
-    verify)` with the draft levels and the verify batch on the device (the CUDA default), and the
+    verify, steps)` with the draft levels and the verify batch on the device (the CUDA default), and the
     same for each of VARIANTS; launches per iteration counted in a run of their own (the counter
     slows a run down: its speed is not reported)."""
     if device.type == "cuda":
@@ -227,19 +226,19 @@ def run_measures(run: Callable[[bool, bool], object], device: torch.device) -> d
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     with transfer.counting() as moved:
-        result = run(True, True)
+        result = run(True, True, True)
     memory = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else None
     out = {
         "forward_path": result.forward_path,
         "capture_s": round(result.capture_s, 3),
         "run_memory_mb": None if memory is None else round(memory, 1),
-        **_measured(result, moved, lambda: run(True, True), device),
+        **_measured(result, moved, lambda: run(True, True, True), device),
     }
     for key, (_, levels, verify) in VARIANTS.items():
-        with _steps_captured(key != "eager_steps"):
-            with transfer.counting() as moved:
-                result = run(levels, verify)
-            out[key] = _measured(result, moved, lambda lv=levels, v=verify: run(lv, v), device)
+        steps = key != "eager_steps"
+        with transfer.counting() as moved:
+            result = run(levels, verify, steps)
+        out[key] = _measured(result, moved, lambda lv=levels, v=verify, s=steps: run(lv, v, s), device)
     return out
 
 
@@ -250,20 +249,6 @@ def _measured(result, moved, again: Callable[[], object], device: torch.device) 
         "tokens_per_s": round(result.throughput_tps, 1),
         "launches": per_iteration(again, device, top=5),
     }
-
-
-@contextlib.contextmanager
-def _steps_captured(on: bool) -> Iterator[None]:
-    """Runs whose steps between forwards are captured (the default) or not (DYNATREE_STEP_GRAPHS=0)."""
-    saved = os.environ.get("DYNATREE_STEP_GRAPHS")
-    os.environ["DYNATREE_STEP_GRAPHS"] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("DYNATREE_STEP_GRAPHS")
-        else:
-            os.environ["DYNATREE_STEP_GRAPHS"] = saved
 
 
 def run_lines(run: dict) -> list[str]:

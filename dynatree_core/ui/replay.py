@@ -3,11 +3,11 @@ REPLAY_INTERVAL_S before any model loads; the live pair starts loading after PRE
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import streamlit as st
 
+from dynatree_core.core.settings import env_on
 from dynatree_core.live.run import LiveRun
 
 REPLAY_FILE = Path(__file__).resolve().parents[2] / "assets" / "replay" / "welcome.json"
@@ -19,7 +19,7 @@ POSTER_FRAMES = 3  # the replay's first frames draw the tree as an image: the br
 def replay_run() -> LiveRun | None:
     """The recorded run the live page opens on (assets/replay/), this session's own copy; None
     when the file is missing or unreadable, or DYNATREE_REPLAY=0 (the page then opens on its form)."""
-    if os.environ.get("DYNATREE_REPLAY", "1") == "0":
+    if not env_on("DYNATREE_REPLAY"):
         return None
     try:
         run = LiveRun.from_json(REPLAY_FILE.read_bytes())

@@ -5,7 +5,6 @@ this process with the lock that keeps two sessions' forwards apart."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -15,6 +14,7 @@ import streamlit as st
 import torch
 
 from dynatree_core.core.log import log_exception
+from dynatree_core.core.settings import env
 from dynatree_core.core.threads import ENV, available_cores, configure_threads
 from dynatree_core.decoding.pairs import load_pair
 from dynatree_core.errors import DynaTreeError
@@ -50,7 +50,7 @@ def live_engine_mode() -> str:
     live/engine_process.py, so drawing never takes the engine's time and every page shares one copy
     of the pair) or "thread" (this process: the reference, measured slower while the page draws).
     DYNATREE_LIVE_ENGINE."""
-    mode = os.environ.get(LIVE_ENGINE_ENV, "").strip().lower() or "process"
+    mode = env(LIVE_ENGINE_ENV).lower()
     if mode not in LIVE_ENGINES:
         raise DynaTreeError(f"{LIVE_ENGINE_ENV}={mode!r}; choose one of: {', '.join(LIVE_ENGINES)}")
     return mode
