@@ -83,6 +83,7 @@ def reference_forward(
 
 
 def additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """visible (q, kv) bool -> (1, 1, q, kv) additive mask: 0 where visible, the dtype's min elsewhere."""
+    """visible (..., q, kv) bool -> the additive mask of the same shape: 0 where visible, the
+    dtype's min elsewhere (every forward here and the recipes' batched answers build it so)."""
     mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    return mask.masked_fill_(~visible, torch.finfo(dtype).min)[None, None]
+    return mask.masked_fill_(~visible, torch.finfo(dtype).min)

@@ -296,7 +296,7 @@ class PaddedForward:
         def step(*inputs):
             ids, positions, slots, seen, embeds, *extra = fill(*inputs)
             if static is None:
-                mask, rows = additive(seen, dtype), None
+                mask, rows = additive(seen, dtype)[None, None], None
             else:
                 built = StaticRows.build(seen, static.positions_end, check=False)
                 mask, rows = None, dataclasses.replace(static, slots=built[0], tail=built[1])

@@ -241,7 +241,7 @@ class KVState(FilledForwards):
         return ids, positions, inputs
 
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
-        return additive(to_device(visible, self.device), self.model.dtype)
+        return additive(to_device(visible, self.device), self.model.dtype)[None, None]  # (1, 1, q, kv)
 
     def _done(self, q: int, out: Forward, hidden, capture_ms: float = 0.0) -> Forward:
         """Account for a forward of q rows (its span on the stopwatch, less any capture in it)."""

@@ -32,12 +32,12 @@ import numpy as np
 import torch
 
 from dynatree_core.core import capture
+from dynatree_core.core.forward import additive
 from dynatree_core.core.graphs import capture_safe, graphs_enabled
 from dynatree_core.decoding.engine import vocab_size
 from dynatree_core.training.answers.decode_ops import (
     TEACHER_K,
     Decoded,
-    additive_mask,
     compact_teacher,
     forward_rows,
     host_f16,
@@ -92,7 +92,7 @@ class BatchDecoder:
             ids[i, : len(p)] = torch.tensor(p, device=self.device)
         slots = torch.arange(width, device=self.device)
         positions = slots[None].expand(len(prompts), -1)
-        mask = additive_mask((slots[None, :] <= slots[:, None])[None, None], self.model.dtype)  # (1, 1, W, W)
+        mask = additive((slots[None, :] <= slots[:, None])[None, None], self.model.dtype)  # (1, 1, W, W)
         caches = self._buffers(len(prompts), width)
         states, tapped = [], []
         for r0 in range(0, len(prompts), self.prefill_rows):
@@ -166,7 +166,7 @@ class BatchDecoder:
         first `length` slots (the host knows the longest live row); returns the post-norm states (b, H)."""
         slots = torch.arange(length, device=self.device)
         visible = (slots[None, :] <= lens[:, None])[:, None, None]  # (b, 1, 1, length)
-        mask = additive_mask(visible, self.model.dtype)
+        mask = additive(visible, self.model.dtype)
         return forward_rows(self.lean, token[:, None], lens[:, None], mask, caches, lens)[:, 0]
 
 

@@ -103,10 +103,6 @@ def forward_rows(
     return lean.norm(x)
 
 
-def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
-
-
 def sample_rows(
     logits: torch.Tensor,
     temperature: torch.Tensor,
