@@ -3,10 +3,10 @@ follow, counted by tracing the calls, not by reading.
 
 Decodes one OOD prompt with the embedded pair (its feature draft) on this device's defaults and
 traces the calls into dynatree_core during one iteration after the first few (the prefill-only
-first iteration and the draft's first levels are not typical). A function counts once however often
-it runs; `record` lists the calls that only build the iteration's record (runs/), which the
-engine's work does not need. Writes the list so a change to the engine's heart can be read as a
-diff of it.
+first iteration and the draft's first levels are not typical). A function (properties included;
+comprehensions and lambdas are parts of theirs) counts once however often it runs; `record`
+lists the calls that only build the iteration's record (runs/), which the engine's work does not
+need. Writes the list so a change to the engine's heart can be read as a diff of it.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.iteration_path [--policy fixed_tree] [--iteration 4]
 """
@@ -38,8 +38,9 @@ def traced(step) -> list[tuple[str, str]]:
     root = str(PACKAGE) + "/"
 
     def profile(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.startswith(root):
-            seen.setdefault((frame.f_code.co_filename.removeprefix(root), frame.f_code.co_qualname), None)
+        code = frame.f_code  # comprehensions and lambdas are parts of a function, not functions to follow
+        if event == "call" and code.co_filename.startswith(root) and not code.co_name.startswith("<"):
+            seen.setdefault((code.co_filename.removeprefix(root), code.co_qualname), None)
 
     sys.setprofile(profile)
     try:

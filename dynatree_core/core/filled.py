@@ -32,11 +32,11 @@ from dynatree_core.core.transfer import upload_into
 
 class FilledForwards:
     """KVState's forwards with their inputs made on the device (module docstring); a mixin over
-    KVState's `model`, `device`, `padded`, `steps`, `length`, `watch` and `_done`."""
+    KVState's `model`, `device`, `padded`, `steps`, `filled`, `length`, `watch` and `_done`."""
 
     def fills(self, q: int) -> bool:
         """Whether `level` runs a q-row forward as one captured step (its conditions below)."""
-        return self.steps.capture and self.padded is not None and self.padded.fits(q)
+        return self.filled and self.padded.fits(q)
 
     def level(
         self,

@@ -67,6 +67,7 @@ class KVState(FilledForwards):
         invariant: bool = False,
     ):
         self.model = model
+        self.device = model.get_input_embeddings().weight.device
         self.choice = choose_forward(model, static=static, fast=fast, graphs=graphs, invariant=invariant)
         self.static = self.choice.static
         if self.static:
@@ -92,15 +93,14 @@ class KVState(FilledForwards):
         self.steps = StepGraphs(
             self.device, capture=capture_wanted(self.device, self.padded is not None, self.choice.capture, steps)
         )
+        # whether forwards may make their inputs on the device, captured with them (filled.py): decided
+        # here once, so a run that cannot (every CPU run but the tests' stand-ins) never asks
+        self.filled = self.steps.capture and self.padded is not None
         self.length = 0  # tokens whose KV is in the cache
         self.pending: list[int] = list(prompt_ids)  # committed, not yet in the cache
         self.forwards = 0
         self.watch = Stopwatch(self.device)  # time inside model forwards, graph captures excluded
         self.peak_bytes = 0  # the cache's largest size so far (right after a forward, before compaction)
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.get_input_embeddings().weight.device
 
     @property
     def forward_ms(self) -> float:

@@ -77,7 +77,7 @@ def host_verify(state, batch: VerifyBatch) -> Forward:
     one graph a width, whatever the tree's size within it)."""
     drafter, kv, keep = state.drafter, state.target_kv, len(batch.order)
     features = drafter is not None and drafter.wants_features
-    if not (features and drafter.taps != (FINAL,)):
+    if kv.filled and not (features and drafter.taps != (FINAL,)):
         if keep == 1:
             out = kv.chain(("verify", "chain"), batch.chain, batch.past, 1)
         else:

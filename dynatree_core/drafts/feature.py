@@ -273,7 +273,7 @@ class FeatureDrafter(Drafter):
             self.slots, self.out = {}, {}
             feats = torch.cat(self.pending_features) if len(self.pending_features) > 1 else self.pending_features[0]
             n = len(self.pending_tokens)
-            out = self._captured_root(self.pending_tokens, kv.length + 1, feats)
+            out = self._captured_root(self.pending_tokens, kv.length + 1, feats) if kv.filled else None
             if out is None:
                 visible = chain_then_tree_visibility(kv.length, n, torch.zeros(0, 0, dtype=torch.bool))
                 positions = list(range(kv.length + 1, kv.length + 1 + n))

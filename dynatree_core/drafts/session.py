@@ -73,7 +73,7 @@ class Drafter:
         kv = self.kv
         if nodes == [0]:
             self.slots = {}
-            out = self._captured_root(kv.pending, kv.length)
+            out = self._captured_root(kv.pending, kv.length) if kv.filled else None
             if out is None:
                 chain = self._draft_ids(kv.pending)
                 visible = chain_then_tree_visibility(kv.length, len(chain), torch.zeros(0, 0, dtype=torch.bool))
