@@ -2,7 +2,7 @@
 RMSNorm, the target's projections separate) and the GPU's (one fused RMSNorm kernel, q/k/v and
 gate/up fused, the residual adds inside the o and down GEMMs and the rotation's add in one addcmul:
 core/fastpath.py's device_forms). On a GPU a
-small model's forward is launch-bound (../shared/GPU_NOTES.md): a captured forward's time follows
+small model's forward is launch-bound (docs/gpu.md): a captured forward's time follows
 its kernel count, which needs no GPU to count (every op torch dispatches, views and allocations
 excluded, conversions and strided copies counted: measure/launches.py's rule). The embedded
 target, unpacked (a GPU does not pack), a 1-row and a 16-row forward, with shared kernels and

@@ -29,6 +29,31 @@ def test_reports_record_paths_relative_to_the_repository_and_home():
     )
 
 
+CACHE_PATH = re.compile(r"~/|\.cache/")  # this machine's home or cache layout, not a name a reader can use
+
+
+def test_no_shipped_model_card_names_a_home_or_cache_path():
+    """A card and its curve name a run by its place under the cache root (`draft-runs/NAME/draft`),
+    never by where this machine keeps that root (~/.cache/dynatree, or $DYNATREE_CACHE)."""
+    cards = [*REPO.glob("assets/models/**/README.md"), *REPO.glob("assets/models/**/*.json")]
+    assert len(cards) >= 6, "the glob found the shipped drafts' cards and curves"
+    offenders = [
+        f"{p.relative_to(REPO)}: {m.group(0)!r}"
+        for p in cards
+        for m in [CACHE_PATH.search(p.read_text(errors="replace"))]
+        if m
+    ]
+    assert not offenders, offenders
+
+
+def test_cards_record_runs_relative_to_the_cache_root(monkeypatch, tmp_path):
+    for root in (Path.home() / ".cache" / "dynatree", tmp_path / "cache"):
+        monkeypatch.setenv("DYNATREE_CACHE", str(root))
+        for written in (f"{root}/draft-runs/long-feature/draft", portable(f"{root}/draft-runs/long-feature/draft")):
+            assert portable(written, cache=True) == "draft-runs/long-feature/draft"
+    assert portable(f"{Path.home()}/runs/a", cache=True) == "~/runs/a"  # outside the cache: as before
+
+
 ISSUE_NUMBER = re.compile(r"\bissues?\s*#?\d+", re.IGNORECASE)  # \s: also across a line break
 
 

@@ -4,7 +4,7 @@ A forward is captured whole (graphs.py), but between forwards an iteration still
 kernels: a draft level's top-k, sorts and admission, the verify rows' sorts and ancestor closure.
 On a GPU each op is a kernel launch of a few microseconds, host and device; a fixed_tree iteration
 issued about 430 of them outside its forwards (`measure/launches.py`), where `ar` issues a few.
-SGLang captures its EAGLE draft loop, top-k included, as one graph (../shared/GPU_NOTES.md).
+SGLang captures its EAGLE draft loop, top-k included, as one graph (docs/gpu.md).
 
 `StepGraphs(key, fn, *inputs)` runs `fn`, a pure function of device tensors returning a tuple of
 tensors, as one graph per `key`:

@@ -63,7 +63,7 @@ def supports_lean(model: torch.nn.Module) -> bool:
 
 FUSE_MAX_BYTES = 64 << 20  # fuse q/k/v and gate/up when the fused copy costs at most this much
 # on a GPU the copy is cheap and every call a kernel launch (a small model is launch-bound there:
-# ../shared/GPU_NOTES.md), so the target is fused too: 5 -> 2 GEMMs and 2 -> 1 rotations a layer
+# docs/gpu.md), so the target is fused too: 5 -> 2 GEMMs and 2 -> 1 rotations a layer
 FUSE_MAX_BYTES_BY_DEVICE = {"cuda": 1 << 30}
 # devices whose F.rms_norm is one fused kernel (torch's _fused_rms_norm on CUDA) where transformers'
 # formulation is eight: there the norm takes it (its own rounding, the same for every width); the

@@ -1,6 +1,6 @@
 """Fused kernels for the lean forward on a GPU (Triton): fewer launches, each row on its own.
 
-A small model's forward on a GPU is launch-bound (../shared/GPU_NOTES.md): a layer of the
+A small model's forward on a GPU is launch-bound (docs/gpu.md): a layer of the
 bfloat16 width-invariant forward launched 20 kernels, 8 of them its fixed-shape attention
 (static_rows.py), 3 the rotation and 2 `silu` and its product. Here each of those is one or two
 Triton kernels whose programs each compute one row (or one row's block of keys) with the same

@@ -8,7 +8,7 @@ the tree: the host replays the tree while the target runs, and the iteration's o
 is the verification's. The rows are the nodes in the bfs order, padded to a bound the host knows
 without reading (a padding row sees only itself and nothing sees it); the host checks the rows it
 read against the tree it replayed, node for node, so the two builds cannot silently differ.
-SGLang's EAGLE worker builds its verify input on the GPU the same way (../shared/GPU_NOTES.md).
+SGLang's EAGLE worker builds its verify input on the GPU the same way (docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ policy would not have are padded and marked), and the levels' records are read i
 after the last draft forward. The host then replays them into the DraftTree the host path
 builds from the same distributions, node for node, reasons included
 (tests/test_device_draft.py). SGLang's EAGLE worker keeps its draft loop on the GPU the same
-way (../shared/GPU_NOTES.md).
+way (docs/gpu.md).
 
 The price: levels run at their widest, and a tree the host path stops early (an empty frontier,
 a spent budget) runs one spare draft forward: whether a level admitted anything is read one

@@ -112,7 +112,7 @@ class Tunable:
 class Policy(Tunable):
     """Base class of drafting policies. Subclasses set `name`, `params`, and `draft`; the class
     attributes `draws` and `single_path` and the method `local_shape` are its capabilities, which
-    verifier resolution (verify/resolve.py) checks through `capabilities()`."""
+    verifier resolution (verify/registry.py: resolve_verifier) checks through `capabilities()`."""
 
     kind: ClassVar[str] = "policy"
     draws: ClassVar[tuple[str, ...]] = ("top",)  # how it can draw children (sampled: "iid", ...)

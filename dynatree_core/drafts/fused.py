@@ -12,7 +12,7 @@ EAGLE 3.1's `fc_norm`). Per pair j (the target's taps at position j, the token x
 
 A tree node at depth >= 2 reads its parent's output h in place of g (the target has not
 computed its taps yet): EAGLE-3's test-time unrolling, which training repeats (its
-"training-time test", training/fused_train.py), since nothing else makes h a valid input.
+"training-time test", training/packed/step.py), since nothing else makes h a valid input.
 
 Weights are named as SafeAILab's and SpecForge's EAGLE-3 heads name them (`fc`, `midlayer.*`,
 `norm`, `lm_head`; shared/EAGLE_LAYOUTS.md s. 2-3), so export and import are renames at most.

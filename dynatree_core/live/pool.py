@@ -99,12 +99,6 @@ class EnginePool:
         with self._lock:
             return [(spec, self._busy(spec, e)) for spec, e in self._engines.items()]
 
-    def close_all(self) -> None:
-        with self._lock:
-            engines, self._engines = list(self._engines.values()), collections.OrderedDict()
-        for engine in engines:
-            engine.close()
-
     def _busy(self, spec: PairSpec, engine: EngineProcess) -> bool:
         return engine.alive and (engine.in_use or time.monotonic() - self._handed.get(spec, 0.0) < HANDOFF_S)
 

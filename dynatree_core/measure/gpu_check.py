@@ -15,8 +15,8 @@ and, in float32 and in bfloat16, the width-invariant forwards (core/invariant.py
                   17-row tree gets, bit for bit, the logits `ar` computes for it alone
     policies D    every tree policy, width-invariant, reproduces `ar` token for token in dtype D
 
-then measures on the embedded target: replay vs eager milliseconds per width bucket, the width
-each narrow bucket runs at (measured at capture: graphs.py), capture seconds, GPU memory per run
+then measures on the embedded target: replay vs eager milliseconds per width bucket, the width each
+narrow bucket runs at (measured at capture: core/graphs.py), capture seconds, GPU memory per run
 and host round trips and launches per iteration (core/transfer.py's counts, measure/launches.py),
 with the draft levels and verify batch built on the device or the host and with the steps between
 forwards captured or not; and last, the embedded pair in bfloat16 on the multi-turn OOD prompt

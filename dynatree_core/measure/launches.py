@@ -2,7 +2,7 @@
 
 On a GPU a small model is launch-bound: a captured forward is one graph replay, but every tensor op
 between forwards (a level's top-k and sorts, the mask, the cache's compaction) is a kernel launch
-of a few microseconds on the host and on the device (../shared/GPU_NOTES.md: width is nearly free,
+of a few microseconds on the host and on the device (docs/gpu.md: width is nearly free,
 kernel count is not). Counting them needs no GPU: every op torch dispatches is seen here
 (a TorchDispatchMode), and a run at fixed shapes on a CPU makes the same calls a GPU run makes.
 

@@ -11,6 +11,7 @@ import os
 import platform
 from typing import Any
 
+from dynatree_core.core.cache_dir import cache_dir
 from dynatree_core.core.threads import threads_source
 
 
@@ -28,13 +29,17 @@ def cpu_info() -> tuple[str, list[str]]:
     return cpu, flags.split()
 
 
-def portable(text: str) -> str:
+def portable(text: str, *, cache: bool = False) -> str:
     """`text` with this machine's paths made portable: the repository root dropped (paths become
-    relative to it) and the home directory written as ~ (what reports and model cards record)."""
+    relative to it) and the home directory written as ~ (what reports record). `cache`: paths under
+    the project's cache root ($DYNATREE_CACHE, default ~/.cache/dynatree) relative to that root too,
+    `draft-runs/long-feature/draft` (what a shipped model card records: a run's name, not where this
+    machine keeps it)."""
     from pathlib import Path
 
     root = str(Path(__file__).resolve().parents[2]) + os.sep
-    return text.replace(root, "").replace(str(Path.home()) + os.sep, "~" + os.sep)
+    text = text.replace(root, "").replace(str(Path.home()) + os.sep, "~" + os.sep)
+    return text.replace(portable(str(cache_dir().expanduser().absolute())) + os.sep, "") if cache else text
 
 
 def environment(

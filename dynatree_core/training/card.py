@@ -5,8 +5,8 @@ smollm2-feature-draft, smollm2-fused-draft), and both exports (weights, card, cu
 A card is a list of sections, each a small function over the run's `curve.json` (its config,
 curve and data), rendered as Markdown: what the draft is, how it was trained (loss, schedule,
 data, the stages before it, the command), its learning curve, the compute from the ledger
-(ledger.py) and, given the quality JSON, its measured quality. Paths in a feature card are
-written relative to the repository or home (runs/environment.portable).
+(ledger.py) and, given the quality JSON, its measured quality. Paths in a feature card and its
+curve are written relative to the repository, home or the cache root (runs/environment.portable).
 """
 
 from __future__ import annotations
@@ -164,9 +164,9 @@ def _data_lines(info: dict, curve: list[dict], staged: bool = False) -> list[str
     ]
     if any(k.startswith("written-") for k in data["sources"]):
         lines += [
-            "Rows `written-*` are human-written text, not the target's answers (training/written.py): documentation, "
-            "manual pages, code and fortunes as the assistant's turn after a short request, passed once through the "
-            "target teacher-forced; the loss still follows the target's own next-token distribution there.",
+            "Rows `written-*` are human-written text, not the target's answers (training/answers/written.py): "
+            "documentation, manual pages, code and fortunes as the assistant's turn after a short request, passed once "
+            "through the target teacher-forced; the loss still follows the target's own next-token distribution there.",
             "",
         ]
     return lines
@@ -261,7 +261,7 @@ def feature_card(
     lines = (_packed_lines if packed else _feature_lines)(run_dir, info, chain, command, map_size, dest)
     heading = "## Compute (measured; the recipe's ledger: the data stages and this draft's training runs)"
     compute = _compute([folder for folder, _ in chain], heading, "wall s", keep=FEATURE_STAGES)
-    return _render(lines, compute, note, _quality_lines(quality, run_dir))
+    return portable(_render(lines, compute, note, _quality_lines(quality, run_dir)), cache=True)
 
 
 def _feature_lines(run_dir: Path, info: dict, chain, command: str, map_size, dest) -> list[str]:
@@ -325,7 +325,7 @@ def _packed_lines(run_dir: Path, info: dict, chain, command: str, map_size, dest
     return [
         f"# {'Fused-feature' if fused else 'Feature-level'} draft",
         "",
-        f"{head} (dynatree_core/drafting/{'fused' if fused else 'feature'}.py)"
+        f"{head} (dynatree_core/drafts/{'fused' if fused else 'feature'}.py)"
         + (f", over a {map_size:,}-token map." if map_size else "."),
         "",
         "## How it was trained",
@@ -397,4 +397,4 @@ def export_feature_draft(
         draft.save(dest, dtype=torch.bfloat16)
     size = len(draft.token_map) if draft.token_map is not None else None
     (dest / "README.md").write_text(feature_card(run_dir, quality, command, note, map_size=size, dest=dest))
-    (dest / "curve.json").write_text(portable((run_dir / "curve.json").read_text()))
+    (dest / "curve.json").write_text(portable((run_dir / "curve.json").read_text(), cache=True))

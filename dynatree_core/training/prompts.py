@@ -1,9 +1,9 @@
 """The project's own prompt material, read from `assets/draft-data/prompts.json` (data, not code).
 
 Serves `make draft` (gen-data's on-policy prompts) and the answers of `make draft-feature`
-(sources.py's requests, written.py's). Prompts are built from topics x templates so the set is
-large and diverse without being a dataset download: chat instructions (the embedded target is an
-instruct model) and plain-text openings (encyclopedic, narrative, code, lists).
+(answers/sources.py's requests, answers/written.py's). Prompts are built from topics x templates
+so the set is large and diverse without being a dataset download: chat instructions (the embedded
+target is an instruct model) and plain-text openings (encyclopedic, narrative, code, lists).
 `sample_prompts` is deterministic per seed.
 """
 

@@ -6,6 +6,8 @@
   compare.py   the compare page's figures
   bench.py     benchmark sweeps, saved reports, the latency profile; writing figures to files
   prose.py     the words beside them (why a run is faster or not, why it stopped)
+  stages.py    one iteration, stage by stage: the tree, the mask and the cache after each step
+  svg.py       a plotly scatter figure as a static SVG string: the live page's first drawing
 
 The analysis the figures draw (acceptance by depth, the speed breakdown) lives in runs/metrics.py;
 this package re-exports it with the figures.
