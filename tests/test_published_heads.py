@@ -332,7 +332,7 @@ def test_an_inconsistent_head_is_one_error_line_in_the_cli(capsys, tiny_pair_dir
     assert "not a multiple of num_attention_heads 5" in lines[0]
 
 
-# What each engine's EAGLE-3 reader loads (shared/EAGLE_LAYOUTS.md s. 5 and 6): its parameters, and
+# What each engine's EAGLE-3 reader loads (docs/published-heads.md): its parameters, and
 # the parameter a file's tensor name reaches (q/k/v stacked into qkv_proj, gate/up into gate_up_proj).
 # SGLang's LlamaForCausalLMEagle3 skips a name it has no parameter for, silently; vLLM's
 # Eagle3LlamaForCausalLM refuses it. Both skip t2d (the mask d2t already implies).

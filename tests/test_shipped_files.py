@@ -104,3 +104,22 @@ def test_the_readme_is_short_and_every_doc_it_links_exists_and_is_linked():
     assert all((REPO / link).exists() for link in links), [link for link in links if not (REPO / link).exists()]
     docs = {f"docs/{p.name}" for p in (REPO / "docs").glob("*.md")}
     assert docs and docs <= links, f"not linked from the README: {sorted(docs - links)}"
+
+
+OUTSIDE = re.compile(r"\.\./shared|GPU_NOTES|EAGLE_LAYOUTS|ENGINEERING_NOTES")  # the developers' notes beside the repo
+
+
+def test_nothing_shipped_points_outside_the_repository():
+    """A reader gets the repository alone: no pointer to the notes kept beside it. The history log
+    and testing.md's description of how CI clones the repository are the exceptions."""
+    kept = {"docs/benchmark-log.md", "docs/testing.md"}
+    files = [*REPO.glob("dynatree_core/**/*.py"), *REPO.glob("benchmarks/*"), *REPO.glob("tests/*.py")]
+    files += [*REPO.glob("docs/*.md"), *REPO.glob("*.md"), *REPO.glob("pages/*.py"), REPO / "app.py"]
+    offenders = [
+        f"{p.relative_to(REPO)}:{i}"
+        for p in files
+        if p.is_file() and str(p.relative_to(REPO)) not in kept and p.name != "test_shipped_files.py"
+        for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+        if OUTSIDE.search(line)
+    ]
+    assert not offenders, offenders

@@ -7,7 +7,7 @@ hidden states only when asked. Which of them a model's runs take is decided in o
 `choice.choose_forward`; `kv.KVState.forward` runs it and hands out a `Forward`.
 
 `reference_forward` is transformers' own forward over a cache, with the additive 4D mask and
-explicit position ids (ENGINEERING_NOTES: a ready 4D mask is used as-is by transformers 5.x).
+explicit position ids (a ready 4D mask is used as-is by transformers 5.x).
 
 Contract: knows models and caches, never trees or policies.
 """

@@ -5,7 +5,7 @@ decoder layer i (the pre-norm residual stream; tap 0 is the token embeddings), a
 reads the FINAL state (after the target's final norm, what its LM head reads: EAGLE-1 and this
 project's first feature draft) says so with `FINAL`. The fused kind (EAGLE-3, Li et al. 2025,
 sec. 3.2) reads a low, a middle and a high layer: `eagle3_taps(L)` = (2, L // 2, L - 3), the
-layers SafeAILab's code hard-codes and vLLM and SGLang default to (shared/EAGLE_LAYOUTS.md s. 7;
+layers SafeAILab's code hard-codes and vLLM and SGLang default to (docs/published-heads.md;
 SGLang and SpecForge count the OUTPUT of layer i, i.e. tap i + 1: `from_output_ids`).
 
 The same forward that verifies a tree (or labels training data) hands these states out: no

@@ -15,7 +15,7 @@ computed its taps yet): EAGLE-3's test-time unrolling, which training repeats (i
 "training-time test", training/packed/step.py), since nothing else makes h a valid input.
 
 Weights are named as SafeAILab's and SpecForge's EAGLE-3 heads name them (`fc`, `midlayer.*`,
-`norm`, `lm_head`; shared/EAGLE_LAYOUTS.md s. 2-3), so export and import are renames at most.
+`norm`, `lm_head`; docs/published-heads.md), so export and import are renames at most.
 The head covers the token map's slots (core/vocab.py); slot 0 (OTHER) is never proposed.
 
 `FusedDrafter` is its `Drafter`: the same `expand` / `commit` contract as every drafter; its KV

@@ -1,6 +1,6 @@
 """Published EAGLE heads read into this project's head kinds, and a fused draft written in their layout.
 
-Four layouts (shared/EAGLE_LAYOUTS.md, read from the sources it names):
+Four layouts (docs/published-heads.md names the sources each is read from):
 
     eagle1      SafeAILab EAGLE-1 (yuhuili/EAGLE-*): a one-layer LlamaConfig, `fc` [H, 2H] over
                 [embedding ; the target's final post-norm state] (bias per the config's "bias", default
