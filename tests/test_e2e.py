@@ -145,9 +145,14 @@ def test_run_with_the_embedded_models_updates_live(app_url):
         page.get_by_role("button", name="Reset", exact=True).click()  # nothing of it left drawn
         page.get_by_text("Finished:", exact=False).wait_for(state="detached", timeout=120_000)
         _idle(page)
-        # The run to watch: 512 tokens take 5 s to 2 minutes, as fast as the host is.
+        # The run to watch: 512 tokens at depth 1 (at most 2 tokens an iteration, so 256 iterations or
+        # more: 10 s to minutes, as fast as the host is). At the default depth a fast host decoded the
+        # whole run in about the time the page takes to draw twice (CI saw one value, [67]).
         page.get_by_role("slider", name="Max new tokens").focus()
         page.keyboard.press("End")  # 512 new tokens (the model counts on past 100)
+        _idle(page)
+        page.get_by_role("slider", name="depth").focus()
+        page.keyboard.press("Home")  # depth 1
         _idle(page)
         page.evaluate(ITERATIONS_RECORDER)
         page.get_by_role("button", name="Run", exact=True).click()
@@ -177,7 +182,7 @@ def test_run_with_the_embedded_models_updates_live(app_url):
         assert re.search(r"Measured on cpu, float32", page.content())
         _screenshot(page, "e2e-live-run-last.png")
 
-        # History: the scrubber goes back to iteration 1 (the fullest tree: nothing limits its depth).
+        # History: the scrubber goes back to iteration 1.
         _scrub(page, "Home", 1)
         _idle(page)
         _screenshot(page, "e2e-live-run.png")
