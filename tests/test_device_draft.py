@@ -384,3 +384,21 @@ def test_delayed_trees_on_the_device_decide_as_the_host_does(seed, k, l1, l2):
     values = {"k": k, "l1": l1, "l2": l2}
     trees = [drafted("delayed", values, 6, seed, on_device) for on_device in (False, True)]
     assert signature(trees[0]) == signature(trees[1])
+
+
+def test_candidates_are_ordered_as_the_hosts_stable_sort_orders_them():
+    """Real candidates first, by cumulative log-prob (highest first), ties (zeros of either sign
+    and -inf included) in candidate order; candidates that are not real last, in candidate order."""
+    import math
+    import random
+
+    from dynatree_core.drafting.device import most_probable_first
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 12)
+        cum = [rng.choice([0.0, -0.0, -math.inf, -0.5, -1.25, rng.uniform(-5, 0)]) for _ in range(n)]
+        valid = [rng.random() < 0.7 for _ in range(n)]
+        want = sorted(range(n), key=lambda i: (not valid[i], -cum[i] if valid[i] else 0.0))
+        got = most_probable_first(torch.tensor(cum, dtype=torch.float64), torch.tensor(valid)).tolist()
+        assert got == want, (cum, valid)

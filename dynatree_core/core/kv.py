@@ -7,8 +7,8 @@ cache yet (`pending`). The invariant the engine keeps: cache + pending == commit
 matrix, with explicit position ids, and returns a `forward.Forward`. Which implementation runs it
 (reference, lean, captured, invariant) is `choice.choose_forward`'s decision, made once when the
 state is built. The masked ones get an additive float 4D mask (transformers 5.x uses a ready 4D
-mask unchanged; checked against sequential decoding, tests/test_kv.py): a boolean mask is right under sdpa but silently wrong
-under eager, so we always pass the additive form.
+mask unchanged; checked against sequential decoding, tests/test_kv.py): a boolean mask is right
+under sdpa but silently wrong under eager, so we always pass the additive form.
 
 `KVState.keep` compacts the cache on the sequence axis: accepted tree tokens keep the KV the
 verification forward computed, nothing is recomputed.

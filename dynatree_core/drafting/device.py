@@ -70,11 +70,11 @@ def children(logp: torch.Tensor, cum: torch.Tensor, k: int) -> tuple[torch.Tenso
 
 
 def most_probable_first(cum: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Candidate order: real candidates first (a padded or gated row's are not), each group by
-    cumulative log-prob, highest first, ties in candidate order (the host's stable sort). Two
-    stable sorts, the minor key first."""
-    by_cum = torch.sort(torch.where(valid, cum, torch.full_like(cum, -math.inf)), descending=True, stable=True).indices
-    return by_cum[torch.sort(valid[by_cum].to(torch.int8), descending=True, stable=True).indices]
+    """Candidate order: real candidates first (a padded or gated row's are not), by cumulative
+    log-prob, highest first, ties in candidate order (the host's stable sort). One stable ascending
+    sort of -cum with the candidates that are not real as NaN, which torch's sort places last on
+    every device; `0.0 - cum` makes no negative zero, whose place a device's sort may not keep."""
+    return torch.sort(torch.where(valid, 0.0 - cum, math.nan), stable=True).indices
 
 
 def admit(cum: torch.Tensor, valid: torch.Tensor, log_tau: float, room: torch.Tensor) -> torch.Tensor:
@@ -179,7 +179,7 @@ def admitted_levels(
         tokens, lp, rows, fate, cum_c, cum, valid, drafted, count, selected, record = steps(
             key, _decision(propose, level, log_tau, budget, drafter.to_logp), logits, cum, valid, drafted, *inputs
         )
-        levels.append(Level(tokens, lp, rows, fate, selected, cum_c, record, prefix=True))
+        levels.append(Level(tokens, lp, rows, fate, selected, cum_c, record, prefix=True, ranked=True))
         if ends_early:
             late.append(LateRead(count))
             if level >= 2:

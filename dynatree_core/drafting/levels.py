@@ -38,6 +38,9 @@ class Level:
     # read (float64 holds ids and float32 values exactly); made by the level's step, else on reading
     record: torch.Tensor | None = None
     prefix: bool = False  # `selected` is every candidate up to its length: the next rows are a slice
+    # the candidates are most probable first and the admitted ones lead (device.admitted_levels' levels):
+    # the verify rows' order needs no sort by probability or depth (tree_rows)
+    ranked: bool = False
 
     def flat(self) -> torch.Tensor:
         if self.record is not None:
@@ -45,11 +48,12 @@ class Level:
         return torch.cat([self.tokens, self.logp, self.parents, self.fate, self.selected]).double()
 
     @classmethod
-    def of_record(cls, record: torch.Tensor, cum: torch.Tensor) -> Level:
+    def of_record(cls, record: torch.Tensor, cum: torch.Tensor, ranked: bool = False) -> Level:
         """The Level a record holds (its cumulative log-probs apart)."""
         c = cum.shape[0]
         tokens, logp, parents, fate, selected = record.split([c, c, c, c, record.shape[0] - 4 * c])
-        return cls(tokens.long(), logp.float(), parents.long(), fate.long(), selected.long(), cum, record)
+        fields = (tokens.long(), logp.float(), parents.long(), fate.long(), selected.long(), cum, record)
+        return cls(*fields, ranked=ranked)
 
 
 @dataclasses.dataclass
@@ -88,8 +92,9 @@ class ReadRows:
 
 def tree_rows(levels: list[Level], width: int) -> TreeRows:
     """The verify forward's `width` rows (at least the admitted candidates' count) from the levels.
-    Three stable sorts give the bfs order, minor key first; the ancestor closure takes one gather
-    per level (a row's ancestors are its parent's plus itself)."""
+    Three stable sorts give the bfs order, minor key first, or one where every level is `ranked`
+    (its admitted candidates lead it, most probable first, and the levels come in depth order); the
+    ancestor closure takes one gather per level (a row's ancestors are its parent's plus itself)."""
     tokens = torch.cat([lv.tokens for lv in levels])
     device = tokens.device
     admitted = torch.cat([lv.fate for lv in levels]) == ADMITTED
@@ -99,9 +104,12 @@ def tree_rows(levels: list[Level], width: int) -> TreeRows:
         parent.append(start + prev.selected[lv.parents])
         start += prev.tokens.shape[0]
     parent = torch.cat(parent)
-    order = torch.sort(torch.cat([lv.cum for lv in levels]), descending=True, stable=True).indices
-    order = order[torch.sort(depths[order], stable=True).indices]
-    order = order[torch.sort((~admitted[order]).to(torch.int8), stable=True).indices]
+    if all(lv.ranked for lv in levels):
+        order = torch.sort((~admitted).to(torch.int8), stable=True).indices
+    else:
+        order = torch.sort(torch.cat([lv.cum for lv in levels]), descending=True, stable=True).indices
+        order = order[torch.sort(depths[order], stable=True).indices]
+        order = order[torch.sort((~admitted[order]).to(torch.int8), stable=True).indices]
     row_of = torch.empty_like(order)
     row_of[order] = torch.arange(1, order.shape[0] + 1, device=device)
     pick, rows = order[:width], torch.arange(1, width + 1, device=device)
@@ -154,7 +162,8 @@ def read_verifying(request: DraftRequest, levels: list[Level], width: int) -> li
     if steps.capture:  # the rows and the record to read, one captured step (core/capture.py)
         shapes = tuple((lv.tokens.shape[0], lv.selected.shape[0]) for lv in levels)
         inputs = [t for lv in levels for t in (lv.flat(), lv.cum)]
-        *built, flat = steps(("rows", shapes, width), _verify_rows(width), *inputs)
+        ranked = all(lv.ranked for lv in levels)
+        *built, flat = steps(("rows", shapes, width, ranked), _verify_rows(width, ranked), *inputs)
         rows = TreeRows(*built)
     else:
         rows = tree_rows(levels, width)
@@ -165,12 +174,13 @@ def read_verifying(request: DraftRequest, levels: list[Level], width: int) -> li
     return read
 
 
-def _verify_rows(width: int):
+def _verify_rows(width: int, ranked: bool):
     """tree_rows and the record to read, as a pure function of the levels' records and cumulative
     log-probs (read_verifying's step)."""
 
     def build(*inputs):
-        levels = [Level.of_record(record, cum) for record, cum in zip(inputs[::2], inputs[1::2], strict=True)]
+        pairs = zip(inputs[::2], inputs[1::2], strict=True)
+        levels = [Level.of_record(record, cum, ranked) for record, cum in pairs]
         rows = tree_rows(levels, width)
         return rows.tokens, rows.depths, rows.parents, rows.valid, rows.ancestors, _flat(levels, rows)
 
