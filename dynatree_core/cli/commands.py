@@ -232,7 +232,7 @@ def cmd_latency(args) -> None:
             str(model.dtype).removeprefix("torch."),
             is_packed(model),
             pair.dtype_source,
-            forward_path=forward_path(model, **settings.cache_switches()),
+            forward_path=forward_path(model, **settings.choice_switches()),
         ),
         "command": portable("python -m dynatree_core " + shlex.join(args.argv)),
         "points": [dataclasses.asdict(p) for p in points],

@@ -133,12 +133,7 @@ def _pick(model, static, fast, graphs, invariant: bool) -> ForwardChoice:
 
 
 def forward_path(
-    model: torch.nn.Module,
-    static: bool | None = None,
-    fast: bool | None = None,
-    graphs: bool | None = None,
-    steps: bool | None = None,
+    model: torch.nn.Module, static: bool | None = None, fast: bool | None = None, graphs: bool | None = None
 ) -> str:
-    """The path name a run of `model` with these switches records (ForwardChoice.path; `steps`
-    changes nothing here: a failed step capture is the run's to say, kv.KVState.path)."""
+    """The path name a run of `model` with these switches records (ForwardChoice.path)."""
     return choose_forward(model, static=static, fast=fast, graphs=graphs).path

@@ -84,11 +84,10 @@ class ForwardSettings:
     device_draft: bool | None = None
     device_verify: bool | None = None
 
+    def choice_switches(self) -> dict:
+        """The switches the forward is chosen from (core/choice.choose_forward's, forward_path's)."""
+        return {"static": self.static_cache, "fast": self.fast_forward, "graphs": self.graphs}
+
     def cache_switches(self) -> dict:
-        """The switches a cache's forward is chosen from (core/kv.KVState's keyword arguments)."""
-        return {
-            "static": self.static_cache,
-            "fast": self.fast_forward,
-            "graphs": self.graphs,
-            "steps": self.step_graphs,
-        }
+        """Those and whether steps are captured: core/kv.KVState's keyword arguments."""
+        return self.choice_switches() | {"steps": self.step_graphs}

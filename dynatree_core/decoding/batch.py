@@ -111,7 +111,7 @@ class EarlyVerify:
     of the batch."""
 
     def __init__(self, state, clock):
-        """`clock`: the iteration's (engine.IterationClock): draft done, rows built, verify queued."""
+        """`clock`: the iteration's (clock.IterationClock): draft done, rows built, verify queued."""
         self.state, self.clock = state, clock
         self.out: Forward | None = None
         self.read = None  # levels.ReadRows, set by levels.read_verifying

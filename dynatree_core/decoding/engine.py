@@ -350,6 +350,6 @@ def generate(
         device=str(device),
         dtype=str(target.dtype).removeprefix("torch."),
         threads=torch.get_num_threads(),
-        forward_path=records[-1].forward_path if records else forward_path(target, **config.forward.cache_switches()),
+        forward_path=records[-1].forward_path if records else forward_path(target, **config.forward.choice_switches()),
         draft_kind=draft_kind(draft) if policy.needs_draft_model else "",
     )
