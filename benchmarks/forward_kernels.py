@@ -1,7 +1,7 @@
 """Kernels one target forward launches, by the form its lean forward takes: the CPU's (transformers'
 RMSNorm, the target's projections separate) and the GPU's (one fused RMSNorm kernel, q/k/v and
 gate/up fused, the residual adds inside the o and down GEMMs and the rotation's add in one addcmul:
-core/fastpath.py's device_forms). On a GPU a
+forward/fastpath.py's device_forms). On a GPU a
 small model's forward is launch-bound (docs/gpu.md): a captured forward's time follows
 its kernel count, which needs no GPU to count (every op torch dispatches, views and allocations
 excluded, conversions and strided copies counted: measure/launches.py's rule). The embedded
@@ -29,13 +29,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernels form runs Triton h
 import torch  # noqa: E402
 
 from benchmarks import RESULTS  # noqa: E402
-from dynatree_core.core import fastpath, kernels  # noqa: E402
-from dynatree_core.core.fastpath import _rotate, rope_pair  # noqa: E402
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility  # noqa: E402
 from dynatree_core.decoding.pairs import load_pair  # noqa: E402
+from dynatree_core.forward import fastpath, kernels  # noqa: E402
+from dynatree_core.forward.fastpath import _rotate, rope_pair  # noqa: E402
+from dynatree_core.forward.kv import KVState, chain_then_tree_visibility  # noqa: E402
 from dynatree_core.measure.launches import OpNames  # noqa: E402
 
-FORMS = ("cpu", "gpu", "gpu+kernels")  # the last: with Triton's kernels (core/kernels.py)
+FORMS = ("cpu", "gpu", "gpu+kernels")  # the last: with Triton's kernels (forward/kernels.py)
 
 
 def forward_ops(model, prompt: list[int], rows: int, invariant: bool) -> tuple[Counter, torch.Tensor]:

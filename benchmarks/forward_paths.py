@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from benchmarks import RESULTS
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.core.threads import configure_threads
 from dynatree_core.decoding.pairs import load_pair
+from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
 
 PATHS = {"lean": (True, True), "static": (True, False), "dynamic": (False, False)}  # (static, fast)
 

@@ -16,9 +16,9 @@ import types
 import torch
 import torch.nn.functional as F
 
-from dynatree_core.core import fastpath
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.decoding.pairs import load_pair
+from dynatree_core.forward import fastpath
+from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
 
 CONTEXT = 256
 WIDTHS = (1, 4, 16, 32, 64)

@@ -6,7 +6,7 @@
 For the embedded target it times, through kv.KVState exactly as the engine calls it, a verify
 forward of a 31-node tree (depth 6, the root's chain token plus 30 nodes) and a one-token `ar`
 forward after `context` cached tokens, with the shared-kernel lean forward (the float32 default)
-and with the width-invariant one (core/invariant.py; the bfloat16 default). The four variants
+and with the width-invariant one (forward/invariant.py; the bfloat16 default). The four variants
 alternate within each repeat, so their ratios come from the same minutes of this shared machine.
 Prints and writes median ms per point, and checks that the tree's path nodes got `ar`'s bits.
 """
@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from benchmarks import RESULTS, ROOT
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.decoding.pairs import load_pair
+from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
 from dynatree_core.measure.gpu_check import path_bits_match
 
 

@@ -10,7 +10,7 @@ import functools
 import os
 from pathlib import Path
 
-# Triton's kernels (core/kernels.py) run here in its interpreter: read when Triton is first
+# Triton's kernels (forward/kernels.py) run here in its interpreter: read when Triton is first
 # imported, which torch itself may do, so before torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -220,10 +220,10 @@ def pick_custom_pair(at, target: str, draft: str):
 @pytest.fixture
 def gpu_forms():
     """The lean forward in the forms it takes on a GPU (one fused RMSNorm kernel, the target's
-    projections fused, the residual adds inside their GEMMs: core/fastpath.py), here by naming
+    projections fused, the residual adds inside their GEMMs: forward/fastpath.py), here by naming
     the CPU among those devices; a model must be new to the test (its lean forward is built once
     per model)."""
-    from dynatree_core.core.fastpath import device_forms
+    from dynatree_core.forward.fastpath import device_forms
 
     with device_forms("cuda", on="cpu"):
         yield
@@ -231,10 +231,10 @@ def gpu_forms():
 
 @pytest.fixture
 def gpu_kernels(gpu_forms):
-    """The GPU's forms with Triton's kernels as well (core/kernels.py: the rotation, silu * up and
+    """The GPU's forms with Triton's kernels as well (forward/kernels.py: the rotation, silu * up and
     the fixed-shape attention), here in Triton's interpreter, its attention in blocks of 128 slots
     (the interpreter runs a program at a time: fewer, larger ones); a model must be new to the test."""
-    from dynatree_core.core.kernels import kernel_forms
+    from dynatree_core.forward.kernels import kernel_forms
 
     with kernel_forms("cpu", block_keys=128):
         yield

@@ -1,4 +1,4 @@
-"""Captured device steps (core/capture.py): a draft level's decision and the verify rows replayed as
+"""Captured device steps (forward/capture.py): a draft level's decision and the verify rows replayed as
 one graph each where forwards are captured. CI has no GPU: stand-in graphs replay the captured
 function over the step's own buffers, so what a graph changes for the engine (static buffers
 overwritten by the next replay, inputs copied in, Python values frozen at capture) is what these
@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 from test_device_draft import PathDrafter, RowsProbe, check_rows, signature, verified
 from test_feature_draft import feature_draft
 
-from dynatree_core.core import capture
-from dynatree_core.core.capture import StepGraphs
-from dynatree_core.core.kv import KVState
 from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.decoding.engine import DecodeConfig, decode, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting import DraftRequest, make_policy
+from dynatree_core.forward import capture
+from dynatree_core.forward.capture import StepGraphs
+from dynatree_core.forward.kv import KVState
 
 CPU = torch.device("cpu")
 STEPPED = [  # policies whose levels are decided by captured steps (device.admitted_levels, grow_all_on_device)
@@ -69,7 +69,7 @@ def test_captured_steps_replay_what_the_eager_steps_compute(arch, monkeypatch):
             most = 3 * forwards + len(stepped)  # and at most one chain's verify an iteration
             assert (replays >= drafting) == captured and replays in (0, *range(drafting, most + 1))
             assert levels == (forwards - 1 if captured else 0), f"{policy} {params}: {levels} level steps"
-            # every iteration's verify forward is one step (core/filled.py): queued from the rows,
+            # every iteration's verify forward is one step (forward/filled.py): queued from the rows,
             # or from a batch built on the host (eagle2, which reads its beam before verifying; an
             # iteration that drafted nothing) but for a prefill (the target's cache empty)
             expected = captured_verifies(stepped, policy) if fixed_shapes(target, monkeypatch) else 0
@@ -194,7 +194,7 @@ def test_a_fused_drafts_captured_forwards_are_its_eager_ones(monkeypatch):
 def test_captured_forwards_stay_exact_where_the_span_they_read_doubles(monkeypatch):
     """A prompt just short of the smallest span (graphs.MIN_SPAN): the iterations cross into the
     next span, their forwards' steps are captured again over it, and the trees stay the eager ones."""
-    from dynatree_core.core.graphs import MIN_SPAN
+    from dynatree_core.forward.graphs import MIN_SPAN
 
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.3)
     prompt = [1 + i % 90 for i in range(MIN_SPAN - 20)]

@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import hf_greedy, tiny_model
 
-from dynatree_core.core import capture
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.forward import capture
 from dynatree_core.measure.launches import counting_waits
 from dynatree_core.training.answers import decode_batch
 from dynatree_core.training.answers.decode_batch import BatchDecoder

@@ -16,12 +16,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_feature_draft import feature_draft
 
-from dynatree_core.core.capture import StepGraphs
 from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.core.transfer import counting
 from dynatree_core.decoding.engine import DecodeConfig, decode, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting import DraftRequest, make_policy
+from dynatree_core.forward.capture import StepGraphs
 
 DEVICE_POLICIES = [  # every policy with a device path, at its defaults and at shapes that bind
     ("fixed_tree", {}),

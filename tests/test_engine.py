@@ -80,7 +80,7 @@ def test_node_order_does_not_change_output(order):
 
 def _count_forwards(model: torch.nn.Module) -> tuple[list[int], object]:
     """Count the model's forwards with a hook on its rotary embedding, which both the stock HF
-    forward and the lean forward (core/fastpath.py) call exactly once per forward; models without
+    forward and the lean forward (forward/fastpath.py) call exactly once per forward; models without
     one are counted at the model itself (they always take the HF forward)."""
     calls: list[int] = []
     base = getattr(model, "model", None)
@@ -244,7 +244,7 @@ def test_reduced_vocabulary_draft_stays_exact_and_agrees():
 
 
 def test_cpu_memory_counts_weights_and_the_largest_caches():
-    from dynatree_core.core.kv import SLACK
+    from dynatree_core.forward.kv import SLACK
     from dynatree_core.runs.metrics import kv_bytes_per_token, weight_bytes
 
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.01)

@@ -14,13 +14,13 @@ import pytest
 import torch
 from conftest import ARCHS, hf_greedy, noisy_copy, tiny_model
 
-from dynatree_core.core.fastpath import FUSE_MAX_BYTES, LeanForward, lean_forward_for, supports_lean
-from dynatree_core.core.kv import SLACK, KVState, SlotLayer, chain_then_tree_visibility
 from dynatree_core.core.packing import pack_linears
 from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
+from dynatree_core.forward.fastpath import FUSE_MAX_BYTES, LeanForward, lean_forward_for, supports_lean
+from dynatree_core.forward.kv import SLACK, KVState, SlotLayer, chain_then_tree_visibility
 
 PATHS = {"dynamic": dict(static=False, fast=False), "static": dict(static=True, fast=False), "lean": {}}
 LEAN_ARCHS = ("llama", "qwen2")
@@ -215,7 +215,7 @@ def test_static_cache_serves_every_architecture(arch):
 def test_the_rotation_is_transformers_bit_for_bit(dtype):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from dynatree_core.core.fastpath import _rotate, rope_pair
+    from dynatree_core.forward.fastpath import _rotate, rope_pair
 
     model = tiny_model("llama")
     gen = torch.Generator().manual_seed(3)
@@ -247,7 +247,7 @@ def test_the_gpus_fused_adds_write_into_the_residual_and_leave_inputs_and_taps_a
     """The residual adds inside the o and down GEMMs update x in place: an `embeds` input passed
     by a caller must come back unchanged, and a tapped layer input must be the value it had then
     (transformers' own hidden states are the reference)."""
-    from dynatree_core.core.fastpath import _residual, _rotate, _rotate_fused
+    from dynatree_core.forward.fastpath import _residual, _rotate, _rotate_fused
 
     model = copy.deepcopy(tiny_model("llama"))
     block = lean_forward_for(model).blocks[0]
@@ -276,8 +276,8 @@ def test_the_gpus_rotation_writes_over_the_fused_projection_so_k_lies_beside_v(g
     """On a GPU the rotation writes q and k over the fused q/k/v output (one cache write then
     takes k and v: slots.side_by_side): the same bits as the rotation into a new tensor; under
     autograd (out= has none) it rotates into a new tensor and the backward runs."""
-    from dynatree_core.core.fastpath import _rotate_fused
-    from dynatree_core.core.slots import side_by_side
+    from dynatree_core.forward.fastpath import _rotate_fused
+    from dynatree_core.forward.slots import side_by_side
 
     model = copy.deepcopy(tiny_model("llama"))
     block = lean_forward_for(model).blocks[0]

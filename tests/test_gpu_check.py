@@ -58,7 +58,7 @@ def test_the_invariance_check_fails_when_a_kernel_changes_with_its_call(monkeypa
     """A head whose rows change with the other rows of the call: both the verdict and the path's
     bits must say no, in each dtype; one that changes with the row count only is run in calls of
     one shape (invariant.LINEAR_CALL_ROWS), the head alone, and the check says so."""
-    from dynatree_core.core import fastpath
+    from dynatree_core.forward import fastpath
 
     real = fastpath.LeanForward.__init__
 
@@ -96,7 +96,7 @@ def test_the_measured_widths_are_reported_after_earlier_runs_chose(monkeypatch):
     from conftest import tiny_model
     from test_graphs import _FakeGraph, _force_capture
 
-    from dynatree_core.core import graphs
+    from dynatree_core.forward import graphs
 
     _force_capture(monkeypatch, lambda self, buf: _FakeGraph(self, buf))
     monkeypatch.setattr(graphs, "MEASURE_DEVICES", ("cpu", "cuda"))

@@ -1,4 +1,4 @@
-"""Captured forwards (core/graphs.py): the fixed-shape padded forward against the unpadded lean one.
+"""Captured forwards (forward/graphs.py): the fixed-shape padded forward against the unpadded lean one.
 
 On CUDA the padded forward is replayed as one CUDA graph per width bucket; on a CPU the same
 arithmetic runs eagerly (KVState(graphs=True)), which is what these tests pin down: padded rows,
@@ -16,15 +16,15 @@ import torch
 from conftest import hf_greedy, noisy_copy, tiny_model
 from test_fastpath import LEAN_ARCHS, _branching_tree, _prefill, _tree_forward
 
-from dynatree_core.core import capture, graphs
-from dynatree_core.core.choice import forward_path
-from dynatree_core.core.graphs import bucket_for, buckets, graphs_enabled, span_for
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting.policy import POLICIES
 from dynatree_core.drafts.feature import FeatureDraft
+from dynatree_core.forward import capture, graphs
+from dynatree_core.forward.choice import forward_path
+from dynatree_core.forward.graphs import bucket_for, buckets, graphs_enabled, span_for
+from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # attention over more (masked) keys: same math, other summation blocks
 

@@ -1,4 +1,4 @@
-"""Width-invariant forwards (core/invariant.py): a tree's path nodes get the bits `ar` computes.
+"""Width-invariant forwards (forward/invariant.py): a tree's path nodes get the bits `ar` computes.
 
 The promise: with `invariant=True`, the target's logits for a node verified inside a tree equal,
 bit for bit, the logits of the same sequence decoded one token at a time, in float32 and in
@@ -18,16 +18,16 @@ from conftest import noisy_copy, tiny_model
 from test_fastpath import POLICIES
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dynatree_core.core import invariant
-from dynatree_core.core.fastpath import lean_forward_for
-from dynatree_core.core.invariant import RopeTable, RowGroups, invariant_wanted, sequence_attention, width_verdict
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.core.packing import pack_linears, packing_enabled
 from dynatree_core.core.settings import ForwardSettings
-from dynatree_core.core.static_rows import StaticRows, static_sequence_attention
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
+from dynatree_core.forward import invariant
+from dynatree_core.forward.fastpath import lean_forward_for
+from dynatree_core.forward.invariant import RopeTable, RowGroups, invariant_wanted, sequence_attention, width_verdict
+from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
+from dynatree_core.forward.static_rows import StaticRows, static_sequence_attention
 from dynatree_core.measure import gpu_check
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -456,7 +456,7 @@ def test_where_forwards_replay_graphs_the_probe_replays_its_calls_too(monkeypatc
     """A library may pick other kernels under stream capture than eagerly: where the run's
     forwards are captured, the probe's calls go through capture.replayed. Here a stand-in for a
     captured one-row GEMM of its own (the eager calls agree): only the captured verdict pads."""
-    from dynatree_core.core import capture, choice
+    from dynatree_core.forward import capture, choice
 
     def replayed(fn, device):
         return lambda x: fn(x) + (x.shape[-2] == 1) * 1e-2 if x.dim() == 2 and x.shape[-1] > 8 else fn(x)
@@ -516,7 +516,7 @@ def test_captured_width_invariant_forwards_replay_and_stay_exact(monkeypatch):
     bucket; where the fixed-shape attention is not invariant on a device, rows are grouped eagerly."""
     from test_graphs import _FakeGraph, _force_capture
 
-    from dynatree_core.core import choice
+    from dynatree_core.forward import choice
 
     _force_capture(monkeypatch, lambda self, buf: _FakeGraph(self, buf))
     target = _model("llama", torch.bfloat16)

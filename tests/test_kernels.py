@@ -1,4 +1,4 @@
-"""Triton's kernels for the lean forward on a GPU (core/kernels.py), run here in Triton's
+"""Triton's kernels for the lean forward on a GPU (forward/kernels.py), run here in Triton's
 interpreter: each is its torch form up to rounding, a row's bits never depend on the rows beside
 it, and with them a tree's path nodes keep `ar`'s bits and every run `ar`'s tokens."""
 
@@ -13,13 +13,13 @@ from conftest import noisy_copy
 from test_invariant import PROMPT, _model
 
 from benchmarks.forward_kernels import forward_ops
-from dynatree_core.core import kernels
-from dynatree_core.core.fastpath import _rotate_fused, lean_forward_for
-from dynatree_core.core.kv import KVState
 from dynatree_core.core.settings import ForwardSettings
-from dynatree_core.core.static_rows import StaticRows, static_sequence_attention
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
+from dynatree_core.forward import kernels
+from dynatree_core.forward.fastpath import _rotate_fused, lean_forward_for
+from dynatree_core.forward.kv import KVState
+from dynatree_core.forward.static_rows import StaticRows, static_sequence_attention
 from dynatree_core.measure import gpu_check
 
 

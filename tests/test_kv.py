@@ -6,10 +6,10 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from dynatree_core.core.choice import choose_forward
-from dynatree_core.core.forward import Forward
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.core.tree import DraftTree
+from dynatree_core.forward.choice import choose_forward
+from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
+from dynatree_core.forward.reference import Forward
 
 
 def _causal_logits(model, tokens):

@@ -32,7 +32,7 @@ def test_timed_forwards_start_from_the_same_cache(monkeypatch, fast):
     """Each repeat must see `context` cached tokens: the cache is cut back after every forward
     (else the later repeats would attend over a growing context). Checked on the lean forward
     and on the stock HF forward over the static cache."""
-    from dynatree_core.core.kv import KVState
+    from dynatree_core.forward.kv import KVState
 
     calls = []
     original = KVState.forward

@@ -22,6 +22,7 @@ PACKAGE = ROOT / "dynatree_core"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
     ("core",),
+    ("forward",),
     ("runs", "verify", "drafts"),
     ("drafting",),
     ("decoding",),
@@ -35,7 +36,7 @@ ROOT_MODULES = {"__init__", "errors", "__main__"}  # everything else lives in a 
 
 
 def _unit(module: str) -> str:
-    """dynatree_core.drafts.feature -> drafting; dynatree_core.core.kv -> core; dynatree_core.errors -> errors."""
+    """dynatree_core.drafts.feature -> drafting; dynatree_core.forward.kv -> core; dynatree_core.errors -> errors."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
 

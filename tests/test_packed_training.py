@@ -15,7 +15,6 @@ from conftest import hf_greedy, tiny_model
 from test_answers import _pool
 from test_engine import POLICIES, PROMPTS
 
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.core.models import load_model
 from dynatree_core.core.taps import FINAL, eagle3_taps
 from dynatree_core.core.vocab import TokenMap
@@ -25,6 +24,7 @@ from dynatree_core.drafting import POLICIES as REGISTRY
 from dynatree_core.drafts.feature import FeatureDraft
 from dynatree_core.drafts.fused import FusedDraft
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
 from dynatree_core.measure.launches import counting_waits
 from dynatree_core.training.answers import store as answers
 from dynatree_core.training.feature.depth import depth_mask, unrolled_predictions

@@ -176,8 +176,8 @@ def naive_logits(layout: str, w: dict, taps, target, ids: list[int]) -> torch.Te
 
 def head_logits(draft, target, ids: list[int], vocab: int = V) -> torch.Tensor:
     """The loaded head's level-1 logits over the pairs of `ids`, through its drafting forward."""
-    from dynatree_core.core.kv import KVState, chain_then_tree_visibility
     from dynatree_core.drafts.heads import make_drafter
+    from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
 
     drafter = make_drafter(draft, [], vocab)
     with torch.no_grad():

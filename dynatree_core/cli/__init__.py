@@ -3,7 +3,7 @@ policies, verifiers and presets, check a GPU (gpu-check). parser.py builds the a
 
 Errors caused by input exit with status 2 and print one line, `error: <message>`, on stderr.
 
-May import: errors, core, runs, verify, drafts, drafting, decoding, measure, live, viz, training.
+May import: errors, core, forward, runs, verify, drafts, drafting, decoding, measure, live, viz, training.
 """
 
 from __future__ import annotations

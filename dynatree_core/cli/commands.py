@@ -206,9 +206,9 @@ def cmd_bench(args) -> None:
 
 
 def cmd_latency(args) -> None:
-    from dynatree_core.core.choice import forward_path
     from dynatree_core.core.packing import is_packed
     from dynatree_core.decoding.pairs import load_pair
+    from dynatree_core.forward.choice import forward_path
     from dynatree_core.measure.latency import pair_profile
     from dynatree_core.runs.environment import environment
     from dynatree_core.viz.bench import latency_figure

@@ -3,7 +3,7 @@
 `ForwardSettings` is the one object a run's forward switches travel in: the CLI's engine flags
 (cli/commands.forward_settings), the app and the measuring code build one, `DecodeConfig.forward`
 carries it, and the engine hands it to the target's and the draft's caches in one place
-(decoding/engine.start_run), where core/choice.py picks the forward from it. A field left None is
+(decoding/engine.start_run), where forward/choice.py picks the forward from it. A field left None is
 "auto": its environment override below if one is set, else the library's rule for the device.
 
 `ENVIRONMENT` lists every `DYNATREE_*` variable with its default and what it sets; the library

@@ -4,5 +4,5 @@ baselines (baselines.py), the catalogue of everything runnable by name (methods.
 pair and encoding prompts (pairs.py), the fastest correct dtype per pair (dtype_choice.py), and
 the registry of run settings that a CLI flag and a page widget share (settings.py).
 
-May import: errors, core, runs, verify, drafts, drafting.
+May import: errors, core, forward, runs, verify, drafts, drafting.
 """

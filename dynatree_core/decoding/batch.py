@@ -17,12 +17,12 @@ import dataclasses
 
 import torch
 
-from dynatree_core.core.filled import seen_over
-from dynatree_core.core.forward import Forward
-from dynatree_core.core.kv import chain_then_tree_visibility
 from dynatree_core.core.taps import FINAL
 from dynatree_core.core.transfer import to_device, upload_into
 from dynatree_core.core.tree import DraftTree
+from dynatree_core.forward.filled import seen_over
+from dynatree_core.forward.kv import chain_then_tree_visibility
+from dynatree_core.forward.reference import Forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,7 @@ def verify_forward(state, tokens, positions, visible: torch.Tensor, keep: int, m
 
 def host_verify(state, batch: VerifyBatch) -> Forward:
     """The ONE target forward over a batch built on the host, as one captured step with its
-    inputs where the run captures its steps (core/filled.py; not for a feature draft's taps other
+    inputs where the run captures its steps (forward/filled.py; not for a feature draft's taps other
     than the final states): a batch that is only the pending chain (`ar`, or an iteration that
     drafted nothing) from one upload of the chain (`chain`: `ar`'s loop launches an upload and a
     replay a token), a tree's from one upload of its rows and their block of the mask (`rows`:

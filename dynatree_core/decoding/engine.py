@@ -16,9 +16,6 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from dynatree_core.core.choice import forward_path
-from dynatree_core.core.invariant import invariant_wanted
-from dynatree_core.core.kv import KVState
 from dynatree_core.core.models import context_length_of
 from dynatree_core.core.sampling_config import SamplingConfig
 from dynatree_core.core.settings import ForwardSettings
@@ -33,6 +30,9 @@ from dynatree_core.drafting.request import DraftRequest
 from dynatree_core.drafts.heads import draft_kind, make_drafter
 from dynatree_core.drafts.session import Drafter
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.forward.choice import forward_path
+from dynatree_core.forward.invariant import invariant_wanted
+from dynatree_core.forward.kv import KVState
 from dynatree_core.runs.metrics import memory_mb, summarize, weight_bytes
 from dynatree_core.runs.records import IterationRecord, RunResult
 from dynatree_core.verify.greedy import Outcome, verify_greedy
@@ -74,7 +74,7 @@ class DecodeState:
     """One run's state, shared by its iterations: built once by `start_run`, never stored on a
     (possibly shared) model object."""
 
-    target_kv: KVState  # the target's cache for this run (core/kv.py)
+    target_kv: KVState  # the target's cache for this run (forward/kv.py)
     drafter: Drafter | None  # the draft model's session and cache; None for model-free policies
     policy: Policy  # the drafting policy (its history adapts in `observe`)
     config: DecodeConfig
@@ -94,7 +94,7 @@ class DecodeState:
         return len(self.committed) - self.prompt_len
 
     def capture_s(self) -> float:
-        """Seconds spent capturing CUDA graphs so far, target and draft (core/graphs.py)."""
+        """Seconds spent capturing CUDA graphs so far, target and draft (forward/graphs.py)."""
         return self.target_kv.capture_s + (self.drafter.kv.capture_s if self.drafter else 0.0)
 
     def draft_forwards(self) -> int:

@@ -6,7 +6,7 @@ and the per-level helpers they share: request.py, common.py; the levels decided 
 device.py, and the levels and verify rows as the device holds them, levels.py). The draft models
 they expand are drafts/.
 
-May import: errors, core, runs, verify, drafts.
+May import: errors, core, forward, runs, verify, drafts.
 """
 
 from dynatree_core.drafting import delayed, dynatree, dyspec, eagle2, salf, static  # noqa: F401

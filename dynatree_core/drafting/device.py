@@ -23,7 +23,7 @@ proposes them, the host replays its own rules over what was read) and `grow_all_
 read and the verify rows built from them are drafting/levels.py's.
 
 Between the draft forwards a level's decision (top-k, order, admission) is one captured step where
-forwards are captured (core/capture.py): on a GPU one launch, not thirty.
+forwards are captured (forward/capture.py): on a GPU one launch, not thirty.
 
 Cumulative log-probabilities are float64 on the device, as the host's Python floats are, so
 every comparison (threshold, order, ties) decides the same way on both paths.
@@ -173,7 +173,7 @@ def admitted_levels(
         logits = level_forward(drafter, levels)  # over every row the level could have
         if level == 1:
             cum, valid, drafted = _start(steps, logits.device)
-        # the level's decision, one captured step where forwards are (core/capture.py): every value
+        # the level's decision, one captured step where forwards are (forward/capture.py): every value
         # it reads besides its tensors is in the key
         key = ("admit", key_of, level, tuple(logits.shape), log_tau, budget)
         tokens, lp, rows, fate, cum_c, cum, valid, drafted, count, selected, record = steps(
@@ -298,7 +298,7 @@ def grow_all_on_device(
         if level == 1:
             cum = _start(drafter.steps, logits.device)[0]
         last = level == len(widths)
-        key = ("grow", level, width, beam, last, given, tuple(logits.shape))  # one captured step (core/capture.py)
+        key = ("grow", level, width, beam, last, given, tuple(logits.shape))  # one captured step (forward/capture.py)
         to_logp = (lambda x: x) if given else drafter.to_logp
         *fields, cum, record = drafter.steps(key, _grown(width, beam, last, to_logp), logits, cum)
         levels.append(Level(*fields, record, prefix=not beam and not last))

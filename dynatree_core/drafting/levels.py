@@ -159,7 +159,7 @@ def read_verifying(request: DraftRequest, levels: list[Level], width: int) -> li
     if early is None:
         return read_levels(levels)
     steps = drafter_of(request).steps
-    if steps.capture:  # the rows and the record to read, one captured step (core/capture.py)
+    if steps.capture:  # the rows and the record to read, one captured step (forward/capture.py)
         shapes = tuple((lv.tokens.shape[0], lv.selected.shape[0]) for lv in levels)
         inputs = [t for lv in levels for t in (lv.flat(), lv.cum)]
         ranked = all(lv.ranked for lv in levels)

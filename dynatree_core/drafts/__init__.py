@@ -2,5 +2,5 @@
 hidden states (feature.py, fused.py), the published EAGLE layouts they load from and export to
 (published.py), and the one door the engine opens them through (heads.py).
 
-May import: errors, core.
+May import: errors, core, forward.
 """

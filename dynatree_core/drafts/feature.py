@@ -16,7 +16,7 @@ in place of the target's feature, which the target has not computed yet.
 `FeatureDraft` holds the trainable parts as a stock one-layer `LlamaForCausalLM` whose final
 norm is the identity (features are already normalised) and whose embedding table is unused
 (inputs come from `fc`), so the static cache, the lean forward and the HF reference path of
-core/kv.py all run it unchanged; plus `fc` and a reference to the target's (frozen) input embedding.
+forward/kv.py all run it unchanged; plus `fc` and a reference to the target's (frozen) input embedding.
 
 `FeatureDrafter` is its `Drafter`: the same `expand` / `commit` contract as the token drafter,
 so every policy runs unchanged. What differs is what it is fed: the engine hands it the target's
@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.core.packing import linear_dtype
 from dynatree_core.core.taps import FINAL
 from dynatree_core.core.transfer import to_device
@@ -40,6 +39,7 @@ from dynatree_core.core.vocab import OTHER, TokenMap
 from dynatree_core.core.weights import load_weights
 from dynatree_core.drafts.session import Drafter
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
 
 CONFIG_FILE = "feature_draft.json"
 WEIGHTS_FILE = "feature_draft.safetensors"

@@ -19,7 +19,7 @@ Weights are named as SafeAILab's and SpecForge's EAGLE-3 heads name them (`fc`, 
 The head covers the token map's slots (core/vocab.py); slot 0 (OTHER) is never proposed.
 
 `FusedDrafter` is its `Drafter`: the same `expand` / `commit` contract as every drafter; its KV
-cache is the project's static cache (core/kv.py) driven by this module's own forward (`own_forward`).
+cache is the project's static cache (forward/kv.py) driven by this module's own forward (`own_forward`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dynatree_core.core.forward import Forward
-from dynatree_core.core.kv import KVState
 from dynatree_core.core.packing import linear_dtype
 from dynatree_core.core.taps import check_taps, eagle3_taps
 from dynatree_core.core.transfer import to_device
@@ -39,6 +37,8 @@ from dynatree_core.core.vocab import OTHER, TokenMap
 from dynatree_core.core.weights import load_weights
 from dynatree_core.drafts.feature import FeatureDrafter, head_config, read_meta
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.forward.kv import KVState
+from dynatree_core.forward.reference import Forward
 
 CONFIG_FILE = "fused_draft.json"
 FC_NORMS = ("per_tap", "none", "concat")
@@ -180,7 +180,7 @@ class FusedDraft(torch.nn.Module):
         return self.midlayer.finish(self.residual(hidden), q, k, v, mask), (k, v)
 
     def own_forward(self, ids, positions, mask, layers, logits_to_keep, *, embeds=None, hidden=False):
-        """The static-cache forward KVState runs for this kind (core/kv.py): `embeds` (1, q, 2H) =
+        """The static-cache forward KVState runs for this kind (forward/kv.py): `embeds` (1, q, 2H) =
         [token embedding ; hidden input] per row, written as one layer's keys/values into `layers[0]`."""
         if embeds is None:
             raise DynaTreeError("a fused-feature draft reads (token, hidden) pairs, never bare tokens")

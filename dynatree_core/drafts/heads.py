@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from dynatree_core.core.kv import KVState
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.drafts import feature, fused, published
 from dynatree_core.drafts.session import Drafter
+from dynatree_core.forward.kv import KVState
 
 
 def is_head(model: torch.nn.Module | None) -> bool:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.core.transfer import upload_into
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.core.vocab import TokenMap
+from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
 
 
 class Drafter:

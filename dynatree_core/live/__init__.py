@@ -8,5 +8,5 @@ engine_process.py (the parent side and the protocol) and engine_child.py (the ch
 handler per command); jobs.py holds the one-off work it runs for the pages, pool.py the resident
 engines of a server.
 
-May import: errors, core, runs, verify, drafts, drafting, decoding, measure.
+May import: errors, core, forward, runs, verify, drafts, drafting, decoding, measure.
 """

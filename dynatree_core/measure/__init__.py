@@ -6,5 +6,5 @@ verification lab's empirical law (lab.py), the dtype probe (dtype_probe.py), `gp
 any device (launches.py), and a pair's latency profile (latency.py: the target's forwards and the
 draft's levels, each timed on the engine's own path).
 
-May import: errors, core, runs, verify, drafts, drafting, decoding.
+May import: errors, core, forward, runs, verify, drafts, drafting, decoding.
 """

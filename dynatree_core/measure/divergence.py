@@ -1,5 +1,5 @@
 """Where a width-invariant tree run first leaves `ar`'s bits: the diagnosis for a device whose
-kernels break core/invariant.py's promise without its probe seeing it (`gpu-check` runs it).
+kernels break forward/invariant.py's promise without its probe seeing it (`gpu-check` runs it).
 
 Both runs go through the engine (decoding/engine.py: `start_run` + `iterate`), width-invariant,
 keeping their target forwards' logits. Every position on the committed path has one logits row

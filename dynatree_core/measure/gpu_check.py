@@ -9,19 +9,18 @@ architecture the lean forward supports (llama, qwen2, mistral), in float32, it c
     interleaved   two runs stepped alternately in one process (their graphs share a pool)
     fallback      an injected capture failure: the run goes on eagerly, exact, and says why
 
-and, in float32 and in bfloat16, the width-invariant forwards (core/invariant.py):
+and, in float32 and in bfloat16, the width-invariant forwards (forward/invariant.py):
 
     invariant D   this device's kernels pass `width_verdict`, and a path node verified inside a
                   17-row tree gets, bit for bit, the logits `ar` computes for it alone
     policies D    every tree policy, width-invariant, reproduces `ar` token for token in dtype D
 
 then measures on the embedded target: replay vs eager milliseconds per width bucket, the width each
-narrow bucket runs at (measured at capture: core/graphs.py), capture seconds, GPU memory per run
+narrow bucket runs at (measured at capture: forward/graphs.py), capture seconds, GPU memory per run
 and host round trips and launches per iteration (core/transfer.py's counts, measure/launches.py),
 with the draft levels and verify batch built on the device or the host and with the steps between
 forwards captured or not; and last, the embedded pair in bfloat16 on the multi-turn OOD prompt
-(divergence.DIVERGENCE_PROMPT), 128 tokens, with the policies of wide levels (fixed_tree, eagle2,
-dyspec_threshold: where an H100 run once left `ar`):
+(divergence.DIVERGENCE_PROMPT), 128 tokens, with the policies of wide levels (fixed_tree, eagle2, dyspec_threshold):
 
     bits P        every committed position's logits equal `ar`'s bit for bit; else the first
                   position that differs, its difference against ar's top-two gap, and the first
@@ -45,15 +44,16 @@ from unittest import mock
 
 import torch
 
-from dynatree_core.core import capture, graphs, transfer
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.core.log import log_exception
 from dynatree_core.core.settings import ForwardSettings
+from dynatree_core.core.transfer import sync
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.decoding.engine import DecodeConfig, decode, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting.policy import POLICIES
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.forward import capture, graphs
+from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
 from dynatree_core.measure import divergence, launches
 
 ARCHS = ("llama", "qwen2", "mistral")
@@ -162,7 +162,7 @@ def _tree(root: int) -> tuple[DraftTree, list[int]]:
 @torch.inference_mode()
 def path_bits_match(target, prompt: list[int], graphs: bool | None = None) -> bool:
     """A path node's logits in one tree verification == `ar`'s for it decoded one token at a time,
-    bit for bit, with width-invariant forwards (the promise of core/invariant.py); `graphs`: at
+    bit for bit, with width-invariant forwards (the promise of forward/invariant.py); `graphs`: at
     fixed shapes (static_rows.StaticRows) where the device's default or True says so."""
     tree, path = _tree(prompt[-1])
     head = prompt[:-1]
@@ -185,9 +185,9 @@ def path_bits_match(target, prompt: list[int], graphs: bool | None = None) -> bo
 def invariance_checks(name: str, target, draft) -> list[dict]:
     """Per dtype in INVARIANCE_DTYPES: the kernels' verdict with the path's bits, and every tree
     policy's tokens against `ar`'s, width-invariant. Copies the models into each dtype."""
-    from dynatree_core.core.fastpath import lean_forward_for
-    from dynatree_core.core.invariant import linears_note, width_verdict
-    from dynatree_core.core.static_rows import static_attention_agrees
+    from dynatree_core.forward.fastpath import lean_forward_for
+    from dynatree_core.forward.invariant import linears_note, width_verdict
+    from dynatree_core.forward.static_rows import static_attention_agrees
 
     rows = []
     for dtype in INVARIANCE_DTYPES:
@@ -239,11 +239,11 @@ def _quiet():
 
 
 def _timed(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
-    transfer.sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(repeats):
         fn()
-    transfer.sync(device)
+    sync(device)
     return (time.perf_counter() - t0) / repeats * 1e3
 
 

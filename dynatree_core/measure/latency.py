@@ -21,13 +21,13 @@ from collections.abc import Callable
 
 import torch
 
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.core.taps import FINAL
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.engine import vocab_size
 from dynatree_core.drafts.heads import make_drafter
+from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_CONTEXTS = (128, 512)

@@ -10,7 +10,7 @@ Counted per iteration:
 - `ops`: ops that launch work (views and bare allocations excluded), outside forward graphs and
   captured steps; on a GPU only those on the model's device (`host_ops`: those on host tensors,
   the host's own bookkeeping, apart); on a CPU host and device are one, so `ops` holds both;
-- `replays`: forward graphs and captured steps (core/capture.py), each one launch;
+- `replays`: forward graphs and captured steps (forward/capture.py), each one launch;
 - `sites`: the library function each op came from, the busiest first.
 Captures run as stand-in graphs on a CPU (capture.STAND_IN_DEVICES), so a CPU count says what a
 GPU would launch; on CUDA the real graphs run and replay() dispatches nothing.
@@ -26,7 +26,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dynatree_core.core import capture, graphs, transfer
+from dynatree_core.core import transfer
+from dynatree_core.forward import capture, graphs
 
 # ops that allocate, alias or read a scalar: no kernel of their own (a read is counted by transfer.py)
 NO_LAUNCH = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias"})

@@ -4,5 +4,5 @@ result (records.py), their summary metrics (metrics.py), the run file the app ex
 files and benchmark reports (validate_reports.py), and the hardware and library fingerprint every
 report carries (environment.py).
 
-May import: errors, core.
+May import: errors, core, forward.
 """

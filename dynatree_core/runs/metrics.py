@@ -22,7 +22,7 @@ def exactness_note(dtype: str, forward_paths: str | list[str] = "") -> str | Non
     The algorithm is exact in any dtype; the arithmetic need not be. A tree forward computes a
     token's logits in a different batch shape than `ar`'s 1-token forward; in bfloat16/float16 the
     rounding differs enough to flip the argmax where two tokens nearly tie, unless the target's
-    forwards are width-invariant (core/invariant.py: forward path "lean+invariant", "+padded" or
+    forwards are width-invariant (forward/invariant.py: forward path "lean+invariant", "+padded" or
     "+graphs" after it, each row gets the bits it would get alone). float32 differs by ~1e-7 and
     stays token-identical in practice."""
     given = [forward_paths] if isinstance(forward_paths, str) else forward_paths

@@ -42,7 +42,7 @@ class IterationRecord:
     stop: str | None = None  # "eos", "max_new_tokens" or "context_limit" on the last iteration
     verifier: str = "greedy"
     draft_forward_ms: float = 0.0  # part of draft_ms spent inside draft model forwards
-    capture_ms: float = 0.0  # CUDA graph captures this iteration (core/graphs.py), left out of the timings above
+    capture_ms: float = 0.0  # CUDA graph captures this iteration (forward/graphs.py), left out of the timings above
     # rows of the target's forward: the chain and the verified nodes, or more where the forward was
     # queued from the device's rows, padded to a bound (decoding/batch.py); 0 in older records
     verify_rows: int = 0

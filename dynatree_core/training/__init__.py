@@ -21,5 +21,5 @@ its shared flags cli.py):
 Removed recipes (lost in BENCHMARKS.md, nothing ships from them): docs/training.md says which
 and at which commit they can be found.
 
-May import: errors, core, runs, verify, drafts, drafting, decoding, measure.
+May import: errors, core, forward, runs, verify, drafts, drafting, decoding, measure.
 """

@@ -4,5 +4,5 @@ built from the registries (widgets.py), the opening replay (replay.py), the live
 sections (live_view.py) and its analysis sections, drawn when a run pauses or finishes
 (analysis_view.py).
 
-May import: errors, core, runs, verify, drafts, drafting, decoding, measure, live, viz, training.
+May import: errors, core, forward, runs, verify, drafts, drafting, decoding, measure, live, viz, training.
 """

@@ -4,7 +4,7 @@ solvers of lossless verification (otlp.py); bottom-up Traversal and block verifi
 (traversal.py); lossless verification for sampling (sampling.py); the verifiers' registry and the
 one rule that pairs a policy with a verifier (registry.py).
 
-May import: errors, core.
+May import: errors, core, forward.
 """
 
 from dynatree_core.verify.greedy import Outcome, verify_greedy

@@ -12,7 +12,7 @@
 The analysis the figures draw (acceptance by depth, the speed breakdown) lives in runs/metrics.py;
 this package re-exports it with the figures.
 
-May import: errors, core, runs, verify, drafts, drafting, decoding, measure.
+May import: errors, core, forward, runs, verify, drafts, drafting, decoding, measure.
 """
 
 from __future__ import annotations

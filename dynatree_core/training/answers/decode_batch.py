@@ -3,7 +3,7 @@
 A feature draft (drafts/feature.py) learns from the target's own answers and the target's
 final hidden states along them. Generating the answers with HF `generate` and then labelling
 them in a second teacher-forced pass computes every hidden state twice; here the target decodes
-a batch of prompts through its lean blocks (core/fastpath.py) over preallocated KV buffers, and the
+a batch of prompts through its lean blocks (forward/fastpath.py) over preallocated KV buffers, and the
 post-norm hidden state of every row it reads is the feature, kept as it goes (the forward,
 the sampling and the compact teacher: decode_ops.py):
 
@@ -21,7 +21,7 @@ the batch axis, so compute follows the live rows. The host keeps its own copy of
 (job, length, tokens made, limit), so a step reads one thing back from the device, its sampled
 tokens; features and teachers stay in per-row device buffers until a refill harvests them in one
 copy. On CUDA the step (forward, feature, logits, teacher) is one captured graph per attention span
-while the batch is whole (core/capture.py's StepGraphs); the tail runs it eagerly.
+while the batch is whole (forward/capture.py's StepGraphs); the tail runs it eagerly.
 
 Contract: knows models, never trees, policies or prompt sources.
 """
@@ -31,10 +31,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dynatree_core.core import capture
-from dynatree_core.core.forward import additive
-from dynatree_core.core.graphs import capture_safe, graphs_enabled
 from dynatree_core.decoding.engine import vocab_size
+from dynatree_core.forward import capture
+from dynatree_core.forward.graphs import capture_safe, graphs_enabled
+from dynatree_core.forward.reference import additive
 from dynatree_core.training.answers.decode_ops import (
     TEACHER_K,
     Decoded,

@@ -1,5 +1,5 @@
 """The pieces of batched decoding (decode_batch.py): the forward of a batch of rows over
-preallocated per-row key/value buffers through the target's lean blocks (core/fastpath.py), the
+preallocated per-row key/value buffers through the target's lean blocks (forward/fastpath.py), the
 rows' sampling, and the compact teacher kept from their logits.
 
 Attention: every row attends over its own slots; slots past a row's length are masked per row. Query
@@ -17,8 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dynatree_core.core.fastpath import LeanForward, fold_groups, fold_mask, lean_forward_for, rope_pair
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.forward.fastpath import LeanForward, fold_groups, fold_mask, lean_forward_for, rope_pair
 
 TOP_K = 64  # sampled rows draw from the top-k (then top-p) of the tempered distribution
 TEACHER_K = 32  # the teacher's top-k kept per loss position (the rest of its mass is renormalised away)

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from dynatree_core.core.kv import KVState, chain_then_tree_visibility
 from dynatree_core.core.models import load_model
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.pairs import encode_prompt
 from dynatree_core.drafting import make_policy
+from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
 from dynatree_core.measure.prompt_sets import load_prompts
 
 

@@ -26,11 +26,11 @@ from collections.abc import Callable
 
 import torch
 
-from dynatree_core.core import graphs as cuda_graphs  # looked up at call time: tests stand in for a GPU
-from dynatree_core.core.fastpath import fast_forward_enabled, lean_forward_for
-from dynatree_core.core.invariant import WidthVerdict, width_verdict
 from dynatree_core.core.settings import env_on
-from dynatree_core.core.static_rows import static_attention_agrees
+from dynatree_core.forward import graphs as cuda_graphs  # looked up at call time: tests stand in for a GPU
+from dynatree_core.forward.fastpath import fast_forward_enabled, lean_forward_for
+from dynatree_core.forward.invariant import WidthVerdict, width_verdict
+from dynatree_core.forward.static_rows import static_attention_agrees
 
 KINDS = ("reference", "lean", "captured", "invariant")  # kv.KVState runs `_<kind>`
 

@@ -29,12 +29,12 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from dynatree_core.core import kernels
-from dynatree_core.core.forward import Forward
-from dynatree_core.core.invariant import LinearRows, RopeTable, RowGroups, min_rows
 from dynatree_core.core.settings import env_on
-from dynatree_core.core.static_rows import StaticRows
 from dynatree_core.core.taps import stack_taps
+from dynatree_core.forward import kernels
+from dynatree_core.forward.invariant import LinearRows, RopeTable, RowGroups, min_rows
+from dynatree_core.forward.reference import Forward
+from dynatree_core.forward.static_rows import StaticRows
 
 LEAN_TYPES = ("llama", "qwen2", "mistral")  # model_type values whose decoder layer is the Llama block
 
@@ -257,7 +257,7 @@ class _Block:
         self.add_o, self.add_down = _residual(attn.o_proj), _residual(mlp.down_proj)  # None: x + o(a)
         device = attn.o_proj.weight.device.type
         self.rotate = _rotate_fused if device in FUSED_ADD_DEVICES else _rotate
-        self.kernels = kernels.enabled(device)  # Triton's rotation and silu * up (core/kernels.py)
+        self.kernels = kernels.enabled(device)  # Triton's rotation and silu * up (forward/kernels.py)
         self.head_dim = attn.head_dim
         self.groups = attn.num_key_value_groups
         self.scaling = attn.scaling
@@ -334,7 +334,7 @@ class LeanForward:
         """`embeds` (1, q, hidden): inputs instead of the ids' embeddings; `hidden`: also return
         the final (post-norm) hidden states of all q rows, or for a tuple of taps (core/taps.py)
         those states stacked (q, len(taps), hidden) (see KVState.forward); `rows`: attend with
-        core/invariant.py's width-invariant attention over each row's own keys (`mask` unused)."""
+        forward/invariant.py's width-invariant attention over each row's own keys (`mask` unused)."""
         x = F.embedding(ids, self.embed.weight) if embeds is None else embeds  # (1, q, hidden)
         in_place = self.blocks[0].add_o is not None  # the residual adds write into x (_residual)
         if in_place and embeds is not None:

@@ -31,7 +31,7 @@ either path, reallocates its buffers: the buckets and graphs built over the old 
 before the next call (checked on every call, not only when this class grows them itself).
 A forward whose inputs the device makes (a draft level's mask, slots and positions from the
 committed length) can skip the buckets: `filled` wraps the input-making and the forward in one
-pure step that core/capture.py captures whole (KVState.level).
+pure step that forward/capture.py captures whole (KVState.level).
 
 Safety: a capture that fails (out of memory, an op that cannot be captured, a library version)
 warns once, and the model goes on with the same padded forward run eagerly (`fallback` says why);
@@ -50,12 +50,12 @@ import weakref
 
 import torch
 
-from dynatree_core.core.capture import POOLS, capture_failed, capture_graph
-from dynatree_core.core.forward import Forward, additive
 from dynatree_core.core.settings import env_on
-from dynatree_core.core.slots import write_slots
-from dynatree_core.core.static_rows import StaticRows
 from dynatree_core.core.transfer import to_device, upload_into
+from dynatree_core.forward.capture import POOLS, capture_failed, capture_graph
+from dynatree_core.forward.reference import Forward, additive
+from dynatree_core.forward.slots import write_slots
+from dynatree_core.forward.static_rows import StaticRows
 
 MAX_BUCKET = 128
 MIN_SPAN = 256  # the fewest key slots a padded forward reads (smaller spans would mean more graphs)
@@ -283,7 +283,7 @@ class PaddedForward:
         return width, capacity, (self._epoch, self.static_for(most_keys).positions_end)  # rows name any slot
 
     def filled(self, fill, width: int, span: int, q: int, keep: int, dtype):
-        """A pure step (core/capture.py) that runs `fill` and then the lean forward on what it
+        """A pure step (forward/capture.py) that runs `fill` and then the lean forward on what it
         made, the forward's inputs never passing through the buckets: fill(*inputs) -> (ids
         (1, width), positions (1, width), slots (width,), seen (width, span) bool (row i may
         attend to slot j; a padding row to its own), embeds (1, width, hidden) or None, *extra),

@@ -50,9 +50,9 @@ import dataclasses
 
 import torch
 
-from dynatree_core.core import capture
 from dynatree_core.core.settings import env
 from dynatree_core.core.transfer import to_device
+from dynatree_core.forward import capture
 
 PROBE_WIDTHS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 32, 33, 64)  # row counts a run's forwards take
 PROBE_KEYS = (96, 200, 500, 1100, 2600)  # key counts the attention probe sees: a GEMM may split long reductions

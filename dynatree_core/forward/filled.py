@@ -5,7 +5,7 @@ positions, the slots its keys go to, the mask) depend on the cache's length, a P
 changes every iteration, so built op by op they cost a dozen launches or more a forward around
 the one replay. Here the length and the tokens go to the device in one upload into a buffer a
 step reads in place, and a pure function makes every input from it there: that function and the
-lean forward are one step (graphs.PaddedForward.filled) that core/capture.py captures once per
+lean forward are one step (graphs.PaddedForward.filled) that forward/capture.py captures once per
 key and replays. Three callers' shapes of it:
 
 - `level`: the general form, the caller's function (a draft level: drafts/session.py; the verify
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from dynatree_core.core.forward import Forward
 from dynatree_core.core.transfer import upload_into
+from dynatree_core.forward.reference import Forward
 
 
 class FilledForwards:

@@ -61,7 +61,7 @@ def enabled(device_type: str) -> bool:
 @functools.cache
 def _importable() -> bool:
     try:
-        from dynatree_core.core import triton_kernels  # noqa: F401
+        from dynatree_core.forward import triton_kernels  # noqa: F401
     except ImportError:  # no Triton (or no interpreter without a GPU): the torch forms stay
         return False
     return True
@@ -138,7 +138,7 @@ def _attention_parts(
     blocks = -(-span // BLOCK_KEYS)
     m = q.new_empty(width, kv_heads, blocks, g, dtype=torch.float32)
     weights, acc = torch.empty_like(m), q.new_empty(width, kv_heads, blocks, g, dp, dtype=torch.float32)
-    from dynatree_core.core.triton_kernels import attention_part
+    from dynatree_core.forward.triton_kernels import attention_part
 
     attention_part[(width, kv_heads, blocks)](
         q, keys, values, slots, tail, m, weights, acc,
@@ -162,7 +162,7 @@ def _attention_merge_op(m: torch.Tensor, weights: torch.Tensor, acc: torch.Tenso
     """The second pass: each (row, key head)'s blocks merged, into out (width, heads, d)."""
     width, kv_heads, blocks, g = m.shape
     heads, d = out.shape[1], out.shape[2]
-    from dynatree_core.core.triton_kernels import attention_merge
+    from dynatree_core.forward.triton_kernels import attention_merge
 
     attention_merge[(width, kv_heads)](
         m, weights, acc, out, out.stride(0), out.stride(1), blocks,
@@ -189,7 +189,7 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> Non
     """fastpath._rotate written over x (B, heads, q, d) (head_dim contiguous); cos and signed_sin
     (B, 1, q, d) from fastpath.rope_pair."""
     b, heads, rows, d = x.shape
-    from dynatree_core.core.triton_kernels import rotate_kernel
+    from dynatree_core.forward.triton_kernels import rotate_kernel
 
     batch = lambda t: t.stride(0) if t.shape[0] > 1 else 0  # noqa: E731 - one cos/sin for every batch row
     rotate_kernel[(b * rows,)](
@@ -210,7 +210,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     size = gate_up.shape[-1] // 2
     flat = gate_up.reshape(-1, 2 * size)
     out = gate_up.new_empty(*gate_up.shape[:-1], size)
-    from dynatree_core.core.triton_kernels import silu_mul_kernel
+    from dynatree_core.forward.triton_kernels import silu_mul_kernel
 
     silu_mul_kernel[(flat.shape[0], -(-size // SILU_BLOCK))](flat, out, flat.stride(0), size, BLOCK=SILU_BLOCK)
     return out

@@ -1,4 +1,4 @@
-"""The Triton programs behind core/kernels.py's ops (imported only where they run). Without a GPU
+"""The Triton programs behind forward/kernels.py's ops (imported only where they run). Without a GPU
 Triton only interprets: TRITON_INTERPRET=1 must be set before Triton is first imported (torch may
 import it), as tests/conftest.py does; elsewhere this module refuses to load and the torch forms stay.
 

@@ -29,16 +29,16 @@ import dataclasses
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
-from dynatree_core.core.capture import StepGraphs, capture_wanted
-from dynatree_core.core.choice import choose_forward
-from dynatree_core.core.filled import FilledForwards
-from dynatree_core.core.forward import Forward, additive, reference_forward
-from dynatree_core.core.graphs import PaddedForward
-from dynatree_core.core.invariant import RowGroups
-from dynatree_core.core.slots import SLACK, SlotLayer, SlotStore
-from dynatree_core.core.static_rows import StaticRows, static_span
 from dynatree_core.core.transfer import Stopwatch, to_device
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.forward.capture import StepGraphs, capture_wanted
+from dynatree_core.forward.choice import choose_forward
+from dynatree_core.forward.filled import FilledForwards
+from dynatree_core.forward.graphs import PaddedForward
+from dynatree_core.forward.invariant import RowGroups
+from dynatree_core.forward.reference import Forward, additive, reference_forward
+from dynatree_core.forward.slots import SLACK, SlotLayer, SlotStore
+from dynatree_core.forward.static_rows import StaticRows, static_span
 
 
 class KVState(FilledForwards):
@@ -116,11 +116,11 @@ class KVState(FilledForwards):
     def path(self) -> str:
         """How this run's forwards go now: the choice's path, or the captured forward's own (it
         says when a capture failed and the run went on eagerly), "kernels" where the lean forward
-        takes Triton's (core/kernels.py), and a captured step's failure
+        takes Triton's (forward/kernels.py), and a captured step's failure
         (the forwards then fill their inputs op by op)."""
         path = self.padded.path if self.padded is not None else self.choice.path
         blocks = getattr(self.lean, "blocks", None)  # None: no lean forward, or a draft's own (drafts/fused.py)
-        if blocks and blocks[0].kernels:  # core/kernels.py (Triton's)
+        if blocks and blocks[0].kernels:  # forward/kernels.py (Triton's)
             path = path.replace("lean+", "lean+kernels+", 1)
         if self.steps.fallback:
             path += f" (inputs op by op: step capture failed: {self.steps.fallback})"

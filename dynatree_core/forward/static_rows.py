@@ -19,9 +19,9 @@ import dataclasses
 
 import torch
 
-from dynatree_core.core import capture, kernels
-from dynatree_core.core.invariant import ATTENTION_ROWS, LinearRows
-from dynatree_core.core.slots import side_by_side
+from dynatree_core.forward import capture, kernels
+from dynatree_core.forward.invariant import ATTENTION_ROWS, LinearRows
+from dynatree_core.forward.slots import side_by_side
 
 
 @dataclasses.dataclass(frozen=True)
