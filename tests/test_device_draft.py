@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 
 import pytest
+import reference_drafting as reference
 import torch
 from conftest import ARCHS, examples, hf_greedy, noisy_copy, tiny_model
 from hypothesis import given
@@ -286,6 +287,19 @@ def drafted(policy: str, values: dict, max_depth: int, seed: int, on_device: boo
     return tree
 
 
+def decided(policy: str, values: dict, max_depth: int, seed: int) -> list:
+    """The policy's tree as tensor levels both ways (counts read at once, then at fixed widths read
+    late) and as the paper's loop decides it node by node (reference_drafting), on one drafter's rows."""
+    trees = [drafted(policy, values, max_depth, seed, on_device) for on_device in (False, True)]
+    request = DraftRequest(root_token=7, max_depth=max_depth, drafter=PathDrafter(seed))
+    if policy == "dynatree":
+        trees.append(reference.dynatree(make_policy(policy, values), request))
+    else:
+        full = make_policy(policy, values).config
+        trees.append(getattr(reference, policy)(request, **full))
+    return trees
+
+
 def check_rows(tree, probe: RowsProbe) -> None:
     """The rows are the tree's verified nodes in bfs order (DraftTree.order), with its ancestor
     mask and depths; padding rows after them see only themselves; the rows as read agree."""
@@ -317,22 +331,24 @@ def check_rows(tree, probe: RowsProbe) -> None:
     budget=st.integers(1, 40),
     max_depth=st.integers(0, 6),
 )
-def test_topk_levels_on_the_device_decide_as_the_host_does(seed, depth, branch, tau, budget, max_depth):
+def test_topk_levels_decide_as_the_papers_loops_do(seed, depth, branch, tau, budget, max_depth):
     values = {"depth": depth, "branch": branch, "tau": tau, "budget": budget}
-    trees = [drafted("fixed_tree", values, max_depth, seed, on_device) for on_device in (False, True)]
-    assert signature(trees[0]) == signature(trees[1])
+    trees = decided("fixed_tree", values, max_depth, seed)
+    assert signature(trees[0]) == signature(trees[1]) == signature(trees[2])
 
 
 @examples(40)
 @given(seed=st.integers(0, 10**6), depth=st.integers(1, 5), topk=st.integers(1, 5), total=st.integers(1, 30))
-def test_eagle2s_beam_on_the_device_decides_as_the_host_does(seed, depth, topk, total):
+def test_eagle2s_beam_decides_as_the_papers_loop_does(seed, depth, topk, total):
     trees = []
     for on_device in (False, True):
         policy = make_policy("eagle2", {"depth": depth, "topk": topk, "total": total})
         trees.append(
             policy.draft(DraftRequest(root_token=7, max_depth=6, drafter=PathDrafter(seed), on_device=on_device))
         )
-    assert signature(trees[0]) == signature(trees[1])
+    request = DraftRequest(root_token=7, max_depth=6, drafter=PathDrafter(seed))
+    trees.append(reference.eagle2(request, depth=depth, topk=topk, total=total))
+    assert signature(trees[0]) == signature(trees[1]) == signature(trees[2])
 
 
 @examples(200)
@@ -347,16 +363,16 @@ def test_eagle2s_beam_on_the_device_decides_as_the_host_does(seed, depth, topk, 
     flags=st.tuples(st.booleans(), st.booleans()),
     max_depth=st.integers(0, 7),
 )
-def test_dynatrees_gated_levels_on_the_device_decide_as_the_host_does(
+def test_dynatrees_gated_levels_decide_as_the_papers_loops_do(
     seed, branches, taus, depths, rhos, tau, budget, flags, max_depth
 ):
     b_min, b_mid, b_max = branches
     values = {"b_min": b_min, "b_mid": b_mid, "b_max": b_max, "tau_l": taus[0], "tau_h": taus[1]}
     values |= {"d0": depths[0], "d_max": depths[0] + depths[1], "rho_stop": rhos[0], "rho_deep": rhos[1]}
     values |= {"tau": tau, "budget": budget, "adaptive_branch": flags[0], "dynamic_depth": flags[1]}
-    trees = [drafted("dynatree", values, max_depth, seed, on_device) for on_device in (False, True)]
-    assert signature(trees[0]) == signature(trees[1])
-    assert trees[0].notes == trees[1].notes
+    trees = decided("dynatree", values, max_depth, seed)
+    assert signature(trees[0]) == signature(trees[1]) == signature(trees[2])
+    assert trees[0].notes == trees[1].notes == trees[2].notes
 
 
 @examples(60)
@@ -368,22 +384,20 @@ def test_dynatrees_gated_levels_on_the_device_decide_as_the_host_does(
     children=st.integers(1, 6),
     max_depth=st.integers(0, 6),
 )
-def test_dyspec_thresholds_levels_on_the_device_decide_as_the_host_does(
-    seed, threshold, budget, depth, children, max_depth
-):
+def test_dyspec_thresholds_levels_decide_as_the_papers_loops_do(seed, threshold, budget, depth, children, max_depth):
     values = {"threshold": threshold, "budget": budget, "depth": depth, "max_children": children}
-    trees = [drafted("dyspec_threshold", values, max_depth, seed, on_device) for on_device in (False, True)]
-    assert signature(trees[0]) == signature(trees[1])
+    trees = decided("dyspec_threshold", values, max_depth, seed)
+    assert signature(trees[0]) == signature(trees[1]) == signature(trees[2])
 
 
 @examples(40)
 @given(seed=st.integers(0, 10**6), k=st.integers(1, 5), l1=st.integers(0, 4), l2=st.integers(0, 4))
-def test_delayed_trees_on_the_device_decide_as_the_host_does(seed, k, l1, l2):
+def test_delayed_trees_decide_as_the_papers_loops_do(seed, k, l1, l2):
     """Every candidate of a delayed tree is a node: its verify rows are the whole tree, in bfs order
     (the device's candidates come row by row; the rows sort them by probability within a depth)."""
     values = {"k": k, "l1": l1, "l2": l2}
-    trees = [drafted("delayed", values, 6, seed, on_device) for on_device in (False, True)]
-    assert signature(trees[0]) == signature(trees[1])
+    trees = decided("delayed", values, 6, seed)
+    assert signature(trees[0]) == signature(trees[1]) == signature(trees[2])
 
 
 def test_candidates_are_ordered_as_the_hosts_stable_sort_orders_them():

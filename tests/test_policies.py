@@ -15,6 +15,7 @@ import torch
 from dynatree_core.core.tree import DraftTree, Status
 from dynatree_core.drafting import POLICIES, DraftRequest, make_policy
 from dynatree_core.drafting.common import sibling_value
+from dynatree_core.forward.capture import StepGraphs
 
 VOCAB = 12
 
@@ -50,6 +51,25 @@ class ScriptedDrafter:
         self.expanded.append(paths)
         rows = [self.dist(path) for path in paths]
         return torch.tensor(rows, dtype=torch.float64).log()
+
+    # greedy drafting's tensor levels (drafting/device.py): rows named by their parent rows
+    steps = StepGraphs(torch.device("cpu"), capture=False)
+
+    def expand_level(self, tokens, parents, depth, *, raw=False):
+        if tokens is None:
+            self.level_paths = [()]
+        else:
+            pairs = zip(tokens.tolist(), parents.tolist(), strict=True)
+            self.level_paths = [self.level_paths[p] + (t,) for t, p in pairs]
+        self.batches.append(len(self.level_paths))
+        self.expanded.append(list(self.level_paths))
+        return torch.tensor([self.dist(path) for path in self.level_paths], dtype=torch.float64).log()
+
+    def to_logp(self, logits):
+        return logits  # its rows are log-probabilities already
+
+    def bind(self, node, level, row):
+        pass
 
     @property
     def forwards(self) -> int:

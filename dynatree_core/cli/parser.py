@@ -55,8 +55,8 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     _auto_on_off(
         p,
         "--device-draft",
-        "fixed_tree, linear, dynatree, dyspec_threshold, eagle2 and delayed(_auto) decide their draft levels "
-        "on the device and read the tree once per iteration, not once per level (auto: on for CUDA, off for CPU)",
+        "greedy draft levels run at fixed widths and the tree is read once per iteration, not once per level "
+        "(auto: on for CUDA; off for CPU, where each level's count is read at once)",
     )
     _auto_on_off(
         p,

@@ -71,7 +71,8 @@ class ForwardSettings:
         graphs: fixed-shape forwards, one CUDA graph per width (auto: on CUDA).
         step_graphs: the tensor work between forwards captured as steps where forwards are.
         width_invariant: the target's rows get the bits they would get alone (auto: below float32).
-        device_draft: policies that can decide their draft levels on the device do (auto: on CUDA).
+        device_draft: greedy draft levels run at fixed widths, the tree read once (auto: on CUDA);
+            off, each level's count is read at once (drafting/device.py).
         device_verify: with device_draft, the verify forward is queued from the tree's rows built
             on the device before the host reads the tree (auto: on).
     """

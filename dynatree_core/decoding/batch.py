@@ -4,10 +4,10 @@ On the host (`VerifyBatch.of`): from the tree the policy returned, its nodes in 
 with their ancestor mask and positions. From the device (`EarlyVerify`): where a policy decides its
 draft levels on the device (drafting/device.py), the tree's rows, mask and positions are built
 there from the levels (`levels.tree_rows`) and the verify forward is queued BEFORE the host reads
-the tree: the host replays the tree while the target runs, and the iteration's only draining read
+the tree: the host makes the tree's view while the target runs, and the iteration's only draining read
 is the verification's. The rows are the nodes in the bfs order, padded to a bound the host knows
 without reading (a padding row sees only itself and nothing sees it); the host checks the rows it
-read against the tree it replayed, node for node, so the two builds cannot silently differ.
+read against the tree's view, node for node, so the two builds cannot silently differ.
 SGLang's EAGLE worker builds its verify input on the GPU the same way (docs/gpu.md).
 """
 
@@ -156,7 +156,7 @@ class EarlyVerify:
         return Forward(out.logits, out.states if drafter.wants_features else None)
 
     def batch(self, tree: DraftTree) -> VerifyBatch:
-        """The host's record of what was verified; raises if the tree the host replayed is not the
+        """The host's record of what was verified; raises if the tree's view is not the
         rows the device verified (the two builds disagree: never by construction)."""
         batch = VerifyBatch.of(tree, self.state, past=self.past)
         row = {node: i for i, node in enumerate(batch.order)}

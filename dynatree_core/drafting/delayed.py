@@ -19,18 +19,17 @@ from dynatree_core.core.tree import DraftTree, Reason, Status
 from dynatree_core.drafting.common import drafter_of, leaf_reason
 from dynatree_core.drafting.device import grow_all_on_device
 from dynatree_core.drafting.policy import Param, Policy, register_policy
-from dynatree_core.drafting.request import DraftRequest, level_q, level_top, pick_children
+from dynatree_core.drafting.request import DraftRequest, level_q, pick_children
 
 
 def grow_delayed(
     request: DraftRequest, k: int, l1: int, l2: int, *, tree: DraftTree | None = None, root_logp=None
 ) -> DraftTree:
-    """The (K, L1, L2) delayed tree, greedy-drafted, cut at the request's max depth. `tree` and
-    `root_logp` pass in a root that was already run through the draft (on the device path, by
-    `expand_level`)."""
+    """The (K, L1, L2) delayed tree, cut at the request's max depth. `tree` and `root_logp` pass in
+    a root that was already run through the draft (`expand_level` for greedy drafting)."""
     cap = min(l1 + l2, request.max_depth)
     reason = leaf_reason(cap, l1 + l2)
-    if request.on_device and request.draw == "top":  # levels decided on the device (device.py)
+    if request.draw == "top":  # tensor levels (device.py); sampled drafting draws on the host
         widths = [k if level == l1 else 1 for level in range(cap)]
         return grow_all_on_device(request, widths, reason=reason, tree=tree, root=root_logp)
     drafter = drafter_of(request)
@@ -40,15 +39,11 @@ def grow_delayed(
         reuse = level == 0 and root_logp is not None
         logp = root_logp if reuse else drafter.expand(tree, frontier)  # ONE draft forward per level
         width = k if level == l1 else 1  # the branch point is the trunk's last node
-        lp_rows, tok_rows = level_top(logp, width) if request.draw == "top" else (None, None)
-        q_rows = level_q(request, logp)  # sampled drafting: the level's distributions, one copy
+        q_rows = level_q(request, logp)  # the level's distributions, one copy
         new = []
         for row, node in enumerate(frontier):
             tree.mark_expanded(node)
-            top = None if lp_rows is None else (lp_rows[row], tok_rows[row])
-            for tok, lp in pick_children(
-                request, tree, node, logp[row], width, top, None if q_rows is None else q_rows[row]
-            ):  # top-K, or sampled
+            for tok, lp in pick_children(request, tree, node, logp[row], width, None, q_rows[row]):  # sampled
                 new.append(tree.add(node, tok, lp, reason=reason))
         frontier = new
     if cap <= 0:
@@ -164,10 +159,8 @@ class DelayedAuto(Policy):
             tree.mark_leaf(0, Reason.LENGTH_LIMIT)
             return tree
         start = time.perf_counter()
-        if request.on_device and request.draw == "top":  # the tree's levels stay on the device after it
-            root_logp = drafter.expand_level(None, None, 0)
-        else:
-            root_logp = drafter.expand(tree, [0])  # the root's forward, shared with the tree
+        # the root's forward, shared with the tree: its tensor levels after it (device.py), or sampled draws
+        root_logp = drafter.expand_level(None, None, 0) if request.draw == "top" else drafter.expand(tree, [0])
         root_ms = (time.perf_counter() - start) * 1e3
         probs = to_list(root_logp[0].exp().topk(self.config["k_max"]).values)  # one read, counted
         k, l1, l2 = self.choose(probs, request.max_depth)

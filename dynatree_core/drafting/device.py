@@ -1,32 +1,32 @@
-"""Draft levels decided on the device: the tree is read once per iteration, not once per level.
+"""A tree's draft levels decided as tensors, on whatever device the models are on.
 
-On a GPU every device->host read waits for the queue to drain. A policy that reads each level's
-top-k on the host to choose the next level's rows pays one such wait per draft forward (3.7
-reads per fixed_tree iteration on an H200: BENCHMARKS, "The GPU round measured"). Here a level's
-choices are made on the device, at fixed widths (every row the level could have; rows the
-policy would not have are padded and marked), and the levels' records are read in ONE copy
-after the last draft forward. The host then replays them into the DraftTree the host path
-builds from the same distributions, node for node, reasons included
-(tests/test_device_draft.py). SGLang's EAGLE worker keeps its draft loop on the GPU the same
-way (docs/gpu.md).
+Every greedy ("top") tree policy drafts here. A level is one draft forward over its rows; its
+decision (the children each row proposes, their order, which are admitted under a threshold and a
+node budget, and why an admitted child will not be expanded) is a few tensor operations on the
+level's log-probabilities, recorded as a `Level` (levels.py). The `DraftTree` the page, the
+records and the verifiers read is a view made from the levels once they are read: nothing is
+decided twice, nothing replayed.
 
-The price: levels run at their widest, and a tree the host path stops early (an empty frontier,
-a spent budget) runs one spare draft forward: whether a level admitted anything is read one
-level late (transfer.LateRead: the device is busy with the next level meanwhile). On a CPU a
-read costs nothing, so the engine drafts this way on CUDA only (ForwardSettings.device_draft).
-Greedy ("top") drafting only: sampled drafting draws on the host.
+Two ways to run the levels (`DraftRequest.on_device`, the engine's `ForwardSettings.device_draft`):
 
-Two shapes of tree: `admitted_levels` (fixed_tree, linear, dynatree, dyspec_threshold: a
-level's candidates admitted most probable first under a threshold and a budget; the policy
-proposes them, the host replays its own rules over what was read) and `grow_all_on_device`
-(eagle2's beam, delayed and delayed_auto: every child joins the tree). The levels, their one
-read and the verify rows built from them are drafting/levels.py's.
+- on a CPU (and wherever the host reads for free) each level's count is read at once and the next
+  level's rows are exactly the children to expand;
+- on a GPU every device->host read waits for the queue to drain, so a level runs at a fixed width
+  (every row the level could have; rows that expand nothing are padded and marked), whether a
+  level expanded anything is read one level late (transfer.LateRead: a tree that ends early costs
+  one spare forward), and the levels are read in ONE copy after the last draft forward. Between
+  the forwards a level's decision is one captured step (forward/capture.py): one launch, not
+  thirty. SGLang's EAGLE worker keeps its draft loop on the GPU the same way (docs/gpu.md).
 
-Between the draft forwards a level's decision (top-k, order, admission) is one captured step where
-forwards are captured (forward/capture.py): on a GPU one launch, not thirty.
+Two shapes of tree: `admitted_levels` (fixed_tree, linear, dynatree, dyspec_threshold: a level's
+candidates admitted most probable first under a threshold and a budget, each admitted one with
+its leaf reason from the policy's `gate`) and `grow_all_on_device` (eagle2's beam, delayed and
+delayed_auto: every child joins the tree). The levels, their one read and the verify rows built
+from them are levels.py's. Sampled drafting draws on the host (static.py, delayed.py).
 
-Cumulative log-probabilities are float64 on the device, as the host's Python floats are, so
-every comparison (threshold, order, ties) decides the same way on both paths.
+Cumulative log-probabilities are float64, as Python's floats are, so every comparison
+(threshold, order, ties) decides as the papers' host loops would (tests/test_device_draft.py
+checks the trees against those loops, kept there as the reference).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 
 from dynatree_core.core.transfer import LateRead
 from dynatree_core.core.tree import DraftTree, Reason, Status
-from dynatree_core.drafting.common import drafter_of, leaf_reason, safe_log, start_tree
+from dynatree_core.drafting.common import drafter_of, safe_log, start_tree
 from dynatree_core.drafting.levels import (
     ADMITTED,
     BUDGET,
@@ -55,13 +55,15 @@ def expand_frontier(tree: DraftTree, frontier: list[int], drafter, level: int) -
     """The host side of a level's forward over `frontier` (its rows in order): the nodes are
     expanded, and the drafter learns their cache slots (`Drafter.bind`; the root's is known)."""
     for row, node in enumerate(frontier):
+        if node is None:  # a padding row
+            continue
         tree.mark_expanded(node)
         if node:
             drafter.bind(node, level - 1, row)
 
 
 def children(logp: torch.Tensor, cum: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
-    """The top-k children of every row, flattened row-major (the host path's candidate order):
+    """The top-k children of every row, flattened row-major (the papers' loops' candidate order):
     tokens, float32 log-probs, float64 cumulative log-probs, proposing rows."""
     top_lp, top_tok = logp.topk(min(k, logp.shape[-1]), dim=-1)  # the call level_top makes
     rows = torch.arange(logp.shape[0], device=logp.device).repeat_interleave(top_lp.shape[1])
@@ -109,95 +111,145 @@ def _start(steps, device: torch.device) -> tuple[torch.Tensor, ...]:
     )
 
 
-def _decision(propose, level: int, log_tau: float, budget: int, to_logp):
+# why an admitted candidate is not expanded (Level.leaf), the reasons a level records as codes
+LEAF_REASONS = (None, Reason.DEPTH_LIMIT, Reason.LENGTH_LIMIT, Reason.BUDGET, Reason.EARLY_STOP, Reason.DEPTH_GATE)
+EXPANDED, AT_DEPTH, AT_LENGTH, OVER_BUDGET, EARLY_STOP, DEPTH_GATE = range(len(LEAF_REASONS))
+
+
+def cap_leaf(cap: int, policy_depth: int) -> int:
+    """The leaf code of the nodes at the depth cap (common.leaf_reason as a code)."""
+    return AT_DEPTH if cap == policy_depth else AT_LENGTH
+
+
+def budget_gate(cap: int, policy_depth: int, budget: int):
+    """The leaf rule of fixed_tree, linear and dyspec_threshold (DynaTree Alg. 1 lines 12, 22): the
+    children at the depth cap are leaves, and so is every child of a level that spent the budget."""
+
+    def gate(level: int, cum: torch.Tensor, total: torch.Tensor, *inputs) -> torch.Tensor:
+        if level == cap:
+            return torch.full_like(cum, cap_leaf(cap, policy_depth), dtype=torch.long)
+        return torch.where(total >= budget, OVER_BUDGET, EXPANDED).expand(cum.shape)
+
+    return gate
+
+
+def _decision(propose, gate, level: int, log_tau: float, budget: int, to_logp, record: bool):
     """A level's decision as a pure function of its tensors (a captured step: admitted_levels):
-    the candidates `propose` gives, most probable first, their fates, the next level's rows
-    (every candidate the level may admit), and the (admitted, drafted) counts read late."""
+    the candidates `propose` gives, most probable first, their fates, the leaf code `gate` gives
+    each admitted one, the next level's rows (every candidate the level may admit; those to expand
+    valid), the (to expand, drafted) counts and, with `record`, the level's record to read."""
 
     def decide(logits, cum, valid, drafted, *inputs):
         tokens, lp, cum_c, rows, real = propose(level, to_logp(logits), cum, valid, drafted, *inputs)
         order = most_probable_first(cum_c, real)
         tokens, lp, cum_c, rows, real = tokens[order], lp[order], cum_c[order], rows[order], real[order]
         fate = admit(cum_c, real, log_tau, budget - drafted)
-        width = min(tokens.shape[0], budget)  # the next level's rows: every node this one may admit
         admitted = fate == ADMITTED
-        n = admitted.sum()
-        total = drafted + n
+        total = drafted + admitted.sum()
+        leaf = torch.where(admitted, gate(level, cum_c, total, *inputs), EXPANDED)
+        grows = admitted & (leaf == EXPANDED)
+        width = min(tokens.shape[0], budget)  # the next level's rows: every node this one may admit
         selected = torch.arange(width, device=tokens.device)
-        record = torch.cat([tokens, lp, rows, fate, selected]).double()
-        return (
-            tokens,
-            lp,
-            rows,
-            fate,
-            cum_c,
-            cum_c[:width],
-            admitted[:width],
-            total,
-            torch.stack([n, total]),
-            selected,
-            record,
-        )
+        flat = torch.cat([tokens, lp, rows, fate, leaf, selected]).double() if record else None
+        count = torch.stack([grows.sum(), total])
+        return tokens, lp, rows, fate, leaf, cum_c, cum_c[:width], grows[:width], total, count, selected, flat
 
     return decide
 
 
 def admitted_levels(
     request: DraftRequest,
+    tree: DraftTree,
     cap: int,
     *,
     log_tau: float,
     budget: int,
     propose,
+    gate,
     key_of: tuple,
     inputs=(),
     ends_early: bool = True,
-) -> list[ReadLevel]:
+) -> DraftTree:
     """Up to `cap` levels whose candidates are admitted most probable first under a threshold and
-    a node budget (common.admit_level), decided on the device, read once. `propose(level, logp,
-    cum, valid, drafted)` gives a level's candidates (tokens, log-probs, float64 cumulative
+    a node budget (common.admit_level), each admitted one a leaf or not by `gate(level, cum, total,
+    *inputs)` (its leaf code: LEAF_REASONS), read into `tree`. `propose(level, logp, cum, valid,
+    drafted, *inputs)` gives a level's candidates (tokens, log-probs, float64 cumulative
     log-probs, proposing rows, and which are real) from its rows' distributions, cumulative
-    log-probs and validity, and the nodes drafted before it; `key_of` names every Python value it
-    reads (the policy's parameters: a captured step replays the values it was captured with);
-    values that change from one iteration to the next go in as device tensors (`inputs`, handed to
-    `propose` after `drafted`), not in the key. How many nodes a level admitted is
-    read one level late (LateRead): a tree that ends early costs at most one wasted forward, and
-    the counts bound the verify rows (read_verifying) near the tree's size. A tree that cannot end
-    before `cap` (`ends_early=False`) runs every level without reading."""
+    log-probs and validity, and the nodes drafted before it. `key_of` names every Python value
+    they read (a captured step replays the values it was captured with); values that change from
+    one iteration to the next go in as device tensors (`inputs`), not in the key.
+
+    On a CPU (`request.on_device` off) each level's counts are read at once and the next rows are
+    the children to expand. On the device, levels run at fixed widths and whether one expanded
+    anything is read one level late (LateRead): a tree that ends early costs at most one wasted
+    forward, and the counts bound the verify rows (read_verifying) near the tree's size. A tree
+    that cannot end before `cap` (`ends_early=False`) runs every level without reading."""
     drafter = drafter_of(request)
     steps = drafter.steps
     levels: list[Level] = []
     late: list[LateRead] = []
-    counts = None  # (admitted, drafted) through the level before the last, as read late
+    counts = None  # (to expand, drafted) through the level before the last, as read late
+    drafted_now = None  # on a CPU: the nodes drafted, read at once
     for level in range(1, cap + 1):
-        logits = level_forward(drafter, levels)  # over every row the level could have
+        logits = level_forward(drafter, levels)  # over the level's rows
         if level == 1:
             cum, valid, drafted = _start(steps, logits.device)
-        # the level's decision, one captured step where forwards are (forward/capture.py): every value
-        # it reads besides its tensors is in the key
-        key = ("admit", key_of, level, tuple(logits.shape), log_tau, budget)
-        tokens, lp, rows, fate, cum_c, cum, valid, drafted, count, selected, record = steps(
-            key, _decision(propose, level, log_tau, budget, drafter.to_logp), logits, cum, valid, drafted, *inputs
+        # the level's decision, one captured step where forwards are (forward/capture.py): every
+        # value it reads besides its tensors is in the key
+        key = ("admit", key_of, level, tuple(logits.shape), log_tau, budget, request.on_device)
+        decide = _decision(propose, gate, level, log_tau, budget, drafter.to_logp, record=request.on_device)
+        tokens, lp, rows, fate, leaf, cum_c, cum, valid, drafted, count, selected, record = steps(
+            key, decide, logits, cum, valid, drafted, *inputs
         )
-        levels.append(Level(tokens, lp, rows, fate, selected, cum_c, record, prefix=True, ranked=True))
+        if not request.on_device:  # a read costs nothing: the next rows are the children to expand
+            selected = valid.nonzero().squeeze(1)
+            cum, valid = cum[selected], valid[selected]
+            levels.append(Level(tokens, lp, rows, fate, leaf, selected, cum_c, ranked=True))
+            grows, drafted_now = count.tolist()
+            if grows == 0:
+                break
+            continue
+        levels.append(Level(tokens, lp, rows, fate, leaf, selected, cum_c, record, prefix=True, ranked=True))
         if ends_early:
             late.append(LateRead(count))
             if level >= 2:
                 counts = late[-2].tolist()
-                if counts[0] == 0 or counts[1] >= budget:  # the level before ended the tree: this one was spare
+                if counts[0] == 0:  # the level before expanded nothing: this one was spare
                     break
-    # the verify rows: at most the budget; with the counts before the last level, at most the nodes
-    # drafted then plus k children for each row the last level expanded (its rows: those admitted before)
+    # the verify rows: the tree's nodes; on the device at most the budget, and with the counts before
+    # the last level at most the nodes drafted then plus k children for each row the last level expanded
     width = min(budget, sum(lv.tokens.shape[0] for lv in levels))
-    if counts is not None:
+    if drafted_now is not None:
+        width = drafted_now
+    elif counts is not None:
         per_row = levels[-1].tokens.shape[0] // levels[-2].selected.shape[0]
         width = min(width, counts[1] + max(0, min(budget - counts[1], counts[0] * per_row)))
-    return read_verifying(request, levels, width)
+    return admitted_tree(tree, read_verifying(request, levels, width), drafter)
+
+
+def admitted_tree(tree: DraftTree, read: list[ReadLevel], drafter) -> DraftTree:
+    """The DraftTree the levels hold, as read: each candidate a node with its fate and leaf reason
+    as the level decided them; each row of a level's forward, its node, expanded (and bound to its
+    draft cache slot: `Drafter.bind`). No rule is applied here."""
+    frontier = [0]  # the node of each row of the level's forward (None: a padding row)
+    for level, lv in enumerate(read, start=1):
+        expand_frontier(tree, frontier, drafter, level)
+        grows: list[int | None] = []  # per candidate: its node if it is a row of the next forward
+        for tok, lp, row, fate, leaf in zip(lv.tokens, lv.logp, lv.parents, lv.fate, lv.leaf, strict=True):
+            node = None
+            if fate == ADMITTED:
+                node = tree.add(frontier[row], tok, lp, reason=LEAF_REASONS[leaf])
+            elif fate != PADDING:
+                reason = Reason.THRESHOLD if fate == THRESHOLD else Reason.BUDGET
+                tree.add(frontier[row], tok, lp, status=Status.PRUNED, reason=reason)
+            grows.append(node if fate == ADMITTED and leaf == EXPANDED else None)
+        frontier = [grows[i] for i in lv.selected]
+    return tree
 
 
 def grow_topk_on_device(request: DraftRequest, *, depth: int, branch: int, tau: float, budget: int) -> DraftTree:
-    """static.grow_topk_tree (DynaTree Alg. 1: top-B children, lines 17-19 the threshold, lines
-    12/22 the budget) with its levels decided on the device and read once."""
+    """static.grow_topk_tree as levels (DynaTree Alg. 1: top-B children, lines 17-19 the threshold,
+    lines 12/22 the budget)."""
     tree, cap = start_tree(request, depth)
     if cap <= 0:
         return tree
@@ -208,54 +260,17 @@ def grow_topk_on_device(request: DraftRequest, *, depth: int, branch: int, tau: 
 
     # only a threshold, or a budget smaller than the levels before the last, ends a tree early
     ends_early = tau > 0 or budget <= sum(branch**d for d in range(1, cap))
-    log_tau = safe_log(tau)
-    levels = admitted_levels(
-        request, cap, log_tau=log_tau, budget=budget, propose=propose, key_of=("topk", branch), ends_early=ends_early
+    return admitted_levels(
+        request,
+        tree,
+        cap,
+        log_tau=safe_log(tau),
+        budget=budget,
+        propose=propose,
+        gate=budget_gate(cap, depth, budget),
+        key_of=("topk", branch, cap, depth),
+        ends_early=ends_early,
     )
-    return replay_topk(tree, levels, request.drafter, cap=cap, depth=depth, budget=budget)
-
-
-def replay_topk(tree: DraftTree, levels: list[ReadLevel], drafter, *, cap: int, depth: int, budget: int) -> DraftTree:
-    """The host half of grow_topk_on_device: grow_topk_tree's loop over the levels as read,
-    stopping where it stops (an empty frontier, the budget spent before the last level)."""
-    frontier, drafted = [0], 0
-    for level, lv in enumerate(levels, start=1):
-        frontier = replay_level(tree, frontier, frontier, lv, drafter)
-        drafted += len(frontier)
-        if not frontier:
-            break
-        if drafted >= budget and level < cap:
-            for node in frontier:
-                tree.mark_leaf(node, Reason.BUDGET)
-            break
-        if level == cap:
-            for node in frontier:
-                tree.mark_leaf(node, leaf_reason(cap, depth))
-    return tree
-
-
-def replay_level(tree: DraftTree, frontier: list[int], expand: list[int], lv: ReadLevel, drafter) -> list[int]:
-    """One admitted level as read, on the host: the device ran every row of `frontier` (row r is
-    frontier[r]); `expand`, the rows the host's rules expand, must be exactly the ones that
-    proposed candidates there (checked: the two paths' rules agree). Adds the candidates in the
-    device's order with their fates and returns the admitted nodes, most probable first: the
-    next level's rows."""
-    row_of = {node: row for row, node in enumerate(frontier)}
-    if {row for row, fate in zip(lv.parents, lv.fate, strict=True) if fate != PADDING} != {row_of[n] for n in expand}:
-        raise RuntimeError("the device's rules and the host's expanded different rows of a draft level")
-    depth = tree.depths[frontier[0]]
-    for node in expand:
-        tree.mark_expanded(node)
-        if node:
-            drafter.bind(node, depth, row_of[node])
-    added = []
-    for tok, lp, row, fate in zip(lv.tokens, lv.logp, lv.parents, lv.fate, strict=True):
-        if fate == ADMITTED:
-            added.append(tree.add(frontier[row], tok, lp))
-        elif fate != PADDING:
-            reason = Reason.THRESHOLD if fate == THRESHOLD else Reason.BUDGET
-            tree.add(frontier[row], tok, lp, status=Status.PRUNED, reason=reason)
-    return added
 
 
 def _grown(width: int, beam: int, last: bool, to_logp):
@@ -269,9 +284,9 @@ def _grown(width: int, beam: int, last: bool, to_logp):
             selected = most_probable_first(cum_c, torch.ones_like(tokens, dtype=torch.bool))[:beam]
         if last:
             selected = selected[:0]
-        fate = torch.zeros_like(tokens)
-        record = torch.cat([tokens, lp, rows, fate, selected]).double()
-        return tokens, lp, rows, fate, selected, cum_c, cum_c[selected], record
+        fate = torch.zeros_like(tokens)  # every child ADMITTED; the leaf codes: EXPANDED (read from `selected`)
+        record = torch.cat([tokens, lp, rows, fate, fate, selected]).double()
+        return tokens, lp, rows, fate, fate, selected, cum_c, cum_c[selected], record
 
     return grow
 

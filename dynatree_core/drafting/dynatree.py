@@ -8,11 +8,19 @@ import collections
 import torch
 
 from dynatree_core.core.transfer import to_device, upload_into
-from dynatree_core.core.tree import DraftTree, Reason
-from dynatree_core.drafting.common import admit_level, drafter_of, leaf_reason, safe_log
-from dynatree_core.drafting.device import admitted_levels, children, replay_level
+from dynatree_core.core.tree import DraftTree
+from dynatree_core.drafting.common import drafter_of, leaf_reason, safe_log
+from dynatree_core.drafting.device import (
+    DEPTH_GATE,
+    EARLY_STOP,
+    EXPANDED,
+    OVER_BUDGET,
+    admitted_levels,
+    cap_leaf,
+    children,
+)
 from dynatree_core.drafting.policy import Param, Policy, register_policy
-from dynatree_core.drafting.request import DraftRequest, level_top
+from dynatree_core.drafting.request import DraftRequest
 from dynatree_core.errors import DynaTreeError
 
 
@@ -91,27 +99,23 @@ class DynaTreeAdaptive(Policy):
             return
         self.window.clear()
 
-    def _branch(self, top_logp: float) -> int:
-        """B(u) from c(u) = exp(top_logp), compared as log-probabilities (so the device path,
-        `_propose`, compares the same floats)."""
+    def _gate(self, cap: int, policy_depth: int):
+        """Why a child at `level` will not be expanded (Alg. 1 lines 17-25, then the node budget) as a
+        leaf code (device.LEAF_REASONS), decided with its admission: the depth cap; below rho_stop
+        (early stop); at or past D0 below rho_deep (depth gate); the budget spent."""
         c = self.config
-        if not c["adaptive_branch"]:
-            return c["b_mid"]
-        if top_logp >= safe_log(self.tau_h):
-            return c["b_min"]
-        return c["b_max"] if top_logp < safe_log(c["tau_l"]) else c["b_mid"]
 
-    def _gate(self, tree: DraftTree, node: int, cap: int, policy_depth: int) -> Reason | None:
-        """Why `node` may not be expanded (Alg. 1 lines 17-25), or None."""
-        depth, cum = tree.depths[node], tree.cum_logp[node]
-        if depth >= cap:
-            return leaf_reason(cap, policy_depth)
-        if self.config["dynamic_depth"]:
-            if cum < safe_log(self.config["rho_stop"]):
-                return Reason.EARLY_STOP
-            if depth >= self.d0 and cum < safe_log(self.config["rho_deep"]):
-                return Reason.DEPTH_GATE
-        return None
+        def gate(level: int, cum: torch.Tensor, total: torch.Tensor, *inputs) -> torch.Tensor:
+            if level >= cap:
+                return torch.full_like(cum, cap_leaf(cap, policy_depth), dtype=torch.long)
+            leaf = torch.where(total >= c["budget"], OVER_BUDGET, EXPANDED).expand(cum.shape)
+            if c["dynamic_depth"]:
+                if level >= self.d0:
+                    leaf = torch.where(cum < safe_log(c["rho_deep"]), DEPTH_GATE, leaf)
+                leaf = torch.where(cum < safe_log(c["rho_stop"]), EARLY_STOP, leaf)
+            return leaf
+
+        return gate
 
     def _log_tau_h(self, drafter) -> torch.Tensor:
         """log tau_h on the device: uploaded each iteration where the branch adapts (it drifts by
@@ -128,14 +132,10 @@ class DynaTreeAdaptive(Policy):
         return held
 
     def _propose(self, level: int, logp, cum, valid, drafted, log_tau_h):
-        """A level's candidates on the device (device.admitted_levels): the rows `_gate` and the
-        budget let expand (their depth is level - 1) propose their top-B(u) children."""
-        c, depth = self.config, level - 1
-        ok = valid & (drafted < c["budget"])
-        if c["dynamic_depth"]:
-            ok = ok & (cum >= safe_log(c["rho_stop"]))
-            if depth >= self.d0:
-                ok = ok & (cum >= safe_log(c["rho_deep"]))
+        """A level's candidates (device.admitted_levels): each row (a child `_gate` let through)
+        proposes its top-B(u) children, B(u) from c(u), the draft's top probability at u, compared
+        as log-probabilities (§3.3; Alg. 1 line 27)."""
+        c = self.config
         tokens, lp, cum_c, rows = children(logp, cum, max(c["b_min"], c["b_mid"], c["b_max"]))
         top = logp.max(dim=-1).values.double()  # c(u) as a log-probability
         branch = torch.full((logp.shape[0],), c["b_mid"], dtype=torch.long, device=logp.device)
@@ -143,7 +143,7 @@ class DynaTreeAdaptive(Policy):
             branch = torch.where(top < safe_log(c["tau_l"]), c["b_max"], branch)
             branch = torch.where(top >= log_tau_h, c["b_min"], branch)
         rank = torch.arange(tokens.shape[0], device=tokens.device) % (tokens.shape[0] // logp.shape[0])
-        return tokens, lp, cum_c, rows, ok[rows] & (rank < branch[rows])
+        return tokens, lp, cum_c, rows, valid[rows] & (rank < branch[rows])
 
     def draft(self, request: DraftRequest) -> DraftTree:
         drafter, c = drafter_of(request), self.config
@@ -152,52 +152,20 @@ class DynaTreeAdaptive(Policy):
         policy_depth = c["d_max"] if c["dynamic_depth"] else self.d0
         cap = min(policy_depth, request.max_depth)
         self._last_depth = 0
-        log_tau, widest = safe_log(c["tau"]), max(c["b_min"], c["b_mid"], c["b_max"])
-        levels = None
-        if request.on_device and cap > 0:  # the levels decided on the device, read once (device.py)
-            # what _propose reads: the config and d0 (a few values) in the key, tau_h (it drifts) as a tensor
-            key_of = ("dynatree", tuple(sorted(c.items())), self.d0)
-            log_tau_h = self._log_tau_h(drafter)
-            levels = admitted_levels(
-                request,
-                cap,
-                log_tau=log_tau,
-                budget=c["budget"],
-                propose=self._propose,
-                key_of=key_of,
-                inputs=(log_tau_h,),
-            )
-            levels = iter(levels)
-        frontier, drafted = [0], 0
-        while frontier:
-            expand = []
-            for node in frontier:
-                why = self._gate(tree, node, cap, policy_depth)
-                if why is None and drafted >= c["budget"]:
-                    why = Reason.BUDGET
-                if why is None:
-                    expand.append(node)
-                else:
-                    tree.mark_leaf(node, why)
-            if not expand:
-                break
-            if levels is not None:  # the device ran every frontier row; the gated ones proposed nothing
-                level = next(levels, None)
-                if level is None:
-                    raise RuntimeError("the device stopped drafting a level before the host's rules did")
-                frontier = replay_level(tree, frontier, expand, level, drafter)
-                drafted += len(frontier)
-                continue
-            logp = drafter.expand(tree, expand)  # ONE draft forward for the level
-            lp_rows, tok_rows = level_top(logp, widest)  # one copy
-            branches = [self._branch(row[0]) for row in lp_rows]  # c(u): the top-1 probability
-            candidates = []
-            for row, node in enumerate(expand):
-                tree.mark_expanded(node)
-                b = branches[row]
-                for lp, tok in zip(lp_rows[row][:b], tok_rows[row][:b], strict=True):
-                    candidates.append((tree.cum_logp[node] + lp, node, tok, lp))
-            frontier = admit_level(tree, candidates, log_tau, c["budget"] - drafted)
-            drafted += len(frontier)
+        if cap <= 0:
+            tree.mark_leaf(0, leaf_reason(cap, policy_depth))
+            return tree
+        # what _propose and _gate read: the config and d0 (a few values) in the key, tau_h (it drifts) as a tensor
+        tree = admitted_levels(
+            request,
+            tree,
+            cap,
+            log_tau=safe_log(c["tau"]),
+            budget=c["budget"],
+            propose=self._propose,
+            gate=self._gate(cap, policy_depth),
+            key_of=("dynatree", tuple(sorted(c.items())), self.d0, cap, policy_depth),
+            inputs=(self._log_tau_h(drafter),),
+        )
         self._last_depth = max((tree.depths[n] for n in range(len(tree)) if tree.is_verified(n)), default=0)
         return tree

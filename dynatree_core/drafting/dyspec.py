@@ -11,7 +11,6 @@ import torch
 from dynatree_core.core.tree import DraftTree, Reason, Status
 from dynatree_core.drafting.common import (
     NEG_INF,
-    admit_level,
     drafter_of,
     leaf_reason,
     level_rows,
@@ -20,9 +19,9 @@ from dynatree_core.drafting.common import (
     sibling_value,
     start_tree,
 )
-from dynatree_core.drafting.device import admitted_levels, children, replay_topk
+from dynatree_core.drafting.device import admitted_levels, budget_gate, children
 from dynatree_core.drafting.policy import Param, Policy, register_policy
-from dynatree_core.drafting.request import DraftRequest, level_top
+from dynatree_core.drafting.request import DraftRequest
 
 
 @register_policy
@@ -143,46 +142,27 @@ class DySpecThreshold(Policy):
     )
 
     def draft(self, request: DraftRequest) -> DraftTree:
-        drafter, c = drafter_of(request), self.config
+        c = self.config
         tree, cap = start_tree(request, c["depth"])
         if cap <= 0:
             return tree
-        log_th = safe_log(c["threshold"])
-        if request.on_device:  # the levels decided on the device, read once (device.py)
-            key_of = ("dyspec_threshold", c["max_children"], c["threshold"])  # what _propose reads
-            levels = admitted_levels(
-                request, cap, log_tau=log_th, budget=c["budget"], propose=self._propose, key_of=key_of
-            )
-            return replay_topk(tree, levels, drafter, cap=cap, depth=c["depth"], budget=c["budget"])
-        frontier, drafted = [0], 0
-        for level in range(cap):
-            logp = drafter.expand(tree, frontier)  # ONE draft forward for the level
-            lp_rows, tok_rows = level_top(logp, c["max_children"])  # one copy per level, not per node
-            candidates = []
-            for row, node in enumerate(frontier):
-                tree.mark_expanded(node)
-                for lp, tok in zip(lp_rows[row], tok_rows[row], strict=True):
-                    # the rank-th draw's value (sibling_value, App. A.1) telescopes under greedy
-                    # drafting to the parent's value times the draw's probability: log v = cum + lp
-                    value = tree.cum_logp[node] + lp
-                    candidates.append((value, node, tok, lp))
-                    if value < log_th:  # values fall with rank: the rest are lower still
-                        break
-            frontier = admit_level(tree, candidates, log_th, c["budget"] - drafted)
-            drafted += len(frontier)
-            if not frontier:
-                break
-            if drafted >= c["budget"] and level + 1 < cap:
-                for node in frontier:
-                    tree.mark_leaf(node, Reason.BUDGET)
-                return tree
-        for node in frontier:
-            tree.mark_leaf(node, leaf_reason(cap, c["depth"]))
-        return tree
+        # what _propose reads is in the key; budget_gate: the leaves at the cap and past the budget
+        return admitted_levels(
+            request,
+            tree,
+            cap,
+            log_tau=safe_log(c["threshold"]),
+            budget=c["budget"],
+            propose=self._propose,
+            gate=budget_gate(cap, c["depth"], c["budget"]),
+            key_of=("dyspec_threshold", c["max_children"], c["threshold"], cap, c["depth"]),
+        )
 
     def _propose(self, level: int, logp, cum, valid, drafted):
-        """A level's candidates on the device (device.admitted_levels): each row's draws in rank
-        order up to and including the first below the threshold, as the host loop's `break`."""
+        """A level's candidates (device.admitted_levels): each row's draws in rank order up to and
+        including the first below the threshold (values fall with rank: the rest are lower still).
+        The rank-th draw's value (sibling_value, App. A.1) telescopes under greedy drafting to the
+        parent's value times the draw's probability: log v = cum + lp, the candidate's `cum`."""
         tokens, lp, cum_c, rows = children(logp, cum, self.config["max_children"])
         rank = torch.arange(tokens.shape[0], device=tokens.device) % (tokens.shape[0] // logp.shape[0])
         below = cum_c < safe_log(self.config["threshold"])

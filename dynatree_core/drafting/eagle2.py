@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dynatree_core.core.tree import DraftTree, Reason, Status
-from dynatree_core.drafting.common import drafter_of, leaf_reason, start_tree
+from dynatree_core.drafting.common import leaf_reason
 from dynatree_core.drafting.device import grow_all_on_device
 from dynatree_core.drafting.policy import Param, Policy, register_policy
-from dynatree_core.drafting.request import DraftRequest, level_top
+from dynatree_core.drafting.request import DraftRequest
 
 
 # ----- EAGLE-2 -----------------------------------------------------------------------------------
@@ -28,12 +28,9 @@ class Eagle2Beam(Policy):
 
     def draft(self, request: DraftRequest) -> DraftTree:
         c = self.config
-        if request.on_device:  # the beam decided on the device, read once (device.py)
-            cap = min(c["depth"], request.max_depth)
-            reason = leaf_reason(cap, c["depth"]) if cap > 0 else Reason.LENGTH_LIMIT
-            tree = grow_all_on_device(request, [c["topk"]] * cap, reason=reason, beam=c["topk"])
-        else:
-            tree, cap = self._beam(request)
+        cap = min(c["depth"], request.max_depth)  # the beam as tensor levels (device.py)
+        reason = leaf_reason(cap, c["depth"]) if cap > 0 else Reason.LENGTH_LIMIT
+        tree = grow_all_on_device(request, [c["topk"]] * cap, reason=reason, beam=c["topk"])
         if cap <= 0:
             return tree
         ranked = sorted(range(1, len(tree)), key=lambda n: (-tree.cum_logp[n], n))
@@ -45,26 +42,3 @@ class Eagle2Beam(Policy):
             if node not in keep and tree.status[node] != Status.PRUNED:
                 tree.prune(node, Reason.RERANK)
         return tree
-
-    def _beam(self, request: DraftRequest) -> tuple[DraftTree, int]:
-        """The beam on the host: each step's top-k read to choose the next step's rows."""
-        drafter, c = drafter_of(request), self.config
-        tree, cap = start_tree(request, c["depth"])
-        if cap <= 0:
-            return tree, cap
-        frontier = [0]
-        for level in range(cap):
-            logp = drafter.expand(tree, frontier)  # ONE draft forward per step
-            lp_rows, tok_rows = level_top(logp, c["topk"])
-            new = []
-            for row, node in enumerate(frontier):
-                tree.mark_expanded(node)
-                for lp, tok in zip(lp_rows[row], tok_rows[row], strict=True):
-                    new.append(tree.add(node, tok, lp, reason=leaf_reason(cap, c["depth"])))
-            if level + 1 == cap:
-                break
-            new.sort(key=lambda n: (-tree.cum_logp[n], n))
-            frontier = new[: c["topk"]]
-            for node in new[c["topk"] :]:
-                tree.mark_leaf(node, Reason.BEAM)
-        return tree, cap

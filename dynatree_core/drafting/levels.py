@@ -32,10 +32,13 @@ class Level:
     logp: torch.Tensor  # (C,) float32: the draft's log-probability of the token
     parents: torch.Tensor  # (C,) long: the row of this forward that proposed it
     fate: torch.Tensor  # (C,) long: ADMITTED, THRESHOLD, BUDGET or PADDING (a padded row's child)
+    # (C,) long: why an admitted candidate is not expanded (an index of LEAF_REASONS; 0: it is, as
+    # a row of the next forward), decided with its admission: the tree is read, not replayed
+    leaf: torch.Tensor
     selected: torch.Tensor  # (W,) long: candidates that are the next forward's rows, in row order
     cum: torch.Tensor  # (C,) float64: cumulative log-probs (they order the verify rows: tree_rows)
-    # the fields above but cum as one float64 row (tokens, logp, parents, fate, selected): what is
-    # read (float64 holds ids and float32 values exactly); made by the level's step, else on reading
+    # the fields above but cum as one float64 row (tokens, logp, parents, fate, leaf, selected): what
+    # is read (float64 holds ids and float32 values exactly); made by the level's step, else on reading
     record: torch.Tensor | None = None
     prefix: bool = False  # `selected` is every candidate up to its length: the next rows are a slice
     # the candidates are most probable first and the admitted ones lead (device.admitted_levels' levels):
@@ -45,14 +48,14 @@ class Level:
     def flat(self) -> torch.Tensor:
         if self.record is not None:
             return self.record
-        return torch.cat([self.tokens, self.logp, self.parents, self.fate, self.selected]).double()
+        return torch.cat([self.tokens, self.logp, self.parents, self.fate, self.leaf, self.selected]).double()
 
     @classmethod
     def of_record(cls, record: torch.Tensor, cum: torch.Tensor, ranked: bool = False) -> Level:
         """The Level a record holds (its cumulative log-probs apart)."""
         c = cum.shape[0]
-        tokens, logp, parents, fate, selected = record.split([c, c, c, c, record.shape[0] - 4 * c])
-        fields = (tokens.long(), logp.float(), parents.long(), fate.long(), selected.long(), cum, record)
+        tokens, logp, parents, fate, leaf, selected = record.split([c, c, c, c, c, record.shape[0] - 5 * c])
+        fields = (tokens.long(), logp.float(), parents.long(), fate.long(), leaf.long(), selected.long(), cum, record)
         return cls(*fields, ranked=ranked)
 
 
@@ -64,6 +67,7 @@ class ReadLevel:
     logp: list[float]
     parents: list[int]
     fate: list[int]
+    leaf: list[int]
     selected: list[int]
 
 
@@ -71,7 +75,7 @@ class ReadLevel:
 class TreeRows:
     """The tree's nodes as the rows of the target's verify forward, built on the device from the
     levels (no host read): the admitted candidates in the order DraftTree.order("bfs") gives the
-    tree the host replays (by depth, most probable first, ties in node order), then padding rows
+    tree view the host reads (by depth, most probable first, ties in node order), then padding rows
     up to a width the host knows without reading (admitted_levels bounds it by the counts read late)."""
 
     tokens: torch.Tensor  # (W,) long
@@ -83,7 +87,7 @@ class TreeRows:
 
 @dataclasses.dataclass
 class ReadRows:
-    """TreeRows on the host: what the engine checks the replayed tree against."""
+    """TreeRows on the host: what the engine checks the tree's view against."""
 
     tokens: list[int]
     parents: list[int]
@@ -125,7 +129,11 @@ def tree_rows(levels: list[Level], width: int) -> TreeRows:
 
 
 def read_levels(levels: list[Level]) -> list[ReadLevel]:
-    """Every level's record in ONE device->host copy (float64 holds ids and float32 values exactly)."""
+    """Every level's record in ONE device->host copy (float64 holds ids and float32 values exactly);
+    levels decided on a CPU with their counts read at once (no record made), field by field."""
+    if levels and levels[0].record is None and levels[0].tokens.device.type == "cpu":
+        fields = ("tokens", "logp", "parents", "fate", "leaf", "selected")
+        return [ReadLevel(*(getattr(lv, f).tolist() for f in fields)) for lv in levels]
     return _parse(levels, to_list(_flat(levels)))
 
 
@@ -142,7 +150,7 @@ def _parse(levels: list[Level], values: list[float], rows: TreeRows | None = Non
     out = []
     for lv in levels:
         c = lv.tokens.shape[0]
-        out.append(ReadLevel(take(c), take(c, float), take(c), take(c), take(lv.selected.shape[0])))
+        out.append(ReadLevel(take(c), take(c, float), take(c), take(c), take(c), take(lv.selected.shape[0])))
     if rows is not None:
         w = rows.tokens.shape[0]
         out.append(ReadRows(take(w), take(w), take(1)[0]))
@@ -154,7 +162,7 @@ def read_verifying(request: DraftRequest, levels: list[Level], width: int) -> li
     engine asked for it (`request.early`: decoding/batch.EarlyVerify): the levels and rows are
     copied into pinned memory behind the draft, the verify forward is queued behind that copy, and
     the host waits for the copy alone (counted "late": the device is busy verifying meanwhile),
-    then replays the tree while the target runs. The rows as read go to `request.early.read`."""
+    then makes the tree's view while the target runs. The rows as read go to `request.early.read`."""
     early = request.early
     if early is None:
         return read_levels(levels)

@@ -29,8 +29,8 @@ class DraftRequest:
     draw: str = "top"
     sampling: Any = None
     gen: torch.Generator | None = None
-    # keep the draft levels on the device and read the tree once (drafting/device.py), where the
-    # policy can; greedy ("top") drafting only
+    # greedy drafting's levels (drafting/device.py) the GPU's way: at fixed widths, read late and
+    # once per tree; off: each level's count read at once, the next rows exactly the children to expand
     on_device: bool = False
     # the engine's verify forward, queued from the tree's rows on the device before the host reads
     # the tree (decoding/batch.EarlyVerify; drafting/levels.read_verifying calls it); None: the

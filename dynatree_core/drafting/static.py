@@ -15,7 +15,7 @@ from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.drafting.common import admit_level, drafter_of, leaf_reason, safe_log, start_tree
 from dynatree_core.drafting.device import grow_topk_on_device
 from dynatree_core.drafting.policy import Param, Policy, register_policy
-from dynatree_core.drafting.request import DraftRequest, level_q, level_top, pick_children
+from dynatree_core.drafting.request import DraftRequest, level_q, pick_children
 
 
 @register_policy
@@ -36,9 +36,9 @@ class Autoregressive(Policy):
 
 
 def grow_topk_tree(request: DraftRequest, *, depth: int, branch: int, tau: float, budget: int) -> DraftTree:
-    """Level-by-level top-B expansion with threshold pruning and a node budget (Alg. 1); with
-    `request.on_device` the same tree with its levels decided on the device (device.py)."""
-    if request.on_device and request.draw == "top":
+    """Level-by-level top-B expansion with threshold pruning and a node budget (Alg. 1): as tensor
+    levels (device.py) for greedy drafting; sampled drafting draws each node's children on the host."""
+    if request.draw == "top":
         return grow_topk_on_device(request, depth=depth, branch=branch, tau=tau, budget=budget)
     drafter = drafter_of(request)
     tree, depth_cap = start_tree(request, depth)
@@ -46,15 +46,11 @@ def grow_topk_tree(request: DraftRequest, *, depth: int, branch: int, tau: float
     frontier, drafted = [0], 0
     for level in range(depth_cap):
         logp = drafter.expand(tree, frontier)  # ONE draft forward for the whole level
-        lp_rows, tok_rows = level_top(logp, branch) if request.draw == "top" else (None, None)
-        q_rows = level_q(request, logp)  # sampled drafting: the level's distributions, one copy
+        q_rows = level_q(request, logp)  # the level's distributions, one copy
         candidates = []
         for row, node in enumerate(frontier):
             tree.mark_expanded(node)
-            top = None if lp_rows is None else (lp_rows[row], tok_rows[row])
-            for tok, lp in pick_children(
-                request, tree, node, logp[row], branch, top, None if q_rows is None else q_rows[row]
-            ):  # top-B, or sampled
+            for tok, lp in pick_children(request, tree, node, logp[row], branch, None, q_rows[row]):  # sampled
                 candidates.append((tree.cum_logp[node] + lp, node, tok, lp))
         # Alg. 1 line 17: cumulative log-probability below log(tau) is pruned; line 22: the node budget
         frontier = admit_level(tree, candidates, log_tau, budget - drafted)

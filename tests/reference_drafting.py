@@ -1,0 +1,173 @@
+"""The papers' drafting loops, node by node on the host: the reference the tensor levels
+(dynatree_core/drafting/device.py) are checked against (tests/test_device_draft.py). They read a
+drafter's rows with `expand(tree, nodes)` and apply each rule to one node at a time, as the
+papers write them; the library decides the same trees as a few tensor operations per level."""
+
+from __future__ import annotations
+
+from dynatree_core.core.tree import DraftTree, Reason
+from dynatree_core.drafting.common import admit_level, leaf_reason, safe_log, start_tree
+from dynatree_core.drafting.request import level_top
+
+
+def _children(tree: DraftTree, node: int, lps: list[float], toks: list[int]) -> list[tuple]:
+    """(cum logp, parent, token, logp) of a node's children, as admit_level takes them."""
+    return [(tree.cum_logp[node] + lp, node, tok, lp) for lp, tok in zip(lps, toks, strict=True)]
+
+
+def _close(tree: DraftTree, frontier: list[int], reason) -> None:
+    for node in frontier:
+        tree.mark_leaf(node, reason)
+
+
+def fixed_tree(request, *, depth: int, branch: int, tau: float, budget: int) -> DraftTree:
+    """DynaTree Alg. 1: top-B children of every frontier node; below tau pruned (lines 17-19); the
+    node budget (lines 12, 22), most probable first."""
+    drafter, (tree, cap) = request.drafter, start_tree(request, depth)
+    frontier, drafted = [0], 0
+    for level in range(cap):
+        lp_rows, tok_rows = level_top(drafter.expand(tree, frontier), branch)
+        candidates = []
+        for row, node in enumerate(frontier):
+            tree.mark_expanded(node)
+            candidates += _children(tree, node, lp_rows[row], tok_rows[row])
+        frontier = admit_level(tree, candidates, safe_log(tau), budget - drafted)
+        drafted += len(frontier)
+        if not frontier:
+            break
+        if drafted >= budget and level + 1 < cap:
+            _close(tree, frontier, Reason.BUDGET)
+            break
+        if level + 1 == cap:
+            _close(tree, frontier, leaf_reason(cap, depth))
+    return tree
+
+
+def dyspec_threshold(request, *, threshold: float, budget: int, depth: int, max_children: int) -> DraftTree:
+    """DySpec App. A.2: every draw whose value (cum + lp under greedy drafting) is >= threshold, a
+    row's draws in rank order up to the first below it, up to the node budget."""
+    drafter, (tree, cap) = request.drafter, start_tree(request, depth)
+    log_th = safe_log(threshold)
+    frontier, drafted = [0], 0
+    for level in range(cap):
+        lp_rows, tok_rows = level_top(drafter.expand(tree, frontier), max_children)
+        candidates = []
+        for row, node in enumerate(frontier):
+            tree.mark_expanded(node)
+            for lp, tok in zip(lp_rows[row], tok_rows[row], strict=True):
+                candidates.append((tree.cum_logp[node] + lp, node, tok, lp))
+                if tree.cum_logp[node] + lp < log_th:
+                    break
+        frontier = admit_level(tree, candidates, log_th, budget - drafted)
+        drafted += len(frontier)
+        if not frontier:
+            return tree
+        if drafted >= budget and level + 1 < cap:
+            _close(tree, frontier, Reason.BUDGET)
+            return tree
+    _close(tree, frontier, leaf_reason(cap, depth))
+    return tree
+
+
+def dynatree(policy, request) -> DraftTree:
+    """DynaTree Alg. 1 with `policy`'s state (d0, tau_h): a node's gate (lines 17-25: depth cap,
+    rho_stop, D0 and rho_deep, then the budget), its branching B(u) from c(u) (line 27), pruning
+    below tau and the budget, most probable first (line 28)."""
+    c, drafter = policy.config, request.drafter
+    tree = DraftTree.with_root(request.root_token)
+    tree.notes = {"d0": [float(policy.d0)], "tau_h": [policy.tau_h]}
+    policy_depth = c["d_max"] if c["dynamic_depth"] else policy.d0
+    cap = min(policy_depth, request.max_depth)
+
+    def gate(node):
+        depth, cum = tree.depths[node], tree.cum_logp[node]
+        if depth >= cap:
+            return leaf_reason(cap, policy_depth)
+        if c["dynamic_depth"] and cum < safe_log(c["rho_stop"]):
+            return Reason.EARLY_STOP
+        if c["dynamic_depth"] and depth >= policy.d0 and cum < safe_log(c["rho_deep"]):
+            return Reason.DEPTH_GATE
+        return Reason.BUDGET if drafted >= c["budget"] else None
+
+    def branch(top_logp):
+        if not c["adaptive_branch"]:
+            return c["b_mid"]
+        if top_logp >= safe_log(policy.tau_h):
+            return c["b_min"]
+        return c["b_max"] if top_logp < safe_log(c["tau_l"]) else c["b_mid"]
+
+    frontier, drafted = [0], 0
+    while frontier:
+        expand = []
+        for node in frontier:
+            why = gate(node)
+            expand.append(node) if why is None else tree.mark_leaf(node, why)
+        if not expand:
+            break
+        lp_rows, tok_rows = level_top(drafter.expand(tree, expand), max(c["b_min"], c["b_mid"], c["b_max"]))
+        candidates = []
+        for row, node in enumerate(expand):
+            tree.mark_expanded(node)
+            b = branch(lp_rows[row][0])
+            candidates += [
+                (tree.cum_logp[node] + lp, node, t, lp)
+                for lp, t in zip(lp_rows[row][:b], tok_rows[row][:b], strict=True)
+            ]
+        frontier = admit_level(tree, candidates, safe_log(c["tau"]), c["budget"] - drafted)
+        drafted += len(frontier)
+    return tree
+
+
+def eagle2_beam(request, *, depth: int, topk: int) -> DraftTree:
+    """EAGLE-2's beam (before its rerank): each step expands the top-k newest nodes by path
+    probability (ties in node order), k children each; the rest are leaves (BEAM)."""
+    drafter, (tree, cap) = request.drafter, start_tree(request, depth)
+    frontier = [0]
+    for level in range(cap):
+        lp_rows, tok_rows = level_top(drafter.expand(tree, frontier), topk)
+        new = []
+        for row, node in enumerate(frontier):
+            tree.mark_expanded(node)
+            for lp, tok in zip(lp_rows[row], tok_rows[row], strict=True):
+                new.append(tree.add(node, tok, lp, reason=leaf_reason(cap, depth)))
+        if level + 1 == cap:
+            break
+        new.sort(key=lambda n: (-tree.cum_logp[n], n))
+        frontier = new[:topk]
+        _close(tree, new[topk:], Reason.BEAM)
+    return tree
+
+
+def eagle2(request, *, depth: int, topk: int, total: int) -> DraftTree:
+    """EAGLE-2: the beam, then the rerank: the global top-N drafted nodes by path probability
+    (ties in node order) whose parents are kept, the rest pruned (RERANK)."""
+    tree = eagle2_beam(request, depth=depth, topk=topk)
+    keep: set[int] = set()
+    for node in sorted(range(1, len(tree)), key=lambda n: (-tree.cum_logp[n], n)):
+        if len(keep) < total and (tree.parents[node] == 0 or tree.parents[node] in keep):
+            keep.add(node)
+    for node in range(1, len(tree)):
+        if node not in keep and tree.is_verified(node):
+            tree.prune(node, Reason.RERANK)
+    return tree
+
+
+def delayed(request, *, k: int, l1: int, l2: int) -> DraftTree:
+    """The delayed tree (Def. 5.2): a trunk of L1 greedy tokens, then K branches of L2 tokens."""
+    drafter, tree = request.drafter, DraftTree.with_root(request.root_token)
+    cap = min(l1 + l2, request.max_depth)
+    frontier = [0]
+    for level in range(cap):
+        width = k if level == l1 else 1
+        lp_rows, tok_rows = level_top(drafter.expand(tree, frontier), width)
+        new = []
+        for row, node in enumerate(frontier):
+            tree.mark_expanded(node)
+            new += [
+                tree.add(node, t, lp, reason=leaf_reason(cap, l1 + l2))
+                for lp, t in zip(lp_rows[row], tok_rows[row], strict=True)
+            ]
+        frontier = new
+    if cap <= 0:
+        tree.mark_leaf(0, leaf_reason(cap, l1 + l2))
+    return tree
