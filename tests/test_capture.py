@@ -25,13 +25,13 @@ from dynatree_core.forward.capture import StepGraphs
 from dynatree_core.forward.kv import KVState
 
 CPU = torch.device("cpu")
-STEPPED = [  # policies whose levels are decided by captured steps (device.admitted_levels, grow_all_on_device)
+STEPPED = [  # policies whose levels are decided by captured steps (device.admitted_levels, grow_all_levels)
     ("fixed_tree", {}),
     ("fixed_tree", {"budget": 5, "tau": 0.0, "branch": 4}),
     ("dynatree", {}),
     ("dynatree", {"budget": 6, "d0": 2, "rho_deep": 0.5, "tau_h": 0.5, "tau_l": 0.2}),
     ("dyspec_threshold", {"threshold": 0.005, "budget": 7, "max_children": 3}),
-    ("eagle2", {"depth": 5, "topk": 2, "total": 6}),  # device.grow_all_on_device: a beam, read before verifying
+    ("eagle2", {"depth": 5, "topk": 2, "total": 6}),  # device.grow_all_levels: a beam, read before verifying
     ("delayed", {}),
 ]
 

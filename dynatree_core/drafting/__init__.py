@@ -2,8 +2,8 @@
 baselines are decoding/baselines.py; decoding/methods.py lists both).
 
 Policies in one module per paper (their protocol and parameter registry: policy.py; the request
-and the per-level helpers they share: request.py, common.py; the levels decided on the device,
-device.py, and the levels and verify rows as the device holds them, levels.py). The draft models
+and the per-level helpers they share: request.py, common.py; greedy trees as tensor levels on any
+device, device.py, and the levels and verify rows as tensors, levels.py). The draft models
 they expand are drafts/.
 
 May import: errors, core, forward, runs, verify, drafts.

@@ -17,7 +17,7 @@ import time
 from dynatree_core.core.transfer import to_list
 from dynatree_core.core.tree import DraftTree, Reason, Status
 from dynatree_core.drafting.common import drafter_of, leaf_reason
-from dynatree_core.drafting.device import grow_all_on_device
+from dynatree_core.drafting.device import grow_all_levels
 from dynatree_core.drafting.policy import Param, Policy, register_policy
 from dynatree_core.drafting.request import DraftRequest, level_q, pick_children
 
@@ -31,7 +31,7 @@ def grow_delayed(
     reason = leaf_reason(cap, l1 + l2)
     if request.draw == "top":  # tensor levels (device.py); sampled drafting draws on the host
         widths = [k if level == l1 else 1 for level in range(cap)]
-        return grow_all_on_device(request, widths, reason=reason, tree=tree, root=root_logp)
+        return grow_all_levels(request, widths, reason=reason, tree=tree, root=root_logp)
     drafter = drafter_of(request)
     tree = tree if tree is not None else DraftTree.with_root(request.root_token)
     frontier = [0]

@@ -20,7 +20,7 @@ Two ways to run the levels (`DraftRequest.on_device`, the engine's `ForwardSetti
 
 Two shapes of tree: `admitted_levels` (fixed_tree, linear, dynatree, dyspec_threshold: a level's
 candidates admitted most probable first under a threshold and a budget, each admitted one with
-its leaf reason from the policy's `gate`) and `grow_all_on_device` (eagle2's beam, delayed and
+its leaf reason from the policy's `gate`) and `grow_all_levels` (eagle2's beam, delayed and
 delayed_auto: every child joins the tree). The levels, their one read and the verify rows built
 from them are levels.py's. Sampled drafting draws on the host (static.py, delayed.py).
 
@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from dynatree_core.core.transfer import LateRead
+from dynatree_core.core.transfer import LateRead, to_list
 from dynatree_core.core.tree import DraftTree, Reason, Status
 from dynatree_core.drafting.common import drafter_of, safe_log, start_tree
 from dynatree_core.drafting.levels import (
@@ -205,7 +205,7 @@ def admitted_levels(
             selected = valid.nonzero().squeeze(1)
             cum, valid = cum[selected], valid[selected]
             levels.append(Level(tokens, lp, rows, fate, leaf, selected, cum_c, ranked=True))
-            grows, drafted_now = count.tolist()
+            grows, drafted_now = to_list(count)  # a read per level: free on a CPU, counted
             if grows == 0:
                 break
             continue
@@ -247,7 +247,7 @@ def admitted_tree(tree: DraftTree, read: list[ReadLevel], drafter) -> DraftTree:
     return tree
 
 
-def grow_topk_on_device(request: DraftRequest, *, depth: int, branch: int, tau: float, budget: int) -> DraftTree:
+def grow_topk_levels(request: DraftRequest, *, depth: int, branch: int, tau: float, budget: int) -> DraftTree:
     """static.grow_topk_tree as levels (DynaTree Alg. 1: top-B children, lines 17-19 the threshold,
     lines 12/22 the budget)."""
     tree, cap = start_tree(request, depth)
@@ -274,7 +274,7 @@ def grow_topk_on_device(request: DraftRequest, *, depth: int, branch: int, tau: 
 
 
 def _grown(width: int, beam: int, last: bool, to_logp):
-    """A level of grow_all_on_device as a pure function of its tensors (a captured step): each row's
+    """A level of grow_all_levels as a pure function of its tensors (a captured step): each row's
     top `width` children; the next rows all of them, the `beam` most probable, or none (`last`)."""
 
     def grow(logits, cum):
@@ -291,7 +291,7 @@ def _grown(width: int, beam: int, last: bool, to_logp):
     return grow
 
 
-def grow_all_on_device(
+def grow_all_levels(
     request: DraftRequest, widths: list[int], *, reason: Reason, beam: int = 0, tree: DraftTree | None = None, root=None
 ) -> DraftTree:
     """Trees whose every drafted child joins the tree, decided on the device and read once: level

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dynatree_core.core.tree import DraftTree, Reason, Status
 from dynatree_core.drafting.common import leaf_reason
-from dynatree_core.drafting.device import grow_all_on_device
+from dynatree_core.drafting.device import grow_all_levels
 from dynatree_core.drafting.policy import Param, Policy, register_policy
 from dynatree_core.drafting.request import DraftRequest
 
@@ -30,7 +30,7 @@ class Eagle2Beam(Policy):
         c = self.config
         cap = min(c["depth"], request.max_depth)  # the beam as tensor levels (device.py)
         reason = leaf_reason(cap, c["depth"]) if cap > 0 else Reason.LENGTH_LIMIT
-        tree = grow_all_on_device(request, [c["topk"]] * cap, reason=reason, beam=c["topk"])
+        tree = grow_all_levels(request, [c["topk"]] * cap, reason=reason, beam=c["topk"])
         if cap <= 0:
             return tree
         ranked = sorted(range(1, len(tree)), key=lambda n: (-tree.cum_logp[n], n))

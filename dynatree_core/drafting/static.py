@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.drafting.common import admit_level, drafter_of, leaf_reason, safe_log, start_tree
-from dynatree_core.drafting.device import grow_topk_on_device
+from dynatree_core.drafting.device import grow_topk_levels
 from dynatree_core.drafting.policy import Param, Policy, register_policy
 from dynatree_core.drafting.request import DraftRequest, level_q, pick_children
 
@@ -39,7 +39,7 @@ def grow_topk_tree(request: DraftRequest, *, depth: int, branch: int, tau: float
     """Level-by-level top-B expansion with threshold pruning and a node budget (Alg. 1): as tensor
     levels (device.py) for greedy drafting; sampled drafting draws each node's children on the host."""
     if request.draw == "top":
-        return grow_topk_on_device(request, depth=depth, branch=branch, tau=tau, budget=budget)
+        return grow_topk_levels(request, depth=depth, branch=branch, tau=tau, budget=budget)
     drafter = drafter_of(request)
     tree, depth_cap = start_tree(request, depth)
     log_tau = safe_log(tau)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from dynatree_core.drafts.feature import FeatureDraft
+from dynatree_core.forward.reference import additive
 
 
 def depth_mask(levels: int, width: int, valid: torch.Tensor) -> torch.Tensor:
@@ -42,8 +43,7 @@ def depth_mask(levels: int, width: int, valid: torch.Tensor) -> torch.Tensor:
     see = (committed | ancestor) & (root[:, None] >= 0)
     see |= torch.eye(levels * width, dtype=torch.bool)
     see = see[None] & valid.repeat(1, levels)[:, None, :]
-    mask = torch.zeros(see.shape, dtype=torch.float32)
-    return mask.masked_fill_(~see, torch.finfo(torch.float32).min)[:, None]
+    return additive(see, torch.float32)[:, None]
 
 
 def unrolled_predictions(

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from dynatree_core.core.vocab import OTHER, TokenMap
+from dynatree_core.forward.reference import additive
 from dynatree_core.training.answers.store import STAGES, AnswerStore
 from dynatree_core.training.answers.windows import AnswerCorpus
 
@@ -116,8 +117,7 @@ def level_mask(seg: torch.Tensor, level: int) -> torch.Tensor:
     see = torch.cat(blocks, dim=-1)
     own = torch.arange(k * width, level * width, device=seg.device)  # every row sees itself: no empty softmax
     see[:, j, own] = True
-    mask = torch.zeros(see.shape, dtype=torch.float32, device=seg.device)
-    return mask.masked_fill_(~see, torch.finfo(torch.float32).min)[:, None]
+    return additive(see, torch.float32)[:, None]
 
 
 class PackedAnswers:
