@@ -35,6 +35,7 @@ Results are data, not code: every script writes its reports (JSON, CSV) into ass
                         cpu-verify-rows.json
     iteration_path      the files and functions one decoding iteration passes through, traced,
                         cpu-iteration-path.json
+    iteration_split     a greedy iteration's draft / verify / commit / outside ms and tokens, per policy
     launches            launches per iteration outside the forwards: levels on the host, on the device
                         op by op, and as captured steps, cpu-launches.json
     forward_kernels     kernels one target forward launches in the CPU's form and the GPU's (fused norm

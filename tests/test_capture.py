@@ -251,6 +251,10 @@ def test_replayed_steps_decide_as_the_host_does(seed, policy, budget, tau, max_d
     tree = make_policy(policy, values).draft(request)
     assert signature(tree) == signature(host)
     check_rows(tree, probe)
+    # each level's count read at once (a GPU with --device-draft off): the same steps capture and replay
+    request = DraftRequest(root_token=7, max_depth=max_depth, drafter=PathDrafter(seed, _SHARED))
+    assert signature(make_policy(policy, values).draft(request)) == signature(host)
+    assert not _SHARED.fallback, _SHARED.fallback
 
 
 def test_a_step_replays_the_values_it_was_captured_with():

@@ -86,9 +86,9 @@ class ForwardSettings:
     device_verify: bool | None = None
 
     def choice_switches(self) -> dict:
-        """The switches the forward is chosen from (core/choice.choose_forward's, forward_path's)."""
+        """The switches the forward is chosen from (forward/choice.choose_forward's, forward_path's)."""
         return {"static": self.static_cache, "fast": self.fast_forward, "graphs": self.graphs}
 
     def cache_switches(self) -> dict:
-        """Those and whether steps are captured: core/kv.KVState's keyword arguments."""
+        """Those and whether steps are captured: forward/kv.KVState's keyword arguments."""
         return self.choice_switches() | {"steps": self.step_graphs}

@@ -91,7 +91,7 @@ def early_wanted(state) -> bool:
     """Where the verify forward is queued from the device's tree rows: greedy verification of a
     tree drafted on the device, sent in bfs order (the rows' order), through a forward that builds
     its inputs from a mask on the device (not the width-invariant forward at free shapes, which
-    groups its rows by key count on the host: core/invariant.RowGroups)."""
+    groups its rows by key count on the host: forward/invariant.RowGroups)."""
     drafter, kv = state.drafter, state.target_kv
     return (
         state.device_verify

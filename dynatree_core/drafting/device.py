@@ -150,7 +150,7 @@ def _decision(propose, gate, level: int, log_tau: float, budget: int, to_logp, r
         grows = admitted & (leaf == EXPANDED)
         width = min(tokens.shape[0], budget)  # the next level's rows: every node this one may admit
         selected = torch.arange(width, device=tokens.device)
-        flat = torch.cat([tokens, lp, rows, fate, leaf, selected]).double() if record else None
+        flat = torch.cat([tokens, lp, rows, fate, leaf, selected]).double() if record else cum_c[:0]  # none: a view
         count = torch.stack([grows.sum(), total])
         return tokens, lp, rows, fate, leaf, cum_c, cum_c[:width], grows[:width], total, count, selected, flat
 
@@ -273,9 +273,10 @@ def grow_topk_levels(request: DraftRequest, *, depth: int, branch: int, tau: flo
     )
 
 
-def _grown(width: int, beam: int, last: bool, to_logp):
+def _grown(width: int, beam: int, last: bool, to_logp, record: bool):
     """A level of grow_all_levels as a pure function of its tensors (a captured step): each row's
-    top `width` children; the next rows all of them, the `beam` most probable, or none (`last`)."""
+    top `width` children; the next rows all of them, the `beam` most probable, or none (`last`);
+    with `record`, the level's record to read in one copy."""
 
     def grow(logits, cum):
         tokens, lp, cum_c, rows = children(to_logp(logits), cum, width)
@@ -285,8 +286,8 @@ def _grown(width: int, beam: int, last: bool, to_logp):
         if last:
             selected = selected[:0]
         fate = torch.zeros_like(tokens)  # every child ADMITTED; the leaf codes: EXPANDED (read from `selected`)
-        record = torch.cat([tokens, lp, rows, fate, fate, selected]).double()
-        return tokens, lp, rows, fate, fate, selected, cum_c, cum_c[selected], record
+        flat = torch.cat([tokens, lp, rows, fate, fate, selected]).double() if record else cum_c[:0]  # none: a view
+        return tokens, lp, rows, fate, fate, selected, cum_c, cum_c[selected], flat
 
     return grow
 
@@ -313,10 +314,12 @@ def grow_all_levels(
         if level == 1:
             cum = _start(drafter.steps, logits.device)[0]
         last = level == len(widths)
-        key = ("grow", level, width, beam, last, given, tuple(logits.shape))  # one captured step (forward/capture.py)
+        # one captured step (forward/capture.py); the record read in one copy on the device
+        key = ("grow", level, width, beam, last, given, tuple(logits.shape), request.on_device)
         to_logp = (lambda x: x) if given else drafter.to_logp
-        *fields, cum, record = drafter.steps(key, _grown(width, beam, last, to_logp), logits, cum)
-        levels.append(Level(*fields, record, prefix=not beam and not last))
+        grow = _grown(width, beam, last, to_logp, record=request.on_device)
+        *fields, cum, record = drafter.steps(key, grow, logits, cum)
+        levels.append(Level(*fields, record if request.on_device else None, prefix=not beam and not last))
     # every candidate is a node, except in a beam, whose tree the host reranks (eagle2.py) before it
     # is verified: no verify forward queued from its rows
     nodes = sum(lv.tokens.shape[0] for lv in levels)

@@ -56,7 +56,7 @@ class Drafter:
 
     @property
     def steps(self):
-        """The tensor work between its forwards, captured where they are (core/capture.StepGraphs)."""
+        """The tensor work between its forwards, captured where they are (forward/capture.StepGraphs)."""
         return self.kv.steps
 
     def expand(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
