@@ -19,7 +19,7 @@ from dynatree_core.core.tree import DraftTree, Reason, Status
 from dynatree_core.drafting.common import drafter_of, leaf_reason
 from dynatree_core.drafting.device import grow_all_levels
 from dynatree_core.drafting.policy import Param, Policy, register_policy
-from dynatree_core.drafting.request import DraftRequest, level_q, pick_children
+from dynatree_core.drafting.request import DraftRequest, level_q, sampled_children
 
 
 def grow_delayed(
@@ -43,7 +43,7 @@ def grow_delayed(
         new = []
         for row, node in enumerate(frontier):
             tree.mark_expanded(node)
-            for tok, lp in pick_children(request, tree, node, logp[row], width, None, q_rows[row]):  # sampled
+            for tok, lp in sampled_children(request, tree, node, q_rows[row], width):
                 new.append(tree.add(node, tok, lp, reason=reason))
         frontier = new
     if cap <= 0:

@@ -56,25 +56,12 @@ def level_q(request: DraftRequest, logp: torch.Tensor) -> torch.Tensor | None:
     return to_host(adjust(logp, request.sampling).to(torch.float16))  # rounded once: what a draw records
 
 
-def pick_children(
-    request: DraftRequest,
-    tree: DraftTree,
-    node: int,
-    logp: torch.Tensor,
-    k: int,
-    top: tuple[list[float], list[int]] | None = None,
-    q: torch.Tensor | None = None,
-) -> list[tuple]:
-    """(token, logp) of up to k children of `node`, best first for "top" (from `top`, the node's
-    row of `level_top`, when given); for sampled drafting the k draws from the adjusted draft
-    distribution (`q`, the node's row of `level_q`, when given; recorded on the tree for the
-    verifier), their distinct tokens as children in drawing order, logp = log q_adjusted(token)."""
-    if request.draw == "top":
-        if top is not None:
-            return list(zip(top[1][:k], top[0][:k], strict=True))
-        top_lp, top_tok = logp.topk(k)
-        return list(zip(top_tok.tolist(), top_lp.tolist(), strict=True))
-    draw = tree.record_draws(node, q if q is not None else to_host(adjust(logp, request.sampling)))
+def sampled_children(request: DraftRequest, tree: DraftTree, node: int, q: torch.Tensor, k: int) -> list[tuple]:
+    """Sampled drafting: (token, logp) of `node`'s children, from k draws from the adjusted draft
+    distribution `q` (the node's row of `level_q`; recorded on the tree for the verifier), their
+    distinct tokens in drawing order, logp = log q_adjusted(token). Greedy trees are tensor levels
+    (device.py)."""
+    draw = tree.record_draws(node, q)
     q = draw.dense()  # the recorded q, exactly as the verifier and an export will read it
     k = min(k, int((q > 0).sum())) if request.draw == "without_replacement" else k
     draw.tokens.extend(torch.multinomial(q, k, replacement=request.draw == "iid", generator=request.gen).tolist())

@@ -15,7 +15,7 @@ from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.drafting.common import admit_level, drafter_of, leaf_reason, safe_log, start_tree
 from dynatree_core.drafting.device import grow_topk_levels
 from dynatree_core.drafting.policy import Param, Policy, register_policy
-from dynatree_core.drafting.request import DraftRequest, level_q, pick_children
+from dynatree_core.drafting.request import DraftRequest, level_q, sampled_children
 
 
 @register_policy
@@ -50,7 +50,7 @@ def grow_topk_tree(request: DraftRequest, *, depth: int, branch: int, tau: float
         candidates = []
         for row, node in enumerate(frontier):
             tree.mark_expanded(node)
-            for tok, lp in pick_children(request, tree, node, logp[row], branch, None, q_rows[row]):  # sampled
+            for tok, lp in sampled_children(request, tree, node, q_rows[row], branch):
                 candidates.append((tree.cum_logp[node] + lp, node, tok, lp))
         # Alg. 1 line 17: cumulative log-probability below log(tau) is pruned; line 22: the node budget
         frontier = admit_level(tree, candidates, log_tau, budget - drafted)
