@@ -252,6 +252,9 @@ class PathDrafter:
     def to_logp(self, logits):
         return logits  # its rows are log-probabilities already
 
+    def level_top(self, logits, k):
+        return logits.topk(min(k, logits.shape[-1]), dim=-1)
+
     def expand_level(self, tokens, parents, depth, *, raw=False):
         if tokens is None:
             self.level_paths = [()]
@@ -402,7 +405,7 @@ def test_delayed_trees_decide_as_the_papers_loops_do(seed, k, l1, l2):
 
 def test_candidates_are_ordered_as_the_hosts_stable_sort_orders_them():
     """Real candidates first, by cumulative log-prob (highest first), ties (zeros of either sign
-    and -inf included) in candidate order; candidates that are not real last, in candidate order."""
+    and -inf included) in candidate order; candidates that are not real (NaN) last, in candidate order."""
     import math
     import random
 
@@ -414,5 +417,6 @@ def test_candidates_are_ordered_as_the_hosts_stable_sort_orders_them():
         cum = [rng.choice([0.0, -0.0, -math.inf, -0.5, -1.25, rng.uniform(-5, 0)]) for _ in range(n)]
         valid = [rng.random() < 0.7 for _ in range(n)]
         want = sorted(range(n), key=lambda i: (not valid[i], -cum[i] if valid[i] else 0.0))
-        got = most_probable_first(torch.tensor(cum, dtype=torch.float64), torch.tensor(valid)).tolist()
+        real = torch.where(torch.tensor(valid), torch.tensor(cum, dtype=torch.float64), math.nan)
+        got = most_probable_first(real).tolist()
         assert got == want, (cum, valid)

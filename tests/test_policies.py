@@ -68,6 +68,9 @@ class ScriptedDrafter:
     def to_logp(self, logits):
         return logits  # its rows are log-probabilities already
 
+    def level_top(self, logits, k):
+        return logits.topk(min(k, logits.shape[-1]), dim=-1)
+
     def bind(self, node, level, row):
         pass
 

@@ -45,12 +45,21 @@ class TokenMap:
 
     def to_target_logp(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """(q, N) draft logits -> (q, target_vocab) log-probs; OTHER and unmapped ids get -inf."""
-        logits = draft_logits.clone()
-        logits[:, OTHER] = -torch.inf
-        logp = torch.log_softmax(logits, dim=-1)
+        logp = self._logp(draft_logits)
         full = torch.full((logp.shape[0], self.target_vocab), -torch.inf, device=logp.device)
-        full[:, self._on(logp.device)[1]] = logp[:, 1:]
+        full[:, self._on(logp.device)[1]] = logp
         return full
+
+    def top_target(self, draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `k` most probable proposable tokens of each row: float32 log-probs (to_target_logp's
+        values) and target ids, from the draft's slots; only the k ids are mapped."""
+        lp, slots = self._logp(draft_logits).topk(min(k, len(self.draft_to_target) - 1), dim=-1)
+        return lp.float(), self._on(lp.device)[1][slots]
+
+    @staticmethod
+    def _logp(draft_logits: torch.Tensor) -> torch.Tensor:
+        """Log-probs over the slots after OTHER (never proposed), slot i + 1 in column i."""
+        return torch.log_softmax(draft_logits[:, OTHER + 1 :], dim=-1)
 
     def full_vocab_model(self, draft: torch.nn.Module) -> torch.nn.Module:
         """A copy of the draft that reads and predicts target ids directly (for tools that expect

@@ -40,7 +40,6 @@ from dynatree_core.core.tree import DraftTree, Reason, Status
 from dynatree_core.drafting.common import drafter_of, safe_log, start_tree
 from dynatree_core.drafting.levels import (
     ADMITTED,
-    BUDGET,
     PADDING,
     THRESHOLD,
     Level,
@@ -62,32 +61,30 @@ def expand_frontier(tree: DraftTree, frontier: list[int], drafter, level: int) -
             drafter.bind(node, level - 1, row)
 
 
-def children(logp: torch.Tensor, cum: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
-    """The top-k children of every row, flattened row-major (the papers' loops' candidate order):
-    tokens, float32 log-probs, float64 cumulative log-probs, proposing rows."""
-    top_lp, top_tok = logp.topk(min(k, logp.shape[-1]), dim=-1)  # the call level_top makes
-    rows = torch.arange(logp.shape[0], device=logp.device).repeat_interleave(top_lp.shape[1])
-    cum_c = (cum[:, None] + top_lp.float().double()).flatten()
-    return top_tok.flatten(), top_lp.float().flatten(), cum_c, rows
+def children(top: tuple[torch.Tensor, torch.Tensor], cum: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """The top-k children of every row, flattened row-major (the papers' loops' candidate order),
+    from the rows' top log-probabilities and ids (`Drafter.level_top`): tokens, float32 log-probs
+    and float64 cumulative log-probs (NaN where the row is not real: a padded or gated row's)."""
+    top_lp, top_tok = top[0][:, :k], top[1][:, :k]
+    return top_tok.flatten(), top_lp.flatten(), (cum[:, None] + top_lp).flatten()
 
 
-def most_probable_first(cum: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Candidate order: real candidates first (a padded or gated row's are not), by cumulative
+def most_probable_first(cum: torch.Tensor) -> torch.Tensor:
+    """Candidate order: real candidates first (those that are not real hold NaN), by cumulative
     log-prob, highest first, ties in candidate order (the host's stable sort). One stable ascending
-    sort of -cum with the candidates that are not real as NaN, which torch's sort places last on
-    every device; `0.0 - cum` makes no negative zero, whose place a device's sort may not keep."""
-    return torch.sort(torch.where(valid, 0.0 - cum, math.nan), stable=True).indices
+    sort of -cum, which places NaN last on every device; `0.0 - cum` makes no negative zero, whose
+    place a device's sort may not keep."""
+    return torch.sort(0.0 - cum, stable=True).indices
 
 
-def admit(cum: torch.Tensor, valid: torch.Tensor, log_tau: float, room: torch.Tensor) -> torch.Tensor:
+def fates(cum: torch.Tensor, log_tau: float, room: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Fates of candidates already in most-probable-first order (common.admit_level on the
-    device): below log_tau THRESHOLD, past the budget's `room` BUDGET. Those at or above log_tau
-    are a prefix of the order, so the first `room` of them are admitted."""
-    passing = valid & (cum >= log_tau)
-    index = torch.arange(cum.shape[0], device=cum.device)
-    fate = torch.where(passing & (index < room), ADMITTED, BUDGET)
-    fate = torch.where(passing, fate, THRESHOLD)
-    return torch.where(valid, fate, PADDING)
+    device), and how many are admitted. The order runs admitted (the first `room` at or above
+    log_tau), BUDGET (past the room), THRESHOLD (below log_tau), PADDING (not real: NaN), so a
+    candidate's fate is the run its index falls in: one bucketize over the three run ends."""
+    passing = (cum >= log_tau).sum()
+    ends = torch.stack([torch.minimum(passing, room), passing, (cum == cum).sum()])
+    return torch.bucketize(index, ends, right=True), ends[0]
 
 
 def level_forward(drafter, levels: list[Level]) -> torch.Tensor:
@@ -103,12 +100,19 @@ def level_forward(drafter, levels: list[Level]) -> torch.Tensor:
 
 
 def _start(steps, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The root level's row: cumulative log-prob 0, real, nothing drafted (made once per run)."""
+    """The root level's row: cumulative log-prob 0 (real), nothing drafted (made once per run)."""
     return (
         steps.constant(("cum0",), lambda: torch.zeros(1, dtype=torch.float64, device=device)),
-        steps.constant(("valid0",), lambda: torch.ones(1, dtype=torch.bool, device=device)),
         steps.constant(("drafted0",), lambda: torch.zeros((), dtype=torch.long, device=device)),
     )
+
+
+def _index(steps, n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """0..n-1, the row that proposes each of n candidates at k a row, and 0..n-1 as float64 (a
+    record's part: made once per shape, never written)."""
+    index = steps.constant(("index", n), lambda: torch.arange(n, device=device))
+    rows = steps.constant(("rows", n, k), lambda: torch.div(index, k, rounding_mode="floor"))
+    return index, rows, steps.constant(("index64", n), lambda: index.double())
 
 
 # why an admitted candidate is not expanded (Level.leaf), the reasons a level records as codes
@@ -123,36 +127,42 @@ def cap_leaf(cap: int, policy_depth: int) -> int:
 
 def budget_gate(cap: int, policy_depth: int, budget: int):
     """The leaf rule of fixed_tree, linear and dyspec_threshold (DynaTree Alg. 1 lines 12, 22): the
-    children at the depth cap are leaves, and so is every child of a level that spent the budget."""
+    children at the depth cap are leaves, and so is every child of a level that spent the budget.
+    A gate's code is read where a candidate is admitted (its value elsewhere is never read)."""
 
     def gate(level: int, cum: torch.Tensor, total: torch.Tensor, *inputs) -> torch.Tensor:
         if level == cap:
             return torch.full_like(cum, cap_leaf(cap, policy_depth), dtype=torch.long)
-        return torch.where(total >= budget, OVER_BUDGET, EXPANDED).expand(cum.shape)
+        return ((total >= budget) * OVER_BUDGET).expand(cum.shape)
 
     return gate
 
 
-def _decision(propose, gate, level: int, log_tau: float, budget: int, to_logp, record: bool):
+def _decision(propose, gate, level: int, log_tau: float, budget: int, top, k: int, record: bool):
     """A level's decision as a pure function of its tensors (a captured step: admitted_levels):
-    the candidates `propose` gives, most probable first, their fates, the leaf code `gate` gives
-    each admitted one, the next level's rows (every candidate the level may admit; those to expand
-    valid), the (to expand, drafted) counts and, with `record`, the level's record to read."""
+    the candidates `propose` gives from each row's top `k` (`top`: Drafter.level_top), most
+    probable first, their fates, the leaf code `gate` gives each admitted one, the next level's
+    rows (every candidate the level may admit; the cumulative log-probs of those not to expand
+    NaN), the (to expand, drafted) counts and, with `record`, the level's record to read."""
 
-    def decide(logits, cum, valid, drafted, *inputs):
-        tokens, lp, cum_c, rows, real = propose(level, to_logp(logits), cum, valid, drafted, *inputs)
-        order = most_probable_first(cum_c, real)
-        tokens, lp, cum_c, rows, real = tokens[order], lp[order], cum_c[order], rows[order], real[order]
-        fate = admit(cum_c, real, log_tau, budget - drafted)
-        admitted = fate == ADMITTED
-        total = drafted + admitted.sum()
-        leaf = torch.where(admitted, gate(level, cum_c, total, *inputs), EXPANDED)
-        grows = admitted & (leaf == EXPANDED)
-        width = min(tokens.shape[0], budget)  # the next level's rows: every node this one may admit
-        selected = torch.arange(width, device=tokens.device)
-        flat = torch.cat([tokens, lp, rows, fate, leaf, selected]).double() if record else cum_c[:0]  # none: a view
-        count = torch.stack([grows.sum(), total])
-        return tokens, lp, rows, fate, leaf, cum_c, cum_c[:width], grows[:width], total, count, selected, flat
+    def decide(logits, cum, drafted, index, rows, index64, *inputs):
+        tokens, lp, cum_c = propose(level, top(logits, k), cum, *inputs)
+        n = tokens.shape[0]
+        if rows.shape[0] != n:  # a vocabulary smaller than k: fewer children a row
+            rows = torch.div(index[:n], n // cum.shape[0], rounding_mode="floor")
+        index = index[:n]
+        order = most_probable_first(cum_c)
+        tokens, lp, cum_c, rows = tokens[order], lp[order], cum_c[order], rows[order]
+        fate, admitted = fates(cum_c, log_tau, budget - drafted, index)
+        total = drafted + admitted
+        leaf = gate(level, cum_c, total, *inputs)
+        grows = (fate + leaf) == 0  # ADMITTED and EXPANDED: both codes 0
+        count = torch.stack([grows.sum(), total])  # (to expand, drafted)
+        width = min(n, budget)  # the next level's rows: every node this one may admit
+        # the record in one float64 row: a float64 part makes the cat promote, so no conversion follows
+        flat = torch.cat([tokens, lp, rows, fate, leaf, index64[:width]]) if record else cum_c[:0]  # none: a view
+        following = torch.where(grows[:width], cum_c[:width], math.nan)
+        return tokens, lp, rows, fate, leaf, cum_c, following, total, count, flat
 
     return decide
 
@@ -164,6 +174,7 @@ def admitted_levels(
     *,
     log_tau: float,
     budget: int,
+    k: int,
     propose,
     gate,
     key_of: tuple,
@@ -172,12 +183,13 @@ def admitted_levels(
 ) -> DraftTree:
     """Up to `cap` levels whose candidates are admitted most probable first under a threshold and
     a node budget (common.admit_level), each admitted one a leaf or not by `gate(level, cum, total,
-    *inputs)` (its leaf code: LEAF_REASONS), read into `tree`. `propose(level, logp, cum, valid,
-    drafted, *inputs)` gives a level's candidates (tokens, log-probs, float64 cumulative
-    log-probs, proposing rows, and which are real) from its rows' distributions, cumulative
-    log-probs and validity, and the nodes drafted before it. `key_of` names every Python value
-    they read (a captured step replays the values it was captured with); values that change from
-    one iteration to the next go in as device tensors (`inputs`), not in the key.
+    *inputs)` (its leaf code: LEAF_REASONS; its rules, the depth cap, the budget and thresholds on
+    cum, make the admitted ones it lets grow lead the order), read into `tree`. `propose(level, top, cum, *inputs)`
+    gives a level's candidates (tokens, float32 log-probs, float64 cumulative log-probs: NaN where
+    not real) from its rows' top `k` log-probabilities and ids and cumulative log-probs (NaN: a row
+    not to expand), `k` children a row. `key_of` names every Python value they read (a captured
+    step replays the values it was captured with); values that change from one iteration to the
+    next go in as device tensors (`inputs`), not in the key.
 
     On a CPU (`request.on_device` off) each level's counts are read at once and the next rows are
     the children to expand. On the device, levels run at fixed widths and whether one expanded
@@ -193,19 +205,21 @@ def admitted_levels(
     for level in range(1, cap + 1):
         logits = level_forward(drafter, levels)  # over the level's rows
         if level == 1:
-            cum, valid, drafted = _start(steps, logits.device)
+            cum, drafted = _start(steps, logits.device)
+        index, rows, index64 = _index(steps, logits.shape[0] * k, k, logits.device)
         # the level's decision, one captured step where forwards are (forward/capture.py): every
         # value it reads besides its tensors is in the key
         key = ("admit", key_of, level, tuple(logits.shape), log_tau, budget, request.on_device)
-        decide = _decision(propose, gate, level, log_tau, budget, drafter.to_logp, record=request.on_device)
-        tokens, lp, rows, fate, leaf, cum_c, cum, valid, drafted, count, selected, record = steps(
-            key, decide, logits, cum, valid, drafted, *inputs
+        decide = _decision(propose, gate, level, log_tau, budget, drafter.level_top, k, record=request.on_device)
+        tokens, lp, rows, fate, leaf, cum_c, cum, drafted, count, record = steps(
+            key, decide, logits, cum, drafted, index, rows, index64, *inputs
         )
+        selected = index[: cum.shape[0]]
         if not request.on_device:  # a read costs nothing: the next rows are the children to expand
-            selected = valid.nonzero().squeeze(1)
-            cum, valid = cum[selected], valid[selected]
-            levels.append(Level(tokens, lp, rows, fate, leaf, selected, cum_c, ranked=True))
             grows, drafted_now = to_list(count)  # a read per level: free on a CPU, counted
+            selected = selected[:grows]  # the children to expand lead the admitted ones
+            cum = cum[:grows]
+            levels.append(Level(tokens, lp, rows, fate, leaf, selected, cum_c, ranked=True, prefix=True))
             if grows == 0:
                 break
             continue
@@ -254,9 +268,8 @@ def grow_topk_levels(request: DraftRequest, *, depth: int, branch: int, tau: flo
     if cap <= 0:
         return tree
 
-    def propose(level, logp, cum, valid, drafted):
-        tokens, lp, cum_c, rows = children(logp, cum, branch)
-        return tokens, lp, cum_c, rows, valid[rows]
+    def propose(level, top, cum):
+        return children(top, cum, branch)
 
     # only a threshold, or a budget smaller than the levels before the last, ends a tree early
     ends_early = tau > 0 or budget <= sum(branch**d for d in range(1, cap))
@@ -266,6 +279,7 @@ def grow_topk_levels(request: DraftRequest, *, depth: int, branch: int, tau: flo
         cap,
         log_tau=safe_log(tau),
         budget=budget,
+        k=branch,
         propose=propose,
         gate=budget_gate(cap, depth, budget),
         key_of=("topk", branch, cap, depth),
@@ -273,16 +287,19 @@ def grow_topk_levels(request: DraftRequest, *, depth: int, branch: int, tau: flo
     )
 
 
-def _grown(width: int, beam: int, last: bool, to_logp, record: bool):
+def _grown(width: int, beam: int, last: bool, top, record: bool):
     """A level of grow_all_levels as a pure function of its tensors (a captured step): each row's
     top `width` children; the next rows all of them, the `beam` most probable, or none (`last`);
     with `record`, the level's record to read in one copy."""
 
-    def grow(logits, cum):
-        tokens, lp, cum_c, rows = children(to_logp(logits), cum, width)
-        selected = torch.arange(tokens.shape[0], device=tokens.device)
+    def grow(logits, cum, index, rows):
+        tokens, lp, cum_c = children(top(logits, width), cum, width)
+        n = tokens.shape[0]
+        if rows.shape[0] != n:  # a vocabulary smaller than the width: fewer children a row
+            rows = torch.div(index[:n], n // cum.shape[0], rounding_mode="floor")
+        selected = index[:n]
         if beam:
-            selected = most_probable_first(cum_c, torch.ones_like(tokens, dtype=torch.bool))[:beam]
+            selected = most_probable_first(cum_c)[:beam]
         if last:
             selected = selected[:0]
         fate = torch.zeros_like(tokens)  # every child ADMITTED; the leaf codes: EXPANDED (read from `selected`)
@@ -309,16 +326,17 @@ def grow_all_levels(
         return tree
     levels: list[Level] = []
     for level, width in enumerate(widths, start=1):
-        given = level == 1 and root is not None  # log-probabilities already
+        given = level == 1 and root is not None  # its top children already
         logits = root if given else level_forward(drafter, levels)
         if level == 1:
             cum = _start(drafter.steps, logits.device)[0]
         last = level == len(widths)
+        index, rows, _ = _index(drafter.steps, logits.shape[0] * width, width, logits.device)
         # one captured step (forward/capture.py); the record read in one copy on the device
         key = ("grow", level, width, beam, last, given, tuple(logits.shape), request.on_device)
-        to_logp = (lambda x: x) if given else drafter.to_logp
-        grow = _grown(width, beam, last, to_logp, record=request.on_device)
-        *fields, cum, record = drafter.steps(key, grow, logits, cum)
+        top = (lambda lp, k: lp.topk(min(k, lp.shape[-1]), dim=-1)) if given else drafter.level_top
+        grow = _grown(width, beam, last, top, record=request.on_device)
+        *fields, cum, record = drafter.steps(key, grow, logits, cum, index, rows)
         levels.append(Level(*fields, record if request.on_device else None, prefix=not beam and not last))
     # every candidate is a node, except in a beam, whose tree the host reranks (eagle2.py) before it
     # is verified: no verify forward queued from its rows

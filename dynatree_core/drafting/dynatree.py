@@ -4,6 +4,7 @@ and depth from the draft's confidence, one draft forward per level."""
 from __future__ import annotations
 
 import collections
+import math
 
 import torch
 
@@ -13,7 +14,6 @@ from dynatree_core.drafting.common import drafter_of, leaf_reason, safe_log
 from dynatree_core.drafting.device import (
     DEPTH_GATE,
     EARLY_STOP,
-    EXPANDED,
     OVER_BUDGET,
     admitted_levels,
     cap_leaf,
@@ -108,7 +108,7 @@ class DynaTreeAdaptive(Policy):
         def gate(level: int, cum: torch.Tensor, total: torch.Tensor, *inputs) -> torch.Tensor:
             if level >= cap:
                 return torch.full_like(cum, cap_leaf(cap, policy_depth), dtype=torch.long)
-            leaf = torch.where(total >= c["budget"], OVER_BUDGET, EXPANDED).expand(cum.shape)
+            leaf = ((total >= c["budget"]) * OVER_BUDGET).expand(cum.shape)
             if c["dynamic_depth"]:
                 if level >= self.d0:
                     leaf = torch.where(cum < safe_log(c["rho_deep"]), DEPTH_GATE, leaf)
@@ -131,19 +131,21 @@ class DynaTreeAdaptive(Policy):
         upload_into(held, value)
         return held
 
-    def _propose(self, level: int, logp, cum, valid, drafted, log_tau_h):
+    def _propose(self, level: int, top, cum, log_tau_h):
         """A level's candidates (device.admitted_levels): each row (a child `_gate` let through)
         proposes its top-B(u) children, B(u) from c(u), the draft's top probability at u, compared
-        as log-probabilities (§3.3; Alg. 1 line 27)."""
+        as log-probabilities (§3.3; Alg. 1 line 27); the rest are not real (NaN)."""
         c = self.config
-        tokens, lp, cum_c, rows = children(logp, cum, max(c["b_min"], c["b_mid"], c["b_max"]))
-        top = logp.max(dim=-1).values.double()  # c(u) as a log-probability
-        branch = torch.full((logp.shape[0],), c["b_mid"], dtype=torch.long, device=logp.device)
+        most = max(c["b_min"], c["b_mid"], c["b_max"])
+        tokens, lp, cum_c = children(top, cum, most)
+        branch = c["b_mid"]
         if c["adaptive_branch"]:
-            branch = torch.where(top < safe_log(c["tau_l"]), c["b_max"], branch)
-            branch = torch.where(top >= log_tau_h, c["b_min"], branch)
-        rank = torch.arange(tokens.shape[0], device=tokens.device) % (tokens.shape[0] // logp.shape[0])
-        return tokens, lp, cum_c, rows, valid[rows] & (rank < branch[rows])
+            head = top[0][:, :1].double()  # c(u) as a log-probability, one a row
+            wide = torch.where(head < safe_log(c["tau_l"]), c["b_max"], branch)
+            branch = torch.where(head >= log_tau_h, c["b_min"], wide)
+        rank = torch.arange(most, device=cum.device)
+        kept = (rank < branch).expand(cum.shape[0], most).flatten()
+        return tokens, lp, torch.where(kept, cum_c, math.nan)
 
     def draft(self, request: DraftRequest) -> DraftTree:
         drafter, c = drafter_of(request), self.config
@@ -162,6 +164,7 @@ class DynaTreeAdaptive(Policy):
             cap,
             log_tau=safe_log(c["tau"]),
             budget=c["budget"],
+            k=max(c["b_min"], c["b_mid"], c["b_max"]),
             propose=self._propose,
             gate=self._gate(cap, policy_depth),
             key_of=("dynatree", tuple(sorted(c.items())), self.d0, cap, policy_depth),

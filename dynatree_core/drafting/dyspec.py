@@ -153,18 +153,20 @@ class DySpecThreshold(Policy):
             cap,
             log_tau=safe_log(c["threshold"]),
             budget=c["budget"],
+            k=c["max_children"],
             propose=self._propose,
             gate=budget_gate(cap, c["depth"], c["budget"]),
             key_of=("dyspec_threshold", c["max_children"], c["threshold"], cap, c["depth"]),
         )
 
-    def _propose(self, level: int, logp, cum, valid, drafted):
+    def _propose(self, level: int, top, cum):
         """A level's candidates (device.admitted_levels): each row's draws in rank order up to and
-        including the first below the threshold (values fall with rank: the rest are lower still).
-        The rank-th draw's value (sibling_value, App. A.1) telescopes under greedy drafting to the
-        parent's value times the draw's probability: log v = cum + lp, the candidate's `cum`."""
-        tokens, lp, cum_c, rows = children(logp, cum, self.config["max_children"])
-        rank = torch.arange(tokens.shape[0], device=tokens.device) % (tokens.shape[0] // logp.shape[0])
-        below = cum_c < safe_log(self.config["threshold"])
-        after_below = torch.cat([torch.zeros_like(below[:1]), below[:-1]])  # the draw before (same row when rank > 0)
-        return tokens, lp, cum_c, rows, valid[rows] & ((rank == 0) | ~after_below)
+        including the first below the threshold (values fall with rank: the rest are lower still,
+        and not real: NaN). The rank-th draw's value (sibling_value, App. A.1) telescopes under
+        greedy drafting to the parent's value times the draw's probability: log v = cum + lp, the
+        candidate's `cum`."""
+        k = self.config["max_children"]
+        tokens, lp, cum_c = children(top, cum, k)
+        below = cum_c.view(cum.shape[0], -1) < safe_log(self.config["threshold"])
+        after_below = torch.cat([torch.zeros_like(below[:, :1]), below[:, :-1]], dim=1)  # the draw before it is below
+        return tokens, lp, torch.where(after_below.flatten(), math.nan, cum_c)

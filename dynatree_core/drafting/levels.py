@@ -20,7 +20,8 @@ from dynatree_core.drafting.common import drafter_of
 from dynatree_core.drafting.request import DraftRequest
 
 # a candidate's fate, as the level records it
-ADMITTED, THRESHOLD, BUDGET, PADDING = 0, 1, 2, 3
+# the runs of a level ordered most probable first (device.fates), in that order
+ADMITTED, BUDGET, THRESHOLD, PADDING = 0, 1, 2, 3
 
 
 @dataclasses.dataclass
@@ -31,7 +32,7 @@ class Level:
     tokens: torch.Tensor  # (C,) long
     logp: torch.Tensor  # (C,) float32: the draft's log-probability of the token
     parents: torch.Tensor  # (C,) long: the row of this forward that proposed it
-    fate: torch.Tensor  # (C,) long: ADMITTED, THRESHOLD, BUDGET or PADDING (a padded row's child)
+    fate: torch.Tensor  # (C,) long: ADMITTED, BUDGET, THRESHOLD or PADDING (a padded row's child)
     # (C,) long: why an admitted candidate is not expanded (an index of LEAF_REASONS; 0: it is, as
     # a row of the next forward), decided with its admission: the tree is read, not replayed
     leaf: torch.Tensor
@@ -95,37 +96,64 @@ class ReadRows:
 
 
 def tree_rows(levels: list[Level], width: int) -> TreeRows:
-    """The verify forward's `width` rows (at least the admitted candidates' count) from the levels.
-    Three stable sorts give the bfs order, minor key first, or one where every level is `ranked`
-    (its admitted candidates lead it, most probable first, and the levels come in depth order); the
-    ancestor closure takes one gather per level (a row's ancestors are its parent's plus itself)."""
+    """The verify forward's `width` rows (at least the admitted candidates' count) from the levels,
+    in the order DraftTree.order("bfs") gives the tree view: by depth, most probable first, ties in
+    node order. Where every level is `ranked` and a `prefix` (admitted_levels' levels: each level's
+    admitted candidates lead it, most probable first, and the next rows are its first candidates)
+    that order is the levels' admitted candidates as they come, so a candidate's row is the count
+    of admitted ones up to it, each field one scatter; else three stable sorts give it, minor key
+    first. The ancestor closure: each row's ancestors are the parent pointers followed to the root,
+    one gather a level, then one scatter."""
     tokens = torch.cat([lv.tokens for lv in levels])
     device = tokens.device
     admitted = torch.cat([lv.fate for lv in levels]) == ADMITTED
     depths = torch.cat([torch.full_like(lv.tokens, d) for d, lv in enumerate(levels, start=1)])
+    if all(lv.ranked and lv.prefix for lv in levels):
+        row = torch.cumsum(admitted, 0)  # an admitted candidate's row, counted from 1 (0: the root)
+        # each candidate's parent's row: the root's for the first level; else the row of the
+        # candidate of the level before that proposed it (a prefix: the candidate its row names)
+        up, start = [torch.zeros_like(levels[0].tokens)], 0
+        row0 = torch.cat([up[0][:1], row])
+        for prev, lv in zip(levels[:-1], levels[1:], strict=True):
+            up.append(lv.parents + (start + 1))
+            start += prev.tokens.shape[0]
+        up = row0[torch.cat(up)]
+        # every field scattered to its row; the others go to a spare slot past the last, dropped
+        dest = torch.where(admitted, row, width + 1)
+        slots = torch.arange(width + 2, device=device)
+        table = slots.scatter(0, dest, up)[: width + 1]  # parent rows, the root its own; padding: its own row
+        picked = [tokens.new_zeros(width + 2).scatter(0, dest, field)[1 : width + 1] for field in (tokens, depths)]
+        rows = TreeRows(picked[0], picked[1], table[1:], slots[1 : width + 1] <= row[-1], None)
+    else:
+        rows = _sorted_rows(tokens, admitted, depths, levels, width)
+        table = torch.cat([rows.parents.new_zeros(1), rows.parents])
+    hops = [table]  # a row's parent, its parent's, ...: no row is deeper than the levels
+    for _ in levels[1:]:
+        hops.append(table[hops[-1]])
+    eye = torch.eye(width + 1, dtype=torch.bool, device=device)
+    rows.ancestors = eye.scatter(1, torch.stack(hops, dim=1), True)
+    return rows
+
+
+def _sorted_rows(tokens, admitted, depths, levels: list[Level], width: int) -> TreeRows:
+    """tree_rows' rows of levels in no particular order (delayed.py's: every candidate a node, row
+    by row): three stable sorts give the bfs order, minor key first."""
+    device = tokens.device
     parent, start = [torch.full_like(levels[0].tokens, -1)], 0  # each candidate's parent candidate (-1: root)
     for prev, lv in zip(levels[:-1], levels[1:], strict=True):
         parent.append(start + prev.selected[lv.parents])
         start += prev.tokens.shape[0]
     parent = torch.cat(parent)
-    if all(lv.ranked for lv in levels):
-        order = torch.sort((~admitted).to(torch.int8), stable=True).indices
-    else:
-        order = torch.sort(torch.cat([lv.cum for lv in levels]), descending=True, stable=True).indices
-        order = order[torch.sort(depths[order], stable=True).indices]
-        order = order[torch.sort((~admitted[order]).to(torch.int8), stable=True).indices]
+    order = torch.sort(torch.cat([lv.cum for lv in levels]), descending=True, stable=True).indices
+    order = order[torch.sort(depths[order], stable=True).indices]
+    order = order[torch.sort((~admitted[order]).to(torch.int8), stable=True).indices]
     row_of = torch.empty_like(order)
     row_of[order] = torch.arange(1, order.shape[0] + 1, device=device)
     pick, rows = order[:width], torch.arange(1, width + 1, device=device)
     valid = admitted[pick]
     up = parent[pick]
     parents = torch.where(valid, torch.where(up >= 0, row_of[up.clamp(min=0)], 0), rows)
-    table = torch.cat([torch.zeros(1, dtype=torch.long, device=device), parents])
-    eye = torch.eye(width + 1, dtype=torch.bool, device=device)
-    ancestors = eye
-    for _ in levels:
-        ancestors = eye | ancestors[table]
-    return TreeRows(tokens[pick], depths[pick], parents, valid, ancestors)
+    return TreeRows(tokens[pick], depths[pick], parents, valid, None)
 
 
 def read_levels(levels: list[Level]) -> list[ReadLevel]:

@@ -215,6 +215,17 @@ class Drafter:
             visible[i, length + i] = True
         return visible
 
+    def level_top(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `k` most probable children of each row (at most as many as it can propose): their
+        float32 log-probabilities (as `to_logp` gives them) and target ids, most probable first. One
+        log_softmax and one top-k over the draft's own vocabulary (a token map's ids are looked up
+        for the k alone): what a greedy level reads of its distributions (drafting/device.py)."""
+        if self.token_map is not None:
+            return self.token_map.top_target(logits, k)
+        logp = torch.log_softmax(logits[:, : self.vocab_size], dim=-1)
+        lp, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+        return lp.float(), ids
+
     def to_logp(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits -> (q, target vocab) log-probabilities (through the token map if any)."""
         if self.token_map is not None:
