@@ -61,8 +61,9 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     _auto_on_off(
         p,
         "--device-verify",
-        "with the levels on the device, queue the verify forward from the tree's rows built there before the "
-        "host reads the tree (one draining read per iteration; all but eagle2; not with --width-invariant; auto: on)",
+        "greedy trees drafted as levels: queue the verify forward from the tree's rows built from the levels "
+        "before the host reads the tree (one draining read per iteration with --device-draft; all but eagle2; "
+        "not with --width-invariant at free shapes; auto: on)",
     )
 
 

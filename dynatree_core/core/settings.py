@@ -73,8 +73,8 @@ class ForwardSettings:
         width_invariant: the target's rows get the bits they would get alone (auto: below float32).
         device_draft: greedy draft levels run at fixed widths, the tree read once (auto: on CUDA);
             off, each level's count is read at once (drafting/device.py).
-        device_verify: with device_draft, the verify forward is queued from the tree's rows built
-            on the device before the host reads the tree (auto: on).
+        device_verify: the verify forward of a greedy tree drafted as levels is queued from the
+            tree's rows built from the levels, where they are, before the host reads the tree (auto: on).
     """
 
     static_cache: bool | None = None

@@ -1,13 +1,15 @@
 """What the iteration's ONE target forward reads, built two ways.
 
 On the host (`VerifyBatch.of`): from the tree the policy returned, its nodes in `DecodeConfig.order`
-with their ancestor mask and positions. From the device (`EarlyVerify`): where a policy decides its
-draft levels on the device (drafting/device.py), the tree's rows, mask and positions are built
-there from the levels (`levels.tree_rows`) and the verify forward is queued BEFORE the host reads
-the tree: the host makes the tree's view while the target runs, and the iteration's only draining read
-is the verification's. The rows are the nodes in the bfs order, padded to a bound the host knows
-without reading (a padding row sees only itself and nothing sees it); the host checks the rows it
-read against the tree's view, node for node, so the two builds cannot silently differ.
+with their ancestor mask and positions (sampled trees, eagle2's reranked beam, salf). From the
+levels (`EarlyVerify`): where a policy drafts a greedy tree as tensor levels (drafting/device.py),
+on every device, the tree's rows, mask and positions are built where the levels are
+(`levels.tree_rows`) and the verify forward is queued BEFORE the host reads the tree: on a GPU the
+host makes the tree's view while the target runs, and the iteration's only draining read is the
+verification's; the batch's record is made from the rows (`EarlyVerify.batch`). The rows are
+the nodes in the bfs order, padded to a bound the host knows without reading (a padding row sees
+only itself and nothing sees it); the host checks the rows it read against the tree's view, node
+for node, so the two builds cannot silently differ.
 SGLang's EAGLE worker builds its verify input on the GPU the same way (docs/gpu.md).
 """
 
@@ -88,14 +90,14 @@ def host_verify(state, batch: VerifyBatch) -> Forward:
 
 
 def early_wanted(state) -> bool:
-    """Where the verify forward is queued from the device's tree rows: greedy verification of a
-    tree drafted on the device, sent in bfs order (the rows' order), through a forward that builds
+    """Where the verify forward is queued from the tree rows built from the levels: greedy
+    verification of a tree drafted as tensor levels (on every device: with the levels' counts read
+    at once too, as on a CPU), sent in bfs order (the rows' order), through a forward that builds
     its inputs from a mask on the device (not the width-invariant forward at free shapes, which
     groups its rows by key count on the host: forward/invariant.RowGroups)."""
     drafter, kv = state.drafter, state.target_kv
     return (
         state.device_verify
-        and state.device_draft
         and state.verifier == "greedy"
         and state.config.order == "bfs"
         and drafter is not None
@@ -115,7 +117,9 @@ class EarlyVerify:
         self.state, self.clock = state, clock
         self.out: Forward | None = None
         self.read = None  # levels.ReadRows, set by levels.read_verifying
-        self.past = 0  # the target cache's length before the forward
+        self.rows = None  # the levels.TreeRows verified
+        # the cache's length before the forward, the chain, the root's position
+        self.past, self.chain, self.root = 0, [], 0
 
     def launch(self, rows, *, depth: int) -> None:
         """Queue the forward over the chain then `rows` (`depth`: the levels drafted, so no row
@@ -123,7 +127,7 @@ class EarlyVerify:
         self.clock.draft_done()
         kv, device = self.state.target_kv, rows.tokens.device
         past, chain, root = kv.length, kv.pending, len(self.state.committed) - 1
-        self.past = past
+        self.past, self.chain, self.root, self.rows = past, list(chain), root, rows
         # no row sees more than the past, the chain and its ancestors (`depth` at most, itself included)
         most_keys = past + len(chain) + depth
         self.out = self._captured(rows, past, chain, root, most_keys)
@@ -156,19 +160,24 @@ class EarlyVerify:
         return Forward(out.logits, out.states if drafter.wants_features else None)
 
     def batch(self, tree: DraftTree) -> VerifyBatch:
-        """The host's record of what was verified; raises if the tree's view is not the
-        rows the device verified (the two builds disagree: never by construction)."""
-        batch = VerifyBatch.of(tree, self.state, past=self.past)
-        row = {node: i for i, node in enumerate(batch.order)}
-        n, read = len(batch.order) - 1, self.read
-        nodes = batch.order[1:]
+        """The host's record of what was verified, from the rows: their nodes in the tree's view
+        (levels.rows_order), in the rows' order, and their ancestor rows as the device built them.
+        Raises if the rows are not the view's verified nodes with their tokens and parents (the
+        device's build and the host's read disagree: never by construction)."""
+        read, order = self.read, self.read.order
+        row = {node: i for i, node in enumerate(order)}
+        n, nodes = len(order) - 1, order[1:]
         if (
-            read.nodes != n
+            None in row
+            or len(row) != sum(map(tree.is_verified, range(len(tree))))
             or read.tokens[:n] != [tree.tokens[v] for v in nodes]
             or read.parents[:n] != [row[tree.parents[v]] for v in nodes]
         ):
             raise RuntimeError("the verify rows built on the device differ from the tree the host read")
-        return batch
+        tokens = self.chain + [tree.tokens[v] for v in nodes]
+        positions = list(range(self.past, self.past + len(self.chain))) + tree.position_ids(nodes, self.root)
+        ancestors = self.rows.ancestors[: n + 1, : n + 1]
+        return VerifyBatch(order, ancestors, self.past, self.chain, self.root, tokens, positions)
 
 
 def _verify_fill(n: int, w: int):

@@ -46,6 +46,7 @@ from dynatree_core.drafting.levels import (
     ReadLevel,
     read_levels,
     read_verifying,
+    rows_order,
 )
 from dynatree_core.drafting.request import DraftRequest
 
@@ -238,14 +239,18 @@ def admitted_levels(
     elif counts is not None:
         per_row = levels[-1].tokens.shape[0] // levels[-2].selected.shape[0]
         width = min(width, counts[1] + max(0, min(budget - counts[1], counts[0] * per_row)))
-    return admitted_tree(tree, read_verifying(request, levels, width), drafter)
+    tree, nodes = admitted_tree(tree, read_verifying(request, levels, width), drafter)
+    rows_order(request, nodes)
+    return tree
 
 
-def admitted_tree(tree: DraftTree, read: list[ReadLevel], drafter) -> DraftTree:
+def admitted_tree(tree: DraftTree, read: list[ReadLevel], drafter) -> tuple[DraftTree, list[int | None]]:
     """The DraftTree the levels hold, as read: each candidate a node with its fate and leaf reason
     as the level decided them; each row of a level's forward, its node, expanded (and bound to its
-    draft cache slot: `Drafter.bind`). No rule is applied here."""
+    draft cache slot: `Drafter.bind`). No rule is applied here. Also the node each candidate
+    became (None: not a node), counted over the levels in order."""
     frontier = [0]  # the node of each row of the level's forward (None: a padding row)
+    nodes: list[int | None] = []
     for level, lv in enumerate(read, start=1):
         expand_frontier(tree, frontier, drafter, level)
         grows: list[int | None] = []  # per candidate: its node if it is a row of the next forward
@@ -256,9 +261,10 @@ def admitted_tree(tree: DraftTree, read: list[ReadLevel], drafter) -> DraftTree:
             elif fate != PADDING:
                 reason = Reason.THRESHOLD if fate == THRESHOLD else Reason.BUDGET
                 tree.add(frontier[row], tok, lp, status=Status.PRUNED, reason=reason)
+            nodes.append(node)
             grows.append(node if fate == ADMITTED and leaf == EXPANDED else None)
         frontier = [grows[i] for i in lv.selected]
-    return tree
+    return tree, nodes
 
 
 def grow_topk_levels(request: DraftRequest, *, depth: int, branch: int, tau: float, budget: int) -> DraftTree:
@@ -342,13 +348,16 @@ def grow_all_levels(
     # is verified: no verify forward queued from its rows
     nodes = sum(lv.tokens.shape[0] for lv in levels)
     read = read_levels(levels) if beam else read_verifying(request, levels, nodes)
-    frontier = [0]
+    frontier, nodes = [0], []
     for level, lv in enumerate(read, start=1):
         expand_frontier(tree, frontier, drafter, level)
         rows = zip(lv.tokens, lv.logp, lv.parents, strict=True)
         new = [tree.add(frontier[r], tok, lp, reason=reason) for tok, lp, r in rows]
+        nodes += new
         frontier = [new[i] for i in lv.selected]
         if beam and level < len(widths):  # outside the beam: leaves
             for node in sorted(set(new) - set(frontier)):
                 tree.mark_leaf(node, Reason.BEAM)
+    if not beam:
+        rows_order(request, nodes)
     return tree

@@ -52,12 +52,12 @@ class Level:
         return torch.cat([self.tokens, self.logp, self.parents, self.fate, self.leaf, self.selected]).double()
 
     @classmethod
-    def of_record(cls, record: torch.Tensor, cum: torch.Tensor, ranked: bool = False) -> Level:
+    def of_record(cls, record: torch.Tensor, cum: torch.Tensor, ranked: bool = False, prefix: bool = False) -> Level:
         """The Level a record holds (its cumulative log-probs apart)."""
         c = cum.shape[0]
         tokens, logp, parents, fate, leaf, selected = record.split([c, c, c, c, c, record.shape[0] - 5 * c])
         fields = (tokens.long(), logp.float(), parents.long(), fate.long(), leaf.long(), selected.long(), cum, record)
-        return cls(*fields, ranked=ranked)
+        return cls(*fields, prefix=prefix, ranked=ranked)
 
 
 @dataclasses.dataclass
@@ -84,6 +84,7 @@ class TreeRows:
     parents: torch.Tensor  # (W,) long: the parent's row, rows counted from 1 (0: the root); a padding row's own
     valid: torch.Tensor  # (W,) bool: a node (else padding: it sees only itself, nothing sees it)
     ancestors: torch.Tensor  # (W + 1, W + 1) bool, the root's row first: [i, j] row j is row i or its ancestor
+    pick: torch.Tensor  # (W,) long: the candidate a row is, counted over the levels in order (padding: any)
 
 
 @dataclasses.dataclass
@@ -92,7 +93,10 @@ class ReadRows:
 
     tokens: list[int]
     parents: list[int]
+    pick: list[int]
     nodes: int  # valid rows (a prefix)
+    # the tree view's node of each valid row, the root's first (set once the view is made: rows_order)
+    order: list[int] = dataclasses.field(default_factory=list)
 
 
 def tree_rows(levels: list[Level], width: int) -> TreeRows:
@@ -122,8 +126,9 @@ def tree_rows(levels: list[Level], width: int) -> TreeRows:
         dest = torch.where(admitted, row, width + 1)
         slots = torch.arange(width + 2, device=device)
         table = slots.scatter(0, dest, up)[: width + 1]  # parent rows, the root its own; padding: its own row
-        picked = [tokens.new_zeros(width + 2).scatter(0, dest, field)[1 : width + 1] for field in (tokens, depths)]
-        rows = TreeRows(picked[0], picked[1], table[1:], slots[1 : width + 1] <= row[-1], None)
+        fields = (tokens, depths, torch.arange(tokens.shape[0], device=device))  # the last: a candidate's index
+        tokens, depths, pick = [tokens.new_zeros(width + 2).scatter(0, dest, f)[1 : width + 1] for f in fields]
+        rows = TreeRows(tokens, depths, table[1:], slots[1 : width + 1] <= row[-1], None, pick)
     else:
         rows = _sorted_rows(tokens, admitted, depths, levels, width)
         table = torch.cat([rows.parents.new_zeros(1), rows.parents])
@@ -153,7 +158,7 @@ def _sorted_rows(tokens, admitted, depths, levels: list[Level], width: int) -> T
     valid = admitted[pick]
     up = parent[pick]
     parents = torch.where(valid, torch.where(up >= 0, row_of[up.clamp(min=0)], 0), rows)
-    return TreeRows(tokens[pick], depths[pick], parents, valid, None)
+    return TreeRows(tokens[pick], depths[pick], parents, valid, None, pick)
 
 
 def read_levels(levels: list[Level]) -> list[ReadLevel]:
@@ -168,7 +173,7 @@ def read_levels(levels: list[Level]) -> list[ReadLevel]:
 def _flat(levels: list[Level], rows: TreeRows | None = None) -> torch.Tensor:
     parts = [lv.flat() for lv in levels]
     if rows is not None:
-        parts.append(torch.cat([rows.tokens, rows.parents, rows.valid.sum()[None]]).double())
+        parts.append(torch.cat([rows.tokens, rows.parents, rows.pick, rows.valid.sum()[None]]).double())
     return torch.cat(parts)
 
 
@@ -181,7 +186,7 @@ def _parse(levels: list[Level], values: list[float], rows: TreeRows | None = Non
         out.append(ReadLevel(take(c), take(c, float), take(c), take(c), take(c), take(lv.selected.shape[0])))
     if rows is not None:
         w = rows.tokens.shape[0]
-        out.append(ReadRows(take(w), take(w), take(1)[0]))
+        out.append(ReadRows(take(w), take(w), take(w), take(1)[0]))
     return out
 
 
@@ -199,7 +204,8 @@ def read_verifying(request: DraftRequest, levels: list[Level], width: int) -> li
         shapes = tuple((lv.tokens.shape[0], lv.selected.shape[0]) for lv in levels)
         inputs = [t for lv in levels for t in (lv.flat(), lv.cum)]
         ranked = all(lv.ranked for lv in levels)
-        *built, flat = steps(("rows", shapes, width, ranked), _verify_rows(width, ranked), *inputs)
+        prefix = all(lv.prefix for lv in levels)
+        *built, flat = steps(("rows", shapes, width, ranked, prefix), _verify_rows(width, ranked, prefix), *inputs)
         rows = TreeRows(*built)
     else:
         rows = tree_rows(levels, width)
@@ -210,14 +216,23 @@ def read_verifying(request: DraftRequest, levels: list[Level], width: int) -> li
     return read
 
 
-def _verify_rows(width: int, ranked: bool):
+def rows_order(request: DraftRequest, nodes: list[int | None]) -> None:
+    """Name the tree view's node of each verify row the device built (`nodes`: the node each
+    candidate became, counted over the levels in order): the order the target verified them in."""
+    early = request.early
+    if early is not None and early.read is not None:
+        read = early.read
+        early.read.order = [0] + [nodes[c] for c in read.pick[: read.nodes]]
+
+
+def _verify_rows(width: int, ranked: bool, prefix: bool):
     """tree_rows and the record to read, as a pure function of the levels' records and cumulative
     log-probs (read_verifying's step)."""
 
     def build(*inputs):
         pairs = zip(inputs[::2], inputs[1::2], strict=True)
-        levels = [Level.of_record(record, cum, ranked) for record, cum in pairs]
+        levels = [Level.of_record(record, cum, ranked, prefix) for record, cum in pairs]
         rows = tree_rows(levels, width)
-        return rows.tokens, rows.depths, rows.parents, rows.valid, rows.ancestors, _flat(levels, rows)
+        return rows.tokens, rows.depths, rows.parents, rows.valid, rows.ancestors, rows.pick, _flat(levels, rows)
 
     return build
