@@ -195,17 +195,17 @@ def test_rows_that_differ_from_the_tree_the_host_read_raise(monkeypatch):
 def test_an_iteration_drains_the_device_once_when_its_tree_is_verified_from_there(device_verify):
     """With the verify forward queued from the device's rows (decoding/batch.py), the target's
     choices are the iteration's one draining read: the tree is copied behind the draft and read
-    while the target runs (a late read); eagle2, whose tree the host reranks first, also reads its
-    tree, and delayed_auto its root's distribution. Without it (device_verify off): the tree, then
-    the target's choices. A level's "did it admit anything" is read late, once per level after the
-    first; the timing marks are read after the draining read, so never a sync."""
+    while the target runs (a late read); delayed_auto also reads its root's distribution. Without
+    it (device_verify off): the tree, then the target's choices. A level's "did it admit anything"
+    is read late, once per level after the first; the timing marks are read after the draining
+    read, so never a sync."""
     target, prompt = tiny_model("llama"), [1, 5, 7, 9, 11]
     for draft in (noisy_copy("llama", 0.01), feature_draft("llama")):
         for policy, params in DEVICE_POLICIES:
             config = DecodeConfig(20, forward=ForwardSettings(device_draft=True, device_verify=device_verify))
             with counting() as moved:
                 result = generate(target, prompt, make_method(policy, params), draft=draft, config=config)
-            early = device_verify and policy != "eagle2"
+            early = device_verify
             reads = (1 if early else 2) + (policy == "delayed_auto")
             assert moved["to_host"] <= reads * result.iterations, f"{policy} {params}: {dict(moved)}"
             assert moved["sync"] == 0, f"{policy} {params}: {dict(moved)}"

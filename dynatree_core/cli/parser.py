@@ -62,7 +62,7 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         p,
         "--device-verify",
         "greedy trees drafted as levels: queue the verify forward from the tree's rows built from the levels "
-        "before the host reads the tree (one draining read per iteration with --device-draft; all but eagle2; "
+        "before the host reads the tree (one draining read per iteration with --device-draft; "
         "not with --width-invariant at free shapes; auto: on)",
     )
 

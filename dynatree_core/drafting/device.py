@@ -41,10 +41,10 @@ from dynatree_core.drafting.common import drafter_of, safe_log, start_tree
 from dynatree_core.drafting.levels import (
     ADMITTED,
     PADDING,
+    RERANKED,
     THRESHOLD,
     Level,
     ReadLevel,
-    read_levels,
     read_verifying,
     rows_order,
 )
@@ -315,14 +315,34 @@ def _grown(width: int, beam: int, last: bool, top, record: bool):
     return grow
 
 
+def _reranked(keep: int):
+    """EAGLE-2's rerank (App. B) as a pure function of the levels' cumulative log-probs (a captured
+    step): the `keep` most probable candidates, ties in node order, ADMITTED, the rest RERANKED. A
+    path's probability never exceeds its parent's, so the kept ones are closed under parents."""
+
+    def rerank(*cums):
+        order = most_probable_first(torch.cat(cums))
+        return (torch.full_like(order, RERANKED).scatter(0, order[:keep], ADMITTED),)
+
+    return rerank
+
+
 def grow_all_levels(
-    request: DraftRequest, widths: list[int], *, reason: Reason, beam: int = 0, tree: DraftTree | None = None, root=None
+    request: DraftRequest,
+    widths: list[int],
+    *,
+    reason: Reason,
+    beam: int = 0,
+    keep: int = 0,
+    tree: DraftTree | None = None,
+    root=None,
 ) -> DraftTree:
     """Trees whose every drafted child joins the tree, decided on the device and read once: level
     l proposes the top `widths[l]` children of each of its rows; the next level's rows are all of
     them, or with `beam` the `beam` most probable (ties in node order: eagle2.py's sort), the rest
-    leaves (Reason.BEAM). EAGLE-2's beam (before its rerank, done on the host from the tree) and
-    the delayed tree (delayed.py) are such trees; `reason` is their last level's leaf reason.
+    leaves (Reason.BEAM). With `keep`, EAGLE-2's rerank then keeps the `keep` most probable nodes
+    for verification, on the device, and withdraws the rest (Reason.RERANK). The beam (eagle2.py)
+    and the delayed tree (delayed.py) are such trees; `reason` is their last level's leaf reason.
     `tree` and `root` (its log-probabilities from `expand_level(None, None, 0)`) pass in a root
     already run through the draft (delayed_auto chooses the shape from it)."""
     drafter = drafter_of(request)
@@ -344,20 +364,26 @@ def grow_all_levels(
         grow = _grown(width, beam, last, top, record=request.on_device)
         *fields, cum, record = drafter.steps(key, grow, logits, cum, index, rows)
         levels.append(Level(*fields, record if request.on_device else None, prefix=not beam and not last))
-    # every candidate is a node, except in a beam, whose tree the host reranks (eagle2.py) before it
-    # is verified: no verify forward queued from its rows
     nodes = sum(lv.tokens.shape[0] for lv in levels)
-    read = read_levels(levels) if beam else read_verifying(request, levels, nodes)
-    frontier, nodes = [0], []
+    if keep:  # the rerank's fates replace the levels' (every child ADMITTED): their records are made again
+        sizes = [lv.tokens.shape[0] for lv in levels]
+        (fates,) = drafter.steps(("rerank", tuple(sizes), keep), _reranked(keep), *(lv.cum for lv in levels))
+        for lv, fate in zip(levels, fates.split(sizes), strict=True):
+            lv.fate, lv.record = fate, None
+    # the verify rows: every node, or the ones the rerank kept
+    read = read_verifying(request, levels, min(keep, nodes) if keep else nodes)
+    frontier, made = [0], []
     for level, lv in enumerate(read, start=1):
         expand_frontier(tree, frontier, drafter, level)
         rows = zip(lv.tokens, lv.logp, lv.parents, strict=True)
         new = [tree.add(frontier[r], tok, lp, reason=reason) for tok, lp, r in rows]
-        nodes += new
+        made += new
         frontier = [new[i] for i in lv.selected]
         if beam and level < len(widths):  # outside the beam: leaves
             for node in sorted(set(new) - set(frontier)):
                 tree.mark_leaf(node, Reason.BEAM)
-    if not beam:
-        rows_order(request, nodes)
+    for node, fate in zip(made, (f for lv in read for f in lv.fate), strict=True):
+        if fate == RERANKED:
+            tree.prune(node, Reason.RERANK)
+    rows_order(request, made)
     return tree

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dynatree_core.core.tree import DraftTree, Reason, Status
+from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.drafting.common import leaf_reason
 from dynatree_core.drafting.device import grow_all_levels
 from dynatree_core.drafting.policy import Param, Policy, register_policy
@@ -30,15 +30,6 @@ class Eagle2Beam(Policy):
         c = self.config
         cap = min(c["depth"], request.max_depth)  # the beam as tensor levels (device.py)
         reason = leaf_reason(cap, c["depth"]) if cap > 0 else Reason.LENGTH_LIMIT
-        tree = grow_all_levels(request, [c["topk"]] * cap, reason=reason, beam=c["topk"])
-        if cap <= 0:
-            return tree
-        ranked = sorted(range(1, len(tree)), key=lambda n: (-tree.cum_logp[n], n))
-        keep: set[int] = set()
-        for node in ranked:  # the rerank; a path probability never exceeds its parent's
-            if len(keep) < c["total"] and (tree.parents[node] == 0 or tree.parents[node] in keep):
-                keep.add(node)
-        for node in range(1, len(tree)):
-            if node not in keep and tree.status[node] != Status.PRUNED:
-                tree.prune(node, Reason.RERANK)
-        return tree
+        # the beam, then the rerank: keep the global top-N by path probability (a path's probability
+        # never exceeds its parent's, so they form a tree), on the device (device.grow_all_levels)
+        return grow_all_levels(request, [c["topk"]] * cap, reason=reason, beam=c["topk"], keep=c["total"])

@@ -20,8 +20,9 @@ from dynatree_core.drafting.common import drafter_of
 from dynatree_core.drafting.request import DraftRequest
 
 # a candidate's fate, as the level records it
-# the runs of a level ordered most probable first (device.fates), in that order
-ADMITTED, BUDGET, THRESHOLD, PADDING = 0, 1, 2, 3
+# the runs of a level ordered most probable first (device.fates), in that order; then a node EAGLE-2's
+# rerank left out (device.grow_all_levels)
+ADMITTED, BUDGET, THRESHOLD, PADDING, RERANKED = 0, 1, 2, 3, 4
 
 
 @dataclasses.dataclass
