@@ -72,7 +72,7 @@ def test_captured_steps_replay_what_the_eager_steps_compute(arch, monkeypatch):
             # every iteration's verify forward is one step (forward/filled.py): queued from the rows,
             # or from a batch built on the host (an iteration that drafted nothing) but for a
             # prefill (the target's cache empty)
-            expected = captured_verifies(stepped, True) if fixed_shapes(target, monkeypatch) else 0
+            expected = captured_verifies(stepped) if fixed_shapes(target, monkeypatch) else 0
             assert verifies == expected, f"{policy} {params}: {verifies} verify steps"
             assert capture.REPLAYS["step"] - before["step"] == replays, "the eager run replays nothing"
 
@@ -99,7 +99,7 @@ def test_width_invariant_verify_forwards_capture_their_inputs_and_keep_ars_token
         assert [t for r in stepped for t in r.committed] == ar.token_ids, f"{policy} {params}"
         assert [verified(r) for r in stepped] == [verified(r) for r in eager], f"{policy} {params}"
         assert [signature(r.tree) for r in stepped] == [signature(r.tree) for r in eager], f"{policy} {params}"
-        assert verifies == captured_verifies(stepped, True), f"{policy} {params}: {verifies} verify steps"
+        assert verifies == captured_verifies(stepped), f"{policy} {params}: {verifies} verify steps"
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
@@ -164,7 +164,7 @@ def test_batches_built_on_the_host_verify_as_one_captured_step_a_width(dtype, mo
         assert [signature(r.tree) for r in stepped] == [signature(r.tree) for r in eager], f"{policy} {verifier}"
         if verifier == "greedy":
             assert [t for r in stepped for t in r.committed] == ar.token_ids, f"{policy} {params}"
-        assert verifies == captured_verifies(stepped, False), f"{policy} {verifier}: {verifies} verify steps"
+        assert verifies == captured_verifies(stepped), f"{policy} {verifier}: {verifies} verify steps"
         widths = [key[0][2] for key in steps.steps if key[0][:2] == ("verify", "rows")]
         sizes = {r.verify_rows for r in stepped[1:] if len(r.order) > 1}
         assert len(widths) == len(set(widths)) < max(len(sizes), 2), (
@@ -214,12 +214,11 @@ def test_forgotten_steps_release_their_outputs_place_among_the_fixed():
     assert capture._memory(b) in steps.fixed and capture._memory(a) not in steps.fixed
 
 
-def captured_verifies(records, from_rows: bool) -> int:
-    """Iterations whose verify forward is a captured step where the target's steps are: queued
-    from the rows (`from_rows`: a greedy tree drafted as levels), or built on the host over a
-    non-empty cache (past = root - chain + 1 > 0)."""
-    early = [from_rows and r.draft_forwards > 0 for r in records]
-    return sum(1 for r, e in zip(records, early, strict=True) if e or r.prefix_len + 1 - r.chain_len > 0)
+def captured_verifies(records) -> int:
+    """Iterations whose verify forward is a captured step where the target's steps are: every one
+    over a non-empty cache (past = root - chain + 1 > 0), queued from the rows or built on the
+    host; the prefill runs eagerly (its width is the prompt's)."""
+    return sum(1 for r in records if r.prefix_len + 1 - r.chain_len > 0)
 
 
 def fixed_shapes(draft, monkeypatch) -> bool:

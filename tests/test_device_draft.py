@@ -255,14 +255,15 @@ class PathDrafter:
     def level_top(self, logits, k):
         return logits.topk(min(k, logits.shape[-1]), dim=-1)
 
-    def expand_level(self, tokens, parents, depth, *, raw=False):
+    def expand_level(self, tokens, parents, depth, *, raw=False, then=None):
         if tokens is None:
             self.level_paths = [()]
         else:
             self.level_paths = [
                 self.level_paths[p] + (t,) for t, p in zip(tokens.tolist(), parents.tolist(), strict=True)
             ]
-        return torch.stack([self.row(p) for p in self.level_paths])
+        logits = torch.stack([self.row(p) for p in self.level_paths])
+        return logits if then is None else then[1](logits, *then[2])  # the level's decision after its forward
 
     def bind(self, node, level, row):
         self.slots[node] = (level, row)

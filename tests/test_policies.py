@@ -55,7 +55,7 @@ class ScriptedDrafter:
     # greedy drafting's tensor levels (drafting/device.py): rows named by their parent rows
     steps = StepGraphs(torch.device("cpu"), capture=False)
 
-    def expand_level(self, tokens, parents, depth, *, raw=False):
+    def expand_level(self, tokens, parents, depth, *, raw=False, then=None):
         if tokens is None:
             self.level_paths = [()]
         else:
@@ -63,7 +63,8 @@ class ScriptedDrafter:
             self.level_paths = [self.level_paths[p] + (t,) for t, p in pairs]
         self.batches.append(len(self.level_paths))
         self.expanded.append(list(self.level_paths))
-        return torch.tensor([self.dist(path) for path in self.level_paths], dtype=torch.float64).log()
+        logits = torch.tensor([self.dist(path) for path in self.level_paths], dtype=torch.float64).log()
+        return logits if then is None else then[1](logits, *then[2])  # the level's decision after its forward
 
     def to_logp(self, logits):
         return logits  # its rows are log-probabilities already

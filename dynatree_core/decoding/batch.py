@@ -144,10 +144,13 @@ class EarlyVerify:
         (KVState.level) where the target's steps are captured and its forward is at fixed shapes,
         width-invariant rows included (else None): the chain, the cache's length and the root's
         position go up in one upload into a buffer the step reads; the rows are the rows step's
-        outputs, read where they are. A feature draft's taps other than the final states: None."""
+        outputs, read where they are. The prefill (an empty cache: its width is the prompt's) and a
+        feature draft's taps other than the final states: None."""
         state, kv = self.state, self.state.target_kv
         drafter = state.drafter
-        if not kv.fills(len(chain) + rows.tokens.shape[0]) or (drafter.wants_features and drafter.taps != (FINAL,)):
+        if kv.length == 0 or not kv.fills(len(chain) + rows.tokens.shape[0]):  # the prefill runs eagerly (filled.py)
+            return None
+        if drafter.wants_features and drafter.taps != (FINAL,):
             return None
         n, w = len(chain), rows.tokens.shape[0]
         host = kv.steps.buffer(("verify inputs", n), lambda: torch.zeros(n + 2, dtype=torch.long, device=kv.device))

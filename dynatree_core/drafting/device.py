@@ -14,9 +14,10 @@ Two ways to run the levels (`DraftRequest.on_device`, the engine's `ForwardSetti
 - on a GPU every device->host read waits for the queue to drain, so a level runs at a fixed width
   (every row the level could have; rows that expand nothing are padded and marked), whether a
   level expanded anything is read one level late (transfer.LateRead: a tree that ends early costs
-  one spare forward), and the levels are read in ONE copy after the last draft forward. Between
-  the forwards a level's decision is one captured step (forward/capture.py): one launch, not
-  thirty. SGLang's EAGLE worker keeps its draft loop on the GPU the same way (docs/gpu.md).
+  one spare forward), and the levels are read in ONE copy after the last draft forward. A level's
+  decision runs after its forward inside the forward's captured step (Drafter.expand_level's
+  `then`; forward/capture.py): a level is one launch. SGLang's EAGLE worker keeps its draft loop
+  on the GPU the same way (docs/gpu.md).
 
 Two shapes of tree: `admitted_levels` (fixed_tree, linear, dynatree, dyspec_threshold: a level's
 candidates admitted most probable first under a threshold and a budget, each admitted one with
@@ -88,16 +89,22 @@ def fates(cum: torch.Tensor, log_tau: float, room: torch.Tensor, index: torch.Te
     return torch.bucketize(index, ends, right=True), ends[0]
 
 
-def level_forward(drafter, levels: list[Level]) -> torch.Tensor:
-    """The next level's ONE draft forward, its logits (the step that decides the level makes them
-    log-probabilities: Drafter.to_logp): the root's first, then the rows the last level selected."""
+def level_forward(drafter, levels: list[Level], then: tuple):
+    """The next level's ONE draft forward (the root's first, then the rows the last level
+    selected) and its decision `then` = (key, fn, inputs): fn(its logits, *inputs), captured in
+    one step with the forward where the run captures its levels (Drafter.expand_level)."""
     if not levels:
-        return drafter.expand_level(None, None, 0, raw=True)
+        return drafter.expand_level(None, None, 0, then=then)
     prev = levels[-1]
     if prev.prefix:  # the first candidates: views, no gather
         width = prev.selected.shape[0]
-        return drafter.expand_level(prev.tokens[:width], prev.parents[:width], len(levels), raw=True)
-    return drafter.expand_level(prev.tokens[prev.selected], prev.parents[prev.selected], len(levels), raw=True)
+        return drafter.expand_level(prev.tokens[:width], prev.parents[:width], len(levels), then=then)
+    return drafter.expand_level(prev.tokens[prev.selected], prev.parents[prev.selected], len(levels), then=then)
+
+
+def _rows(levels: list[Level]) -> int:
+    """The rows of the next level's forward: the root's one, then the last level's selected."""
+    return levels[-1].selected.shape[0] if levels else 1
 
 
 def _start(steps, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -204,17 +211,16 @@ def admitted_levels(
     counts = None  # (to expand, drafted) through the level before the last, as read late
     drafted_now = None  # on a CPU: the nodes drafted, read at once
     for level in range(1, cap + 1):
-        logits = level_forward(drafter, levels)  # over the level's rows
         if level == 1:
-            cum, drafted = _start(steps, logits.device)
-        index, rows, index64 = _index(steps, logits.shape[0] * k, k, logits.device)
-        # the level's decision, one captured step where forwards are (forward/capture.py): every
-        # value it reads besides its tensors is in the key
-        key = ("admit", key_of, level, tuple(logits.shape), log_tau, budget, request.on_device)
+            cum, drafted = _start(steps, steps.device)
+        n = _rows(levels)
+        index, rows, index64 = _index(steps, n * k, k, steps.device)
+        # the level's forward over its rows and its decision, one captured step where forwards are
+        # (forward/capture.py): every value the decision reads besides its tensors is in the key
+        key = ("admit", key_of, level, n, log_tau, budget, request.on_device)
         decide = _decision(propose, gate, level, log_tau, budget, drafter.level_top, k, record=request.on_device)
-        tokens, lp, rows, fate, leaf, cum_c, cum, drafted, count, record = steps(
-            key, decide, logits, cum, drafted, index, rows, index64, *inputs
-        )
+        then = (key, decide, (cum, drafted, index, rows, index64, *inputs))
+        tokens, lp, rows, fate, leaf, cum_c, cum, drafted, count, record = level_forward(drafter, levels, then)
         selected = index[: cum.shape[0]]
         if not request.on_device:  # a read costs nothing: the next rows are the children to expand
             grows, drafted_now = to_list(count)  # a read per level: free on a CPU, counted
@@ -351,18 +357,22 @@ def grow_all_levels(
         tree.mark_leaf(0, reason)
         return tree
     levels: list[Level] = []
+    steps = drafter.steps
     for level, width in enumerate(widths, start=1):
         given = level == 1 and root is not None  # its top children already
-        logits = root if given else level_forward(drafter, levels)
         if level == 1:
-            cum = _start(drafter.steps, logits.device)[0]
+            cum = _start(steps, steps.device)[0]
         last = level == len(widths)
-        index, rows, _ = _index(drafter.steps, logits.shape[0] * width, width, logits.device)
-        # one captured step (forward/capture.py); the record read in one copy on the device
-        key = ("grow", level, width, beam, last, given, tuple(logits.shape), request.on_device)
+        n = _rows(levels)
+        index, rows, _ = _index(steps, n * width, width, steps.device)
+        # the forward and the level, one captured step (forward/capture.py); the record read in one copy on the device
+        key = ("grow", level, width, beam, last, given, n, request.on_device)
         top = (lambda lp, k: lp.topk(min(k, lp.shape[-1]), dim=-1)) if given else drafter.level_top
         grow = _grown(width, beam, last, top, record=request.on_device)
-        *fields, cum, record = drafter.steps(key, grow, logits, cum, index, rows)
+        if given:
+            *fields, cum, record = steps(key, grow, root, cum, index, rows)
+        else:
+            *fields, cum, record = level_forward(drafter, levels, (key, grow, (cum, index, rows)))
         levels.append(Level(*fields, record if request.on_device else None, prefix=not beam and not last))
     nodes = sum(lv.tokens.shape[0] for lv in levels)
     if keep:  # the rerank's fates replace the levels' (every child ADMITTED): their records are made again

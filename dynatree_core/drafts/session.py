@@ -49,6 +49,7 @@ class Drafter:
         self.ancestors = torch.zeros(1, 0, dtype=torch.long)
         self.level_starts: list[int] = []
         self._committed_on_device: torch.Tensor | None = None  # _upload_committed
+        self._then, self._after = None, None  # expand_level's decision, and its outputs
 
     @property
     def forwards(self) -> int:
@@ -95,20 +96,43 @@ class Drafter:
         return logits
 
     def expand_level(
-        self, tokens: torch.Tensor | None, parents: torch.Tensor | None, depth: int, *, raw: bool = False
-    ) -> torch.Tensor:
+        self,
+        tokens: torch.Tensor | None,
+        parents: torch.Tensor | None,
+        depth: int,
+        *,
+        raw: bool = False,
+        then: tuple | None = None,
+    ):
         """One tree level held on the device, in one forward and with no host read: `tokens` (P,)
         at `depth`, `parents` (P,) their parents' rows in the level before (the root level is one
         row); `None, None, 0` runs the root (the pending chain). Every row is computed, padded
         ones too (their children are never admitted). Returns (P, vocab) log-probabilities, or with
-        `raw` the logits `to_logp` makes them from (drafting/device.py does that in a captured step)."""
+        `raw` the logits `to_logp` makes them from. With `then` = (key, fn, inputs), the level's
+        decision: returns fn(logits, *inputs), run inside the forward's captured step where the run
+        captures its levels (one launch a level: drafting/device.py), else a step of its own."""
+        self._then, self._after = then, None
+        try:
+            logits = self._level(tokens, parents, depth)
+        finally:
+            self._then = None  # a later forward (a host `expand`) runs nothing after it
+        if then is None:
+            return logits if raw else self.to_logp(logits)
+        if self._after is None:  # the forward ran apart: the decision is a step of its own
+            key, fn, inputs = then
+            self._after = self.steps(key, fn, logits, *inputs)
+        return self._after
+
+    def _level(self, tokens, parents, depth: int) -> torch.Tensor:
+        """expand_level's forward: its logits (with `_then`, its decision's outputs in `_after`
+        where they ran in the forward's step)."""
         if tokens is None:
             logits = self.expand_logits(DraftTree.with_root(0), [0])
             self.level_starts = []
             self._committed_on_device = self._upload_committed(logits.device)
             if self._committed_on_device is None:
                 self.ancestors = torch.zeros(1, 0, dtype=torch.long, device=logits.device)
-            return logits if raw else self.to_logp(logits)
+            return logits
         p, start = tokens.shape[0], self.kv.length
         self.level_starts.append(start)
         logits = self._captured_level(tokens, parents, depth, start)
@@ -119,7 +143,7 @@ class Drafter:
             visible[:, : self.committed] = True
             visible.scatter_(1, self.ancestors, True)
             logits = self._level_logits(tokens, parents, depth, visible)
-        return logits if raw else self.to_logp(logits)
+        return logits
 
     def _captured_root(self, tokens: list[int], first: int, *extra: torch.Tensor):
         """The root's forward (the pending chain at positions from `first`) as ONE captured step
@@ -127,7 +151,11 @@ class Drafter:
         `extra`: what `_root_embeds` reads. None elsewhere."""
         embeds = self._root_embeds if self.wants_features else None
         key = ("level", type(self).__name__, "root")  # names the ids map and the embeds hook it captures
-        return self.kv.chain(key, tokens, first, 1, ids=self._draft_ids, embeds=embeds, extra=extra)
+        then = self._then
+        out = self.kv.chain(key, tokens, first, 1, ids=self._draft_ids, embeds=embeds, extra=extra, then=then)
+        if out is not None and then is not None:
+            self._after = self.kv.after
+        return out
 
     def _root_embeds(self, chain: torch.Tensor, width: int, *extra) -> torch.Tensor | None:
         """A captured root's input vectors (1, width, hidden), or None: the tokens' embeddings."""
@@ -173,10 +201,13 @@ class Drafter:
         inputs = (tokens, parents, self.ancestors, self._committed_on_device, *self._level_inputs(depth))
         key = ("level", type(self).__name__, depth, offset)
         # a row sees the committed entries, its ancestors and itself
-        done = self.kv.level(key, make_fill, inputs, p, embeds=self.wants_features, most_keys=self.committed + depth)
+        then, embeds = self._then, self.wants_features
+        done = self.kv.level(key, make_fill, inputs, p, embeds=embeds, most_keys=self.committed + depth, then=then)
         if done is None:
             return None
-        out, (self.ancestors,) = done
+        out, (self.ancestors, *after) = done
+        if then is not None:
+            self._after = tuple(after)
         self._level_done(out)
         return out.logits
 

@@ -15,6 +15,9 @@ key and replays. Three callers' shapes of it:
 - `rows`: a batch built on the host (the chain, then a tree's nodes, with their block of the
   mask), padded to the width it runs at, so one graph serves every batch of that width.
 
+A step may go on after its forward (`then`): a draft level's decision on its logits runs inside
+the same step, so a level is one launch, its forward and its decision (drafting/device.py).
+
 A fill hands the forward which slots each row sees, a (width, span) boolean (`seen_over`); the
 step turns it into the additive mask, or for width-invariant rows into each row's slots in
 sequence order (static_rows.StaticRows.build). The prefill runs eagerly (its width is the prompt's).
@@ -49,6 +52,7 @@ class FilledForwards:
         most_keys: int,
         keep: int | None = None,
         whole: bool = False,
+        then: tuple | None = None,
     ):
         """One forward of q rows whose inputs a device function makes, that function and the
         forward captured as ONE step (graphs.PaddedForward.filled; a draft level: drafts/session.py,
@@ -56,9 +60,11 @@ class FilledForwards:
         `inputs` (its Python values all in `key`, whose first item names the kind: "level" or
         "verify"); `most_keys` bounds the keys a row sees (width-invariant rows span them).
         `whole`: the inputs come padded to the width (`rows`), so the step, keyed by the width, not
-        q, returns every row and the real ones are cut after it. Returns (Forward with the last
-        `keep` rows' logits (default: all) and every row's states, the fill's extra outputs), or
-        None where this run cannot (`fills`): the caller then uses `forward`."""
+        q, returns every row and the real ones are cut after it. `then` = (key, fn, inputs): fn(the
+        kept logits, *inputs) runs after the forward inside the step, its outputs after the fill's
+        extra ones. Returns (Forward with the last `keep` rows' logits (default: all) and every
+        row's states, the fill's extra outputs), or None where this run cannot (`fills`): the caller
+        then uses `forward`."""
         if not self.fills(q):
             return None
         dtype = self.model.dtype
@@ -72,6 +78,9 @@ class FilledForwards:
         keep = q if keep is None else keep
         cut = (width, width) if whole else (q, keep)  # the rows the step hands out
         step = self.padded.filled(make_fill(width, span), width, span, *cut, dtype)
+        if then is not None:  # the work after the forward, in its step (what it reads besides tensors: its key)
+            then_key, fn, then_inputs = then
+            step, key, inputs = _followed(step, fn, len(inputs)), (*key, then_key), (*inputs, *then_inputs)
         logits, states, *extra = self.steps((*key, *cut, width, span, epoch), step, *inputs)
         if whole:
             logits, states = logits[q - keep : q], states[:q]
@@ -112,14 +121,17 @@ class FilledForwards:
             (*key, "rows"), make_fill, (host,), q, embeds=False, most_keys=most_keys, keep=keep, whole=True
         )[0]
 
-    def chain(self, key: tuple, tokens: list[int], first: int, keep: int, *, ids=None, embeds=None, extra=()):
+    def chain(
+        self, key: tuple, tokens: list[int], first: int, keep: int, *, ids=None, embeds=None, extra=(), then=None
+    ):
         """The forward of a chain of pending tokens (at positions from `first`, causal after the
         cache's entries) as ONE captured step with its inputs (`level`): the cache's length, `first`
         and the tokens go up in one upload into a buffer the step reads. `ids(chain)` maps the
         tokens to the model's ids, `embeds(chain, width, *extra)` gives its input vectors (a
         feature draft's); both are captured with the step, so `key` must name them. Returns the
         Forward (the last `keep` rows' logits, every row's states), or None where the run cannot
-        (`fills`), and for the prefill (an empty cache): the caller then uses `forward`."""
+        (`fills`), and for the prefill (an empty cache): the caller then uses `forward`. `then`: as
+        `level`'s; its outputs go to `after`."""
         n = len(tokens)
         if self.length == 0 or not self.fills(n):
             return None
@@ -140,9 +152,23 @@ class FilledForwards:
             return fill
 
         most_keys = self.length + n
-        return self.level(
-            (*key, n), make_fill, (host, *extra), n, embeds=embeds is not None, most_keys=most_keys, keep=keep
-        )[0]
+        inputs, embedded = (host, *extra), embeds is not None
+        out, after = self.level(
+            (*key, n), make_fill, inputs, n, embeds=embedded, most_keys=most_keys, keep=keep, then=then
+        )
+        self.after = tuple(after)
+        return out
+
+
+def _followed(step, fn, n: int):
+    """`step` over the first `n` inputs, then fn(its logits, *the rest) in the same step, its
+    outputs last."""
+
+    def both(*inputs):
+        logits, states, *extra = step(*inputs[:n])
+        return (logits, states, *extra, *fn(logits, *inputs[n:]))
+
+    return both
 
 
 def seen_over(past: torch.Tensor, block: torch.Tensor, real: torch.Tensor, span: int) -> torch.Tensor:

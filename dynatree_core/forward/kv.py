@@ -101,6 +101,7 @@ class KVState(FilledForwards):
         self.forwards = 0
         self.watch = Stopwatch(self.device)  # time inside model forwards, graph captures excluded
         self.peak_bytes = 0  # the cache's largest size so far (right after a forward, before compaction)
+        self.after: tuple[torch.Tensor, ...] = ()  # what the last chain's step ran after its forward (`then`)
 
     @property
     def forward_ms(self) -> float:
