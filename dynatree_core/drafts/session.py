@@ -139,10 +139,7 @@ class Drafter:
         if logits is None:
             own = torch.arange(start, start + p, device=tokens.device)
             self.ancestors = torch.cat([self.ancestors[parents], own[:, None]], dim=1)  # the root is committed
-            visible = torch.zeros(p, start + p, dtype=torch.bool, device=tokens.device)
-            visible[:, : self.committed] = True
-            visible.scatter_(1, self.ancestors, True)
-            logits = self._level_logits(tokens, parents, depth, visible)
+            logits = self._level_logits(tokens, parents, depth, level_seen(self.ancestors, self.committed, start + p))
         return logits
 
     def _captured_root(self, tokens: list[int], first: int, *extra: torch.Tensor):
@@ -189,8 +186,7 @@ class Drafter:
                 slots = committed + offset + rows
                 ancestors = torch.cat([ancestors[parents], slots[:p, None]], dim=1)  # the root is committed
                 every = torch.cat([ancestors, slots[p:, None].expand(width - p, depth)])  # padding: its own slot
-                seen = (torch.arange(span, device=tokens.device) < committed) & (rows < p)[:, None]
-                seen = seen.scatter(1, every, True)
+                seen = level_seen(every, committed, span, rows < p)
                 positions = (committed + position).expand(width).contiguous()[None]
                 ids = torch.cat([self._draft_ids(tokens), tokens.new_zeros(width - p)])[None]
                 embeds = self._level_embeds(tokens, parents, width, *extra)
@@ -235,16 +231,12 @@ class Drafter:
         self.slots[node] = self.level_starts[level - 1] + row
 
     def _level_visibility(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
-        """(q, length + q) visibility of one tree level: the committed entries (the root's
-        included), each node's ancestors' slots, and itself."""
+        """(q, length + q) visibility of nodes drafted on the host (any depths): `level_seen` over
+        each node's ancestors' slots and its own (the root is among the committed entries)."""
         q, length = len(nodes), self.kv.length
-        visible = torch.zeros(q, length + q, dtype=torch.bool)
-        visible[:, : self.committed] = True
-        for i, node in enumerate(nodes):
-            for anc in tree.path(node)[1:-1]:  # the root is among the committed entries
-                visible[i, self.slots[anc]] = True
-            visible[i, length + i] = True
-        return visible
+        slots = [[self.slots[a] for a in tree.path(node)[1:-1]] + [length + i] for i, node in enumerate(nodes)]
+        most = max(len(s) for s in slots)
+        return level_seen(torch.tensor([s + s[-1:] * (most - len(s)) for s in slots]), self.committed, length + q)
 
     def level_top(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The `k` most probable children of each row (at most as many as it can propose): their
@@ -284,3 +276,13 @@ class Drafter:
         self.kv.keep(list(range(self.committed)) + cached)
         self.kv.pending = list(new_tokens[len(cached) :])
         self.slots = {}
+
+
+def level_seen(slots: torch.Tensor, committed, span: int, real: torch.Tensor | None = None) -> torch.Tensor:
+    """(rows, span) bool: the slots each row of a draft level sees, the one visibility every draft
+    level is built with (host, device, captured): the committed entries (the root's included;
+    `committed` an int or a device scalar) and `slots` (rows, d), its ancestors' and its own
+    (padded by repeating one of them). A row that is not `real` (padding) sees its own slot only."""
+    seen = torch.arange(span, device=slots.device) < committed
+    seen = seen.expand(slots.shape[0], span) if real is None else seen & real[:, None]
+    return seen.scatter(1, slots, True)
