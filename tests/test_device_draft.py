@@ -255,7 +255,7 @@ class PathDrafter:
     def level_top(self, logits, k):
         return logits.topk(min(k, logits.shape[-1]), dim=-1)
 
-    def expand_level(self, tokens, parents, depth, *, raw=False, then=None):
+    def expand_level(self, tokens, parents, depth, *, then=None):
         if tokens is None:
             self.level_paths = [()]
         else:

@@ -55,7 +55,7 @@ class ScriptedDrafter:
     # greedy drafting's tensor levels (drafting/device.py): rows named by their parent rows
     steps = StepGraphs(torch.device("cpu"), capture=False)
 
-    def expand_level(self, tokens, parents, depth, *, raw=False, then=None):
+    def expand_level(self, tokens, parents, depth, *, then=None):
         if tokens is None:
             self.level_paths = [()]
         else:

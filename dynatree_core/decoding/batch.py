@@ -1,7 +1,7 @@
 """What the iteration's ONE target forward reads, built two ways.
 
 On the host (`VerifyBatch.of`): from the tree the policy returned, its nodes in `DecodeConfig.order`
-with their ancestor mask and positions (sampled trees, eagle2's reranked beam, salf). From the
+with their ancestor mask and positions (sampled trees, dyspec, salf). From the
 levels (`EarlyVerify`): where a policy drafts a greedy tree as tensor levels (drafting/device.py),
 on every device, the tree's rows, mask and positions are built where the levels are
 (`levels.tree_rows`) and the verify forward is queued BEFORE the host reads the tree: on a GPU the

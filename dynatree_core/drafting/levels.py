@@ -142,8 +142,8 @@ def tree_rows(levels: list[Level], width: int) -> TreeRows:
 
 
 def _sorted_rows(tokens, admitted, depths, levels: list[Level], width: int) -> TreeRows:
-    """tree_rows' rows of levels in no particular order (delayed.py's: every candidate a node, row
-    by row): three stable sorts give the bfs order, minor key first."""
+    """tree_rows' rows of levels not ranked (delayed.py's, every candidate a node row by row;
+    eagle2's beam, reranked): three stable sorts give the bfs order, minor key first."""
     device = tokens.device
     parent, start = [torch.full_like(levels[0].tokens, -1)], 0  # each candidate's parent candidate (-1: root)
     for prev, lv in zip(levels[:-1], levels[1:], strict=True):

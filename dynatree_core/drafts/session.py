@@ -101,23 +101,22 @@ class Drafter:
         parents: torch.Tensor | None,
         depth: int,
         *,
-        raw: bool = False,
         then: tuple | None = None,
     ):
         """One tree level held on the device, in one forward and with no host read: `tokens` (P,)
         at `depth`, `parents` (P,) their parents' rows in the level before (the root level is one
         row); `None, None, 0` runs the root (the pending chain). Every row is computed, padded
-        ones too (their children are never admitted). Returns (P, vocab) log-probabilities, or with
-        `raw` the logits `to_logp` makes them from. With `then` = (key, fn, inputs), the level's
-        decision: returns fn(logits, *inputs), run inside the forward's captured step where the run
-        captures its levels (one launch a level: drafting/device.py), else a step of its own."""
+        ones too (their children are never admitted). Returns (P, vocab) log-probabilities. With
+        `then` = (key, fn, inputs), the level's decision: returns fn(logits, *inputs), run inside
+        the forward's captured step where the run captures its levels (one launch a level:
+        drafting/device.py), else a step of its own."""
         self._then, self._after = then, None
         try:
             logits = self._level(tokens, parents, depth)
         finally:
             self._then = None  # a later forward (a host `expand`) runs nothing after it
         if then is None:
-            return logits if raw else self.to_logp(logits)
+            return self.to_logp(logits)
         if self._after is None:  # the forward ran apart: the decision is a step of its own
             key, fn, inputs = then
             self._after = self.steps(key, fn, logits, *inputs)
