@@ -32,7 +32,8 @@ from benchmarks import RESULTS  # noqa: E402
 from dynatree_core.decoding.pairs import load_pair  # noqa: E402
 from dynatree_core.forward import fastpath, kernels  # noqa: E402
 from dynatree_core.forward.fastpath import _rotate, rope_pair  # noqa: E402
-from dynatree_core.forward.kv import KVState, chain_then_tree_visibility  # noqa: E402
+from dynatree_core.forward.kv import KVState  # noqa: E402
+from dynatree_core.forward.rows import Rows  # noqa: E402
 from dynatree_core.measure.launches import OpNames  # noqa: E402
 
 FORMS = ("cpu", "gpu", "gpu+kernels")  # the last: with Triton's kernels (forward/kernels.py)
@@ -43,14 +44,13 @@ def forward_ops(model, prompt: list[int], rows: int, invariant: bool) -> tuple[C
     first made the fixed-shape buffers): its ops by name, and its last row's logits."""
     ids = min(500, model.config.vocab_size - 10)  # token ids 10 .. 10 + ids
     kv = KVState(model, prompt, invariant=invariant, graphs=True if invariant else None)
-    visible = chain_then_tree_visibility(0, len(prompt), torch.zeros(0, 0, dtype=torch.bool))
-    kv.forward(prompt, list(range(len(prompt))), visible, 1)
+    kv.run(Rows.chain(prompt, 0))
     for start in (len(prompt), len(prompt) + rows):
         kv.pending = []
         tokens = [(7 * i + start) % ids + 10 for i in range(rows)]
-        visible = chain_then_tree_visibility(kv.length, rows, torch.zeros(0, 0, dtype=torch.bool))
+        batch = Rows.chain(tokens, start)
         with OpNames() as ops:
-            logits = kv.forward(tokens, list(range(start, start + rows)), visible, 1).logits
+            logits = kv.run(batch).logits
     return ops.names, logits[-1].float()
 
 

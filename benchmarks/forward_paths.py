@@ -30,7 +30,8 @@ import torch
 from benchmarks import RESULTS
 from dynatree_core.core.threads import configure_threads
 from dynatree_core.decoding.pairs import load_pair
-from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
+from dynatree_core.forward.kv import KVState
+from dynatree_core.forward.rows import Rows
 
 PATHS = {"lean": (True, True), "static": (True, False), "dynamic": (False, False)}  # (static, fast)
 
@@ -39,13 +40,13 @@ PATHS = {"lean": (True, True), "static": (True, False), "dynamic": (False, False
 def time_forward(model, context: int, width: int, repeats: int, static: bool, fast: bool) -> list[float]:
     ids = [(7 * i + 3) % 1000 for i in range(context + width)]
     kv = KVState(model, ids[:context], capacity=context + width, static=static, fast=fast)
-    kv.forward(kv.pending, list(range(context)), chain_then_tree_visibility(0, context, torch.zeros(0, 0).bool()), 1)
+    kv.run(Rows.chain(kv.pending, 0))
     kv.pending = []
-    visible = chain_then_tree_visibility(context, 0, torch.ones(width, width, dtype=torch.bool).tril())
+    rows = Rows.chain(ids[context:], context, width)
     times = []
     for _ in range(repeats + 3):  # the first three warm up
         t0 = time.perf_counter()
-        kv.forward(ids[context:], list(range(context, context + width)), visible, logits_to_keep=width)
+        kv.run(rows)
         times.append((time.perf_counter() - t0) * 1e3)
         kv.keep(list(range(context)))
     return times[3:]

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from dynatree_core.decoding.pairs import load_pair
 from dynatree_core.forward import fastpath
-from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
+from dynatree_core.forward.kv import KVState
+from dynatree_core.forward.rows import Rows
 
 CONTEXT = 256
 WIDTHS = (1, 4, 16, 32, 64)
@@ -48,13 +49,13 @@ def variant(name: str, gqa_f: types.SimpleNamespace) -> None:
 def time_width(model, prompt: list[int], width: int, reps: int = 7) -> float:
     ctx = len(prompt)
     kv = KVState(model, prompt, capacity=ctx + 128)
-    kv.forward(prompt, list(range(ctx)), chain_then_tree_visibility(0, ctx, torch.zeros(0, 0, dtype=torch.bool)), 1)
+    kv.run(Rows.chain(prompt, 0))
     kv.pending = []
-    see = chain_then_tree_visibility(ctx, width, torch.zeros(0, 0, dtype=torch.bool))
+    rows = Rows.chain([5] * width, ctx)
     out = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        kv.forward([5] * width, list(range(ctx, ctx + width)), see, 1)
+        kv.run(rows)
         out.append((time.perf_counter() - t0) * 1e3)
         kv.keep(list(range(ctx)))
     return statistics.median(out[1:])

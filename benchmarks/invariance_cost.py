@@ -24,7 +24,8 @@ import torch
 from benchmarks import RESULTS, ROOT
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.decoding.pairs import load_pair
-from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
+from dynatree_core.forward.kv import KVState
+from dynatree_core.forward.rows import Rows, lineage, tree_seen
 from dynatree_core.measure.gpu_check import path_bits_match
 
 
@@ -53,18 +54,18 @@ def main(argv: list[str] | None = None) -> None:
         states = {}
         for invariant in (False, True):
             kv = KVState(model, prompt, invariant=invariant)
-            causal = chain_then_tree_visibility(0, len(prompt), torch.zeros(0, 0, dtype=torch.bool))
-            kv.forward(prompt, list(range(len(prompt))), causal, 1)
+            kv.run(Rows.chain(prompt, 0))
             kv.pending = []
             states[invariant] = kv
         times: dict[str, list[float]] = {}
         for _ in range(args.repeats + 1):  # the first round warms up and is dropped
             for invariant, kv in states.items():
-                see = chain_then_tree_visibility(kv.length, 1, tree.ancestor_mask(order)[1:, 1:])
+                see = tree_seen(kv.length, 1, lineage(tree.parent_rows(order)))
                 tokens, positions = [tree.tokens[n] for n in order], tree.position_ids(order, len(prompt))
+                batch = Rows(tokens, positions, see, len(order))
                 for name, step in (
-                    ("tree", lambda kv=kv, see=see, t=tokens, p=positions: kv.forward(t, p, see, len(order))),
-                    ("ar", lambda kv=kv: kv.forward([5], [len(prompt)], torch.ones(1, len(prompt) + 1).bool(), 1)),
+                    ("tree", lambda kv=kv, batch=batch: kv.run(batch)),
+                    ("ar", lambda kv=kv: kv.run(Rows.chain([5], len(prompt)))),
                 ):
                     t0 = time.perf_counter()
                     step()

@@ -238,3 +238,15 @@ def gpu_kernels(gpu_forms):
 
     with kernel_forms("cpu", block_keys=128):
         yield
+
+
+def ancestor_mask(tree, order: list[int]) -> torch.Tensor:
+    """The reference for a tree's visibility: (n, n) bool, [i, j] when order[j] is order[i] or
+    one of its ancestors, by walking each node's parents (forward/rows.py builds it from lineages)."""
+    index = {node: i for i, node in enumerate(order)}
+    mask = torch.zeros(len(order), len(order), dtype=torch.bool)
+    for i, node in enumerate(order):
+        while node >= 0:
+            mask[i, index[node]] = True
+            node = tree.parents[node]
+    return mask

@@ -5,9 +5,30 @@ papers write them; the library decides the same trees as a few tensor operations
 
 from __future__ import annotations
 
-from dynatree_core.core.tree import DraftTree, Reason
-from dynatree_core.drafting.common import admit_level, leaf_reason, safe_log, start_tree
-from dynatree_core.drafting.request import level_top
+import math
+
+import torch
+
+from dynatree_core.core.tree import DraftTree, Reason, Status
+from dynatree_core.drafting.common import leaf_reason, safe_log, start_tree
+from dynatree_core.drafting.request import level_q, level_top
+
+
+def admit_level(
+    tree: DraftTree, candidates: list[tuple[float, int, int, float]], log_tau: float, room: int
+) -> list[int]:
+    """Add one level's candidates (cum logp, parent, token, logp), most probable first: below
+    log_tau pruned (threshold), beyond `room` pruned (budget). Returns the new verified nodes."""
+    candidates.sort(key=lambda c: -c[0])
+    added = []
+    for cum, parent, tok, lp in candidates:
+        if cum < log_tau:
+            tree.add(parent, tok, lp, status=Status.PRUNED, reason=Reason.THRESHOLD)
+        elif len(added) >= room:
+            tree.add(parent, tok, lp, status=Status.PRUNED, reason=Reason.BUDGET)
+        else:
+            added.append(tree.add(parent, tok, lp))
+    return added
 
 
 def _children(tree: DraftTree, node: int, lps: list[float], toks: list[int]) -> list[tuple]:
@@ -21,16 +42,23 @@ def _close(tree: DraftTree, frontier: list[int], reason) -> None:
 
 
 def fixed_tree(request, *, depth: int, branch: int, tau: float, budget: int) -> DraftTree:
-    """DynaTree Alg. 1: top-B children of every frontier node; below tau pruned (lines 17-19); the
-    node budget (lines 12, 22), most probable first."""
+    """DynaTree Alg. 1: top-B children of every frontier node (sampled drafting: B draws, `_drawn`);
+    below tau pruned (lines 17-19); the node budget (lines 12, 22), most probable first."""
     drafter, (tree, cap) = request.drafter, start_tree(request, depth)
     frontier, drafted = [0], 0
     for level in range(cap):
-        lp_rows, tok_rows = level_top(drafter.expand(tree, frontier), branch)
+        logp = drafter.expand(tree, frontier)
+        if request.draw == "top":
+            lp_rows, tok_rows = level_top(logp, branch)
+        else:
+            q_rows = level_q(request, logp)
         candidates = []
         for row, node in enumerate(frontier):
             tree.mark_expanded(node)
-            candidates += _children(tree, node, lp_rows[row], tok_rows[row])
+            if request.draw == "top":
+                candidates += _children(tree, node, lp_rows[row], tok_rows[row])
+            else:
+                candidates += _children(tree, node, *_drawn(request, tree, node, q_rows[row], branch))
         frontier = admit_level(tree, candidates, safe_log(tau), budget - drafted)
         drafted += len(frontier)
         if not frontier:
@@ -41,6 +69,17 @@ def fixed_tree(request, *, depth: int, branch: int, tau: float, budget: int) -> 
         if level + 1 == cap:
             _close(tree, frontier, leaf_reason(cap, depth))
     return tree
+
+
+def _drawn(request, tree: DraftTree, node: int, q16, k: int) -> tuple[list[float], list[int]]:
+    """A node's k draws from its adjusted draft distribution (recorded on the tree, rounded to
+    float16 once), with the run's generator: their distinct tokens in drawing order, logp = log q."""
+    draw = tree.record_draws(node, q16)
+    q = draw.dense()
+    k = min(k, int((q > 0).sum())) if request.draw == "without_replacement" else k
+    draw.tokens.extend(torch.multinomial(q, k, replacement=request.draw == "iid", generator=request.gen).tolist())
+    distinct = list(dict.fromkeys(draw.tokens))
+    return [math.log(float(q[t])) for t in distinct], distinct
 
 
 def dyspec_threshold(request, *, threshold: float, budget: int, depth: int, max_children: int) -> DraftTree:

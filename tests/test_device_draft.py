@@ -12,7 +12,7 @@ import hashlib
 import pytest
 import reference_drafting as reference
 import torch
-from conftest import ARCHS, examples, hf_greedy, noisy_copy, tiny_model
+from conftest import ARCHS, ancestor_mask, examples, hf_greedy, noisy_copy, tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
 from test_feature_draft import feature_draft
@@ -23,6 +23,7 @@ from dynatree_core.decoding.engine import DecodeConfig, decode, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting import DraftRequest, make_policy
 from dynatree_core.forward.capture import StepGraphs
+from dynatree_core.forward.rows import closure
 
 DEVICE_POLICIES = [  # every policy with a device path, at its defaults and at shapes that bind
     ("fixed_tree", {}),
@@ -318,9 +319,10 @@ def check_rows(tree, probe: RowsProbe) -> None:
     assert rows.tokens[:n].tolist() == [tree.tokens[v] for v in order[1:]]
     assert rows.depths[:n].tolist() == [tree.depths[v] for v in order[1:]]
     assert (rows.depths <= probe.depth).all()
-    assert torch.equal(rows.ancestors[: n + 1, : n + 1], tree.ancestor_mask(order))
-    assert torch.equal(rows.ancestors[n + 1 :], torch.eye(width + 1, dtype=torch.bool)[n + 1 :])
-    assert not rows.ancestors[: n + 1, n + 1 :].any()
+    ancestors = closure(rows.lines)
+    assert torch.equal(ancestors[: n + 1, : n + 1], ancestor_mask(tree, order))
+    assert torch.equal(ancestors[n + 1 :], torch.eye(width + 1, dtype=torch.bool)[n + 1 :])
+    assert not ancestors[: n + 1, n + 1 :].any()
     row = {v: i for i, v in enumerate(order)}
     assert probe.read.nodes == n and probe.read.tokens[:n] == rows.tokens[:n].tolist()
     assert probe.read.parents[:n] == [row[tree.parents[v]] for v in order[1:]]
@@ -402,6 +404,34 @@ def test_delayed_trees_decide_as_the_papers_loops_do(seed, k, l1, l2):
     values = {"k": k, "l1": l1, "l2": l2}
     trees = decided("delayed", values, 6, seed)
     assert signature(trees[0]) == signature(trees[1]) == signature(trees[2])
+
+
+@examples(60)
+@given(
+    seed=st.integers(0, 10**6),
+    draw=st.sampled_from(["iid", "without_replacement"]),
+    depth=st.integers(1, 4),
+    branch=st.integers(1, 5),
+    tau=st.sampled_from([0.0, 0.01, 0.1]),
+    budget=st.integers(1, 30),
+    temperature=st.sampled_from([0.5, 1.0, 1.7]),
+)
+def test_sampled_levels_draw_and_decide_as_the_papers_loop_does(seed, draw, depth, branch, tau, budget, temperature):
+    """Sampled fixed_tree / linear as tensor levels (request.SampledLevels): the same draws from the
+    same generator, row by row, and the same tree, node for node, draws and their q included."""
+    from dynatree_core.core.sampling_config import SamplingConfig
+
+    values = {"depth": depth, "branch": branch, "tau": tau, "budget": budget}
+    sampling = SamplingConfig(temperature=temperature, top_k=8)
+
+    def request():
+        gen = torch.Generator().manual_seed(seed)
+        return DraftRequest(root_token=7, max_depth=6, drafter=PathDrafter(seed), draw=draw, sampling=sampling, gen=gen)
+
+    trees = [make_policy("fixed_tree", values).draft(request()), reference.fixed_tree(request(), **values)]
+    assert signature(trees[0]) == signature(trees[1])
+    draws = [{n: (d.tokens, d.weights.tolist()) for n, d in t.sampled.items()} for t in trees]
+    assert draws[0] == draws[1] and draws[0], "every expanded node records its draws"
 
 
 def test_candidates_are_ordered_as_the_hosts_stable_sort_orders_them():

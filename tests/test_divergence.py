@@ -46,7 +46,7 @@ def test_a_bitwise_device_gets_a_bitwise_trace(policy):
 @pytest.mark.parametrize("policy", ("fixed_tree", "eagle2"))
 def test_the_trace_reads_the_logits_of_captured_steps(policy, monkeypatch):
     """Where the run's forwards and steps are captured (CUDA; stand-in graphs here), the verify
-    forward runs as a captured step (forward/filled.py), not through KVState.forward: the trace still
+    forward runs as a captured step (forward/filled.py), not through KVState.run: the trace still
     reads each forward's logits (on an H100 it read the prefill's one row for a tree's, 2026-11-27)."""
     monkeypatch.setattr(capture, "STAND_IN_DEVICES", ("cpu",))
     target, draft = _pair()

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import ARCHS, hf_greedy, noisy_copy, tiny_model
+from conftest import ARCHS, ancestor_mask, hf_greedy, noisy_copy, tiny_model
 
 from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.core.tree import Status
@@ -206,7 +206,7 @@ def test_records_describe_what_the_target_saw(arch_name):
     ):
         assert r.prefix_len == committed - 1, "the root sits at the last committed position"
         assert r.position_ids == [r.prefix_len + r.tree.depths[n] for n in r.order]
-        assert torch.equal(r.mask_matrix(), r.tree.ancestor_mask(r.order))
+        assert torch.equal(r.mask_matrix(), ancestor_mask(r.tree, r.order))
         path_tokens = [r.tree.tokens[n] for n in r.accepted]
         assert r.committed[: len(path_tokens)] == path_tokens
         committed += len(r.committed)

@@ -20,7 +20,8 @@ from dynatree_core.core.tree import DraftTree
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.forward.fastpath import FUSE_MAX_BYTES, LeanForward, lean_forward_for, supports_lean
-from dynatree_core.forward.kv import SLACK, KVState, SlotLayer, chain_then_tree_visibility
+from dynatree_core.forward.kv import SLACK, KVState, SlotLayer
+from dynatree_core.forward.rows import Rows, lineage, tree_seen
 
 PATHS = {"dynamic": dict(static=False, fast=False), "static": dict(static=True, fast=False), "lean": {}}
 LEAN_ARCHS = ("llama", "qwen2")
@@ -39,8 +40,7 @@ POLICIES = (
 
 
 def _prefill(kv: KVState, tokens: list[int]) -> torch.Tensor:
-    visible = chain_then_tree_visibility(0, len(tokens), torch.zeros(0, 0, dtype=torch.bool))
-    out = kv.forward(tokens, list(range(len(tokens))), visible, 1).logits
+    out = kv.run(Rows.chain(tokens, 0)).logits
     kv.pending = []
     return out
 
@@ -56,9 +56,9 @@ def _branching_tree(root: int) -> DraftTree:
 
 def _tree_forward(kv: KVState, tree: DraftTree, root_pos: int) -> tuple[torch.Tensor, list[int]]:
     order = tree.order("bfs")
-    visible = chain_then_tree_visibility(kv.length, 1, tree.ancestor_mask(order)[1:, 1:])
+    visible = tree_seen(kv.length, 1, lineage(tree.parent_rows(order)))
     tokens = [tree.tokens[n] for n in order]
-    return kv.forward(tokens, tree.position_ids(order, root_pos), visible, len(order)).logits, order
+    return kv.run(Rows(tokens, tree.position_ids(order, root_pos), visible, len(order))).logits, order
 
 
 @torch.inference_mode()
@@ -117,9 +117,8 @@ def test_static_compaction_equals_recomputation(arch, path, accepted):
     for mine, ref in zip(kv.cache.layers, fresh.cache.layers, strict=True):
         torch.testing.assert_close(mine.keys, ref.keys, rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(mine.values, ref.values, rtol=1e-9, atol=1e-9)
-    nxt = chain_then_tree_visibility(kv.length, 1, torch.zeros(0, 0, dtype=torch.bool))
-    got = kv.forward([17], [len(committed)], nxt, 1).logits
-    torch.testing.assert_close(got, fresh.forward([17], [len(committed)], nxt, 1).logits, rtol=1e-9, atol=1e-9)
+    nxt = Rows.chain([17], len(committed))
+    torch.testing.assert_close(kv.run(nxt).logits, fresh.run(nxt).logits, rtol=1e-9, atol=1e-9)
 
 
 @torch.inference_mode()
@@ -129,18 +128,15 @@ def test_static_buffers_are_written_in_place_and_grow_only_when_full():
     _prefill(kv, prompt)
     buffers = [layer.key_buf.data_ptr() for layer in kv.cache.layers]
     for _ in range(SLACK - 1):  # fills the slack one token at a time: no reallocation
-        visible = chain_then_tree_visibility(kv.length, 1, torch.zeros(0, 0, dtype=torch.bool))
-        kv.forward([5], [kv.length], visible, 1)
+        kv.run(Rows.chain([5], kv.length))
     assert [layer.key_buf.data_ptr() for layer in kv.cache.layers] == buffers and kv.grows == 0
     ref = KVState(model, prompt, **PATHS["dynamic"])
     _prefill(ref, prompt)
     for _ in range(SLACK - 1):
-        visible = chain_then_tree_visibility(ref.length, 1, torch.zeros(0, 0, dtype=torch.bool))
-        ref.forward([5], [ref.length], visible, 1)
+        ref.run(Rows.chain([5], ref.length))
     wide = 40  # past the capacity: the buffer grows once and keeps every entry
-    visible = chain_then_tree_visibility(kv.length, 0, torch.ones(wide, wide, dtype=torch.bool).tril())
-    got = kv.forward([7] * wide, list(range(kv.length, kv.length + wide)), visible, wide).logits
-    want = ref.forward([7] * wide, list(range(ref.length, ref.length + wide)), visible, wide).logits
+    got = kv.run(Rows.chain([7] * wide, kv.length, wide)).logits
+    want = ref.run(Rows.chain([7] * wide, ref.length, wide)).logits
     assert kv.grows == 1
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
 

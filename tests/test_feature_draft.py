@@ -91,15 +91,14 @@ def test_the_draft_cache_equals_a_recomputation(path, monkeypatch):
     causal forward over all the pairs so far must give the same distribution."""
     pairs = _record_pairs(monkeypatch)
     roots: list[tuple[int, torch.Tensor]] = []
-    original = FeatureDrafter.expand_logits  # the root's forward, whichever way the tree is drafted
+    original = FeatureDrafter._root  # the root's forward, whichever way the tree is drafted
 
-    def spy(self, tree, nodes):
-        out = original(self, tree, nodes)
-        if nodes == [0]:
-            roots.append((sum(len(t) for _, t in pairs), self.to_logp(out).clone()))
+    def spy(self, then):
+        out = original(self, then)
+        roots.append((sum(len(t) for _, t in pairs), self.to_logp(out[0]).clone()))
         return out
 
-    monkeypatch.setattr(FeatureDrafter, "expand_logits", spy)
+    monkeypatch.setattr(FeatureDrafter, "_root", spy)
     target, draft = tiny_model("llama"), feature_draft("llama", seed=3)
     generate(
         target,

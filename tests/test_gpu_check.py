@@ -3,6 +3,7 @@ same checks run on the padded forward (eager), so the command's logic is exercis
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -37,8 +38,8 @@ def test_the_checks_pass_on_the_padded_path_and_a_broken_one_fails(tmp_path, mon
     # a padded forward that lets tree nodes see their siblings: the checks must catch it
     real = gpu_check.graphs.PaddedForward.__call__
 
-    def broken(self, ids, positions, visible, length, *a, **k):
-        return real(self, ids, positions, torch.ones_like(visible), length, *a, **k)
+    def broken(self, rows, length, **k):
+        return real(self, dataclasses.replace(rows, seen=torch.ones_like(rows.seen)), length, **k)
 
     monkeypatch.setattr(gpu_check.graphs.PaddedForward, "__call__", broken)
     target, draft = gpu_check.tiny_pair("llama", torch.device("cpu"))

@@ -24,7 +24,8 @@ from dynatree_core.drafts.feature import FeatureDraft
 from dynatree_core.forward import capture, graphs
 from dynatree_core.forward.choice import forward_path
 from dynatree_core.forward.graphs import bucket_for, buckets, graphs_enabled, span_for
-from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
+from dynatree_core.forward.kv import KVState
+from dynatree_core.forward.rows import Rows
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # attention over more (masked) keys: same math, other summation blocks
 
@@ -63,9 +64,8 @@ def test_padded_forwards_equal_unpadded_ones_through_compaction(arch):
     for a, b in zip(mine.cache.layers, ref.cache.layers, strict=True):
         torch.testing.assert_close(a.keys, b.keys, **TOL)
         torch.testing.assert_close(a.values, b.values, **TOL)
-    nxt = chain_then_tree_visibility(mine.length, 1, torch.zeros(0, 0, dtype=torch.bool))
-    got = mine.forward([17], [len(keep)], nxt, 1, hidden=True)
-    want = ref.forward([17], [len(keep)], nxt, 1, hidden=True)
+    nxt = Rows.chain([17], len(keep), hidden=True)
+    got, want = mine.run(nxt), ref.run(nxt)
     torch.testing.assert_close(got.logits, want.logits, **TOL)
     torch.testing.assert_close(got.states, want.states, **TOL)
 
@@ -81,11 +81,8 @@ def test_wider_than_every_bucket_falls_back_and_a_full_cache_grows(monkeypatch):
     assert not mine.padded.buckets, "10 rows > the widest bucket: the unpadded path"
     capacity = mine.cache.layers[0].capacity
     for step in range(capacity - len(prompt) + 2):  # past the capacity, one token at a time
-        nxt = chain_then_tree_visibility(mine.length, 1, torch.zeros(0, 0, dtype=torch.bool))
-        token = [1 + step % 50]
-        torch.testing.assert_close(
-            mine.forward(token, [mine.length], nxt, 1).logits, ref.forward(token, [ref.length], nxt, 1).logits, **TOL
-        )
+        nxt = Rows.chain([1 + step % 50], mine.length)
+        torch.testing.assert_close(mine.run(nxt).logits, ref.run(nxt).logits, **TOL)
     assert mine.grows >= 1 and mine.padded.buckets, "the buffer grew and buckets were rebuilt"
 
 
@@ -152,15 +149,11 @@ def test_a_buffer_grown_by_an_unpadded_forward_drops_the_buckets_built_over_the_
     assert mine.padded.buckets, "3 rows: a padded bucket"
     capacity = mine.cache.layers[0].capacity
     wide = [5 + i % 80 for i in range(capacity)]  # wider than the buffer's free slots and than every bucket
-    see = chain_then_tree_visibility(mine.length, len(wide), torch.zeros(0, 0, dtype=torch.bool))
-    positions = list(range(mine.length, mine.length + len(wide)))
-    torch.testing.assert_close(
-        mine.forward(wide, positions, see, 1).logits, ref.forward(wide, positions, see, 1).logits, **TOL
-    )
+    rows = Rows.chain(wide, mine.length)
+    torch.testing.assert_close(mine.run(rows).logits, ref.run(rows).logits, **TOL)
     assert mine.grows == 1, "the unpadded path grew the buffers"
-    nxt = chain_then_tree_visibility(mine.length, 1, torch.zeros(0, 0, dtype=torch.bool))
-    got = mine.forward([7], [mine.length], nxt, 1).logits
-    torch.testing.assert_close(got, ref.forward([7], [ref.length], nxt, 1).logits, **TOL)
+    nxt = Rows.chain([7], mine.length)
+    torch.testing.assert_close(mine.run(nxt).logits, ref.run(nxt).logits, **TOL)
 
 
 def _widest(name: str) -> dict:

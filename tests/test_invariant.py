@@ -26,7 +26,8 @@ from dynatree_core.decoding.methods import make_method
 from dynatree_core.forward import invariant
 from dynatree_core.forward.fastpath import lean_forward_for
 from dynatree_core.forward.invariant import RopeTable, RowGroups, invariant_wanted, sequence_attention, width_verdict
-from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
+from dynatree_core.forward.kv import KVState
+from dynatree_core.forward.rows import Rows, lineage, tree_seen
 from dynatree_core.forward.static_rows import StaticRows, static_sequence_attention
 from dynatree_core.measure import gpu_check
 
@@ -81,8 +82,7 @@ def _tree(root: int) -> tuple[DraftTree, list[int]]:
 
 
 def _prefill(kv: KVState) -> None:
-    visible = chain_then_tree_visibility(0, len(PROMPT), torch.zeros(0, 0, dtype=torch.bool))
-    kv.forward(PROMPT, list(range(len(PROMPT))), visible, 1)
+    kv.run(Rows.chain(PROMPT, 0))
     kv.pending = []
 
 
@@ -102,15 +102,13 @@ def _assert_path_bits_match_ar(model: torch.nn.Module, label: str) -> None:
     _prefill(ar)
     alone = []
     for depth, node in enumerate(path):  # one token per forward, as `ar` decodes
-        visible = torch.ones(1, ar.length + 1, dtype=torch.bool)
-        alone.append(ar.forward([tree.tokens[node]], [len(PROMPT) + depth], visible, 1).logits[0])
+        alone.append(ar.run(Rows.chain([tree.tokens[node]], len(PROMPT) + depth)).logits[0])
     kv = KVState(model, PROMPT, invariant=True)
     _prefill(kv)
     order = tree.order("bfs")
-    visible = chain_then_tree_visibility(kv.length, 1, tree.ancestor_mask(order)[1:, 1:])
-    logits = kv.forward(
-        [tree.tokens[n] for n in order], tree.position_ids(order, len(PROMPT)), visible, len(order)
-    ).logits
+    visible = tree_seen(kv.length, 1, lineage(tree.parent_rows(order)))
+    tokens = [tree.tokens[n] for n in order]
+    logits = kv.run(Rows(tokens, tree.position_ids(order, len(PROMPT)), visible, len(order))).logits
     for depth, node in enumerate(path):  # without invariance: differs at depth 0 already (llama-wide, both dtypes)
         row = logits[order.index(node)]
         assert torch.equal(row, alone[depth]), (
@@ -134,19 +132,19 @@ def test_dfs_order_and_a_pending_chain_keep_the_bits(dtype):
     _skip_unless_bitwise(model)
     tree, path = _tree(17)
     ar = KVState(model, PROMPT[:-1], invariant=True)
-    ar.forward(PROMPT[:-1], list(range(len(PROMPT) - 1)), torch.ones(len(PROMPT) - 1, len(PROMPT) - 1).tril().bool(), 1)
+    ar.run(Rows.chain(PROMPT[:-1], 0))
     ar.pending = []
     last = None
     for i, token in enumerate([PROMPT[-1], 17, *[tree.tokens[n] for n in path[1:]]]):
-        last = ar.forward([token], [len(PROMPT) - 1 + i], torch.ones(1, ar.length + 1, dtype=torch.bool), 1).logits[0]
+        last = ar.run(Rows.chain([token], len(PROMPT) - 1 + i)).logits[0]
     kv = KVState(model, PROMPT[:-1], invariant=True)
-    kv.forward(PROMPT[:-1], list(range(len(PROMPT) - 1)), torch.ones(len(PROMPT) - 1, len(PROMPT) - 1).tril().bool(), 1)
+    kv.run(Rows.chain(PROMPT[:-1], 0))
     kv.pending = []
     order = tree.order("dfs")
-    visible = chain_then_tree_visibility(kv.length, 2, tree.ancestor_mask(order)[1:, 1:])
+    visible = tree_seen(kv.length, 2, lineage(tree.parent_rows(order)))
     tokens = [PROMPT[-1]] + [tree.tokens[n] for n in order]
     positions = [len(PROMPT) - 1] + tree.position_ids(order, len(PROMPT))
-    logits = kv.forward(tokens, positions, visible, len(order)).logits
+    logits = kv.run(Rows(tokens, positions, visible, len(order))).logits
     assert torch.equal(logits[order.index(path[-1])], last)
 
 

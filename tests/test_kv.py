@@ -8,8 +8,9 @@ from conftest import tiny_model
 
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.forward.choice import choose_forward
-from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
+from dynatree_core.forward.kv import KVState
 from dynatree_core.forward.reference import Forward
+from dynatree_core.forward.rows import Rows, lineage, tree_seen
 
 
 def _causal_logits(model, tokens):
@@ -27,15 +28,10 @@ def test_chain_shaped_tree_gives_causal_logits(arch):
     order = tree.order("bfs")
     kv = KVState(model, prompt)
     prefix = kv.pending[:-1]
-    kv.forward(
-        prefix,
-        list(range(len(prefix))),
-        chain_then_tree_visibility(0, len(prefix), torch.zeros(0, 0, dtype=torch.bool)),
-        1,
-    )
-    visible = chain_then_tree_visibility(kv.length, 1, tree.ancestor_mask(order)[1:, 1:])
+    kv.run(Rows.chain(prefix, 0))
+    visible = tree_seen(kv.length, 1, lineage(tree.parent_rows(order)))
     tokens = [prompt[-1]] + [tree.tokens[n] for n in order[1:]]
-    logits = kv.forward(tokens, tree.position_ids(order, len(prompt) - 1), visible, len(order)).logits
+    logits = kv.run(Rows(tokens, tree.position_ids(order, len(prompt) - 1), visible, len(order))).logits
     expected = _causal_logits(model, prompt + chain)[len(prompt) - 1 :]
     torch.testing.assert_close(logits, expected.float(), rtol=1e-5, atol=1e-5)
 
@@ -55,28 +51,22 @@ def test_compaction_equals_recomputing_the_cache(arch, path):
     tree.add(a, 93, -0.9)  # node 5
     order = tree.order("bfs")
     kv = KVState(model, prompt)
-    visible = chain_then_tree_visibility(0, len(prompt), tree.ancestor_mask(order)[1:, 1:])
+    visible = tree_seen(0, len(prompt), lineage(tree.parent_rows(order)))
     positions = list(range(len(prompt))) + tree.position_ids(order[1:], len(prompt) - 1)
-    kv.forward(prompt + [tree.tokens[n] for n in order[1:]], positions, visible, 1)
+    kv.run(Rows(prompt + [tree.tokens[n] for n in order[1:]], positions, visible))
 
     row = {n: i for i, n in enumerate(order)}
     kv.keep(list(range(len(prompt))) + [len(prompt) - 1 + row[n] for n in path])
 
     committed = prompt + [tree.tokens[n] for n in path]
     fresh = KVState(model, committed)
-    fresh.forward(
-        committed,
-        list(range(len(committed))),
-        chain_then_tree_visibility(0, len(committed), torch.zeros(0, 0, dtype=torch.bool)),
-        1,
-    )
+    fresh.run(Rows.chain(committed, 0))
     for mine, ref in zip(kv.cache.layers, fresh.cache.layers, strict=True):
         torch.testing.assert_close(mine.keys, ref.keys)
         torch.testing.assert_close(mine.values, ref.values)
     nxt = [17]
-    vis = chain_then_tree_visibility(kv.length, 1, torch.zeros(0, 0, dtype=torch.bool))
-    got = kv.forward(nxt, [len(committed)], vis, 1).logits
-    want = fresh.forward(nxt, [len(committed)], vis, 1).logits
+    got = kv.run(Rows.chain(nxt, len(committed))).logits
+    want = fresh.run(Rows.chain(nxt, len(committed))).logits
     torch.testing.assert_close(got, want)
 
 
@@ -108,10 +98,8 @@ def test_a_model_without_the_lean_forward_says_so_when_invariance_is_asked():
 def test_every_forward_returns_one_result_type_with_states_only_when_asked(name):
     model, prompt = tiny_model("llama"), [4, 8, 15, 16]
     kv = KVState(model, prompt, **SWITCHES[name][0])
-    visible = chain_then_tree_visibility(0, len(prompt), torch.zeros(0, 0, dtype=torch.bool))
-    out = kv.forward(prompt, list(range(len(prompt))), visible, 2)
+    out = kv.run(Rows.chain(prompt, 0, 2))
     assert isinstance(out, Forward) and out.states is None and out.logits.shape == (2, model.config.vocab_size)
     assert out.logits.dtype == torch.float32
-    see = chain_then_tree_visibility(kv.length, 1, torch.zeros(0, 0, dtype=torch.bool))
-    out = kv.forward([23], [len(prompt)], see, 1, hidden=True)
+    out = kv.run(Rows.chain([23], len(prompt), hidden=True))
     assert isinstance(out, Forward) and out.states.shape == (1, model.config.hidden_size)

@@ -35,13 +35,13 @@ def test_timed_forwards_start_from_the_same_cache(monkeypatch, fast):
     from dynatree_core.forward.kv import KVState
 
     calls = []
-    original = KVState.forward
+    original = KVState.run
 
-    def spy(self, *args, **kwargs):
+    def spy(self, rows):
         calls.append((self.length, self.cache.get_seq_length(), self.lean is not None))
-        return original(self, *args, **kwargs)
+        return original(self, rows)
 
-    monkeypatch.setattr(KVState, "forward", spy)
+    monkeypatch.setattr(KVState, "run", spy)
     forward_ms(tiny_model("llama"), context=10, new_tokens=3, repeats=3, settings=ForwardSettings(fast_forward=fast))
     assert [c[:2] for c in calls] == [(0, 0)] + [(10, 10)] * 4  # prefill, warm-up, 3 timed
     assert all(c[2] == fast for c in calls), "the forward path asked for is the one timed"

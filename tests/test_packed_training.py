@@ -24,7 +24,8 @@ from dynatree_core.drafting import POLICIES as REGISTRY
 from dynatree_core.drafts.feature import FeatureDraft
 from dynatree_core.drafts.fused import FusedDraft
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
+from dynatree_core.forward.kv import KVState
+from dynatree_core.forward.rows import Rows, causal
 from dynatree_core.measure.launches import counting_waits
 from dynatree_core.training.answers import store as answers
 from dynatree_core.training.feature.depth import depth_mask, unrolled_predictions
@@ -145,8 +146,7 @@ def test_the_fused_training_forward_is_its_drafting_forward():
         trained = unrolled_outputs(draft, _packed([(x, f)], 32, taps=3, row=6), 1)[0][0]
         kv = KVState(draft, [])
         rows = draft.pair_inputs(x[1:], draft.fuse(f[:-1]))
-        visible = chain_then_tree_visibility(0, 6, torch.zeros(0, 0, dtype=torch.bool))
-        out = kv.forward(x[1:].tolist(), list(range(1, 7)), visible, 6, embeds=rows, hidden=True)
+        out = kv.run(Rows(x[1:].tolist(), list(range(1, 7)), causal(0, 6), 6, embeds=rows, hidden=True))
     torch.testing.assert_close(out.states, trained)
     torch.testing.assert_close(out.logits, draft.lm_head(draft.norm(trained)).float())
 

@@ -177,7 +177,8 @@ def naive_logits(layout: str, w: dict, taps, target, ids: list[int]) -> torch.Te
 def head_logits(draft, target, ids: list[int], vocab: int = V) -> torch.Tensor:
     """The loaded head's level-1 logits over the pairs of `ids`, through its drafting forward."""
     from dynatree_core.drafts.heads import make_drafter
-    from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
+    from dynatree_core.forward.kv import KVState
+    from dynatree_core.forward.rows import Rows, causal
 
     drafter = make_drafter(draft, [], vocab)
     with torch.no_grad():
@@ -189,8 +190,7 @@ def head_logits(draft, target, ids: list[int], vocab: int = V) -> torch.Tensor:
         n = len(ids) - 1
         kv = drafter.kv
         assert isinstance(kv, KVState)
-        visible = chain_then_tree_visibility(0, n, torch.zeros(0, 0, dtype=torch.bool))
-        logits = kv.forward(ids[1:], list(range(1, n + 1)), visible, n, embeds=rows).logits
+        logits = kv.run(Rows(ids[1:], list(range(1, n + 1)), causal(0, n), n, embeds=rows)).logits
     return logits if draft.token_map is None else draft.token_map.to_target_logp(logits)
 
 

@@ -7,6 +7,7 @@ import torch
 from conftest import tiny_model
 
 from dynatree_core.forward.kv import KVState
+from dynatree_core.forward.rows import Rows
 from dynatree_core.forward.slots import SlotLayer, SlotStore, side_by_side, write_slots
 
 
@@ -37,7 +38,7 @@ def test_layers_share_one_buffer_that_grows_for_all_of_them_at_once():
 def test_compaction_moves_every_layer_in_one_copy_as_the_per_layer_moves_would():
     target = tiny_model("llama")
     kv = KVState(target, list(range(1, 12)), static=True)
-    kv.forward(list(range(1, 12)), list(range(11)), torch.ones(11, 11, dtype=torch.bool).tril(), 1)
+    kv.run(Rows.chain(list(range(1, 12)), 0))
     layers = kv.cache.layers
     store = layers[0].store
     assert store.holds(layers)

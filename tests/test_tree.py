@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dynatree_core.core.tree import DraftTree, Reason, Status
+from dynatree_core.forward.rows import closure, lineage
 
 
 def random_tree(seed: int, n: int = 30) -> DraftTree:
@@ -25,7 +26,7 @@ def random_tree(seed: int, n: int = 30) -> DraftTree:
 def test_mask_is_ancestor_closure_and_depth_is_row_sum_minus_one(seed, kind):
     tree = random_tree(seed)
     order = tree.order(kind)
-    mask = tree.ancestor_mask(order)
+    mask = closure(lineage(tree.parent_rows(order)))
     for i, node in enumerate(order):
         expected = {order.index(a) for a in tree.path(node)}
         assert set(torch.nonzero(mask[i]).flatten().tolist()) == expected, "row must be the node's ancestors"

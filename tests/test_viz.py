@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from conftest import ancestor_mask
 
 from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.runs.records import IterationRecord
@@ -39,7 +40,7 @@ def sample_record() -> IterationRecord:
     g = t.add(b, 17, math.log(0.01))
     t.prune(g, Reason.THRESHOLD)
     order = t.order("bfs")
-    mask = ["".join("1" if v else "0" for v in row) for row in t.ancestor_mask(order).tolist()]
+    mask = ["".join("1" if v else "0" for v in row) for row in ancestor_mask(t, order).tolist()]
     return IterationRecord(
         index=1,
         tree=t,

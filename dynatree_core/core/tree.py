@@ -271,17 +271,11 @@ class DraftTree:
             return out
         raise ValueError(f"unknown order {kind!r} (bfs or dfs)")
 
-    def ancestor_mask(self, order: list[int]) -> torch.Tensor:
-        """(n, n) bool: entry [i, j] is True when order[j] is order[i] or one of its ancestors."""
+    def parent_rows(self, order: list[int]) -> list[int]:
+        """Each node's parent's index in `order` (root first; the root its own): what a forward's
+        rows name their ancestors by (forward/rows.lineage)."""
         index = {node: i for i, node in enumerate(order)}
-        rows = []
-        for node in order:
-            row = [False] * len(order)
-            while node >= 0:
-                row[index[node]] = True
-                node = self.parents[node]
-            rows.append(row)
-        return torch.tensor(rows, dtype=torch.bool).reshape(len(order), len(order))  # one tensor op
+        return [index[self.parents[node]] if i else 0 for i, node in enumerate(order)]
 
     def position_ids(self, order: list[int], root_position: int) -> list[int]:
         """RoPE/absolute positions: the root's position plus the node's depth."""

@@ -22,9 +22,8 @@ import torch
 from dynatree_core.core.taps import FINAL
 from dynatree_core.core.transfer import to_device, upload_into
 from dynatree_core.core.tree import DraftTree
-from dynatree_core.forward.filled import seen_over
-from dynatree_core.forward.kv import chain_then_tree_visibility
 from dynatree_core.forward.reference import Forward
+from dynatree_core.forward.rows import Rows, closure, lineage, tree_seen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +32,7 @@ class VerifyBatch:
     root last) then the tree's nodes in `order` (root excluded: it is the chain's last token)."""
 
     order: list[int]
-    ancestors: torch.Tensor  # (n, n) bool over `order`, root first
+    lines: torch.Tensor  # (n, d) long over `order`, root first: each row's lineage (forward/rows.lineage)
     past: int  # tokens in the target's cache before this forward
     chain: list[int]
     root_pos: int
@@ -45,29 +44,32 @@ class VerifyBatch:
         """`state`: the run's DecodeState; `past` the cache's length before the forward, where it
         ran already (queued from the device)."""
         order = tree.order(state.config.order)
-        ancestors = tree.ancestor_mask(order)
+        lines = lineage(tree.parent_rows(order))
         past = state.target_kv.length if past is None else past
         chain, root = state.target_kv.pending, len(state.committed) - 1
         tokens = chain + [tree.tokens[n] for n in order[1:]]
         positions = list(range(past, past + len(chain))) + tree.position_ids(order[1:], root)
-        return cls(order, ancestors, past, chain, root, tokens, positions)
+        return cls(order, lines, past, chain, root, tokens, positions)
 
-    def visible(self, past: int | None = None) -> torch.Tensor:
+    @property
+    def ancestors(self) -> torch.Tensor:
+        """(n, n) bool over `order`: [i, j] order[j] is order[i] or one of its ancestors (the record's mask)."""
+        return closure(self.lines)
+
+    def visible(self) -> torch.Tensor:
         """(q, past + q) bool: the rows see the cache's entries, the chain causally, the tree's
-        nodes their ancestors (`past=0`: the new rows' block among themselves)."""
-        past = self.past if past is None else past
-        return chain_then_tree_visibility(past, len(self.chain), self.ancestors[1:, 1:])
+        nodes their ancestors (rows.tree_seen)."""
+        return tree_seen(self.past, len(self.chain), self.lines)
 
 
 def verify_forward(state, tokens, positions, visible: torch.Tensor, keep: int, most_keys: int | None = None) -> Forward:
     """The target's forward over a batch (host lists, or device tensors with `most_keys`, a bound on
-    the keys a row sees: KVState.forward), the logits of its last `keep` rows; a feature draft gets
+    the keys a row sees: rows.Rows), the logits of its last `keep` rows; a feature draft gets
     the hidden states (or taps) it reads from the same forward."""
     drafter = state.drafter
     features = drafter is not None and drafter.wants_features
     hidden = (drafter.taps if drafter.taps != (FINAL,) else True) if features else False
-    kv = state.target_kv
-    return kv.forward(tokens, positions, visible, logits_to_keep=keep, hidden=hidden, most_keys=most_keys)
+    return state.target_kv.run(Rows(tokens, positions, visible, keep, hidden=hidden, most_keys=most_keys))
 
 
 def host_verify(state, batch: VerifyBatch) -> Forward:
@@ -81,9 +83,10 @@ def host_verify(state, batch: VerifyBatch) -> Forward:
     features = drafter is not None and drafter.wants_features
     if kv.filled and not (features and drafter.taps != (FINAL,)):
         if keep == 1:
-            out = kv.chain(("verify", "chain"), batch.chain, batch.past, 1)
+            done = kv.chain(("verify", "chain"), batch.chain, batch.past, 1)
+            out = done[0] if done is not None else None
         else:
-            out = kv.rows(("verify",), batch.tokens, batch.positions, batch.visible(past=0), keep)
+            out = kv.rows(("verify",), batch.tokens, batch.positions, len(batch.chain), batch.lines, keep)
         if out is not None:
             return Forward(out.logits, out.states if features else None)
     return verify_forward(state, batch.tokens, batch.positions, batch.visible(), keep)
@@ -134,7 +137,7 @@ class EarlyVerify:
         if self.out is None:
             ids = torch.cat([to_device(torch.tensor(chain), device), rows.tokens])  # one upload: the chain
             positions = torch.cat([torch.arange(past, past + len(chain), device=device), root + rows.depths])
-            visible = chain_then_tree_visibility(past, len(chain), rows.ancestors[1:, 1:])
+            visible = tree_seen(past, len(chain), rows.lines)
             self.clock.batch_built()
             self.out = verify_forward(self.state, ids, positions, visible, rows.tokens.shape[0] + 1, most_keys)
         self.clock.verify_done(len(chain) + rows.tokens.shape[0])
@@ -156,7 +159,7 @@ class EarlyVerify:
         host = kv.steps.buffer(("verify inputs", n), lambda: torch.zeros(n + 2, dtype=torch.long, device=kv.device))
         upload_into(host, torch.tensor([past, root, *chain]))
         self.clock.batch_built()
-        inputs = (host, rows.tokens, rows.depths, rows.ancestors)
+        inputs = (host, rows.tokens, rows.depths, rows.lines)
         out, _ = kv.level(
             ("verify", n, w), _verify_fill(n, w), inputs, n + w, embeds=False, most_keys=most_keys, keep=w + 1
         )
@@ -179,29 +182,25 @@ class EarlyVerify:
             raise RuntimeError("the verify rows built on the device differ from the tree the host read")
         tokens = self.chain + [tree.tokens[v] for v in nodes]
         positions = list(range(self.past, self.past + len(self.chain))) + tree.position_ids(nodes, self.root)
-        ancestors = self.rows.ancestors[: n + 1, : n + 1]
-        return VerifyBatch(order, ancestors, self.past, self.chain, self.root, tokens, positions)
+        lines = self.rows.lines[: n + 1]
+        return VerifyBatch(order, lines, self.past, self.chain, self.root, tokens, positions)
 
 
 def _verify_fill(n: int, w: int):
     """The verify forward's inputs from the uploaded [past, root, *chain] and the tree's rows, at
     a fixed width and span (KVState.level): the chain (causal) then the rows, which see the past,
-    the chain and their ancestors (TreeRows.ancestors, the root's row first); padding sees itself."""
+    the chain and their lineage (TreeRows.lines: rows.tree_seen); padding sees itself."""
     q = n + w
 
     def make_fill(width: int, span: int):
-        def fill(host, tokens, depths, ancestors):
+        def fill(host, tokens, depths, lines):
             device = tokens.device
             past, root, chain = host[0], host[1], host[2:]
             pad = torch.zeros(width - q, dtype=torch.long, device=device)
-            ids = torch.cat([chain, tokens, pad])[None]
-            positions = torch.cat([past + torch.arange(n, device=device), root + depths, pad])[None]
-            rows = torch.arange(width, device=device)
-            slots = past + rows
-            # the new rows among themselves: chain_then_tree_visibility's block, padding rows on the diagonal
-            block = torch.eye(width, dtype=torch.bool, device=device)
-            block[:q, :q] = chain_then_tree_visibility(0, n, ancestors[1:, 1:])
-            return ids, positions, slots, seen_over(past, block, rows < q, span), None
+            ids = torch.cat([chain, tokens, pad])
+            positions = torch.cat([past + torch.arange(n, device=device), root + depths, pad])
+            slots = past + torch.arange(width, device=device)
+            return (Rows(ids, positions, tree_seen(past, n, lines, span, width), slots=slots),)
 
         return fill
 

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from dynatree_core.core.tree import DraftTree, Reason, Status
+from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.drafting.request import DraftRequest, level_q, level_top
 from dynatree_core.drafts.session import Drafter
 from dynatree_core.errors import DynaTreeError
@@ -24,23 +24,6 @@ def drafter_of(request: DraftRequest) -> Drafter:
 
 def safe_log(x: float) -> float:
     return math.log(x) if x > 0 else NEG_INF
-
-
-def admit_level(
-    tree: DraftTree, candidates: list[tuple[float, int, int, float]], log_tau: float, room: int
-) -> list[int]:
-    """Add one level's candidates (cum logp, parent, token, logp), most probable first: below
-    log_tau pruned (threshold), beyond `room` pruned (budget). Returns the new verified nodes."""
-    candidates.sort(key=lambda c: -c[0])
-    added = []
-    for cum, parent, tok, lp in candidates:
-        if cum < log_tau:
-            tree.add(parent, tok, lp, status=Status.PRUNED, reason=Reason.THRESHOLD)
-        elif len(added) >= room:
-            tree.add(parent, tok, lp, status=Status.PRUNED, reason=Reason.BUDGET)
-        else:
-            added.append(tree.add(parent, tok, lp))
-    return added
 
 
 def start_tree(request: DraftRequest, depth: int) -> tuple[DraftTree, int]:

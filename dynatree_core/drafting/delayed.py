@@ -19,7 +19,7 @@ from dynatree_core.core.tree import DraftTree, Reason, Status
 from dynatree_core.drafting.common import drafter_of, leaf_reason
 from dynatree_core.drafting.device import grow_all_levels
 from dynatree_core.drafting.policy import Param, Policy, register_policy
-from dynatree_core.drafting.request import DraftRequest, level_q, sampled_children
+from dynatree_core.drafting.request import DraftRequest, SampledLevels
 
 
 def grow_delayed(
@@ -32,19 +32,21 @@ def grow_delayed(
     if request.draw == "top":  # tensor levels (device.py); sampled drafting draws on the host
         widths = [k if level == l1 else 1 for level in range(cap)]
         return grow_all_levels(request, widths, reason=reason, tree=tree, root=root_logp)
-    drafter = drafter_of(request)
+    drafter, draws = drafter_of(request), SampledLevels(request)
     tree = tree if tree is not None else DraftTree.with_root(request.root_token)
     frontier = [0]
     for level in range(cap):
         reuse = level == 0 and root_logp is not None
         logp = root_logp if reuse else drafter.expand(tree, frontier)  # ONE draft forward per level
         width = k if level == l1 else 1  # the branch point is the trunk's last node
-        q_rows = level_q(request, logp)  # the level's distributions, one copy
+        lp_rows, tok_rows = (t.tolist() for t in draws(logp, width))  # each row's distinct draws (host)
         new = []
         for row, node in enumerate(frontier):
             tree.mark_expanded(node)
-            for tok, lp in sampled_children(request, tree, node, q_rows[row], width):
-                new.append(tree.add(node, tok, lp, reason=reason))
+            tree.record_draws(node, *draws.rows[-len(frontier) + row])
+            for tok, lp in zip(tok_rows[row], lp_rows[row], strict=True):
+                if lp == lp:  # NaN: no further distinct draw
+                    new.append(tree.add(node, tok, lp, reason=reason))
         frontier = new
     if cap <= 0:
         tree.mark_leaf(0, reason)

@@ -1,11 +1,11 @@
 """A tree's draft levels decided as tensors, on whatever device the models are on.
 
-Every greedy ("top") tree policy drafts here. A level is one draft forward over its rows; its
-decision (the children each row proposes, their order, which are admitted under a threshold and a
-node budget, and why an admitted child will not be expanded) is a few tensor operations on the
-level's log-probabilities, recorded as a `Level` (levels.py). The `DraftTree` the page, the
-records and the verifiers read is a view made from the levels once they are read: nothing is
-decided twice, nothing replayed.
+Every greedy ("top") tree policy drafts here, and sampled fixed_tree and linear. A level is one
+draft forward over its rows; its decision (the children each row proposes, their order, which are
+admitted under a threshold and a node budget, and why an admitted child will not be expanded) is
+a few tensor operations on the level's log-probabilities, recorded as a `Level` (levels.py). The
+`DraftTree` the page, the records and the verifiers read is a view made from the levels once they
+are read: nothing is decided twice, nothing replayed.
 
 Two ways to run the levels (`DraftRequest.on_device`, the engine's `ForwardSettings.device_draft`):
 
@@ -23,7 +23,9 @@ Two shapes of tree: `admitted_levels` (fixed_tree, linear, dynatree, dyspec_thre
 candidates admitted most probable first under a threshold and a budget, each admitted one with
 its leaf reason from the policy's `gate`) and `grow_all_levels` (eagle2's beam, delayed and
 delayed_auto: every child joins the tree). The levels, their one read and the verify rows built
-from them are levels.py's. Sampled drafting draws on the host (static.py, delayed.py).
+from them are levels.py's. Sampled drafting draws its children on the host, row by row with the
+run's generator (request.SampledLevels), then decides as greedy levels do; delayed's sampled tree
+draws on the host (delayed.py).
 
 Cumulative log-probabilities are float64, as Python's floats are, so every comparison
 (threshold, order, ties) decides as the papers' host loops would (tests/test_device_draft.py
@@ -37,30 +39,21 @@ import math
 import torch
 
 from dynatree_core.core.transfer import LateRead, to_list
-from dynatree_core.core.tree import DraftTree, Reason, Status
+from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.drafting.common import drafter_of, safe_log, start_tree
 from dynatree_core.drafting.levels import (
     ADMITTED,
-    PADDING,
+    AT_DEPTH,
+    AT_LENGTH,
+    OVER_BUDGET,
     RERANKED,
-    THRESHOLD,
     Level,
-    ReadLevel,
+    admitted_tree,
+    expand_frontier,
     read_verifying,
     rows_order,
 )
-from dynatree_core.drafting.request import DraftRequest
-
-
-def expand_frontier(tree: DraftTree, frontier: list[int], drafter, level: int) -> None:
-    """The host side of a level's forward over `frontier` (its rows in order): the nodes are
-    expanded, and the drafter learns their cache slots (`Drafter.bind`; the root's is known)."""
-    for row, node in enumerate(frontier):
-        if node is None:  # a padding row
-            continue
-        tree.mark_expanded(node)
-        if node:
-            drafter.bind(node, level - 1, row)
+from dynatree_core.drafting.request import DraftRequest, SampledLevels
 
 
 def children(top: tuple[torch.Tensor, torch.Tensor], cum: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
@@ -123,11 +116,6 @@ def _index(steps, n: int, k: int, device: torch.device) -> tuple[torch.Tensor, t
     return index, rows, steps.constant(("index64", n), lambda: index.double())
 
 
-# why an admitted candidate is not expanded (Level.leaf), the reasons a level records as codes
-LEAF_REASONS = (None, Reason.DEPTH_LIMIT, Reason.LENGTH_LIMIT, Reason.BUDGET, Reason.EARLY_STOP, Reason.DEPTH_GATE)
-EXPANDED, AT_DEPTH, AT_LENGTH, OVER_BUDGET, EARLY_STOP, DEPTH_GATE = range(len(LEAF_REASONS))
-
-
 def cap_leaf(cap: int, policy_depth: int) -> int:
     """The leaf code of the nodes at the depth cap (common.leaf_reason as a code)."""
     return AT_DEPTH if cap == policy_depth else AT_LENGTH
@@ -188,6 +176,7 @@ def admitted_levels(
     key_of: tuple,
     inputs=(),
     ends_early: bool = True,
+    draw=None,
 ) -> DraftTree:
     """Up to `cap` levels whose candidates are admitted most probable first under a threshold and
     a node budget (common.admit_level), each admitted one a leaf or not by `gate(level, cum, total,
@@ -203,8 +192,13 @@ def admitted_levels(
     the children to expand. On the device, levels run at fixed widths and whether one expanded
     anything is read one level late (LateRead): a tree that ends early costs at most one wasted
     forward, and the counts bound the verify rows (read_verifying) near the tree's size. A tree
-    that cannot end before `cap` (`ends_early=False`) runs every level without reading."""
+    that cannot end before `cap` (`ends_early=False`) runs every level without reading.
+
+    Sampled drafting (`draw`: request.SampledLevels) reads each row's children from its draws in
+    place of its top k: host work with the run's generator, after the level's forward, each
+    level's counts read at once (never a captured step, whose replay would not draw again)."""
     drafter = drafter_of(request)
+    on_device = request.on_device and draw is None
     steps = drafter.steps
     levels: list[Level] = []
     late: list[LateRead] = []
@@ -217,12 +211,16 @@ def admitted_levels(
         index, rows, index64 = _index(steps, n * k, k, steps.device)
         # the level's forward over its rows and its decision, one captured step where forwards are
         # (forward/capture.py): every value the decision reads besides its tensors is in the key
-        key = ("admit", key_of, level, n, log_tau, budget, request.on_device)
-        decide = _decision(propose, gate, level, log_tau, budget, drafter.level_top, k, record=request.on_device)
+        key = ("admit", key_of, level, n, log_tau, budget, on_device)
+        decide = _decision(propose, gate, level, log_tau, budget, draw or drafter.level_top, k, record=on_device)
         then = (key, decide, (cum, drafted, index, rows, index64, *inputs))
-        tokens, lp, rows, fate, leaf, cum_c, cum, drafted, count, record = level_forward(drafter, levels, then)
+        if draw is None:
+            fields = level_forward(drafter, levels, then)
+        else:  # the draft's log-probabilities, then the draws on the host
+            fields = decide(level_forward(drafter, levels, None), *then[2])
+        tokens, lp, rows, fate, leaf, cum_c, cum, drafted, count, record = fields
         selected = index[: cum.shape[0]]
-        if not request.on_device:  # a read costs nothing: the next rows are the children to expand
+        if not on_device:  # a read costs nothing: the next rows are the children to expand
             grows, drafted_now = to_list(count)  # a read per level: free on a CPU, counted
             selected = selected[:grows]  # the children to expand lead the admitted ones
             cum = cum[:grows]
@@ -245,37 +243,14 @@ def admitted_levels(
     elif counts is not None:
         per_row = levels[-1].tokens.shape[0] // levels[-2].selected.shape[0]
         width = min(width, counts[1] + max(0, min(budget - counts[1], counts[0] * per_row)))
-    tree, nodes = admitted_tree(tree, read_verifying(request, levels, width), drafter)
+    tree, nodes = admitted_tree(tree, read_verifying(request, levels, width), drafter, draw and draw.rows)
     rows_order(request, nodes)
     return tree
 
 
-def admitted_tree(tree: DraftTree, read: list[ReadLevel], drafter) -> tuple[DraftTree, list[int | None]]:
-    """The DraftTree the levels hold, as read: each candidate a node with its fate and leaf reason
-    as the level decided them; each row of a level's forward, its node, expanded (and bound to its
-    draft cache slot: `Drafter.bind`). No rule is applied here. Also the node each candidate
-    became (None: not a node), counted over the levels in order."""
-    frontier = [0]  # the node of each row of the level's forward (None: a padding row)
-    nodes: list[int | None] = []
-    for level, lv in enumerate(read, start=1):
-        expand_frontier(tree, frontier, drafter, level)
-        grows: list[int | None] = []  # per candidate: its node if it is a row of the next forward
-        for tok, lp, row, fate, leaf in zip(lv.tokens, lv.logp, lv.parents, lv.fate, lv.leaf, strict=True):
-            node = None
-            if fate == ADMITTED:
-                node = tree.add(frontier[row], tok, lp, reason=LEAF_REASONS[leaf])
-            elif fate != PADDING:
-                reason = Reason.THRESHOLD if fate == THRESHOLD else Reason.BUDGET
-                tree.add(frontier[row], tok, lp, status=Status.PRUNED, reason=reason)
-            nodes.append(node)
-            grows.append(node if fate == ADMITTED and leaf == EXPANDED else None)
-        frontier = [grows[i] for i in lv.selected]
-    return tree, nodes
-
-
 def grow_topk_levels(request: DraftRequest, *, depth: int, branch: int, tau: float, budget: int) -> DraftTree:
-    """static.grow_topk_tree as levels (DynaTree Alg. 1: top-B children, lines 17-19 the threshold,
-    lines 12/22 the budget)."""
+    """fixed_tree's and linear's tree as levels (DynaTree Alg. 1: top-B children, lines 17-19 the threshold,
+    lines 12/22 the budget); sampled drafting's children are each row's B draws (SampledLevels)."""
     tree, cap = start_tree(request, depth)
     if cap <= 0:
         return tree
@@ -296,6 +271,7 @@ def grow_topk_levels(request: DraftRequest, *, depth: int, branch: int, tau: flo
         gate=budget_gate(cap, depth, budget),
         key_of=("topk", branch, cap, depth),
         ends_early=ends_early,
+        draw=None if request.draw == "top" else SampledLevels(request),
     )
 
 

@@ -3,7 +3,7 @@
 drafting/device.py grows the levels; this module holds what a level is on the device (`Level`)
 and once read (`ReadLevel`), reads every level in one copy (`read_levels`), and builds the
 target's verify rows from the levels without a read (`tree_rows`): the admitted candidates in the
-tree's bfs order, their parents' rows, depths and the ancestor closure, padded to a width the
+tree's bfs order, their parents' rows, depths and lineages, padded to a width the
 host knows. Where the engine queues the verify forward from those rows (decoding/batch.py,
 `DraftRequest.early`), `read_verifying` builds them, copies the levels and rows behind the draft,
 queues the forward, and only then waits for the copy.
@@ -16,8 +16,15 @@ import dataclasses
 import torch
 
 from dynatree_core.core.transfer import LateRead, to_list
+from dynatree_core.core.tree import DraftTree, Reason, Status
 from dynatree_core.drafting.common import drafter_of
 from dynatree_core.drafting.request import DraftRequest
+from dynatree_core.forward.rows import lineage
+
+# why an admitted candidate is not expanded (Level.leaf), the reasons a level records as codes
+LEAF_REASONS = (None, Reason.DEPTH_LIMIT, Reason.LENGTH_LIMIT, Reason.BUDGET, Reason.EARLY_STOP, Reason.DEPTH_GATE)
+EXPANDED, AT_DEPTH, AT_LENGTH, OVER_BUDGET, EARLY_STOP, DEPTH_GATE = range(len(LEAF_REASONS))
+
 
 # a candidate's fate, as the level records it
 # the runs of a level ordered most probable first (device.fates), in that order; then a node EAGLE-2's
@@ -84,7 +91,9 @@ class TreeRows:
     depths: torch.Tensor  # (W,) long: 1 for the root's children
     parents: torch.Tensor  # (W,) long: the parent's row, rows counted from 1 (0: the root); a padding row's own
     valid: torch.Tensor  # (W,) bool: a node (else padding: it sees only itself, nothing sees it)
-    ancestors: torch.Tensor  # (W + 1, W + 1) bool, the root's row first: [i, j] row j is row i or its ancestor
+    # (W + 1, d) long, the root's row first: each row, its parent's row, its parent's, ... (forward/rows.lineage;
+    # the root and padding rows repeat themselves): whom each row sees (rows.tree_seen)
+    lines: torch.Tensor
     pick: torch.Tensor  # (W,) long: the candidate a row is, counted over the levels in order (padding: any)
 
 
@@ -107,8 +116,7 @@ def tree_rows(levels: list[Level], width: int) -> TreeRows:
     admitted candidates lead it, most probable first, and the next rows are its first candidates)
     that order is the levels' admitted candidates as they come, so a candidate's row is the count
     of admitted ones up to it, each field one scatter; else three stable sorts give it, minor key
-    first. The ancestor closure: each row's ancestors are the parent pointers followed to the root,
-    one gather a level, then one scatter."""
+    first. Each row's lineage: the parent pointers followed to the root, one gather a level."""
     tokens = torch.cat([lv.tokens for lv in levels])
     device = tokens.device
     admitted = torch.cat([lv.fate for lv in levels]) == ADMITTED
@@ -133,11 +141,7 @@ def tree_rows(levels: list[Level], width: int) -> TreeRows:
     else:
         rows = _sorted_rows(tokens, admitted, depths, levels, width)
         table = torch.cat([rows.parents.new_zeros(1), rows.parents])
-    hops = [table]  # a row's parent, its parent's, ...: no row is deeper than the levels
-    for _ in levels[1:]:
-        hops.append(table[hops[-1]])
-    eye = torch.eye(width + 1, dtype=torch.bool, device=device)
-    rows.ancestors = eye.scatter(1, torch.stack(hops, dim=1), True)
+    rows.lines = lineage(table, len(levels))  # no row is deeper than the levels
     return rows
 
 
@@ -234,6 +238,46 @@ def _verify_rows(width: int, ranked: bool, prefix: bool):
         pairs = zip(inputs[::2], inputs[1::2], strict=True)
         levels = [Level.of_record(record, cum, ranked, prefix) for record, cum in pairs]
         rows = tree_rows(levels, width)
-        return rows.tokens, rows.depths, rows.parents, rows.valid, rows.ancestors, rows.pick, _flat(levels, rows)
+        return rows.tokens, rows.depths, rows.parents, rows.valid, rows.lines, rows.pick, _flat(levels, rows)
 
     return build
+
+
+def expand_frontier(tree: DraftTree, frontier: list[int], drafter, level: int) -> None:
+    """The host side of a level's forward over `frontier` (its rows in order): the nodes are
+    expanded, and the drafter learns their cache slots (`Drafter.bind`; the root's is known)."""
+    for row, node in enumerate(frontier):
+        if node is None:  # a padding row
+            continue
+        tree.mark_expanded(node)
+        if node:
+            drafter.bind(node, level - 1, row)
+
+
+def admitted_tree(tree: DraftTree, read: list[ReadLevel], drafter, draws=None) -> tuple[DraftTree, list[int | None]]:
+    """The DraftTree the levels hold, as read: each candidate a node with its fate and leaf reason
+    as the level decided them; each row of a level's forward, its node, expanded (and bound to its
+    draft cache slot: `Drafter.bind`), with sampled drafting what was drawn there (`draws`: each
+    expanded row's (q, tokens) in order, level by level: request.SampledLevels). No rule is
+    applied here. Also the node each candidate became (None: not a node), counted over the levels
+    in order."""
+    frontier = [0]  # the node of each row of the level's forward (None: a padding row)
+    nodes: list[int | None] = []
+    drawn = iter(draws or ())
+    for level, lv in enumerate(read, start=1):
+        expand_frontier(tree, frontier, drafter, level)
+        for node in frontier if draws else ():
+            if node is not None:
+                tree.record_draws(node, *next(drawn))
+        grows: list[int | None] = []  # per candidate: its node if it is a row of the next forward
+        for tok, lp, row, fate, leaf in zip(lv.tokens, lv.logp, lv.parents, lv.fate, lv.leaf, strict=True):
+            node = None
+            if fate == ADMITTED:
+                node = tree.add(frontier[row], tok, lp, reason=LEAF_REASONS[leaf])
+            elif fate != PADDING:
+                reason = Reason.THRESHOLD if fate == THRESHOLD else Reason.BUDGET
+                tree.add(frontier[row], tok, lp, status=Status.PRUNED, reason=reason)
+            nodes.append(node)
+            grows.append(node if fate == ADMITTED and leaf == EXPANDED else None)
+        frontier = [grows[i] for i in lv.selected]
+    return tree, nodes

@@ -12,7 +12,7 @@ import torch
 
 from dynatree_core.core.sampling_config import adjust
 from dynatree_core.core.transfer import to_host, to_list
-from dynatree_core.core.tree import DraftTree
+from dynatree_core.core.tree import SampledDraw
 from dynatree_core.drafts.session import Drafter
 
 
@@ -56,13 +56,31 @@ def level_q(request: DraftRequest, logp: torch.Tensor) -> torch.Tensor | None:
     return to_host(adjust(logp, request.sampling).to(torch.float16))  # rounded once: what a draw records
 
 
-def sampled_children(request: DraftRequest, tree: DraftTree, node: int, q: torch.Tensor, k: int) -> list[tuple]:
-    """Sampled drafting: (token, logp) of `node`'s children, from k draws from the adjusted draft
-    distribution `q` (the node's row of `level_q`; recorded on the tree for the verifier), their
-    distinct tokens in drawing order, logp = log q_adjusted(token). Greedy trees are tensor levels
-    (device.py)."""
-    draw = tree.record_draws(node, q)
-    q = draw.dense()  # the recorded q, exactly as the verifier and an export will read it
-    k = min(k, int((q > 0).sum())) if request.draw == "without_replacement" else k
-    draw.tokens.extend(torch.multinomial(q, k, replacement=request.draw == "iid", generator=request.gen).tolist())
-    return [(tok, math.log(float(q[tok]))) for tok in dict.fromkeys(draw.tokens)]
+class SampledLevels:
+    """Sampled drafting's reading of a level (drafting/device.admitted_levels' `draw`): each row's
+    children drawn from its adjusted draft distribution, on the host with the run's generator, row
+    by row in the level's order (what the papers' loops do node by node). A row's q is rounded to
+    float16 once (`level_q`) and drawn from as recorded (SampledDraw.dense: what the verifier and an
+    export read); `rows` keeps every row's (q, draws), level by level, for the tree view
+    (levels.admitted_tree records them on the rows' nodes)."""
+
+    def __init__(self, request: DraftRequest):
+        self.request, self.rows = request, []
+
+    def __call__(self, logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probabilities (rows, k) float64, tokens (rows, k)) of each row's distinct draws in
+        drawing order, logp = log q_adjusted(token); NaN after the last (not a candidate: iid draws
+        that repeat, fewer nonzero entries than k)."""
+        request = self.request
+        rows = level_q(request, logp)
+        lp = torch.full((rows.shape[0], k), math.nan, dtype=torch.float64)
+        tokens = torch.zeros(rows.shape[0], k, dtype=torch.long)
+        for r, q16 in enumerate(rows):
+            q = SampledDraw.of(q16).dense()  # the recorded q, exactly as the verifier will read it
+            n = min(k, int((q > 0).sum())) if request.draw == "without_replacement" else k
+            drawn = torch.multinomial(q, n, replacement=request.draw == "iid", generator=request.gen).tolist()
+            self.rows.append((q16, drawn))
+            distinct = list(dict.fromkeys(drawn))
+            tokens[r, : len(distinct)] = torch.tensor(distinct)
+            lp[r, : len(distinct)] = torch.tensor([math.log(float(q[t])) for t in distinct], dtype=torch.float64)
+        return lp, tokens

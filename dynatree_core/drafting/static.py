@@ -11,11 +11,10 @@ cumulative probability, so the budget keeps the most probable nodes.
 
 from __future__ import annotations
 
-from dynatree_core.core.tree import DraftTree, Reason
-from dynatree_core.drafting.common import admit_level, drafter_of, leaf_reason, safe_log, start_tree
+from dynatree_core.core.tree import DraftTree
 from dynatree_core.drafting.device import grow_topk_levels
 from dynatree_core.drafting.policy import Param, Policy, register_policy
-from dynatree_core.drafting.request import DraftRequest, level_q, sampled_children
+from dynatree_core.drafting.request import DraftRequest
 
 
 @register_policy
@@ -35,38 +34,6 @@ class Autoregressive(Policy):
         return tree
 
 
-def grow_topk_tree(request: DraftRequest, *, depth: int, branch: int, tau: float, budget: int) -> DraftTree:
-    """Level-by-level top-B expansion with threshold pruning and a node budget (Alg. 1): as tensor
-    levels (device.py) for greedy drafting; sampled drafting draws each node's children on the host."""
-    if request.draw == "top":
-        return grow_topk_levels(request, depth=depth, branch=branch, tau=tau, budget=budget)
-    drafter = drafter_of(request)
-    tree, depth_cap = start_tree(request, depth)
-    log_tau = safe_log(tau)
-    frontier, drafted = [0], 0
-    for level in range(depth_cap):
-        logp = drafter.expand(tree, frontier)  # ONE draft forward for the whole level
-        q_rows = level_q(request, logp)  # the level's distributions, one copy
-        candidates = []
-        for row, node in enumerate(frontier):
-            tree.mark_expanded(node)
-            for tok, lp in sampled_children(request, tree, node, q_rows[row], branch):
-                candidates.append((tree.cum_logp[node] + lp, node, tok, lp))
-        # Alg. 1 line 17: cumulative log-probability below log(tau) is pruned; line 22: the node budget
-        frontier = admit_level(tree, candidates, log_tau, budget - drafted)
-        drafted += len(frontier)
-        if not frontier:
-            break
-        if drafted >= budget and level + 1 < depth_cap:
-            for node in frontier:
-                tree.mark_leaf(node, Reason.BUDGET)
-            break
-        if level + 1 == depth_cap:
-            for node in frontier:
-                tree.mark_leaf(node, leaf_reason(depth_cap, depth))
-    return tree
-
-
 @register_policy
 class Linear(Policy):
     name = "linear"
@@ -80,7 +47,7 @@ class Linear(Policy):
 
     def draft(self, request: DraftRequest) -> DraftTree:
         k = self.config["k"]
-        return grow_topk_tree(request, depth=k, branch=1, tau=0.0, budget=k)
+        return grow_topk_levels(request, depth=k, branch=1, tau=0.0, budget=k)
 
 
 @register_policy
@@ -117,4 +84,4 @@ class FixedTree(Policy):
 
     def draft(self, request: DraftRequest) -> DraftTree:
         c = self.config
-        return grow_topk_tree(request, depth=c["depth"], branch=c["branch"], tau=c["tau"], budget=c["budget"])
+        return grow_topk_levels(request, depth=c["depth"], branch=c["branch"], tau=c["tau"], budget=c["budget"])

@@ -39,7 +39,8 @@ from dynatree_core.core.vocab import OTHER, TokenMap
 from dynatree_core.core.weights import load_weights
 from dynatree_core.drafts.session import Drafter
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
+from dynatree_core.forward.kv import KVState
+from dynatree_core.forward.rows import Rows, causal
 
 CONFIG_FILE = "feature_draft.json"
 WEIGHTS_FILE = "feature_draft.safetensors"
@@ -265,40 +266,39 @@ class FeatureDrafter(Drafter):
             self.pending_features.append(features.detach())
             self.pending_tokens.extend(int(t) for t in tokens)
 
-    def expand_logits(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+    def _root(self, then: tuple | None) -> tuple[torch.Tensor, tuple | None]:
+        """The root's forward over the pairs the target confirmed (root last)."""
         kv = self.kv
-        if nodes == [0]:
-            if not self.pending_tokens:
-                raise DynaTreeError("the feature draft has no target features yet: it drafts from the second iteration")
-            self.slots, self.out = {}, {}
-            feats = torch.cat(self.pending_features) if len(self.pending_features) > 1 else self.pending_features[0]
-            n = len(self.pending_tokens)
-            out = self._captured_root(self.pending_tokens, kv.length + 1, feats) if kv.filled else None
-            if out is None:
-                visible = chain_then_tree_visibility(kv.length, n, torch.zeros(0, 0, dtype=torch.bool))
-                positions = list(range(kv.length + 1, kv.length + 1 + n))
-                rows = self._pair_rows(torch.tensor(self.pending_tokens), feats, fused=True)
-                out = kv.forward(self.pending_tokens, positions, visible, 1, embeds=rows, hidden=True)
-            logits, states = out.logits, out.states
-            self.pending_features, self.pending_tokens = [], []
-            self.committed = kv.length
-            self.root_position = kv.length
-            self.slots[0] = kv.length - 1
-            self.out[0] = states[-1]
-        else:
-            q = len(nodes)
-            visible = self._level_visibility(tree, nodes)  # the root's pair is the last committed entry
-            positions = [self.root_position + tree.depths[n] for n in nodes]
-            tokens = [tree.tokens[n] for n in nodes]
-            feats = torch.stack([self.out[tree.parents[n]] for n in nodes])
-            start = kv.length
-            rows = self._pair_rows(torch.tensor(tokens), feats, fused=False)
-            out = kv.forward(tokens, positions, visible, q, embeds=rows, hidden=True)
-            logits, states = out.logits, out.states
-            for i, n in enumerate(nodes):
-                self.slots[n] = start + i
-                self.out[n] = states[i]
-        return logits
+        if not self.pending_tokens:
+            raise DynaTreeError("the feature draft has no target features yet: it drafts from the second iteration")
+        self.slots, self.out = {}, {}
+        feats = torch.cat(self.pending_features) if len(self.pending_features) > 1 else self.pending_features[0]
+        n, past = len(self.pending_tokens), kv.length
+        done = self._captured_root(self.pending_tokens, past + 1, then, feats) if kv.filled else None
+        if done is None:
+            embeds = self._pair_rows(torch.tensor(self.pending_tokens), feats, fused=True)
+            rows = Rows(self.pending_tokens, list(range(past + 1, past + 1 + n)), causal(past, n), 1, embeds, True)
+            done = kv.run(rows), None  # pair j sits at position j + 1
+        out, after = done
+        self.pending_features, self.pending_tokens = [], []
+        self.committed = kv.length
+        self.root_position = kv.length
+        self.slots[0] = kv.length - 1
+        self.out[0] = out.states[-1]
+        return out.logits, after
+
+    def _nodes(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        kv, start = self.kv, self.kv.length
+        visible = self._level_visibility(tree, nodes)  # the root's pair is the last committed entry
+        positions = [self.root_position + tree.depths[n] for n in nodes]
+        tokens = [tree.tokens[n] for n in nodes]
+        feats = torch.stack([self.out[tree.parents[n]] for n in nodes])
+        embeds = self._pair_rows(torch.tensor(tokens), feats, fused=False)
+        out = kv.run(Rows(tokens, positions, visible, len(nodes), embeds, True))
+        for i, n in enumerate(nodes):
+            self.slots[n] = start + i
+            self.out[n] = out.states[i]
+        return out.logits
 
     def _level_logits(self, tokens, parents, depth: int, visible: torch.Tensor) -> torch.Tensor:
         """A device level (Drafter.expand_level): each row reads its parent row's predicted feature."""
@@ -307,8 +307,7 @@ class FeatureDrafter(Drafter):
             self.level_states = self.out[0][None]
         feats = self.level_states[parents]
         positions = torch.full((p,), self.root_position + depth, dtype=torch.long, device=tokens.device)
-        rows = self._pair_rows(tokens, feats, fused=False)
-        out = self.kv.forward(tokens, positions, visible, p, embeds=rows, hidden=True)
+        out = self.kv.run(Rows(tokens, positions, visible, p, self._pair_rows(tokens, feats, fused=False), True))
         self.level_states = out.states
         return out.logits
 
@@ -325,9 +324,9 @@ class FeatureDrafter(Drafter):
         return self._padded(self._pair_rows(chain, features, fused=True), width)
 
     def _padded(self, rows: torch.Tensor, width: int) -> torch.Tensor:
-        """(q, H) input rows as a fixed-width forward's (1, width, H) inputs, zero rows after."""
+        """(q, H) input rows as a fixed-width forward's (width, H) inputs, zero rows after."""
         rows = rows.to(self.kv.model.dtype)
-        return torch.cat([rows, rows.new_zeros(width - rows.shape[0], rows.shape[1])])[None]
+        return torch.cat([rows, rows.new_zeros(width - rows.shape[0], rows.shape[1])])
 
     def _level_done(self, out) -> None:
         self.level_states = out.states

@@ -16,7 +16,8 @@ import torch
 from dynatree_core.core.transfer import upload_into
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.core.vocab import TokenMap
-from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
+from dynatree_core.forward.kv import KVState
+from dynatree_core.forward.rows import Rows, visibility
 
 
 class Drafter:
@@ -49,7 +50,6 @@ class Drafter:
         self.ancestors = torch.zeros(1, 0, dtype=torch.long)
         self.level_starts: list[int] = []
         self._committed_on_device: torch.Tensor | None = None  # _upload_committed
-        self._then, self._after = None, None  # expand_level's decision, and its outputs
 
     @property
     def forwards(self) -> int:
@@ -71,28 +71,29 @@ class Drafter:
 
     def expand_logits(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
         """`expand`'s forward: the draft's logits, before `to_logp`."""
+        return self._root(None)[0] if nodes == [0] else self._nodes(tree, nodes)
+
+    def _root(self, then: tuple | None) -> tuple[torch.Tensor, tuple | None]:
+        """The root's forward (the pending committed tokens, root last): its logits, and what
+        `then` returned where it ran in the forward's captured step (else None)."""
         kv = self.kv
-        if nodes == [0]:
-            self.slots = {}
-            out = self._captured_root(kv.pending, kv.length) if kv.filled else None
-            if out is None:
-                chain = self._draft_ids(kv.pending)
-                visible = chain_then_tree_visibility(kv.length, len(chain), torch.zeros(0, 0, dtype=torch.bool))
-                out = kv.forward(chain, list(range(kv.length, kv.length + len(chain))), visible, 1)
-            logits = out.logits
-            kv.pending = []
-            self.committed = kv.length
-            self.slots[0] = kv.length - 1
-        else:
-            positions = [self.committed - 1 + tree.depths[n] for n in nodes]
-            start = kv.length
-            logits = kv.forward(
-                self._draft_ids([tree.tokens[n] for n in nodes]),
-                positions,
-                self._level_visibility(tree, nodes),
-                len(nodes),
-            ).logits
-            self.slots.update({n: start + i for i, n in enumerate(nodes)})
+        self.slots = {}
+        done = self._captured_root(kv.pending, kv.length, then) if kv.filled else None
+        if done is None:
+            done = kv.run(Rows.chain(self._draft_ids(kv.pending), kv.length)), None
+        out, after = done
+        kv.pending = []
+        self.committed = kv.length
+        self.slots[0] = kv.length - 1
+        return out.logits, after
+
+    def _nodes(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        """The forward of nodes drafted on the host (their parents expanded earlier this iteration)."""
+        kv, start = self.kv, self.kv.length
+        positions = [self.committed - 1 + tree.depths[n] for n in nodes]
+        ids = self._draft_ids([tree.tokens[n] for n in nodes])
+        logits = kv.run(Rows(ids, positions, self._level_visibility(tree, nodes), len(nodes))).logits
+        self.slots.update({n: start + i for i, n in enumerate(nodes)})
         return logits
 
     def expand_level(
@@ -110,51 +111,43 @@ class Drafter:
         `then` = (key, fn, inputs), the level's decision: returns fn(logits, *inputs), run inside
         the forward's captured step where the run captures its levels (one launch a level:
         drafting/device.py), else a step of its own."""
-        self._then, self._after = then, None
-        try:
-            logits = self._level(tokens, parents, depth)
-        finally:
-            self._then = None  # a later forward (a host `expand`) runs nothing after it
+        logits, after = self._level(tokens, parents, depth, then)
         if then is None:
             return self.to_logp(logits)
-        if self._after is None:  # the forward ran apart: the decision is a step of its own
+        if after is None:  # the forward ran apart: the decision is a step of its own
             key, fn, inputs = then
-            self._after = self.steps(key, fn, logits, *inputs)
-        return self._after
+            after = self.steps(key, fn, logits, *inputs)
+        return after
 
-    def _level(self, tokens, parents, depth: int) -> torch.Tensor:
-        """expand_level's forward: its logits (with `_then`, its decision's outputs in `_after`
-        where they ran in the forward's step)."""
+    def _level(self, tokens, parents, depth: int, then) -> tuple[torch.Tensor, tuple | None]:
+        """expand_level's forward: its logits, and `then`'s outputs where they ran in its step."""
         if tokens is None:
-            logits = self.expand_logits(DraftTree.with_root(0), [0])
+            logits, after = self._root(then)
             self.level_starts = []
             self._committed_on_device = self._upload_committed(logits.device)
             if self._committed_on_device is None:
                 self.ancestors = torch.zeros(1, 0, dtype=torch.long, device=logits.device)
-            return logits
+            return logits, after
         p, start = tokens.shape[0], self.kv.length
         self.level_starts.append(start)
-        logits = self._captured_level(tokens, parents, depth, start)
-        if logits is None:
-            own = torch.arange(start, start + p, device=tokens.device)
-            self.ancestors = torch.cat([self.ancestors[parents], own[:, None]], dim=1)  # the root is committed
-            logits = self._level_logits(tokens, parents, depth, level_seen(self.ancestors, self.committed, start + p))
-        return logits
+        done = self._captured_level(tokens, parents, depth, start, then)
+        if done is not None:
+            return done
+        own = torch.arange(start, start + p, device=tokens.device)
+        self.ancestors = torch.cat([self.ancestors[parents], own[:, None]], dim=1)  # the root is committed
+        seen = visibility(self.committed, self.ancestors, start + p)
+        return self._level_logits(tokens, parents, depth, seen), None
 
-    def _captured_root(self, tokens: list[int], first: int, *extra: torch.Tensor):
+    def _captured_root(self, tokens: list[int], first: int, then, *extra: torch.Tensor):
         """The root's forward (the pending chain at positions from `first`) as ONE captured step
-        with its inputs (KVState.chain), after the prefill, where the run captures its steps.
-        `extra`: what `_root_embeds` reads. None elsewhere."""
+        with its inputs (KVState.chain), after the prefill, where the run captures its steps:
+        (its Forward, what `then` returned). `extra`: what `_root_embeds` reads. None elsewhere."""
         embeds = self._root_embeds if self.wants_features else None
         key = ("level", type(self).__name__, "root")  # names the ids map and the embeds hook it captures
-        then = self._then
-        out = self.kv.chain(key, tokens, first, 1, ids=self._draft_ids, embeds=embeds, extra=extra, then=then)
-        if out is not None and then is not None:
-            self._after = self.kv.after
-        return out
+        return self.kv.chain(key, tokens, first, 1, ids=self._draft_ids, embeds=embeds, extra=extra, then=then)
 
     def _root_embeds(self, chain: torch.Tensor, width: int, *extra) -> torch.Tensor | None:
-        """A captured root's input vectors (1, width, hidden), or None: the tokens' embeddings."""
+        """A captured root's input vectors (width, hidden), or None: the tokens' embeddings."""
         return None
 
     def _upload_committed(self, device: torch.device) -> torch.Tensor | None:
@@ -168,12 +161,12 @@ class Drafter:
         upload_into(committed, torch.tensor([self.committed]))
         return committed
 
-    def _captured_level(self, tokens, parents, depth: int, start: int) -> torch.Tensor | None:
+    def _captured_level(self, tokens, parents, depth: int, start: int, then):
         """expand_level's forward and everything it reads made on the device in ONE captured step
         (KVState.level), from the committed length the root's forward uploaded: the rows' slots,
         ancestors, mask, positions and inputs. Slots sit at a fixed offset from the committed
         length (a level's width is fixed), so the graph of a level replays every iteration.
-        None where the run does not capture its steps."""
+        Returns (its logits, what `then` returned); None where the run does not capture its steps."""
         if self._committed_on_device is None:
             return None
         p, offset = tokens.shape[0], start - self.committed
@@ -185,26 +178,24 @@ class Drafter:
                 slots = committed + offset + rows
                 ancestors = torch.cat([ancestors[parents], slots[:p, None]], dim=1)  # the root is committed
                 every = torch.cat([ancestors, slots[p:, None].expand(width - p, depth)])  # padding: its own slot
-                seen = level_seen(every, committed, span, rows < p)
-                positions = (committed + position).expand(width).contiguous()[None]
-                ids = torch.cat([self._draft_ids(tokens), tokens.new_zeros(width - p)])[None]
+                seen = visibility(committed, every, span, rows < p)
+                positions = (committed + position).expand(width).contiguous()
+                ids = torch.cat([self._draft_ids(tokens), tokens.new_zeros(width - p)])
                 embeds = self._level_embeds(tokens, parents, width, *extra)
-                return ids, positions, slots, seen, embeds, ancestors
+                return Rows(ids, positions, seen, embeds=embeds, slots=slots), ancestors
 
             return fill
 
         inputs = (tokens, parents, self.ancestors, self._committed_on_device, *self._level_inputs(depth))
         key = ("level", type(self).__name__, depth, offset)
         # a row sees the committed entries, its ancestors and itself
-        then, embeds = self._then, self.wants_features
+        embeds = self.wants_features
         done = self.kv.level(key, make_fill, inputs, p, embeds=embeds, most_keys=self.committed + depth, then=then)
         if done is None:
             return None
         out, (self.ancestors, *after) = done
-        if then is not None:
-            self._after = tuple(after)
         self._level_done(out)
-        return out.logits
+        return out.logits, tuple(after)
 
     position_shift = -1  # a level at depth d sits at position committed + shift + d (feature drafts: 0)
 
@@ -213,7 +204,7 @@ class Drafter:
         return ()
 
     def _level_embeds(self, tokens, parents, width: int, *extra) -> torch.Tensor | None:
-        """A captured level's input vectors (1, width, hidden), or None: the tokens' embeddings."""
+        """A captured level's input vectors (width, hidden), or None: the tokens' embeddings."""
         return None
 
     def _level_done(self, out) -> None:
@@ -222,7 +213,7 @@ class Drafter:
     def _level_logits(self, tokens, parents, depth: int, visible: torch.Tensor) -> torch.Tensor:
         p = tokens.shape[0]
         positions = torch.full((p,), self.committed - 1 + depth, dtype=torch.long, device=tokens.device)
-        return self.kv.forward(self._draft_ids(tokens), positions, visible, p).logits
+        return self.kv.run(Rows(self._draft_ids(tokens), positions, visible, p)).logits
 
     def bind(self, node: int, level: int, row: int) -> None:
         """`node` of the tree read back is row `row` of level `level` (1: the root's children)
@@ -230,12 +221,12 @@ class Drafter:
         self.slots[node] = self.level_starts[level - 1] + row
 
     def _level_visibility(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
-        """(q, length + q) visibility of nodes drafted on the host (any depths): `level_seen` over
-        each node's ancestors' slots and its own (the root is among the committed entries)."""
+        """(q, length + q) visibility of nodes drafted on the host (any depths), as a device
+        level's: the committed entries (the root's included), each node's ancestors' slots and its own."""
         q, length = len(nodes), self.kv.length
         slots = [[self.slots[a] for a in tree.path(node)[1:-1]] + [length + i] for i, node in enumerate(nodes)]
         most = max(len(s) for s in slots)
-        return level_seen(torch.tensor([s + s[-1:] * (most - len(s)) for s in slots]), self.committed, length + q)
+        return visibility(self.committed, torch.tensor([s + s[-1:] * (most - len(s)) for s in slots]), length + q)
 
     def level_top(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The `k` most probable children of each row (at most as many as it can propose): their
@@ -275,13 +266,3 @@ class Drafter:
         self.kv.keep(list(range(self.committed)) + cached)
         self.kv.pending = list(new_tokens[len(cached) :])
         self.slots = {}
-
-
-def level_seen(slots: torch.Tensor, committed, span: int, real: torch.Tensor | None = None) -> torch.Tensor:
-    """(rows, span) bool: the slots each row of a draft level sees, the one visibility every draft
-    level is built with (host, device, captured): the committed entries (the root's included;
-    `committed` an int or a device scalar) and `slots` (rows, d), its ancestors' and its own
-    (padded by repeating one of them). A row that is not `real` (padding) sees its own slot only."""
-    seen = torch.arange(span, device=slots.device) < committed
-    seen = seen.expand(slots.shape[0], span) if real is None else seen & real[:, None]
-    return seen.scatter(1, slots, True)

@@ -333,7 +333,7 @@ class LeanForward:
     ) -> Forward:
         """`embeds` (1, q, hidden): inputs instead of the ids' embeddings; `hidden`: also return
         the final (post-norm) hidden states of all q rows, or for a tuple of taps (core/taps.py)
-        those states stacked (q, len(taps), hidden) (see KVState.forward); `rows`: attend with
+        those states stacked (q, len(taps), hidden) (see rows.Rows); `rows`: attend with
         forward/invariant.py's width-invariant attention over each row's own keys (`mask` unused)."""
         x = F.embedding(ids, self.embed.weight) if embeds is None else embeds  # (1, q, hidden)
         in_place = self.blocks[0].add_o is not None  # the residual adds write into x (_residual)

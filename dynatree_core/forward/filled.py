@@ -12,15 +12,16 @@ key and replays. Three callers' shapes of it:
   forward queued from the tree's rows on the device: decoding/batch.py);
 - `chain`: a chain of pending tokens after the cache (the draft's root; the target's forward
   where a batch has no tree rows: every token of `ar` after the prefill);
-- `rows`: a batch built on the host (the chain, then a tree's nodes, with their block of the
-  mask), padded to the width it runs at, so one graph serves every batch of that width.
+- `rows`: a batch built on the host (the chain, then a tree's nodes, with their ancestors' rows),
+  padded to the width it runs at, so one graph serves every batch of that width.
 
 A step may go on after its forward (`then`): a draft level's decision on its logits runs inside
 the same step, so a level is one launch, its forward and its decision (drafting/device.py).
 
-A fill hands the forward which slots each row sees, a (width, span) boolean (`seen_over`); the
-step turns it into the additive mask, or for width-invariant rows into each row's slots in
-sequence order (static_rows.StaticRows.build). The prefill runs eagerly (its width is the prompt's).
+A fill hands the forward its rows (forward/rows.Rows), which slots each row sees a (width, span)
+boolean built as every forward's is (rows.visibility); the step turns it into the additive mask,
+or for width-invariant rows into each row's slots in sequence order (static_rows.StaticRows.build).
+The prefill runs eagerly (its width is the prompt's).
 
 Contract: knows a KVState's cache, padded forward and steps; never trees or policies.
 """
@@ -31,6 +32,7 @@ import torch
 
 from dynatree_core.core.transfer import upload_into
 from dynatree_core.forward.reference import Forward
+from dynatree_core.forward.rows import Rows, batch_lines, visibility
 
 
 class FilledForwards:
@@ -58,13 +60,13 @@ class FilledForwards:
         forward captured as ONE step (graphs.PaddedForward.filled; a draft level: drafts/session.py,
         the verify forward: decoding/batch.py): `make_fill(width, span)` gives the function of
         `inputs` (its Python values all in `key`, whose first item names the kind: "level" or
-        "verify"); `most_keys` bounds the keys a row sees (width-invariant rows span them).
-        `whole`: the inputs come padded to the width (`rows`), so the step, keyed by the width, not
-        q, returns every row and the real ones are cut after it. `then` = (key, fn, inputs): fn(the
-        kept logits, *inputs) runs after the forward inside the step, its outputs after the fill's
-        extra ones. Returns (Forward with the last `keep` rows' logits (default: all) and every
-        row's states, the fill's extra outputs), or None where this run cannot (`fills`): the caller
-        then uses `forward`."""
+        "verify") that returns the rows (rows.Rows) and any extra outputs; `most_keys` bounds the
+        keys a row sees (width-invariant rows span them). `whole`: the inputs come padded to the
+        width (`rows`), so the step, keyed by the width, not q, returns every row and the real ones
+        are cut after it. `then` = (key, fn, inputs): fn(the kept logits, *inputs) runs after the
+        forward inside the step, its outputs after the fill's extra ones. Returns (Forward with the
+        last `keep` rows' logits (default: all) and every row's states, the fill's extra outputs),
+        or None where this run cannot (`fills`): the caller then uses `run`."""
         if not self.fills(q):
             return None
         dtype = self.model.dtype
@@ -87,39 +89,38 @@ class FilledForwards:
         self.padded.advance(self.length + q)
         return self._done(q, Forward(logits, states), True, (self.steps.capture_s - captured) * 1e3), extra
 
-    def rows(self, key: tuple, tokens: list[int], positions: list[int], block: torch.Tensor, keep: int):
-        """A forward of q new rows that see every cache entry and, among themselves, what `block`
-        (q, q) bool (host) says (a verify batch built on the host: the chain, then the tree's nodes)
-        as ONE captured step with its inputs (`level`), keyed by the width the rows run at, not by
-        q: the cache's length, q, the ids, positions and block padded to that width (a padding row
-        sees only itself) go up in one upload. Each row sees its sequence (as in any verify batch:
-        `positions` bound its keys). Returns the Forward (the last `keep` rows' logits,
-        every row's states), or None where the run cannot (`fills`, and the prefill)."""
+    def rows(self, key: tuple, tokens: list[int], positions: list[int], chain: int, lines: torch.Tensor, keep: int):
+        """A verify batch built on the host (the `chain` pending rows, then a tree's rows whose
+        `lines` (n + 1, d) name their ancestors: rows.tree_seen) as ONE captured step with its
+        inputs (`level`), keyed by the width the rows run at, not by their count or depth: the
+        cache's length, the count, and the ids, positions and each row's bound and lineage
+        (rows.batch_lines, `width` columns: no lineage is longer) padded to that width go up in
+        one upload. Returns the Forward (the last `keep` rows' logits, every row's states), or None
+        where the run cannot (`fills`, and the prefill)."""
         q = len(tokens)
         if self.length == 0 or not self.fills(q):
             return None
         width = self.padded.width_for(q, self.length, self.model.dtype, self.device, False)
+        before, every = batch_lines(chain, lines, width, width)
         pad = [0] * (width - q)
-        square = torch.eye(width, dtype=torch.long)
-        square[:q, :q] = block
-        packed = torch.cat([torch.tensor([self.length, q, *tokens, *pad, *positions, *pad]), square.flatten()])
+        packed = torch.cat([torch.tensor([self.length, q, *tokens, *pad, *positions, *pad]), before, every.flatten()])
         host = self.steps.buffer(("rows", key, width), lambda: torch.zeros_like(packed, device=self.device))
         upload_into(host, packed)
 
         def make_fill(width: int, span: int):
             def fill(host):
                 length, real = host[0], host[1]
-                ids, positions = host[2 : 2 + 2 * width].view(2, width)
-                square = host[2 + 2 * width :].view(width, width).bool()
+                ids, positions, before = host[2 : 2 + 3 * width].view(3, width)
+                every = host[2 + 3 * width :].view(width, width)
                 rows = torch.arange(width, device=host.device)
-                return ids[None], positions[None], length + rows, seen_over(length, square, rows < real, span), None
+                seen = visibility(length + before, length + every, span, rows < real)
+                return (Rows(ids, positions, seen, slots=length + rows),)
 
             return fill
 
         most_keys = max(positions) + 1  # a row sees its sequence: the keys at positions 0 .. its own
-        return self.level(
-            (*key, "rows"), make_fill, (host,), q, embeds=False, most_keys=most_keys, keep=keep, whole=True
-        )[0]
+        key = (*key, "rows")
+        return self.level(key, make_fill, (host,), q, embeds=False, most_keys=most_keys, keep=keep, whole=True)[0]
 
     def chain(
         self, key: tuple, tokens: list[int], first: int, keep: int, *, ids=None, embeds=None, extra=(), then=None
@@ -128,10 +129,10 @@ class FilledForwards:
         cache's entries) as ONE captured step with its inputs (`level`): the cache's length, `first`
         and the tokens go up in one upload into a buffer the step reads. `ids(chain)` maps the
         tokens to the model's ids, `embeds(chain, width, *extra)` gives its input vectors (a
-        feature draft's); both are captured with the step, so `key` must name them. Returns the
-        Forward (the last `keep` rows' logits, every row's states), or None where the run cannot
-        (`fills`), and for the prefill (an empty cache): the caller then uses `forward`. `then`: as
-        `level`'s; its outputs go to `after`."""
+        feature draft's); both are captured with the step, so `key` must name them. Returns
+        (the Forward: the last `keep` rows' logits, every row's states; what `then`, as `level`'s,
+        returned), or None where the run cannot (`fills`), and for the prefill (an empty cache):
+        the caller then uses `run`."""
         n = len(tokens)
         if self.length == 0 or not self.fills(n):
             return None
@@ -142,12 +143,12 @@ class FilledForwards:
             def fill(host, *extra):
                 length, first, chain = host[0], host[1], host[2:]
                 rows, pad = torch.arange(width, device=host.device), host.new_zeros(width - n)
-                row_ids = torch.cat([ids(chain) if ids is not None else chain, pad])[None]
-                positions = torch.cat([first + rows[:n], pad])[None]
-                real = rows < n  # causal among the chain's rows; a padding row sees itself
-                block = (rows[None] <= rows[:, None]) & real[:, None] | (rows[None] == rows[:, None])
+                row_ids = torch.cat([ids(chain) if ids is not None else chain, pad])
+                positions = torch.cat([first + rows[:n], pad])
+                slots = length + rows  # causal among the chain's rows; a padding row sees itself
+                seen = visibility(slots + 1, slots[:, None], span, rows < n)
                 vectors = embeds(chain, width, *extra) if embeds is not None else None
-                return row_ids, positions, length + rows, seen_over(length, block, real, span), vectors
+                return (Rows(row_ids, positions, seen, embeds=vectors, slots=slots),)
 
             return fill
 
@@ -156,8 +157,7 @@ class FilledForwards:
         out, after = self.level(
             (*key, n), make_fill, inputs, n, embeds=embedded, most_keys=most_keys, keep=keep, then=then
         )
-        self.after = tuple(after)
-        return out
+        return out, tuple(after)
 
 
 def _followed(step, fn, n: int):
@@ -169,14 +169,3 @@ def _followed(step, fn, n: int):
         return (logits, states, *extra, *fn(logits, *inputs[n:]))
 
     return both
-
-
-def seen_over(past: torch.Tensor, block: torch.Tensor, real: torch.Tensor, span: int) -> torch.Tensor:
-    """(width, span) bool on the device: which of the first `span` slots each of `width` new rows
-    (written at slots past .. past + width) sees: every slot before `past` for the real rows
-    (`real` (width,) bool), and the new rows' slots as `block` (width, width) says. `past` may be a
-    device scalar: fixed shapes, no host read (a captured step's mask)."""
-    width = block.shape[0]
-    cols = torch.arange(span, device=block.device) - past  # a slot, counted from the first new row
-    seen = (cols < 0)[None] & real[:, None]
-    return seen | ((cols >= 0) & (cols < width))[None] & block[:, cols.clamp(0, width - 1)]

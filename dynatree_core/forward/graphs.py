@@ -54,6 +54,7 @@ from dynatree_core.core.settings import env_on
 from dynatree_core.core.transfer import to_device, upload_into
 from dynatree_core.forward.capture import POOLS, capture_failed, capture_graph
 from dynatree_core.forward.reference import Forward, additive
+from dynatree_core.forward.rows import Rows
 from dynatree_core.forward.slots import write_slots
 from dynatree_core.forward.static_rows import StaticRows
 
@@ -145,8 +146,8 @@ class _Bucket:
 class PaddedForward:
     """Fixed-shape forwards of one model over its KVState's SlotLayers (module docstring).
 
-    Called like the lean forward plus the cache length; returns a Forward (logits of the last
-    `logits_to_keep` rows, hidden states of all q rows) and advances the layers' lengths."""
+    Called with a forward's Rows and the cache length; returns a Forward (logits of the last
+    `rows.keep` rows, hidden states of all q rows) and advances the layers' lengths."""
 
     def __init__(
         self, lean, layers: list, model: torch.nn.Module, *, capture: bool, max_width: int | None = None, static=None
@@ -214,24 +215,12 @@ class PaddedForward:
             self._drop_buckets()
             self._epoch = epoch
 
-    def __call__(
-        self,
-        ids: list[int],
-        positions: list[int],
-        visible: torch.Tensor,
-        length: int,
-        logits_to_keep: int,
-        *,
-        embeds: torch.Tensor | None,
-        dtype: torch.dtype,
-        device: torch.device,
-        most_keys: int | None = None,
-        states: bool = True,
-    ) -> Forward:
-        """q rows at the bucket that holds them; `visible` (q, length + q) bool, host or device.
-        Returns the logits of the last `logits_to_keep` rows and the final states of all q rows.
-        `most_keys`: a bound on the keys a row sees, not read from a device `visible` (KVState.forward);
-        `states`: hand out the final states (a feature draft reads them), else None."""
+    def __call__(self, rows: Rows, length: int, *, dtype: torch.dtype, device: torch.device) -> Forward:
+        """The rows (forward/rows.py; `seen` (q, length + q) bool, host or device) at the bucket
+        that holds them. Returns the logits of the last `rows.keep` rows and, where `rows.hidden`
+        asks, the final states of all q rows (a feature draft reads them). `rows.most_keys`: a
+        bound on the keys a row sees, not read from a device `seen`."""
+        ids, positions, visible, embeds, most_keys = rows.ids, rows.positions, rows.seen, rows.embeds, rows.most_keys
         q = len(ids)
         width = self.width_for(q, length, dtype, device, embeds is not None)
         self._ensure_buffers(length, width, dtype, device)
@@ -268,7 +257,7 @@ class PaddedForward:
         self._run(buf)
         self.advance(length + q)
         # copies (the next replay overwrites the bucket's outputs); the states only where wanted
-        return Forward(buf.logits[q - logits_to_keep : q].clone(), buf.states[:q].clone() if states else None)
+        return Forward(buf.logits[q - rows.keep : q].clone(), buf.states[:q].clone() if rows.hidden else None)
 
     def plan(self, q: int, length: int, dtype, device, embeds: bool, most_keys: int = 0) -> tuple[int, int, tuple]:
         """For a forward whose inputs a captured step makes (`filled`; q fits a bucket): the width
@@ -284,24 +273,28 @@ class PaddedForward:
 
     def filled(self, fill, width: int, span: int, q: int, keep: int, dtype):
         """A pure step (forward/capture.py) that runs `fill` and then the lean forward on what it
-        made, the forward's inputs never passing through the buckets: fill(*inputs) -> (ids
-        (1, width), positions (1, width), slots (width,), seen (width, span) bool (row i may
-        attend to slot j; a padding row to its own), embeds (1, width, hidden) or None, *extra),
-        the first q rows real. `seen` becomes the additive mask, or for width-invariant forwards
-        each row's slots in sequence order (static_rows.StaticRows), in the step. The step returns
+        made, the forward's inputs never passing through the buckets: fill(*inputs) -> (Rows
+        (forward/rows.py) of `width` rows: ids and positions (width,), `slots` (width,), `seen`
+        (width, span) bool (row i may attend to slot j; a padding row to its own), embeds
+        (width, hidden) or None; *extra), the first q rows real. `seen` becomes the additive mask,
+        or for width-invariant forwards each row's slots in sequence order (static_rows.StaticRows),
+        in the step. The step returns
         the float32 logits of the last `keep` real rows and the real rows' final states, then
         `extra`. Call `advance` after it."""
         static = self.static
 
         def step(*inputs):
-            ids, positions, slots, seen, embeds, *extra = fill(*inputs)
+            rows, *extra = fill(*inputs)
             if static is None:
-                mask, rows = additive(seen, dtype)[None, None], None
+                mask, groups = additive(rows.seen, dtype)[None, None], None
             else:
-                built = StaticRows.build(seen, static.positions_end, check=False)
-                mask, rows = None, dataclasses.replace(static, slots=built[0], tail=built[1])
-            writers = [_SlotWriter(layer, slots, span) for layer in self.layers]
-            out = self.lean(ids, positions, mask, writers, width, embeds=embeds, hidden=True, rows=rows)
+                built = StaticRows.build(rows.seen, static.positions_end, check=False)
+                mask, groups = None, dataclasses.replace(static, slots=built[0], tail=built[1])
+            writers = [_SlotWriter(layer, rows.slots, span) for layer in self.layers]
+            embeds = None if rows.embeds is None else rows.embeds[None]
+            out = self.lean(
+                rows.ids[None], rows.positions[None], mask, writers, width, embeds=embeds, hidden=True, rows=groups
+            )
             return (out.logits[q - keep : q].float(), out.states[:q], *extra)
 
         return step

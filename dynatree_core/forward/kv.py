@@ -3,12 +3,13 @@
 `KVState` owns one model's cache for one run, plus the committed tokens that are not in the
 cache yet (`pending`). The invariant the engine keeps: cache + pending == committed tokens.
 
-`KVState.forward` runs ONE forward over new tokens whose visibility is given as a boolean
-matrix, with explicit position ids, and returns a `forward.Forward`. Which implementation runs it
-(reference, lean, captured, invariant) is `choice.choose_forward`'s decision, made once when the
-state is built. The masked ones get an additive float 4D mask (transformers 5.x uses a ready 4D
-mask unchanged; checked against sequential decoding, tests/test_kv.py): a boolean mask is right
-under sdpa but silently wrong under eager, so we always pass the additive form.
+`KVState.run(rows)` is the one forward entry: ONE forward over a batch of new rows (rows.Rows:
+ids, explicit positions, which slots each row sees as a boolean matrix) that returns a
+`reference.Forward`. Which implementation runs it (reference, lean, padded and captured,
+width-invariant) is `choice.choose_forward`'s decision, made once when the state is built. The
+masked ones get an additive float 4D mask (transformers 5.x uses a ready 4D mask unchanged;
+checked against sequential decoding, tests/test_kv.py): a boolean mask is right under sdpa but
+silently wrong under eager, so we always pass the additive form.
 
 `KVState.keep` compacts the cache on the sequence axis: accepted tree tokens keep the KV the
 verification forward computed, nothing is recomputed.
@@ -37,6 +38,7 @@ from dynatree_core.forward.filled import FilledForwards
 from dynatree_core.forward.graphs import PaddedForward
 from dynatree_core.forward.invariant import RowGroups
 from dynatree_core.forward.reference import Forward, additive, reference_forward
+from dynatree_core.forward.rows import Rows
 from dynatree_core.forward.slots import SLACK, SlotLayer, SlotStore
 from dynatree_core.forward.static_rows import StaticRows, static_span
 
@@ -101,7 +103,11 @@ class KVState(FilledForwards):
         self.forwards = 0
         self.watch = Stopwatch(self.device)  # time inside model forwards, graph captures excluded
         self.peak_bytes = 0  # the cache's largest size so far (right after a forward, before compaction)
-        self.after: tuple[torch.Tensor, ...] = ()  # what the last chain's step ran after its forward (`then`)
+        # the implementation, picked once: the reference, the lean forward, the padded one (captured
+        # where graphs are) or the width-invariant one; rows too wide for a bucket run unpadded
+        kind = "padded" if self.padded is not None else self.choice.kind
+        self._run = {"reference": self._reference, "lean": self._lean, "padded": self._padded}.get(kind, self._grouped)
+        self._wide = self._grouped if self.invariant else self._lean
 
     @property
     def forward_ms(self) -> float:
@@ -132,112 +138,70 @@ class KVState(FilledForwards):
         """How often a static buffer had to grow (0 when the capacity was right)."""
         return max((getattr(layer, "grows", 0) for layer in self.cache.layers), default=0)
 
-    def forward(
-        self,
-        token_ids: list[int],
-        position_ids: list[int],
-        visible: torch.Tensor,
-        logits_to_keep: int,
-        *,
-        embeds: torch.Tensor | None = None,
-        hidden: bool | tuple[int, ...] = False,
-        most_keys: int | None = None,
-    ) -> Forward:
-        """One forward over `token_ids`, appended to the cache, by the implementation `choice` picked.
+    def run(self, rows: Rows) -> Forward:
+        """ONE forward over `rows` (forward/rows.py), appended to the cache, by the implementation
+        `choice` picked for the run (`_run`, set once). Returns a Forward: the last `rows.keep`
+        rows' float32 logits; with `rows.hidden` every row's states (or taps), else None."""
+        q = len(rows)
+        if rows.seen.shape != (q, self.length + q):
+            raise ValueError(f"mask shape {tuple(rows.seen.shape)} != {(q, self.length + q)}")
+        return self._run(rows)
 
-        Args:
-            token_ids: q new tokens (a list, or a (q,) tensor on the device).
-            position_ids: q positions (prefix length + depth for tree nodes), as the tokens.
-            visible: (q, length + q) bool, True where query i may attend to key j.
-            logits_to_keep: return logits of the last this-many queries.
-            embeds: (q, hidden) input vectors to use instead of the tokens' embeddings (a feature
-                draft builds its own inputs from a token and a target feature).
-            hidden: also return the final hidden states of all q rows: the model's output after
-                its final norm, i.e. what its LM head reads (the features a feature draft learns);
-                a tuple of taps (core/taps.py) returns (q, len(taps), hidden) states instead.
-            most_keys: a bound on the keys any row sees, for a `visible` on a GPU (width-invariant
-                forwards at fixed shapes size their span by it; reading it there would wait).
-        Returns:
-            Forward: (logits_to_keep, vocab) float32 logits; with `hidden` the states, else None.
-        """
-        q = len(token_ids)
-        if visible.shape != (q, self.length + q):
-            raise ValueError(f"mask shape {tuple(visible.shape)} != {(q, self.length + q)}")
-        run = getattr(self, "_" + self.choice.kind)  # _reference, _lean, _captured or _invariant
-        return run(token_ids, position_ids, visible, logits_to_keep, embeds, hidden, most_keys=most_keys)
-
-    def _reference(self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden, **_) -> Forward:
-        ids, positions, inputs = self._inputs(token_ids, position_ids, embeds)
-        mask = self._additive(visible)
+    def _reference(self, rows: Rows) -> Forward:
+        ids, positions, inputs = self._inputs(rows)
+        mask = self._additive(rows.seen)
         self.watch.start()
         out = reference_forward(
-            self.model, self.cache, ids, positions, mask, logits_to_keep, embeds=inputs, hidden=hidden
+            self.model, self.cache, ids, positions, mask, rows.keep, embeds=inputs, hidden=rows.hidden
         )
-        return self._done(len(token_ids), out, hidden)
+        return self._done(len(rows), out, rows.hidden)
 
-    def _lean(self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden, **_) -> Forward:
-        ids, positions, inputs = self._inputs(token_ids, position_ids, embeds)
-        mask = self._additive(visible)
+    def _lean(self, rows: Rows) -> Forward:
+        ids, positions, inputs = self._inputs(rows)
+        mask = self._additive(rows.seen)
         self.watch.start()
-        out = self.lean(ids, positions, mask, self.cache.layers, logits_to_keep, embeds=inputs, hidden=hidden)
-        return self._done(len(token_ids), out, hidden)
+        out = self.lean(ids, positions, mask, self.cache.layers, rows.keep, embeds=inputs, hidden=rows.hidden)
+        return self._done(len(rows), out, rows.hidden)
 
-    def _captured(self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden, most_keys=None) -> Forward:
-        """The padded forward (graphs.py) when q fits a bucket; else, and for taps (captured
-        forwards hand out final states only), the unpadded lean forward."""
-        if not self.padded.fits(len(token_ids)) or (isinstance(hidden, tuple) and hidden):
-            run = self._invariant if self.padded.static is not None else self._lean
-            args = (token_ids, position_ids, visible, logits_to_keep, embeds, hidden)
-            return run(*args, unpadded=True, most_keys=most_keys)
+    def _padded(self, rows: Rows) -> Forward:
+        """The padded forward (graphs.py) when the rows fit a bucket; else, and for taps (captured
+        forwards hand out final states only), the same rows unpadded (`_wide`)."""
+        if not self.padded.fits(len(rows)) or (isinstance(rows.hidden, tuple) and rows.hidden):
+            return self._wide(rows)
         captured = self.padded.capture_s
         self.watch.start()
-        out = self.padded(
-            token_ids,
-            position_ids,
-            visible,
-            self.length,
-            logits_to_keep,
-            embeds=embeds,
-            dtype=self.model.dtype,
-            device=self.device,
-            most_keys=most_keys,
-            states=bool(hidden),
-        )
-        return self._done(len(token_ids), out, hidden, (self.padded.capture_s - captured) * 1e3)
+        out = self.padded(rows, self.length, dtype=self.model.dtype, device=self.device)
+        return self._done(len(rows), out, rows.hidden, (self.padded.capture_s - captured) * 1e3)
 
-    def _invariant(
-        self, token_ids, position_ids, visible, logits_to_keep, embeds, hidden, unpadded=False, most_keys=None
-    ) -> Forward:
-        """Each row over its own keys (invariant.py): no mask. At fixed shapes (StaticRows) where
-        the choice is padded: through the padded forward when the rows fit a bucket, else (a long
-        prefill, taps) the same rows eagerly; else grouped by key count (RowGroups)."""
-        if self.padded is not None and not unpadded:
-            return self._captured(token_ids, position_ids, visible, logits_to_keep, embeds, hidden, most_keys)
-        ids, positions, inputs = self._inputs(token_ids, position_ids, embeds)
-        verdict = self.verdict
+    def _grouped(self, rows: Rows) -> Forward:
+        """Width-invariant rows, eagerly (invariant.py): no mask, each row over its own keys; at
+        fixed shapes (StaticRows, where the choice is padded and the rows do not fit a bucket:
+        a long prefill, taps), else grouped by key count (RowGroups)."""
+        ids, positions, inputs = self._inputs(rows)
+        seen, verdict = rows.seen, self.verdict
         if self.padded is not None:
-            needed = most_keys if most_keys is not None else int(visible.sum(1).max())  # the most keys a row sees
+            needed = rows.most_keys if rows.most_keys is not None else int(seen.sum(1).max())  # most keys a row sees
             static = self.padded.static_for(needed)
-            built = StaticRows.build(visible, static.positions_end, check=most_keys is None)
+            built = StaticRows.build(seen, static.positions_end, check=rows.most_keys is None)
             slots, tail = (t if t.device == self.device else to_device(t, self.device) for t in built)
-            rows = dataclasses.replace(static, slots=slots, tail=tail)
+            groups = dataclasses.replace(static, slots=slots, tail=tail)
         else:
-            rows = RowGroups.of(
-                visible, self.device, max(position_ids) + 1, verdict.linear_rows, verdict.attention_rows
-            )
+            top = (max(rows.positions) if isinstance(rows.positions, list) else int(rows.positions.max())) + 1
+            groups = RowGroups.of(seen, self.device, top, verdict.linear_rows, verdict.attention_rows)
         self.watch.start()
         out = self.lean(
-            ids, positions, None, self.cache.layers, logits_to_keep, embeds=inputs, hidden=hidden, rows=rows
+            ids, positions, None, self.cache.layers, rows.keep, embeds=inputs, hidden=rows.hidden, rows=groups
         )
-        return self._done(len(token_ids), out, hidden)
+        return self._done(len(rows), out, rows.hidden)
 
-    def _inputs(self, token_ids, position_ids, embeds) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _inputs(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """ids (1, q) and positions (1, q) on the device in one upload (none when they are device
         tensors already: a level drafted on the device); embeds as (1, q, hidden)."""
-        if isinstance(token_ids, torch.Tensor):
-            ids, positions = token_ids[None], position_ids[None]
+        if isinstance(rows.ids, torch.Tensor):
+            ids, positions = rows.ids[None], rows.positions[None]
         else:
-            ids, positions = to_device(torch.tensor([token_ids, position_ids]), self.device)[:, None]
+            ids, positions = to_device(torch.tensor([rows.ids, rows.positions]), self.device)[:, None]
+        embeds = rows.embeds
         inputs = None if embeds is None else embeds.to(device=self.device, dtype=self.model.dtype)[None]
         return ids, positions, inputs
 
@@ -301,24 +265,3 @@ class KVState(FilledForwards):
 def _check_layer(layer) -> None:
     if getattr(layer, "is_sliding", False):
         raise DynaTreeError("models with sliding-window attention caches are not supported yet")
-
-
-def chain_then_tree_visibility(past: int, n_chain: int, tree_ancestors: torch.Tensor) -> torch.Tensor:
-    """Visibility for [chain tokens (causal)] + [tree nodes whose root is the last chain token].
-
-    Args:
-        past: tokens already in the cache (all visible to everyone).
-        n_chain: pending committed tokens, causal among themselves; the last one is the root.
-        tree_ancestors: (n, n) bool ancestor closure over the drafted nodes (root excluded).
-    Returns:
-        (n_chain + n, past + n_chain + n) bool, on the ancestors' device.
-    """
-    n, device = tree_ancestors.shape[0], tree_ancestors.device
-    q = n_chain + n
-    # three ops: everyone sees the past; the new rows causal (the chain's rows see the chain up
-    # to themselves, the tree's rows all of it), then the tree's rows see their ancestors only
-    visible = torch.ones(q, past + q, dtype=torch.bool, device=device)
-    visible[:, past:].tril_()
-    if n:
-        visible[n_chain:, past + n_chain :] = tree_ancestors
-    return visible

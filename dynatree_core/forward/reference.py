@@ -4,7 +4,7 @@
 forward (fastpath.py), the captured one (graphs.py), the width-invariant one (invariant.py
 attention inside the lean forward) and a draft's own forward (drafts/fused.py). Logits always;
 hidden states only when asked. Which of them a model's runs take is decided in one place,
-`choice.choose_forward`; `kv.KVState.forward` runs it and hands out a `Forward`.
+`choice.choose_forward`; `kv.KVState.run` runs it and hands out a `Forward`.
 
 `reference_forward` is transformers' own forward over a cache, with the additive 4D mask and
 explicit position ids (a ready 4D mask is used as-is by transformers 5.x).
@@ -26,7 +26,7 @@ class Forward:
     """One forward's result.
 
     Attributes:
-        logits: (logits_to_keep, vocab), the last rows' logits (float32 from KVState.forward;
+        logits: (logits_to_keep, vocab), the last rows' logits (float32 from KVState.run;
             the model's dtype from the implementations under it).
         states: None unless asked for. `hidden=True`: (q, hidden) final post-norm states of all
             q rows, what the LM head reads; a tuple of taps (core/taps.py): (q, len(taps), hidden).

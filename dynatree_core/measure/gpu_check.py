@@ -53,7 +53,8 @@ from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting.policy import POLICIES
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.forward import capture, graphs
-from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
+from dynatree_core.forward.kv import KVState
+from dynatree_core.forward.rows import Rows, lineage, tree_seen
 from dynatree_core.measure import divergence, launches
 
 ARCHS = ("llama", "qwen2", "mistral")
@@ -166,19 +167,18 @@ def path_bits_match(target, prompt: list[int], graphs: bool | None = None) -> bo
     fixed shapes (static_rows.StaticRows) where the device's default or True says so."""
     tree, path = _tree(prompt[-1])
     head = prompt[:-1]
-    causal = chain_then_tree_visibility(0, len(head), torch.zeros(0, 0, dtype=torch.bool))
     alone, kv = [], KVState(target, head, invariant=True, graphs=graphs)
-    kv.forward(head, list(range(len(head))), causal, 1)
+    kv.run(Rows.chain(head, 0))
     kv.pending = []
     for depth, node in enumerate(path):
-        see = torch.ones(1, kv.length + 1, dtype=torch.bool)
-        alone.append(kv.forward([tree.tokens[node]], [len(head) + depth], see, 1).logits[0])
+        alone.append(kv.run(Rows.chain([tree.tokens[node]], len(head) + depth)).logits[0])
     kv = KVState(target, head, invariant=True, graphs=graphs)
-    kv.forward(head, list(range(len(head))), causal, 1)
+    kv.run(Rows.chain(head, 0))
     kv.pending = []
     order = tree.order("bfs")
-    see = chain_then_tree_visibility(kv.length, 1, tree.ancestor_mask(order)[1:, 1:])
-    logits = kv.forward([tree.tokens[n] for n in order], tree.position_ids(order, len(head)), see, len(order)).logits
+    see = tree_seen(kv.length, 1, lineage(tree.parent_rows(order)))
+    tokens = [tree.tokens[n] for n in order]
+    logits = kv.run(Rows(tokens, tree.position_ids(order, len(head)), see, len(order))).logits
     return all(torch.equal(logits[order.index(n)], alone[d]) for d, n in enumerate(path))
 
 
@@ -256,13 +256,11 @@ def bucket_ms(model, device: torch.device, *, context: int = 256, repeats: int =
         times = {}
         for mode in (True, False):
             kv = KVState(model, prompt, capacity=context + graphs.MAX_BUCKET, graphs=mode)
-            see = chain_then_tree_visibility(0, context, torch.zeros(0, 0, dtype=torch.bool))
-            kv.forward(prompt, list(range(context)), see, 1)
+            kv.run(Rows.chain(prompt, 0))
             kv.pending = []
-            rows = chain_then_tree_visibility(context, width, torch.zeros(0, 0, dtype=torch.bool))
 
-            def step(kv=kv, rows=rows, width=width):
-                kv.forward([5] * width, list(range(context, context + width)), rows, 1)
+            def step(kv=kv, rows=Rows.chain([5] * width, context)):
+                kv.run(rows)
                 kv.keep(list(range(context)))
 
             step()  # the capture (graphs) or the warm-up (eager)
@@ -279,18 +277,13 @@ def measured_widths(model, *, context: int = 256) -> dict:
     measured again here, so the report holds the timings behind it."""
     prompt = [1 + i % 100 for i in range(context)]
     kv = KVState(model, prompt, capacity=context + graphs.MAX_BUCKET, graphs=True)
-    kv.forward(prompt, list(range(context)), chain_then_tree_visibility(0, context, torch.zeros(0, 0).bool()), 1)
+    kv.run(Rows.chain(prompt, 0))
     kv.pending = []
     if kv.padded is None or not kv.padded.capture:
         return {}
     kv.padded.chosen.clear()
     for q in (b for b in graphs.buckets(graphs.MAX_BUCKET) if b < graphs.MEASURE_UP_TO):
-        kv.forward(
-            [5] * q,
-            list(range(context, context + q)),
-            chain_then_tree_visibility(context, q, torch.zeros(0, 0).bool()),
-            1,
-        )
+        kv.run(Rows.chain([5] * q, context))
         kv.keep(list(range(context)))
     timings = kv.padded.timings
     return {

@@ -5,7 +5,7 @@ This is what decides whether a tree pays: speculation wins when verifying n node
 more than one token. Each point is the median of `repeats` timed forwards after a warm-up, on the
 engine's own paths, the cache cut back after each forward:
 
-- the target: `KVState.forward` over a chain of n new tokens (a tree mask costs the same);
+- the target: `KVState.run` over a chain of n new tokens (a tree mask costs the same);
 - the draft, whatever its kind (a standalone LM, a feature or fused head): its drafter's level
   step (`Drafter.expand`, drafts/session.py) over n children of the root, i.e. one draft level of
   n nodes, input rows and log-probabilities included. A head reads the target's hidden states:
@@ -27,7 +27,8 @@ from dynatree_core.core.tree import DraftTree
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.engine import vocab_size
 from dynatree_core.drafts.heads import make_drafter
-from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
+from dynatree_core.forward.kv import KVState
+from dynatree_core.forward.rows import Rows
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_CONTEXTS = (128, 512)
@@ -77,14 +78,12 @@ def forward_ms(
     cached, on the forward path the engine would take with these settings."""
     ids = _ids(model.get_input_embeddings().weight.shape[0], context + new_tokens)
     kv = KVState(model, ids[:context], capacity=context + new_tokens, **settings.cache_switches())
-    prefill = chain_then_tree_visibility(0, context, torch.zeros(0, 0, dtype=torch.bool))
-    kv.forward(kv.pending, list(range(context)), prefill, logits_to_keep=1)
+    kv.run(Rows.chain(kv.pending, 0))
     kv.pending = []
-    visible = chain_then_tree_visibility(context, 0, torch.ones(new_tokens, new_tokens, dtype=torch.bool).tril())
-    positions = list(range(context, context + new_tokens))
+    rows = Rows.chain(ids[context:], context, new_tokens)
 
     def run() -> None:
-        kv.forward(ids[context:], positions, visible, logits_to_keep=new_tokens)
+        kv.run(rows)
 
     return _median_ms(run, lambda: kv.keep(list(range(context))), kv.device, repeats)
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import plotly.graph_objects as go
 
 from dynatree_core.core.tree import DraftTree
+from dynatree_core.forward.rows import closure, lineage
 from dynatree_core.runs.records import IterationRecord
 from dynatree_core.viz.tree import visible
 
@@ -26,7 +27,8 @@ def order_block_counts(tree: DraftTree, block: int = 32) -> dict[str, int]:
     """Non-zero block counts of the tree mask in BFS and in DFS order (DySpec appendix C)."""
     out = {}
     for kind in ("bfs", "dfs"):
-        mask = tree.ancestor_mask(tree.order(kind)).tolist()
+        order = tree.order(kind)
+        mask = closure(lineage(tree.parent_rows(order))).tolist()
         out[kind] = block_count(["".join("1" if v else "0" for v in row) for row in mask], block)
     return out
 

@@ -35,6 +35,7 @@ from dynatree_core.decoding.engine import vocab_size
 from dynatree_core.forward import capture
 from dynatree_core.forward.graphs import capture_safe, graphs_enabled
 from dynatree_core.forward.reference import additive
+from dynatree_core.forward.rows import causal, visibility
 from dynatree_core.training.answers.decode_ops import (
     TEACHER_K,
     Decoded,
@@ -92,7 +93,7 @@ class BatchDecoder:
             ids[i, : len(p)] = torch.tensor(p, device=self.device)
         slots = torch.arange(width, device=self.device)
         positions = slots[None].expand(len(prompts), -1)
-        mask = additive((slots[None, :] <= slots[:, None])[None, None], self.model.dtype)  # (1, 1, W, W)
+        mask = additive(causal(0, width, self.device)[None, None], self.model.dtype)  # (1, 1, W, W)
         caches = self._buffers(len(prompts), width)
         states, tapped = [], []
         for r0 in range(0, len(prompts), self.prefill_rows):
@@ -164,8 +165,7 @@ class BatchDecoder:
     def _extend(self, token, lens, caches, length: int) -> torch.Tensor:
         """One decoding step of every row: each row reads its token at slot `lens` (b,) over the
         first `length` slots (the host knows the longest live row); returns the post-norm states (b, H)."""
-        slots = torch.arange(length, device=self.device)
-        visible = (slots[None, :] <= lens[:, None])[:, None, None]  # (b, 1, 1, length)
+        visible = visibility(lens + 1, None, length)[:, None, None]  # (b, 1, 1, length): up to its own slot
         mask = additive(visible, self.model.dtype)
         return forward_rows(self.lean, token[:, None], lens[:, None], mask, caches, lens)[:, 0]
 

@@ -21,7 +21,8 @@ from dynatree_core.core.models import load_model
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.pairs import encode_prompt
 from dynatree_core.drafting import make_policy
-from dynatree_core.forward.kv import KVState, chain_then_tree_visibility
+from dynatree_core.forward.kv import KVState
+from dynatree_core.forward.rows import Rows
 from dynatree_core.measure.prompt_sets import load_prompts
 
 
@@ -41,12 +42,11 @@ def step_ms(model: torch.nn.Module, context: int = 200, repeats: int = 30, token
     if token_map is not None:
         ids = token_map.to_draft(torch.tensor(ids)).tolist()
     kv = KVState(model, ids)
-    empty = torch.zeros(0, 0, dtype=torch.bool)
-    kv.forward(ids, list(range(context)), chain_then_tree_visibility(0, context, empty), 1)
+    kv.run(Rows.chain(ids, 0))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        kv.forward([ids[-1]], [context], chain_then_tree_visibility(context, 1, empty), 1)
+        kv.run(Rows.chain([ids[-1]], context))
         times.append((time.perf_counter() - start) * 1e3)
         kv.keep(list(range(context)))
     return statistics.median(times)

@@ -1,0 +1,140 @@
+"""A forward's rows: what every forward reads, in one form, and the one way their visibility is built.
+
+Every forward the engine runs (the prefill, a chain of pending tokens, a draft level, the verify
+batch; the recipes' batched answers too) is `Rows`: the new tokens' ids and positions, which
+cache slots each row sees, the logits to keep, and optionally input vectors and the states to
+hand back. `KVState.run(rows)` (kv.py) runs it.
+
+Which slots a row sees is said one way (`visibility`): every slot below a bound, plus a few slots
+named, the row's lineage (its ancestors' slots and its own):
+
+    prefill, a chain    row i after `past` cached entries: every slot below past + i + 1
+    a draft level       every committed slot, and its ancestors' slots in the tree's earlier
+                        levels and its own (drafts/session.py)
+    the verify batch    the chain's rows as a chain; a tree row every slot below past + chain
+                        (the cache, the pending chain, the root last), and its tree ancestors'
+                        slots and its own (`tree_seen`)
+    a padding row       nothing below; its own slot
+    batched answers     row b of a batch: every slot up to its own length (training/answers)
+
+A row's ancestors come from parent pointers (`lineage`): one gather per level of depth, on the
+host or the device alike; their closure as a boolean matrix (`closure`) is what the records show.
+
+Contract: knows slots and rows, never trees, policies or models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """One forward's q new rows (module docstring).
+
+    Attributes:
+        ids, positions: (q,) token ids and positions: host lists or device tensors.
+        seen: (q, length + q) bool, row i may attend to slot j (`visibility`); in a captured
+            step (forward/filled.py) (width, span) over the first `span` slots.
+        keep: the logits of the last `keep` rows are returned.
+        embeds: (q, hidden) input vectors instead of the ids' embeddings (a feature draft's).
+        hidden: also return the final states of every row; a tuple of taps (core/taps.py)
+            returns (q, len(taps), hidden) states.
+        most_keys: a bound on the keys any row sees, where `seen` is on a GPU (reading it there
+            would wait; width-invariant forwards size their span by it).
+        slots: (q,) the cache slots the rows' keys go to, in a captured step (made there from the
+            cache's length on the device); None: right after the cache's entries.
+    """
+
+    ids: torch.Tensor | list[int]
+    positions: torch.Tensor | list[int]
+    seen: torch.Tensor
+    keep: int = 1
+    embeds: torch.Tensor | None = None
+    hidden: bool | tuple[int, ...] = False
+    most_keys: int | None = None
+    slots: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @classmethod
+    def chain(cls, tokens: list[int], past: int, keep: int = 1, **fields) -> Rows:
+        """A chain of tokens after `past` cached entries (a prefill: past 0), causal, at positions
+        past, past + 1, ..."""
+        n = len(tokens)
+        return cls(tokens, list(range(past, past + n)), causal(past, n), keep, **fields)
+
+
+def visibility(before, lineage: torch.Tensor | None, span: int, real: torch.Tensor | None = None) -> torch.Tensor:
+    """(rows, span) bool: row r sees every slot below `before` (an int, a device scalar, or (rows,)
+    per row) and the slots `lineage` (rows, d) names (padded by repeating one of them; None: no
+    slot named). A row that is not `real` ((rows,) bool: padding) sees only its lineage."""
+    device = lineage.device if lineage is not None else getattr(before, "device", None)
+    cols = torch.arange(span, device=device)
+    below = cols < (before[:, None] if isinstance(before, torch.Tensor) and before.dim() else before)
+    if below.dim() == 1:
+        below = below.expand(lineage.shape[0] if lineage is not None else real.shape[0], span)
+    if real is not None:
+        below = below & real[:, None]
+    return below if lineage is None else below.scatter(1, lineage, True)
+
+
+def causal(past: int, n: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """(n, past + n): n chain rows after `past` cached entries, each seeing every slot up to its own."""
+    return visibility(torch.arange(past + 1, past + n + 1, device=device), None, past + n)
+
+
+def lineage(parents: torch.Tensor | list[int], hops: int | None = None) -> torch.Tensor:
+    """(n, hops + 1): each row, then its parent's row, its parent's parent's, ... `hops` times
+    (`parents` (n,) long: a row's parent row; a root is its own parent, so a shallow row repeats
+    its root). One gather a hop. A host list whose parents come before their children (a tree's
+    bfs or dfs order, root first) may leave `hops` out: the deepest row's depth."""
+    if hops is None:
+        depth = [0] * len(parents)
+        for i in range(1, len(parents)):
+            depth[i] = depth[parents[i]] + 1
+        hops = max(depth, default=0)
+    parents = torch.as_tensor(parents, dtype=torch.long)
+    out = [torch.arange(parents.shape[0], device=parents.device), parents]
+    for _ in range(hops - 1):
+        out.append(parents[out[-1]])
+    return torch.stack(out[: hops + 1], dim=1)
+
+
+def closure(lineage: torch.Tensor) -> torch.Tensor:
+    """(n, n) bool: [i, j] row j is row i or one of its ancestors (the records' mask)."""
+    n = lineage.shape[0]
+    return torch.zeros(n, n, dtype=torch.bool, device=lineage.device).scatter(1, lineage, True)
+
+
+def tree_seen(past, chain: int, lines: torch.Tensor, span: int | None = None, width: int | None = None):
+    """The verify batch's visibility: `chain` pending rows (causal after `past` cached entries, the
+    root last), then a tree's rows whose `lines` ((n + 1, d) `lineage` over the tree's rows, the
+    root's row first) name their ancestors: each sees the cache and the chain, and its ancestors'
+    slots and its own. (chain + n, span or past + chain + n). At a fixed `width` (a captured
+    step's: `past` may then be a device scalar) the rows after chain + n are padding: each sees
+    its own slot alone."""
+    before, every = batch_lines(chain, lines, width)
+    q = chain + lines.shape[0] - 1
+    real = torch.arange(before.shape[0], device=before.device) < q
+    return visibility(before + past, every + past, span if span is not None else past + before.shape[0], real)
+
+
+def batch_lines(chain: int, lines: torch.Tensor, width: int | None = None, depth: int | None = None):
+    """The verify batch's rows as `visibility` reads them, counted from its first row: each row's
+    bound ((width,): a chain row sees the chain up to itself, a tree row all of it) and lineage
+    ((width, depth): a chain row itself, a tree row its ancestors' rows and its own, the root's
+    being the chain's last; padding rows after chain + n their own), `depth` columns at least
+    (repeating the row's own: a fixed shape for a captured step)."""
+    n, device, d = lines.shape[0] - 1, lines.device, lines.shape[1]
+    q = chain + n
+    width = q if width is None else width
+    own = torch.arange(width, device=device)[:, None]
+    every = torch.cat([own[:chain].expand(chain, d), lines[1:] + (chain - 1), own[q:].expand(width - q, d)])
+    if depth is not None and depth > d:
+        every = torch.cat([every, every[:, :1].expand(width, depth - d)], dim=1)
+    before = (own[:, 0] + 1).clamp(max=chain)  # the chain's rows causal, the tree's see all of it
+    return before, every
