@@ -23,7 +23,7 @@ from dynatree_core.core.taps import FINAL
 from dynatree_core.core.transfer import to_device, upload_into
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.forward.reference import Forward
-from dynatree_core.forward.rows import Rows, closure, lineage, tree_seen
+from dynatree_core.forward.rows import Rows, lineage, tree_seen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,8 @@ class VerifyBatch:
     root last) then the tree's nodes in `order` (root excluded: it is the chain's last token)."""
 
     order: list[int]
-    lines: torch.Tensor  # (n, d) long over `order`, root first: each row's lineage (forward/rows.lineage)
+    # (n, d) long over `order`, root first: each row's lineage (forward/rows.lineage; `closure`: the record's mask)
+    lines: torch.Tensor
     past: int  # tokens in the target's cache before this forward
     chain: list[int]
     root_pos: int
@@ -50,11 +51,6 @@ class VerifyBatch:
         tokens = chain + [tree.tokens[n] for n in order[1:]]
         positions = list(range(past, past + len(chain))) + tree.position_ids(order[1:], root)
         return cls(order, lines, past, chain, root, tokens, positions)
-
-    @property
-    def ancestors(self) -> torch.Tensor:
-        """(n, n) bool over `order`: [i, j] order[j] is order[i] or one of its ancestors (the record's mask)."""
-        return closure(self.lines)
 
     def visible(self) -> torch.Tensor:
         """(q, past + q) bool: the rows see the cache's entries, the chain causally, the tree's

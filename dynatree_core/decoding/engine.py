@@ -33,6 +33,7 @@ from dynatree_core.errors import DynaTreeError
 from dynatree_core.forward.choice import forward_path
 from dynatree_core.forward.invariant import invariant_wanted
 from dynatree_core.forward.kv import KVState
+from dynatree_core.forward.rows import closure
 from dynatree_core.runs.metrics import memory_mb, summarize, weight_bytes
 from dynatree_core.runs.records import IterationRecord, RunResult
 from dynatree_core.verify.greedy import Outcome, verify_greedy
@@ -265,7 +266,7 @@ def _record(state: DecodeState, index: int, tree: DraftTree, batch: VerifyBatch,
         index=index,
         tree=tree,
         order=batch.order,
-        mask=["".join("1" if v else "0" for v in row) for row in batch.ancestors.tolist()],
+        mask=["".join("1" if v else "0" for v in row) for row in closure(batch.lines).tolist()],
         position_ids=tree.position_ids(batch.order, batch.root_pos),
         prefix_len=batch.root_pos,
         chain_len=len(batch.chain),

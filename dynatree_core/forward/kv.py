@@ -142,7 +142,7 @@ class KVState(FilledForwards):
         """ONE forward over `rows` (forward/rows.py), appended to the cache, by the implementation
         `choice` picked for the run (`_run`, set once). Returns a Forward: the last `rows.keep`
         rows' float32 logits; with `rows.hidden` every row's states (or taps), else None."""
-        q = len(rows)
+        q = len(rows.ids)
         if rows.seen.shape != (q, self.length + q):
             raise ValueError(f"mask shape {tuple(rows.seen.shape)} != {(q, self.length + q)}")
         return self._run(rows)
@@ -154,24 +154,24 @@ class KVState(FilledForwards):
         out = reference_forward(
             self.model, self.cache, ids, positions, mask, rows.keep, embeds=inputs, hidden=rows.hidden
         )
-        return self._done(len(rows), out, rows.hidden)
+        return self._done(len(rows.ids), out, rows.hidden)
 
     def _lean(self, rows: Rows) -> Forward:
         ids, positions, inputs = self._inputs(rows)
         mask = self._additive(rows.seen)
         self.watch.start()
         out = self.lean(ids, positions, mask, self.cache.layers, rows.keep, embeds=inputs, hidden=rows.hidden)
-        return self._done(len(rows), out, rows.hidden)
+        return self._done(len(rows.ids), out, rows.hidden)
 
     def _padded(self, rows: Rows) -> Forward:
         """The padded forward (graphs.py) when the rows fit a bucket; else, and for taps (captured
         forwards hand out final states only), the same rows unpadded (`_wide`)."""
-        if not self.padded.fits(len(rows)) or (isinstance(rows.hidden, tuple) and rows.hidden):
+        if not self.padded.fits(len(rows.ids)) or (isinstance(rows.hidden, tuple) and rows.hidden):
             return self._wide(rows)
         captured = self.padded.capture_s
         self.watch.start()
         out = self.padded(rows, self.length, dtype=self.model.dtype, device=self.device)
-        return self._done(len(rows), out, rows.hidden, (self.padded.capture_s - captured) * 1e3)
+        return self._done(len(rows.ids), out, rows.hidden, (self.padded.capture_s - captured) * 1e3)
 
     def _grouped(self, rows: Rows) -> Forward:
         """Width-invariant rows, eagerly (invariant.py): no mask, each row over its own keys; at
@@ -192,7 +192,7 @@ class KVState(FilledForwards):
         out = self.lean(
             ids, positions, None, self.cache.layers, rows.keep, embeds=inputs, hidden=rows.hidden, rows=groups
         )
-        return self._done(len(rows), out, rows.hidden)
+        return self._done(len(rows.ids), out, rows.hidden)
 
     def _inputs(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """ids (1, q) and positions (1, q) on the device in one upload (none when they are device

@@ -57,9 +57,6 @@ class Rows:
     most_keys: int | None = None
     slots: torch.Tensor | None = None
 
-    def __len__(self) -> int:
-        return len(self.ids)
-
     @classmethod
     def chain(cls, tokens: list[int], past: int, keep: int = 1, **fields) -> Rows:
         """A chain of tokens after `past` cached entries (a prefill: past 0), causal, at positions
