@@ -23,7 +23,7 @@ from dynatree_core.core.taps import FINAL
 from dynatree_core.core.transfer import to_device, upload_into
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.forward.reference import Forward
-from dynatree_core.forward.rows import Rows, lineage, tree_seen
+from dynatree_core.forward.rows import Rows, causal, lineage, tree_seen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,7 @@ class VerifyBatch:
     root last) then the tree's nodes in `order` (root excluded: it is the chain's last token)."""
 
     order: list[int]
-    # (n, d) long over `order`, root first: each row's lineage (forward/rows.lineage; `closure`: the record's mask)
+    # (n, d) long over `order`, root first: each row's lineage (forward/rows.lineage; the record's mask)
     lines: torch.Tensor
     past: int  # tokens in the target's cache before this forward
     chain: list[int]
@@ -54,7 +54,9 @@ class VerifyBatch:
 
     def visible(self) -> torch.Tensor:
         """(q, past + q) bool: the rows see the cache's entries, the chain causally, the tree's
-        nodes their ancestors (rows.tree_seen)."""
+        nodes their ancestors (rows.tree_seen; a batch without tree nodes, `ar`'s, is a chain)."""
+        if len(self.order) == 1:
+            return causal(self.past, len(self.chain))
         return tree_seen(self.past, len(self.chain), self.lines)
 
 

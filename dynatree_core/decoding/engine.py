@@ -33,7 +33,6 @@ from dynatree_core.errors import DynaTreeError
 from dynatree_core.forward.choice import forward_path
 from dynatree_core.forward.invariant import invariant_wanted
 from dynatree_core.forward.kv import KVState
-from dynatree_core.forward.rows import closure
 from dynatree_core.runs.metrics import memory_mb, summarize, weight_bytes
 from dynatree_core.runs.records import IterationRecord, RunResult
 from dynatree_core.verify.greedy import Outcome, verify_greedy
@@ -258,6 +257,12 @@ def _draft(state: DecodeState, budget: int, early: EarlyVerify | None) -> tuple[
     return state.policy.draft(request), True
 
 
+def _mask(lines: list[list[int]]) -> list[str]:
+    """The record's mask from the verified rows' lineages: row i's '1's at itself and its ancestors."""
+    rows = [set(line) for line in lines]
+    return ["".join("1" if j in row else "0" for j in range(len(rows))) for row in rows]
+
+
 def _record(state: DecodeState, index: int, tree: DraftTree, batch: VerifyBatch, outcome, new_tokens, stop):
     """The iteration's record; its timings and counters are filled in by `_iteration`."""
     drafter = state.drafter
@@ -266,7 +271,7 @@ def _record(state: DecodeState, index: int, tree: DraftTree, batch: VerifyBatch,
         index=index,
         tree=tree,
         order=batch.order,
-        mask=["".join("1" if v else "0" for v in row) for row in closure(batch.lines).tolist()],
+        mask=_mask(batch.lines.tolist()),
         position_ids=tree.position_ids(batch.order, batch.root_pos),
         prefix_len=batch.root_pos,
         chain_len=len(batch.chain),

@@ -87,14 +87,15 @@ def causal(past: int, n: int, device: torch.device | str | None = None) -> torch
 def lineage(parents: torch.Tensor | list[int], hops: int | None = None) -> torch.Tensor:
     """(n, hops + 1): each row, then its parent's row, its parent's parent's, ... `hops` times
     (`parents` (n,) long: a row's parent row; a root is its own parent, so a shallow row repeats
-    its root). One gather a hop. A host list whose parents come before their children (a tree's
-    bfs or dfs order, root first) may leave `hops` out: the deepest row's depth."""
+    its root). On the device one gather a hop. A host list whose parents come before their
+    children (a tree's bfs or dfs order, root first) is followed in Python, `hops` the deepest
+    row's depth, and made one tensor."""
     if hops is None:
-        depth = [0] * len(parents)
+        lines = [[0]]
         for i in range(1, len(parents)):
-            depth[i] = depth[parents[i]] + 1
-        hops = max(depth, default=0)
-    parents = torch.as_tensor(parents, dtype=torch.long)
+            lines.append([i, *lines[parents[i]]])
+        deepest = max(map(len, lines))
+        return torch.tensor([line + [0] * (deepest - len(line)) for line in lines])
     out = [torch.arange(parents.shape[0], device=parents.device), parents]
     for _ in range(hops - 1):
         out.append(parents[out[-1]])
@@ -114,10 +115,17 @@ def tree_seen(past, chain: int, lines: torch.Tensor, span: int | None = None, wi
     slots and its own. (chain + n, span or past + chain + n). At a fixed `width` (a captured
     step's: `past` may then be a device scalar) the rows after chain + n are padding: each sees
     its own slot alone."""
-    before, every = batch_lines(chain, lines, width)
-    q = chain + lines.shape[0] - 1
-    real = torch.arange(before.shape[0], device=before.device) < q
-    return visibility(before + past, every + past, span if span is not None else past + before.shape[0], real)
+    n, device, top = lines.shape[0] - 1, lines.device, past + chain  # the cache and the chain, the root last
+    span = span if span is not None else top + n
+    real = None
+    if width is not None and width > chain + n:  # padding rows: each its own lineage, nothing below
+        own = torch.arange(n + 1, width - chain + 1, device=device)
+        lines = torch.cat([lines, own[:, None].expand(-1, lines.shape[1])])
+        real = torch.arange(lines.shape[0], device=device) <= n
+    seen = visibility(top, lines + (top - 1), span, real)  # the root's row and the tree's
+    if chain > 1:  # the chain's rows before the root's, causal
+        seen = torch.cat([visibility(past + torch.arange(1, chain, device=device), None, span), seen])
+    return seen
 
 
 def batch_lines(chain: int, lines: torch.Tensor, width: int | None = None, depth: int | None = None):
