@@ -198,14 +198,19 @@ def delayed(request, *, k: int, l1: int, l2: int) -> DraftTree:
     frontier = [0]
     for level in range(cap):
         width = k if level == l1 else 1
-        lp_rows, tok_rows = level_top(drafter.expand(tree, frontier), width)
+        logp = drafter.expand(tree, frontier)
+        if request.draw == "top":
+            lp_rows, tok_rows = level_top(logp, width)
+        else:
+            q_rows = level_q(request, logp)
         new = []
         for row, node in enumerate(frontier):
             tree.mark_expanded(node)
-            new += [
-                tree.add(node, t, lp, reason=leaf_reason(cap, l1 + l2))
-                for lp, t in zip(lp_rows[row], tok_rows[row], strict=True)
-            ]
+            if request.draw == "top":
+                lps, toks = lp_rows[row], tok_rows[row]
+            else:  # the distinct draws in drawing order
+                lps, toks = _drawn(request, tree, node, q_rows[row], width)
+            new += [tree.add(node, t, lp, reason=leaf_reason(cap, l1 + l2)) for lp, t in zip(lps, toks, strict=True)]
         frontier = new
     if cap <= 0:
         tree.mark_leaf(0, leaf_reason(cap, l1 + l2))

@@ -434,6 +434,31 @@ def test_sampled_levels_draw_and_decide_as_the_papers_loop_does(seed, draw, dept
     assert draws[0] == draws[1] and draws[0], "every expanded node records its draws"
 
 
+@examples(40)
+@given(
+    seed=st.integers(0, 10**6),
+    draw=st.sampled_from(["iid", "without_replacement"]),
+    k=st.integers(1, 5),
+    l1=st.integers(0, 3),
+    l2=st.integers(0, 3),
+)
+def test_sampled_delayed_levels_draw_as_the_papers_loop_does(seed, draw, k, l1, l2):
+    """Sampled delayed trees on grow_all_levels: each row's distinct draws are its children, the
+    same draws from the same generator as the loop's, node for node."""
+    from dynatree_core.core.sampling_config import SamplingConfig
+
+    def request():
+        gen = torch.Generator().manual_seed(seed)
+        sampling = SamplingConfig(temperature=1.0, top_k=6)
+        return DraftRequest(root_token=7, max_depth=5, drafter=PathDrafter(seed), draw=draw, sampling=sampling, gen=gen)
+
+    values = {"k": k, "l1": l1, "l2": l2}
+    trees = [make_policy("delayed", values).draft(request()), reference.delayed(request(), **values)]
+    assert signature(trees[0]) == signature(trees[1])
+    draws = [{n: (d.tokens, d.weights.tolist()) for n, d in t.sampled.items()} for t in trees]
+    assert draws[0] == draws[1]
+
+
 def test_candidates_are_ordered_as_the_hosts_stable_sort_orders_them():
     """Real candidates first, by cumulative log-prob (highest first), ties (zeros of either sign
     and -inf included) in candidate order; candidates that are not real (NaN) last, in candidate order."""

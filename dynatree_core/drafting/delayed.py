@@ -28,29 +28,9 @@ def grow_delayed(
     """The (K, L1, L2) delayed tree, cut at the request's max depth. `tree` and `root_logp` pass in
     a root that was already run through the draft (`expand_level` for greedy drafting)."""
     cap = min(l1 + l2, request.max_depth)
-    reason = leaf_reason(cap, l1 + l2)
-    if request.draw == "top":  # tensor levels (device.py); sampled drafting draws on the host
-        widths = [k if level == l1 else 1 for level in range(cap)]
-        return grow_all_levels(request, widths, reason=reason, tree=tree, root=root_logp)
-    drafter, draws = drafter_of(request), SampledLevels(request)
-    tree = tree if tree is not None else DraftTree.with_root(request.root_token)
-    frontier = [0]
-    for level in range(cap):
-        reuse = level == 0 and root_logp is not None
-        logp = root_logp if reuse else drafter.expand(tree, frontier)  # ONE draft forward per level
-        width = k if level == l1 else 1  # the branch point is the trunk's last node
-        lp_rows, tok_rows = (t.tolist() for t in draws(logp, width))  # each row's distinct draws (host)
-        new = []
-        for row, node in enumerate(frontier):
-            tree.mark_expanded(node)
-            tree.record_draws(node, *draws.rows[-len(frontier) + row])
-            for tok, lp in zip(tok_rows[row], lp_rows[row], strict=True):
-                if lp == lp:  # NaN: no further distinct draw
-                    new.append(tree.add(node, tok, lp, reason=reason))
-        frontier = new
-    if cap <= 0:
-        tree.mark_leaf(0, reason)
-    return tree
+    widths = [k if level == l1 else 1 for level in range(cap)]  # the branch point is the trunk's last node
+    draw = None if request.draw == "top" else SampledLevels(request)  # sampled: each row's draws
+    return grow_all_levels(request, widths, reason=leaf_reason(cap, l1 + l2), tree=tree, root=root_logp, draw=draw)
 
 
 @register_policy
@@ -161,8 +141,8 @@ class DelayedAuto(Policy):
             tree.mark_leaf(0, Reason.LENGTH_LIMIT)
             return tree
         start = time.perf_counter()
-        # the root's forward, shared with the tree: its tensor levels after it (device.py), or sampled draws
-        root_logp = drafter.expand_level(None, None, 0) if request.draw == "top" else drafter.expand(tree, [0])
+        # the root's forward, shared with the tree: its tensor levels after it (device.py)
+        root_logp = drafter.expand_level(None, None, 0)
         root_ms = (time.perf_counter() - start) * 1e3
         probs = to_list(root_logp[0].exp().topk(self.config["k_max"]).values)  # one read, counted
         k, l1, l2 = self.choose(probs, request.max_depth)

@@ -1,6 +1,6 @@
 """A tree's draft levels decided as tensors, on whatever device the models are on.
 
-Every greedy ("top") tree policy drafts here, and sampled fixed_tree and linear. A level is one
+Every greedy ("top") tree policy drafts here, and sampled fixed_tree, linear and delayed. A level is one
 draft forward over its rows; its decision (the children each row proposes, their order, which are
 admitted under a threshold and a node budget, and why an admitted child will not be expanded) is
 a few tensor operations on the level's log-probabilities, recorded as a `Level` (levels.py). The
@@ -23,9 +23,9 @@ Two shapes of tree: `admitted_levels` (fixed_tree, linear, dynatree, dyspec_thre
 candidates admitted most probable first under a threshold and a budget, each admitted one with
 its leaf reason from the policy's `gate`) and `grow_all_levels` (eagle2's beam, delayed and
 delayed_auto: every child joins the tree). The levels, their one read and the verify rows built
-from them are levels.py's. Sampled drafting draws its children on the host, row by row with the
-run's generator (request.SampledLevels), then decides as greedy levels do; delayed's sampled tree
-draws on the host (delayed.py).
+from them are levels.py's. Sampled drafting (fixed_tree, linear, delayed, delayed_auto) draws its
+children on the host, row by row with the run's generator (request.SampledLevels), then decides
+as greedy levels do.
 
 Cumulative log-probabilities are float64, as Python's floats are, so every comparison
 (threshold, order, ties) decides as the papers' host loops would (tests/test_device_draft.py
@@ -46,6 +46,7 @@ from dynatree_core.drafting.levels import (
     AT_DEPTH,
     AT_LENGTH,
     OVER_BUDGET,
+    PADDING,
     RERANKED,
     Level,
     admitted_tree,
@@ -275,10 +276,11 @@ def grow_topk_levels(request: DraftRequest, *, depth: int, branch: int, tau: flo
     )
 
 
-def _grown(width: int, beam: int, last: bool, top, record: bool):
+def _grown(width: int, beam: int, last: bool, top, record: bool, sampled: bool = False):
     """A level of grow_all_levels as a pure function of its tensors (a captured step): each row's
-    top `width` children; the next rows all of them, the `beam` most probable, or none (`last`);
-    with `record`, the level's record to read in one copy."""
+    top `width` children (`sampled`: its distinct draws, NaN after them: not children); the next
+    rows all of them, the `beam` most probable, or none (`last`); with `record`, the level's record
+    to read in one copy."""
 
     def grow(logits, cum, index, rows):
         tokens, lp, cum_c = children(top(logits, width), cum, width)
@@ -288,9 +290,12 @@ def _grown(width: int, beam: int, last: bool, top, record: bool):
         selected = index[:n]
         if beam:
             selected = most_probable_first(cum_c)[:beam]
+        fate = torch.zeros_like(tokens)  # every child ADMITTED; the leaf codes: EXPANDED (read from `selected`)
+        if sampled:  # a free shape: on the host, where draws are made
+            real = cum_c == cum_c
+            selected, fate = selected[real], torch.where(real, fate, PADDING)
         if last:
             selected = selected[:0]
-        fate = torch.zeros_like(tokens)  # every child ADMITTED; the leaf codes: EXPANDED (read from `selected`)
         flat = torch.cat([tokens, lp, rows, fate, fate, selected]).double() if record else cum_c[:0]  # none: a view
         return tokens, lp, rows, fate, fate, selected, cum_c, cum_c[selected], flat
 
@@ -318,6 +323,7 @@ def grow_all_levels(
     keep: int = 0,
     tree: DraftTree | None = None,
     root=None,
+    draw=None,
 ) -> DraftTree:
     """Trees whose every drafted child joins the tree, decided on the device and read once: level
     l proposes the top `widths[l]` children of each of its rows; the next level's rows are all of
@@ -326,14 +332,16 @@ def grow_all_levels(
     for verification, on the device, and withdraws the rest (Reason.RERANK). The beam (eagle2.py)
     and the delayed tree (delayed.py) are such trees; `reason` is their last level's leaf reason.
     `tree` and `root` (its log-probabilities from `expand_level(None, None, 0)`) pass in a root
-    already run through the draft (delayed_auto chooses the shape from it)."""
+    already run through the draft (delayed_auto chooses the shape from it). Sampled drafting
+    (`draw`: request.SampledLevels): each row's children are its distinct draws, on the host after
+    the level's forward (never a captured step), recorded on the row's node."""
     drafter = drafter_of(request)
     tree = tree if tree is not None else DraftTree.with_root(request.root_token)
     if not widths:
         tree.mark_leaf(0, reason)
         return tree
     levels: list[Level] = []
-    steps = drafter.steps
+    steps, on_device = drafter.steps, request.on_device and draw is None
     for level, width in enumerate(widths, start=1):
         given = level == 1 and root is not None  # its top children already
         if level == 1:
@@ -342,14 +350,17 @@ def grow_all_levels(
         n = _rows(levels)
         index, rows, _ = _index(steps, n * width, width, steps.device)
         # the forward and the level, one captured step (forward/capture.py); the record read in one copy on the device
-        key = ("grow", level, width, beam, last, given, n, request.on_device)
+        key = ("grow", level, width, beam, last, given, n, on_device)
         top = (lambda lp, k: lp.topk(min(k, lp.shape[-1]), dim=-1)) if given else drafter.level_top
-        grow = _grown(width, beam, last, top, record=request.on_device)
-        if given:
+        grow = _grown(width, beam, last, draw or top, on_device, draw is not None)
+        if draw is not None:  # the draft's log-probabilities, then the draws on the host
+            *fields, cum, record = grow(root if given else level_forward(drafter, levels, None), cum, index, rows)
+        elif given:
             *fields, cum, record = steps(key, grow, root, cum, index, rows)
         else:
             *fields, cum, record = level_forward(drafter, levels, (key, grow, (cum, index, rows)))
-        levels.append(Level(*fields, record if request.on_device else None, prefix=not beam and not last))
+        prefix = not beam and not last and draw is None
+        levels.append(Level(*fields, record if on_device else None, prefix=prefix))
     nodes = sum(lv.tokens.shape[0] for lv in levels)
     if keep:  # the rerank's fates replace the levels' (every child ADMITTED): their records are made again
         sizes = [lv.tokens.shape[0] for lv in levels]
@@ -358,11 +369,13 @@ def grow_all_levels(
             lv.fate, lv.record = fate, None
     # the verify rows: every node, or the ones the rerank kept
     read = read_verifying(request, levels, min(keep, nodes) if keep else nodes)
-    frontier, made = [0], []
+    frontier, made, drawn = [0], [], iter(draw.rows if draw is not None else ())
     for level, lv in enumerate(read, start=1):
         expand_frontier(tree, frontier, drafter, level)
-        rows = zip(lv.tokens, lv.logp, lv.parents, strict=True)
-        new = [tree.add(frontier[r], tok, lp, reason=reason) for tok, lp, r in rows]
+        for node in frontier if draw is not None else ():
+            tree.record_draws(node, *next(drawn))
+        rows = zip(lv.tokens, lv.logp, lv.parents, lv.fate, strict=True)
+        new = [tree.add(frontier[r], tok, lp, reason=reason) if f != PADDING else None for tok, lp, r, f in rows]
         made += new
         frontier = [new[i] for i in lv.selected]
         if beam and level < len(widths):  # outside the beam: leaves
