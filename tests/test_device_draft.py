@@ -406,6 +406,25 @@ def test_delayed_trees_decide_as_the_papers_loops_do(seed, k, l1, l2):
     assert signature(trees[0]) == signature(trees[1]) == signature(trees[2])
 
 
+def sampled_trees(policy: str, values: dict, seed: int, draw: str, temperature: float = 1.0) -> list:
+    """The policy's sampled tree as tensor levels and the papers' sampled loop's
+    (reference_drafting), each from its own generator seeded alike, on one drafter's rows;
+    checked equal node for node, with every expanded node's draws and their q."""
+    from dynatree_core.core.sampling_config import SamplingConfig
+
+    sampling = SamplingConfig(temperature=temperature, top_k=8)
+
+    def request():
+        gen = torch.Generator().manual_seed(seed)
+        return DraftRequest(root_token=7, max_depth=6, drafter=PathDrafter(seed), draw=draw, sampling=sampling, gen=gen)
+
+    trees = [make_policy(policy, values).draft(request()), getattr(reference, policy)(request(), **values)]
+    assert signature(trees[0]) == signature(trees[1])
+    draws = [{n: (d.tokens, d.weights.tolist()) for n, d in t.sampled.items()} for t in trees]
+    assert draws[0] == draws[1]
+    return trees
+
+
 @examples(60)
 @given(
     seed=st.integers(0, 10**6),
@@ -419,19 +438,9 @@ def test_delayed_trees_decide_as_the_papers_loops_do(seed, k, l1, l2):
 def test_sampled_levels_draw_and_decide_as_the_papers_loop_does(seed, draw, depth, branch, tau, budget, temperature):
     """Sampled fixed_tree / linear as tensor levels (request.SampledLevels): the same draws from the
     same generator, row by row, and the same tree, node for node, draws and their q included."""
-    from dynatree_core.core.sampling_config import SamplingConfig
-
     values = {"depth": depth, "branch": branch, "tau": tau, "budget": budget}
-    sampling = SamplingConfig(temperature=temperature, top_k=8)
-
-    def request():
-        gen = torch.Generator().manual_seed(seed)
-        return DraftRequest(root_token=7, max_depth=6, drafter=PathDrafter(seed), draw=draw, sampling=sampling, gen=gen)
-
-    trees = [make_policy("fixed_tree", values).draft(request()), reference.fixed_tree(request(), **values)]
-    assert signature(trees[0]) == signature(trees[1])
-    draws = [{n: (d.tokens, d.weights.tolist()) for n, d in t.sampled.items()} for t in trees]
-    assert draws[0] == draws[1] and draws[0], "every expanded node records its draws"
+    tree = sampled_trees("fixed_tree", values, seed, draw, temperature)[0]
+    assert tree.sampled, "every expanded node records its draws"
 
 
 @examples(40)
@@ -445,18 +454,7 @@ def test_sampled_levels_draw_and_decide_as_the_papers_loop_does(seed, draw, dept
 def test_sampled_delayed_levels_draw_as_the_papers_loop_does(seed, draw, k, l1, l2):
     """Sampled delayed trees on grow_all_levels: each row's distinct draws are its children, the
     same draws from the same generator as the loop's, node for node."""
-    from dynatree_core.core.sampling_config import SamplingConfig
-
-    def request():
-        gen = torch.Generator().manual_seed(seed)
-        sampling = SamplingConfig(temperature=1.0, top_k=6)
-        return DraftRequest(root_token=7, max_depth=5, drafter=PathDrafter(seed), draw=draw, sampling=sampling, gen=gen)
-
-    values = {"k": k, "l1": l1, "l2": l2}
-    trees = [make_policy("delayed", values).draft(request()), reference.delayed(request(), **values)]
-    assert signature(trees[0]) == signature(trees[1])
-    draws = [{n: (d.tokens, d.weights.tolist()) for n, d in t.sampled.items()} for t in trees]
-    assert draws[0] == draws[1]
+    sampled_trees("delayed", {"k": k, "l1": l1, "l2": l2}, seed, draw)
 
 
 def test_candidates_are_ordered_as_the_hosts_stable_sort_orders_them():
