@@ -27,6 +27,7 @@ Results are data, not code: every script writes its reports (JSON, CSV) into ass
     train_profile       the draft recipe's training step timed and profiled over a run's answers, for a
                         lent GPU's `gpu_session.sh measure train`
     train_step          the feature draft's training step before and after the cheap step
+    decode_profile      where a decoding run's host time goes, function by function (cProfile), GEMMs apart
     drawing_contention  what Python drawing costs the engine: a decoding thread vs a decoding process
     live_page           the live page in Chromium vs the CLI, engine-time tokens/s, cpu-live-page*.json
     first_iterations    the first ten live iterations' tokens/s against the rest's, in Chromium

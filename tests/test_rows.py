@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dynatree_core.core.tree import DraftTree
-from dynatree_core.forward.rows import Rows, causal, closure, lineage, tree_seen, visibility
+from dynatree_core.forward.rows import Rows, batch_lines, causal, closure, lineage, tree_seen, visibility
 
 
 def _chain_then_tree(past: int, chain: int, tree_ancestors: torch.Tensor) -> torch.Tensor:
@@ -57,6 +57,21 @@ def test_a_padded_verify_batch_keeps_its_rows_and_pads_with_rows_that_see_themse
     own = torch.zeros(pad, span, dtype=torch.bool)
     own[torch.arange(pad), past + q + torch.arange(pad)] = True
     assert torch.equal(seen[q:], own)
+
+
+@examples(30)
+@given(tree=trees(), past=st.integers(0, 6), chain=st.integers(1, 3), pad=st.integers(0, 5))
+def test_a_host_batch_uploaded_as_bounds_and_lineages_sees_what_tree_seen_gives(tree, past, chain, pad):
+    """A verify batch built on the host goes up as each row's bound and lineage (batch_lines, one
+    graph a width): the captured step's visibility from them is tree_seen's."""
+    order = tree.order("bfs")
+    lines = lineage(tree.parent_rows(order))
+    q = chain + len(order) - 1
+    width, span = q + pad, past + q + pad + 3
+    flat = torch.tensor(batch_lines(chain, lines.tolist(), width))
+    before, every = flat[:width], flat[width:].view(width, width)
+    seen = visibility(past + before, past + every, span, torch.arange(width) < q)
+    assert torch.equal(seen, tree_seen(past, chain, lines, span, width))
 
 
 @pytest.mark.parametrize("past,n", [(0, 1), (0, 5), (3, 1), (4, 6)])

@@ -74,10 +74,11 @@ def most_probable_first(cum: torch.Tensor) -> torch.Tensor:
 
 
 def fates(cum: torch.Tensor, log_tau: float, room: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Fates of candidates already in most-probable-first order (common.admit_level on the
-    device), and how many are admitted. The order runs admitted (the first `room` at or above
-    log_tau), BUDGET (past the room), THRESHOLD (below log_tau), PADDING (not real: NaN), so a
-    candidate's fate is the run its index falls in: one bucketize over the three run ends."""
+    """Fates of candidates already in most-probable-first order (the papers' admit_level, kept in
+    tests/reference_drafting.py, as tensors), and how many are admitted. The order runs admitted
+    (the first `room` at or above log_tau), BUDGET (past the room), THRESHOLD (below log_tau),
+    PADDING (not real: NaN), so a candidate's fate is the run its index falls in: one bucketize
+    over the three run ends."""
     passing = (cum >= log_tau).sum()
     ends = torch.stack([torch.minimum(passing, room), passing, (cum == cum).sum()])
     return torch.bucketize(index, ends, right=True), ends[0]
@@ -180,8 +181,8 @@ def admitted_levels(
     draw=None,
 ) -> DraftTree:
     """Up to `cap` levels whose candidates are admitted most probable first under a threshold and
-    a node budget (common.admit_level), each admitted one a leaf or not by `gate(level, cum, total,
-    *inputs)` (its leaf code: LEAF_REASONS; its rules, the depth cap, the budget and thresholds on
+    a node budget (the papers' admit_level), each admitted one a leaf or not by `gate(level, cum,
+    total, *inputs)` (its leaf code: LEAF_REASONS; its rules, the depth cap, the budget and thresholds on
     cum, make the admitted ones it lets grow lead the order), read into `tree`. `propose(level, top, cum, *inputs)`
     gives a level's candidates (tokens, float32 log-probs, float64 cumulative log-probs: NaN where
     not real) from its rows' top `k` log-probabilities and ids and cumulative log-probs (NaN: a row

@@ -101,9 +101,8 @@ class FilledForwards:
         if self.length == 0 or not self.fills(q):
             return None
         width = self.padded.width_for(q, self.length, self.model.dtype, self.device, False)
-        before, every = batch_lines(chain, lines, width, width)
-        pad = [0] * (width - q)
-        packed = torch.cat([torch.tensor([self.length, q, *tokens, *pad, *positions, *pad]), before, every.flatten()])
+        pad, rows = [0] * (width - q), batch_lines(chain, lines.tolist(), width)
+        packed = torch.tensor([self.length, q, *tokens, *pad, *positions, *pad, *rows])
         host = self.steps.buffer(("rows", key, width), lambda: torch.zeros_like(packed, device=self.device))
         upload_into(host, packed)
 

@@ -128,18 +128,14 @@ def tree_seen(past, chain: int, lines: torch.Tensor, span: int | None = None, wi
     return seen
 
 
-def batch_lines(chain: int, lines: torch.Tensor, width: int | None = None, depth: int | None = None):
-    """The verify batch's rows as `visibility` reads them, counted from its first row: each row's
-    bound ((width,): a chain row sees the chain up to itself, a tree row all of it) and lineage
-    ((width, depth): a chain row itself, a tree row its ancestors' rows and its own, the root's
-    being the chain's last; padding rows after chain + n their own), `depth` columns at least
-    (repeating the row's own: a fixed shape for a captured step)."""
-    n, device, d = lines.shape[0] - 1, lines.device, lines.shape[1]
-    q = chain + n
-    width = q if width is None else width
-    own = torch.arange(width, device=device)[:, None]
-    every = torch.cat([own[:chain].expand(chain, d), lines[1:] + (chain - 1), own[q:].expand(width - q, d)])
-    if depth is not None and depth > d:
-        every = torch.cat([every, every[:, :1].expand(width, depth - d)], dim=1)
-    before = (own[:, 0] + 1).clamp(max=chain)  # the chain's rows causal, the tree's see all of it
-    return before, every
+def batch_lines(chain: int, lines: list[list[int]], width: int) -> list[int]:
+    """A host-built verify batch's rows as `visibility` reads them, counted from the batch's first
+    row, at a fixed `width` (a captured step's): each row's bound (a chain row sees the chain up to
+    itself, a tree row all of it), then each row's lineage, `width` slots (a chain row itself, a
+    tree row its ancestors' rows and its own, the root's being the chain's last; a padding row
+    after chain + n its own; repeating the row's own). Host lists in, one flat list out (one upload)."""
+    q = chain + len(lines) - 1
+    before = [min(r + 1, chain) for r in range(width)]
+    every = [[r] for r in range(chain - 1)] + [[j + chain - 1 for j in line] for line in lines]
+    every += [[r] for r in range(q, width)]
+    return before + [j for line in every for j in line + line[:1] * (width - len(line))]
