@@ -34,6 +34,8 @@ POLICIES = (
     ("delayed_auto", {"warmup": 1}),
     ("ngram", {}),
     ("ngram", {"max_n": 1, "branches": 5, "depth": 3}),
+    ("recycle", {}),
+    ("recycle", {"k": 2, "depth": 3, "branch": 8, "budget": 5}),
     ("hf_assisted", {}),
     ("hf_prompt_lookup", {}),
     ("hf_generate", {}),

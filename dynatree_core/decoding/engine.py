@@ -210,6 +210,8 @@ def _iteration(state: DecodeState, index: int, budget: int) -> IterationRecord:
         out = host_verify(state, batch)  # ONE target forward
         clock.verify_done(len(batch.tokens))
     outcome = _verify(state, tree, batch, out)  # the iteration's blocking read: the target's choices
+    if state.policy.reads_target:  # every verified row's next-token logits (Token Recycling's matrix)
+        state.policy.observe_target([tree.tokens[n] for n in batch.order], out.logits[: len(batch.order)])
     clock.verified()
     accepted = [tree.tokens[n] for n in outcome.accepted]
     new_tokens, stop = cut(accepted + [outcome.bonus_token], budget, state.config.eos_token_ids)

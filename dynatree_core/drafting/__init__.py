@@ -9,7 +9,7 @@ they expand are drafts/.
 May import: errors, core, forward, runs, verify, drafts.
 """
 
-from dynatree_core.drafting import delayed, dynatree, dyspec, eagle2, salf, static  # noqa: F401
+from dynatree_core.drafting import delayed, dynatree, dyspec, eagle2, recycle, salf, static  # noqa: F401
 from dynatree_core.drafting.policy import POLICIES, Param, Policy, make_policy, register_policy
 from dynatree_core.drafting.request import DraftRequest
 
@@ -18,7 +18,7 @@ from dynatree_core.drafting.request import DraftRequest
 # keeps its place after the built-in ones.
 ORDER = (
     "ar", "linear", "fixed_tree", "dynatree", "dyspec", "dyspec_threshold", "eagle2", "salf",
-    "delayed", "delayed_auto", "ngram",
+    "delayed", "delayed_auto", "ngram", "recycle",
 )  # fmt: skip
 
 

@@ -15,6 +15,8 @@ import dataclasses
 import math
 from typing import Any, ClassVar
 
+import torch
+
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.drafting.request import DraftRequest
 from dynatree_core.errors import DynaTreeError
@@ -147,6 +149,12 @@ class Policy(Tunable):
 
     def observe(self, outcome: Any) -> None:
         """Called after each verification; adaptive policies override it."""
+
+    reads_target: ClassVar[bool] = False  # the engine calls observe_target after each verification
+
+    def observe_target(self, tokens: list[int], logits: torch.Tensor) -> None:
+        """With `reads_target`: the target's logits at every verified row (`logits[i]`: the
+        distribution of the token after `tokens[i]`), accepted or not (drafting/recycle.py)."""
 
     def observe_cost(self, tokens: int, verify_ms: float) -> None:
         """Called after each target forward: how many tokens it read and how long it took."""

@@ -1,0 +1,59 @@
+"""Token Recycling (drafting/recycle.py): the matrix is the target's own top-k successors from
+each verified row, the tree a breadth-first walk of it over the template, and the output the
+target's (test_engine's exactness over every architecture and draft covers the policy too)."""
+
+from __future__ import annotations
+
+import torch
+from conftest import hf_greedy, tiny_model
+
+from dynatree_core.core.tree import Reason
+from dynatree_core.decoding.engine import DecodeConfig, decode
+from dynatree_core.decoding.methods import make_method
+from dynatree_core.drafting import DraftRequest, make_policy
+
+
+def _logits(rows: list[list[int]], vocab: int = 20) -> torch.Tensor:
+    """Logits whose top tokens are each row's list, most likely first."""
+    out = torch.full((len(rows), vocab), -10.0)
+    for i, row in enumerate(rows):
+        for rank, token in enumerate(row):
+            out[i, token] = 5.0 - rank
+    return out
+
+
+def test_the_tree_walks_the_targets_successors_over_the_template():
+    policy = make_policy("recycle", {"k": 3, "depth": 3, "branch": 2, "budget": 32})
+    policy.observe_target([7, 1, 2], _logits([[1, 2, 3], [4, 5, 6], [8, 9, 10]]))
+    tree = policy.draft(DraftRequest(root_token=7, max_depth=6, drafter=None))
+    # depth 1: the root's first 2 successors; depth 2: 1 each; depth 3: tokens never seen
+    assert [tree.tokens[n] for n in range(1, len(tree))] == [1, 2, 4, 8]
+    assert [tree.parents[n] for n in range(1, len(tree))] == [0, 0, 1, 2]
+    assert tree.reason[3] == tree.reason[4] == "no_successors"
+    lp = torch.log_softmax(_logits([[1, 2, 3]])[0], -1)
+    assert abs(tree.logp[1] - float(lp[1])) < 1e-6, "a node's log-prob is the target's, as recycled"
+
+
+def test_the_budget_and_the_depth_cap_bound_the_tree_and_name_its_leaves():
+    """The latest forward that saw a token wins its row; the budget and the depth cap end the walk."""
+    policy = make_policy("recycle", {"k": 4, "depth": 2, "branch": 4, "budget": 5})
+    policy.observe_target([10, 1, 2, 3, 4], _logits([[1, 2, 3, 4]] + [[5, 6, 7, 8]] * 4))
+    tree = policy.draft(DraftRequest(root_token=10, max_depth=6, drafter=None))
+    assert len(tree) - 1 == 5  # 4 at depth 1, the budget's last at depth 2
+    assert all(tree.depths[n] <= 2 for n in range(len(tree)))
+    reasons = [tree.reason[n] for n in range(1, len(tree))]
+    assert reasons == [None] + [Reason.BUDGET.value] * 3 + [Reason.DEPTH_LIMIT.value]
+    room = policy.draft(DraftRequest(root_token=10, max_depth=1, drafter=None))
+    assert max(room.depths) == 1 and room.reason[1] == Reason.LENGTH_LIMIT.value
+
+
+def test_a_run_refreshes_the_matrix_from_its_forwards_and_stays_exact():
+    target, prompt = tiny_model("llama"), [1, 5, 7, 9, 11, 5, 7, 9]
+    policy = make_method("recycle")
+    records = list(decode(target, prompt, policy, config=DecodeConfig(max_new_tokens=40)))
+    assert [t for r in records for t in r.committed] == hf_greedy(target, prompt, 40)
+    assert len(records[0].tree) == 1 and records[0].tree.reason[0] == "no_successors"
+    assert any(len(r.tree) > 1 for r in records[1:]), "later trees come from the matrix"
+    assert not any(r.draft_forwards for r in records), "no draft model, no draft forward"
+    policy.reset()
+    assert policy.successors == {}
