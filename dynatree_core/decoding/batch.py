@@ -23,7 +23,7 @@ from dynatree_core.core.taps import FINAL
 from dynatree_core.core.transfer import to_device, upload_into
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.forward.reference import Forward
-from dynatree_core.forward.rows import Rows, causal, lineage, tree_seen
+from dynatree_core.forward.rows import Rows, lineage, tree_seen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +54,7 @@ class VerifyBatch:
 
     def visible(self) -> torch.Tensor:
         """(q, past + q) bool: the rows see the cache's entries, the chain causally, the tree's
-        nodes their ancestors (rows.tree_seen; a batch without tree nodes, `ar`'s, is a chain)."""
-        if len(self.order) == 1:
-            return causal(self.past, len(self.chain))
+        nodes their ancestors (rows.tree_seen)."""
         return tree_seen(self.past, len(self.chain), self.lines)
 
 

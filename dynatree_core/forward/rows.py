@@ -116,6 +116,8 @@ def tree_seen(past, chain: int, lines: torch.Tensor, span: int | None = None, wi
     step's: `past` may then be a device scalar) the rows after chain + n are padding: each sees
     its own slot alone."""
     n, device, top = lines.shape[0] - 1, lines.device, past + chain  # the cache and the chain, the root last
+    if n == 0 and span is None and width is None:  # no tree rows (`ar`'s batch): a chain
+        return causal(past, chain, device)
     span = span if span is not None else top + n
     real = None
     if width is not None and width > chain + n:  # padding rows: each its own lineage, nothing below
