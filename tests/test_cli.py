@@ -75,7 +75,11 @@ def test_policies_json_lists_the_registry(capsys):
     paper = {"dynatree", "dyspec", "dyspec_threshold", "eagle2", "salf", "delayed", "ngram"}
     assert {"ar", "linear", "fixed_tree", "hf_assisted", "hf_prompt_lookup"} | paper <= set(policies)
     assert policies["hf_assisted"]["black_box"] and not policies["salf"]["black_box"]
-    assert {"nodes", "batch", "th"} == {p["name"] for p in policies["salf"]["params"]}
+    assert {"nodes", "batch", "th", "retrieved", "recycled"} == {p["name"] for p in policies["salf"]["params"]}
+    families = {name: p["family"] for name, p in policies.items()}
+    assert families["fixed_tree"] == "model" and families["ar"] == families["hf_generate"] == "none"
+    assert families["ngram"] == families["suffix"] == families["hf_prompt_lookup"] == "retrieved"
+    assert families["recycle"] == "recycled" and families["joined_fixed_tree"] == "joined"
     names = {p["name"] for p in policies["fixed_tree"]["params"]}
     assert {"depth", "branch", "tau", "budget"} <= names
 

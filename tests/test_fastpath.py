@@ -36,6 +36,9 @@ POLICIES = (
     ("delayed", {"k": 3, "l1": 0, "l2": 4}),
     ("delayed_auto", {"warmup": 1}),
     ("ngram", {}),
+    ("suffix", {"branches": 2}),
+    ("recycle", {}),
+    ("joined_fixed_tree", {}),
 )
 
 

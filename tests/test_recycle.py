@@ -55,5 +55,22 @@ def test_a_run_refreshes_the_matrix_from_its_forwards_and_stays_exact():
     assert len(records[0].tree) == 1 and records[0].tree.reason[0] == "no_successors"
     assert any(len(r.tree) > 1 for r in records[1:]), "later trees come from the matrix"
     assert not any(r.draft_forwards for r in records), "no draft model, no draft forward"
+    assert set(prompt) <= set(policy.matrix.successors), "the prefill's rows seed the matrix"
     policy.reset()
-    assert policy.successors == {}
+    assert policy.matrix.successors == {}
+
+
+def test_the_prefill_seeds_the_matrix_with_every_prompt_row():
+    """The first tree after the prefill already walks successors the prompt's rows gave: the
+    token after the prompt's first 5 is what the target predicted at that row."""
+    target, prompt = tiny_model("llama"), [1, 5, 7, 9, 11, 5, 7, 9]
+    policy = make_method("recycle")
+    records = decode(target, prompt, policy, config=DecodeConfig(max_new_tokens=2))
+    next(records)  # the prefill
+    with torch.inference_mode():
+        logits = target(torch.tensor([prompt])).logits[0].float()
+    for i, token in enumerate(prompt[:-1]):
+        if token not in prompt[i + 1 :]:  # the latest row that saw a token wins it (the root: its own)
+            ids, lp = policy.matrix.successors[token]  # near-ties may swap between two forwards' roundings
+            assert torch.allclose(torch.tensor(lp), logits[i].log_softmax(-1).topk(8).values, atol=1e-4)
+            assert torch.allclose(torch.tensor(lp), logits[i].log_softmax(-1)[ids], atol=1e-4)

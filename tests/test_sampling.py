@@ -24,11 +24,11 @@ def chi2_critical(df: int, z: float = 3.09) -> float:
 
 
 @torch.no_grad()
-def exact_first_two(model) -> tuple[torch.Tensor, torch.Tensor]:
+def exact_first_two(model, prompt: list[int] = PROMPT) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's law of the first token and the marginal law of the second, by enumeration."""
-    p1 = adjust(model(torch.tensor([PROMPT])).logits[0, -1], SAMPLING)
+    p1 = adjust(model(torch.tensor([prompt])).logits[0, -1], SAMPLING)
     vocab = p1.shape[0]
-    batch = torch.tensor([PROMPT + [t] for t in range(vocab)])
+    batch = torch.tensor([prompt + [t] for t in range(vocab)])
     p2_given = adjust(model(batch).logits[:, -1], SAMPLING)
     return p1, p1 @ p2_given
 
@@ -106,6 +106,42 @@ def test_a_feature_draft_keeps_the_target_law(policy, params, verifier):
         assert counts[law == 0].sum() == 0, "a token the target rules out was generated"
         stat, df = chi2(counts, law)
         assert stat < chi2_critical(df), f"{policy}/{verifier}: chi2 {stat:.1f} with {df} df"
+
+
+REPEATING = [5, 7, 9, 11, 5, 7]  # the suffix 5 7 occurred before: a retrieved draft from the first iteration
+EVERY_TOKEN = [*range(1, 96), 5]  # the prefill's rows give every token of the tiny vocabulary successors
+
+
+@pytest.mark.parametrize(
+    "policy,params,prompt,tokens",
+    [
+        ("suffix", {"branches": 2}, REPEATING, 2),
+        ("recycle", {"k": 3, "depth": 2, "branch": 3}, EVERY_TOKEN, 3),
+        ("joined_fixed_tree", {"depth": 1, "branch": 2, "tau": 0.0, "retrieved": 2, "recycled": 3}, REPEATING, 2),
+    ],
+)
+def test_cost_free_candidates_keep_the_target_law(policy, params, prompt, tokens):
+    """Retrieved, recycled and joined trees are deterministic proposals: under sampling they are
+    verified by `nss` (every other verifier needs children drawn from q) and the first two
+    tokens must follow the target's law. The suffix match drafts from the first iteration; the
+    recycled matrix, seeded by the prefill, from the second (3 tokens asked: token 2 comes through
+    its tree)."""
+    target, draft = tiny_model("llama"), noisy_copy("llama", 0.05)
+    p1, p2 = exact_first_two(target, prompt)
+    n = 1500
+    c1, c2 = torch.zeros_like(p1), torch.zeros_like(p2)
+    proposed = 0
+    for seed in range(n):
+        config = DecodeConfig(max_new_tokens=tokens, sampling=SAMPLING, verifier="nss", seed=seed)
+        result = generate(target, prompt, make_method(policy, params), draft=draft, config=config)
+        c1[result.token_ids[0]] += 1
+        c2[result.token_ids[1]] += 1
+        proposed += any(r.tree.sources for r in result.records[:2])
+    assert proposed == n, "every run must verify retrieved or recycled nodes"
+    for counts, law in ((c1, p1), (c2, p2)):
+        assert counts[law == 0].sum() == 0, "a token the target rules out was generated"
+        stat, df = chi2(counts, law)
+        assert stat < chi2_critical(df), f"{policy}: chi2 {stat:.1f} with {df} df"
 
 
 def test_same_seed_same_output_and_seeds_differ():

@@ -10,6 +10,11 @@ Each node has a status:
   pruned        proposed by the draft but not sent to the target; `reason` says why
                 (probability threshold, node budget, ...)
 
+Every node also has a source, where its token came from: the draft model (`model`, the default),
+the target's own top-k of earlier forwards (`recycled`, drafting/recycle.py), or a suffix match in
+the context or a corpus (`retrieved`, drafting/suffix.py). A joined tree (drafting/joined.py)
+mixes them; records, exports and the trace's acceptance by source read it.
+
 Kept and not_expanded nodes are the *verified* nodes. Ancestors of a verified node are always
 verified, so the verified nodes form a tree rooted at node 0. This module knows nothing about
 models or caches: it holds integers and floats and builds masks and orders from them.
@@ -37,6 +42,14 @@ class Status(StrEnum):
     KEPT = "kept"
     NOT_EXPANDED = "not_expanded"
     PRUNED = "pruned"
+
+
+class Source(StrEnum):
+    """Where a node's token came from (`DraftTree.source`)."""
+
+    MODEL = "model"  # a draft model's distribution
+    RECYCLED = "recycled"  # the target's top-k at an earlier forward (Token Recycling)
+    RETRIEVED = "retrieved"  # the continuation of a suffix match (SAM-Decoding, prompt lookup)
 
 
 class Reason(StrEnum):
@@ -159,6 +172,9 @@ class DraftTree:
     notes: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     # Sampled drafting only: how each expanded node's children were drawn (exported with the tree)
     sampled: dict[int, SampledDraw] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # Where each node's token came from, for the nodes that did not come from the draft model
+    # (absent: Source.MODEL; the root is the context's last token and has none)
+    sources: dict[int, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def with_root(cls, root_token: int) -> DraftTree:
@@ -184,13 +200,17 @@ class DraftTree:
         *,
         status: Status = Status.NOT_EXPANDED,
         reason: str | Reason | None = Reason.DEPTH_LIMIT,
+        source: Source = Source.MODEL,
     ) -> int:
         """Add a child of `parent`. New verified nodes start as leaves until expanded."""
         if self.status[parent] == Status.PRUNED:
             raise ValueError(f"cannot add a child under pruned node {parent}")
         if status == Status.PRUNED and reason is None:
             raise ValueError("a pruned node needs a reason")
-        return self._append(token, parent, self.depths[parent] + 1, logp, self.cum_logp[parent] + logp, status, reason)
+        node = self._append(token, parent, self.depths[parent] + 1, logp, self.cum_logp[parent] + logp, status, reason)
+        if source != Source.MODEL:
+            self.sources[node] = Source(source).value
+        return node
 
     def mark_expanded(self, node: int) -> None:
         self.status[node] = Status.KEPT
@@ -221,6 +241,10 @@ class DraftTree:
     # ----- queries -------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def source(self, node: int) -> str:
+        """Where `node`'s token came from (a `Source` value)."""
+        return self.sources.get(node, Source.MODEL.value)
 
     def is_verified(self, node: int) -> bool:
         return self.status[node] != Status.PRUNED
@@ -293,6 +317,7 @@ class DraftTree:
             "reason": self.reason,
             "notes": self.notes,
             **({"sampled": {str(n): d.to_dict() for n, d in self.sampled.items()}} if self.sampled else {}),
+            **({"sources": {str(n): s for n, s in self.sources.items()}} if self.sources else {}),
         }
 
     @classmethod
@@ -311,9 +336,12 @@ class DraftTree:
             reason=[None if r is None else str(r) for r in data["reason"]],
             notes={str(k): [float(x) for x in v] for k, v in (data.get("notes") or {}).items()},
             sampled={int(k): SampledDraw.from_dict(v) for k, v in (data.get("sampled") or {}).items()},
+            sources={int(k): Source(v).value for k, v in (data.get("sources") or {}).items()},
         )
         if any(not 0 <= n < len(tree.tokens) for n in tree.sampled):
             raise ValueError("a sampled draw belongs to no node of the tree")
+        if any(not 0 < n < len(tree.tokens) for n in tree.sources):
+            raise ValueError("a source belongs to no drafted node of the tree")
         for i, p in enumerate(tree.parents):
             if (i == 0) != (p == -1) or p >= i:
                 raise ValueError(f"node {i} has invalid parent {p}")

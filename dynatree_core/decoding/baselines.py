@@ -243,6 +243,7 @@ class HFPromptLookup(HFBaseline):
     """HF prompt lookup decoding: candidates copied from earlier n-gram matches (black box)."""
 
     name = "hf_prompt_lookup"
+    family = "retrieved"
     summary = "Baseline: HF generate(prompt_lookup_num_tokens=n), timed as a black box"
     needs_draft_model = False
     params = (
@@ -259,6 +260,7 @@ class HFGenerate(HFBaseline):
     """Plain HF generate: one target forward per token, no drafting (the reference to beat)."""
 
     name = "hf_generate"
+    family = "none"
     summary = "Reference: HF generate() without speculation, timed as a black box"
     needs_draft_model = False
 
@@ -302,6 +304,7 @@ class HFStatic(HFBaseline):
     timed call is the steady state a warmed-up server runs. On CPU nothing compiles: no warm-up."""
 
     name = "hf_static"
+    family = "none"
     summary = "Reference: HF generate with a static cache, compiled on CUDA (warmed per size), timed as a black box"
     needs_draft_model = False
 

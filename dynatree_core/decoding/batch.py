@@ -68,16 +68,17 @@ def verify_forward(state, tokens, positions, visible: torch.Tensor, keep: int, m
     return state.target_kv.run(Rows(tokens, positions, visible, keep, hidden=hidden, most_keys=most_keys))
 
 
-def host_verify(state, batch: VerifyBatch) -> Forward:
+def host_verify(state, batch: VerifyBatch, seed: int = 0) -> Forward:
     """The ONE target forward over a batch built on the host, as one captured step with its
     inputs where the run captures its steps (forward/filled.py; not for a feature draft's taps other
     than the final states): a batch that is only the pending chain (`ar`, or an iteration that
     drafted nothing) from one upload of the chain (`chain`: `ar`'s loop launches an upload and a
     replay a token), a tree's from one upload of its rows and their block of the mask (`rows`:
-    one graph a width, whatever the tree's size within it)."""
+    one graph a width, whatever the tree's size within it). `seed`: the logits of that many chain
+    rows before the root are kept too, first (a policy that reads the target's rows from the prefill)."""
     drafter, kv, keep = state.drafter, state.target_kv, len(batch.order)
     features = drafter is not None and drafter.wants_features
-    if kv.filled and not (features and drafter.taps != (FINAL,)):
+    if kv.filled and not seed and not (features and drafter.taps != (FINAL,)):
         if keep == 1:
             done = kv.chain(("verify", "chain"), batch.chain, batch.past, 1)
             out = done[0] if done is not None else None
@@ -85,7 +86,7 @@ def host_verify(state, batch: VerifyBatch) -> Forward:
             out = kv.rows(("verify",), batch.tokens, batch.positions, len(batch.chain), batch.lines, keep)
         if out is not None:
             return Forward(out.logits, out.states if features else None)
-    return verify_forward(state, batch.tokens, batch.positions, batch.visible(), keep)
+    return verify_forward(state, batch.tokens, batch.positions, batch.visible(), keep + seed)
 
 
 def early_wanted(state) -> bool:
@@ -102,6 +103,7 @@ def early_wanted(state) -> bool:
         and drafter is not None
         and drafter.ready
         and not (kv.invariant and kv.padded is None)
+        and not state.policy.joins()  # a joined tree's rows are known after the policy returns
     )
 
 

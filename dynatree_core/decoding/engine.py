@@ -33,6 +33,7 @@ from dynatree_core.errors import DynaTreeError
 from dynatree_core.forward.choice import forward_path
 from dynatree_core.forward.invariant import invariant_wanted
 from dynatree_core.forward.kv import KVState
+from dynatree_core.forward.reference import Forward
 from dynatree_core.runs.metrics import memory_mb, summarize, weight_bytes
 from dynatree_core.runs.records import IterationRecord, RunResult
 from dynatree_core.verify.greedy import Outcome, verify_greedy
@@ -207,8 +208,12 @@ def _iteration(state: DecodeState, index: int, budget: int) -> IterationRecord:
         clock.draft_done()
         batch = VerifyBatch.of(tree, state)  # the rows: the pending chain, then the tree's nodes
         clock.batch_built()
-        out = host_verify(state, batch)  # ONE target forward
+        seed = len(batch.chain) - 1 if state.policy.reads_target else 0  # the prefill's rows too
+        out = host_verify(state, batch, seed)  # ONE target forward
         clock.verify_done(len(batch.tokens))
+        if seed:
+            state.policy.observe_target(batch.chain[:-1], out.logits[:seed])
+            out = Forward(out.logits[seed:], out.states)
     outcome = _verify(state, tree, batch, out)  # the iteration's blocking read: the target's choices
     if state.policy.reads_target:  # every verified row's next-token logits (Token Recycling's matrix)
         state.policy.observe_target([tree.tokens[n] for n in batch.order], out.logits[: len(batch.order)])
@@ -256,7 +261,7 @@ def _draft(state: DecodeState, budget: int, early: EarlyVerify | None) -> tuple[
         on_device=state.device_draft,
         early=early,
     )
-    return state.policy.draft(request), True
+    return state.policy.propose(request), True
 
 
 def _mask(lines: list[list[int]]) -> list[str]:

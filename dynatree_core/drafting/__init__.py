@@ -9,16 +9,17 @@ they expand are drafts/.
 May import: errors, core, forward, runs, verify, drafts.
 """
 
-from dynatree_core.drafting import delayed, dynatree, dyspec, eagle2, recycle, salf, static  # noqa: F401
+from dynatree_core.drafting import delayed, dynatree, dyspec, eagle2, joined, recycle, salf, static, suffix  # noqa: F401
 from dynatree_core.drafting.policy import POLICIES, Param, Policy, make_policy, register_policy
 from dynatree_core.drafting.request import DraftRequest
 
 # The order every list shows (CLI, pickers, benchmarks): plain decoding, static trees, the dynamic
-# policies in the papers' order, then the delayed/n-gram family. A policy registered elsewhere
+# policies in the papers' order, the delayed family, the candidates that cost no draft forward
+# (retrieved, recycled) and the joined trees. A policy registered elsewhere
 # keeps its place after the built-in ones.
 ORDER = (
     "ar", "linear", "fixed_tree", "dynatree", "dyspec", "dyspec_threshold", "eagle2", "salf",
-    "delayed", "delayed_auto", "ngram", "recycle",
+    "delayed", "delayed_auto", "ngram", "suffix", "recycle", "joined_fixed_tree", "joined_dynatree",
 )  # fmt: skip
 
 

@@ -88,6 +88,7 @@ class DelayedAuto(Policy):
         self.reset()
 
     def reset(self) -> None:
+        super().reset()
         self.target_obs: list[tuple[int, float]] = []  # (tokens read, ms)
         self.draft_obs: list[tuple[int, float]] = []  # (nodes in the forward, ms)
         self.alpha = 0.6  # running top-1 probability below the root
@@ -172,6 +173,7 @@ class NGramLookup(Policy):
     trie. A node's p is the share of its parent's continuations that pass through it."""
 
     name = "ngram"
+    family = "retrieved"
     summary = "Prompt lookup tree: continuations of earlier matches of the last n tokens (no draft)"
     needs_draft_model = False
     params = (

@@ -72,6 +72,7 @@ class DynaTreeAdaptive(Policy):
         self.reset()
 
     def reset(self) -> None:
+        super().reset()
         self.d0, self.tau_h = self.config["d0"], self.config["tau_h"]
         self.window: collections.deque[float] = collections.deque(maxlen=self.config["window"])
         self._last_depth = 0  # deepest verified depth of the tree just drafted

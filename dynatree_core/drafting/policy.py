@@ -19,6 +19,7 @@ import torch
 
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.drafting.request import DraftRequest
+from dynatree_core.drafting.sources import Recycler, SuffixAutomaton, graft
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.verify.registry import Capabilities
 
@@ -89,6 +90,9 @@ class Tunable:
     params: ClassVar[tuple[Param, ...]] = ()
     needs_draft_model: ClassVar[bool] = True
     kind: ClassVar[str] = ""  # "policy" or "baseline"
+    # where its candidates come from: "model" (a draft model), "recycled" (the target's own top-k),
+    # "retrieved" (suffix matches), "joined" (a model tree joined by the others), "none" (no draft)
+    family: ClassVar[str] = "model"
 
     def __init__(self, **values: Any):
         specs = {p.name: p for p in self.params}
@@ -106,6 +110,7 @@ class Tunable:
             "name": cls.name,
             "summary": cls.summary,
             "needs_draft_model": cls.needs_draft_model,
+            "family": cls.family,
             "black_box": cls.kind == "baseline",
             "params": [p.to_dict() for p in cls.params],
         }
@@ -119,9 +124,58 @@ class Policy(Tunable):
     kind: ClassVar[str] = "policy"
     draws: ClassVar[tuple[str, ...]] = ("top",)  # how it can draw children (sampled: "iid", ...)
     single_path: ClassVar[bool] = False  # drafts one path (block verification applies)
+    _automaton: SuffixAutomaton | None = None  # the joined sources of a run (propose, observe_target)
+    _recycler: Recycler | None = None
 
     def draft(self, request: DraftRequest) -> DraftTree:
         raise NotImplementedError
+
+    def joins(self) -> bool:
+        """Whether retrieved or recycled branches join this policy's trees (JOIN_PARAMS)."""
+        return self.config.get("retrieved", 0) > 0 or self.config.get("recycled", 0) > 0
+
+    def propose(self, request: DraftRequest) -> DraftTree:
+        """The tree the engine verifies: `draft`'s, joined by the sources that cost no draft
+        forward when `joins()` (drafting/sources.py): the suffix match's continuation (when the
+        match is at least MIN_MATCH tokens: SAM-Decoding's rule, Hu et al. §3.3) and the recycled
+        walk, under the policy's node budget (the model drafts with the budget less their room).
+        Top-k drafting only: a sampled tree's verifiers need every child drawn from q."""
+        if not self.joins() or request.draw != "top":
+            return self.draft(request)
+        request = dataclasses.replace(request, early=None)  # the rows change after drafting
+        extra = self._cost_free(request)
+        budget = self.config.get("budget")
+        if budget is not None:
+            self.config["budget"] = max(1, budget - sum(len(t) - 1 for t in extra))
+        try:
+            tree = self.draft(request)
+        finally:
+            if budget is not None:
+                self.config["budget"] = budget
+        verified = sum(tree.is_verified(n) for n in range(1, len(tree)))
+        room = budget - verified if budget is not None else sum(len(t) - 1 for t in extra)
+        for other in extra:
+            room -= graft(tree, other, room)
+        return tree
+
+    def _cost_free(self, request: DraftRequest) -> list[DraftTree]:
+        """The retrieved and the recycled trees this iteration joins (at most their parameters'
+        nodes each, no deeper than the request allows)."""
+        c, depth, out = self.config, request.max_depth, []
+        if depth <= 0:
+            return out
+        if c.get("retrieved", 0) > 0:
+            if self._automaton is None:
+                self._automaton = SuffixAutomaton()
+            self._automaton.follow(request.context)
+            length, state = self._automaton.match()
+            if length >= MIN_MATCH:
+                chain = self._automaton.walk(request.root_token, state, min(c["retrieved"], depth), 1, c["retrieved"])
+                out.append(chain)
+        if c.get("recycled", 0) > 0 and self._recycler is not None:
+            widths = [max(1, RECYCLED_BRANCH >> level) for level in range(min(depth, RECYCLED_DEPTH))]
+            out.append(self._recycler.walk(request.root_token, widths, c["recycled"]))
+        return out
 
     def local_shape(self) -> bool:
         """True when the shape below every drafted node depends only on that node's own draws
@@ -145,16 +199,27 @@ class Policy(Tunable):
         )
 
     def reset(self) -> None:
-        """Called when a run starts: policies with state across iterations clear it here."""
+        """Called when a run starts: policies with state across iterations clear it here (the
+        joined sources' automaton and matrix are a run's too)."""
+        self._automaton = None
+        self._recycler = None
 
     def observe(self, outcome: Any) -> None:
         """Called after each verification; adaptive policies override it."""
 
-    reads_target: ClassVar[bool] = False  # the engine calls observe_target after each verification
+    @property
+    def reads_target(self) -> bool:
+        """Whether the engine calls observe_target with every row the target reads: a policy that
+        recycles the target's top-k (drafting/recycle.py sets it True; here: recycled branches)."""
+        return self.config.get("recycled", 0) > 0
 
     def observe_target(self, tokens: list[int], logits: torch.Tensor) -> None:
-        """With `reads_target`: the target's logits at every verified row (`logits[i]`: the
+        """With `reads_target`: the target's logits at every row it read (`logits[i]`: the
         distribution of the token after `tokens[i]`), accepted or not (drafting/recycle.py)."""
+        if self.config.get("recycled", 0) > 0:
+            if self._recycler is None:
+                self._recycler = Recycler(RECYCLED_K)
+            self._recycler.observe(tokens, logits)
 
     def observe_cost(self, tokens: int, verify_ms: float) -> None:
         """Called after each target forward: how many tokens it read and how long it took."""
@@ -164,10 +229,20 @@ class Policy(Tunable):
         return {**super().describe(), "draws": list(cls.draws), "single_path": cls.single_path}
 
 
+MIN_MATCH = 2  # a suffix match joins a tree from this many tokens on
+RECYCLED_K, RECYCLED_BRANCH, RECYCLED_DEPTH = 8, 4, 6  # the joined matrix's columns and its template
+JOIN_PARAMS = (
+    Param("retrieved", int, 0, 0, 64, "Nodes of the context's suffix-match continuation joined to the tree (0: none)"),
+    Param("recycled", int, 0, 0, 64, "Nodes of the target's recycled top-k joined to the tree (0: none)"),
+)
+
 POLICIES: dict[str, type[Policy]] = {}
 
 
 def register_policy(cls: type[Policy]) -> type[Policy]:
+    """Register a policy by name; a model-draft tree policy gets JOIN_PARAMS (any of them can be joined)."""
+    if cls.needs_draft_model and not cls.single_path and not any(p.name == "retrieved" for p in cls.params):
+        cls.params = (*cls.params, *JOIN_PARAMS)
     POLICIES[cls.name] = cls
     return cls
 

@@ -10,8 +10,8 @@ many as the template's width at their depth (`branch` at depth 1, halved each le
 up to the node budget. A token the matrix has not seen yet has no successors: its node is a leaf.
 The tree is verified like any other, so greedy output is the target's, token for token.
 
-The matrix here is filled from the verify forwards only: the prefill's forward keeps its last
-row (the root's), so the first trees are small and grow as the run's forwards fill it.
+The matrix is filled from every row the target reads: the prefill's (the whole prompt) and each
+verify forward's. The walk and the matrix are drafting/sources.Recycler (shared with joined trees).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.drafting.common import leaf_reason
 from dynatree_core.drafting.policy import Param, Policy, register_policy
 from dynatree_core.drafting.request import DraftRequest
+from dynatree_core.drafting.sources import Recycler
 
 
 @register_policy
@@ -29,6 +30,7 @@ class TokenRecycling(Policy):
     """Token Recycling: the target's own top-k successors from earlier forwards, walked as a tree."""
 
     name = "recycle"
+    family = "recycled"
     summary = "Token Recycling: the target's own top-k successors from earlier forwards, walked as a tree (no draft)"
     needs_draft_model = False
     reads_target = True  # the engine hands it every verified row's logits (observe_target)
@@ -41,45 +43,29 @@ class TokenRecycling(Policy):
 
     def __init__(self, **values):
         super().__init__(**values)
-        self.successors: dict[int, tuple[list[int], list[float]]] = {}  # token -> (ids, log-probs), most likely first
+        self.matrix = Recycler(self.config["k"])
 
     def reset(self) -> None:
-        self.successors = {}
+        self.matrix = Recycler(self.config["k"])
 
     def observe_target(self, tokens: list[int], logits: torch.Tensor) -> None:
-        """Refresh the matrix from one verify forward: `logits[i]` is the target's distribution of
-        the token after `tokens[i]` (every verified row, accepted or not)."""
-        lp, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(self.config["k"], logits.shape[-1]), dim=-1)
-        for token, row_ids, row_lp in zip(tokens, ids.tolist(), lp.tolist(), strict=True):
-            self.successors[token] = (row_ids, row_lp)
+        """Refresh the matrix from one forward: `logits[i]` is the target's distribution of the
+        token after `tokens[i]` (every row it read: the prefill's, then each tree's, accepted or not)."""
+        self.matrix.observe(tokens, logits)
 
-    def width(self, level: int) -> int:
-        """The template's children a node has at `level` (1: the root's children)."""
-        return max(1, self.config["branch"] >> (level - 1))
+    def widths(self, depth: int) -> list[int]:
+        """The template's children a node has at each level (1: the root's children)."""
+        return [max(1, self.config["branch"] >> level) for level in range(depth)]
 
     def draft(self, request: DraftRequest) -> DraftTree:
         c = self.config
-        tree = DraftTree.with_root(request.root_token)
         depth = min(c["depth"], request.max_depth)
         if depth <= 0:
+            tree = DraftTree.with_root(request.root_token)
             tree.mark_leaf(0, Reason.LENGTH_LIMIT)
             return tree
-        frontier, drafted = [0], 0
-        for level in range(1, depth + 1):
-            grown = []
-            for node in frontier:
-                known = self.successors.get(tree.tokens[node])
-                if known is None:
-                    tree.mark_leaf(node, "no_successors")  # a token no forward has verified yet
-                    continue
-                if drafted >= c["budget"]:
-                    tree.mark_leaf(node, Reason.BUDGET)
-                    continue
-                tree.mark_expanded(node)
-                for token, lp in list(zip(*known, strict=True))[: min(self.width(level), c["budget"] - drafted)]:
-                    grown.append(tree.add(node, token, lp))
-                    drafted += 1
-            frontier = grown
-        for node in frontier:  # the template's last level
-            tree.mark_leaf(node, leaf_reason(depth, c["depth"]))
+        tree = self.matrix.walk(request.root_token, self.widths(depth), c["budget"])
+        for node in range(len(tree)):  # the template's last level
+            if tree.depths[node] == depth:
+                tree.mark_leaf(node, leaf_reason(depth, c["depth"]))
         return tree

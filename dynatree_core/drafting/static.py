@@ -20,6 +20,7 @@ from dynatree_core.drafting.request import DraftRequest
 @register_policy
 class Autoregressive(Policy):
     name = "ar"
+    family = "none"
     summary = "Target only, one token per forward (our own loop; the reference for speedups)"
     needs_draft_model = False
     draws = ("top", "iid", "without_replacement")  # it draws nothing: every verifier applies

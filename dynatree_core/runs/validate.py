@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import re
 
+from dynatree_core.core.tree import Source
+
 MAX_BYTES = 64 * 2**20
 MAX_DEPTH = 64  # JSON nesting; a real file nests 5-6 levels
 MAX_RECORDS = 100_000
@@ -210,6 +212,12 @@ def _check_tree(tree: dict, vocab: int) -> tuple[int, list[int], list[int]]:
         raise ValueError("tree.parents must point from each node to an earlier one (root: -1)")
     _node_domains(tree, parents, depths)
     _check_sampled(tree.get("sampled") or {}, n, vocab)
+    sources = tree.get("sources") or {}
+    known = {s.value for s in Source}
+    if not isinstance(sources, dict) or any(
+        not (isinstance(k, str) and k.isdigit() and 0 < int(k) < n) or v not in known for k, v in sources.items()
+    ):
+        raise ValueError(f"tree.sources must map drafted node ids to one of {', '.join(sorted(known))}")
     return n, parents, depths
 
 

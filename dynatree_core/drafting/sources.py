@@ -1,0 +1,176 @@
+"""Candidates that cost no draft forward, and how they join a tree.
+
+- `Recycler`: Token Recycling's adjacency matrix (Luo et al., ACL 2025, §3.1): token -> the
+  target's `k` most likely successors, refreshed from every row of every verify forward (and the
+  prefill's), the latest forward that saw a token winning. `walk` is the paper's breadth-first
+  walk of the matrix over a static tree template (§3.2).
+- `SuffixAutomaton`: the online suffix automaton of SAM-Decoding (Hu et al., ACL 2025, §3.1;
+  Blumer et al.'s construction): over the context (prompt + output so far), extended a token at a
+  time in amortised O(1). The longest suffix of the context that occurred before is the state
+  behind the last one's suffix link (`match`), so retrieval costs O(1) too (§3.2); the tokens
+  that followed its occurrences are that state's transitions (`walk`).
+- `graft`: put one source's tree into another, merging equal paths: a joined tree is one tree,
+  verified in one target forward.
+
+Each source builds a `DraftTree` whose nodes carry their `Source`; no model is called here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dynatree_core.core.tree import DraftTree, Reason, Source, Status
+
+
+class Recycler:
+    """Token Recycling's adjacency matrix, as a map token -> (successor ids, their log-probs),
+    most likely first (a dict: the tokens a run has seen, not a vocab x k tensor)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.successors: dict[int, tuple[list[int], list[float]]] = {}
+
+    def observe(self, tokens: list[int], logits: torch.Tensor) -> None:
+        """Refresh from one forward: `logits[i]` is the target's distribution of the token after
+        `tokens[i]` (every row, accepted or not: the paper's "trash")."""
+        if not tokens:
+            return
+        lp, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(self.k, logits.shape[-1]), dim=-1)
+        for token, row_ids, row_lp in zip(tokens, ids.tolist(), lp.tolist(), strict=True):
+            self.successors[token] = (row_ids, row_lp)
+
+    def walk(self, root: int, widths: list[int], budget: int) -> DraftTree:
+        """The breadth-first walk from `root` over the template: a node at depth d - 1 gets the
+        first `widths[d - 1]` successors of its token, up to `budget` nodes; a token with no
+        successors yet is a leaf."""
+        tree = DraftTree.with_root(root)
+        frontier, drafted = [0], 0
+        for width in widths:
+            grown = []
+            for node in frontier:
+                known = self.successors.get(tree.tokens[node])
+                if known is None:
+                    tree.mark_leaf(node, "no_successors")  # a token no forward has read yet
+                    continue
+                if drafted >= budget:
+                    tree.mark_leaf(node, Reason.BUDGET)
+                    continue
+                tree.mark_expanded(node)
+                for token, lp in list(zip(*known, strict=True))[: min(width, budget - drafted)]:
+                    grown.append(tree.add(node, token, lp, source=Source.RECYCLED))
+                    drafted += 1
+            frontier = grown
+            if not frontier:
+                break
+        return tree
+
+
+class SuffixAutomaton:
+    """The suffix automaton of a growing token sequence. State 0 is the empty string; every state
+    keeps its longest string's length, its suffix link, its transitions and `first`, the end
+    position of its strings' first occurrence (they all end together: one endpos class)."""
+
+    def __init__(self):
+        self.text: list[int] = []
+        self.next: list[dict[int, int]] = [{}]
+        self.link = [-1]
+        self.length = [0]
+        self.first = [-1]
+        self.last = 0
+
+    def _state(self, length: int, link: int, first: int, moves: dict[int, int]) -> int:
+        self.next.append(moves)
+        self.link.append(link)
+        self.length.append(length)
+        self.first.append(first)
+        return len(self.length) - 1
+
+    def extend(self, token: int) -> None:
+        """Append one token (the standard online construction: amortised O(1))."""
+        self.text.append(token)
+        cur = self._state(self.length[self.last] + 1, 0, len(self.text) - 1, {})
+        p = self.last
+        while p != -1 and token not in self.next[p]:
+            self.next[p][token] = cur
+            p = self.link[p]
+        if p != -1:
+            q = self.next[p][token]
+            if self.length[p] + 1 == self.length[q]:
+                self.link[cur] = q
+            else:  # split q: the clone holds its strings of length <= length[p] + 1
+                clone = self._state(self.length[p] + 1, self.link[q], self.first[q], dict(self.next[q]))
+                while p != -1 and self.next[p].get(token) == q:
+                    self.next[p][token] = clone
+                    p = self.link[p]
+                self.link[q] = self.link[cur] = clone
+        self.last = cur
+
+    def follow(self, tokens: list[int]) -> None:
+        """Extend with the tokens of `tokens` past the text already read (a context only grows
+        within a run; a context that is not a continuation starts the automaton again)."""
+        if tokens[: len(self.text)] != self.text:
+            self.__init__()
+        for token in tokens[len(self.text) :]:
+            self.extend(token)
+
+    def match(self) -> tuple[int, int]:
+        """(length, state) of the longest suffix of the text that also occurred earlier: the last
+        state's suffix link (its endpos holds the text's end and at least one earlier end), or
+        (0, 0) when no token of the suffix occurred before."""
+        state = self.link[self.last] if self.last else 0
+        return (self.length[state], state) if state > 0 else (0, 0)
+
+    def walk(self, root: int, state: int, depth: int, branches: int, budget: int) -> DraftTree:
+        """The continuations of `state`'s occurrences as a tree under `root`: a node's children are
+        the distinct tokens that followed its string, the first occurrence's first (the chain
+        SAM-Decoding proposes), at most `branches`, to `depth` levels and `budget` nodes. A child's
+        log-probability is its share of its parent's `branches` choices (no counts are kept)."""
+        tree = DraftTree.with_root(root)
+        frontier, drafted = [(0, state)], 0
+        for _ in range(depth):
+            grown = []
+            for node, at in frontier:
+                moves = sorted(self.next[at].items(), key=lambda move: self.first[move[1]])[:branches]
+                if not moves:
+                    tree.mark_leaf(node, "context_end")  # the text ends here: nothing followed it
+                    continue
+                if drafted >= budget:
+                    tree.mark_leaf(node, Reason.BUDGET)
+                    continue
+                tree.mark_expanded(node)
+                for token, to in moves[: budget - drafted]:
+                    child = tree.add(node, token, -math.log(len(moves)), source=Source.RETRIEVED)
+                    grown.append((child, to))
+                    drafted += 1
+            frontier = grown
+        return tree
+
+
+def graft(tree: DraftTree, other: DraftTree, room: int) -> int:
+    """Put `other`'s verified nodes into `tree` (same root token), parents first: a node whose
+    parent's place in `tree` already has a verified child with its token merges into it; else it
+    is added with its source, its reason and its log-probability, while `room` lasts. Returns the
+    nodes added. An added node is a leaf until one of its children is added too."""
+    if len(other) < 2 or room <= 0:
+        return 0
+    kids = tree.child_map()
+    place, added = {0: 0}, 0
+    for node in other.order("bfs")[1:]:
+        parent = place.get(other.parents[node])
+        if parent is None:
+            continue  # its parent found no room
+        same = next((c for c in kids.get(parent, []) if tree.tokens[c] == other.tokens[node]), None)
+        if same is None:
+            if added >= room:
+                continue
+            if tree.status[parent] != Status.KEPT:
+                tree.mark_expanded(parent)  # a leaf of `tree` that `other` goes on from
+            leaf = other.status[node] == Status.NOT_EXPANDED  # else: its children may find no room
+            why = other.reason[node] if leaf else Reason.BUDGET
+            same = tree.add(parent, other.tokens[node], other.logp[node], reason=why, source=Source(other.source(node)))
+            kids.setdefault(parent, []).append(same)
+            added += 1
+        place[node] = same
+    return added
