@@ -9,7 +9,7 @@ import time
 import pandas as pd
 import streamlit as st
 
-from dynatree_core.decoding.methods import candidates
+from dynatree_core.decoding.methods import candidates, make_method, method_class
 from dynatree_core.decoding.pairs import encode_prompt
 from dynatree_core.decoding.settings import RunSpec
 from dynatree_core.errors import DynaTreeError
@@ -68,7 +68,14 @@ entries = []
 columns = st.columns(int(count))
 for i, col in enumerate(columns):
     with col:
-        name = st.selectbox(f"Policy {i + 1}", CHOICES, index=CHOICES.index(DEFAULTS[i]), key=f"cmp_policy_{i}")
+        name = st.selectbox(
+            f"Policy {i + 1}",
+            CHOICES,
+            index=CHOICES.index(DEFAULTS[i]),
+            key=f"cmp_policy_{i}",
+            format_func=lambda n: f"{n} · {method_class(n).family}",
+            help="Each name says its family: where its candidates come from (model, recycled, retrieved, joined).",
+        )
         with st.expander("Parameters"):
             params = param_widgets(name, key_prefix=f"cmp{i}")
         entries.append(Entry(name, params))
@@ -79,7 +86,8 @@ def live_view(labels: list[str], decode):
     """One column per compared policy: its latest tree and running tokens/s (black boxes: none),
     under one legend for the row; each small tree labels the tokens that fit (all in the hover)."""
     slots, stats = {}, {}
-    st.html(legend_html())
+    mixed = any(make_method(e.policy, e.params).configured_family() not in ("model", "none") for e in entries)
+    st.html(legend_html(sources=mixed))
     cols = st.columns(len(labels))
     for label, col in zip(labels, cols, strict=True):
         with col:

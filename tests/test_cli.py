@@ -144,7 +144,7 @@ def test_bench_reports_policies_against_the_best_reference(capsys, tiny_pair_dir
     target, draft = tiny_pair_dirs
     for name in ("plotly", "dynatree_core.viz.bench"):  # a bench without sweeps needs no plotting (headless GPU)
         monkeypatch.setitem(sys.modules, name, None)
-    out = tmp_path / "results.json"
+    out = tmp_path / "reports" / "results.json"  # a folder that does not exist yet: bench makes it
     code, printed, err = run_cli(
         capsys,
         "bench",
@@ -153,10 +153,11 @@ def test_bench_reports_policies_against_the_best_reference(capsys, tiny_pair_dir
         "--limit", "3", "--max-new-tokens", "6", "--repeats", "2", "--max-prompt-tokens", "8", "--out", str(out),
     )  # fmt: skip
     assert code == 0, err
-    assert "| linear | greedy |" in printed and "42/42" in err  # markdown table; a progress bar on stderr
+    assert "| linear | model | greedy |" in printed and "42/42" in err  # markdown table; a progress bar on stderr
     report = json.loads(out.read_text())
     rows = {r["label"]: r for r in report["results"]}
     assert list(rows) == ["ar (our loop)", "hf_generate", "hf_static", "linear", "fixed_tree", "hf_assisted"]
+    assert [r["family"] for r in rows.values()] == ["none", "none", "none", "model", "model", "model"]
     for r in rows.values():
         assert {"policy", "throughput_tps", "speedup", "tokens_per_iteration", "acceptance_rate"} <= set(r)
         assert r["exact"] == r["runs"] == 6  # 3 prompts x 2 rounds, all equal to ar's output

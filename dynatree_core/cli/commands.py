@@ -101,7 +101,7 @@ def cmd_policies(args) -> None:
         print(json.dumps(described, indent=2))
         return
     for d in described:
-        print(f"{d['name']}: {d['summary']}")
+        print(f"{d['name']} [{d['family']}]: {d['summary']}")
         for p in d["params"]:
             rng = f", range [{p['min']}, {p['max']}]" if p["min"] is not None else ""
             print(f"    {p['name']} ({p['type']}, default {p['default']}{rng}): {p['help']}")
@@ -161,6 +161,11 @@ def cmd_bench(args) -> None:
         raise DynaTreeError(f"--repeats must be at least 1, got {args.repeats}")
     if args.warmup < 0:
         raise DynaTreeError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.out is not None:  # its folder now, not after the run: a long run must not end in a traceback
+        try:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DynaTreeError(f"--out: cannot create {args.out.parent}: {exc.strerror}") from None
     spec = RunSpec.of(args)
     chosen = choose_prompts(args.prompts, args.limit, args.skip)
     target_spec, draft_spec = _resolve_models(args)

@@ -52,6 +52,11 @@ class Source(StrEnum):
     RETRIEVED = "retrieved"  # the continuation of a suffix match (SAM-Decoding, prompt lookup)
 
 
+# A policy's family: where its candidates come from (a Source), "joined" (a model tree joined by
+# the others) or "none" (no draft at all: ar, HF generate)
+FAMILIES = ("model", "recycled", "retrieved", "joined", "none")
+
+
 class Reason(StrEnum):
     """Why a node was pruned or not expanded. Policies may add their own strings."""
 

@@ -202,22 +202,25 @@ def _iteration(state: DecodeState, index: int, budget: int) -> IterationRecord:
     clock = IterationClock(state)
     early = EarlyVerify(state, clock) if early_wanted(state) else None
     tree, drafted = _draft(state, budget, early)
+    seen = None  # the chain rows' logits a policy that reads the target's rows gets too (the prefill's)
     if early is not None and early.out is not None:
         batch, out = early.batch(tree), early.out
     else:
         clock.draft_done()
         batch = VerifyBatch.of(tree, state)  # the rows: the pending chain, then the tree's nodes
         clock.batch_built()
-        seed = len(batch.chain) - 1 if state.policy.reads_target else 0  # the prefill's rows too
+        seed = len(batch.chain) - 1 if state.policy.reads_target else 0
         out = host_verify(state, batch, seed)  # ONE target forward
         clock.verify_done(len(batch.tokens))
         if seed:
-            state.policy.observe_target(batch.chain[:-1], out.logits[:seed])
-            out = Forward(out.logits[seed:], out.states)
+            seen, out = out.logits[:seed], Forward(out.logits[seed:], out.states)
     outcome = _verify(state, tree, batch, out)  # the iteration's blocking read: the target's choices
-    if state.policy.reads_target:  # every verified row's next-token logits (Token Recycling's matrix)
-        state.policy.observe_target([tree.tokens[n] for n in batch.order], out.logits[: len(batch.order)])
     clock.verified()
+    if state.policy.reads_target:  # every row's next-token logits (Token Recycling's matrix): the next draft's work
+        with clock.refreshing():
+            if seen is not None:
+                state.policy.observe_target(batch.chain[:-1], seen)
+            state.policy.observe_target([tree.tokens[n] for n in batch.order], out.logits[: len(batch.order)])
     accepted = [tree.tokens[n] for n in outcome.accepted]
     new_tokens, stop = cut(accepted + [outcome.bonus_token], budget, state.config.eos_token_ids)
     _commit(state, tree, batch, outcome.accepted, new_tokens, out.states)

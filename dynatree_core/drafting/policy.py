@@ -94,6 +94,10 @@ class Tunable:
     # "retrieved" (suffix matches), "joined" (a model tree joined by the others), "none" (no draft)
     family: ClassVar[str] = "model"
 
+    def configured_family(self) -> str:
+        """Its family as configured (a model-draft policy with joined sources is "joined")."""
+        return self.family
+
     def __init__(self, **values: Any):
         specs = {p.name: p for p in self.params}
         unknown = set(values) - set(specs)
@@ -129,6 +133,9 @@ class Policy(Tunable):
 
     def draft(self, request: DraftRequest) -> DraftTree:
         raise NotImplementedError
+
+    def configured_family(self) -> str:
+        return "joined" if self.family == "model" and self.joins() else self.family
 
     def joins(self) -> bool:
         """Whether retrieved or recycled branches join this policy's trees (JOIN_PARAMS)."""

@@ -35,10 +35,13 @@ class TokenRecycling(Policy):
     needs_draft_model = False
     reads_target = True  # the engine hands it every verified row's logits (observe_target)
     params = (
+        # depth 4, branch 2, budget 16: the measured best on the OOD tuning prompts on CPU, where a
+        # wider tree's verify forward costs more than its extra tokens (benchmarks/ood_defaults.py;
+        # BENCHMARKS, "Candidates that cost no draft forward")
         Param("k", int, 8, 1, 32, "Successors kept per token (the adjacency matrix's columns)"),
-        Param("depth", int, 6, 1, 16, "Tree depth (the template's levels)"),
-        Param("branch", int, 4, 1, 16, "Children of the root; halved each level below, at least 1"),
-        Param("budget", int, 32, 1, 256, "Node budget"),
+        Param("depth", int, 4, 1, 16, "Tree depth (the template's levels)"),
+        Param("branch", int, 2, 1, 16, "Children of the root; halved each level below, at least 1"),
+        Param("budget", int, 16, 1, 256, "Node budget"),
     )
 
     def __init__(self, **values):

@@ -37,7 +37,9 @@ class Recycler:
         `tokens[i]` (every row, accepted or not: the paper's "trash")."""
         if not tokens:
             return
-        lp, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(self.k, logits.shape[-1]), dim=-1)
+        logits = logits.float()
+        top, ids = logits.topk(min(self.k, logits.shape[-1]), dim=-1)
+        lp = top - logits.logsumexp(dim=-1, keepdim=True)  # log-softmax at the top k only: one pass, no copy
         for token, row_ids, row_lp in zip(tokens, ids.tolist(), lp.tolist(), strict=True):
             self.successors[token] = (row_ids, row_lp)
 

@@ -30,8 +30,9 @@ from dynatree_core.runs.environment import environment
 from dynatree_core.runs.metrics import exactness_note
 
 SUMMARY_FIELDS = (
-    "label", "policy", "verifier", "params", "throughput_tps", "throughput_std", "speedup", "tokens_per_iteration",
-    "acceptance_rate", "mean_accepted_length", "iterations", "ttft_ms", "tpot_ms", "draft_ms_per_iteration",
+    "label", "policy", "family", "verifier", "params", "throughput_tps", "throughput_std", "speedup",
+    "tokens_per_iteration", "acceptance_rate", "mean_accepted_length", "iterations", "ttft_ms", "tpot_ms",
+    "draft_ms_per_iteration",
     "verify_ms_per_iteration", "overhead_ms_per_iteration", "peak_memory_mb", "memory_overhead", "tree_size_mean",
     "tree_size_max", "verify_rows_mean", "exact", "runs", "outside_forwards_share",
 )  # fmt: skip
@@ -110,9 +111,9 @@ class BenchReport:
 
     def markdown(self) -> str:
         out = [
-            "| policy | verifier | tokens / s | speedup | tokens / iteration | acceptance | accepted length "
+            "| policy | family | verifier | tokens / s | speedup | tokens / iteration | acceptance | accepted length "
             "| TTFT ms | TPOT ms | draft / verify / other ms per iteration | outside forwards | peak MB | exact |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for e in self.results:
             split = (
@@ -126,7 +127,8 @@ class BenchReport:
             outside = "-" if e.outside_forwards_share is None else f"{e.outside_forwards_share:.1%}"
             tpot = "-" if e.tpot_ms is None else f"{e.tpot_ms:.1f}"
             out.append(
-                f"| {e.label} | {e.verifier} | {e.throughput_tps:.1f} ± {e.throughput_std:.1f} | {e.speedup:.2f} | "
+                f"| {e.label} | {e.family} | {e.verifier} | {e.throughput_tps:.1f} ± {e.throughput_std:.1f} | "
+                f"{e.speedup:.2f} | "
                 f"{e.tokens_per_iteration:.2f} | {e.acceptance_rate:.2f} | {e.mean_accepted_length:.2f} | {ttft} | "
                 f"{tpot} | {split} | {outside} | {e.peak_memory_mb:.0f} | {exact} |"
             )

@@ -68,6 +68,7 @@ class EntryStats:
     text: str  # the first measured run's output text
     exact: int | None = None  # greedy: runs whose output equals ar's on the same prompt
     outside_forwards_share: float | None = None  # wall time outside model forwards / wall (None: black box)
+    family: str = "model"  # where its candidates come from (core/tree.FAMILIES)
     memory_overhead: float | None = None  # peak memory over ar's, minus 1
     verify_rows_mean: float | None = None  # rows per target forward (padded where queued from the device)
 
@@ -124,6 +125,7 @@ class Comparison:
             rows.append(
                 {
                     "policy": e.label,
+                    "family": e.family,
                     "verifier": e.verifier,
                     "tokens/s": round(e.throughput_tps, 2),
                     "± std": round(e.throughput_std, 2),
@@ -156,7 +158,17 @@ class Comparison:
 
     def markdown(self) -> str:
         rows = self.table()
-        keys = ["policy", "verifier", "tokens/s", "± std", "speedup", "tokens/iter", "acceptance", "tree mean"]
+        keys = [
+            "policy",
+            "family",
+            "verifier",
+            "tokens/s",
+            "± std",
+            "speedup",
+            "tokens/iter",
+            "acceptance",
+            "tree mean",
+        ]
         out = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
         out += ["| " + " | ".join("" if r[k] is None else str(r[k]) for k in keys) + " |" for r in rows]
         return "\n".join(out)
@@ -191,6 +203,7 @@ def entry_stats(entry: Entry, verifier: str, rounds: list[list[RunResult]], best
     return EntryStats(
         label=entry.label,
         policy=entry.policy,
+        family=make_method(entry.policy, entry.params).configured_family(),
         params=dict(runs[0].params),
         verifier=verifier,
         reference=entry.policy in REFERENCES,

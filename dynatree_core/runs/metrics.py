@@ -150,6 +150,22 @@ def acceptance_by_depth(records: list[IterationRecord]) -> list[dict]:
     ]
 
 
+def acceptance_by_source(records: list[IterationRecord]) -> list[dict]:
+    """Per source of the verified nodes (core/tree.Source): how many the target read, how many it
+    accepted, and the share; sources in the order they first appear."""
+    counts: dict[str, list[int]] = {}
+    for rec in records:
+        accepted = set(rec.accepted)
+        for node in rec.order[1:]:
+            seen = counts.setdefault(rec.tree.source(node), [0, 0])
+            seen[0] += 1
+            seen[1] += node in accepted
+    return [
+        {"source": source, "verified": v, "accepted": a, "acceptance": a / v if v else 0.0}
+        for source, (v, a) in counts.items()
+    ]
+
+
 def depth_reach(records: list[IterationRecord]) -> dict[int, tuple[int, int]]:
     """Per depth d: (iterations whose verified tree reached depth d, those that accepted >= d drafts)."""
     out: dict[int, tuple[int, int]] = {}

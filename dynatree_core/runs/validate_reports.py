@@ -4,6 +4,7 @@ Run files have their own checks (validate.py), whose helpers these share."""
 
 from __future__ import annotations
 
+from dynatree_core.core.tree import FAMILIES
 from dynatree_core.runs.validate import MAX_NODES, _int, _ints, _num, _probability, _show
 
 MAX_ENTRIES = 64
@@ -65,6 +66,8 @@ def check_comparison(data: dict) -> None:
         for name in ("label", "policy", "verifier", "text"):
             if not isinstance(entry.get(name), str):
                 raise ValueError(f"{where}: {name} must be a string")
+        if entry.get("family") is not None and entry["family"] not in FAMILIES:
+            raise ValueError(f"{where}: family must be one of {', '.join(FAMILIES)}")
         _plain_map(entry.get("params"), f"{where}: params")
         _int(entry.get("runs"), f"{where}: runs", hi=10**6)
         if entry.get("exact") is not None:

@@ -14,6 +14,7 @@ from dynatree_core.runs.records import IterationRecord
 from dynatree_core.ui.resources import latency_points, models_info, pair_job, show_error
 from dynatree_core.viz import (
     acceptance_by_depth,
+    acceptance_by_source,
     acceptance_figure,
     speed_breakdown,
     verification_rows,
@@ -72,6 +73,10 @@ def verification_view(run: LiveRun, rec: IterationRecord, running: bool = False)
                 "verifier draws from the residual; the last row is the token it committed where the walk stopped."
             )
             st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+        by_source = acceptance_by_source(run.records)
+        if any(row["source"] != "model" for row in by_source):
+            st.caption("Acceptance by where the verified nodes came from, over the run so far:")
+            st.dataframe(pd.DataFrame(by_source), hide_index=True, width="stretch")
         by_depth = acceptance_by_depth(run.records)
         if by_depth:
             st.caption(

@@ -17,7 +17,7 @@ May import: errors, core, forward, runs, verify, drafts, drafting, decoding, mea
 
 from __future__ import annotations
 
-from dynatree_core.runs.metrics import acceptance_by_depth, speed_breakdown
+from dynatree_core.runs.metrics import acceptance_by_depth, acceptance_by_source, speed_breakdown
 from dynatree_core.viz.compare import compare_figures
 from dynatree_core.viz.mask import block_count, mask_figure, order_block_counts
 from dynatree_core.viz.prose import STOP_TEXT, stop_text, why_text
@@ -51,6 +51,7 @@ __all__ = [
     "PRUNED_SYMBOLS",
     "STOP_TEXT",
     "acceptance_by_depth",
+    "acceptance_by_source",
     "acceptance_figure",
     "block_count",
     "clicked_node",

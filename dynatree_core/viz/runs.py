@@ -112,8 +112,11 @@ def verification_rows(record: IterationRecord, decode: Callable[[int], str] = st
             return ""
         return visible("".join(decode(tree.tokens[n]) for n in tree.path(node)[1:])) or "(root)"
 
+    sources = bool(tree.sources)  # a tree that mixes sources says which one each tried child came from
     for step, ev in enumerate(record.verification, 1):
         row = {"step": step, "at node": where(ev.get("node")), "event": ev["kind"]}
+        if sources:
+            row["source"] = tree.source(ev["child"]) if ev.get("child") is not None else ""
         if ev["kind"] == "test":
             target = ev.get("child")
             row["token"] = visible(decode(ev["token"])) if ev.get("token") is not None else f"(stop at {where(target)})"

@@ -5,7 +5,9 @@ Node categories (colour): root, accepted, bonus (the target's own token after th
 drawn as an extra child), rejected (verified; the target chose another token at its parent),
 unreached (verified, below a rejected node: never compared), pruned (not sent to the target;
 one legend entry and marker shape per reason: threshold, budget, ...). A verified node the policy
-did not expand is drawn as an open circle; its reason is in the hover.
+did not expand is drawn as an open circle; its reason is in the hover. A node that did not come
+from the draft model (core/tree.Source: recycled, retrieved) wears a ring of its source's colour,
+one legend entry per source (`SOURCE_RINGS`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ COLOURS = {
     "mismatch": "#ff9896",
 }
 
+
+# A ring around the nodes of each source other than the draft model (drawn under the markers)
+SOURCE_RINGS = {"recycled": ("#8c564b", "hexagon-open"), "retrieved": ("#17becf", "square-open")}
 
 BONUS = -2  # pseudo node id of the bonus token in layouts and figures
 TREE_HEIGHT_PX = 330  # the tree figure's height, and its picture's at most (ui/live_view.py): at 1366x768 the
@@ -135,6 +140,7 @@ def tree_figure(
         None if compact_px is None else fitting_labels(pos, lambda n: visible(decode(_token(record, n))), compact_px)
     )
     target_at = dict(zip(record.order, record.target_tokens, strict=True))
+    fig.add_traces(_source_rings(record.tree, pos))
     for name in sorted(groups, key=lambda g: (order[g.split(":")[0]], g)):
         fig.add_trace(_node_trace(record, name, groups[name], pos, decode, target_at, selected=selected, shown=shown))
     if compact_px is not None:
@@ -169,6 +175,25 @@ def _edge_traces(
         name="accepted path",
     )
     return [edges, path]
+
+
+def _source_rings(tree: DraftTree, pos: dict[int, tuple[float, int]]) -> list[go.Scatter]:
+    """One trace of rings per source other than the draft model, around its drawn nodes."""
+    out = []
+    for source, (colour, symbol) in SOURCE_RINGS.items():
+        nodes = [n for n, s in tree.sources.items() if s == source and n in pos]
+        if nodes:
+            out.append(
+                go.Scatter(
+                    x=[pos[n][0] for n in nodes],
+                    y=[-pos[n][1] for n in nodes],
+                    mode="markers",
+                    marker=dict(symbol=symbol, size=22, color=colour, line=dict(color=colour, width=2)),
+                    hoverinfo="skip",
+                    name=f"source: {source}",
+                )
+            )
+    return out
 
 
 def _legend_groups(tree: DraftTree, cats: dict[int, str], bonus: bool) -> dict[str, list[int]]:
@@ -207,6 +232,7 @@ def _node_trace(
             p, cum = math.exp(tree.logp[n]), math.exp(tree.cum_logp[n])
             reason = tree.reason[n] or ""
             detail = f"status {tree.status[n]}" + (f" ({reason})" if reason and tree.status[n] != Status.KEPT else "")
+            detail += f"<br>source {tree.source(n)}" if n else ""
             if n in target_at:
                 detail += f"<br>target predicts next: {visible(decode(target_at[n]))}"
             symbols.append(_symbol(tree, n))
@@ -298,13 +324,27 @@ LEGEND = {
 }
 
 
-def legend_html() -> str:
-    """One legend for a row of small trees (`tree_figure(compact_px=...)`): the outcome colours."""
+SOURCE_WORDS = {
+    "model": "the draft model",
+    "recycled": "recycled: the target's top-k at an earlier forward (Token Recycling)",
+    "retrieved": "retrieved: what followed an earlier match of the context's suffix",
+}
+
+
+def legend_html(sources: bool = False) -> str:
+    """One legend for a row of small trees (`tree_figure(compact_px=...)`): the outcome colours,
+    and with `sources` the rings of the nodes that did not come from the draft model."""
     items = [
         f'<span title="{what}" style="margin-right:1.1em;white-space:nowrap">'
         f'<span style="color:{COLOURS[cat]};font-size:1.1em">{mark}</span> {cat}</span>'
         for cat, (mark, what) in LEGEND.items()
     ]
+    if sources:
+        items += [
+            f'<span title="{SOURCE_WORDS[source]}" style="margin-right:1.1em;white-space:nowrap">'
+            f'<span style="color:{colour};font-size:1.1em">{"⬡" if "hexagon" in symbol else "□"}</span> {source}</span>'
+            for source, (colour, symbol) in SOURCE_RINGS.items()
+        ]
     return f'<div style="font-size:0.85rem;line-height:1.8">{"".join(items)}</div>'
 
 
@@ -338,6 +378,7 @@ def node_details(record: IterationRecord, node: int, decode: Callable[[int], str
         "depth": str(tree.depths[node]),
     }
     if node:
+        out["source"] = SOURCE_WORDS[tree.source(node)]
         out["draft p"] = f"{math.exp(tree.logp[node]):.4f}"
         out["cumulative p"] = f"{math.exp(tree.cum_logp[node]):.4g}"
         parent = tree.parents[node]
