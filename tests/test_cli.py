@@ -169,7 +169,7 @@ def test_bench_reports_policies_against_the_best_reference(capsys, tiny_pair_dir
     assert report["settings"]["repeats"] == 2 and report["settings"]["command"].startswith(
         "python -m dynatree_core bench"
     )
-    assert out.with_suffix(".csv").read_text().startswith("label,policy,verifier")
+    assert out.with_suffix(".csv").read_text().startswith("label,policy,family,verifier")
     code, _, err = run_cli(capsys, "bench", "--policy", "fixed_tree:depth", "--limit", "1")
     assert code == 2 and "key=value" in err
     code, _, err = run_cli(capsys, "bench", "--policies", "nope", "--limit", "1")

@@ -104,7 +104,7 @@ def test_comparison_numbers_agree_with_running_each_policy_alone():
     assert again.to_dict() == result.to_dict()
     rows = result.table()
     assert rows[1]["TTFT ms"] is None and rows[2]["TTFT ms"] is None and rows[3]["TTFT ms"] > 0
-    assert result.csv().splitlines()[0].startswith("policy,verifier,tokens/s") and len(rows) == 5
+    assert result.csv().splitlines()[0].startswith("policy,family,verifier,tokens/s") and len(rows) == 5
     assert "| linear |" in result.markdown()
 
 
@@ -161,7 +161,7 @@ def test_cli_compare_json_schema_and_csv(tmp_path, capsys, tiny_pair_dirs):
     ]
     fields = {f.name for f in dataclasses.fields(Comparison.from_dict(data).entries[0])}
     assert all(set(e) == fields for e in data["entries"])
-    assert out_csv.read_text().startswith("policy,verifier,tokens/s")
+    assert out_csv.read_text().startswith("policy,family,verifier,tokens/s")
     code = main(["compare", "--target", target, "--prompt", "hi", "--policy", "linear@naive"])
     assert code == 2 and "--verifier" in capsys.readouterr().err
 

@@ -53,7 +53,7 @@ def test_float_params_reject_bad_values(bad):
 
 def test_params_accept_edges_and_strings():
     policy = make_method("fixed_tree", {"depth": "16", "tau": "0", "budget": 1})
-    assert policy.config == {"depth": 16, "branch": 3, "tau": 0.0, "budget": 1}
+    assert policy.config == {"depth": 16, "branch": 3, "tau": 0.0, "budget": 1, "retrieved": 0, "recycled": 0}
 
 
 def test_unknown_policy_and_param_are_named():

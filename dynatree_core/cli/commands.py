@@ -161,11 +161,6 @@ def cmd_bench(args) -> None:
         raise DynaTreeError(f"--repeats must be at least 1, got {args.repeats}")
     if args.warmup < 0:
         raise DynaTreeError(f"--warmup must be >= 0, got {args.warmup}")
-    if args.out is not None:  # its folder now, not after the run: a long run must not end in a traceback
-        try:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise DynaTreeError(f"--out: cannot create {args.out.parent}: {exc.strerror}") from None
     spec = RunSpec.of(args)
     chosen = choose_prompts(args.prompts, args.limit, args.skip)
     target_spec, draft_spec = _resolve_models(args)

@@ -15,6 +15,17 @@ class _Parser(argparse.ArgumentParser):
         raise DynaTreeError(message)
 
 
+def output(text: str) -> Path:
+    """A file the command will write (argparse type): its folder is made now, before the work, so
+    a long run never ends in a traceback about a missing folder."""
+    path = Path(text)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot create the folder {path.parent}: {exc.strerror}") from None
+    return path
+
+
 def _run_arguments(p: argparse.ArgumentParser) -> None:
     """What `generate` and `compare` share: prompt, models, length, sampling."""
     p.add_argument("--prompt", help="prompt text")
@@ -101,7 +112,7 @@ def _add_generate(sub) -> None:
     add_flags(gen, ("order",))
     gen.add_argument("--json", action="store_true", help="print the RunResult as one JSON object")
     gen.add_argument("--trace", action="store_true", help="with --json: include per-iteration records")
-    gen.add_argument("--export", type=Path, default=None, help="write the run as the app imports it (a replay)")
+    gen.add_argument("--export", type=output, default=None, help="write the run as the app imports it (a replay)")
 
 
 def _add_compare(sub) -> None:
@@ -113,7 +124,7 @@ def _add_compare(sub) -> None:
     cmp.add_argument("--repetitions", type=int, default=3, help="measured runs per policy (after one warm-up)")
     cmp.add_argument("--no-hf", action="store_true", help="skip the HF generate references (eager and static cache)")
     cmp.add_argument("--json", action="store_true", help="print the comparison as JSON")
-    cmp.add_argument("--csv", type=Path, default=None, help="also write the table as CSV here")
+    cmp.add_argument("--csv", type=output, default=None, help="also write the table as CSV here")
 
 
 def _add_bench(sub) -> None:
@@ -163,7 +174,7 @@ def _sweep_arguments(bench: argparse.ArgumentParser) -> None:
         "--grid", action="store_true", help="run every combination of the parameter sweeps (a scatter for two)"
     )
     bench.add_argument("--png", action="store_true", help="figures as PNG too (needs kaleido and Chromium)")
-    bench.add_argument("--out", type=Path, default=None, help="write the report as JSON here (and CSV beside it)")
+    bench.add_argument("--out", type=output, default=None, help="write the report as JSON here (and CSV beside it)")
     bench.add_argument("--json", action="store_true", help="print the JSON report instead of a markdown table")
 
 
@@ -174,7 +185,7 @@ def _add_latency(sub) -> None:
     lat.add_argument("--repeats", type=int, default=5, help="timed forwards per point (median)")
     _model_arguments(lat)
     _engine_arguments(lat)
-    lat.add_argument("--out", type=Path, default=None, help="JSON points here, plot beside it (.html)")
+    lat.add_argument("--out", type=output, default=None, help="JSON points here, plot beside it (.html)")
     lat.add_argument("--json", action="store_true")
 
 
@@ -199,5 +210,5 @@ def _add_gpu_check(sub) -> None:
     gpu.add_argument(
         "--device", default="auto", help="auto: the CUDA device, or say so and exit (cpu: the padded path)"
     )
-    gpu.add_argument("--out", type=Path, default=Path("gpu-check.json"), help="write the JSON report here")
+    gpu.add_argument("--out", type=output, default=Path("gpu-check.json"), help="write the JSON report here")
     gpu.add_argument("--no-embedded", action="store_true", help="tiny models only (skip the embedded pair)")

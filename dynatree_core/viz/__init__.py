@@ -1,6 +1,7 @@
 """Figures as pure functions of records (no Streamlit here), by subject:
 
-  tree.py      the draft tree (tidy layout, node categories and colours, the clickable figure, node details)
+  tree.py      the draft tree (tidy layout, node categories and colours, source rings, the clickable figure)
+  node.py      a clicked node's details as text
   mask.py      the attention mask the target received; block counts by node order
   runs.py      a run: text, running charts, SALF mass, verification rows, acceptance by depth, speed
   compare.py   the compare page's figures
@@ -20,6 +21,7 @@ from __future__ import annotations
 from dynatree_core.runs.metrics import acceptance_by_depth, acceptance_by_source, speed_breakdown
 from dynatree_core.viz.compare import compare_figures
 from dynatree_core.viz.mask import block_count, mask_figure, order_block_counts
+from dynatree_core.viz.node import clicked_node, node_details
 from dynatree_core.viz.prose import STOP_TEXT, stop_text, why_text
 from dynatree_core.viz.runs import (
     acceptance_figure,
@@ -34,11 +36,9 @@ from dynatree_core.viz.tree import (
     BONUS,
     COLOURS,
     PRUNED_SYMBOLS,
-    clicked_node,
     fitting_labels,
     legend_html,
     node_categories,
-    node_details,
     tidy_layout,
     tree_figure,
     visible,
