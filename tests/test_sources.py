@@ -6,8 +6,10 @@ sampling test_sampling's."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
+import numpy as np
 import pytest
 from conftest import hf_greedy, noisy_copy, tiny_model
 
@@ -15,6 +17,8 @@ from dynatree_core.core.tree import DraftTree, Reason, Source, Status
 from dynatree_core.decoding.engine import DecodeConfig, decode
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting import DraftRequest, make_policy
+from dynatree_core.drafting import suffix as suffix_module
+from dynatree_core.drafting.corpus import SEPARATOR, CorpusIndex, answers_corpus
 from dynatree_core.drafting.sources import SuffixAutomaton, graft
 from dynatree_core.runs.validate import _check_tree
 
@@ -143,3 +147,70 @@ def test_sources_travel_with_the_tree_and_a_bad_one_is_refused():
         _check_tree({**data, "sources": {"0": "recycled"}}, 100)
     with pytest.raises(ValueError):
         DraftTree.from_dict({**data, "sources": {"7": "recycled"}})
+
+
+def _brute_sa(tokens: list[int]) -> list[int]:
+    return sorted(range(len(tokens)), key=lambda i: tokens[i:])
+
+
+@pytest.mark.parametrize("alphabet", [2, 5, 50])
+def test_the_corpus_suffix_array_and_its_searches_equal_brute_force(alphabet):
+    rng = random.Random(alphabet)  # derandomized
+    for _ in range(10):
+        tokens = [rng.randrange(alphabet) if rng.random() > 0.05 else SEPARATOR for _ in range(rng.randrange(1, 300))]
+        index = CorpusIndex(np.array(tokens))
+        assert index.sa.tolist() == _brute_sa(tokens)
+        context = [rng.randrange(alphabet) for _ in range(12)]
+        length, lo, hi = index.longest(context)
+        found = {n for n in range(1, 13) for i in range(len(tokens)) if tokens[i : i + n] == context[-n:]}
+        want = max(found, default=0)
+        assert length == want
+        if length:
+            starts = sorted(int(i) for i in index.sa[lo:hi])
+            assert starts == [i for i in range(len(tokens)) if tokens[i : i + length] == context[-length:]]
+            follow = [
+                tokens[i + length] for i in starts if i + length < len(tokens) and tokens[i + length] != SEPARATOR
+            ]
+            got = index.followers(lo, hi, length, 99)
+            assert {t: round(s * (hi - lo)) for t, s in got} == {t: follow.count(t) for t in set(follow)}
+            counts = [s for _, s in got]
+            assert counts == sorted(counts, reverse=True), "the most frequent first"
+            assert all(t < 3 for t, _ in index.followers(lo, hi, length, 99, vocab=3))
+
+
+def test_the_suffix_policy_takes_the_corpus_match_when_it_is_longer(monkeypatch):
+    corpus = CorpusIndex(np.array([7, 1, 2, 3, 4, 5, SEPARATOR, 1, 2, 3, 4, 6, SEPARATOR, 1, 2, 3, 4, 5, 99]))
+    monkeypatch.setattr(suffix_module, "answers_index", lambda: corpus)
+    request = DraftRequest(root_token=4, max_depth=8, drafter=None, context=[9, 1, 2, 3, 4], vocab=50)
+    tree = make_policy("suffix", {"corpus": True, "depth": 2, "branches": 2}).draft(request)
+    paths = {tuple(tree.tokens[n] for n in tree.path(n)[1:]) for n in range(1, len(tree))}
+    assert paths == {(5,), (6,)}, "5 followed twice, 6 once; 99 is past the vocabulary, SEPARATOR ends an answer"
+    assert tree.logp[1] == pytest.approx(np.log(2 / 3)) and tree.notes == {"match": [4.0], "corpus": [1.0]}
+    off = make_policy("suffix", {"depth": 2}).draft(request)
+    assert len(off) == 1 and off.reason[0] == "no_match", "the context alone has no earlier match"
+    context = [1, 2, 3, 4, 8, 1, 2, 3, 4]  # the context's own match (4 tokens) ties the corpus's: the context wins
+    tie = make_policy("suffix", {"corpus": True, "depth": 1}).draft(dataclasses.replace(request, context=context))
+    assert [tie.tokens[n] for n in range(1, len(tie))] == [8] and tie.notes["corpus"] == [0.0]
+
+
+def test_a_run_with_the_corpus_on_stays_exact(monkeypatch):
+    rng = random.Random(3)
+    corpus = CorpusIndex(np.array([rng.randrange(200) for _ in range(5000)]))  # ids past the tiny vocabulary too
+    monkeypatch.setattr(suffix_module, "answers_index", lambda: corpus)
+    target, prompt = tiny_model("llama"), [5, 7, 9, 11, 5, 7]
+    records = list(
+        decode(
+            target,
+            prompt,
+            make_method("suffix", {"corpus": True, "min_match": 1}),
+            config=DecodeConfig(max_new_tokens=30),
+        )
+    )
+    assert [t for r in records for t in r.committed] == hf_greedy(target, prompt, 30)
+    assert any(r.tree.notes.get("corpus") == [1.0] and len(r.tree) > 1 for r in records), "the corpus proposed"
+
+
+def test_the_committed_answers_make_the_corpus():
+    tokens = answers_corpus()
+    assert len(tokens) > 1_000_000 and int(tokens.max()) < 49152
+    assert (tokens == SEPARATOR).sum() > 1000, "one separator after every answer"

@@ -349,3 +349,24 @@ def test_the_tree_picture_wraps_its_legend_above_every_node_at_any_width():
                 assert len(row) == 1 or max(e[2] for e in row) <= width, f"a legend row runs off {width} px"
     rows = {e[1] for e in _svg_boxes(figure_svg(many, width=300))[1]}
     assert len(rows) > 2, "eight long entries take several rows at 300 px"
+
+
+def test_nodes_from_other_sources_wear_a_ring_with_a_legend_entry_and_say_where_they_came_from():
+    """A joined tree marks its recycled and retrieved nodes (a ring per source, one legend entry
+    each, in the interactive chart, its static picture and the compact row's legend); the hover
+    and a clicked node's details name the source; a model-only tree draws no ring."""
+    from dynatree_core.viz import legend_html, node_details, tree_figure
+    from dynatree_core.viz.svg import figure_svg
+
+    rec = sample_record()
+    assert not [t for t in tree_figure(rec).data if (t.name or "").startswith("source")]
+    rec.tree.sources = {2: "retrieved", 5: "recycled", 6: "retrieved"}
+    fig = tree_figure(rec, str)
+    rings = {t.name: len(t.x) for t in fig.data if (t.name or "").startswith("source")}
+    assert rings == {"source: recycled": 1, "source: retrieved": 2}
+    hovers = [h for t in fig.data if t.hovertext for h in t.hovertext]
+    assert any("source retrieved" in h for h in hovers) and any("source model" in h for h in hovers)
+    assert "source: retrieved</text>" in figure_svg(fig)
+    assert node_details(rec, 2, str)["source"].startswith("retrieved")
+    assert node_details(rec, 1, str)["source"] == "the draft model"
+    assert "recycled" in legend_html(sources=True) and "recycled" not in legend_html()

@@ -89,6 +89,7 @@ class DecodeState:
     weights: int = 0  # resident weight bytes (metrics.memory_mb's CPU accounting)
     device_draft: bool = False  # ForwardSettings.device_draft, resolved for the device
     device_verify: bool = True  # ForwardSettings.device_verify, resolved
+    vocab: int = 0  # the target's vocabulary: a retrieved token at or past it is not a token of it
 
     @property
     def new_tokens(self) -> int:
@@ -155,6 +156,7 @@ def start_run(
         weights=weights,
         device_draft=forward.device_draft if forward.device_draft is not None else device.type == "cuda",
         device_verify=forward.device_verify is not False,
+        vocab=vocab_size(target),
     )
 
 
@@ -258,6 +260,7 @@ def _draft(state: DecodeState, budget: int, early: EarlyVerify | None) -> tuple[
         max_depth=budget - 1,
         drafter=drafter,
         context=committed,
+        vocab=state.vocab,
         draw=state.draw,
         sampling=state.config.sampling,
         gen=state.gen,

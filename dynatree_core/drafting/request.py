@@ -24,6 +24,7 @@ class DraftRequest:
     max_depth: int  # deepest level that max_new_tokens and the context window allow
     drafter: Drafter | None
     context: list[int] = dataclasses.field(default_factory=list)  # committed tokens, root last (read only)
+    vocab: int = 0  # the target's vocabulary size (0: unknown): retrieval from a static corpus stays below it
     # Sampled drafting: "top" (deterministic top-k), "iid" or "without_replacement", with the
     # adjusted draft distribution (temperature / top-k / top-p, as the target's) and a generator
     draw: str = "top"

@@ -44,11 +44,12 @@ def _marker(symbol: str, x: float, y: float, size: float, colour: str) -> str:
             rk = r * 1.3 if k % 2 == 0 else r * 0.55
             corners.append(f"{x + rk * math.cos(a):.1f},{y - rk * math.sin(a):.1f}")
         return f'<polygon class="node" points="{" ".join(corners)}" fill="{colour}"/>'
+    fill = "white" if symbol.endswith("-open") else colour
     if symbol.startswith("triangle") or symbol.startswith("square") or symbol.startswith("diamond"):
         side = r * 1.6
         corner = f'x="{x - side / 2:.1f}" y="{y - side / 2:.1f}"'
-        return f'<rect class="node" {corner} width="{side:.1f}" height="{side:.1f}" fill="{colour}"/>'
-    fill = "white" if symbol.endswith("-open") else colour
+        size = f'width="{side:.1f}" height="{side:.1f}"'
+        return f'<rect class="node" {corner} {size} fill="{fill}" stroke="{colour}" stroke-width="2"/>'
     return (
         f'<circle class="node" cx="{x:.1f}" cy="{y:.1f}" r="{r:.1f}" fill="{fill}" stroke="{colour}" stroke-width="2"/>'
     )
