@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from dynatree_core.core.tree import DraftTree, Reason, Status
+from dynatree_core.core.tree import DraftTree, Reason, Source, Status
 from dynatree_core.drafting.common import leaf_reason, safe_log, start_tree
 from dynatree_core.drafting.request import level_q, level_top
 
@@ -214,4 +214,31 @@ def delayed(request, *, k: int, l1: int, l2: int) -> DraftTree:
         frontier = new
     if cap <= 0:
         tree.mark_leaf(0, leaf_reason(cap, l1 + l2))
+    return tree
+
+
+def recycled_walk(successors: dict[int, tuple[list[int], list[float]]], root: int, widths: list[int],
+                  budget: int) -> DraftTree:  # fmt: skip
+    """Token Recycling's breadth-first walk (Luo et al. §3.2) node by node over a dict matrix
+    (token -> successors, most likely first): a node at depth d - 1 gets the first widths[d - 1]
+    successors of its token while the budget lasts; a token with no row is a leaf."""
+    tree = DraftTree.with_root(root)
+    frontier, drafted = [0], 0
+    for width in widths:
+        grown = []
+        for node in frontier:
+            known = successors.get(tree.tokens[node])
+            if known is None:
+                tree.mark_leaf(node, "no_successors")
+                continue
+            if drafted >= budget:
+                tree.mark_leaf(node, Reason.BUDGET)
+                continue
+            tree.mark_expanded(node)
+            for token, lp in list(zip(*known, strict=True))[: min(width, budget - drafted)]:
+                grown.append(tree.add(node, token, lp, source=Source.RECYCLED))
+                drafted += 1
+        frontier = grown
+        if not frontier:
+            break
     return tree

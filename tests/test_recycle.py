@@ -4,13 +4,18 @@ target's (test_engine's exactness over every architecture and draft covers the p
 
 from __future__ import annotations
 
+import random
+
+import pytest
 import torch
 from conftest import hf_greedy, tiny_model
+from reference_drafting import recycled_walk
 
 from dynatree_core.core.tree import Reason
 from dynatree_core.decoding.engine import DecodeConfig, decode
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting import DraftRequest, make_policy
+from dynatree_core.drafting.sources import Recycler
 
 
 def _logits(rows: list[list[int]], vocab: int = 20) -> torch.Tensor:
@@ -55,9 +60,9 @@ def test_a_run_refreshes_the_matrix_from_its_forwards_and_stays_exact():
     assert len(records[0].tree) == 1 and records[0].tree.reason[0] == "no_successors"
     assert any(len(r.tree) > 1 for r in records[1:]), "later trees come from the matrix"
     assert not any(r.draft_forwards for r in records), "no draft model, no draft forward"
-    assert set(prompt) <= set(policy.matrix.successors), "the prefill's rows seed the matrix"
+    assert set(prompt) <= policy.matrix.known(), "the prefill's rows seed the matrix"
     policy.reset()
-    assert policy.matrix.successors == {}
+    assert policy.matrix.known() == set()
 
 
 def test_the_prefill_seeds_the_matrix_with_every_prompt_row():
@@ -71,6 +76,30 @@ def test_the_prefill_seeds_the_matrix_with_every_prompt_row():
         logits = target(torch.tensor([prompt])).logits[0].float()
     for i, token in enumerate(prompt[:-1]):
         if token not in prompt[i + 1 :]:  # the latest row that saw a token wins it (the root: its own)
-            ids, lp = policy.matrix.successors[token]  # near-ties may swap between two forwards' roundings
+            ids, lp = policy.matrix.successors(token)  # near-ties may swap between two forwards' roundings
             assert torch.allclose(torch.tensor(lp), logits[i].log_softmax(-1).topk(8).values, atol=1e-4)
             assert torch.allclose(torch.tensor(lp), logits[i].log_softmax(-1)[ids], atol=1e-4)
+
+
+def test_the_tensor_walk_equals_the_papers_walk_node_for_node():
+    """The matrix as tensors and the walk as a few ops a level (drafting/sources.Recycler) build the
+    tree the paper's node-by-node walk builds over the same successors (tests/reference_drafting.py),
+    for random matrices, templates and budgets (derandomized)."""
+    rng = random.Random(0)
+    for _ in range(60):
+        vocab, k = rng.randrange(3, 12), rng.randrange(1, 5)
+        matrix = Recycler(k)
+        for _ in range(rng.randrange(0, 4)):  # a few forwards, some tokens on two rows
+            rows = [rng.randrange(vocab) for _ in range(rng.randrange(1, 6))]
+            matrix.observe(rows, torch.randn(len(rows), vocab))
+        table = {t: matrix.successors(t) for t in matrix.known()}
+        widths = [rng.randrange(1, 5) for _ in range(rng.randrange(1, 5))]
+        root, budget = rng.randrange(vocab), rng.randrange(1, 12)
+        got, want = matrix.walk(root, widths, budget), recycled_walk(table, root, widths, budget)
+        assert (got.tokens, got.parents, got.status, got.reason) == (
+            want.tokens,
+            want.parents,
+            want.status,
+            want.reason,
+        )
+        assert got.logp == pytest.approx(want.logp) and got.sources == want.sources

@@ -11,7 +11,9 @@ up to the node budget. A token the matrix has not seen yet has no successors: it
 The tree is verified like any other, so greedy output is the target's, token for token.
 
 The matrix is filled from every row the target reads: the prefill's (the whole prompt) and each
-verify forward's. The walk and the matrix are drafting/sources.Recycler (shared with joined trees).
+verify forward's. The matrix and the walk are drafting/sources.Recycler (shared with joined trees):
+tensors on the models' device (vocab x k), refreshed where the logits are, the walk a few ops a
+template level, and the tree read to the host once.
 """
 
 from __future__ import annotations

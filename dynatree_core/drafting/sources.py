@@ -21,51 +21,93 @@ import math
 
 import torch
 
+from dynatree_core.core.transfer import to_list
 from dynatree_core.core.tree import DraftTree, Reason, Source, Status
 
 
 class Recycler:
-    """Token Recycling's adjacency matrix, as a map token -> (successor ids, their log-probs),
-    most likely first (a dict: the tokens a run has seen, not a vocab x k tensor)."""
+    """Token Recycling's adjacency matrix as tensors on the models' device: row t holds the `k`
+    most likely successors of token t (ids, log-probs) and whether a forward has read t yet. The
+    refresh and the walk run where the logits are; a tree is read to the host once (`walk`)."""
 
     def __init__(self, k: int):
         self.k = k
-        self.successors: dict[int, tuple[list[int], list[float]]] = {}
+        self.ids: torch.Tensor | None = None  # (vocab, k) long
+        self.lp: torch.Tensor | None = None  # (vocab, k) float32, most likely first
+        self.seen: torch.Tensor | None = None  # (vocab,) bool
 
     def observe(self, tokens: list[int], logits: torch.Tensor) -> None:
         """Refresh from one forward: `logits[i]` is the target's distribution of the token after
-        `tokens[i]` (every row, accepted or not: the paper's "trash")."""
+        `tokens[i]` (every row, accepted or not: the paper's "trash"); a token on two rows keeps
+        the later row's."""
         if not tokens:
             return
         logits = logits.float()
-        top, ids = logits.topk(min(self.k, logits.shape[-1]), dim=-1)
-        lp = top - logits.logsumexp(dim=-1, keepdim=True)  # log-softmax at the top k only: one pass, no copy
-        for token, row_ids, row_lp in zip(tokens, ids.tolist(), lp.tolist(), strict=True):
-            self.successors[token] = (row_ids, row_lp)
+        vocab = logits.shape[-1]
+        if self.ids is None or self.ids.shape[0] != vocab or self.ids.device != logits.device:
+            k = min(self.k, vocab)
+            self.ids = torch.zeros(vocab, k, dtype=torch.long, device=logits.device)
+            self.lp = torch.zeros(vocab, k, device=logits.device)
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+        last = {token: row for row, token in enumerate(tokens)}  # the later row wins
+        rows = torch.tensor(list(last.values()), device=logits.device)
+        at = torch.tensor(list(last), device=logits.device)
+        logits = logits[rows]
+        top, ids = logits.topk(self.ids.shape[1], dim=-1)
+        self.ids[at] = ids
+        self.lp[at] = top - logits.logsumexp(dim=-1, keepdim=True)  # log-softmax at the top k only
+        self.seen[at] = True
+
+    def successors(self, token: int) -> tuple[list[int], list[float]] | None:
+        """Token's row (ids, log-probs), or None before a forward has read it (a host read)."""
+        if self.seen is None or not bool(self.seen[token]):
+            return None
+        return self.ids[token].tolist(), self.lp[token].tolist()
+
+    def known(self) -> set[int]:
+        """The tokens a forward has read (a host read)."""
+        return set() if self.seen is None else set(self.seen.nonzero().flatten().tolist())
 
     def walk(self, root: int, widths: list[int], budget: int) -> DraftTree:
         """The breadth-first walk from `root` over the template: a node at depth d - 1 gets the
-        first `widths[d - 1]` successors of its token, up to `budget` nodes; a token with no
-        successors yet is a leaf."""
+        first `widths[d - 1]` successors of its token, up to `budget` nodes in breadth-first
+        order; a token with no successors yet is a leaf. The template's slots are tensors, a level
+        a few ops where the matrix is; the tree is read once at the end."""
         tree = DraftTree.with_root(root)
-        frontier, drafted = [0], 0
+        if self.ids is None:
+            tree.mark_leaf(0, "no_successors")
+            return tree
+        dev, k = self.ids.device, self.ids.shape[1]
+        tokens = torch.tensor([root], device=dev)
+        valid = torch.ones(1, dtype=torch.bool, device=dev)
+        drafted = torch.zeros((), dtype=torch.long, device=dev)
+        slots, valids, lps, fans = [tokens], [valid], [torch.zeros(1, device=dev)], []
         for width in widths:
-            grown = []
-            for node in frontier:
-                known = self.successors.get(tree.tokens[node])
-                if known is None:
-                    tree.mark_leaf(node, "no_successors")  # a token no forward has read yet
-                    continue
-                if drafted >= budget:
-                    tree.mark_leaf(node, Reason.BUDGET)
-                    continue
-                tree.mark_expanded(node)
-                for token, lp in list(zip(*known, strict=True))[: min(width, budget - drafted)]:
-                    grown.append(tree.add(node, token, lp, source=Source.RECYCLED))
-                    drafted += 1
-            frontier = grown
-            if not frontier:
-                break
+            fan = min(width, k)
+            child = (valid & self.seen[tokens]).repeat_interleave(fan)  # a slot whose token has successors
+            child &= drafted + child.cumsum(0) <= budget  # the budget, in breadth-first order
+            drafted = drafted + child.sum()
+            lps.append(self.lp[tokens, :fan].flatten())
+            tokens, valid = self.ids[tokens, :fan].flatten(), child
+            slots.append(tokens)
+            valids.append(valid)
+            fans.append(fan)
+        every = torch.cat(slots)
+        flat = to_list(torch.cat([every.float(), torch.cat(valids).float(), torch.cat(lps), self.seen[every].float()]))
+        n = len(every)  # ids ride as float32: exact below 2^24 (request.level_top does the same)
+        token, kept, lp, seen = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n], flat[3 * n :]
+        node_of, start = {0: 0}, 0  # template slot -> tree node
+        for depth, fan in enumerate(fans, start=1):
+            above, start = start, start + len(slots[depth - 1])
+            for j in range(len(slots[depth])):
+                parent = node_of.get(above + j // fan)
+                if kept[start + j] and parent is not None:
+                    tree.mark_expanded(parent)
+                    node_of[start + j] = tree.add(parent, int(token[start + j]), lp[start + j], source=Source.RECYCLED)
+        inner = {tree.parents[n] for n in range(1, len(tree))}
+        for slot, node in node_of.items():
+            if node not in inner and tree.depths[node] < len(widths):
+                tree.mark_leaf(node, Reason.BUDGET if seen[slot] else "no_successors")
         return tree
 
 
