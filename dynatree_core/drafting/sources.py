@@ -27,13 +27,13 @@ from dynatree_core.core.tree import DraftTree, Reason, Source, Status
 
 class Recycler:
     """Token Recycling's adjacency matrix as tensors on the models' device: row t holds the `k`
-    most likely successors of token t (ids, log-probs) and whether a forward has read t yet. The
-    refresh and the walk run where the logits are; a tree is read to the host once (`walk`)."""
+    most likely successors of token t (ids, as float32: exact below 2^24, and log-probs) and
+    whether a forward has read t yet. The refresh and the walk run where the logits are; a tree is
+    read to the host once (`walk`)."""
 
     def __init__(self, k: int):
         self.k = k
-        self.ids: torch.Tensor | None = None  # (vocab, k) long
-        self.lp: torch.Tensor | None = None  # (vocab, k) float32, most likely first
+        self.rows: torch.Tensor | None = None  # (vocab, k, 2): successor id, its log-prob; most likely first
         self.seen: torch.Tensor | None = None  # (vocab,) bool
 
     def observe(self, tokens: list[int], logits: torch.Tensor) -> None:
@@ -44,25 +44,24 @@ class Recycler:
             return
         logits = logits.float()
         vocab = logits.shape[-1]
-        if self.ids is None or self.ids.shape[0] != vocab or self.ids.device != logits.device:
-            k = min(self.k, vocab)
-            self.ids = torch.zeros(vocab, k, dtype=torch.long, device=logits.device)
-            self.lp = torch.zeros(vocab, k, device=logits.device)
+        if self.rows is None or self.rows.shape[0] != vocab or self.rows.device != logits.device:
+            self.rows = torch.zeros(vocab, min(self.k, vocab), 2, device=logits.device)
             self.seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
         last = {token: row for row, token in enumerate(tokens)}  # the later row wins
         rows = torch.tensor(list(last.values()), device=logits.device)
         at = torch.tensor(list(last), device=logits.device)
         logits = logits[rows]
-        top, ids = logits.topk(self.ids.shape[1], dim=-1)
-        self.ids[at] = ids
-        self.lp[at] = top - logits.logsumexp(dim=-1, keepdim=True)  # log-softmax at the top k only
+        top, ids = logits.topk(self.rows.shape[1], dim=-1)
+        lp = top - logits.logsumexp(dim=-1, keepdim=True)  # log-softmax at the top k only
+        self.rows[at] = torch.stack([ids.float(), lp], dim=-1)
         self.seen[at] = True
 
     def successors(self, token: int) -> tuple[list[int], list[float]] | None:
         """Token's row (ids, log-probs), or None before a forward has read it (a host read)."""
         if self.seen is None or not bool(self.seen[token]):
             return None
-        return self.ids[token].tolist(), self.lp[token].tolist()
+        ids, lp = self.rows[token].unbind(-1)
+        return [int(i) for i in ids.tolist()], lp.tolist()
 
     def known(self) -> set[int]:
         """The tokens a forward has read (a host read)."""
@@ -71,35 +70,33 @@ class Recycler:
     def walk(self, root: int, widths: list[int], budget: int) -> DraftTree:
         """The breadth-first walk from `root` over the template: a node at depth d - 1 gets the
         first `widths[d - 1]` successors of its token, up to `budget` nodes in breadth-first
-        order; a token with no successors yet is a leaf. The template's slots are tensors, a level
-        a few ops where the matrix is; the tree is read once at the end."""
+        order; a token with no successors yet is a leaf. The template's slots are tensors: a level
+        is a gather of its parents' rows; the budget is one count over every level at the end (a
+        slot past it has every slot below it past it too), and the tree is read once."""
         tree = DraftTree.with_root(root)
-        if self.ids is None:
+        if self.rows is None:
             tree.mark_leaf(0, "no_successors")
             return tree
-        dev, k = self.ids.device, self.ids.shape[1]
+        dev, fans = self.rows.device, [min(w, self.rows.shape[1]) for w in widths]
         tokens = torch.tensor([root], device=dev)
-        valid = torch.ones(1, dtype=torch.bool, device=dev)
-        drafted = torch.zeros((), dtype=torch.long, device=dev)
-        slots, valids, lps, fans = [tokens], [valid], [torch.zeros(1, device=dev)], []
-        for width in widths:
-            fan = min(width, k)
-            child = (valid & self.seen[tokens]).repeat_interleave(fan)  # a slot whose token has successors
-            child &= drafted + child.cumsum(0) <= budget  # the budget, in breadth-first order
-            drafted = drafted + child.sum()
-            lps.append(self.lp[tokens, :fan].flatten())
-            tokens, valid = self.ids[tokens, :fan].flatten(), child
-            slots.append(tokens)
-            valids.append(valid)
-            fans.append(fan)
-        every = torch.cat(slots)
-        flat = to_list(torch.cat([every.float(), torch.cat(valids).float(), torch.cat(lps), self.seen[every].float()]))
-        n = len(every)  # ids ride as float32: exact below 2^24 (request.level_top does the same)
-        token, kept, lp, seen = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n], flat[3 * n :]
-        node_of, start = {0: 0}, 0  # template slot -> tree node
-        for depth, fan in enumerate(fans, start=1):
-            above, start = start, start + len(slots[depth - 1])
-            for j in range(len(slots[depth])):
+        ok = torch.ones(1, dtype=torch.bool, device=dev)  # a slot holding a node, the budget aside
+        ids, lps, oks, grows = [tokens.float()], [torch.zeros(1, device=dev)], [ok], []
+        for fan in fans:
+            grows.append(ok & self.seen[tokens])  # a node whose token has successors
+            level = self.rows[tokens, :fan].flatten(0, 1)  # (slots * fan, 2)
+            ok = grows[-1].repeat_interleave(fan)
+            tokens = level[:, 0].long()
+            ids.append(level[:, 0]), lps.append(level[:, 1]), oks.append(ok)
+        grows.append(ok & self.seen[tokens])
+        ok = torch.cat(oks)
+        kept = ok & (ok.cumsum(0) <= budget + 1)  # the root is slot 0
+        slots = to_list(torch.cat([torch.cat(ids), kept.float(), torch.cat(lps), torch.cat(grows).float()]))
+        n = len(ok)
+        token, kept, lp, seen = slots[:n], slots[n : 2 * n], slots[2 * n : 3 * n], slots[3 * n :]
+        node_of, start, size = {0: 0}, 0, 1  # template slot -> tree node
+        for fan in fans:
+            above, start, size = start, start + size, size * fan
+            for j in range(size):
                 parent = node_of.get(above + j // fan)
                 if kept[start + j] and parent is not None:
                     tree.mark_expanded(parent)
