@@ -26,7 +26,8 @@ import numpy as np
 from dynatree_core.core.cache_dir import cache_dir
 from dynatree_core.core.log import logger
 from dynatree_core.core.presets import REPO_ROOT
-from dynatree_core.core.tree import DraftTree, Reason, Source
+from dynatree_core.core.tree import DraftTree
+from dynatree_core.drafting.sources import retrieved_tree
 
 ANSWERS = REPO_ROOT / "assets" / "draft-data" / "answers"
 MAX_MATCH = 32
@@ -109,27 +110,14 @@ class CorpusIndex:
              budget: int, vocab: int = 0) -> DraftTree:  # fmt: skip
         """The continuations of the match as a tree under `root`, to `depth` levels and `budget`
         nodes, every token below `vocab` (when given: a corpus of another tokenizer's ids)."""
-        tree = DraftTree.with_root(root)
         length, lo, hi = match
-        frontier, drafted = [(0, context[len(context) - length :], lo, hi)], 0
-        for _ in range(depth):
-            grown = []
-            for node, pattern, a, b in frontier:
-                nexts = self.followers(a, b, len(pattern), branches, vocab)
-                if not nexts:
-                    tree.mark_leaf(node, "corpus_end")
-                    continue
-                if drafted >= budget:
-                    tree.mark_leaf(node, Reason.BUDGET)
-                    continue
-                tree.mark_expanded(node)
-                for token, share in nexts[: budget - drafted]:
-                    child = tree.add(node, token, math.log(share), source=Source.RETRIEVED)
-                    longer = [*pattern, token]
-                    grown.append((child, longer, *self.occurrences(longer, a, b)))
-                    drafted += 1
-            frontier = grown
-        return tree
+
+        def children(at: tuple[list[int], int, int]) -> list[tuple[int, float, tuple[list[int], int, int]]]:
+            pattern, a, b = at
+            nexts = self.followers(a, b, len(pattern), branches, vocab)
+            return [(t, math.log(share), ([*pattern, t], *self.occurrences([*pattern, t], a, b))) for t, share in nexts]
+
+        return retrieved_tree(root, (context[len(context) - length :], lo, hi), children, depth, budget, "corpus_end")
 
 
 def answers_corpus() -> np.ndarray:

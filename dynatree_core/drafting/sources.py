@@ -168,25 +168,36 @@ class SuffixAutomaton:
         the distinct tokens that followed its string, the first occurrence's first (the chain
         SAM-Decoding proposes), at most `branches`, to `depth` levels and `budget` nodes. A child's
         log-probability is its share of its parent's `branches` choices (no counts are kept)."""
-        tree = DraftTree.with_root(root)
-        frontier, drafted = [(0, state)], 0
-        for _ in range(depth):
-            grown = []
-            for node, at in frontier:
-                moves = sorted(self.next[at].items(), key=lambda move: self.first[move[1]])[:branches]
-                if not moves:
-                    tree.mark_leaf(node, "context_end")  # the text ends here: nothing followed it
-                    continue
-                if drafted >= budget:
-                    tree.mark_leaf(node, Reason.BUDGET)
-                    continue
-                tree.mark_expanded(node)
-                for token, to in moves[: budget - drafted]:
-                    child = tree.add(node, token, -math.log(len(moves)), source=Source.RETRIEVED)
-                    grown.append((child, to))
-                    drafted += 1
-            frontier = grown
-        return tree
+
+        def children(at: int) -> list[tuple[int, float, int]]:
+            moves = sorted(self.next[at].items(), key=lambda move: self.first[move[1]])[:branches]
+            return [(token, -math.log(len(moves)), to) for token, to in moves]
+
+        return retrieved_tree(root, state, children, depth, budget, "context_end")  # the text ends there
+
+
+def retrieved_tree(root: int, start, children, depth: int, budget: int, end: str) -> DraftTree:
+    """A retrieved tree grown breadth first from the search state `start` of `root`:
+    `children(state)` lists a node's (token, log-prob, state), best first; a node with none is a
+    leaf for `end`, one past the budget for the budget (what the automaton and the corpus share)."""
+    tree = DraftTree.with_root(root)
+    frontier, drafted = [(0, start)], 0
+    for _ in range(depth):
+        grown = []
+        for node, at in frontier:
+            kids = children(at)
+            if not kids:
+                tree.mark_leaf(node, end)
+                continue
+            if drafted >= budget:
+                tree.mark_leaf(node, Reason.BUDGET)
+                continue
+            tree.mark_expanded(node)
+            for token, logp, to in kids[: budget - drafted]:
+                grown.append((tree.add(node, token, logp, source=Source.RETRIEVED), to))
+                drafted += 1
+        frontier = grown
+    return tree
 
 
 def graft(tree: DraftTree, other: DraftTree, room: int) -> int:
