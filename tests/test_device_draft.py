@@ -22,6 +22,7 @@ from dynatree_core.core.transfer import counting
 from dynatree_core.decoding.engine import DecodeConfig, decode, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting import DraftRequest, make_policy
+from dynatree_core.drafting.policy import JOIN_PARAMS
 from dynatree_core.forward.capture import StepGraphs
 from dynatree_core.forward.rows import closure
 
@@ -300,7 +301,8 @@ def decided(policy: str, values: dict, max_depth: int, seed: int) -> list:
     if policy == "dynatree":
         trees.append(reference.dynatree(make_policy(policy, values), request))
     else:
-        full = make_policy(policy, values).config
+        joins = {p.name for p in JOIN_PARAMS}  # the engine's joined branches, not the paper's loop
+        full = {k: v for k, v in make_policy(policy, values).config.items() if k not in joins}
         trees.append(getattr(reference, policy)(request, **full))
     return trees
 
