@@ -35,7 +35,7 @@ GRIDS = {
     "dyspec_threshold": {"threshold": "0.02,0.05,0.1,0.2", "budget": "12,16,32", "max_children": "4,8"},
     "dyspec": {"budget": "2,3,4,8,12", "batch": "4,8"},
     "delayed_auto": {"k_max": "2,4", "l1_max": "4,6", "l2_max": "3,6"},
-    "recycle": {"k": "4,8,16", "depth": "4,6,8", "branch": "2,4,8", "budget": "16,32,64"},
+    "recycle": {"k": "4,8,16", "depth": "4,6,8", "budget": "6,8,10,12,16,24"},
     "suffix": {"min_match": "1,2,3,4", "depth": "4,8,16", "branches": "1,2,4", "budget": "8,16,32"},
     "joined_fixed_tree": {"retrieved": "0,4,8,16", "recycled": "0,4,8,16"},
 }

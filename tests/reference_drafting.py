@@ -242,3 +242,19 @@ def recycled_walk(successors: dict[int, tuple[list[int], list[float]]], root: in
         if not frontier:
             break
     return tree
+
+
+def recycled_best(successors: dict[int, tuple[list[int], list[float]]], root: int, depth: int,
+                  budget: int) -> list[tuple[int, ...]]:  # fmt: skip
+    """Best-first recycled drafting by exhaustion: every path of at most `depth` tokens the matrix
+    allows from `root` (a token without a row has no successors), the `budget` of highest summed
+    log-prob, as token tuples (the root left out)."""
+    paths, frontier = [], [((), 0.0, root)]
+    for _ in range(depth):
+        grown = []
+        for path, score, token in frontier:
+            for child, lp in zip(*successors.get(token, ([], [])), strict=True):
+                grown.append((path + (child,), score + lp, child))
+        paths += grown
+        frontier = grown
+    return [path for path, _, _ in sorted(paths, key=lambda p: (-p[1], len(p[0])))[:budget]]

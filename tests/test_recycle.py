@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from conftest import hf_greedy, tiny_model
-from reference_drafting import recycled_walk
+from reference_drafting import recycled_best, recycled_walk
 
 from dynatree_core.core.tree import Reason
 from dynatree_core.decoding.engine import DecodeConfig, decode
@@ -28,7 +28,7 @@ def _logits(rows: list[list[int]], vocab: int = 20) -> torch.Tensor:
 
 
 def test_the_tree_walks_the_targets_successors_over_the_template():
-    policy = make_policy("recycle", {"k": 3, "depth": 3, "branch": 2, "budget": 32})
+    policy = make_policy("recycle", {"ranked": False, "k": 3, "depth": 3, "branch": 2, "budget": 32})
     policy.observe_target([7, 1, 2], _logits([[1, 2, 3], [4, 5, 6], [8, 9, 10]]))
     tree = policy.draft(DraftRequest(root_token=7, max_depth=6, drafter=None))
     # depth 1: the root's first 2 successors; depth 2: 1 each; depth 3: tokens never seen
@@ -41,7 +41,7 @@ def test_the_tree_walks_the_targets_successors_over_the_template():
 
 def test_the_budget_and_the_depth_cap_bound_the_tree_and_name_its_leaves():
     """The latest forward that saw a token wins its row; the budget and the depth cap end the walk."""
-    policy = make_policy("recycle", {"k": 4, "depth": 2, "branch": 4, "budget": 5})
+    policy = make_policy("recycle", {"ranked": False, "k": 4, "depth": 2, "branch": 4, "budget": 5})
     policy.observe_target([10, 1, 2, 3, 4], _logits([[1, 2, 3, 4]] + [[5, 6, 7, 8]] * 4))
     tree = policy.draft(DraftRequest(root_token=10, max_depth=6, drafter=None))
     assert len(tree) - 1 == 5  # 4 at depth 1, the budget's last at depth 2
@@ -103,3 +103,26 @@ def test_the_tensor_walk_equals_the_papers_walk_node_for_node():
             want.reason,
         )
         assert got.logp == pytest.approx(want.logp) and got.sources == want.sources
+
+
+def test_the_ranked_walk_keeps_the_budget_most_likely_paths():
+    """Best first (Recycler.ranked: a top-k a level) keeps exactly the `budget` paths of highest
+    summed recycled log-prob among all paths of at most `depth` tokens (exhaustive enumeration in
+    tests/reference_drafting.py), for random matrices (derandomized); the tree is ancestor-closed
+    and its leaves say why they stop."""
+    rng = random.Random(1)
+    for _ in range(60):
+        vocab, k = rng.randrange(3, 10), rng.randrange(1, 4)
+        matrix = Recycler(k)
+        for _ in range(rng.randrange(0, 4)):
+            rows = [rng.randrange(vocab) for _ in range(rng.randrange(1, 6))]
+            matrix.observe(rows, torch.randn(len(rows), vocab))
+        table = {t: matrix.successors(t) for t in matrix.known()}
+        root, depth, budget = rng.randrange(vocab), rng.randrange(1, 4), rng.randrange(1, 12)
+        tree = matrix.ranked(root, depth, budget)
+        paths = {tuple(tree.tokens[m] for m in tree.path(n)[1:]) for n in range(1, len(tree))}
+        assert paths == set(recycled_best(table, root, depth, budget))
+        for n in range(len(tree)):
+            kids = [c for c in range(1, len(tree)) if tree.parents[c] == n]
+            if not kids and tree.depths[n] < depth:
+                assert tree.reason[n] == ("no_successors" if tree.tokens[n] not in table else Reason.BUDGET.value)

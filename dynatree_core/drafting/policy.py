@@ -180,8 +180,7 @@ class Policy(Tunable):
                 chain = self._automaton.walk(request.root_token, state, min(c["retrieved"], depth), 1, c["retrieved"])
                 out.append(chain)
         if c.get("recycled", 0) > 0 and self._recycler is not None:
-            widths = [max(1, RECYCLED_BRANCH >> level) for level in range(min(depth, RECYCLED_DEPTH))]
-            out.append(self._recycler.walk(request.root_token, widths, c["recycled"]))
+            out.append(self._recycler.ranked(request.root_token, min(depth, RECYCLED_DEPTH), c["recycled"]))
         return out
 
     def local_shape(self) -> bool:
@@ -237,7 +236,7 @@ class Policy(Tunable):
 
 
 MIN_MATCH = 2  # a suffix match joins a tree from this many tokens on
-RECYCLED_K, RECYCLED_BRANCH, RECYCLED_DEPTH = 8, 4, 6  # the joined matrix's columns and its template
+RECYCLED_K, RECYCLED_DEPTH = 8, 6  # the joined matrix's columns and depth (its nodes: the best first)
 JOIN_PARAMS = (
     Param("retrieved", int, 0, 0, 64, "Nodes of the context's suffix-match continuation joined to the tree (0: none)"),
     Param("recycled", int, 0, 0, 64, "Nodes of the target's recycled top-k joined to the tree (0: none)"),

@@ -48,9 +48,9 @@ class Recycler:
             self.rows = torch.zeros(vocab, min(self.k, vocab), 2, device=logits.device)
             self.seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
         last = {token: row for row, token in enumerate(tokens)}  # the later row wins
-        rows = torch.tensor(list(last.values()), device=logits.device)
         at = torch.tensor(list(last), device=logits.device)
-        logits = logits[rows]
+        if len(last) < len(tokens):  # a copy of the rows kept only when a token repeats
+            logits = logits[torch.tensor(list(last.values()), device=logits.device)]
         top, ids = logits.topk(self.rows.shape[1], dim=-1)
         lp = top - logits.logsumexp(dim=-1, keepdim=True)  # log-softmax at the top k only
         self.rows[at] = torch.stack([ids.float(), lp], dim=-1)
@@ -105,6 +105,46 @@ class Recycler:
         for slot, node in node_of.items():
             if node not in inner and tree.depths[node] < len(widths):
                 tree.mark_leaf(node, Reason.BUDGET if seen[slot] else "no_successors")
+        return tree
+
+    def ranked(self, root: int, depth: int, budget: int) -> DraftTree:
+        """Best first instead of a template: the `budget` nodes of highest path log-probability (the
+        sum of the recycled log-probs from the root) within `depth` levels. A level keeps the
+        `budget` best children of the level above (a gather, an add, a top-k), which holds every
+        node of the global best `budget`, as a child's path log-prob is at most its parent's
+        (EAGLE-2's rerank, Li et al. 2024, §4.2). The levels are read once; the final choice
+        (ancestors before descendants on ties) is made on the host over depth x budget slots."""
+        tree = DraftTree.with_root(root)
+        if self.rows is None or budget <= 0 or depth <= 0:
+            tree.mark_leaf(0, "no_successors" if self.rows is None else Reason.BUDGET)
+            return tree
+        tokens = torch.tensor([root], device=self.rows.device)
+        score = torch.zeros(1, device=self.rows.device)
+        parts, sizes = [self.seen[tokens].float()], []
+        for _ in range(depth):
+            rows = self.rows[tokens]  # (slots, k, 2)
+            child = (score[:, None] + rows[..., 1]).masked_fill(~self.seen[tokens][:, None], -math.inf)
+            score, at = child.flatten().topk(min(budget, child.numel()))
+            tokens = rows.flatten(0, 1)[at, 0].long()
+            parts += [tokens.float(), (at // rows.shape[1]).float(), score, self.seen[tokens].float()]
+            sizes.append(len(at))
+        flat, start = to_list(torch.cat(parts)), 1
+        levels = [([root], [0], [0.0], flat[:1])]  # per level: token, parent slot, path log-prob, seen
+        for size in sizes:
+            levels.append(tuple(flat[start + i * size : start + (i + 1) * size] for i in range(4)))
+            start += 4 * size
+        best = sorted((-s, d, j) for d in range(1, len(levels)) for j, s in enumerate(levels[d][2]) if s > -math.inf)
+        node_of = {(0, 0): 0}  # (level, slot) -> tree node
+        for d, j in sorted((d, j) for _, d, j in best[:budget]):
+            token, parent, score, _ = levels[d]
+            above = int(parent[j])
+            tree.mark_expanded(node_of[d - 1, above])
+            logp = score[j] - levels[d - 1][2][above]
+            node_of[d, j] = tree.add(node_of[d - 1, above], int(token[j]), logp, source=Source.RECYCLED)
+        inner = {tree.parents[n] for n in range(1, len(tree))}
+        for (d, j), node in node_of.items():
+            if node not in inner and d < depth:
+                tree.mark_leaf(node, Reason.BUDGET if levels[d][3][j] else "no_successors")
         return tree
 
 
