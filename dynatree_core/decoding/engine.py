@@ -197,6 +197,16 @@ def iterate(state: DecodeState) -> Iterator[IterationRecord]:
             return
 
 
+def replace_root(state: DecodeState, token: int) -> None:
+    """Make `token` the next root: the last committed token, which no forward has read yet (the
+    target's and the draft's pending token). The Verification Lab warms a feature draft on all but
+    a context's last token, then puts that token in place of the one the prefill drew."""
+    state.committed[-1] = token
+    state.target_kv.pending[-1] = token
+    if state.drafter is not None:
+        state.drafter.replace_root(token)
+
+
 def _iteration(state: DecodeState, index: int, budget: int) -> IterationRecord:
     """One draft -> rows -> forward -> verify -> commit -> record step. `budget`: tokens this
     iteration may commit. A policy that decides its levels on the device may queue the verify

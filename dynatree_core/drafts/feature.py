@@ -257,6 +257,10 @@ class FeatureDrafter(Drafter):
         """False until the target's first forward has produced features (the prefill iteration)."""
         return bool(self.pending_tokens) or self.kv.length > 0
 
+    def replace_root(self, token: int) -> None:
+        """The next root becomes `token` (engine.replace_root): the last confirmed pair's token."""
+        self.pending_tokens[-1] = int(token)
+
     def add_features(self, features: torch.Tensor, tokens: list[int]) -> None:
         """Pairs the target confirmed: features[i] is its hidden state at the position before
         tokens[i] (the engine passes the root's and the accepted nodes' rows of its forward)."""

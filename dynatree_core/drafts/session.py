@@ -253,6 +253,10 @@ class Drafter:
             return self.token_map.to_draft(target_ids)
         return self.token_map.to_draft(torch.tensor(target_ids)).tolist()
 
+    def replace_root(self, token: int) -> None:
+        """The next root becomes `token` (engine.replace_root): the last token waiting for the draft's KV."""
+        self.kv.pending[-1] = int(token)
+
     def commit(self, tree: DraftTree, accepted: list[int], new_tokens: list[int]) -> None:
         """Keep the accepted nodes' KV (compaction); tokens without draft KV become pending."""
         if 0 not in self.slots:  # the draft did not run this iteration
