@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import pandas as pd
 import streamlit as st
 
 from dynatree_core.decoding.methods import candidates, make_method, method_class
@@ -16,9 +15,11 @@ from dynatree_core.errors import DynaTreeError
 from dynatree_core.live.jobs import JOB_TITLES
 from dynatree_core.measure.compare import Comparison, reference_entries
 from dynatree_core.measure.entries import Entry, labelled, schedule
+from dynatree_core.ui.compare_view import COLUMN_PX, show_comparison
+from dynatree_core.ui.recorded import about, machine, recorded_comparisons
 from dynatree_core.ui.resources import models_info, pair_job, show_error
 from dynatree_core.ui.widgets import model_picker, param_widgets, prompt_inputs, setting_widget
-from dynatree_core.viz import compare_figures, legend_html, tree_figure
+from dynatree_core.viz import legend_html, tree_figure
 
 st.set_page_config(page_title="Compare policies", page_icon="⚖️", layout="wide")
 st.title("Compare drafting policies")
@@ -29,7 +30,29 @@ st.caption(
 )
 CHOICES = candidates()
 DEFAULTS = ["linear", "fixed_tree", "dynatree", "salf", "dyspec", "eagle2"]
-COLUMN_PX = 200  # a live tree's width at four columns on a laptop screen (1366 px, sidebar open: ~210)
+
+
+def recorded_view() -> None:
+    """Before the visitor's own comparison: the shipped ones (the seed papers' policies on one
+    prompt; CPU, and the lent GPU's beside it where one was recorded), drawn from their reports."""
+    recorded = recorded_comparisons()
+    if not recorded:
+        return
+    st.info(
+        f"**A recorded comparison**: {', '.join(e.label for e in recorded[0][1].entries if not e.reference)} on "
+        f"“{recorded[0][1].prompt}”. The form below runs **your own** prompt and policies.",
+        icon=":material/history:",
+    )
+    tabs = st.tabs([machine(r.environment) for _, r in recorded]) if len(recorded) > 1 else [st.container()]
+    for tab, (name, result) in zip(tabs, recorded, strict=True):
+        with tab:
+            show_comparison(result, f"rec_{name}", compact=True)
+            st.caption("Recorded: " + about(name, result.environment, result.date, result.command))
+
+
+if st.session_state.get("comparison") is None:
+    recorded_view()
+    st.header("Compare your own")
 
 with st.sidebar:
     st.header("Models")
@@ -162,29 +185,4 @@ if uploaded is not None:
 result: Comparison | None = st.session_state.get("comparison")
 if result is not None:
     st.header("Results")
-    ok = result.correctness["ok"]
-    if ok is True:
-        st.success(f"✓ Exact: {result.correctness['message']}", icon=":material/verified:")
-    elif ok is False:
-        st.error(f"✗ {result.correctness['message']}", icon=":material/error:")
-    else:
-        st.info(result.correctness["message"])
-    s = result.settings
-    st.caption(
-        f"{result.models.get('target', '')} on {result.models.get('device', '')}, {s['max_new_tokens']} new tokens, "
-        f"temperature {s['temperature']}, {s['repetitions']} repetitions each; speedup is over the faster reference."
-    )
-    st.dataframe(pd.DataFrame(result.table()), hide_index=True, width="stretch")
-    figures = compare_figures(result.entries)
-    left, right = st.columns(2)
-    left.plotly_chart(figures["throughput"], width="stretch", key="cmp_throughput")
-    right.plotly_chart(figures["committed"], width="stretch", key="cmp_committed")
-    left.plotly_chart(figures["accepted"], width="stretch", key="cmp_accepted")
-    right.plotly_chart(figures["depth"], width="stretch", key="cmp_depth")
-    with st.expander("Outputs"):
-        for e in result.entries:
-            st.markdown(f"**{e.label}**")
-            st.text(e.text or "(token ids only: " + " ".join(map(str, e.token_ids[0][:40])) + ")")
-    a, b = st.columns(2)
-    a.download_button("Export CSV", result.csv(), file_name="dynatree-compare.csv", mime="text/csv")
-    b.download_button("Export JSON", result.to_json(), file_name="dynatree-compare.json", mime="application/json")
+    show_comparison(result, "cmp")

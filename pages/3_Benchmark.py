@@ -1,5 +1,7 @@
-"""Benchmark: run a small benchmark or parameter sweep from the browser (dynatree_core.measure.bench, the
-same protocol as `python -m dynatree_core bench`), and view or compare saved result files."""
+"""Benchmark: opens on the reports the project ships (speedup by policy and machine, tokens per
+iteration against drafting's cost, the GPU iteration split); runs a small benchmark or parameter
+sweep from the browser (dynatree_core.measure.bench, the protocol of `python -m dynatree_core
+bench`) and loads saved reports, both drawn beside the shipped ones."""
 
 from __future__ import annotations
 
@@ -16,9 +18,11 @@ from dynatree_core.measure.entries import Entry
 from dynatree_core.measure.prompt_sets import CORPORA, bundled_sets, choose_prompts
 from dynatree_core.runs.validate import check_size_and_depth
 from dynatree_core.runs.validate_reports import check_bench_rows
+from dynatree_core.ui.recorded import SPLIT_REPORT, about, shipped_bench
 from dynatree_core.ui.resources import models_info, pair_job, show_error
 from dynatree_core.ui.widgets import model_picker, setting_widget
-from dynatree_core.viz.bench import saved_results_figure, sweep_figures
+from dynatree_core.viz.bench import sweep_figures
+from dynatree_core.viz.reports import draft_cost_figure, speedup_figure, split_figure
 
 st.set_page_config(page_title="Benchmark", page_icon="⏱️", layout="wide")
 st.title("Benchmark")
@@ -29,6 +33,8 @@ st.caption(
 )
 STEPPED = candidates()
 A_FILE = "a file (.jsonl / .txt)"
+figures_box = st.container()  # filled last: the shipped reports, with this session's run and uploads beside them
+st.header("Run a benchmark")
 
 with st.sidebar:
     target_spec, draft_spec, device, dtype = model_picker("bench")
@@ -122,17 +128,45 @@ if "bench_report" in st.session_state:
 
 st.subheader("Saved results")
 files = st.file_uploader(
-    "Load one or more JSON reports (from this page or `bench --out`)", type=["json"], accept_multiple_files=True
+    "Load one or more JSON reports (from this page or `bench --out`): they join the figures at the top",
+    type=["json"],
+    accept_multiple_files=True,
 )
-rows = []
+rows, uploaded = [], []
 for f in files or []:
     try:
         check_size_and_depth(f.getvalue())
-        rows += [{"file": f.name, **r} for r in check_bench_rows(json.loads(f.getvalue()))]
+        found = check_bench_rows(json.loads(f.getvalue()))
+        rows += [{"file": f.name, **r} for r in found]
+        uploaded.append((f.name, found))
     except (json.JSONDecodeError, ValueError, RecursionError) as exc:
         st.error(f"{f.name}: {exc}")
 if rows:
     table = pd.DataFrame(rows)
     keep = ["file", "label", "verifier", "throughput_tps", "throughput_std", "speedup", "tokens_per_iteration"]
     st.dataframe(table[[k for k in keep if k in table.columns]], hide_index=True, width="stretch")
-    st.plotly_chart(saved_results_figure(table), width="stretch", key="bench_saved")
+
+with figures_box:
+    shipped = shipped_bench()
+    reports = [(r["name"], r["rows"]) for r in shipped]
+    if "bench_report" in st.session_state:
+        reports.append(("this session's run", json.loads(st.session_state["bench_report"][0].to_json())["results"]))
+    reports += uploaded
+    if reports:
+        st.info(
+            "**Shipped reports**: the out-of-distribution prompts 1-8, 128 new tokens, greedy, every run exact. "
+            "Your runs and the reports you load below are drawn beside them.",
+            icon=":material/insights:",
+        )
+        st.markdown("**Speedup by policy and machine** (over the faster of `ar` / HF `generate` in the same run)")
+        st.plotly_chart(speedup_figure(reports), width="stretch", key="bench_speedup")
+        left, right = st.columns(2)
+        left.markdown("**Tokens per iteration against drafting's cost**")
+        left.plotly_chart(draft_cost_figure(reports), width="stretch", key="bench_cost")
+        split = next((r for r in shipped if r["file"] == SPLIT_REPORT), None)
+        if split is not None:
+            right.markdown(f"**Where a {split['name']} iteration's time goes**")
+            right.plotly_chart(split_figure((split["name"], split["rows"])), width="stretch", key="bench_split")
+        with st.expander("The shipped reports: machine, date, command"):
+            for r in shipped:
+                st.markdown(f"- **{r['name']}**: " + about(r["file"], r["environment"], r["date"], r["command"]))

@@ -208,13 +208,13 @@ def test_traversal_trace_expected_acceptance_and_the_verification_lab(tiny_pair_
 
     lab = AppTest.from_file(str(root / "pages" / "2_Verification_Lab.py"), default_timeout=300)
     lab.run()
-    assert any("Start a run" in i.value for i in lab.info)  # no run in this session yet
+    assert any("recorded experiment" in i.value for i in lab.info)  # no run of its own yet: the recorded one
     lab.session_state["run"] = run
     lab.run()
     next(s for s in lab.slider if s.label == "Repetitions").set_value(40).run()
     next(b for b in lab.button if "Run the lab" in b.label).click().run()
     assert not lab.exception and not lab.error, (lab.exception, [e.value for e in lab.error])
-    verifier, result = lab.session_state["lab"]
+    verifier, result, _ = lab.session_state["lab"]
     assert verifier == "traversal" and len(result.first_tokens) == 40
     assert lab.metric[0].value == "40" and len(lab.get("plotly_chart")) == 2
     next(s for s in lab.selectbox if s.label == "Verifier").set_value("block").run()

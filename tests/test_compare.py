@@ -16,8 +16,9 @@ from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.decoding.pairs import ModelPair
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.measure.compare import Comparison, check_outputs, compare, run_schedule
-from dynatree_core.measure.entries import Entry, labelled, schedule
+from dynatree_core.measure.compare import Comparison, check_outputs, compare
+from dynatree_core.measure.entries import Entry, labelled, run_schedule, schedule
+from dynatree_core.runs.records import IterationRecord
 
 PROMPT = [1, 5, 7, 9]
 
@@ -95,6 +96,12 @@ def test_comparison_numbers_agree_with_running_each_policy_alone():
         assert 0 < stats.outside_forwards_share < 1
         assert all(0 <= r.draft_forward_ms <= r.draft_ms for r in alone.records)
         assert any(r.draft_forward_ms > 0 for r in alone.records)
+        # the drawn iteration: the first measured run's first later iteration of median accepted length
+        sample = IterationRecord.from_dict(stats.sample["record"])
+        later = sorted(len(r.accepted) for r in alone.records[1:])
+        assert len(sample.accepted) == later[(len(later) - 1) // 2] and sample.index > 1
+        assert set(sample.tree.tokens) <= {int(t) for t in stats.sample["texts"]}
+    assert result.entries[1].sample is None, "a black box has no iteration to draw"
     best = max(e.throughput_tps for e in result.entries[:3])  # the fastest of the three references
     assert result.entries[3].speedup == pytest.approx(result.entries[3].throughput_tps / best)
     assert result.entries[2].policy == "hf_static" and result.entries[2].verifier == "hf"
@@ -102,6 +109,10 @@ def test_comparison_numbers_agree_with_running_each_policy_alone():
     assert hf.tree_size_mean is None and hf.verifier == "hf" and hf.ttft_ms is None
     again = Comparison.from_json(result.to_json())
     assert again.to_dict() == result.to_dict()
+    broken = json.loads(result.to_json())
+    broken["entries"][3]["sample"]["record"]["accepted"] = [99]
+    with pytest.raises(DynaTreeError, match="sample"):
+        Comparison.from_dict(broken)
     rows = result.table()
     assert rows[1]["TTFT ms"] is None and rows[2]["TTFT ms"] is None and rows[3]["TTFT ms"] > 0
     assert result.csv().splitlines()[0].startswith("policy,family,verifier,tokens/s") and len(rows) == 5
@@ -213,5 +224,8 @@ def test_benchmark_page_runs_a_sweep_and_shows_its_figure(tiny_pair_dirs):
     assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
     report, sweeps = at.session_state["bench_report"]
     assert [e.label for e in report.results][-2:] == ["fixed_tree depth=2", "fixed_tree depth=3"]
-    assert sweeps == [("depth", ["2", "3"])] and len(at.get("plotly_chart")) == 1
+    charts = {c.key: json.loads(c.proto.spec) for c in at.get("plotly_chart")}
+    assert sweeps == [("depth", ["2", "3"])] and "bench_sweep_depth" in charts
     assert any("fixed_tree depth=3" in m.value for m in at.markdown)
+    speedup = {t["name"]: t["x"] for t in charts["bench_speedup"]["data"]}
+    assert "fixed_tree depth=3" in speedup["this session's run"], "the visitor's run beside the shipped reports"

@@ -23,7 +23,7 @@ from dynatree_core.measure.compare import Comparison, compare
 from dynatree_core.measure.entries import Entry
 from dynatree_core.runs.validate_reports import check_bench_rows
 from dynatree_core.viz import compare_figures
-from dynatree_core.viz.bench import saved_results_figure
+from dynatree_core.viz.reports import draft_cost_figure, speedup_figure, split_figure
 
 
 @functools.cache
@@ -59,7 +59,8 @@ def draw_bench(data) -> None:
         table = pd.DataFrame(rows)
         keep = ["file", "label", "verifier", "throughput_tps", "throughput_std", "speedup", "tokens_per_iteration"]
         assert len(table[[k for k in keep if k in table.columns]]) == len(rows)
-        saved_results_figure(table)
+        report = [("r.json", [r for r in check_bench_rows(data)])]
+        speedup_figure(report), draft_cost_figure(report), split_figure(report[0])
 
 
 def import_or_refuse(text: str) -> None:

@@ -1,5 +1,6 @@
-"""`python -m dynatree_core ...`: generate text with a policy, compare policies, benchmark, list
-policies, verifiers and presets, check a GPU (gpu-check). parser.py builds the arguments, commands.py runs them.
+"""`python -m dynatree_core ...`: generate text with a policy, compare policies, check a verifier's
+law (lab), benchmark, list policies, verifiers and presets, check a GPU (gpu-check). parser.py
+builds the arguments, commands.py and experiments.py (compare, lab) run them.
 
 Errors caused by input exit with status 2 and print one line, `error: <message>`, on stderr.
 
@@ -13,6 +14,7 @@ import sys
 import warnings
 
 from dynatree_core.cli import commands as C
+from dynatree_core.cli import experiments as X
 from dynatree_core.cli.parser import build_parser
 from dynatree_core.errors import DynaTreeError
 
@@ -37,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
             configure_threads(args.threads)
         commands = {
             "generate": C.cmd_generate,
-            "compare": C.cmd_compare,
+            "compare": X.cmd_compare,
+            "lab": X.cmd_lab,
             "latency": C.cmd_latency,
             "policies": C.cmd_policies,
             "presets": C.cmd_presets,

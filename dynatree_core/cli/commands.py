@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import shlex
 import sys
@@ -184,6 +185,7 @@ def cmd_bench(args) -> None:
             sweep = dict(setting=setting[0], values=setting[1])
             report = B.run_setting_sweep(pair, entries, chosen, progress=progress, **sweep, **common)
     report.settings["command"] = portable("python -m dynatree_core " + shlex.join(args.argv))
+    report.settings["date"] = datetime.date.today().isoformat()
     report.settings["models"] = {"target": portable(target_spec), "draft": draft_spec and portable(draft_spec)}
     if args.out is not None:
         args.out.write_text(report.to_json(), encoding="utf-8")
@@ -355,42 +357,3 @@ def cmd_generate(args) -> None:
             f"{result.throughput_tps:.1f} tokens/s, stop: {result.stop_reason}",
             file=sys.stderr,
         )
-
-
-def cmd_compare(args) -> None:
-    from dynatree_core.decoding.pairs import encode_prompt, load_pair
-    from dynatree_core.measure.compare import compare
-    from dynatree_core.measure.entries import parse_entries
-
-    prompt = _read_prompt(args)
-    entries = parse_entries(args.policy or ["linear", "fixed_tree", "dynatree", "salf"])
-    spec = RunSpec.of(args)
-    target_spec, draft_spec = _resolve_models(args)
-    pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype, pack=not args.no_pack)
-    target = pair.target
-    chat = args.chat if args.chat is not None else target.has_chat_template
-    config = spec.decode_config(
-        eos_token_ids=target.eos_token_ids, context_length=target.context_length, forward=forward_settings(args)
-    )
-    models = {"target": target_spec, "draft": draft_spec or "", "device": args.device, "dtype": args.dtype}
-    with _Progress() as progress:
-        result = compare(
-            pair,
-            entries,
-            encode_prompt(target.tokenizer, prompt, chat=chat),
-            config=config,
-            repetitions=args.repetitions,
-            include_hf=not args.no_hf,
-            prompt=prompt,
-            models=models,
-            on_progress=progress,
-            tokenizer=target.tokenizer,
-        )
-    if args.csv is not None:
-        args.csv.write_text(result.csv(), encoding="utf-8")
-    if args.json:
-        print(result.to_json(indent=2))
-        return
-    print(result.markdown())
-    mark = {True: "OK", False: "DIFFERS", None: "not checked"}[result.correctness["ok"]]
-    print(f"\ncorrectness: {mark}: {result.correctness['message']}")

@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_generate(sub)
     _add_compare(sub)
+    _add_lab(sub)
     ver = sub.add_parser("verifiers", help="list verification algorithms and the drafting each accepts")
     ver.add_argument("--json", action="store_true")
     pol = sub.add_parser("policies", help="list drafting policies and their parameters")
@@ -125,6 +126,24 @@ def _add_compare(sub) -> None:
     cmp.add_argument("--no-hf", action="store_true", help="skip the HF generate references (eager and static cache)")
     cmp.add_argument("--json", action="store_true", help="print the comparison as JSON")
     cmp.add_argument("--csv", type=output, default=None, help="also write the table as CSV here")
+    cmp.add_argument("--out", type=output, default=None, help="write the comparison as JSON here (the page imports it)")
+
+
+def _add_lab(sub) -> None:
+    lab = sub.add_parser(
+        "lab", help="repeat one draft -> verify step: the first token's histogram against the target's law"
+    )
+    _run_arguments(lab)
+    lab.set_defaults(temperature=0.8)
+    lab.add_argument(
+        "--policy",
+        default="fixed_tree",
+        metavar="NAME[:K=V,...]",
+        help="the drafting policy (--verifier: its verifier)",
+    )
+    lab.add_argument("--trials", type=int, default=500, help="repetitions: each one draft tree and one target forward")
+    lab.add_argument("--out", type=output, default=None, help="write the report as JSON here (the Lab page reads it)")
+    lab.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def _add_bench(sub) -> None:

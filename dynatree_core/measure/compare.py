@@ -27,7 +27,8 @@ from dynatree_core.decoding.baselines import Baseline
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import REFERENCES, make_method, verifier_for
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.measure.entries import Entry, labelled, schedule
+from dynatree_core.measure.entries import Entry, labelled, run_schedule
+from dynatree_core.measure.samples import iteration_sample
 from dynatree_core.runs.metrics import depth_reach
 from dynatree_core.runs.records import IterationRecord, RunResult
 from dynatree_core.runs.validate import check_size_and_depth
@@ -71,6 +72,7 @@ class EntryStats:
     family: str = "model"  # where its candidates come from (core/tree.FAMILIES)
     memory_overhead: float | None = None  # peak memory over ar's, minus 1
     verify_rows_mean: float | None = None  # rows per target forward (padded where queued from the device)
+    sample: dict | None = None  # one typical iteration and its token texts (measure/samples.py)
 
 
 @dataclasses.dataclass
@@ -81,6 +83,10 @@ class Comparison:
     settings: dict[str, Any]  # max_new_tokens, temperature, top_p, top_k, verifier, seed, repetitions
     entries: list[EntryStats]
     correctness: dict[str, Any]
+    # what it ran on, when and how (the CLI's reports; the page's own runs: environment and date)
+    environment: dict[str, Any] | None = None
+    date: str = ""
+    command: str = ""
 
     def to_dict(self) -> dict:
         return {"version": COMPARE_VERSION, **dataclasses.asdict(self)}
@@ -105,6 +111,9 @@ class Comparison:
                 settings=data["settings"],
                 entries=entries,
                 correctness=data["correctness"],
+                environment=data.get("environment"),
+                date=data.get("date", ""),
+                command=data.get("command", ""),
             )
         except (KeyError, TypeError) as exc:
             raise DynaTreeError(f"comparison file is incomplete or from another version: {exc}") from exc
@@ -341,7 +350,7 @@ def compare(
     after each run; on_record(label, record, None) after each iteration of a stepped policy."""
     if not 1 <= len(entries) <= 6:
         raise DynaTreeError(f"compare 1 to 6 policies, got {len(entries)}")
-    stats, _ = measure(
+    stats, results = measure(
         pair,
         entries,
         [prompt_ids],
@@ -352,6 +361,8 @@ def compare(
         on_record=on_record,
         tokenizer=tokenizer,
     )
+    for s, rounds in zip(stats, results, strict=True):  # a tree the page draws with no model loaded
+        s.sample = iteration_sample(rounds[0][0].records, tokenizer and tokenizer.decode)
     return Comparison(
         prompt=prompt,
         prompt_ids=list(prompt_ids),
@@ -368,28 +379,3 @@ def compare(
         entries=stats,
         correctness=check_outputs(stats, config.sampling.greedy),
     )
-
-
-def run_schedule(
-    entries: list[Entry],
-    repetitions: int,
-    run_one: Callable[[int, int, int], RunResult],
-    seed: int = 0,
-    on_progress: Callable[[int, int, str], None] | None = None,
-    *,
-    n_prompts: int = 1,
-    warmup: int = 1,
-) -> list[list[list[RunResult]]]:
-    """Run `schedule` with run_one(entry index, prompt index, seed); warm-ups are dropped.
-    Returns results[entry][round][prompt]. Round r uses seed + r for every entry and prompt (the
-    warm-ups use seed), so sampled entries see the same seeds."""
-    plan = schedule(len(entries), repetitions, n_prompts, warmup)
-    results: list[list[list[RunResult]]] = [[[] for _ in range(repetitions)] for _ in entries]
-    for done, (rnd, prompt, j) in enumerate(plan, 1):
-        result = run_one(j, prompt, seed + max(rnd, 0))
-        if rnd >= 0:
-            results[j][rnd].append(result)
-        if on_progress:
-            where = " (warm-up)" if rnd < 0 else (f", prompt {prompt + 1}/{n_prompts}" if n_prompts > 1 else "")
-            on_progress(done, len(plan), entries[j].label + where)
-    return results

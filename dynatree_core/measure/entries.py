@@ -5,10 +5,12 @@ baseline with its parameters, its own verifier and a unique label), parsed from 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from dynatree_core.decoding.methods import make_method, method_class
 from dynatree_core.errors import DynaTreeError
+from dynatree_core.runs.records import RunResult
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str], str]:
@@ -73,3 +75,28 @@ def parse_entries(specs: list[str]) -> list[Entry]:
         method_class(name)  # an unknown name is refused here, with the known ones
         out.append(Entry(name, params))
     return out
+
+
+def run_schedule(
+    entries: list[Entry],
+    repetitions: int,
+    run_one: Callable[[int, int, int], RunResult],
+    seed: int = 0,
+    on_progress: Callable[[int, int, str], None] | None = None,
+    *,
+    n_prompts: int = 1,
+    warmup: int = 1,
+) -> list[list[list[RunResult]]]:
+    """Run `schedule` with run_one(entry index, prompt index, seed); warm-ups are dropped.
+    Returns results[entry][round][prompt]. Round r uses seed + r for every entry and prompt (the
+    warm-ups use seed), so sampled entries see the same seeds."""
+    plan = schedule(len(entries), repetitions, n_prompts, warmup)
+    results: list[list[list[RunResult]]] = [[[] for _ in range(repetitions)] for _ in entries]
+    for done, (rnd, prompt, j) in enumerate(plan, 1):
+        result = run_one(j, prompt, seed + max(rnd, 0))
+        if rnd >= 0:
+            results[j][rnd].append(result)
+        if on_progress:
+            where = " (warm-up)" if rnd < 0 else (f", prompt {prompt + 1}/{n_prompts}" if n_prompts > 1 else "")
+            on_progress(done, len(plan), entries[j].label + where)
+    return results

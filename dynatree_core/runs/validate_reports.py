@@ -5,7 +5,7 @@ Run files have their own checks (validate.py), whose helpers these share."""
 from __future__ import annotations
 
 from dynatree_core.core.tree import FAMILIES
-from dynatree_core.runs.validate import MAX_NODES, _int, _ints, _num, _probability, _show
+from dynatree_core.runs.validate import MAX_NODES, _int, _ints, _num, _probability, _show, check_record
 
 MAX_ENTRIES = 64
 _NONNEGATIVE = (
@@ -89,6 +89,20 @@ def check_comparison(data: dict) -> None:
             _ints(ids, f"{where}: token_ids[{r}]")
         if not runs and not entry["text"]:
             raise ValueError(f"{where}: neither text nor token_ids")
+        _check_sample(entry.get("sample"), where)
+
+
+def _check_sample(sample, where: str) -> None:
+    """A comparison entry's drawn iteration (measure/samples.py): a record and its token texts."""
+    if sample is None:
+        return
+    if not isinstance(sample, dict) or not isinstance(sample.get("record"), dict):
+        raise ValueError(f"{where}: sample must hold a record")
+    _plain_map(sample.get("texts"), f"{where}: sample texts")
+    try:
+        check_record(sample["record"])
+    except ValueError as exc:
+        raise ValueError(f"{where}: sample: {exc}") from None
 
 
 def check_bench_rows(data) -> list[dict]:

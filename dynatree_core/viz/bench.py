@@ -1,6 +1,6 @@
 """Benchmark and latency figures: throughput over swept parameters (one at a time, a grid, or a
-run setting such as T), saved reports side by side, a device's forward latency profile, and
-writing any figure to HTML (or PNG)."""
+run setting such as T), a device's forward latency profile, and writing any figure to HTML (or
+PNG). Saved reports side by side: viz/reports.py."""
 
 from __future__ import annotations
 
@@ -122,14 +122,4 @@ def latency_figure(points: list[LatencyPoint]):
         xaxis_type="log",
         height=420,
     )
-    return fig
-
-
-def saved_results_figure(table) -> go.Figure:
-    """Tokens/s of every row of saved benchmark reports, one bar group per file (pandas DataFrame
-    with file, label and throughput_tps columns)."""
-    fig = go.Figure()
-    for name, group in table.groupby("file", sort=False):
-        fig.add_bar(x=group["label"], y=group["throughput_tps"], name=name)
-    fig.update_layout(barmode="group", yaxis_title="tokens / s", height=380, legend=dict(orientation="h"))
     return fig

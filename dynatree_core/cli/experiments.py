@@ -1,0 +1,137 @@
+"""The CLI's one-prompt experiments, the two the pages also run: `compare` (policies side by side)
+and `lab` (one verifier's first-token law against the target's). Each can write its report
+(`--out`) stamped with the machine, the date and the command, as the pages' opening views read it."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shlex
+
+from dynatree_core.cli.commands import _Progress, _read_prompt, _resolve_models, forward_settings
+from dynatree_core.decoding.settings import RunSpec
+from dynatree_core.errors import DynaTreeError
+from dynatree_core.runs.environment import portable
+
+
+def _stamp(args, model, dtype_source: str) -> dict:
+    """What a report records about its run: the environment, the date and the command."""
+    from dynatree_core.core.packing import is_packed
+    from dynatree_core.runs.environment import environment
+
+    dtype = str(model.dtype).removeprefix("torch.")
+    return {
+        "environment": environment(str(model.device), dtype, is_packed(model), dtype_source),
+        "date": datetime.date.today().isoformat(),
+        "command": portable("python -m dynatree_core " + shlex.join(args.argv)),
+    }
+
+
+def _pair_and_config(args):
+    """The prompt, the loaded pair, the run's spec and its engine config."""
+    from dynatree_core.decoding.pairs import load_pair
+
+    prompt = _read_prompt(args)
+    spec = RunSpec.of(args)
+    target_spec, draft_spec = _resolve_models(args)
+    pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype, pack=not args.no_pack)
+    config = spec.decode_config(
+        eos_token_ids=pair.target.eos_token_ids,
+        context_length=pair.target.context_length,
+        forward=forward_settings(args),
+    )
+    models = {"target": portable(target_spec), "draft": portable(draft_spec or ""), "device": args.device}
+    return prompt, pair, config, {**models, "dtype": args.dtype}
+
+
+def _encode(args, pair, prompt: str) -> list[int]:
+    from dynatree_core.decoding.pairs import encode_prompt
+
+    chat = args.chat if args.chat is not None else pair.target.has_chat_template
+    return encode_prompt(pair.target.tokenizer, prompt, chat=chat)
+
+
+def cmd_compare(args) -> None:
+    from dynatree_core.measure.compare import compare
+    from dynatree_core.measure.entries import parse_entries
+
+    entries = parse_entries(args.policy or ["linear", "fixed_tree", "dynatree", "salf"])
+    prompt, pair, config, models = _pair_and_config(args)
+    with _Progress() as progress:
+        result = compare(
+            pair,
+            entries,
+            _encode(args, pair, prompt),
+            config=config,
+            repetitions=args.repetitions,
+            include_hf=not args.no_hf,
+            prompt=prompt,
+            models=models,
+            on_progress=progress,
+            tokenizer=pair.target.tokenizer,
+        )
+    for name, value in _stamp(args, pair.target.model, pair.dtype_source).items():
+        setattr(result, name, value)
+    if args.csv is not None:
+        args.csv.write_text(result.csv(), encoding="utf-8")
+    if args.out is not None:
+        args.out.write_text(result.to_json(indent=1), encoding="utf-8")
+    if args.json:
+        print(result.to_json(indent=2))
+        return
+    print(result.markdown())
+    mark = {True: "OK", False: "DIFFERS", None: "not checked"}[result.correctness["ok"]]
+    print(f"\ncorrectness: {mark}: {result.correctness['message']}")
+
+
+def cmd_lab(args) -> None:
+    from dynatree_core.decoding.methods import verifier_for
+    from dynatree_core.drafting import make_policy
+    from dynatree_core.measure.entries import parse_entries
+    from dynatree_core.measure.lab import chi_square_critical, lab_report, run_lab
+
+    if args.temperature <= 0:
+        raise DynaTreeError("the lab checks a sampled law: --temperature must be above 0")
+    if args.trials < 1:
+        raise DynaTreeError(f"--trials must be at least 1, got {args.trials}")
+    entry = parse_entries([args.policy])[0]
+    policy = make_policy(entry.policy, entry.params)
+    prompt, pair, config, models = _pair_and_config(args)
+    verifier = verifier_for(policy, config)  # an invalid pairing is refused before the work
+    context = _encode(args, pair, prompt)
+    with _Progress("step") as progress:
+        result = run_lab(
+            pair.target.model,
+            context,
+            policy,
+            config,
+            args.trials,
+            **pair.drafting(policy),
+            progress=lambda done: progress(done, args.trials, verifier),
+        )
+    stat, dof = result.chi_square()
+    decode = pair.target.tokenizer.decode
+    about = {
+        "verifier": verifier,
+        "policy": entry.policy,
+        "params": dict(policy.config),
+        "temperature": config.sampling.temperature,
+        "top_p": config.sampling.top_p,
+        "prompt": prompt,
+        "context_tokens": len(context),
+        "models": models,
+        "trials": args.trials,
+        "chi_square": stat,
+        "dof": dof,
+        **_stamp(args, pair.target.model, pair.dtype_source),
+    }
+    report = lab_report(result, lambda t: decode([t]), about)
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=1), encoding="utf-8")
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    critical = chi_square_critical(dof)
+    verdict = "consistent" if stat < critical else "NOT consistent"
+    print(f"{verifier} on {entry.policy}: chi-square {stat:.1f} ({dof} dof), critical at 0.001: {critical:.1f}")
+    print(f"the first committed token's histogram over {args.trials} steps is {verdict} with the target's law")
