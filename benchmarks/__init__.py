@@ -6,7 +6,8 @@ machine's cores; BENCHMARKS.md gives the exact commands behind every number):
     PYTHONPATH=. .venv/bin/python -m benchmarks.<script> [--help]
 
 Results are data, not code: every script writes its reports (JSON, CSV) into assets/benchmarks/
-(`RESULTS`), where BENCHMARKS.md links them; this package holds only the scripts.
+(`RESULTS`); this package holds only the scripts. BENCHMARKS.md is written from those reports by
+`benchmarks_doc` (a number reaches it through a topic there, never by hand).
 
     ood_headline        BENCHMARKS' headline: each draft of the embedded target on the OOD prompts
                         (speedup over the faster of ar and HF generate), cpu-ood-headline.json
@@ -31,6 +32,7 @@ Results are data, not code: every script writes its reports (JSON, CSV) into ass
     drawing_contention  what Python drawing costs the engine: a decoding thread vs a decoding process
     live_page           the live page in Chromium vs the CLI, engine-time tokens/s, cpu-live-page*.json
     first_iterations    the first ten live iterations' tokens/s against the rest's, in Chromium
+    pages_open          each page's first drawn figure after its title, in Chromium, cpu-pages-open.json
     gpu_check_shaped    gpu-check's pair checks on SmolLM2's shapes with random weights (CUDA only)
     verify_rows         rows per verify forward queued from the device's rows vs the host-built batch,
                         cpu-verify-rows.json
@@ -41,6 +43,8 @@ Results are data, not code: every script writes its reports (JSON, CSV) into ass
                         op by op, and as captured steps, cpu-launches.json
     forward_kernels     kernels one target forward launches in the CPU's form and the GPU's (fused norm
                         and projections), and the rotation's time both ways, cpu-forward-kernels.json
+    benchmarks_doc      not a benchmark: writes BENCHMARKS.md from the committed reports (each topic's
+                        table, command, date, machine and computed goals); --check says if it is stale
     app_server          not a benchmark: `streamlit run app.py` on a free port as a context manager,
                         shared by live_page, first_iterations and tests/test_e2e.py
 

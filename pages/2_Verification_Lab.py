@@ -119,7 +119,7 @@ if st.button("Run the lab", type="primary", icon=":material/science:"):
         )
         bar.empty()
         decode = run.text if source == LIVE else (lambda t: info.tokenizer.decode([t]))
-        texts = {t["id"]: visible(decode(t["id"])) for t in result.table(str)}
+        texts = {t["id"]: visible(decode(t["id"])) for t in result.table(str) if t["id"] >= 0}
         st.session_state["lab"] = (verifier, result, texts)
         st.rerun()
     except Exception as exc:  # noqa: BLE001 - e.g. a model that cannot load: one line, the traceback logged

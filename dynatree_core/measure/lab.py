@@ -53,15 +53,23 @@ class LabResult:
         return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), max(int(keep.sum()) - 1, 1)
 
     def table(self, decode_token: Callable[[int], str] = str, top: int = 15) -> list[dict]:
-        """The target's likeliest tokens (and any token drawn), target probability vs frequency."""
+        """The `top` tokens by the larger of target probability and observed frequency, most likely
+        first, then one row for all the others (id -1): target p vs frequency, each summing to 1."""
         counts, n = Counter(self.first_tokens), len(self.first_tokens)
-        tokens = self.target_law.topk(min(top, self.target_law.numel())).indices.tolist()
-        tokens += [t for t in counts if t not in tokens]
+        weight = self.target_law.clone()
+        for tok, c in counts.items():
+            weight[tok] = max(float(weight[tok]), c / n)
+        tokens = weight.topk(min(top, weight.numel())).indices.tolist()
         rows = [
             {"token": decode_token(t), "id": t, "target p": float(self.target_law[t]), "observed": counts[t] / n}
             for t in tokens
         ]
-        return sorted(rows, key=lambda r: -r["target p"])
+        rows.sort(key=lambda r: -r["target p"])
+        rest_p = max(1.0 - sum(r["target p"] for r in rows), 0.0)
+        rest_seen = (n - sum(counts[t] for t in tokens)) / n
+        if rest_p > 1e-9 or rest_seen > 0:
+            rows.append({"token": "(all others)", "id": -1, "target p": rest_p, "observed": rest_seen})
+        return rows
 
 
 def chi_square_critical(dof: int, z: float = 3.0902) -> float:
