@@ -167,6 +167,5 @@ with figures_box:
         if split is not None:
             right.markdown(f"**Where a {split['name']} iteration's time goes**")
             right.plotly_chart(split_figure((split["name"], split["rows"])), width="stretch", key="bench_split")
-        with st.expander("The shipped reports: machine, date, command"):
-            for r in shipped:
-                st.markdown(f"- **{r['name']}**: " + about(r["file"], r["environment"], r["date"], r["command"]))
+        for r in shipped:  # each figure's sources: machine, date and command
+            st.caption(f"**{r['name']}**: " + about(r["file"], r["environment"], r["date"], r["command"]))

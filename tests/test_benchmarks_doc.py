@@ -112,6 +112,8 @@ def test_a_gpu_goal_is_unmeasured_only_while_no_gpu_report_exists(assets_copy):
     before = benchmarks_doc.render(assets_copy)
     goal = "- Goal: GPU, bfloat16: fixed_tree over `ar` >= 1.50x"
     assert f"{goal}: {benchmarks_doc.NO_GPU}" in before
+    projected = "- Goal: GPU: `recycle` over `ar` >= 1.60x: unmeasured (no GPU lent); projected "
+    assert projected in before and "a projection, not a measurement" in before, "said to be a projection"
     rows = [
         {"label": "ar (our loop)", "policy": "ar", "throughput_tps": 400.0, "draft_ms_per_iteration": 0.0},
         {"label": "fixed_tree", "policy": "fixed_tree", "throughput_tps": 640.0, "draft_ms_per_iteration": 0.5},
@@ -121,6 +123,7 @@ def test_a_gpu_goal_is_unmeasured_only_while_no_gpu_report_exists(assets_copy):
     after = benchmarks_doc.render(assets_copy)
     assert f"{goal}: 1.60x (bfloat16), **met**" in after
     assert "fixed_tree's draft ms an iteration <= 0.60 ms: 0.50 ms (bfloat16), **met**" in after
+    assert f"{projected}" not in after, "the newest bfloat16 report has no verify ms: nothing to project from"
 
 
 def test_what_no_report_holds_names_a_section_of_the_log(committed):

@@ -65,7 +65,7 @@ def test_benchmark_opens_on_the_shipped_reports_with_their_machines():
     speedup, cost, split = _specs(at)[:3]
     assert {t["name"] for t in speedup["data"]} == {r["name"] for r in shipped}
     assert all(t["type"] == "bar" for t in split["data"]) and len(split["data"]) == 3  # draft, verify, outside
-    listed = " ".join(m.value for m in at.markdown)
+    listed = " ".join(m.value for m in at.caption)
     assert all(r["file"] in listed and r["date"] in listed for r in shipped)
 
 
