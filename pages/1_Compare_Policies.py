@@ -50,9 +50,13 @@ def recorded_view() -> None:
             st.caption("Recorded: " + about(name, result.environment, result.date, result.command))
 
 
-if st.session_state.get("comparison") is None:
-    recorded_view()
-    st.header("Compare your own")
+# The recorded comparison until the visitor has one; gone (its slot emptied) from the moment Compare
+# is pressed, so that the page then shows only the visitor's live trees and results.
+recorded_slot = st.empty()
+if st.session_state.get("comparison") is None and not st.session_state.get("cmp_run"):
+    with recorded_slot.container():
+        recorded_view()
+        st.header("Compare your own")
 
 with st.sidebar:
     st.header("Models")
@@ -133,7 +137,7 @@ def live_view(labels: list[str], decode):
     return on_record
 
 
-if st.button("Compare", type="primary", icon=":material/compare_arrows:"):
+if st.button("Compare", type="primary", icon=":material/compare_arrows:", key="cmp_run"):
     if not target_spec:
         st.error("Enter a target model.")
     elif not prompt.strip():

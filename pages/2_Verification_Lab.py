@@ -11,6 +11,7 @@ from dynatree_core.decoding.engine import DecodeConfig
 from dynatree_core.decoding.methods import candidates, verifier_for
 from dynatree_core.decoding.pairs import encode_prompt
 from dynatree_core.drafting import make_policy
+from dynatree_core.errors import DynaTreeError
 from dynatree_core.measure.lab import lab_from_report
 from dynatree_core.ui.lab_view import show_lab
 from dynatree_core.ui.recorded import LAB, about, recorded_lab
@@ -37,7 +38,7 @@ def recorded_view() -> None:
         return
     try:
         result = lab_from_report(report)
-    except Exception:  # noqa: BLE001 - a damaged shipped file: the page opens on its form instead
+    except DynaTreeError:  # a damaged shipped file: the page opens on its form instead
         return
     st.info(
         f"**A recorded experiment**: {report['verifier']} verifying {report['policy']} trees, "
@@ -50,9 +51,11 @@ def recorded_view() -> None:
     st.caption("Recorded: " + about(LAB, report.get("environment"), report.get("date", ""), report.get("command", "")))
 
 
-if "lab" not in st.session_state:
-    recorded_view()
-    st.header("Run the lab")
+recorded_slot = st.empty()  # the recorded experiment until the visitor runs one (emptied when Run is pressed)
+if "lab" not in st.session_state and not st.session_state.get("lab_run"):
+    with recorded_slot.container():
+        recorded_view()
+        st.header("Run the lab")
 
 run = st.session_state.get("run")
 has_live = run is not None and bool(run.records) and run.spec is not None and bool(run.spec.target)
@@ -89,7 +92,7 @@ temperature = c2.slider("Temperature", 0.1, 2.0, base_temperature or 0.8, 0.1)
 top_p = setting_widget("top_p", value=base_top_p, where=c3)
 trials = c4.slider("Repetitions", 20, 2000, 200, 20, help="Each costs one draft tree and one target forward.")
 
-if st.button("Run the lab", type="primary", icon=":material/science:"):
+if st.button("Run the lab", type="primary", icon=":material/science:", key="lab_run"):
     try:
         if not models[0]:
             raise ValueError("enter a target model")
