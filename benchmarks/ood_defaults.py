@@ -38,6 +38,7 @@ GRIDS = {
     "recycle": {"k": "4,8,16", "depth": "4,6,8", "budget": "6,8,10,12,16,24"},
     "suffix": {"min_match": "1,2,3,4", "depth": "4,8,16", "branches": "1,2,4", "budget": "8,16,32"},
     "joined_fixed_tree": {"retrieved": "0,4,8,16", "recycled": "0,4,8,16"},
+    "joined_dynatree": {"retrieved": "0,4,8,16", "recycled": "0,4,8,16"},
 }
 
 

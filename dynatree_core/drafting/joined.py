@@ -26,9 +26,9 @@ def joined(base: type[Policy], name: str, summary: str, **defaults) -> type[Poli
     return register_policy(cls)
 
 
-# retrieved 8, recycled 0: the measured best on the OOD tuning prompts on CPU (recycled 4-16 added
-# tokens an iteration but cost more verify time than they saved); joined_dynatree takes the same
-# (not fitted on its own)
+# retrieved 8, recycled 0: the measured best on the OOD tuning prompts on CPU for each form, fitted
+# on its own (recycled 4-16 added tokens an iteration, up to 3.11 for joined_dynatree, but cost more
+# verify time than they saved; benchmarks/ood_defaults.py, assets/benchmarks/ood-defaults-cost-free/)
 JoinedFixedTree = joined(
     FixedTree,
     "joined_fixed_tree",
