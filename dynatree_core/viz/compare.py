@@ -5,6 +5,10 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 
+LEGEND_PER_ROW = 3  # legend entries a row holds in a chart half a laptop screen wide
+LEGEND_ROW_PX = 22
+
+
 def compare_figures(entries: list, *, height: int = 320) -> dict[str, go.Figure]:
     """The comparison page's charts from its EntryStats: throughput (± std), committed tokens per
     iteration, the accepted-length histogram and acceptance by tree depth."""
@@ -50,10 +54,12 @@ def compare_figures(entries: list, *, height: int = 320) -> dict[str, go.Figure]
         yaxis_range=[0, 1],
     )
     figures = {"throughput": throughput, "committed": committed, "accepted": histogram, "depth": depth}
-    for fig in figures.values():  # legend above the plot: below it, it covers the x-axis title
+    for fig in figures.values():  # legend above the plot (below it, it covers the x-axis title), under the title
+        rows = -(-len(fig.data) // LEGEND_PER_ROW) if len(fig.data) > 1 else 0  # one trace: no legend
         fig.update_layout(
-            height=height,
-            margin=dict(l=10, r=10, t=70, b=10),
+            height=height + LEGEND_ROW_PX * max(rows - 1, 0),
+            title=dict(y=1.0, yanchor="top", yref="container", pad=dict(t=12)),
+            margin=dict(l=10, r=10, t=50 + LEGEND_ROW_PX * rows, b=10),
             legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1),
         )
     throughput.update_yaxes(range=[0, 1.2 * max((e.throughput_tps + e.throughput_std for e in entries), default=1)])
