@@ -4,6 +4,7 @@ a live view while it runs, a results table and charts, a correctness badge, CSV/
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import streamlit as st
@@ -20,6 +21,7 @@ from dynatree_core.ui.recorded import about, machine, recorded_comparisons
 from dynatree_core.ui.resources import models_info, pair_job, show_error
 from dynatree_core.ui.widgets import model_picker, param_widgets, prompt_inputs, setting_widget
 from dynatree_core.viz import legend_html, tree_figure
+from dynatree_core.viz.reports import speedup_figure
 
 st.set_page_config(page_title="Compare policies", page_icon="⚖️", layout="wide")
 st.title("Compare drafting policies")
@@ -43,6 +45,10 @@ def recorded_view() -> None:
         f"“{recorded[0][1].prompt}”. The form below runs **your own** prompt and policies.",
         icon=":material/history:",
     )
+    if len(recorded) > 1:  # the machines side by side first, then each one's details in its tab
+        rows = [(machine(r.environment), [dataclasses.asdict(e) for e in r.entries]) for _, r in recorded]
+        st.markdown("**Speedup by policy on each machine** (over the faster reference of its own run)")
+        st.plotly_chart(speedup_figure(rows), width="stretch", key="rec_machines")
     tabs = st.tabs([machine(r.environment) for _, r in recorded]) if len(recorded) > 1 else [st.container()]
     for tab, (name, result) in zip(tabs, recorded, strict=True):
         with tab:

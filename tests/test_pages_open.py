@@ -80,3 +80,24 @@ def test_a_report_is_named_by_its_machine_and_date(name):
         assert recorded.report_date("gpu-h200-2026-11-27-ood.json") == "2026-11-27"
         assert recorded.report_date("cpu.json", "2026-11-29") == "2026-11-29"
         assert recorded.report_date("cpu.json") == "undated"
+
+
+def test_compare_shows_the_cpu_and_a_gpu_recording_side_by_side_when_both_exist(tmp_path, monkeypatch):
+    """With a GPU comparison beside the CPU one (a copy, its environment a lent H200 here), the
+    page opens on both machines' speedups in one figure, then a tab per machine."""
+    import shutil
+
+    (cpu_name, _), *_ = recorded.recorded_comparisons()
+    data = json.loads((recorded.ASSETS / cpu_name).read_text())
+    data["environment"] = {**data["environment"], "gpu": "NVIDIA H200", "device": "cuda", "dtype": "bfloat16"}
+    shutil.copy(recorded.ASSETS / cpu_name, tmp_path / cpu_name)
+    (tmp_path / "gpu-compare-papers.json").write_text(json.dumps(data))
+    monkeypatch.setattr(recorded, "ASSETS", tmp_path)
+    recorded._shipped.clear()
+    try:
+        at = _open("1_Compare_Policies.py")
+    finally:
+        recorded._shipped.clear()
+    machines = next(json.loads(c.proto.spec) for c in at.get("plotly_chart") if c.key == "rec_machines")
+    assert [t["name"] for t in machines["data"]] == ["AMD EPYC (2 cores), float32", "NVIDIA H200 (lent), bfloat16"]
+    assert len(at.tabs) == 2

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-
 LEGEND_PER_ROW = 3  # legend entries a row holds in a chart half a laptop screen wide
 LEGEND_ROW_PX = 22
 
