@@ -53,6 +53,19 @@ def forward_settings(args) -> ForwardSettings:
     )
 
 
+def load_run(args, target_spec: str, draft_spec: str | None):
+    """The pair the arguments name, loaded, and the run's engine config (settings + what the pair knows)."""
+    from dynatree_core.decoding.pairs import load_pair
+
+    pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype, pack=not args.no_pack)
+    config = RunSpec.of(args).decode_config(
+        eos_token_ids=pair.target.eos_token_ids,
+        context_length=pair.target.context_length,
+        forward=forward_settings(args),
+    )
+    return pair, config
+
+
 def _read_prompt(args) -> str:
     """The prompt from --prompt or --prompt-file, refused when empty (with --max-new-tokens < 1)."""
     if args.prompt_file is not None:
@@ -134,7 +147,6 @@ def cmd_presets(args) -> None:
 
 def cmd_bench(args) -> None:
     from dynatree_core.decoding.methods import REFERENCES, candidates, make_method
-    from dynatree_core.decoding.pairs import load_pair
     from dynatree_core.measure import bench as B
     from dynatree_core.measure.entries import Entry, parse_spec
     from dynatree_core.measure.prompt_sets import choose_prompts
@@ -162,15 +174,9 @@ def cmd_bench(args) -> None:
         raise DynaTreeError(f"--repeats must be at least 1, got {args.repeats}")
     if args.warmup < 0:
         raise DynaTreeError(f"--warmup must be >= 0, got {args.warmup}")
-    spec = RunSpec.of(args)
     chosen = choose_prompts(args.prompts, args.limit, args.skip)
     target_spec, draft_spec = _resolve_models(args)
-    pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype, pack=not args.no_pack)
-    config = spec.decode_config(
-        eos_token_ids=pair.target.eos_token_ids,
-        context_length=pair.target.context_length,
-        forward=forward_settings(args),
-    )
+    pair, config = load_run(args, target_spec, draft_spec)
     common = dict(
         config=config,
         repeats=args.repeats,

@@ -8,8 +8,7 @@ import datetime
 import json
 import shlex
 
-from dynatree_core.cli.commands import _Progress, _read_prompt, _resolve_models, forward_settings
-from dynatree_core.decoding.settings import RunSpec
+from dynatree_core.cli.commands import _Progress, _read_prompt, _resolve_models, load_run
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.runs.environment import portable
 
@@ -28,18 +27,10 @@ def _stamp(args, model, dtype_source: str) -> dict:
 
 
 def _pair_and_config(args):
-    """The prompt, the loaded pair, the run's spec and its engine config."""
-    from dynatree_core.decoding.pairs import load_pair
-
+    """The prompt, the loaded pair, its engine config and the models as a report records them."""
     prompt = _read_prompt(args)
-    spec = RunSpec.of(args)
     target_spec, draft_spec = _resolve_models(args)
-    pair = load_pair(target_spec, draft_spec, device=args.device, dtype=args.dtype, pack=not args.no_pack)
-    config = spec.decode_config(
-        eos_token_ids=pair.target.eos_token_ids,
-        context_length=pair.target.context_length,
-        forward=forward_settings(args),
-    )
+    pair, config = load_run(args, target_spec, draft_spec)
     models = {"target": portable(target_spec), "draft": portable(draft_spec or ""), "device": args.device}
     return prompt, pair, config, {**models, "dtype": args.dtype}
 

@@ -16,6 +16,12 @@ def _stepped(rows: list[dict]) -> list[dict]:
     return [{**r, **{k: r.get(k) or 0.0 for k in keys}} for r in rows if r.get("verify_ms_per_iteration")]
 
 
+def _laid_out(fig: go.Figure, **layout) -> go.Figure:
+    """The side-by-side figures' common frame: 360 px, the legend above, narrow margins."""
+    fig.update_layout(height=360, margin=dict(t=30, b=10, l=10, r=10), legend=dict(orientation="h", y=1.12), **layout)
+    return fig
+
+
 def speedup_figure(reports: list[Report]) -> go.Figure:
     """Speedup over the faster of `ar` / HF generate in the same run, one bar group per report."""
     fig = go.Figure()
@@ -23,14 +29,7 @@ def speedup_figure(reports: list[Report]) -> go.Figure:
         shown = [r for r in rows if not r["label"].startswith("hf_")]
         fig.add_bar(x=[r["label"] for r in shown], y=[r.get("speedup", 0) for r in shown], name=name)
     fig.add_hline(y=1.0, line_dash="dot", line_color="#888")
-    fig.update_layout(
-        barmode="group",
-        yaxis_title="speedup (x the faster reference)",
-        height=360,
-        margin=dict(t=30, b=10, l=10, r=10),
-        legend=dict(orientation="h", y=1.12),
-    )
-    return fig
+    return _laid_out(fig, barmode="group", yaxis_title="speedup (x the faster reference)")
 
 
 def draft_cost_figure(reports: list[Report]) -> go.Figure:
@@ -49,14 +48,7 @@ def draft_cost_figure(reports: list[Report]) -> go.Figure:
             textposition="top center",
             name=name,
         )
-    fig.update_layout(
-        xaxis_title="drafting's share of the iteration (%)",
-        yaxis_title="tokens per iteration",
-        height=360,
-        margin=dict(t=30, b=10, l=10, r=10),
-        legend=dict(orientation="h", y=1.12),
-    )
-    return fig
+    return _laid_out(fig, xaxis_title="drafting's share of the iteration (%)", yaxis_title="tokens per iteration")
 
 
 def split_figure(report: Report) -> go.Figure:
