@@ -42,3 +42,29 @@ def test_a_page_opens_on_a_drawn_figure_within_3_s_of_its_title(pages_url, path,
     assert opened["scrolled"] == 0, "nothing scrolled"
     after = opened["figure_after_title_s"]
     assert after <= 3.0, f"{PAGES[path]}: its first figure showed {after:.1f} s after the title"
+
+
+def test_the_lab_runs_on_a_server_where_the_live_page_was_never_opened(pages_url):
+    """A fresh server, the Lab opened first and only: with its own default prompt and the embedded
+    pair it runs 20 repetitions and shows the visitor's histogram in place of the recorded one."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport=LAPTOP)
+        page.goto(f"{pages_url}/Verification_Lab")
+        page.get_by_role("button", name="Run the lab").wait_for(timeout=120_000)
+        slider = page.get_by_role("slider", name="Repetitions")
+        slider.focus()
+        slider.press("Home")  # the fewest: 20
+        page.wait_for_selector("[data-testid=stApp][data-test-script-state=notRunning]", timeout=60_000)
+        page.get_by_role("button", name="Run the lab").click()
+        page.get_by_text("Your experiment", exact=True).wait_for(timeout=600_000)
+        page.wait_for_selector("[data-testid=stApp][data-test-script-state=notRunning]", timeout=60_000)
+        metric = page.locator("[data-testid=stMetric]").filter(has_text="Repetitions")
+        assert metric.locator("[data-testid=stMetricValue]").inner_text(timeout=30_000) == "20"
+        assert page.get_by_text("A recorded experiment", exact=False).count() == 0
+        assert page.locator("[data-testid=stException]").count() == 0
+        assert page.locator("[data-testid=stPlotlyChart]").count() >= 1
+        page.screenshot(path=str(OUTPUT / "e2e-lab-own-run.png"))
+        browser.close()
