@@ -337,8 +337,9 @@ def test_png_export_without_kaleido_is_a_clear_error(tmp_path, monkeypatch):
     assert (tmp_path / "g.html").is_file()  # the HTML is written first either way
 
 
-def test_generate_refuses_a_prompt_longer_than_the_context_before_loading_the_models(
-    capsys, tiny_pair_dirs, monkeypatch
+@pytest.mark.parametrize("command", ["generate", "compare", "lab"])
+def test_a_prompt_longer_than_the_context_is_refused_before_loading_the_models(
+    capsys, tiny_pair_dirs, monkeypatch, command
 ):
     """The tokenizer and config alone show the prompt cannot fit (context 512): exit 2, no model load."""
     import dynatree_core.decoding.pairs as session
@@ -346,7 +347,7 @@ def test_generate_refuses_a_prompt_longer_than_the_context_before_loading_the_mo
     target, draft = tiny_pair_dirs
     loads = []
     monkeypatch.setattr(session, "load_pair", lambda *a, **k: loads.append(a) or pytest.fail("models loaded"))
-    argv = ["generate", "--target", target, "--draft", draft, "--no-chat", "--prompt", "hello " * 600]
+    argv = [command, "--target", target, "--draft", draft, "--no-chat", "--prompt", "hello " * 600]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "the prompt has" in err and "the model's context is 512" in err and loads == []

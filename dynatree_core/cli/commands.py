@@ -53,6 +53,21 @@ def forward_settings(args) -> ForwardSettings:
     )
 
 
+def command_line(args) -> str:
+    """The command as a report records it (this machine's paths made portable)."""
+    return portable("python -m dynatree_core " + shlex.join(args.argv))
+
+
+def stamp(args, model, dtype_source: str, forward_path: str = "") -> dict:
+    """What a report records about its run: the environment, the date and the command."""
+    from dynatree_core.core.packing import is_packed
+    from dynatree_core.runs.environment import environment
+
+    dtype = str(model.dtype).removeprefix("torch.")
+    env = environment(str(model.device), dtype, is_packed(model), dtype_source, forward_path=forward_path)
+    return {"environment": env, "date": datetime.date.today().isoformat(), "command": command_line(args)}
+
+
 def load_run(args, target_spec: str, draft_spec: str | None):
     """The pair the arguments name, loaded, and the run's engine config (settings + what the pair knows)."""
     from dynatree_core.decoding.pairs import load_pair
@@ -190,7 +205,7 @@ def cmd_bench(args) -> None:
         else:
             sweep = dict(setting=setting[0], values=setting[1])
             report = B.run_setting_sweep(pair, entries, chosen, progress=progress, **sweep, **common)
-    report.settings["command"] = portable("python -m dynatree_core " + shlex.join(args.argv))
+    report.settings["command"] = command_line(args)
     report.settings["date"] = datetime.date.today().isoformat()
     report.settings["models"] = {"target": portable(target_spec), "draft": draft_spec and portable(draft_spec)}
     if args.out is not None:
@@ -214,11 +229,9 @@ def cmd_bench(args) -> None:
 
 
 def cmd_latency(args) -> None:
-    from dynatree_core.core.packing import is_packed
     from dynatree_core.decoding.pairs import load_pair
     from dynatree_core.forward.choice import forward_path
     from dynatree_core.measure.latency import pair_profile
-    from dynatree_core.runs.environment import environment
     from dynatree_core.viz.bench import latency_figure
 
     try:
@@ -235,14 +248,7 @@ def cmd_latency(args) -> None:
         points = pair_profile(pair, tokens, contexts, args.repeats, progress, settings=settings)
     model = pair.target.model
     report = {
-        "environment": environment(
-            str(model.device),
-            str(model.dtype).removeprefix("torch."),
-            is_packed(model),
-            pair.dtype_source,
-            forward_path=forward_path(model, **settings.choice_switches()),
-        ),
-        "command": portable("python -m dynatree_core " + shlex.join(args.argv)),
+        **stamp(args, model, pair.dtype_source, forward_path(model, **settings.choice_switches())),
         "points": [dataclasses.asdict(p) for p in points],
     }
     if args.out is not None:

@@ -4,32 +4,18 @@ and `lab` (one verifier's first-token law against the target's). Each can write 
 
 from __future__ import annotations
 
-import datetime
 import json
-import shlex
 
-from dynatree_core.cli.commands import _Progress, _read_prompt, _resolve_models, load_run
+from dynatree_core.cli.commands import _Progress, _read_prompt, _refuse_long_prompt, _resolve_models, load_run, stamp
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.runs.environment import portable
-
-
-def _stamp(args, model, dtype_source: str) -> dict:
-    """What a report records about its run: the environment, the date and the command."""
-    from dynatree_core.core.packing import is_packed
-    from dynatree_core.runs.environment import environment
-
-    dtype = str(model.dtype).removeprefix("torch.")
-    return {
-        "environment": environment(str(model.device), dtype, is_packed(model), dtype_source),
-        "date": datetime.date.today().isoformat(),
-        "command": portable("python -m dynatree_core " + shlex.join(args.argv)),
-    }
 
 
 def _pair_and_config(args):
     """The prompt, the loaded pair, its engine config and the models as a report records them."""
     prompt = _read_prompt(args)
     target_spec, draft_spec = _resolve_models(args)
+    _refuse_long_prompt(target_spec, prompt, args.chat)  # before any model loads, as `generate` does
     pair, config = load_run(args, target_spec, draft_spec)
     models = {"target": portable(target_spec), "draft": portable(draft_spec or ""), "device": args.device}
     return prompt, pair, config, {**models, "dtype": args.dtype}
@@ -61,7 +47,7 @@ def cmd_compare(args) -> None:
             on_progress=progress,
             tokenizer=pair.target.tokenizer,
         )
-    for name, value in _stamp(args, pair.target.model, pair.dtype_source).items():
+    for name, value in stamp(args, pair.target.model, pair.dtype_source).items():
         setattr(result, name, value)
     if args.csv is not None:
         args.csv.write_text(result.csv(), encoding="utf-8")
@@ -114,7 +100,7 @@ def cmd_lab(args) -> None:
         "trials": args.trials,
         "chi_square": stat,
         "dof": dof,
-        **_stamp(args, pair.target.model, pair.dtype_source),
+        **stamp(args, pair.target.model, pair.dtype_source),
     }
     report = lab_report(result, lambda t: decode([t]), about)
     if args.out is not None:
