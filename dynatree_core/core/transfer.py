@@ -91,46 +91,6 @@ def counting():
         diff.update({k: COUNTS[k] - before.get(k, 0) for k in COUNTS})
 
 
-class PhaseClock:
-    """The phase boundaries of one iteration, marked without waiting for the device: perf_counter
-    on a CPU, CUDA events on a GPU (a mark is queued behind the work before it). Read after the
-    iteration's blocking read (the verification's), the marks before it are done: reading them
-    waits for nothing, so an iteration's timing costs no sync of its own. What follows that read
-    (the commit, the record) is host work and queued launches, timed on the host from `host_start`.
-    """
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-        self.reads_at_mark = 0  # COUNTS["to_host"] at the last mark
-
-    def mark(self) -> None:
-        self.reads_at_mark = COUNTS["to_host"]
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def read(self) -> list[float]:
-        """Milliseconds from the first mark to each mark. Without a device->host read since the
-        last mark it waits for the device: one sync, counted on every device (so CPU tests hold a
-        GPU's count); after one, the events are done and nothing is counted."""
-        waits = COUNTS["to_host"] == self.reads_at_mark
-        COUNTS["sync"] += waits
-        self._read_at = time.perf_counter()
-        if not self.cuda:
-            return [(t - self.marks[0]) * 1e3 for t in self.marks]
-        self.marks[-1].synchronize()  # done already after a read: returns at once
-        return [self.marks[0].elapsed_time(e) for e in self.marks]
-
-    def host_start(self) -> float:
-        """Where host-timed spans after `read` start (perf_counter seconds): the last mark on a CPU
-        (its clock is the host's), the read itself on a GPU (what came before is the device's)."""
-        return self._read_at if self.cuda else self.marks[-1]
-
-
 class Stopwatch:
     """Sums spans of work on one device: perf_counter on a CPU, CUDA events (no sync) on a GPU."""
 
@@ -160,7 +120,7 @@ class Stopwatch:
     @property
     def ms(self) -> float:
         """The total so far (on CUDA, waits for the recorded events: one sync, counted, unless they
-        are all done already, as after an iteration's PhaseClock.read)."""
+        are all done already, as after an iteration's marks are read: decoding/clock.py)."""
         if self.pending and not all(end.query() for _, end in self.pending):
             COUNTS["sync"] += 1
         for start, end in self.pending:

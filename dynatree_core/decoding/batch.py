@@ -114,7 +114,7 @@ class EarlyVerify:
     of the batch."""
 
     def __init__(self, state, clock):
-        """`clock`: the iteration's (clock.IterationClock): draft done, rows built, verify queued."""
+        """`clock`: the iteration's (clock.IterationClock): it marks draft, rows and verify."""
         self.state, self.clock = state, clock
         self.out: Forward | None = None
         self.read = None  # levels.ReadRows, set by levels.read_verifying
@@ -125,7 +125,7 @@ class EarlyVerify:
     def launch(self, rows, *, depth: int) -> None:
         """Queue the forward over the chain then `rows` (`depth`: the levels drafted, so no row
         sits deeper), marking the clock's three phases as the host build does."""
-        self.clock.draft_done()
+        self.clock.mark("draft")
         kv, device = self.state.target_kv, rows.tokens.device
         past, chain, root = kv.length, kv.pending, len(self.state.committed) - 1
         self.past, self.chain, self.root, self.rows = past, list(chain), root, rows
@@ -136,9 +136,9 @@ class EarlyVerify:
             ids = torch.cat([to_device(torch.tensor(chain), device), rows.tokens])  # one upload: the chain
             positions = torch.cat([torch.arange(past, past + len(chain), device=device), root + rows.depths])
             visible = tree_seen(past, len(chain), rows.lines)
-            self.clock.batch_built()
+            self.clock.mark("rows")
             self.out = verify_forward(self.state, ids, positions, visible, rows.tokens.shape[0] + 1, most_keys)
-        self.clock.verify_done(len(chain) + rows.tokens.shape[0])
+        self.clock.mark("verify", len(chain) + rows.tokens.shape[0])
 
     def _captured(self, rows, past: int, chain: list[int], root: int, most_keys: int) -> Forward | None:
         """The verify forward and its inputs (ids, positions, slots, mask) as ONE captured step
@@ -156,7 +156,7 @@ class EarlyVerify:
         n, w = len(chain), rows.tokens.shape[0]
         host = kv.steps.buffer(("verify inputs", n), lambda: torch.zeros(n + 2, dtype=torch.long, device=kv.device))
         upload_into(host, torch.tensor([past, root, *chain]))
-        self.clock.batch_built()
+        self.clock.mark("rows")
         inputs = (host, rows.tokens, rows.depths, rows.lines)
         out, _ = kv.level(
             ("verify", n, w), _verify_fill(n, w), inputs, n + w, embeds=False, most_keys=most_keys, keep=w + 1

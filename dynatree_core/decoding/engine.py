@@ -95,17 +95,6 @@ class DecodeState:
     def new_tokens(self) -> int:
         return len(self.committed) - self.prompt_len
 
-    def capture_s(self) -> float:
-        """Seconds spent capturing CUDA graphs so far, target and draft (forward/graphs.py)."""
-        return self.target_kv.capture_s + (self.drafter.kv.capture_s if self.drafter else 0.0)
-
-    def draft_forwards(self) -> int:
-        return self.drafter.forwards if self.drafter else 0
-
-    def draft_forward_ms(self) -> float:
-        """The draft's time inside forwards so far (on CUDA, reading it waits for its events)."""
-        return self.drafter.kv.forward_ms if self.drafter else 0.0
-
 
 def start_run(
     target: torch.nn.Module,
@@ -218,12 +207,12 @@ def _iteration(state: DecodeState, index: int, budget: int) -> IterationRecord:
     if early is not None and early.out is not None:
         batch, out = early.batch(tree), early.out
     else:
-        clock.draft_done()
+        clock.mark("draft")
         batch = VerifyBatch.of(tree, state)  # the rows: the pending chain, then the tree's nodes
-        clock.batch_built()
+        clock.mark("rows")
         seed = len(batch.chain) - 1 if state.policy.reads_target else 0
         out = host_verify(state, batch, seed)  # ONE target forward
-        clock.verify_done(len(batch.tokens))
+        clock.mark("verify", len(batch.tokens))
         if seed:
             seen, out = out.logits[:seed], Forward(out.logits[seed:], out.states)
     outcome = _verify(state, tree, batch, out)  # the iteration's blocking read: the target's choices
@@ -238,7 +227,7 @@ def _iteration(state: DecodeState, index: int, budget: int) -> IterationRecord:
     _commit(state, tree, batch, outcome.accepted, new_tokens, out.states)
     if drafted:  # a prefill-only iteration says nothing about the policy's trees
         state.policy.observe(outcome)
-    clock.committed()
+    clock.mark("commit")
     record = _record(state, index, tree, batch, outcome, new_tokens, stop)
     clock.fill(record)
     state.policy.observe_cost(record.verify_rows, record.verify_ms)

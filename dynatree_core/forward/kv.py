@@ -101,19 +101,15 @@ class KVState(FilledForwards):
         self.length = 0  # tokens whose KV is in the cache
         self.pending: list[int] = list(prompt_ids)  # committed, not yet in the cache
         self.forwards = 0
-        self.watch = Stopwatch(self.device)  # time inside model forwards, graph captures excluded
+        # time inside model forwards (what "outside the forwards" is measured against); graph
+        # captures are not forwards and are counted in `capture_s` instead
+        self.watch = Stopwatch(self.device)
         self.peak_bytes = 0  # the cache's largest size so far (right after a forward, before compaction)
         # the implementation, picked once: the reference, the lean forward, the padded one (captured
         # where graphs are) or the width-invariant one; rows too wide for a bucket run unpadded
         kind = "padded" if self.padded is not None else self.choice.kind
         self._run = {"reference": self._reference, "lean": self._lean, "padded": self._padded}.get(kind, self._grouped)
         self._wide = self._grouped if self.invariant else self._lean
-
-    @property
-    def forward_ms(self) -> float:
-        """Time inside model forwards (what "outside the forwards" is measured against); graph
-        captures are not forwards and are counted in `capture_s` instead."""
-        return self.watch.ms
 
     @property
     def capture_s(self) -> float:
