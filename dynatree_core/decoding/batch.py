@@ -131,7 +131,9 @@ class EarlyVerify:
         self.past, self.chain, self.root, self.rows = past, list(chain), root, rows
         # no row sees more than the past, the chain and its ancestors (`depth` at most, itself included)
         most_keys = past + len(chain) + depth
-        self.out = self._captured(rows, past, chain, root, most_keys)
+        self.out = None
+        if kv.filled:  # where the target's steps are captured: inputs and forward in one step
+            self.out = self._captured(rows, past, chain, root, most_keys)
         if self.out is None:
             ids = torch.cat([to_device(torch.tensor(chain), device), rows.tokens])  # one upload: the chain
             positions = torch.cat([torch.arange(past, past + len(chain), device=device), root + rows.depths])

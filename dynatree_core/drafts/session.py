@@ -124,15 +124,16 @@ class Drafter:
         if tokens is None:
             logits, after = self._root(then)
             self.level_starts = []
-            self._committed_on_device = self._upload_committed(logits.device)
+            self._committed_on_device = self._upload_committed(logits.device) if self.steps.capture else None
             if self._committed_on_device is None:
                 self.ancestors = torch.zeros(1, 0, dtype=torch.long, device=logits.device)
             return logits, after
         p, start = tokens.shape[0], self.kv.length
         self.level_starts.append(start)
-        done = self._captured_level(tokens, parents, depth, start, then)
-        if done is not None:
-            return done
+        if self._committed_on_device is not None:  # where the run captures its steps: one step, inputs and all
+            done = self._captured_level(tokens, parents, depth, start, then)
+            if done is not None:
+                return done
         own = torch.arange(start, start + p, device=tokens.device)
         self.ancestors = torch.cat([self.ancestors[parents], own[:, None]], dim=1)  # the root is committed
         seen = visibility(self.committed, self.ancestors, start + p)
@@ -150,12 +151,10 @@ class Drafter:
         """A captured root's input vectors (width, hidden), or None: the tokens' embeddings."""
         return None
 
-    def _upload_committed(self, device: torch.device) -> torch.Tensor | None:
+    def _upload_committed(self, device: torch.device) -> torch.Tensor:
         """Where the run captures its steps: the committed length, uploaded once an iteration into
         a buffer the level steps read in place (and the root's empty ancestor list, made once)."""
         steps = self.steps
-        if not steps.capture:
-            return None
         self.ancestors = steps.constant(("no ancestors",), lambda: torch.zeros(1, 0, dtype=torch.long, device=device))
         committed = steps.buffer(("committed",), lambda: torch.zeros(1, dtype=torch.long, device=device))
         upload_into(committed, torch.tensor([self.committed]))
@@ -166,9 +165,7 @@ class Drafter:
         (KVState.level), from the committed length the root's forward uploaded: the rows' slots,
         ancestors, mask, positions and inputs. Slots sit at a fixed offset from the committed
         length (a level's width is fixed), so the graph of a level replays every iteration.
-        Returns (its logits, what `then` returned); None where the run does not capture its steps."""
-        if self._committed_on_device is None:
-            return None
+        Returns (its logits, what `then` returned); None where the forward does not fill (FilledForwards.fills)."""
         p, offset = tokens.shape[0], start - self.committed
         position = depth + self.position_shift
 
