@@ -167,14 +167,11 @@ def _residual(module: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor],
     """x + module(a) as one GEMM adding into x in place (addmm_, beta 1: the epilogue reads x), on
     FUSED_ADD_DEVICES for a plain linear without bias; None elsewhere. x (.., out) contiguous,
     a (.., in); returns x, updated."""
-    weight = module.weight
-    if (
-        weight.device.type not in FUSED_ADD_DEVICES
-        or module.bias is not None
-        or getattr(module, "packed", None) is not None
-    ):
+    if getattr(module, "packed", None) is not None or module.bias is not None:  # a packed .weight is a copy
         return None
-    transposed = weight.t()
+    if module.weight.device.type not in FUSED_ADD_DEVICES:
+        return None
+    transposed = module.weight.t()
 
     def add(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         x.view(-1, x.shape[-1]).addmm_(a.reshape(-1, a.shape[-1]), transposed)
@@ -255,7 +252,8 @@ class _Block:
         self.q, self.k, self.v = (_linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
         self.gate, self.up = _linear(mlp.gate_proj), _linear(mlp.up_proj)
         self.add_o, self.add_down = _residual(attn.o_proj), _residual(mlp.down_proj)  # None: x + o(a)
-        device = attn.o_proj.weight.device.type
+        # the projection's own tensors (a packed one's .weight would be a copy made to be read)
+        device = next(iter([*attn.o_proj.parameters(), *attn.o_proj.buffers()])).device.type
         self.rotate = _rotate_fused if device in FUSED_ADD_DEVICES else _rotate
         self.kernels = kernels.enabled(device)  # Triton's rotation and silu * up (forward/kernels.py)
         self.head_dim = attn.head_dim
