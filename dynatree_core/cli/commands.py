@@ -81,6 +81,21 @@ def load_run(args, target_spec: str, draft_spec: str | None):
     return pair, config
 
 
+def ray_workers(args, target_spec: str, draft_spec: str | None):
+    """With --ray, Ray workers each holding the pair the arguments name, started (measure/cluster.py); else None."""
+    if args.ray_workers < 0:
+        raise DynaTreeError(f"--ray-workers must be 0 (one per GPU or node) or more, got {args.ray_workers}")
+    if not args.ray:
+        if args.ray_workers:
+            raise DynaTreeError("--ray-workers needs --ray")
+        return None
+    from dynatree_core.measure.cluster import PairSource, Workers
+
+    source = PairSource(target_spec, draft_spec, device=args.device, dtype=args.dtype, pack=not args.no_pack)
+    print("starting Ray workers ...", file=sys.stderr, flush=True)
+    return Workers(source, args.ray_workers).start()
+
+
 def _read_prompt(args) -> str:
     """The prompt from --prompt or --prompt-file, refused when empty (with --max-new-tokens < 1)."""
     if args.prompt_file is not None:
@@ -198,6 +213,7 @@ def cmd_bench(args) -> None:
         warmup=args.warmup,
         include_hf=not args.no_hf,
         max_prompt_tokens=args.max_prompt_tokens,
+        workers=ray_workers(args, target_spec, draft_spec),
     )
     with _Progress() as progress:
         if setting is None:

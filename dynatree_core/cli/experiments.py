@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import json
 
-from dynatree_core.cli.commands import _Progress, _read_prompt, _refuse_long_prompt, _resolve_models, load_run, stamp
+from dynatree_core.cli.commands import (
+    _Progress,
+    _read_prompt,
+    _refuse_long_prompt,
+    _resolve_models,
+    load_run,
+    ray_workers,
+    stamp,
+)
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.runs.environment import portable
 
@@ -34,6 +42,7 @@ def cmd_compare(args) -> None:
 
     entries = parse_entries(args.policy or ["linear", "fixed_tree", "dynatree", "salf"])
     prompt, pair, config, models = _pair_and_config(args)
+    workers = ray_workers(args, *_resolve_models(args))
     with _Progress() as progress:
         result = compare(
             pair,
@@ -46,9 +55,12 @@ def cmd_compare(args) -> None:
             models=models,
             on_progress=progress,
             tokenizer=pair.target.tokenizer,
+            workers=workers,
         )
     for name, value in stamp(args, pair.target.model, pair.dtype_source).items():
         setattr(result, name, value)
+    if workers is not None:  # where the runs ran: each worker's host, device and threads
+        result.environment["workers"] = workers.places
     if args.csv is not None:
         args.csv.write_text(result.csv(), encoding="utf-8")
     if args.out is not None:

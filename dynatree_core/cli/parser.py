@@ -127,6 +127,7 @@ def _add_compare(sub) -> None:
     cmp.add_argument("--json", action="store_true", help="print the comparison as JSON")
     cmp.add_argument("--csv", type=output, default=None, help="also write the table as CSV here")
     cmp.add_argument("--out", type=output, default=None, help="write the comparison as JSON here (the page imports it)")
+    _ray_arguments(cmp)
 
 
 def _add_lab(sub) -> None:
@@ -176,6 +177,17 @@ def _add_bench(sub) -> None:
     _model_arguments(bench)
     _engine_arguments(bench)
     _sweep_arguments(bench)
+    _ray_arguments(bench)
+
+
+def _ray_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the runs go: this process, or Ray workers (measure/cluster.py)."""
+    p.add_argument(
+        "--ray",
+        action="store_true",
+        help="run on Ray workers (a local runtime, or the cluster DYNATREE_RAY_ADDRESS names)",
+    )
+    p.add_argument("--ray-workers", type=int, default=0, help="with --ray: N workers (default: one per GPU or node)")
 
 
 def _sweep_arguments(bench: argparse.ArgumentParser) -> None:

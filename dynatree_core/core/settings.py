@@ -47,6 +47,8 @@ ENVIRONMENT: dict[str, Override] = {
         Override("DYNATREE_JOB_TIMEOUT", "", "seconds a page waits for one job, queueing included (default 3600)"),
         Override("DYNATREE_PRESETS_ONLY", "", "1: serve the preset pairs only (a public instance)"),
         Override("DYNATREE_REPLAY", "1", "0: the live page opens on its form, not a recorded run"),
+        # running beyond one process
+        Override("DYNATREE_RAY_ADDRESS", "", "the Ray cluster `--ray` joins (else RAY_ADDRESS, else a local runtime)"),
     )
 }
 

@@ -52,6 +52,12 @@ class ModelPair:
     def assistant_loaded(self) -> bool:
         return self._assistant is not None
 
+    def __getstate__(self) -> dict:  # a pair pickles (a Ray worker's, measure/cluster.py) without its lock
+        return {k: v for k, v in self.__dict__.items() if k != "_assistant_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _assistant_lock=threading.Lock())
+
     def drafting(self, policy) -> dict:
         """The engine's draft arguments for `policy`: `draft` and `draft_token_map` (one rule for
         every caller: no draft for policies that need none; HF baselines get the token draft)."""

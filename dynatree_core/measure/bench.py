@@ -157,7 +157,9 @@ def run_bench(
     progress=None,
     device: str = "",
     dtype: str = "",
+    workers=None,
 ) -> BenchReport:
+    """`workers` (cluster.Workers, started): the runs go to Ray actors, the report is the same."""
     tokenizer = pair.target.tokenizer
     ids = encode_prompts(tokenizer, prompts, max_prompt_tokens)
     stats, results = measure(
@@ -169,6 +171,7 @@ def run_bench(
         warmup=warmup,
         include_hf=include_hf,
         on_progress=progress,
+        workers=workers,
     )
     rows = []
     for s, rounds in zip(stats, results, strict=True):
@@ -210,6 +213,8 @@ def run_bench(
     runs = [r for rounds in results for rnd in rounds for r in rnd]
     env["forward_paths"] = sorted({r.forward_path for r in runs if r.forward_path})  # a capture fallback says why
     env["capture_s"] = round(sum(r.capture_s for r in runs), 3)  # CUDA graph capture, outside every timing
+    if workers is not None:  # where the runs ran: each worker's host, device and threads
+        env["workers"] = workers.places
     return BenchReport(env, settings, stats, rows)
 
 

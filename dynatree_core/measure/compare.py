@@ -24,10 +24,10 @@ from collections.abc import Callable
 from typing import Any
 
 from dynatree_core.decoding.baselines import Baseline
-from dynatree_core.decoding.engine import DecodeConfig, generate
+from dynatree_core.decoding.engine import DecodeConfig
 from dynatree_core.decoding.methods import REFERENCES, make_method, verifier_for
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.measure.entries import Entry, labelled, run_schedule
+from dynatree_core.measure.entries import Entry, labelled, run_entry, run_schedule
 from dynatree_core.measure.samples import iteration_sample
 from dynatree_core.runs.metrics import depth_reach
 from dynatree_core.runs.records import IterationRecord, RunResult
@@ -280,10 +280,12 @@ def measure(
     on_progress: Callable[[int, int, str], None] | None = None,
     on_record: Callable[[str, IterationRecord, RunResult | None], None] | None = None,
     tokenizer=None,
+    workers=None,
 ) -> tuple[list[EntryStats], list[list[list[RunResult]]]]:
     """The protocol of the module docstring over one or more prompts: references first, then the
     entries, each summarised over its measured runs (ratios to the faster reference). Also
-    returns the runs themselves, results[entry][round][prompt]."""
+    returns the runs themselves, results[entry][round][prompt]. `workers` (cluster.Workers,
+    started): the runs go to Ray actors, a round of a prompt to one of them, in the same layout."""
     if repetitions < 1:
         raise DynaTreeError("repetitions must be at least 1")
     if not prompts:
@@ -293,28 +295,26 @@ def measure(
     policies = [make_method(e.policy, e.params) for e in all_entries]  # validate before any run
     configs = [dataclasses.replace(config, verifier=e.verifier or config.verifier) for e in all_entries]
     verifiers = [verifier_for(p, c) for p, c in zip(policies, configs, strict=True)]
-    target = pair.target
 
-    def run_one(j: int, prompt: int, seed: int) -> RunResult:
-        policy, entry = policies[j], all_entries[j]
-        hook = (
-            None
-            if on_record is None or isinstance(policy, Baseline)
-            else (lambda rec: on_record(entry.label, rec, None))
-        )
-        return generate(
-            target.model,
-            prompts[prompt],
-            policy,
-            config=dataclasses.replace(configs[j], seed=seed),
-            tokenizer=tokenizer,
-            **pair.drafting(policy),
-            on_record=hook,
-        )
+    if workers is not None:  # Ray actors (measure/cluster.py): the same schedule, a round of a prompt per call
+        if on_record is not None:
+            raise DynaTreeError("runs on Ray workers are not watched iteration by iteration")
+        kw = dict(repetitions=repetitions, warmup=warmup, seed=config.seed, on_progress=on_progress)
+        results = workers.run(all_entries, configs, prompts, **kw)
+    else:
 
-    results = run_schedule(
-        all_entries, repetitions, run_one, config.seed, on_progress, n_prompts=len(prompts), warmup=warmup
-    )
+        def run_one(j: int, prompt: int, seed: int) -> RunResult:
+            policy, entry = policies[j], all_entries[j]
+            hook = (
+                None
+                if on_record is None or isinstance(policy, Baseline)
+                else (lambda r: on_record(entry.label, r, None))
+            )
+            return run_entry(pair, policy, configs[j], prompts[prompt], seed, tokenizer=tokenizer, on_record=hook)
+
+        results = run_schedule(
+            all_entries, repetitions, run_one, config.seed, on_progress, n_prompts=len(prompts), warmup=warmup
+        )
     best = max(statistics.fmean(_round_tps(rnd) for rnd in results[j]) for j in range(len(refs)))
     stats = [entry_stats(e, v, rounds, best) for e, v, rounds in zip(all_entries, verifiers, results, strict=True)]
     ar = results[0]
@@ -345,6 +345,7 @@ def compare(
     on_progress: Callable[[int, int, str], None] | None = None,
     on_record: Callable[[str, IterationRecord, RunResult | None], None] | None = None,
     tokenizer=None,
+    workers=None,
 ) -> Comparison:
     """One prompt, 1-6 policies (the page and `compare` CLI). on_progress(done, total, label)
     after each run; on_record(label, record, None) after each iteration of a stepped policy."""
@@ -360,6 +361,7 @@ def compare(
         on_progress=on_progress,
         on_record=on_record,
         tokenizer=tokenizer,
+        workers=workers,
     )
     for s, rounds in zip(stats, results, strict=True):  # a tree the page draws with no model loaded
         s.sample = iteration_sample(rounds[0][0].records, tokenizer and tokenizer.decode)

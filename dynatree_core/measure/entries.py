@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from dynatree_core.decoding.engine import generate
 from dynatree_core.decoding.methods import make_method, method_class
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.runs.records import RunResult
@@ -61,8 +62,22 @@ def schedule(n_entries: int, repetitions: int, n_prompts: int = 1, warmup: int =
     plan = [(r, 0, j) for r in range(-warmup, 0) for j in range(n_entries)]
     for r in range(repetitions):
         for i in range(n_prompts):
-            plan += [(r, i, (j + r) % n_entries) for j in range(n_entries)]
+            plan += [(r, i, j) for j in rotation(n_entries, r)]
     return plan
+
+
+def rotation(n_entries: int, round_: int) -> list[int]:
+    """The entries' order in round `round_`: rotated by the round, so no entry always runs first."""
+    return [(j + round_) % n_entries for j in range(n_entries)]
+
+
+def run_entry(pair, policy, config, prompt_ids: list[int], seed: int, *, tokenizer=None, on_record=None) -> RunResult:
+    """One run of `policy` (decoding.methods.make_method's) on `pair` with `config` seeded `seed`."""
+    drafting = pair.drafting(policy)
+    config = dataclasses.replace(config, seed=seed)
+    return generate(
+        pair.target.model, prompt_ids, policy, config=config, tokenizer=tokenizer, on_record=on_record, **drafting
+    )
 
 
 def parse_entries(specs: list[str]) -> list[Entry]:
