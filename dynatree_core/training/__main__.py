@@ -10,6 +10,7 @@ from dynatree_core.training.cli import Command
 from dynatree_core.training.feature.commands import COMMANDS as FEATURE
 from dynatree_core.training.gpu.commands import COMMANDS as GPU
 from dynatree_core.training.packed.commands import COMMANDS as PACKED
+from dynatree_core.training.parallel import join
 from dynatree_core.training.token.commands import COMMANDS as TOKEN
 
 # in the order the recipes run: the token draft's data and training, the answers, the feature draft,
@@ -28,6 +29,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    join()  # under torchrun: one of its data-parallel workers (parallel.py)
     COMMANDS[args.command].run(args)
 
 

@@ -14,7 +14,9 @@ evaluation cadence). The loop owns what every recipe did alike:
 - `checkpoint.pt` at every log line and evaluation, written whole (`core.weights.save_whole`) and
   resumed only by the same run (`core.weights.check_same_run` on the recipe's record, resume.py);
   a rerun continues the same schedule, its place in the data included;
-- the compute ledger (ledger.py): the training seconds of each block of `log_every` steps.
+- the compute ledger (ledger.py): the training seconds of each block of `log_every` steps;
+- data-parallel workers where torchrun started several (parallel.py): worker r steps on batches
+  r, r + N, ... with the gradients averaged over the workers, and worker 0 alone writes.
 
 Training seconds are the steps' own time: a step that took over PAUSED times the recent median
 (the process was stopped with SIGSTOP while tests ran) counts as that median (`counted_s`). On a
@@ -37,6 +39,7 @@ import torch
 
 from dynatree_core.core.weights import check_same_run, load_weights, save_whole
 from dynatree_core.training.ledger import record
+from dynatree_core.training.parallel import mean_gradients, same_start, shared_counts, world
 
 
 @dataclasses.dataclass
@@ -140,7 +143,9 @@ class _Run:
     steps since the last log line."""
 
     def __init__(self, recipe: Recipe, out: Path, loop: Loop, saved: dict | None, log):
-        self.recipe, self.out, self.loop, self.log = recipe, out, loop, log
+        self.recipe, self.out, self.loop = recipe, out, loop
+        self.world = world()  # parallel.py: rank 0 of 1 alone
+        self.log = log if self.world.main else (lambda message: None)
         cuda = torch.device(loop.device).type == "cuda"  # one fused kernel for the update, not one per op
         self.opt = torch.optim.AdamW(recipe.params, lr=loop.lr, weight_decay=loop.weight_decay, betas=(0.9, 0.95),
                                      fused=cuda or None)  # fmt: skip
@@ -150,12 +155,14 @@ class _Run:
             load_weights(recipe.model, saved["model"], what=str(out / "checkpoint.pt"))
             self.opt.load_state_dict(saved["opt"])
             self.state |= saved["state"]
-            log(f"{loop.name}: resumed at step {self.state['step']} ({self.state['seen']:,} {loop.unit} seen)")
+            self.log(f"{loop.name}: resumed at step {self.state['step']} ({self.state['seen']:,} {loop.unit} seen)")
         self.block_s, self.block_tokens, self.loss, self.parts, self.lr = 0.0, 0, None, {}, loop.lr
         self.saved_at: float | None = None  # the loop's clock at the last checkpoint (or the first step)
+        same_start(recipe.params, self.world)
 
-    def step(self, batch) -> None:
-        """One optimiser step on `batch` at the schedule's learning rate (module docstring)."""
+    def step(self, batch) -> tuple[int, int]:
+        """One optimiser step on `batch` at the schedule's learning rate (module docstring), the
+        gradients averaged over the workers; returns the batch's (units seen, tokens read)."""
         loop, state = self.loop, self.state
         self.lr = lr_at(loop, state["step"], progress(loop, state))
         for group in self.opt.param_groups:
@@ -165,13 +172,15 @@ class _Run:
             self.loss, self.parts, seen, tokens = self.recipe.loss(batch, logging)
         self.opt.zero_grad(set_to_none=True)
         self.loss.backward()
+        mean_gradients(self.recipe.params, self.world)
         torch.nn.utils.clip_grad_norm_(self.recipe.params, loop.clip)
         self.opt.step()
         state["step"] += 1
-        state["seen"] += seen
-        self.block_tokens += tokens
+        return seen, tokens
 
     def checkpoint(self) -> None:  # written whole, then renamed: a run killed while saving keeps the last one
+        if not self.world.main:
+            return
         body = {"model": self.recipe.model.state_dict(), "opt": self.opt.state_dict(), "state": self.state}
         save_whole(body | {"run": self.recipe.run} | self.recipe.extra, self.out / "checkpoint.pt")
 
@@ -179,6 +188,9 @@ class _Run:
         """The block's line and its ledger entry (training seconds), then the checkpoint when it is
         due (`Loop.checkpoint_every_s`; `now` on the loop's clock)."""
         loop, step = self.loop, self.state["step"]
+        if not self.world.main:
+            self.block_s, self.block_tokens = 0.0, 0
+            return
         record(loop.name, self.block_s, tokens=self.block_tokens, item=f"steps to {step}", run=str(self.out))
         terms = "".join(f" {k} {v:.3f}" for k, v in self.parts.items())
         note = self.recipe.note(self.state) if self.recipe.note else ""
@@ -193,6 +205,8 @@ class _Run:
     def evaluate(self) -> None:
         """The curve's point at this step (once a step), into curve.json."""
         curve, model = self.state["curve"], self.recipe.model
+        if not self.world.main:
+            return
         if curve and curve[-1]["step"] == self.state["step"] and self.state["step"]:
             return
         model.eval()
@@ -218,13 +232,17 @@ def train(recipe: Recipe, out: Path, loop: Loop, *, saved: dict | None = None, c
             state["next_eval_s"] = state["spent_s"] + loop.eval_every_s
         t0 = clock()  # a step's training time: its batch, forward, backward and update
         run.saved_at = t0 if run.saved_at is None else run.saved_at  # the checkpoints' interval starts here
-        batch, place = next(batches)
-        run.step(batch)
-        state.update(place)  # a resumed run starts after this batch
+        drawn = [next(batches) for _ in range(run.world.size)]  # worker r takes batches r, r + N, ...
+        batch, place = drawn[run.world.rank][0], drawn[-1][1]
+        seen, tokens = run.step(batch)
+        state.update(place)  # a resumed run starts after this batch (every worker's)
         if cuda and (state["step"] % loop.log_every == 0 or finished(loop, state)):
             torch.cuda.synchronize()  # the queued steps finish inside the block they belong to
         t1 = clock()
-        dt = counted_s(t1 - t0, recent)
+        seen, tokens, dt = shared_counts(seen, tokens, t1 - t0, run.world, recipe.params[0].device)
+        state["seen"] += seen
+        run.block_tokens += tokens
+        dt = counted_s(dt, recent)
         state["spent_s"] += dt
         run.block_s += dt
         end = finished(loop, state)
@@ -237,6 +255,6 @@ def train(recipe: Recipe, out: Path, loop: Loop, *, saved: dict | None = None, c
         run.evaluate()
     run.checkpoint()
     recipe.model.eval()
-    if finished(loop, state):
+    if finished(loop, state) and run.world.main:
         recipe.save(out)
     return state
