@@ -31,7 +31,7 @@ test-fast: setup
 	$(PY) -m pytest -m "not slow"
 
 # The classroom browser test (tests/test_classroom.py: three pairs and a comparison on one server at
-# once) for SOAK_ROUNDS rounds instead of one; its figures land in tests/output/classroom.json.
+# once) for SOAK_ROUNDS rounds instead of one; its figures land in tests/output/classroom-ENGINE.json (ENGINE: process, ray).
 SOAK_ROUNDS ?= 10
 soak: setup
 	DYNATREE_SOAK_ROUNDS=$(SOAK_ROUNDS) DYNATREE_REQUIRE_BROWSER=1 $(PY) -m pytest tests/test_classroom.py -q

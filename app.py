@@ -142,7 +142,7 @@ def start_run() -> LiveRun | None:
         st.error("Enter a target model (hub id or local directory).")
         return None
     try:
-        run, stand_in = start_in_process() if live_engine_mode() == "process" else start_in_thread()
+        run, stand_in = start_in_thread() if live_engine_mode() == "thread" else start_in_process()
     except Exception as exc:  # noqa: BLE001 - e.g. a model that cannot load: one line, the traceback logged
         show_error(exc, "Could not start the run")
         return None

@@ -4,7 +4,7 @@ Every run finishes, the greedy texts are equal across pairs (one target, exact d
 log holds no traceback, and the server holds one engine process per pair and no model of its own.
 
 `make soak` runs the same for DYNATREE_SOAK_ROUNDS rounds (every session presses Run again).
-Figures (seconds to finish, memory of each process) go to tests/output/classroom.json.
+Figures (seconds to finish, memory of each process) go to tests/output/classroom-ENGINE.json (ENGINE: process, ray).
 """
 
 from __future__ import annotations
@@ -64,21 +64,32 @@ def _compare_session(browser, url: str):
     return page
 
 
-def _engines(server_pid: int) -> list:
+def _engines(server_pid: int, engine: str) -> list:
+    """The engine processes under the server: spawned children, or Ray's actor workers (ray_engine.py)."""
     import psutil
 
     kids = psutil.Process(server_pid).children(recursive=True)
-    return [p for p in kids if "spawn_main" in " ".join(p.cmdline())]
+    mark = "spawn_main" if engine == "process" else "ray::EngineActor"
+    return [p for p in kids if mark in " ".join(p.cmdline())]
 
 
-def test_a_class_on_one_server_three_pairs_and_a_comparison_at_once():
+def _ray_processes(server_pid: int) -> list:
+    """Ray's own processes under the server (its runtime: gcs, raylet, agents), the engines apart."""
+    import psutil
+
+    kids = psutil.Process(server_pid).children(recursive=True)
+    return [p for p in kids if "ray" in " ".join(p.cmdline()).lower() and "EngineActor" not in " ".join(p.cmdline())]
+
+
+@pytest.mark.parametrize("engine", ["process", "ray"])
+def test_a_class_on_one_server_three_pairs_and_a_comparison_at_once(engine):
     from playwright.sync_api import sync_playwright
 
     OUTPUT.mkdir(parents=True, exist_ok=True)
-    log = OUTPUT / "classroom-server.log"
+    log = OUTPUT / f"classroom-{engine}-server.log"
     log.unlink(missing_ok=True)
-    figures = {"pairs": list(PAIRS), "new_tokens": NEW_TOKENS, "rounds": []}
-    with _serve(DYNATREE_LOG=str(log)) as url, sync_playwright() as pw:
+    figures = {"engine": engine, "pairs": list(PAIRS), "new_tokens": NEW_TOKENS, "rounds": []}
+    with _serve(DYNATREE_LOG=str(log), DYNATREE_LIVE_ENGINE=engine) as url, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         pages = [_live_session(browser, url, pair) for pair in PAIRS]
         compare = _compare_session(browser, url)
@@ -108,13 +119,14 @@ def test_a_class_on_one_server_three_pairs_and_a_comparison_at_once():
             compare.wait_for_selector("[data-testid=stApp][data-test-script-state=notRunning]", timeout=60_000)
             assert compare.get_by_text("Exact:", exact=False).count(), "the comparison's outputs differ from ar's"
             assert len(set(texts.values())) == 1 and texts[PAIRS[0]].strip(), texts
-            engines = _engines(_server_pid(url))
+            engines = _engines(_server_pid(url), engine)
             figures["rounds"].append(
                 {
                     "finished_s": finished,
                     "engine_processes": len(engines),
                     "engine_rss_mib": sorted(round(p.memory_info().rss / 2**20) for p in engines),
                     "server_rss_mib": round(_server_process(url).memory_info().rss / 2**20),
+                    "ray_rss_mib": round(sum(p.memory_info().rss for p in _ray_processes(_server_pid(url))) / 2**20),
                 }
             )
             assert len(engines) == len(PAIRS), f"one engine per pair, not {len(engines)}"
@@ -122,7 +134,7 @@ def test_a_class_on_one_server_three_pairs_and_a_comparison_at_once():
         console = (OUTPUT / f"streamlit-{url.rsplit(':', 1)[1]}.log").read_text()
     logged = log.read_text() if log.exists() else ""
     figures["server_log_lines"] = len(logged.splitlines())
-    (OUTPUT / "classroom.json").write_text(json.dumps(figures, indent=1))
+    (OUTPUT / f"classroom-{engine}.json").write_text(json.dumps(figures, indent=1))
     assert "Traceback" not in logged and " ERROR " not in logged, logged[-3000:]
     assert "Traceback" not in console, console[-3000:]
     assert logged.count("pool: started") == len(PAIRS), "each pair loaded once"

@@ -1,5 +1,6 @@
 """The live page's engine process (live/engine_process.py, live/process_run.py): the same runs as the engine
-in this process, the same controls (step, run, pause, reset), and every failure a message."""
+in this process, the same controls (step, run, pause, reset), and every failure a message; every test
+twice, the engine a spawned process and a Ray actor (live/ray_engine.py)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,23 @@ def server_log(tmp_path_factory):
     mp.undo()
 
 
+@pytest.fixture(scope="module", params=["process", "ray"])
+def kind(request):
+    """The engine's class: a spawned process, or a Ray actor on a local runtime (shut down after)."""
+    if request.param == "process":
+        yield EngineProcess
+        return
+    ray = pytest.importorskip("ray")
+    from dynatree_core.live.ray_engine import RayEngine
+
+    yield RayEngine
+    ray.shutdown()
+
+
 @pytest.fixture(scope="module")
-def engine(tiny_pair_dirs, server_log):
+def engine(kind, tiny_pair_dirs, server_log):
     # the child decodes with this process's thread count, so float32 sums run in the same order
-    eng = EngineProcess(PairSpec(*tiny_pair_dirs, threads=torch.get_num_threads()))
+    eng = kind(PairSpec(*tiny_pair_dirs, threads=torch.get_num_threads()))
     eng.wait_ready(300)
     yield eng
     eng.close()
@@ -271,8 +285,8 @@ def test_every_command_is_answered(engine):
         assert seen[0] == answer, (kind, seen)
 
 
-def test_a_pair_that_cannot_load_is_a_message():
-    eng = EngineProcess(PairSpec("/nonexistent/model-dir", None))
+def test_a_pair_that_cannot_load_is_a_message(kind):
+    eng = kind(PairSpec("/nonexistent/model-dir", None))
     with pytest.raises(DynaTreeError) as info:
         eng.wait_ready(300)
     assert "/nonexistent/model-dir" in str(info.value)
@@ -280,12 +294,12 @@ def test_a_pair_that_cannot_load_is_a_message():
     assert not eng.alive
 
 
-def test_a_dead_engine_ends_its_runs_with_a_message(tiny_pair_dirs):
-    eng = EngineProcess(PairSpec(*tiny_pair_dirs))
+def test_a_dead_engine_ends_its_runs_with_a_message(kind, tiny_pair_dirs):
+    eng = kind(PairSpec(*tiny_pair_dirs))
     eng.wait_ready(300)
     run = ProcessRun.start_in(eng, PROMPT, make_method("fixed_tree"), settings={}, config=_config(eng, 400))
     run.step()
-    eng._process.kill()
+    eng.kill()
     deadline = time.monotonic() + 30
     while not run.done and time.monotonic() < deadline:
         time.sleep(0.05)

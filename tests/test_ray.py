@@ -23,6 +23,8 @@ PROMPTS = [PROMPT, [2, 3, 4], [8, 1, 6, 2, 9]]
 
 @pytest.fixture
 def local_ray():
+    if ray.is_initialized():  # another module's runtime (tests/test_engine_process.py shuts its own down)
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
     yield ray
     ray.shutdown()

@@ -41,7 +41,7 @@ ENVIRONMENT: dict[str, Override] = {
         Override("DYNATREE_CACHE", "", "the cache root (default ~/.cache/dynatree)"),
         Override("DYNATREE_LOG", "", "the server log's file (default ~/.cache/dynatree/server.log)"),
         # serving the app
-        Override("DYNATREE_LIVE_ENGINE", "process", "thread: decode in the app's process, not one process a pair"),
+        Override("DYNATREE_LIVE_ENGINE", "process", "thread: decode in the app's process; ray: a Ray actor a pair"),
         Override("DYNATREE_MAX_PAIRS", "", "model pairs resident at once (default: what memory fits)"),
         Override("DYNATREE_LOAD_TIMEOUT", "", "seconds a page waits for a pair to load and warm up (default 900)"),
         Override("DYNATREE_JOB_TIMEOUT", "", "seconds a page waits for one job, queueing included (default 3600)"),

@@ -110,14 +110,7 @@ class EngineProcess:
 
     def __init__(self, spec: PairSpec):
         self.spec = spec
-        receiver, self._commands = _CTX.Pipe(duplex=False)
-        self._out = _CTX.Queue()
-        self._process = _CTX.Process(
-            target=serve, args=(receiver, self._out, spec), name="dynatree-engine", daemon=True
-        )
-        with _main_left_out():
-            self._process.start()
-        receiver.close()
+        self._launch()
         self._send_lock = threading.Lock()
         # weak: a run the page forgot is garbage-collected, and its finalizer drops it in the child
         self._listeners: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
@@ -130,6 +123,45 @@ class EngineProcess:
         self.failure: Exception | None = None
         self._dispatcher = threading.Thread(target=self._dispatch, name="dynatree-engine-dispatch", daemon=True)
         self._dispatcher.start()
+
+    # -- the transport: a spawned process, a command pipe and a message queue (ray_engine.py: an actor) --
+    def _launch(self) -> None:
+        receiver, self._commands = _CTX.Pipe(duplex=False)
+        self._out = _CTX.Queue()
+        self._process = _CTX.Process(
+            target=serve, args=(receiver, self._out, self.spec), name="dynatree-engine", daemon=True
+        )
+        with _main_left_out():
+            self._process.start()
+        receiver.close()
+
+    def _put(self, command: tuple) -> None:
+        """One command to the child; OSError or ValueError when it is gone."""
+        self._commands.send(command)
+
+    def _get(self, timeout_s: float) -> tuple:
+        """The child's next message (queue.Empty after `timeout_s`; EOFError or OSError when it is gone)."""
+        return self._out.get(timeout=timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._process.is_alive()
+
+    def _end(self, timeout_s: float) -> None:
+        """Wait for the child to exit after "quit"; kill it when it does not."""
+        self._process.join(timeout_s)
+        if self._process.is_alive():
+            log_info("engine %s did not quit within %.0f s: killed", self.spec.title(), timeout_s)
+            self._process.kill()
+            self._process.join(timeout_s)
+
+    def kill(self) -> None:
+        """End the child at once, as a crash would (tests)."""
+        self._process.kill()
+
+    def _exit_text(self) -> str:
+        code = self._process.exitcode
+        return "still running" if code is None else f"exit code {code}"
 
     # -- lifecycle --
     def wait_ready(self, timeout_s: float | None = None) -> EngineInfo:
@@ -151,10 +183,6 @@ class EngineProcess:
         return self._ready.is_set()
 
     @property
-    def alive(self) -> bool:
-        return self._process.is_alive()
-
-    @property
     def in_use(self) -> bool:
         """Loading, or holding a live run that has not finished, or a job not yet answered."""
         if not self._ready.is_set() and self.alive:
@@ -168,11 +196,7 @@ class EngineProcess:
         """Ask the child to exit (after its current iteration or job), then make sure it did."""
         with contextlib.suppress(DynaTreeError):
             self.send("quit", 0)
-        self._process.join(timeout_s)
-        if self._process.is_alive():
-            log_info("engine %s did not quit within %.0f s: killed", self.spec.title(), timeout_s)
-            self._process.kill()
-            self._process.join(timeout_s)
+        self._end(timeout_s)
 
     # -- messages --
     def register(self, listener: Any) -> int:
@@ -188,7 +212,7 @@ class EngineProcess:
         busy child); DynaTreeError when the child is gone."""
         with self._send_lock:
             try:
-                self._commands.send((kind, rid, payload))
+                self._put((kind, rid, payload))
             except (OSError, ValueError) as exc:  # broken pipe, or closed
                 raise DynaTreeError(f"the engine process is gone ({self._exit_text()})") from exc
 
@@ -227,16 +251,12 @@ class EngineProcess:
             names = list(self._jobs.values())
         return (names[0], len(names) - 1) if names else None
 
-    def _exit_text(self) -> str:
-        code = self._process.exitcode
-        return "still running" if code is None else f"exit code {code}"
-
     def _dispatch(self) -> None:
         while True:
             try:
-                kind, rid, payload = self._out.get(timeout=POLL_S)
+                kind, rid, payload = self._get(POLL_S)
             except queue.Empty:
-                if not self._process.is_alive():
+                if not self.alive:
                     self._child_died()
                     return
                 for listener in list(self._listeners.values()):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import threading
 from collections.abc import Callable
 
 import torch
@@ -38,10 +39,35 @@ def connect():
         import ray
     except ImportError as exc:  # pragma: no cover - ray is in requirements.txt
         raise DynaTreeError("running on Ray needs the ray package: pip install 'ray==2.60.0'") from exc
-    if not ray.is_initialized():
-        address = env("DYNATREE_RAY_ADDRESS") or None  # None: Ray reads RAY_ADDRESS, else starts a local runtime
-        ray.init(address=address, include_dashboard=False, logging_level="warning", configure_logging=True)
+    with _STARTING:
+        if not ray.is_initialized():
+            _init_in_a_lasting_thread(ray, env("DYNATREE_RAY_ADDRESS") or None)  # None: RAY_ADDRESS, else local
     return ray
+
+
+_STARTING = threading.Lock()
+
+
+def _init_in_a_lasting_thread(ray, address: str | None) -> None:
+    """ray.init in a thread that lives as long as this process. A local runtime's processes (GCS,
+    raylet) die with the THREAD that started them (Linux's parent-death signal follows the thread),
+    and a Streamlit page's script runs in a thread that ends with the run: started there, the
+    runtime would be killed a moment later."""
+    started, failed = threading.Event(), []
+
+    def keep() -> None:
+        try:
+            ray.init(address=address, include_dashboard=False, logging_level="warning")
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+            failed.append(exc)
+        started.set()
+        if not failed:
+            threading.Event().wait()  # never set: the thread (and Ray's processes) last until the process ends
+
+    threading.Thread(target=keep, name="dynatree-ray", daemon=True).start()
+    started.wait()
+    if failed:
+        raise DynaTreeError(f"Ray did not start: {failed[0]}") from failed[0]
 
 
 @dataclasses.dataclass(frozen=True)

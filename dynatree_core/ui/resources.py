@@ -42,14 +42,15 @@ def threads_caption(threads: int | None = None) -> str:
 
 
 LIVE_ENGINE_ENV = "DYNATREE_LIVE_ENGINE"
-LIVE_ENGINES = ("process", "thread")
+LIVE_ENGINES = ("process", "thread", "ray")
 
 
 def live_engine_mode() -> str:
     """Where runs and jobs decode: "process" (default; the pair's engine process,
     live/engine_process.py, so drawing never takes the engine's time and every page shares one copy
-    of the pair) or "thread" (this process: the reference, measured slower while the page draws).
-    DYNATREE_LIVE_ENGINE."""
+    of the pair), "ray" (the same engine as a Ray actor, live/ray_engine.py: a local runtime, or the
+    cluster DYNATREE_RAY_ADDRESS names) or "thread" (this process: the reference, measured slower
+    while the page draws). DYNATREE_LIVE_ENGINE."""
     mode = env(LIVE_ENGINE_ENV).lower()
     if mode not in LIVE_ENGINES:
         raise DynaTreeError(f"{LIVE_ENGINE_ENV}={mode!r}; choose one of: {', '.join(LIVE_ENGINES)}")
@@ -63,7 +64,12 @@ def job_timeout_s() -> float:
 
 @st.cache_resource(show_spinner=False)
 def engine_pool() -> EnginePool:
-    """The server's engines, one per pair (DYNATREE_MAX_PAIRS resident at most, live/pool.py)."""
+    """The server's engines, one per pair (DYNATREE_MAX_PAIRS resident at most, live/pool.py):
+    processes, or Ray actors with DYNATREE_LIVE_ENGINE=ray."""
+    if live_engine_mode() == "ray":
+        from dynatree_core.live.ray_engine import RayEngine
+
+        return EnginePool(start=RayEngine)
     return EnginePool()
 
 
@@ -87,7 +93,7 @@ def prewarm(target: str, draft: str | None, device: str, dtype: str) -> None:
     opening replay plays meanwhile, so the first live iterations run at full speed). A failure
     is logged; the user sees its message when starting a run."""
     try:
-        if target and live_engine_mode() == "process":
+        if target and live_engine_mode() != "thread":
             engine_pool().get(PairSpec(target, draft, device, dtype))
     except Exception:  # noqa: BLE001 - shown when the user presses Run
         log_exception("prewarm")
