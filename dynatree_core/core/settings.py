@@ -58,6 +58,14 @@ def env(name: str) -> str:
     return os.environ.get(name, "").strip() or ENVIRONMENT[name].default
 
 
+def passed_on(root: str) -> dict[str, str]:
+    """The environment a worker on another runtime needs (a Ray actor's: live/ray_engine.py): the
+    overrides set here, Hugging Face's and Triton's variables, and `root` first on the import path."""
+    keep = {k: v for k, v in os.environ.items() if k.startswith(("DYNATREE_", "HF_", "TRANSFORMERS_", "TRITON_"))}
+    path = os.environ.get("PYTHONPATH", "")
+    return keep | {"PYTHONPATH": f"{root}{os.pathsep}{path}" if path else root}
+
+
 def env_on(name: str) -> bool:
     """A switch that is on unless its override says "0"."""
     return env(name) != "0"

@@ -15,11 +15,11 @@ as with a dead process. The actor belongs to the app's process (not detached): i
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from pathlib import Path
 
+from dynatree_core.core.settings import passed_on
 from dynatree_core.live.engine_child import POLL_S, PairSpec, serve
 from dynatree_core.live.engine_process import EngineProcess
 
@@ -82,14 +82,6 @@ class EngineActor:
                 return messages
 
 
-def _environment() -> dict[str, str]:
-    """What the actor's process needs of this one's environment: the project's overrides (the
-    server log, threads, switches) and the import path."""
-    keep = {k: v for k, v in os.environ.items() if k.startswith(("DYNATREE_", "HF_", "TRANSFORMERS_", "TRITON_"))}
-    path = os.environ.get("PYTHONPATH", "")
-    return keep | {"PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT)}
-
-
 class RayEngine(EngineProcess):
     """EngineProcess over a Ray actor (module docstring)."""
 
@@ -99,7 +91,7 @@ class RayEngine(EngineProcess):
         ray = self._ray = connect()
         cuda = self.spec.device.startswith("cuda")
         options = dict(num_cpus=0, num_gpus=1 if cuda else 0, max_concurrency=4, max_restarts=0)
-        actor = ray.remote(EngineActor).options(runtime_env={"env_vars": _environment()}, **options)
+        actor = ray.remote(EngineActor).options(runtime_env={"env_vars": passed_on(str(ROOT))}, **options)
         self._actor = actor.remote()
         self._served = self._actor.serve.remote(self.spec)
         self._inbox: list = []  # messages polled and not yet dispatched
