@@ -122,3 +122,44 @@ def test_the_waits_are_settings(monkeypatch, name):
         monkeypatch.setenv(name, bad)
         with pytest.raises(DynaTreeError, match=name):
             read()
+
+
+class LoadedEngine(FakeEngine):
+    """A FakeEngine with a load (its unfinished runs and jobs) and a readiness, set by the test."""
+
+    def __init__(self, spec: PairSpec):
+        super().__init__(spec)
+        self.load, self.ready = 0, True
+
+
+def test_replicas_start_together_and_a_new_run_goes_to_the_least_loaded_with_a_share_of_the_cores(monkeypatch):
+    monkeypatch.setattr(pool_module, "available_cores", lambda: 4)
+    pool = EnginePool(limit=4, start=LoadedEngine, replicas=2)
+    (a,) = _specs(1)
+    first = pool.get(a)
+    first.load = 1  # a session's run holds it
+    second = pool.get(a)
+    assert second is not first and {first.spec.threads, second.spec.threads} == {2}
+    assert second.spec.target == a.target and [s for s, _ in pool.resident()] == [a]
+    second.load = 2
+    assert pool.get(a) is first  # the least loaded
+    first.ready = False
+    assert pool.get(a) is second  # a replica still loading is the last choice
+    first.ready = True
+    first.alive = False  # died: replaced by a new replica
+    third = pool.get(a)
+    assert third not in (first, second) and third.load == 0 and first.closed
+
+
+def test_replicas_count_toward_the_limit_and_a_pair_serves_with_the_replicas_that_fit(monkeypatch):
+    pool = EnginePool(limit=3, start=LoadedEngine, replicas=2)
+    a, b = _specs(2)
+    ea = pool.get(a)
+    ea.in_use = True
+    eb = pool.get(b)  # one engine of room left: b gets one replica, not two
+    assert eb is pool.get(b) and sum(1 for _ in pool.resident()) == 2
+    monkeypatch.setenv("DYNATREE_REPLICAS", "3")
+    assert EnginePool(start=LoadedEngine).replicas == 3
+    monkeypatch.setenv("DYNATREE_REPLICAS", "0")
+    with pytest.raises(DynaTreeError, match="DYNATREE_REPLICAS must be at least 1"):
+        EnginePool(start=LoadedEngine)

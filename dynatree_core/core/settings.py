@@ -42,7 +42,8 @@ ENVIRONMENT: dict[str, Override] = {
         Override("DYNATREE_LOG", "", "the server log's file (default ~/.cache/dynatree/server.log)"),
         # serving the app
         Override("DYNATREE_LIVE_ENGINE", "process", "thread: decode in the app's process; ray: a Ray actor a pair"),
-        Override("DYNATREE_MAX_PAIRS", "", "model pairs resident at once (default: what memory fits)"),
+        Override("DYNATREE_MAX_PAIRS", "", "engines resident at once (default: what memory fits)"),
+        Override("DYNATREE_REPLICAS", "1", "engines a pair gets; a new run goes to the least loaded"),
         Override("DYNATREE_LOAD_TIMEOUT", "", "seconds a page waits for a pair to load and warm up (default 900)"),
         Override("DYNATREE_JOB_TIMEOUT", "", "seconds a page waits for one job, queueing included (default 3600)"),
         Override("DYNATREE_PRESETS_ONLY", "", "1: serve the preset pairs only (a public instance)"),

@@ -192,6 +192,13 @@ class EngineProcess:
                 return True
         return any(getattr(listener, "done", True) is False for listener in list(self._listeners.values()))
 
+    @property
+    def load(self) -> int:
+        """Unfinished live runs and unanswered jobs: how busy this engine is (the pool's replicas)."""
+        with self._jobs_lock:
+            jobs = len(self._jobs)
+        return jobs + sum(getattr(listener, "done", True) is False for listener in list(self._listeners.values()))
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Ask the child to exit (after its current iteration or job), then make sure it did."""
         with contextlib.suppress(DynaTreeError):

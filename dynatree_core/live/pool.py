@@ -1,5 +1,10 @@
-"""The resident model pairs of a server: one EngineProcess per pair, shared by every page and
-session, at most `limit` of them (DYNATREE_MAX_PAIRS; the default fits the machine's memory).
+"""The resident model pairs of a server: one EngineProcess per pair (or `replicas` of them,
+DYNATREE_REPLICAS), shared by every page and session, at most `limit` engines (DYNATREE_MAX_PAIRS;
+the default fits the machine's memory).
+
+With replicas, a pair's engines start together and each request gets the least loaded one (the
+fewest unfinished runs and unanswered jobs), so two sessions on one pair decode side by side
+instead of taking turns an iteration each; each replica takes its share of the cores.
 
 A pair nobody uses (engine_process.EngineProcess.in_use: no live run that has not finished, no
 queued or running job, not loading) may be closed to make room, least recently used first. A pair
@@ -10,6 +15,7 @@ resident pair is in use, gets PoolFull, a message naming the pairs and what to d
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import threading
 import time
@@ -17,10 +23,12 @@ from collections.abc import Callable
 
 from dynatree_core.core.log import log_info
 from dynatree_core.core.settings import env
+from dynatree_core.core.threads import available_cores
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.live.engine_process import EngineProcess, PairSpec
 
 MAX_PAIRS_ENV = "DYNATREE_MAX_PAIRS"
+REPLICAS_ENV = "DYNATREE_REPLICAS"
 GIB_PER_PAIR = 6  # the default limit: one pair per 6 GiB of memory (what an engine holds: docs/app.md)
 MAX_DEFAULT_PAIRS = 4
 HANDOFF_S = 30.0  # an engine just handed out stays resident this long, until its user registers a run
@@ -52,58 +60,90 @@ def max_pairs() -> int:
     return value
 
 
-class EnginePool:
-    """Engines by pair, at most `limit` resident, never closing one in use."""
+def replicas_wanted() -> int:
+    """How many engines each pair gets: DYNATREE_REPLICAS, else 1."""
+    raw = env(REPLICAS_ENV)
+    try:
+        value = int(raw or 1)
+    except ValueError:
+        raise DynaTreeError(f"{REPLICAS_ENV}={raw!r} is not a whole number") from None
+    if value < 1:
+        raise DynaTreeError(f"{REPLICAS_ENV} must be at least 1, not {value}")
+    return value
 
-    def __init__(self, limit: int | None = None, start: Callable[[PairSpec], EngineProcess] = EngineProcess):
+
+class EnginePool:
+    """Engines by pair (`replicas` each), at most `limit` resident, never closing one in use."""
+
+    def __init__(
+        self,
+        limit: int | None = None,
+        start: Callable[[PairSpec], EngineProcess] = EngineProcess,
+        replicas: int | None = None,
+    ):
         self.limit = max_pairs() if limit is None else limit
+        self.replicas = replicas_wanted() if replicas is None else replicas
         self._start = start
-        self._engines: collections.OrderedDict[PairSpec, EngineProcess] = collections.OrderedDict()
-        self._handed: dict[PairSpec, float] = {}  # when each engine was last handed out
+        self._engines: collections.OrderedDict[PairSpec, list[EngineProcess]] = collections.OrderedDict()
+        self._handed: dict[PairSpec, float] = {}  # when each pair's engine was last handed out
         self._lock = threading.Lock()
 
     def get(self, spec: PairSpec) -> EngineProcess:
-        """The pair's engine, started if needed (it loads in its own process: wait_ready() waits).
-        A dead engine is replaced. PoolFull when the limit is reached and every resident pair is
-        in use."""
+        """The pair's least loaded engine, its replicas started if needed (each loads in its own
+        process: wait_ready() waits). A dead engine is replaced. PoolFull when the limit is reached
+        and every resident pair is in use."""
         closing = []
         with self._lock:
-            engine = self._engines.get(spec)
-            if engine is not None and not engine.alive:
-                closing.append(self._engines.pop(spec))  # died (or failed to load): start it again
-                engine = None
-            if engine is None:
-                while len(self._engines) >= self.limit:
+            engines = self._engines.pop(spec, [])
+            closing += [e for e in engines if not e.alive]  # died (or failed to load): start again
+            engines = [e for e in engines if e.alive]
+            while len(engines) < self.replicas:
+                if sum(map(len, self._engines.values())) + len(engines) >= self.limit:
                     victim = self._idle()
                     if victim is None:
+                        if engines:  # serve with the replicas there are
+                            break
                         raise PoolFull(self._full_text(spec))
-                    closing.append(self._engines.pop(victim))
+                    closing += self._engines.pop(victim)
                     log_info("pool: %s closed to make room for %s", victim.title(), spec.title())
-                engine = self._engines[spec] = self._start(spec)
-                log_info("pool: started %s (%d of %d resident)", spec.title(), len(self._engines), self.limit)
-            self._engines.move_to_end(spec)
+                    continue
+                engines.append(self._start(self._replica(spec)))
+                resident = sum(map(len, self._engines.values())) + len(engines)
+                log_info("pool: started %s (%d of %d resident)", spec.title(), resident, self.limit)
+            self._engines[spec] = engines  # the most recently used last
             self._handed[spec] = time.monotonic()
+            engine = min(engines, key=lambda e: (not getattr(e, "ready", True), getattr(e, "load", 0)))
         for old in closing:  # outside the lock: a close waits for the child to quit
             old.close()
         return engine
 
+    def _replica(self, spec: PairSpec) -> PairSpec:
+        """A replica's spec: with several, each takes its share of the cores (unless threads are set)."""
+        if self.replicas == 1 or spec.threads is not None:
+            return spec
+        return dataclasses.replace(spec, threads=max(1, available_cores() // self.replicas))
+
     def discard(self, spec: PairSpec, engine: EngineProcess) -> None:
         """Close `engine` (it failed to load) and forget it, unless another has replaced it."""
         with self._lock:
-            if self._engines.get(spec) is engine:
-                del self._engines[spec]
+            engines = self._engines.get(spec, [])
+            if engine in engines:
+                engines.remove(engine)
+                if not engines:
+                    del self._engines[spec]
         engine.close()
 
     def resident(self) -> list[tuple[PairSpec, bool]]:
-        """(pair, in use) for each resident engine, least recently used first."""
+        """(pair, in use) for each resident pair, least recently used first."""
         with self._lock:
-            return [(spec, self._busy(spec, e)) for spec, e in self._engines.items()]
+            return [(spec, self._busy(spec, engines)) for spec, engines in self._engines.items()]
 
-    def _busy(self, spec: PairSpec, engine: EngineProcess) -> bool:
-        return engine.alive and (engine.in_use or time.monotonic() - self._handed.get(spec, 0.0) < HANDOFF_S)
+    def _busy(self, spec: PairSpec, engines: list[EngineProcess]) -> bool:
+        alive = any(e.alive for e in engines)
+        return alive and (any(e.in_use for e in engines) or time.monotonic() - self._handed.get(spec, 0.0) < HANDOFF_S)
 
     def _idle(self) -> PairSpec | None:
-        return next((spec for spec, e in self._engines.items() if not self._busy(spec, e)), None)
+        return next((spec for spec, engines in self._engines.items() if not self._busy(spec, engines)), None)
 
     def _full_text(self, spec: PairSpec) -> str:
         names = ", ".join(s.title() for s in self._engines)
