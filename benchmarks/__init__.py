@@ -33,6 +33,8 @@ Results are data, not code: every script writes its reports (JSON, CSV) into ass
     live_page           the live page in Chromium vs the CLI, engine-time tokens/s, cpu-live-page*.json
     first_iterations    the first ten live iterations' tokens/s against the rest's, in Chromium
     pages_open          each page's first drawn figure after its title, in Chromium, cpu-pages-open.json
+    replicas            two sessions on one pair: iterations/s with one engine against two replicas (Ray
+                        engines), cpu-replicas.json
     gpu_check_shaped    gpu-check's pair checks on SmolLM2's shapes with random weights (CUDA only)
     verify_rows         rows per verify forward queued from the device's rows vs the host-built batch,
                         cpu-verify-rows.json

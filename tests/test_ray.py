@@ -7,15 +7,41 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_compare import PROMPT, tiny_pair
+import torch
+from conftest import _config, _final_norm
+from test_compare import PROMPT
 
 from dynatree_core.decoding.engine import DecodeConfig
+from dynatree_core.decoding.pairs import ModelPair
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.measure.compare import measure
 from dynatree_core.measure.entries import Entry
 
 ray = pytest.importorskip("ray")
 from dynatree_core.measure.cluster import PairSource, Workers  # noqa: E402
+
+
+def tiny_pair() -> ModelPair:
+    """test_compare's pair built anew: the suite's shared tiny models (conftest's cache) may carry
+    what other tests attached to them, which need not pickle, and a worker's pair is pickled."""
+    from types import SimpleNamespace
+
+    cls, cfg = _config("llama")
+    torch.manual_seed(0)
+    target = cls(cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        _final_norm(target).weight.mul_(6.0)
+    target.generation_config.eos_token_id = None
+    draft = cls(cfg).to(torch.float64).eval()
+    draft.load_state_dict(target.state_dict())
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.01)
+    return ModelPair(
+        target=SimpleNamespace(model=target, tokenizer=None), draft=SimpleNamespace(model=draft, token_map=None)
+    )
+
 
 ENTRIES = [Entry("fixed_tree"), Entry("linear", {"k": "3"})]
 PROMPTS = [PROMPT, [2, 3, 4], [8, 1, 6, 2, 9]]
@@ -36,9 +62,9 @@ def _tokens(results) -> list:
 
 def test_a_comparison_on_two_workers_gives_the_one_process_outputs_a_round_of_a_prompt_each(local_ray):
     pair, config = tiny_pair(), DecodeConfig(max_new_tokens=12)
+    workers = Workers(PairSource(pair=pair), count=2).start()  # the pair pickled before any run touched it
     kw = dict(config=config, repetitions=2, include_hf=False)
     stats, alone = measure(pair, ENTRIES, PROMPTS, **kw)
-    workers = Workers(PairSource(pair=pair), count=2).start()
     progress = []
     spread, fanned = measure(pair, ENTRIES, PROMPTS, workers=workers, on_progress=lambda *a: progress.append(a), **kw)
     assert _tokens(fanned) == _tokens(alone)  # results[entry][round][prompt], the same layout and outputs

@@ -128,11 +128,10 @@ class RayEngine(EngineProcess):
     def alive(self) -> bool:
         if self._gone is not None:
             return False
-        try:
-            ready, _ = self._ray.wait([self._served], timeout=0)
-        except Exception:  # noqa: BLE001 - Ray itself has shut down (this process is ending)
+        if not self._ray.is_initialized():  # Ray itself has shut down (this process is ending)
             self._gone = "Ray has shut down"
             return False
+        ready, _ = self._ray.wait([self._served], timeout=0)
         if ready:  # serve returned: "quit", or the load failed
             self._gone = "the engine quit"
         return not ready
