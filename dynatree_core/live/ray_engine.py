@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from pathlib import Path
 
 from dynatree_core.core.settings import passed_on
@@ -24,6 +25,7 @@ from dynatree_core.live.engine_child import POLL_S, PairSpec, serve
 from dynatree_core.live.engine_process import EngineProcess
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+GATHER_S = 0.03  # how long a poll that has a message waits for more
 
 
 class _Inbox:
@@ -70,16 +72,20 @@ class EngineActor:
                 self.next += 1
 
     def poll(self, timeout_s: float) -> list:
-        """Every message the child wrote, waiting up to `timeout_s` for the first (none: [])."""
+        """Every message the child wrote, waiting up to `timeout_s` for the first (none: []), then
+        up to GATHER_S for more: one call carries a few records, not one each (every call costs
+        both processes a round trip; the page draws every RENDER_INTERVAL_S, 0.6 s, anyway)."""
         try:
             messages = [self.out.get(timeout=timeout_s)]
         except queue.Empty:
             return []
-        while True:
+        deadline = time.monotonic() + GATHER_S
+        while (left := deadline - time.monotonic()) > 0:
             try:
-                messages.append(self.out.get_nowait())
+                messages.append(self.out.get(timeout=left))
             except queue.Empty:
-                return messages
+                break
+        return messages
 
 
 class RayEngine(EngineProcess):
