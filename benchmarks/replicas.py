@@ -74,15 +74,13 @@ def main(argv: list[str] | None = None) -> None:
         for replicas in (1, 2):
             pool = EnginePool(limit=4, start=start, replicas=replicas)
             pool.get(spec)  # starts every replica
-            for engine in pool._engines[spec]:  # loaded and warmed up before the sessions start
+            for engine in pool.engines(spec):  # loaded and warmed up before the sessions start
                 engine.wait_ready()
             measured = sessions(pool, spec, args.tokens)
             measured["replicas"] = replicas
             out["runs"].append(measured)
             print(json.dumps(measured), flush=True)
-            for engines in list(pool._engines.values()):
-                for engine in engines:
-                    engine.close()
+            pool.close_all()
     rate = {r: statistics.fmean(m["iterations_per_s"] for m in out["runs"] if m["replicas"] == r) for r in (1, 2)}
     out["iterations_per_s"] = {str(r): round(v, 2) for r, v in rate.items()}
     out["two_over_one"] = round(rate[2] / rate[1], 3)

@@ -149,6 +149,9 @@ def test_replicas_start_together_and_a_new_run_goes_to_the_least_loaded_with_a_s
     first.alive = False  # died: replaced by a new replica
     third = pool.get(a)
     assert third not in (first, second) and third.load == 0 and first.closed
+    assert pool.engines(a) == [second, third]
+    pool.close_all()
+    assert second.closed and third.closed and pool.resident() == []
 
 
 def test_replicas_count_toward_the_limit_and_a_pair_serves_with_the_replicas_that_fit(monkeypatch):

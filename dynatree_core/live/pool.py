@@ -123,6 +123,19 @@ class EnginePool:
             return spec
         return dataclasses.replace(spec, threads=max(1, available_cores() // self.replicas))
 
+    def engines(self, spec: PairSpec) -> list[EngineProcess]:
+        """The pair's resident engines (its replicas), none started."""
+        with self._lock:
+            return list(self._engines.get(spec, []))
+
+    def close_all(self) -> None:
+        """Close every engine (a benchmark's pool at its end; a server's lives as long as the server)."""
+        with self._lock:
+            engines = [e for pair in self._engines.values() for e in pair]
+            self._engines.clear()
+        for engine in engines:
+            engine.close()
+
     def discard(self, spec: PairSpec, engine: EngineProcess) -> None:
         """Close `engine` (it failed to load) and forget it, unless another has replaced it."""
         with self._lock:

@@ -46,6 +46,9 @@ def connect():
 
 
 _STARTING = threading.Lock()
+START_TIMEOUT_S = 120.0  # Ray's start, or joining a cluster
+LOAD_TIMEOUT_S = 900.0  # a worker's load of its pair
+UNIT_TIMEOUT_S = 3600.0  # a round of one prompt, every entry, on one worker
 
 
 def _init_in_a_lasting_thread(ray, address: str | None) -> None:
@@ -65,7 +68,10 @@ def _init_in_a_lasting_thread(ray, address: str | None) -> None:
             threading.Event().wait()  # never set: the thread (and Ray's processes) last until the process ends
 
     threading.Thread(target=keep, name="dynatree-ray", daemon=True).start()
-    started.wait()
+    if not started.wait(START_TIMEOUT_S):
+        raise DynaTreeError(
+            f"Ray did not start within {START_TIMEOUT_S:.0f} s (address: {address or 'a local runtime'})"
+        )
     if failed:
         raise DynaTreeError(f"Ray did not start: {failed[0]}") from failed[0]
 
@@ -156,7 +162,11 @@ class Workers:
             options, threads = dict(num_cpus=share), share
         remote = ray.remote(PairWorker).options(scheduling_strategy="SPREAD", **options)
         self.actors = [remote.remote(self.source, threads) for _ in range(count)]
-        self.places = ray.get([a.where.remote() for a in self.actors])
+        try:
+            self.places = ray.get([a.where.remote() for a in self.actors], timeout=LOAD_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            self.stop()
+            raise DynaTreeError(f"Ray workers did not load the pair within {LOAD_TIMEOUT_S:.0f} s") from None
         return self
 
     def run(
@@ -182,7 +192,10 @@ class Workers:
         results: list[list[list]] = [[[None] * len(prompts) for _ in range(repetitions)] for _ in entries]
         done = 0
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=UNIT_TIMEOUT_S)
+            if not ready:
+                self.stop()
+                raise DynaTreeError(f"no round of a prompt finished on the Ray workers within {UNIT_TIMEOUT_S:.0f} s")
             r, i = pending.pop(ready[0])
             for j, result in ray.get(ready[0]):
                 results[j][r][i] = result
