@@ -1,10 +1,11 @@
 """DynaTree Explorer: watch tree speculative decoding happen, one iteration at a time.
 
 Thin by design: widgets -> settings -> LiveRun (dynatree_core.live.run) -> figures (dynatree_core.viz).
-Runs and jobs decode in an engine process per model pair (dynatree_core.live.engine_process, kept by
-the pool in dynatree_core.live.pool), shared by every browser session and page and running one forward
-at a time; DYNATREE_LIVE_ENGINE=thread decodes in this process instead (models loaded once, forwards
-take a lock). Per-run state (the LiveRun) lives in st.session_state, so two tabs run independently.
+Runs and jobs decode in an engine per model pair (dynatree_core.live.engine: a Ray actor, kept by the
+pool in dynatree_core.live.pool), shared by every browser session and page and running one forward
+at a time; DYNATREE_LIVE_ENGINE=thread (or a server where Ray cannot start) decodes in this process
+instead (models loaded once, forwards take a lock). Per-run state (the LiveRun) lives in
+st.session_state, so two tabs run independently.
 """
 
 from __future__ import annotations
@@ -20,15 +21,16 @@ from dynatree_core.decoding.engine import DecodeConfig
 from dynatree_core.decoding.methods import catalogue, is_baseline, make_method, method_class
 from dynatree_core.decoding.pairs import encode_prompt
 from dynatree_core.decoding.settings import RunSpec
-from dynatree_core.live.process_run import ProcessRun
+from dynatree_core.live.engine_run import EngineRun
 from dynatree_core.live.run import LiveRun
 from dynatree_core.ui.live_view import RENDER_INTERVAL_S, metrics_row, render
 from dynatree_core.ui.replay import POSTER_FRAMES, PREWARM_FRAME, REPLAY_INTERVAL_S, replay_run, replay_step
 from dynatree_core.ui.resources import (
     cached_pair,
-    engine_process,
+    fallback_note,
     live_engine_mode,
     models_info,
+    pair_engine,
     pair_job,
     prewarm,
     show_error,
@@ -103,16 +105,16 @@ def decode_config(eos_token_ids: frozenset[int], context_length: int) -> DecodeC
     )
 
 
-def start_in_process() -> tuple[LiveRun, bool]:
-    """A run decoded by the pair's engine process (ui/resources.py): the models load there, this
-    process gets their tokenizer. (run, the draft is a stand-in)."""
+def start_on_engine() -> tuple[LiveRun, bool]:
+    """A run decoded by the pair's engine (ui/resources.py): the models load there, this process
+    gets their tokenizer. (run, the draft is a stand-in)."""
     policy = make_method(policy_name, params)
-    with st.spinner(f"Starting the engine process with {target_spec} (the first load converts it, ~30 s)..."):
-        engine = engine_process(target_spec, draft_spec, device, dtype)
+    with st.spinner(f"Starting the engine with {target_spec} (the first load converts it, ~30 s)..."):
+        engine = pair_engine(target_spec, draft_spec, device, dtype)
     info = engine.wait_ready()
     ids = encode_prompt(info.tokenizer, prompt, chat=chat)
     config = decode_config(info.eos_token_ids, info.context_length)
-    run = ProcessRun.start_in(engine, ids, policy, settings=settings, spec=spec, config=config)
+    run = EngineRun.start_in(engine, ids, policy, settings=settings, spec=spec, config=config)
     return run, info.draft_is_stand_in
 
 
@@ -142,7 +144,9 @@ def start_run() -> LiveRun | None:
         st.error("Enter a target model (hub id or local directory).")
         return None
     try:
-        run, stand_in = start_in_thread() if live_engine_mode() == "thread" else start_in_process()
+        run, stand_in = start_in_thread() if live_engine_mode() == "thread" else start_on_engine()
+        if note := fallback_note():
+            st.warning(note)
     except Exception as exc:  # noqa: BLE001 - e.g. a model that cannot load: one line, the traceback logged
         show_error(exc, "Could not start the run")
         return None
@@ -219,7 +223,7 @@ def live_view() -> None:
     alive = run is not None and run.worker_running  # read before the snapshot, so a last one is complete
     if run is not None and run.error is not None and not alive:
         run = state.run = show_run_error(run)
-    if alive and run.waiting_for():  # a job holds the run's engine process
+    if alive and run.waiting_for():  # a job holds the run's engine
         st.info(run.waiting_for(), icon=":material/hourglass_top:")
     if run is not None and run.idle_paused and not alive:
         st.info("Paused: this page stopped watching the run for a while. Press **Run** to go on.")

@@ -19,6 +19,7 @@ import argparse
 import difflib
 import json
 import re
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,8 +270,6 @@ KD_VS_UNROLLED = "benchmarks/cpu-draft-quality-kd-vs-unrolled.json"
 CURVES = {  # equal-compute runs from scratch: row label -> curve
     "feature kind": "benchmarks/kind-compare/cmp-feature-l1.json",
     "fused kind (EAGLE-3 taps)": "benchmarks/kind-compare/cmp-fused-l3.json",
-    "answers only": "benchmarks/written-compare/answers.curve.json",
-    "answers + written text": "benchmarks/written-compare/mixed.curve.json",
 }
 PACKED = TRAIN + "train-packed --ce-share 0.25 --lr 5e-4 --budget-s 600 --eval-every-s 600"
 SHIPPED_RUN = "make draft-feature-long && make draft-feature-final"
@@ -346,7 +345,7 @@ SAMPLED = {
     "T = 0.6": "benchmarks/sampled-verifiers/cpu-2026-11-27-T0.6.json",
     "T = 1.0": "benchmarks/sampled-verifiers/cpu-2026-11-27-T1.0.json",
 }
-SAMPLED_ROWS = 4  # the rows shown: the fastest at either temperature
+SAMPLED_ROWS = 3  # the rows shown: the fastest at either temperature
 
 
 def sampled_table(reports: Reports) -> Table:
@@ -666,6 +665,9 @@ LIVE = {
 }
 QUIET, BUSY = "quiet, CLI at its default threads", "one busy process beside"
 LIVE_RUN = SCRIPT + "live_page --runs {} --out assets/{}"
+RAY_LIVE = "benchmarks/cpu-live-page-ray-vs-process.json"  # sittings alternating: the engine a Ray actor, a process
+REPLICAS = "benchmarks/cpu-replicas.json"
+RAY_LOG = "Beyond one machine"  # the log's section on engines on Ray
 
 
 def live_table(reports: Reports) -> Table:
@@ -674,11 +676,28 @@ def live_table(reports: Reports) -> Table:
         s = reports(name)["summary"]
         page, cli = s["page_tokens_per_s_median"], s["cli_warm_tokens_per_s_median"]
         rows.append([label, f"{page:.2f}", f"{cli:.2f}", f"{s['ratio_page_to_cli_warm_median_of_rounds']:.2f}x"])
+    ray = [s["summary"] for s in reports(RAY_LIVE)["sittings"] if s["engine"] == "ray"]
+    page, cli = (
+        statistics.median(s[k] for s in ray) for k in ("page_tokens_per_s_median", "cli_warm_tokens_per_s_median")
+    )
+    ratio = reports(RAY_LIVE)["median_of_rounds"]["ray"]
+    label = "quiet, the engine a Ray actor (sittings alternating with a process)"
+    rows.append([label, f"{page:.2f}", f"{cli:.2f}", f"{ratio:.2f}x"])
     return ["condition", "page tokens/s", "CLI tokens/s", "page / CLI (median of rounds)"], rows
 
 
 def live_ratio(label: str) -> Callable[[Reports], Measured]:
     return lambda reports: (reports(LIVE[label])["summary"]["ratio_page_to_cli_warm_median_of_rounds"], label)
+
+
+def ray_over_process(reports: Reports) -> Measured:
+    medians = reports(RAY_LIVE)["median_of_rounds"]
+    return medians["ray"] / medians["process"], f"{medians['ray']:.2f}x on Ray, {medians['process']:.2f}x a process"
+
+
+def replicas_ratio(reports: Reports) -> Measured:
+    report = reports(REPLICAS)
+    return report["two_over_one"], f"{report['tokens']} tokens, {report['cores']} cores"
 
 
 # ---- The pages that open on results ---------------------------------------------------------
@@ -788,16 +807,14 @@ TOPICS = (
         title="Draft quality: agreement with the target by depth",
         about="Top-1 agreement of the draft's token with the target's greedy token; depth d = a node whose d-1 "
         "ancestors were accepted. OOD: the target's answers to `assets/prompts/ood/`; held out: each run's own "
-        "held-out answer windows. The shipped draft: its curve's last point; the rest: equal-compute runs.",
+        "held-out answer windows. The shipped draft: its curve's last point; the rest: equal-compute runs "
+        '(answers alone against answers with written text: docs/benchmark-log.md, "Draft data that generalises").',
         reports={
             SHIPPED_CURVE: SHIPPED_RUN,
             KD_VS_UNROLLED: TRAIN + "feature-quality --answers --draft assets/models/smollm2-feature-draft-corpus "
             "KD_RUN/draft UNROLLED_RUN/draft",
             CURVES["feature kind"]: PACKED + " --kind feature --levels 1 --out RUN",
             CURVES["fused kind (EAGLE-3 taps)"]: PACKED + " --kind fused --levels 3 --out RUN",
-            CURVES["answers only"]: PACKED + " --kind feature --levels 1 --stages questions,main --out RUN",
-            CURVES["answers + written text"]: PACKED + " --kind feature --levels 1 --stages questions,main,written "
-            "--out RUN",
         },
         date="2026-11-25 (shipped draft), 2026-11-24 (the rest)",
         table=quality_table,
@@ -1001,23 +1018,34 @@ TOPICS = (
     Topic(
         title="The live page against the CLI",
         about="`benchmarks/live_page.py`: the page in Chromium on this machine against the CLI, alternating round "
-        "by round; embedded pair (token draft then), fixed_tree defaults, the page's default prompt, 64 tokens; "
-        "page = its engine-time tokens/s, the engine in its own process at 1 torch thread.",
+        "by round; embedded pair (token draft then; the feature draft in the Ray row), fixed_tree defaults, the "
+        "page's default prompt, 64 tokens; page = its engine-time tokens/s, the engine in its own process at 1 torch "
+        "thread (a spawned process, before engines became Ray actors). `benchmarks/replicas.py`: two sessions on "
+        "one pair, their runs started together, iterations a second with one engine against two replicas.",
         reports={
             LIVE[QUIET]: LIVE_RUN.format(4, LIVE[QUIET]),
             LIVE["quiet, CLI at 1 thread"]: LIVE_RUN.format("3 --cli-threads 1", LIVE["quiet, CLI at 1 thread"]),
             LIVE[BUSY]: LIVE_RUN.format("3 --busy", LIVE[BUSY]),
+            RAY_LIVE: SCRIPT + "live_page --runs 3 --live-engine ray, sittings alternating with the process engine "
+            "of the time (removed since)",
+            REPLICAS: SCRIPT + "replicas --tokens 256",
         },
-        date="before 2026-11-23",
+        date="before 2026-11-23 (process rows), 2026-11-29 (Ray)",
         table=live_table,
         goals=(
             Goal("page over the CLI, quiet", 0.8, live_ratio(QUIET)),
             Goal("page over the CLI with a busy process beside (no collapse)", 0.8, live_ratio(BUSY)),
             Goal(
+                "page over the CLI: the engine a Ray actor over a process, sittings alternating", 1.0, ray_over_process
+            ),
+            Goal("two sessions on one pair: 2 replicas over 1 (iterations a second)", 1.6, replicas_ratio),
+            Goal(
                 "two engine threads in the app, drawing less often, drawing in a thread",
                 None,
                 logged="Threads, and the live page against the CLI",
             ),
+            Goal("Ray's own processes in the classroom test", 1024, fmt="{:.0f} MiB", at_most=True, logged=RAY_LOG),
+            Goal("CI's time with Ray, over before", 1.1, at_most=True, logged=RAY_LOG),
         ),
     ),
     Topic(

@@ -1,7 +1,7 @@
 """Live page vs CLI decoding speed on this machine, run from the repo root:
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.live_page [--runs 3] [--max-new-tokens 64] [--policy fixed_tree]
-        [--busy] [--app-threads N] [--live-engine process|thread|ray] [--cli-threads N]
+        [--busy] [--app-threads N] [--live-engine ray|thread] [--cli-threads N]
         [--out assets/benchmarks/cpu-live-page.json]
 
 1. Starts `streamlit run app.py` headless on a free port (benchmarks.app_server, as the e2e test
@@ -58,9 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policy", default="fixed_tree", help="a tree policy the page can run live")
     p.add_argument("--busy", action="store_true", help="one extra CPU-burning process during the measurement")
     p.add_argument("--app-threads", type=int, default=None, help="DYNATREE_THREADS for the server")
-    p.add_argument(
-        "--live-engine", choices=("process", "thread", "ray"), default=None, help="DYNATREE_LIVE_ENGINE for the server"
-    )
+    p.add_argument("--live-engine", choices=("ray", "thread"), default=None, help="DYNATREE_LIVE_ENGINE for the server")
     p.add_argument("--cli-threads", type=int, default=None, help="--threads for the CLI (default: its own)")
     p.add_argument("--timeout-s", type=float, default=600, help="the longest one page run may take")
     p.add_argument("--out", type=Path, default=RESULTS / "cpu-live-page.json")

@@ -2,13 +2,13 @@
 
 The classroom case: two students run the same pair at once. With one engine (the pool's default)
 their runs take turns an iteration each; with two replicas (DYNATREE_REPLICAS=2) each run gets its
-own engine and its share of the cores. Each way starts a pool of Ray engines (live/ray_engine.py;
-`--engine process` for spawned processes) as the app does, with the app's threads (one engine:
+own engine and its share of the cores. Each way starts a pool of engines (Ray actors, live/engine.py)
+as the app does, with the app's threads (one engine:
 every core but one, the app's share; two: half the cores each), waits for them to load, then
 starts two live fixed_tree runs of the embedded pair at once and times them from the first start
 to the last finish: iterations of both runs / seconds. The ways alternate, `--rounds` times each.
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks.replicas [--rounds 2] [--tokens 96] [--engine ray]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.replicas [--rounds 2] [--tokens 96]
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from dynatree_core.core.threads import available_cores
 from dynatree_core.decoding.engine import DecodeConfig
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.decoding.pairs import encode_prompt
-from dynatree_core.live.engine_process import EngineProcess, PairSpec
+from dynatree_core.live.engine import Engine, PairSpec
+from dynatree_core.live.engine_run import EngineRun
 from dynatree_core.live.pool import EnginePool
-from dynatree_core.live.process_run import ProcessRun
 from dynatree_core.measure.prompt_sets import load_prompts
 from dynatree_core.runs.environment import environment
 
@@ -42,7 +42,7 @@ def sessions(pool: EnginePool, spec: PairSpec, tokens: int) -> dict:
     for prompt in ids:
         engine = pool.get(spec)  # the least loaded replica: a started run counts in its engine's load
         engine.wait_ready()
-        runs.append(ProcessRun.start_in(engine, prompt, make_method("fixed_tree"), settings={}, config=config))
+        runs.append(EngineRun.start_in(engine, prompt, make_method("fixed_tree"), settings={}, config=config))
         runs[-1].start_worker()
     for run in runs:
         run.wait(600)
@@ -59,17 +59,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=96)
-    parser.add_argument("--engine", choices=("ray", "process"), default="ray")
     parser.add_argument("--out", default=str(RESULTS / "cpu-replicas.json"))
     args = parser.parse_args(argv)
-    start = EngineProcess
-    if args.engine == "ray":
-        from dynatree_core.live.ray_engine import RayEngine
-
-        start = RayEngine
+    start = Engine
     spec = PairSpec("embedded", None)
     out = {"command": "PYTHONPATH=. .venv/bin/python -m benchmarks.replicas " + " ".join(argv or []),
-           "engine": args.engine, "cores": available_cores(), "tokens": args.tokens, "runs": []}  # fmt: skip
+           "engine": "ray", "cores": available_cores(), "tokens": args.tokens, "runs": []}  # fmt: skip
     for _ in range(args.rounds):
         for replicas in (1, 2):
             pool = EnginePool(limit=4, start=start, replicas=replicas)

@@ -129,9 +129,9 @@ def _shared_models_stay_unchanged():
     assert not changed, f"this test changed shared cached models: {changed} (copy.deepcopy them first)"
 
 
-@functools.cache
-def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
-    """A random tiny model with sharpened logits (scaled LM head) so drafts sometimes agree."""
+def build_tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A random tiny model with sharpened logits (scaled LM head) so drafts sometimes agree, built
+    anew (tiny_model: the suite's shared copy)."""
     cls, cfg = _config(arch)
     torch.manual_seed(seed)
     model = cls(cfg).to(torch.float64).eval()
@@ -139,6 +139,13 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
         _final_norm(model).weight.mul_(6.0)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
+    return model
+
+
+@functools.cache
+def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
+    """build_tiny_model's model, one copy shared by the suite (checked unchanged after each test)."""
+    model = build_tiny_model(arch, seed)
     _SHARED.append((f"tiny_model({arch!r}, {seed})", model))
     return model
 
@@ -155,10 +162,8 @@ def _final_norm(model: torch.nn.Module) -> torch.nn.Module:
     raise ValueError(f"no final norm found on {type(model).__name__}")
 
 
-@functools.cache
-def noisy_copy(arch: str, noise: float, seed: int = 1) -> torch.nn.Module:
-    """The target with Gaussian noise on every weight: a draft that agrees only part of the time."""
-    target = tiny_model(arch)
+def build_noisy_copy(target: torch.nn.Module, arch: str, noise: float, seed: int = 1) -> torch.nn.Module:
+    """`target` with Gaussian noise on every weight: a draft that agrees only part of the time."""
     cls, cfg = _config(arch)
     draft = cls(cfg).to(torch.float64).eval()
     draft.load_state_dict(target.state_dict())
@@ -166,6 +171,13 @@ def noisy_copy(arch: str, noise: float, seed: int = 1) -> torch.nn.Module:
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * noise)
+    return draft
+
+
+@functools.cache
+def noisy_copy(arch: str, noise: float, seed: int = 1) -> torch.nn.Module:
+    """build_noisy_copy of the shared tiny_model, one copy shared by the suite."""
+    draft = build_noisy_copy(tiny_model(arch), arch, noise, seed)
     _SHARED.append((f"noisy_copy({arch!r}, {noise}, {seed})", draft))
     return draft
 

@@ -8,6 +8,8 @@ import pytest
 from conftest import pick_custom_pair
 from streamlit.testing.v1 import AppTest
 
+from dynatree_core.errors import DynaTreeError
+
 
 def test_front_page_renders_with_policy_sliders():
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=60)
@@ -299,26 +301,48 @@ def test_reset_stops_a_running_worker(tiny_pair_dirs, monkeypatch):
     assert len(run.records) <= 2 and not run.done, "the worker went on decoding after Reset"
 
 
-def test_runs_decode_in_the_engine_process_and_reset_frees_them(tiny_pair_dirs):
-    """By default the page's runs live in the pair's engine process: the caption says so, and a
-    run discarded with Reset (even while decoding) is freed there."""
-    from dynatree_core.live.engine_process import call
-    from dynatree_core.live.process_run import ProcessRun
-    from dynatree_core.ui.resources import engine_process
+def test_runs_decode_in_the_pairs_engine_and_reset_frees_them(tiny_pair_dirs):
+    """By default the page's runs live in the pair's engine (a Ray actor): the caption says so, and
+    a run discarded with Reset (even while decoding) is freed there."""
+    from dynatree_core.live.engine import call
+    from dynatree_core.live.engine_run import EngineRun
+    from dynatree_core.ui.resources import pair_engine
 
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     at.run()
     pick_custom_pair(at, *tiny_pair_dirs)
     _click(at, "Step")
     run = at.session_state["run"]
-    assert isinstance(run, ProcessRun) and len(run.records) == 1
+    assert isinstance(run, EngineRun) and len(run.records) == 1
     assert any("in its own process" in c.value for c in at.caption), [c.value for c in at.caption]
-    engine = engine_process(tiny_pair_dirs[0], tiny_pair_dirs[1], "auto", "auto")
+    engine = pair_engine(tiny_pair_dirs[0], tiny_pair_dirs[1], "auto", "auto")
     assert run._rid in call(engine, "runs", None, 30)
     run.start_worker()  # decoding when Reset comes
     _click(at, "Reset")
     assert at.session_state["run"] is None and not at.exception
     assert run.wait(60) and run._rid not in call(engine, "runs", None, 30)
+
+
+def test_where_ray_cannot_start_runs_decode_in_the_apps_process_and_the_page_says_why(tiny_pair_dirs, monkeypatch):
+    from dynatree_core.live.engine_run import EngineRun
+    from dynatree_core.measure import cluster
+    from dynatree_core.ui.resources import ray_unavailable
+
+    def refused():
+        raise DynaTreeError("Ray did not start: no room for its object store")
+
+    monkeypatch.setattr(cluster, "connect", refused)
+    ray_unavailable.clear()
+    try:
+        at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+        at.run()
+        pick_custom_pair(at, *tiny_pair_dirs)
+        _click(at, "Step")
+        run = at.session_state["run"]
+        assert not at.exception and run is not None and not isinstance(run, EngineRun) and len(run.records) == 1
+        assert any("no room for its object store" in w.value and "app's process" in w.value for w in at.warning)
+    finally:
+        ray_unavailable.clear()
 
 
 def test_a_bad_live_engine_setting_is_a_message(tiny_pair_dirs, monkeypatch):

@@ -1,10 +1,10 @@
 """A classroom on one server, in a real browser: three sessions each on one of the three offline
 pairs (embedded, embedded-token, embedded-eagle3) press Run while a fourth runs a comparison.
 Every run finishes, the greedy texts are equal across pairs (one target, exact drafts), the server
-log holds no traceback, and the server holds one engine process per pair and no model of its own.
+log holds no traceback, and the server holds one engine (a Ray actor) per pair and no model of its own.
 
 `make soak` runs the same for DYNATREE_SOAK_ROUNDS rounds (every session presses Run again).
-Figures (seconds to finish, memory of each process) go to tests/output/classroom-ENGINE.json (ENGINE: process, ray).
+Figures (seconds to finish, memory of each process) go to tests/output/classroom-ray.json.
 """
 
 from __future__ import annotations
@@ -64,13 +64,12 @@ def _compare_session(browser, url: str):
     return page
 
 
-def _engines(server_pid: int, engine: str) -> list:
-    """The engine processes under the server: spawned children, or Ray's actor workers (ray_engine.py)."""
+def _engines(server_pid: int) -> list:
+    """The engines under the server: Ray's actor workers (live/actor.py)."""
     import psutil
 
     kids = psutil.Process(server_pid).children(recursive=True)
-    mark = "spawn_main" if engine == "process" else "ray::EngineActor"
-    return [p for p in kids if mark in " ".join(p.cmdline())]
+    return [p for p in kids if "ray::EngineActor" in " ".join(p.cmdline())]
 
 
 def _ray_processes(server_pid: int) -> list:
@@ -81,15 +80,15 @@ def _ray_processes(server_pid: int) -> list:
     return [p for p in kids if "ray" in " ".join(p.cmdline()).lower() and "EngineActor" not in " ".join(p.cmdline())]
 
 
-@pytest.mark.parametrize("engine", ["process", "ray"])
-def test_a_class_on_one_server_three_pairs_and_a_comparison_at_once(engine):
+def test_a_class_on_one_server_three_pairs_and_a_comparison_at_once():
     from playwright.sync_api import sync_playwright
 
     OUTPUT.mkdir(parents=True, exist_ok=True)
+    engine = "ray"
     log = OUTPUT / f"classroom-{engine}-server.log"
     log.unlink(missing_ok=True)
     figures = {"engine": engine, "pairs": list(PAIRS), "new_tokens": NEW_TOKENS, "rounds": []}
-    with _serve(DYNATREE_LOG=str(log), DYNATREE_LIVE_ENGINE=engine) as url, sync_playwright() as pw:
+    with _serve(DYNATREE_LOG=str(log)) as url, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         pages = [_live_session(browser, url, pair) for pair in PAIRS]
         compare = _compare_session(browser, url)
@@ -119,7 +118,7 @@ def test_a_class_on_one_server_three_pairs_and_a_comparison_at_once(engine):
             compare.wait_for_selector("[data-testid=stApp][data-test-script-state=notRunning]", timeout=60_000)
             assert compare.get_by_text("Exact:", exact=False).count(), "the comparison's outputs differ from ar's"
             assert len(set(texts.values())) == 1 and texts[PAIRS[0]].strip(), texts
-            engines = _engines(_server_pid(url), engine)
+            engines = _engines(_server_pid(url))
             figures["rounds"].append(
                 {
                     "finished_s": finished,

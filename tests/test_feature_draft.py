@@ -221,10 +221,10 @@ def test_hf_assisted_refuses_a_feature_draft():
 
 def test_a_saved_feature_draft_loads_as_a_pair_runs_exact_and_says_its_kind(tiny_pair_dirs, tmp_path):
     """load_pair attaches a feature-draft directory to the target (packed on CPU); runs report
-    draft_kind, and the engine process (the live page) says which kind it loaded."""
+    draft_kind, and the engine (the live page) says which kind it loaded."""
     from dynatree_core.core.packing import is_packed
     from dynatree_core.decoding.pairs import load_pair
-    from dynatree_core.live.engine_process import EngineProcess, PairSpec
+    from dynatree_core.live.engine import Engine, PairSpec
 
     target_dir = tiny_pair_dirs[0]
     base = load_pair(target_dir, need_draft=False, pack=False)
@@ -238,7 +238,7 @@ def test_a_saved_feature_draft_loads_as_a_pair_runs_exact_and_says_its_kind(tiny
     assert run.token_ids == ar.token_ids and run.draft_kind == "feature" and ar.draft_kind == ""
     token_run = generate(pair.target.model, prompt, make_method("linear"), draft=pair.target.model, config=config)
     assert token_run.draft_kind == "token"
-    engine = EngineProcess(PairSpec(target_dir, str(tmp_path)))
+    engine = Engine(PairSpec(target_dir, str(tmp_path)))
     try:
         assert engine.wait_ready(300).draft_kind == "feature"
     finally:

@@ -232,13 +232,13 @@ def test_a_run_keeps_its_run_spec_and_an_imported_file_gets_it_back_when_the_reg
 
 def test_every_backend_offers_the_whole_interface_the_run_calls():
     """A LiveRun talks to its backend only through run.Backend: each execution mode implements all of it."""
-    from dynatree_core.live.process_backend import ProcessBackend
+    from dynatree_core.live.engine_backend import EngineBackend
     from dynatree_core.live.run import Backend, Detached
     from dynatree_core.live.thread_backend import ThreadBackend
 
     members = {m for m in vars(Backend) if not m.startswith("_")}
     assert members == {"running", "step", "start", "pause", "wait", "beat", "close", "waiting_for"}
-    for backend in (ThreadBackend, ProcessBackend, Detached):
+    for backend in (ThreadBackend, EngineBackend, Detached):
         assert members <= set(dir(backend)), f"{backend.__name__} lacks {sorted(members - set(dir(backend)))}"
 
 

@@ -1,14 +1,15 @@
 """Runs on Ray workers (measure/cluster.py): a comparison fanned out over actors gives what one
 process gives, a round of a prompt on one worker; on a two-node cluster (ray.cluster_utils on
-this machine) the workers land on different nodes; the CLI's --ray writes the same report."""
+this machine) the workers land on different nodes; the CLI's --ray writes the same report. The
+live engines (live/engine.py, Ray actors) on a two-node cluster: two pairs on different nodes, and
+an automatic replica that serves a second session on the node its pair was not on."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-import torch
-from conftest import _config, _final_norm
+from conftest import build_noisy_copy, build_tiny_model
 from test_compare import PROMPT
 
 from dynatree_core.decoding.engine import DecodeConfig
@@ -26,18 +27,8 @@ def tiny_pair() -> ModelPair:
     what other tests attached to them, which need not pickle, and a worker's pair is pickled."""
     from types import SimpleNamespace
 
-    cls, cfg = _config("llama")
-    torch.manual_seed(0)
-    target = cls(cfg).to(torch.float64).eval()
-    with torch.no_grad():
-        _final_norm(target).weight.mul_(6.0)
-    target.generation_config.eos_token_id = None
-    draft = cls(cfg).to(torch.float64).eval()
-    draft.load_state_dict(target.state_dict())
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.01)
+    target = build_tiny_model("llama")
+    draft = build_noisy_copy(target, "llama", 0.01)
     return ModelPair(
         target=SimpleNamespace(model=target, tokenizer=None), draft=SimpleNamespace(model=draft, token_map=None)
     )
@@ -49,7 +40,7 @@ PROMPTS = [PROMPT, [2, 3, 4], [8, 1, 6, 2, 9]]
 
 @pytest.fixture
 def local_ray():
-    if ray.is_initialized():  # another module's runtime (tests/test_engine_process.py shuts its own down)
+    if ray.is_initialized():  # another module's runtime (tests/test_engine.py shuts its own down)
         ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
     yield ray
@@ -117,3 +108,50 @@ def test_bench_and_compare_run_on_ray_from_the_cli(tiny_pair_dirs, tmp_path, cap
     assert shown["correctness"]["ok"] and len(shown["environment"]["workers"]) == 1  # one node here: one worker
     assert main([*args, "--ray-workers", "2"]) == 2
     assert "--ray-workers needs --ray" in capsys.readouterr().err
+
+
+def test_on_a_two_node_cluster_pairs_spread_and_an_auto_replica_serves_a_second_session(tiny_pair_dirs, monkeypatch):
+    from ray.cluster_utils import Cluster
+
+    from dynatree_core.decoding.engine import generate
+    from dynatree_core.decoding.methods import make_method
+    from dynatree_core.decoding.pairs import load_pair
+    from dynatree_core.live.engine import Engine, PairSpec
+    from dynatree_core.live.engine_run import EngineRun
+    from dynatree_core.live.pool import AUTO, EnginePool
+
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.setenv("DYNATREE_MAX_PAIRS", "2")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, logging_level="error")
+    pool = EnginePool(replicas=AUTO)
+    try:
+        cluster.wait_for_nodes()
+        assert Engine.nodes() == 2 and pool.limit == 4
+        target, draft = tiny_pair_dirs
+        tree_pair, self_pair = PairSpec(target, draft, threads=1), PairSpec(target, None, threads=1)
+        first, other = pool.get(tree_pair), pool.get(self_pair)
+        nodes = {e: ray.get(e._actor.node.remote(), timeout=120) for e in (first, other)}
+        assert nodes[first] == first.node and nodes[other] == other.node and first.node != other.node
+        info = first.wait_ready(300)
+        config = DecodeConfig(max_new_tokens=10, eos_token_ids=info.eos_token_ids, context_length=info.context_length)
+        prompt = [1, 17, 4, 99, 250, 7]
+        busy = EngineRun.start_in(first, prompt, make_method("fixed_tree"), settings={}, config=config)
+        assert busy.step() is not None and first.load == 1  # a session's run holds the pair's one engine
+        assert pool.get(tree_pair) is first  # the next session: every engine busy, so a replica starts loading
+        replica = pool.engines(tree_pair)[-1]  # (the busy one serves meanwhile: a loading replica is the last choice)
+        assert replica is not first and replica.node == other.node and replica.wait_ready(300)
+        assert pool.get(tree_pair) is replica and len(pool.engines(tree_pair)) == 2, "ready and idle: no third"
+        second = EngineRun.start_in(replica, prompt, make_method("fixed_tree"), settings={}, config=config)
+        assert second.start_worker() and second.wait(300) and second.done and second.error is None
+        local = load_pair(target, draft)
+        want = generate(local.target.model, prompt, make_method("ar"), config=config).token_ids
+        assert second.token_ids == want, "the replica decodes exact"
+        busy.close()
+        second.close()
+    finally:
+        pool.close_all()
+        ray.shutdown()
+        cluster.shutdown()

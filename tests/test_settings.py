@@ -184,7 +184,7 @@ def test_an_override_sets_only_what_a_run_leaves_auto(monkeypatch):
     assert asked.choice.path == "lean", "an explicit setting wins over the override"
     for name in ("DYNATREE_STATIC_CACHE", "DYNATREE_LIVE_ENGINE", "DYNATREE_MAX_PAIRS"):
         monkeypatch.delenv(name, raising=False)
-    assert env("DYNATREE_LIVE_ENGINE") == "process" and env("DYNATREE_MAX_PAIRS") == "", "defaults when unset"
+    assert env("DYNATREE_LIVE_ENGINE") == "ray" and env("DYNATREE_MAX_PAIRS") == "", "defaults when unset"
 
 
 def test_the_engine_flags_build_one_forward_settings():

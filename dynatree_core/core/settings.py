@@ -41,9 +41,9 @@ ENVIRONMENT: dict[str, Override] = {
         Override("DYNATREE_CACHE", "", "the cache root (default ~/.cache/dynatree)"),
         Override("DYNATREE_LOG", "", "the server log's file (default ~/.cache/dynatree/server.log)"),
         # serving the app
-        Override("DYNATREE_LIVE_ENGINE", "process", "thread: decode in the app's process; ray: a Ray actor a pair"),
-        Override("DYNATREE_MAX_PAIRS", "", "engines resident at once (default: what memory fits)"),
-        Override("DYNATREE_REPLICAS", "1", "engines a pair gets; a new run goes to the least loaded"),
+        Override("DYNATREE_LIVE_ENGINE", "ray", "ray: a Ray actor a pair; thread: decode in the app's process"),
+        Override("DYNATREE_MAX_PAIRS", "", "engines a node holds at once (default: what memory fits)"),
+        Override("DYNATREE_REPLICAS", "1", "engines a pair gets (auto: one more a node while all are busy)"),
         Override("DYNATREE_LOAD_TIMEOUT", "", "seconds a page waits for a pair to load and warm up (default 900)"),
         Override("DYNATREE_JOB_TIMEOUT", "", "seconds a page waits for one job, queueing included (default 3600)"),
         Override("DYNATREE_PRESETS_ONLY", "", "1: serve the preset pairs only (a public instance)"),
@@ -60,7 +60,7 @@ def env(name: str) -> str:
 
 
 def passed_on(root: str) -> dict[str, str]:
-    """The environment a worker on another runtime needs (a Ray actor's: live/ray_engine.py): the
+    """The environment a worker on another runtime needs (a Ray actor's: live/engine.py): the
     overrides set here, Hugging Face's and Triton's variables, and `root` first on the import path."""
     keep = {k: v for k, v in os.environ.items() if k.startswith(("DYNATREE_", "HF_", "TRANSFORMERS_", "TRITON_"))}
     path = os.environ.get("PYTHONPATH", "")

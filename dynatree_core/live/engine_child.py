@@ -1,6 +1,6 @@
-"""The child side of an engine process (engine_process.py has the protocol and the parent side):
-what crosses the boundary (PairSpec, EngineInfo, StartRun), and `serve`, the spawned process's
-entry point: load the pair, warm up, start the reader thread (`_read_commands`), then hand over to
+"""The child side of an engine (engine.py has the protocol and the parent side, actor.py the Ray
+actor that runs this side): what crosses the boundary (PairSpec, EngineInfo, StartRun), and
+`serve`, the actor's entry point: load the pair, warm up, start the reader thread (`_read_commands`), then hand over to
 `_ChildEngine`, which holds the live runs and queued jobs, handles each command with its own
 method (the COMMANDS table), decodes live runs round-robin and runs queued jobs (jobs.py) one at a
 time in arrival order."""
@@ -135,7 +135,7 @@ def _read_commands(commands, inbox: queue.Queue, out, busy: list) -> None:
 
 
 def serve(commands, out, spec: PairSpec) -> None:
-    """The child's main loop (runs in the spawned process): load the pair, warm up, say "ready",
+    """The child's main loop (runs in the engine's actor: actor.EngineActor): load the pair, warm up, say "ready",
     then serve commands from the reader thread until "quit" (or the parent's end)."""
     from dynatree_core.core.threads import configure_threads
     from dynatree_core.decoding.engine import generate
@@ -242,7 +242,7 @@ class _ChildEngine:
         finally:
             self.busy[0] = ""
 
-    # ----- one handler per command (the protocol: engine_process.py) -------------------------------
+    # ----- one handler per command (the protocol: engine.py) -------------------------------
     def start(self, rid: int, payload: StartRun) -> None:
         import torch
 

@@ -3,7 +3,7 @@ Verification Lab, one generate call (an AR reference or an HF baseline) and the 
 
 Each job is `fn(pair, payload, emit) -> result`: `payload` is a dict of plain, picklable
 arguments, `emit(kind, data)` reports progress. The same functions run in the pair's engine process
-(engine_process.py: queued, one at a time, no live iteration between their forwards, so their
+(engine.py: queued, one at a time, no live iteration between their forwards, so their
 timings are the engine's alone) and, with DYNATREE_LIVE_ENGINE=thread, in the app's process under
 its forward lock (ui/resources.py). Results are picklable (they cross the process boundary).
 """

@@ -1,22 +1,23 @@
-"""The resident model pairs of a server: one EngineProcess per pair (or `replicas` of them,
-DYNATREE_REPLICAS), shared by every page and session, at most `limit` engines (DYNATREE_MAX_PAIRS;
-the default fits the machine's memory).
+"""The resident model pairs of a server: one Engine per pair (or several replicas, DYNATREE_REPLICAS),
+shared by every page and session, at most DYNATREE_MAX_PAIRS engines a node (the default fits
+the machine's memory), placed by actor.place.
 
-With replicas, a pair's engines start together and each request gets the least loaded one (the
-fewest unfinished runs and unanswered jobs), so two sessions on one pair decode side by side
-instead of taking turns an iteration each; each replica takes its share of the cores.
+With replicas, a request gets the pair's least loaded engine (the fewest unfinished runs and
+unanswered jobs), so two sessions on one pair decode side by side instead of taking turns an
+iteration each. A number starts that many together, each with its share of its node's cores;
+"auto" starts one and adds one on another node whenever a request finds every engine of the pair
+busy (a replica a node at most: on one machine, set a number).
 
-A pair nobody uses (engine_process.EngineProcess.in_use: no live run that has not finished, no
-queued or running job, not loading) may be closed to make room, least recently used first. A pair
-in use is never closed: a session that needs one more pair than the limit allows, while every
-resident pair is in use, gets PoolFull, a message naming the pairs and what to do.
+A pair nobody uses (engine.Engine.in_use: no live run that has not finished, no queued or running
+job, not loading) may be closed to make room, least recently used first. A pair in use is never
+closed: a session that needs one more pair than the limit allows, while every resident pair is in
+use, gets PoolFull, a message naming the pairs and what to do.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -25,70 +26,59 @@ from dynatree_core.core.log import log_info
 from dynatree_core.core.settings import env
 from dynatree_core.core.threads import available_cores
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.live.engine_process import EngineProcess, PairSpec
+from dynatree_core.live.actor import MAX_PAIRS_ENV, NodesFull, max_pairs
+from dynatree_core.live.engine import Engine, PairSpec
 
-MAX_PAIRS_ENV = "DYNATREE_MAX_PAIRS"
 REPLICAS_ENV = "DYNATREE_REPLICAS"
-GIB_PER_PAIR = 6  # the default limit: one pair per 6 GiB of memory (what an engine holds: docs/app.md)
-MAX_DEFAULT_PAIRS = 4
 HANDOFF_S = 30.0  # an engine just handed out stays resident this long, until its user registers a run
+AUTO = 0  # replicas_wanted() for "auto"
 
 
 class PoolFull(DynaTreeError):
     """Every resident pair is in use and the limit allows no other."""
 
 
-def _memory_gib() -> float:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError, AttributeError):
-        return 8.0
-
-
-def max_pairs() -> int:
-    """How many pairs the server keeps loaded at once: DYNATREE_MAX_PAIRS, else one per
-    GIB_PER_PAIR GiB of memory, between 1 and MAX_DEFAULT_PAIRS."""
-    raw = env(MAX_PAIRS_ENV)
-    if not raw:
-        return max(1, min(MAX_DEFAULT_PAIRS, int(_memory_gib() // GIB_PER_PAIR)))
-    try:
-        value = int(raw)
-    except ValueError:
-        raise DynaTreeError(f"{MAX_PAIRS_ENV}={raw!r} is not a whole number") from None
-    if value < 1:
-        raise DynaTreeError(f"{MAX_PAIRS_ENV} must be at least 1, not {value}")
-    return value
-
-
 def replicas_wanted() -> int:
-    """How many engines each pair gets: DYNATREE_REPLICAS, else 1."""
+    """How many engines each pair gets: DYNATREE_REPLICAS, a number (default 1) or "auto" (AUTO)."""
     raw = env(REPLICAS_ENV)
+    if raw.lower() == "auto":
+        return AUTO
     try:
         value = int(raw or 1)
     except ValueError:
-        raise DynaTreeError(f"{REPLICAS_ENV}={raw!r} is not a whole number") from None
+        raise DynaTreeError(f"{REPLICAS_ENV}={raw!r} is not a whole number or auto") from None
     if value < 1:
-        raise DynaTreeError(f"{REPLICAS_ENV} must be at least 1, not {value}")
+        raise DynaTreeError(f"{REPLICAS_ENV} must be at least 1 (or auto), not {value}")
     return value
 
 
 class EnginePool:
-    """Engines by pair (`replicas` each), at most `limit` resident, never closing one in use."""
+    """Engines by pair (`replicas` each, AUTO: as needed), at most `limit` resident (default:
+    DYNATREE_MAX_PAIRS a node, times the nodes), never closing one in use."""
 
     def __init__(
         self,
         limit: int | None = None,
-        start: Callable[[PairSpec], EngineProcess] = EngineProcess,
+        start: Callable[[PairSpec], Engine] = Engine,
         replicas: int | None = None,
     ):
-        self.limit = max_pairs() if limit is None else limit
+        self._limit = limit
         self.replicas = replicas_wanted() if replicas is None else replicas
         self._start = start
-        self._engines: collections.OrderedDict[PairSpec, list[EngineProcess]] = collections.OrderedDict()
+        self._engines: collections.OrderedDict[PairSpec, list[Engine]] = collections.OrderedDict()
         self._handed: dict[PairSpec, float] = {}  # when each pair's engine was last handed out
         self._lock = threading.Lock()
 
-    def get(self, spec: PairSpec) -> EngineProcess:
+    def _nodes(self) -> int:
+        """The nodes engines may go to (an engine class without nodes: one machine)."""
+        nodes = getattr(self._start, "nodes", None)
+        return nodes() if nodes is not None else 1
+
+    @property
+    def limit(self) -> int:
+        return self._limit if self._limit is not None else max_pairs() * self._nodes()
+
+    def get(self, spec: PairSpec) -> Engine:
         """The pair's least loaded engine, its replicas started if needed (each loads in its own
         process: wait_ready() waits). A dead engine is replaced. PoolFull when the limit is reached
         and every resident pair is in use."""
@@ -97,19 +87,27 @@ class EnginePool:
             engines = self._engines.pop(spec, [])
             closing += [e for e in engines if not e.alive]  # died (or failed to load): start again
             engines = [e for e in engines if e.alive]
-            while len(engines) < self.replicas:
-                if sum(map(len, self._engines.values())) + len(engines) >= self.limit:
+            limit, wanted = self.limit, self._wanted(engines)
+            while len(engines) < wanted:
+                victim = None
+                if sum(map(len, self._engines.values())) + len(engines) < limit:
+                    try:
+                        engines.append(self._start(self._replica(spec)))
+                        resident = sum(map(len, self._engines.values())) + len(engines)
+                        log_info("pool: started %s (%d of %d resident)", spec.title(), resident, limit)
+                        continue
+                    except NodesFull:  # the nodes that could take it are full: make room as for the limit
+                        victim = self._idle()
+                        if victim is None and not engines:
+                            raise
+                else:
                     victim = self._idle()
-                    if victim is None:
-                        if engines:  # serve with the replicas there are
-                            break
-                        raise PoolFull(self._full_text(spec))
-                    closing += self._engines.pop(victim)
-                    log_info("pool: %s closed to make room for %s", victim.title(), spec.title())
-                    continue
-                engines.append(self._start(self._replica(spec)))
-                resident = sum(map(len, self._engines.values())) + len(engines)
-                log_info("pool: started %s (%d of %d resident)", spec.title(), resident, self.limit)
+                if victim is None:
+                    if engines:  # serve with the replicas there are
+                        break
+                    raise PoolFull(self._full_text(spec))
+                closing += self._engines.pop(victim)
+                log_info("pool: %s closed to make room for %s", victim.title(), spec.title())
             self._engines[spec] = engines  # the most recently used last
             self._handed[spec] = time.monotonic()
             engine = min(engines, key=lambda e: (not getattr(e, "ready", True), getattr(e, "load", 0)))
@@ -117,13 +115,23 @@ class EnginePool:
             old.close()
         return engine
 
-    def _replica(self, spec: PairSpec) -> PairSpec:
-        """A replica's spec: with several, each takes its share of the cores (unless threads are set)."""
-        if self.replicas == 1 or spec.threads is not None:
-            return spec
-        return dataclasses.replace(spec, threads=max(1, available_cores() // self.replicas))
+    def _wanted(self, engines: list[Engine]) -> int:
+        """How many engines the pair should have: the setting's number; with AUTO one, and one more
+        (up to one a node) while every engine it has is loaded and busy."""
+        if self.replicas != AUTO:
+            return self.replicas
+        busy = engines and all(getattr(e, "ready", True) and getattr(e, "load", 0) > 0 for e in engines)
+        return min(len(engines) + 1, self._nodes()) if busy else max(1, len(engines))
 
-    def engines(self, spec: PairSpec) -> list[EngineProcess]:
+    def _replica(self, spec: PairSpec) -> PairSpec:
+        """A replica's spec: where several share a node, each takes its share of the node's cores
+        (unless threads are set); AUTO's replicas each have a node."""
+        per_node = -(-self.replicas // self._nodes()) if self.replicas != AUTO else 1
+        if per_node == 1 or spec.threads is not None:
+            return spec
+        return dataclasses.replace(spec, threads=max(1, available_cores() // per_node))
+
+    def engines(self, spec: PairSpec) -> list[Engine]:
         """The pair's resident engines (its replicas), none started."""
         with self._lock:
             return list(self._engines.get(spec, []))
@@ -136,7 +144,7 @@ class EnginePool:
         for engine in engines:
             engine.close()
 
-    def discard(self, spec: PairSpec, engine: EngineProcess) -> None:
+    def discard(self, spec: PairSpec, engine: Engine) -> None:
         """Close `engine` (it failed to load) and forget it, unless another has replaced it."""
         with self._lock:
             engines = self._engines.get(spec, [])
@@ -151,7 +159,7 @@ class EnginePool:
         with self._lock:
             return [(spec, self._busy(spec, engines)) for spec, engines in self._engines.items()]
 
-    def _busy(self, spec: PairSpec, engines: list[EngineProcess]) -> bool:
+    def _busy(self, spec: PairSpec, engines: list[Engine]) -> bool:
         alive = any(e.alive for e in engines)
         return alive and (any(e.in_use for e in engines) or time.monotonic() - self._handed.get(spec, 0.0) < HANDOFF_S)
 

@@ -8,7 +8,7 @@ after the current iteration) or the page stops calling `beat()` (a closed tab ne
 decoding); `wait()`, `stop()` and `close()` end that. The backends:
 
   ThreadBackend   (thread_backend.py)   the engine's generator in this process, a worker thread
-  ProcessBackend  (process_backend.py)  the run's engine process (process_run.ProcessRun starts one)
+  EngineBackend   (engine_backend.py)   the run's engine, a Ray actor (engine_run.EngineRun starts one)
   Detached        (here)                nothing to decode: an imported run, or a snapshot to draw
 
 `LiveRun.start` starts a thread-backed run, `LiveRun.from_json` replays a run file. What the run

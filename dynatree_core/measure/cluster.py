@@ -2,8 +2,9 @@
 
 Ray places actors by resources across a cluster's nodes and runs one actor's method calls in
 order. `connect` starts a local runtime on first use (nothing to set up), or joins the cluster that
-DYNATREE_RAY_ADDRESS (else Ray's own RAY_ADDRESS) names. The library imports Ray only in this
-module's functions, and only when a caller asks for workers (`bench --ray`, `compare --ray`).
+DYNATREE_RAY_ADDRESS (else Ray's own RAY_ADDRESS) names. The library imports Ray only inside
+functions, when it is used: here for workers (`bench --ray`, `compare --ray`), through `connect`
+for the live engines (live/actor.py).
 
 The unit of work is one round of one prompt: every entry of the comparison runs it, in the
 schedule's rotated order (entries.schedule), on ONE worker, so every ratio a report gives is
@@ -60,7 +61,7 @@ def _init_in_a_lasting_thread(ray, address: str | None) -> None:
 
     def keep() -> None:
         try:
-            ray.init(address=address, include_dashboard=False, logging_level="warning")
+            ray.init(address=address, include_dashboard=False, logging_level="error")  # not its SIGTERM note
         except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
             failed.append(exc)
         started.set()

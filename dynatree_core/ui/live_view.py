@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import streamlit as st
 
-from dynatree_core.live.process_run import ProcessRun
+from dynatree_core.live.engine_run import EngineRun
 from dynatree_core.live.run import LiveRun
 from dynatree_core.runs.metrics import exactness_note
 from dynatree_core.runs.records import IterationRecord
@@ -32,7 +32,7 @@ from dynatree_core.viz.stages import Stage, iteration_stages, slot_figure, stage
 from dynatree_core.viz.svg import figure_svg
 from dynatree_core.viz.tree import TREE_HEIGHT_PX
 
-# The engine decodes in its own process (or a worker thread); the page draws its latest iteration
+# The engine decodes in its own process, a Ray actor (or a worker thread); the page draws its latest iteration
 # at most this often. Three figures per page update: one update every 0.6 s keeps the browser near
 # 5 figure updates per second. A browser on the same machine draws on the same CPU cores (its cost
 # per figure update: BENCHMARKS.md, "The live page against the CLI"), which is why the app leaves it a core.
@@ -87,7 +87,7 @@ def measured_caption(run: LiveRun) -> str:
     kind = f" with the {run.draft_kind} draft" if run.draft_kind else ""
     where = (
         f"in its own process ({threads_caption(run.threads)})"
-        if isinstance(run, ProcessRun)
+        if isinstance(run, EngineRun)
         else f"in a thread of the page's process ({threads_caption()})"
     )
     path = run.records[-1].forward_path if run.records else ""

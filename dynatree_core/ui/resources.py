@@ -1,5 +1,5 @@
 """Process-wide resources of the app and its pages (Streamlit caches, shared by every session):
-torch's thread count, the pool of engine processes (one per model pair, live/pool.py), the jobs
+torch's thread count, the pool of engines (a Ray actor per model pair, live/pool.py), the jobs
 the pages run on a pair (live/jobs.py) and, with DYNATREE_LIVE_ENGINE=thread, the pair loaded in
 this process with the lock that keeps two sessions' forwards apart."""
 
@@ -18,7 +18,7 @@ from dynatree_core.core.settings import env
 from dynatree_core.core.threads import ENV, available_cores, configure_threads
 from dynatree_core.decoding.pairs import load_pair
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.live.engine_process import EngineInfo, EngineProcess, JobHandle, PairSpec, env_seconds, pair_info
+from dynatree_core.live.engine import Engine, EngineInfo, JobHandle, PairSpec, env_seconds, pair_info
 from dynatree_core.live.jobs import JOB_TITLES, run_job
 from dynatree_core.live.pool import EnginePool
 
@@ -42,19 +42,44 @@ def threads_caption(threads: int | None = None) -> str:
 
 
 LIVE_ENGINE_ENV = "DYNATREE_LIVE_ENGINE"
-LIVE_ENGINES = ("process", "thread", "ray")
+LIVE_ENGINES = ("ray", "thread")
 
 
 def live_engine_mode() -> str:
-    """Where runs and jobs decode: "process" (default; the pair's engine process,
-    live/engine_process.py, so drawing never takes the engine's time and every page shares one copy
-    of the pair), "ray" (the same engine as a Ray actor, live/ray_engine.py: a local runtime, or the
-    cluster DYNATREE_RAY_ADDRESS names) or "thread" (this process: the reference, measured slower
-    while the page draws). DYNATREE_LIVE_ENGINE."""
+    """Where runs and jobs decode: "ray" (default; the pair's engine, a Ray actor, live/engine.py,
+    on a local runtime or the cluster DYNATREE_RAY_ADDRESS names, so drawing never takes the
+    engine's time and every page shares one copy of the pair) or "thread" (this process: the
+    reference, measured slower while the page draws; also where Ray cannot start here:
+    ray_unavailable). DYNATREE_LIVE_ENGINE."""
     mode = env(LIVE_ENGINE_ENV).lower()
     if mode not in LIVE_ENGINES:
         raise DynaTreeError(f"{LIVE_ENGINE_ENV}={mode!r}; choose one of: {', '.join(LIVE_ENGINES)}")
-    return mode
+    return "thread" if mode == "ray" and ray_unavailable() else mode
+
+
+@st.cache_resource(show_spinner="Starting the engines' runtime (Ray)...")
+def ray_unavailable() -> str:
+    """Why Ray cannot start in this server ("" when it runs): the first call starts it (a local
+    runtime, or joins the cluster); where it cannot, the pages decode in this process instead, and
+    say why (fallback_note)."""
+    from dynatree_core.measure.cluster import connect
+
+    try:
+        connect()
+    except DynaTreeError as exc:
+        log_exception("Ray did not start: decoding in the app's process", exc)
+        return str(exc)
+    return ""
+
+
+def fallback_note() -> str:
+    """What a page says where Ray was asked for and could not start ("" otherwise)."""
+    if env(LIVE_ENGINE_ENV).lower() != "ray" or not ray_unavailable():
+        return ""
+    return (
+        f"The engines' runtime (Ray) did not start here ({ray_unavailable()}): runs decode in the app's "
+        f"process, one session's forwards at a time. Set {LIVE_ENGINE_ENV}=thread to say so and skip the attempt."
+    )
 
 
 def job_timeout_s() -> float:
@@ -64,19 +89,14 @@ def job_timeout_s() -> float:
 
 @st.cache_resource(show_spinner=False)
 def engine_pool() -> EnginePool:
-    """The server's engines, one per pair (DYNATREE_MAX_PAIRS resident at most, live/pool.py):
-    processes, or Ray actors with DYNATREE_LIVE_ENGINE=ray."""
-    if live_engine_mode() == "ray":
-        from dynatree_core.live.ray_engine import RayEngine
-
-        return EnginePool(start=RayEngine)
+    """The server's engines, Ray actors, one per pair (DYNATREE_MAX_PAIRS a node at most, live/pool.py)."""
     return EnginePool()
 
 
-def engine_process(target: str, draft: str | None, device: str, dtype: str) -> EngineProcess:
-    """The child process that holds this pair for every page and session, once it is ready. A
-    dead one is started again. Raises DynaTreeError when its models cannot load, and PoolFull
-    when the server holds as many pairs as it may and all are in use."""
+def pair_engine(target: str, draft: str | None, device: str, dtype: str) -> Engine:
+    """The engine (a Ray actor) that holds this pair for every page and session, once it is ready
+    (the least loaded of its replicas). A dead one is started again. Raises DynaTreeError when its
+    models cannot load, and PoolFull when the server holds as many pairs as it may and all are in use."""
     spec = PairSpec(target, draft, device, dtype)
     pool = engine_pool()
     engine = pool.get(spec)
@@ -89,7 +109,7 @@ def engine_process(target: str, draft: str | None, device: str, dtype: str) -> E
 
 
 def prewarm(target: str, draft: str | None, device: str, dtype: str) -> None:
-    """Start the pair's engine process loading and warming up, without waiting for it (the
+    """Start the pair's engine loading and warming up, without waiting for it (the
     opening replay plays meanwhile, so the first live iterations run at full speed). A failure
     is logged; the user sees its message when starting a run."""
     try:
@@ -102,7 +122,7 @@ def prewarm(target: str, draft: str | None, device: str, dtype: str) -> None:
 @st.cache_resource(max_entries=2, show_spinner=False)
 def cached_pair(target: str, draft: str | None, device: str, dtype: str):
     """The pair loaded in this process: DYNATREE_LIVE_ENGINE=thread only (the default keeps
-    every model in its engine process)."""
+    every model in its engine)."""
     engine_threads()
     return load_pair(target, draft, device=device, dtype=dtype)
 
@@ -130,13 +150,13 @@ def forward_lock() -> BoundedLock:
 
 def models_info(models: Models) -> EngineInfo:
     """What a page needs of the pair without its weights (tokenizer, EOS ids, context length),
-    from the engine process that holds it (thread mode: the pair in this process)."""
+    from the engine that holds it (thread mode: the pair in this process)."""
     if live_engine_mode() == "thread":
         return pair_info(cached_pair(*models), torch.get_num_threads())
-    return engine_process(*models).info
+    return pair_engine(*models).info
 
 
-def _waiting_text(engine: EngineProcess, rid: int, name: str) -> str:
+def _waiting_text(engine: Engine, rid: int, name: str) -> str:
     ahead = engine.queue_position(rid) or 0
     busy = engine.busy_with()
     running = f"it is running {JOB_TITLES.get(busy[0], busy[0])}" if busy else "it is busy"
@@ -155,7 +175,7 @@ def pair_job(
     status: Any = None,
     timeout_s: float | None = None,
 ) -> Any:
-    """Run job `name` (live/jobs.py) on the pair where it lives: queued in its engine process,
+    """Run job `name` (live/jobs.py) on the pair where it lives: queued in its engine,
     where `status` (an st.empty) shows the place in the queue until it starts; `on_event(kind,
     data)` sees its progress in this script thread. Waits at most `timeout_s` (default
     DYNATREE_JOB_TIMEOUT), then raises DynaTreeError; raises the job's own error."""
@@ -165,7 +185,7 @@ def pair_job(
         pair = cached_pair(*models)
         with forward_lock():
             return run_job(pair, name, payload, emit)
-    engine = engine_process(*models)
+    engine = pair_engine(*models)
     handle = JobHandle()
     rid = engine.submit(name, payload, handle)
     deadline, shown = time.monotonic() + timeout_s, ""

@@ -15,7 +15,7 @@ from dynatree_core.core.specs import presets_only
 from dynatree_core.decoding.methods import method_class
 from dynatree_core.decoding.settings import SETTINGS
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.live.process_run import ProcessRun
+from dynatree_core.live.engine_run import EngineRun
 from dynatree_core.live.run import LiveRun
 from dynatree_core.measure.prompt_sets import load_prompts
 from dynatree_core.ui.resources import engine_threads, forward_lock, show_error
@@ -163,8 +163,8 @@ def import_run(run: LiveRun | None, uploaded) -> LiveRun | None:
 def advance(run: LiveRun, run_clicked: bool, step_clicked: bool) -> None:
     """Run: the worker decodes ahead of the page. Step: one iteration in the script thread, never
     beside the worker. An engine error ends the run and stays in `run.error` (`show_run_error`).
-    A ProcessRun needs no lock: its engine process runs one forward at a time."""
-    lock = None if isinstance(run, ProcessRun) else forward_lock()
+    An EngineRun needs no lock: its engine runs one forward at a time."""
+    lock = None if isinstance(run, EngineRun) else forward_lock()
     if run_clicked:
         run.start_worker(lock)
     elif step_clicked and run.worker_running:

@@ -1,6 +1,6 @@
-"""ProcessBackend: a run decoded by an `EngineProcess` (engine_process.py), the live page's default.
+"""EngineBackend: a run decoded by an `Engine` (engine.py), the live page's default.
 
-The models, the KV caches and the decoding loop live in the child process, so drawing the page
+The models, the KV caches and the decoding loop live in the engine's process (a Ray actor), so drawing the page
 (Python, the GIL) never takes time from decoding. The backend turns the run's calls into commands
 for its rid and the child's answers into the run's state: the engine's dispatcher thread calls
 `on_message` with each record as soon as it exists and appends it, before `done`, like the thread
@@ -19,16 +19,16 @@ from typing import Any
 
 from dynatree_core.core.log import log_exception
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.live.engine_process import EngineProcess, StartRun
+from dynatree_core.live.engine import Engine, StartRun
 from dynatree_core.live.jobs import JOB_TITLES
 from dynatree_core.live.state import RunState
 from dynatree_core.runs.records import IterationRecord
 
 
-class ProcessBackend:
+class EngineBackend:
     """Run `rid` of `engine`, started with `start` (raises DynaTreeError when the engine is gone)."""
 
-    def __init__(self, state: RunState, engine: EngineProcess, start: StartRun):
+    def __init__(self, state: RunState, engine: Engine, start: StartRun):
         self._state = state
         self._engine = engine
         self._cond = threading.Condition()  # guards the flags below; notified on every answer
@@ -40,13 +40,13 @@ class ProcessBackend:
         self._idle_timeout_s = math.inf
         self._last_beat = 0.0
         self.rid = engine.register(self)
-        weakref.finalize(self, engine.drop, self.rid)  # the page forgot the run: free it in the child
+        weakref.finalize(self, engine.forget, self.rid)  # the page forgot the run: free it in the child
         engine.send("start", self.rid, start)
 
     # ----- messages from the engine (its dispatcher thread) ---------------------------------------
     @property
     def done(self) -> bool:
-        """Read by EngineProcess.in_use: an engine with an unfinished run is not closed."""
+        """Read by Engine.in_use: an engine with an unfinished run is not closed."""
         return self._state.done
 
     def on_message(self, kind: str, payload: Any) -> None:

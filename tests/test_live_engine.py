@@ -1,6 +1,5 @@
-"""The live page's engine process (live/engine_process.py, live/process_run.py): the same runs as the engine
-in this process, the same controls (step, run, pause, reset), and every failure a message; every test
-twice, the engine a spawned process and a Ray actor (live/ray_engine.py)."""
+"""The live page's engine (live/engine.py, a Ray actor; live/engine_run.py): the same runs as the
+engine in this process, the same controls (step, run, pause, reset), and every failure a message."""
 
 from __future__ import annotations
 
@@ -17,8 +16,8 @@ from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.decoding.pairs import load_pair
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.live.engine_process import EngineProcess, PairSpec, call
-from dynatree_core.live.process_run import ProcessRun
+from dynatree_core.live.engine import Engine, PairSpec, call
+from dynatree_core.live.engine_run import EngineRun
 
 PROMPT = [1, 17, 4, 99, 250, 7]
 
@@ -33,16 +32,11 @@ def server_log(tmp_path_factory):
     mp.undo()
 
 
-@pytest.fixture(scope="module", params=["process", "ray"])
-def kind(request):
-    """The engine's class: a spawned process, or a Ray actor on a local runtime (shut down after)."""
-    if request.param == "process":
-        yield EngineProcess
-        return
+@pytest.fixture(scope="module")
+def kind():
+    """The engine's class: a Ray actor on a local runtime (started on first use, shut down after)."""
     ray = pytest.importorskip("ray")
-    from dynatree_core.live.ray_engine import RayEngine
-
-    yield RayEngine
+    yield Engine
     ray.shutdown()
 
 
@@ -60,7 +54,7 @@ def pair(tiny_pair_dirs):
     return load_pair(*tiny_pair_dirs)
 
 
-def _config(engine: EngineProcess, max_new: int) -> DecodeConfig:
+def _config(engine: Engine, max_new: int) -> DecodeConfig:
     info = engine.wait_ready()
     return DecodeConfig(max_new_tokens=max_new, eos_token_ids=info.eos_token_ids, context_length=info.context_length)
 
@@ -70,8 +64,8 @@ def _reference(pair, policy: str, max_new: int, params=None):
     return generate(pair.target.model, PROMPT, make_method(policy, params), draft=pair.draft.model, config=config)
 
 
-def _start(engine, policy="fixed_tree", max_new=24) -> ProcessRun:
-    return ProcessRun.start_in(engine, PROMPT, make_method(policy), settings={"p": 1}, config=_config(engine, max_new))
+def _start(engine, policy="fixed_tree", max_new=24) -> EngineRun:
+    return EngineRun.start_in(engine, PROMPT, make_method(policy), settings={"p": 1}, config=_config(engine, max_new))
 
 
 def test_the_child_reports_what_it_loaded(engine, pair):
@@ -140,7 +134,7 @@ def test_a_snapshot_has_no_engine_and_keeps_its_records(engine):
 def test_an_engine_error_ends_the_run_and_the_engine_goes_on(engine):
     info = engine.wait_ready()
     config = _config(engine, 8)
-    run = ProcessRun.start_in(engine, PROMPT * 200, make_method("fixed_tree"), settings={}, config=config)
+    run = EngineRun.start_in(engine, PROMPT * 200, make_method("fixed_tree"), settings={}, config=config)
     assert len(PROMPT) * 200 > info.context_length
     with pytest.raises(DynaTreeError, match="context"):
         run.step()
@@ -188,7 +182,7 @@ def test_jobs_queue_in_arrival_order_and_a_step_meanwhile_is_answered_busy(engin
     """Three jobs sent at once run one at a time in the order sent (the parent knows each one's
     place); a live run's Step while a job holds the engine is answered "busy" at once, and the run
     steps normally once the jobs are done. A comparison in the child equals one in this process."""
-    from dynatree_core.live.engine_process import JobHandle
+    from dynatree_core.live.engine import JobHandle
     from dynatree_core.measure.compare import compare
     from dynatree_core.measure.entries import Entry
     from dynatree_core.ui.resources import _waiting_text  # imported before the jobs: it takes ~0.5 s
@@ -266,7 +260,7 @@ def test_the_log_writes_to_standard_error_as_it_is_when_a_line_is_logged(monkeyp
 
 def test_every_command_is_answered(engine):
     """drop, pause, go and step on unknown runs, and an unknown command: each gets its answer."""
-    from dynatree_core.live.engine_process import JobHandle
+    from dynatree_core.live.engine import JobHandle
 
     for kind, payload, answer in [
         ("drop", None, "dropped"),
@@ -297,13 +291,13 @@ def test_a_pair_that_cannot_load_is_a_message(kind):
 def test_a_dead_engine_ends_its_runs_with_a_message(kind, tiny_pair_dirs):
     eng = kind(PairSpec(*tiny_pair_dirs))
     eng.wait_ready(300)
-    run = ProcessRun.start_in(eng, PROMPT, make_method("fixed_tree"), settings={}, config=_config(eng, 400))
+    run = EngineRun.start_in(eng, PROMPT, make_method("fixed_tree"), settings={}, config=_config(eng, 400))
     run.step()
     eng.kill()
     deadline = time.monotonic() + 30
     while not run.done and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert run.done and isinstance(run.error, DynaTreeError) and "engine process" in str(run.error)
+    assert run.done and isinstance(run.error, DynaTreeError) and "engine ended" in str(run.error)
     assert not run.start_worker() and run.step() is None
     with pytest.raises(DynaTreeError, match="gone"):
         eng.send("go", 1, 1)

@@ -1,17 +1,21 @@
-"""The engine in its own process, so that drawing a page never takes time from decoding, and the
-one place a model pair lives on a server: every page and every session uses the pair through it.
+"""A pair's engine: a Ray actor that holds one model pair for every page and session of a server,
+so drawing a page never takes time from decoding, and a pair may run on any node of a cluster.
 
 An engine in a thread of a process whose Python draws shares the GIL with the drawing and slows
-down; in a child process it does not (benchmarks/drawing_contention.py measures both; BENCHMARKS.md,
-"The live page against the CLI"). `EngineProcess` is that child for the app. It loads
+down; in another process it does not (benchmarks/drawing_contention.py measures both; BENCHMARKS.md,
+"The live page against the CLI"). `Engine` is the app's side of that process, a Ray actor
+(actor.py; a local runtime started on first use, or the cluster DYNATREE_RAY_ADDRESS names:
+measure/cluster.connect), placed on a node with room (actor.place). The actor loads
 one model pair, keeps any number of live runs (one `engine.decode` generator each, so every run
 keeps its own KV caches) and decodes the runs it was asked to run round-robin, one iteration at a
 time. Between iterations it takes queued jobs (jobs.py: a comparison, a benchmark, the Lab, a
 reference or baseline, the latency profile), one at a time in arrival order, each to its end with
 no live iteration in between (so a job's timings are its own; live runs wait meanwhile). A reader
-thread takes commands off the pipe as they come, so a sender never blocks on a busy child, and
-answers a "step" at once with "busy" while a job holds the engine. Records go back over a
-multiprocessing queue whose feeder thread sends them, so the decoding loop never waits for a page.
+thread takes commands off the inbox as they come, so a sender never blocks on a busy child, and
+answers a "step" at once with "busy" while a job holds the engine. The app's dispatcher thread
+polls the actor for records (a poll gathers what came within GATHER_S), so the decoding loop never
+waits for a page. An actor that dies (its node lost, killed) fails the poll: every run and job
+then gets a message. The actor belongs to the app's process (not detached): it ends with it.
 
 Protocol (all tuples; `rid` names a run or a job):
 
@@ -28,8 +32,8 @@ recognised) or "error"; "step" by one "record" (possibly followed by "done"), "d
 "busy" (a job holds the engine, or the run is decoding); "pause" by "paused"; "drop" by "dropped";
 "job" by "started", any "event"s, then "result" or "error"; "runs" by "result". Every exception the
 child meets is written with its traceback to the server log (core/log.py) before its message is
-sent. The child knows nothing of Streamlit; it exits when the parent closes the command pipe (the
-parent died) or says "quit".
+sent. The child knows nothing of Streamlit; it exits when the parent says "quit" (or Ray ends it
+with the parent's process).
 """
 
 from __future__ import annotations
@@ -37,47 +41,22 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
-import multiprocessing as mp
 import queue
-import sys
 import threading
 import time
-import types
 import weakref
 from typing import Any
 
 from dynatree_core.core.log import log_info
 from dynatree_core.core.settings import env
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.live.engine_child import POLL_S, EngineInfo, PairSpec, StartRun, pair_info, serve
+from dynatree_core.live.actor import ActorTransport
+from dynatree_core.live.engine_child import POLL_S, EngineInfo, PairSpec, StartRun, pair_info
 
-__all__ = ["CALL_TIMEOUT_S", "EngineInfo", "EngineProcess", "JobHandle", "PairSpec", "StartRun", "call", "pair_info"]
+__all__ = ["CALL_TIMEOUT_S", "Engine", "EngineInfo", "JobHandle", "PairSpec", "StartRun", "call", "pair_info"]
 
-# A spawned child starts a fresh interpreter: forking a process whose OpenMP runtime is already
-# running threads can deadlock the child.
-_CTX = mp.get_context("spawn")
 LOAD_TIMEOUT_ENV = "DYNATREE_LOAD_TIMEOUT"
 CALL_TIMEOUT_S = 600.0  # a one-off job waited for in one call (a reference, the latency profile)
-
-
-_SPAWN = threading.Lock()
-
-
-@contextlib.contextmanager
-def _main_left_out():
-    """Start a spawned child without the parent's `__main__`: spawn re-runs the main module's file in
-    the child (multiprocessing.spawn.prepare), and in a Streamlit server that is the page script that
-    ran last (Streamlit installs each script as `__main__`): the child would run app.py in bare
-    mode before loading its pair, and a test's temporary page script that no longer exists made it
-    fail. The child needs nothing from `__main__` (its target is engine_child.serve)."""
-    with _SPAWN:
-        main = sys.modules.get("__main__")
-        sys.modules["__main__"] = types.ModuleType("__main__")
-        try:
-            yield
-        finally:
-            if main is not None:
-                sys.modules["__main__"] = main
 
 
 def env_seconds(name: str, default: float) -> float:
@@ -97,8 +76,8 @@ def load_timeout_s() -> float:
     return env_seconds(LOAD_TIMEOUT_ENV, 900.0)
 
 
-class EngineProcess:
-    """A child process that owns one model pair and serves this process's runs and jobs.
+class Engine(ActorTransport):
+    """A Ray actor that owns one model pair and serves this process's runs and jobs (module docstring).
 
     Objects that `register()` receive the child's messages about their rid through `on_message`
     (called from the dispatcher thread) and a `on_tick()` about every POLL_S seconds (to pause runs
@@ -114,6 +93,7 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         # weak: a run the page forgot is garbage-collected, and its finalizer drops it in the child
         self._listeners: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self._forgotten: queue.SimpleQueue = queue.SimpleQueue()  # runs to drop (forget)
         self._ids = itertools.count(1)
         self._ready = threading.Event()
         self._jobs: collections.OrderedDict[int, str] = collections.OrderedDict()  # rid -> job name, sent order
@@ -124,45 +104,6 @@ class EngineProcess:
         self._dispatcher = threading.Thread(target=self._dispatch, name="dynatree-engine-dispatch", daemon=True)
         self._dispatcher.start()
 
-    # -- the transport: a spawned process, a command pipe and a message queue (ray_engine.py: an actor) --
-    def _launch(self) -> None:
-        receiver, self._commands = _CTX.Pipe(duplex=False)
-        self._out = _CTX.Queue()
-        self._process = _CTX.Process(
-            target=serve, args=(receiver, self._out, self.spec), name="dynatree-engine", daemon=True
-        )
-        with _main_left_out():
-            self._process.start()
-        receiver.close()
-
-    def _put(self, command: tuple) -> None:
-        """One command to the child; OSError or ValueError when it is gone."""
-        self._commands.send(command)
-
-    def _get(self, timeout_s: float) -> tuple:
-        """The child's next message (queue.Empty after `timeout_s`; EOFError or OSError when it is gone)."""
-        return self._out.get(timeout=timeout_s)
-
-    @property
-    def alive(self) -> bool:
-        return self._process.is_alive()
-
-    def _end(self, timeout_s: float) -> None:
-        """Wait for the child to exit after "quit"; kill it when it does not."""
-        self._process.join(timeout_s)
-        if self._process.is_alive():
-            log_info("engine %s did not quit within %.0f s: killed", self.spec.title(), timeout_s)
-            self._process.kill()
-            self._process.join(timeout_s)
-
-    def kill(self) -> None:
-        """End the child at once, as a crash would (tests)."""
-        self._process.kill()
-
-    def _exit_text(self) -> str:
-        code = self._process.exitcode
-        return "still running" if code is None else f"exit code {code}"
-
     # -- lifecycle --
     def wait_ready(self, timeout_s: float | None = None) -> EngineInfo:
         """The child's EngineInfo once its models are loaded (waits at most `timeout_s`, default
@@ -170,12 +111,12 @@ class EngineProcess:
         timeout_s = load_timeout_s() if timeout_s is None else timeout_s
         if not self._ready.wait(timeout_s):
             raise DynaTreeError(
-                f"the engine process did not load {self.spec.target!r} within {timeout_s:.0f} s "
+                f"the engine did not load {self.spec.target!r} within {timeout_s:.0f} s "
                 f"({LOAD_TIMEOUT_ENV} to wait longer)"
             )
         if self.info is None:
             exc = self.failure
-            raise exc if isinstance(exc, DynaTreeError) else DynaTreeError(f"the engine process could not load: {exc}")
+            raise exc if isinstance(exc, DynaTreeError) else DynaTreeError(f"the engine could not load: {exc}")
         return self.info
 
     @property
@@ -217,11 +158,12 @@ class EngineProcess:
     def send(self, kind: str, rid: int, payload: Any = None) -> None:
         """One command to the child (its reader thread takes it at once, so this never waits on a
         busy child); DynaTreeError when the child is gone."""
+        self._drop_forgotten()
         with self._send_lock:
             try:
                 self._put((kind, rid, payload))
             except (OSError, ValueError) as exc:  # broken pipe, or closed
-                raise DynaTreeError(f"the engine process is gone ({self._exit_text()})") from exc
+                raise DynaTreeError(f"the engine is gone ({self._exit_text()})") from exc
 
     def drop(self, rid: int) -> None:
         """Forget run or job `rid` here and in the child (its KV caches are freed, a queued job
@@ -258,8 +200,23 @@ class EngineProcess:
             names = list(self._jobs.values())
         return (names[0], len(names) - 1) if names else None
 
+    def forget(self, rid: int) -> None:
+        """Drop run `rid` soon, from the dispatcher thread: what a finalizer calls (it may run inside
+        any call of any thread, a Ray call included, and Ray's calls are not reentrant)."""
+        self._forgotten.put(rid)
+
+    def _drop_forgotten(self) -> None:
+        """Drop the runs forgotten so far (before any other command: the child frees them first)."""
+        while True:
+            try:
+                rid = self._forgotten.get_nowait()
+            except queue.Empty:
+                return
+            self.drop(rid)
+
     def _dispatch(self) -> None:
         while True:
+            self._drop_forgotten()
             try:
                 kind, rid, payload = self._get(POLL_S)
             except queue.Empty:
@@ -287,18 +244,18 @@ class EngineProcess:
 
     def _child_died(self) -> None:
         if not self._ready.is_set():
-            self.failure = DynaTreeError(f"the engine process ended while loading ({self._exit_text()})")
+            self.failure = DynaTreeError(f"the engine ended while loading ({self._exit_text()})")
             self._ready.set()
         log_info("engine %s ended (%s)", self.spec.title(), self._exit_text())
         with self._jobs_lock:
             self._jobs.clear()
-        exc = DynaTreeError(f"the engine process ended unexpectedly ({self._exit_text()}); press Run to restart it")
+        exc = DynaTreeError(f"the engine ended unexpectedly ({self._exit_text()}); press Run to restart it")
         for listener in list(self._listeners.values()):
             listener.on_message("error", exc)
 
 
 class JobHandle:
-    """A job sent to an engine (EngineProcess.submit): its events as they come (`events`), then its
+    """A job sent to an engine (Engine.submit): its events as they come (`events`), then its
     result or error. `done` is False until answered, so the engine counts as in use meanwhile."""
 
     def __init__(self) -> None:
@@ -328,7 +285,7 @@ class JobHandle:
         pass
 
 
-def call(engine: EngineProcess, kind: str, payload: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
+def call(engine: Engine, kind: str, payload: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
     """Send one command ("runs") or job ("job", (name, payload)) and wait for its answer at most
     `timeout_s` (raises the child's exception, or DynaTreeError on the timeout)."""
     handle = JobHandle()
@@ -340,7 +297,7 @@ def call(engine: EngineProcess, kind: str, payload: Any, timeout_s: float = CALL
         engine.send(kind, rid, payload)
     try:
         if not handle.finished.wait(timeout_s):
-            raise DynaTreeError(f"the engine process did not answer {kind!r} within {timeout_s:.0f} s")
+            raise DynaTreeError(f"the engine did not answer {kind!r} within {timeout_s:.0f} s")
     finally:
         if handle.done:
             engine.unregister(rid)

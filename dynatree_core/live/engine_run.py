@@ -1,5 +1,5 @@
-"""ProcessRun: a LiveRun (run.py) decoded by an `EngineProcess` (engine_process.py) through a
-ProcessBackend (process_backend.py), the live page's default. It adds only how such a run starts:
+"""EngineRun: a LiveRun (run.py) decoded by an `Engine` (engine.py) through an
+EngineBackend (engine_backend.py), the live page's default. It adds only how such a run starts:
 the run's API, its state and its snapshots are LiveRun's."""
 
 from __future__ import annotations
@@ -9,28 +9,28 @@ from typing import Any
 from dynatree_core.decoding.engine import DecodeConfig
 from dynatree_core.decoding.settings import RunSpec
 from dynatree_core.drafting.policy import Policy
-from dynatree_core.live.engine_process import EngineProcess, StartRun
-from dynatree_core.live.process_backend import ProcessBackend
+from dynatree_core.live.engine import Engine, StartRun
+from dynatree_core.live.engine_backend import EngineBackend
 from dynatree_core.live.run import LiveRun
 from dynatree_core.live.state import RunState
 
 
-class ProcessRun(LiveRun):
-    """A LiveRun whose models, KV caches and decoding loop live in an engine process, so drawing
-    the page never takes time (or the GIL) from decoding. Its snapshots are ProcessRuns too (the
+class EngineRun(LiveRun):
+    """A LiveRun whose models, KV caches and decoding loop live in an engine (a Ray actor), so
+    drawing the page never takes time (or the GIL) from decoding. Its snapshots are EngineRuns too (the
     page says where they were measured), with nothing attached."""
 
     @classmethod
     def start_in(
         cls,
-        engine: EngineProcess,
+        engine: Engine,
         prompt_ids: list[int],
         policy: Policy,
         *,
         settings: dict[str, Any],
         spec: RunSpec | None = None,
         config: DecodeConfig = DecodeConfig(),
-    ) -> ProcessRun:
+    ) -> EngineRun:
         """Start decoding in `engine` (waits for its models to load; DynaTreeError if they cannot)."""
         info = engine.wait_ready()
         tokenizer = info.tokenizer
@@ -47,7 +47,7 @@ class ProcessRun(LiveRun):
             detokenize=lambda tok: tokenizer.decode([tok]),
         )
         start = StartRun(list(prompt_ids), policy.name, dict(policy.config), config)
-        return cls(state, ProcessBackend(state, engine, start))
+        return cls(state, EngineBackend(state, engine, start))
 
     @property
     def _rid(self) -> int:
