@@ -288,8 +288,11 @@ def test_a_pair_that_cannot_load_is_a_message(kind):
     assert not eng.alive
 
 
-def test_a_dead_engine_ends_its_runs_with_a_message(kind, tiny_pair_dirs):
-    eng = kind(PairSpec(*tiny_pair_dirs))
+def test_a_dead_engine_ends_its_runs_with_a_message_and_the_next_run_gets_a_new_one(kind, tiny_pair_dirs):
+    from dynatree_core.live.pool import EnginePool
+
+    pool, spec = EnginePool(limit=2, start=kind), PairSpec(*tiny_pair_dirs)
+    eng = pool.get(spec)
     eng.wait_ready(300)
     run = EngineRun.start_in(eng, PROMPT, make_method("fixed_tree"), settings={}, config=_config(eng, 400))
     run.step()
@@ -301,6 +304,12 @@ def test_a_dead_engine_ends_its_runs_with_a_message(kind, tiny_pair_dirs):
     assert not run.start_worker() and run.step() is None
     with pytest.raises(DynaTreeError, match="gone"):
         eng.send("go", 1, 1)
+    fresh = pool.get(spec)  # the next Run: the pool replaces the dead engine
+    assert fresh is not eng and fresh.alive and fresh.wait_ready(300)
+    run = EngineRun.start_in(fresh, PROMPT, make_method("fixed_tree"), settings={}, config=_config(fresh, 8))
+    assert run.step() is not None and run.error is None
+    run.close()
+    pool.close_all()
 
 
 def test_a_failed_warm_up_is_logged_and_the_engine_still_serves(tiny_pair_dirs, tmp_path, monkeypatch):

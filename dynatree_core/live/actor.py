@@ -253,8 +253,11 @@ class ActorTransport:
         """Whether the Ray session the actor was started in still runs here (a Ray call after it
         ended would start a new runtime: Ray initialises itself on use). Marks the end once."""
         ray = self._ray
-        if ray.is_initialized() and ray.get_runtime_context().get_node_id() == self._session:
-            return True
+        try:
+            if ray.is_initialized() and ray.get_runtime_context().get_node_id() == self._session:
+                return True
+        except Exception as exc:  # noqa: BLE001 - Ray shut down between the two calls
+            log_exception(f"engine {self.spec.title()}: Ray's session ended", exc)
         self._ended("Ray has shut down")
         return False
 

@@ -36,10 +36,19 @@ from dynatree_core.runs.records import RunResult
 def connect():
     """Ray, initialised: this process's runtime if it has one, else the cluster DYNATREE_RAY_ADDRESS
     or RAY_ADDRESS names, else a new local runtime (the dashboard off)."""
+    # Ray starts itself on any call made while it is not running (RAY_ENABLE_AUTO_CONNECT), in whatever
+    # thread made it, and a local runtime dies with the thread that started it: a stray call (an
+    # engine's handle after a shutdown) would start a runtime that dies a moment later and takes this
+    # process's connection with it. Here Ray starts only through this function, unless the user says otherwise.
+    no_auto_start = os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0") == "0"
     try:
         import ray
     except ImportError as exc:  # pragma: no cover - ray is in requirements.txt
         raise DynaTreeError("running on Ray needs the ray package: pip install 'ray==2.60.0'") from exc
+    if no_auto_start:  # read when Ray was first imported, which may have been before this call
+        from ray._private import auto_init_hook
+
+        auto_init_hook.enable_auto_connect = False
     with _STARTING:
         if not ray.is_initialized():
             _init_in_a_lasting_thread(ray, env("DYNATREE_RAY_ADDRESS") or None)  # None: RAY_ADDRESS, else local
