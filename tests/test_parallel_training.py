@@ -63,6 +63,7 @@ def _worker(rank: int, size: int, init: str, outs: list[str]) -> None:
     try:
         state = trainer.train(_recipe(joined=False), Path(outs[rank]), _loop(), log=lambda m: None)
         assert state["step"] == STEPS and state["seen"] == 2 * STEPS * ROWS and state["cursor"] == 2 * STEPS
+        dist.barrier()  # both done (rank 0 writes its files last) before either tears the group down
     finally:
         dist.destroy_process_group()
 

@@ -67,6 +67,12 @@ def passed_on(root: str) -> dict[str, str]:
     return keep | {"PYTHONPATH": f"{root}{os.pathsep}{path}" if path else root}
 
 
+def ray_starts_only_when_asked() -> bool:
+    """Turn off Ray's start on first use (RAY_ENABLE_AUTO_CONNECT=0) unless the user set that
+    variable; whether it is off (measure/cluster.connect: Ray starts only there)."""
+    return os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0") == "0"
+
+
 def env_on(name: str) -> bool:
     """A switch that is on unless its override says "0"."""
     return env(name) != "0"

@@ -90,7 +90,9 @@ class Engine(ActorTransport):
     def __init__(self, spec: PairSpec):
         self.spec = spec
         self._launch()
-        self._send_lock = threading.Lock()
+        # reentrant: a send first drops the forgotten runs (sends of their own), all under this lock, so
+        # no command overtakes the drop of a run forgotten before it
+        self._send_lock = threading.RLock()
         # weak: a run the page forgot is garbage-collected, and its finalizer drops it in the child
         self._listeners: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._forgotten: queue.SimpleQueue = queue.SimpleQueue()  # runs to drop (forget)
@@ -158,8 +160,8 @@ class Engine(ActorTransport):
     def send(self, kind: str, rid: int, payload: Any = None) -> None:
         """One command to the child (its reader thread takes it at once, so this never waits on a
         busy child); DynaTreeError when the child is gone."""
-        self._drop_forgotten()
         with self._send_lock:
+            self._drop_forgotten()
             try:
                 self._put((kind, rid, payload))
             except (OSError, ValueError) as exc:  # broken pipe, or closed
@@ -207,12 +209,13 @@ class Engine(ActorTransport):
 
     def _drop_forgotten(self) -> None:
         """Drop the runs forgotten so far (before any other command: the child frees them first)."""
-        while True:
-            try:
-                rid = self._forgotten.get_nowait()
-            except queue.Empty:
-                return
-            self.drop(rid)
+        with self._send_lock:  # the send lock (reentrant): a command sent meanwhile waits for these drops
+            while True:
+                try:
+                    rid = self._forgotten.get_nowait()
+                except queue.Empty:
+                    return
+                self.drop(rid)
 
     def _dispatch(self) -> None:
         while True:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from dynatree_core.core.settings import env
+from dynatree_core.core.settings import env, ray_starts_only_when_asked
 from dynatree_core.decoding.engine import DecodeConfig
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.decoding.pairs import load_pair
@@ -40,7 +40,7 @@ def connect():
     # thread made it, and a local runtime dies with the thread that started it: a stray call (an
     # engine's handle after a shutdown) would start a runtime that dies a moment later and takes this
     # process's connection with it. Here Ray starts only through this function, unless the user says otherwise.
-    no_auto_start = os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0") == "0"
+    no_auto_start = ray_starts_only_when_asked()
     try:
         import ray
     except ImportError as exc:  # pragma: no cover - ray is in requirements.txt
