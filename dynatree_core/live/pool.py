@@ -76,7 +76,10 @@ class EnginePool:
 
     @property
     def limit(self) -> int:
-        return self._limit if self._limit is not None else max_pairs() * self._nodes()
+        return self._capacity(self._nodes())
+
+    def _capacity(self, nodes: int) -> int:
+        return self._limit if self._limit is not None else max_pairs() * nodes
 
     def get(self, spec: PairSpec) -> Engine:
         """The pair's least loaded engine, its replicas started if needed (each loads in its own
@@ -87,12 +90,13 @@ class EnginePool:
             engines = self._engines.pop(spec, [])
             closing += [e for e in engines if not e.alive]  # died (or failed to load): start again
             engines = [e for e in engines if e.alive]
-            limit, wanted = self.limit, self._wanted(engines)
+            nodes = self._nodes()  # asked once a request (on Ray: one call to the cluster)
+            limit, wanted = self._capacity(nodes), self._wanted(engines, nodes)
             while len(engines) < wanted:
                 victim = None
                 if sum(map(len, self._engines.values())) + len(engines) < limit:
                     try:
-                        engines.append(self._start(self._replica(spec)))
+                        engines.append(self._start(self._replica(spec, nodes)))
                         resident = sum(map(len, self._engines.values())) + len(engines)
                         log_info("pool: started %s (%d of %d resident)", spec.title(), resident, limit)
                         continue
@@ -115,18 +119,18 @@ class EnginePool:
             old.close()
         return engine
 
-    def _wanted(self, engines: list[Engine]) -> int:
+    def _wanted(self, engines: list[Engine], nodes: int) -> int:
         """How many engines the pair should have: the setting's number; with AUTO one, and one more
         (up to one a node) while every engine it has is loaded and busy."""
         if self.replicas != AUTO:
             return self.replicas
         busy = engines and all(getattr(e, "ready", True) and getattr(e, "load", 0) > 0 for e in engines)
-        return min(len(engines) + 1, self._nodes()) if busy else max(1, len(engines))
+        return min(len(engines) + 1, nodes) if busy else max(1, len(engines))
 
-    def _replica(self, spec: PairSpec) -> PairSpec:
+    def _replica(self, spec: PairSpec, nodes: int) -> PairSpec:
         """A replica's spec: where several share a node, each takes its share of the node's cores
         (unless threads are set); AUTO's replicas each have a node."""
-        per_node = -(-self.replicas // self._nodes()) if self.replicas != AUTO else 1
+        per_node = -(-self.replicas // nodes) if self.replicas != AUTO else 1
         if per_node == 1 or spec.threads is not None:
             return spec
         return dataclasses.replace(spec, threads=max(1, available_cores() // per_node))
