@@ -2,14 +2,14 @@
 
 On the host (`VerifyBatch.of`): from the tree the policy returned, its nodes in `DecodeConfig.order`
 with their ancestor mask and positions (sampled trees, dyspec, salf). From the
-levels (`EarlyVerify`): where a policy drafts a greedy tree as tensor levels (drafting/device.py),
-on every device, the tree's rows, mask and positions are built where the levels are
-(`levels.tree_rows`) and the verify forward is queued BEFORE the host reads the tree: on a GPU the
+tree (`EarlyVerify`): where a policy drafts a greedy tree as tensors (drafting/tensor_tree.py),
+on every device, the tree's rows, mask and positions are built where the tree is
+(`TensorTree.rows`) and the verify forward is queued BEFORE the host reads the tree: on a GPU the
 host makes the tree's view while the target runs, and the iteration's only draining read is the
 verification's; the batch's record is made from the rows (`EarlyVerify.batch`). The rows are
 the nodes in the bfs order, padded to a bound the host knows without reading (a padding row sees
-only itself and nothing sees it); the host checks the rows it read against the tree's view, node
-for node, so the two builds cannot silently differ.
+only itself and nothing sees it); the view is made from the same read, and names the node of
+each row, so the tree shown and the rows verified are one tree.
 SGLang's EAGLE worker builds its verify input on the GPU the same way (docs/gpu.md).
 """
 
@@ -109,16 +109,16 @@ def early_wanted(state) -> bool:
 
 class EarlyVerify:
     """The engine's side of `DraftRequest.early`: `launch` queues the target's forward over the
-    tree's rows (drafting/levels.TreeRows) and marks the phases on the iteration's clock; after the policy
-    returns its tree, `batch` checks the tree against the rows as read and gives the host record
-    of the batch."""
+    tree's rows (drafting/tensor_tree.TreeRows) and marks the phases on the iteration's clock; the
+    tree's view names the node of each row (`order`, set by drafting/device.viewed); after the
+    policy returns its tree, `batch` gives the host record of the batch."""
 
     def __init__(self, state, clock):
         """`clock`: the iteration's (clock.IterationClock): it marks draft, rows and verify."""
         self.state, self.clock = state, clock
         self.out: Forward | None = None
-        self.read = None  # levels.ReadRows, set by levels.read_verifying
-        self.rows = None  # the levels.TreeRows verified
+        self.order: list[int] = []  # the tree view's node of each verified row, the root's first
+        self.rows = None  # the tensor_tree.TreeRows verified
         # the cache's length before the forward, the chain, the root's position
         self.past, self.chain, self.root = 0, [], 0
 
@@ -166,20 +166,10 @@ class EarlyVerify:
         return Forward(out.logits, out.states if drafter.wants_features else None)
 
     def batch(self, tree: DraftTree) -> VerifyBatch:
-        """The host's record of what was verified, from the rows: their nodes in the tree's view
-        (levels.rows_order), in the rows' order, and their ancestor rows as the device built them.
-        Raises if the rows are not the view's verified nodes with their tokens and parents (the
-        device's build and the host's read disagree: never by construction)."""
-        read, order = self.read, self.read.order
-        row = {node: i for i, node in enumerate(order)}
+        """The host's record of what was verified: the rows' nodes in the tree's view, in the rows'
+        order, and their ancestor rows as the device built them."""
+        order = self.order
         n, nodes = len(order) - 1, order[1:]
-        if (
-            None in row
-            or len(row) != sum(map(tree.is_verified, range(len(tree))))
-            or read.tokens[:n] != [tree.tokens[v] for v in nodes]
-            or read.parents[:n] != [row[tree.parents[v]] for v in nodes]
-        ):
-            raise RuntimeError("the verify rows built on the device differ from the tree the host read")
         tokens = self.chain + [tree.tokens[v] for v in nodes]
         positions = list(range(self.past, self.past + len(self.chain))) + tree.position_ids(nodes, self.root)
         lines = self.rows.lines[: n + 1]

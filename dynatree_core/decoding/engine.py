@@ -248,7 +248,7 @@ def _draft(state: DecodeState, budget: int, early: EarlyVerify | None) -> tuple[
     """The policy's tree (max depth budget - 1: the bonus needs 1 slot), and whether it drafted:
     a feature draft before the target's first forward has no features, so that iteration is the
     prefill alone (a root-only tree). `early`: the verify forward, for a policy that queues it
-    from its device levels (drafting/levels.read_verifying)."""
+    from its tensor tree (drafting/tensor_tree.TensorTree.read)."""
     drafter, committed = state.drafter, state.committed
     if drafter is not None and not drafter.ready:
         tree = DraftTree.with_root(committed[-1])

@@ -3,7 +3,7 @@ baselines are decoding/baselines.py; decoding/methods.py lists both).
 
 Policies in one module per paper (their protocol and parameter registry: policy.py; the request
 and the per-level helpers they share: request.py, common.py; greedy trees as tensor levels on any
-device, device.py, and the levels and verify rows as tensors, levels.py). The draft models
+device, device.py, and the one tree they grow, its read, view and verify rows, tensor_tree.py). The draft models
 they expand are drafts/.
 
 May import: errors, core, forward, runs, verify, drafts.

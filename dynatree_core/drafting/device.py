@@ -3,9 +3,9 @@
 Every greedy ("top") tree policy drafts here, and sampled fixed_tree, linear and delayed. A level is one
 draft forward over its rows; its decision (the children each row proposes, their order, which are
 admitted under a threshold and a node budget, and why an admitted child will not be expanded) is
-a few tensor operations on the level's log-probabilities, recorded as a `Level` (levels.py). The
-`DraftTree` the page, the records and the verifiers read is a view made from the levels once they
-are read: nothing is decided twice, nothing replayed.
+a few tensor operations on the level's log-probabilities, recorded as a `Level` of the iteration's
+one tree (`TensorTree`, tensor_tree.py). The `DraftTree` the page, the records and the verifiers
+read is a view made from that tree once it is read: nothing is decided twice, nothing replayed.
 
 Two ways to run the levels (`DraftRequest.on_device`, the engine's `ForwardSettings.device_draft`):
 
@@ -22,8 +22,8 @@ Two ways to run the levels (`DraftRequest.on_device`, the engine's `ForwardSetti
 Two shapes of tree: `admitted_levels` (fixed_tree, linear, dynatree, dyspec_threshold: a level's
 candidates admitted most probable first under a threshold and a budget, each admitted one with
 its leaf reason from the policy's `gate`) and `grow_all_levels` (eagle2's beam, delayed and
-delayed_auto: every child joins the tree). The levels, their one read and the verify rows built
-from them are levels.py's. Sampled drafting (fixed_tree, linear, delayed, delayed_auto) draws its
+delayed_auto: every child joins the tree). The tree's one read, its view and the verify rows built
+from it are tensor_tree.py's. Sampled drafting (fixed_tree, linear, delayed, delayed_auto) draws its
 children on the host, row by row with the run's generator (request.SampledLevels), then decides
 as greedy levels do.
 
@@ -41,7 +41,8 @@ import torch
 from dynatree_core.core.transfer import LateRead, to_list
 from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.drafting.common import drafter_of, safe_log, start_tree
-from dynatree_core.drafting.levels import (
+from dynatree_core.drafting.request import DraftRequest, SampledLevels
+from dynatree_core.drafting.tensor_tree import (
     ADMITTED,
     AT_DEPTH,
     AT_LENGTH,
@@ -49,12 +50,8 @@ from dynatree_core.drafting.levels import (
     PADDING,
     RERANKED,
     Level,
-    admitted_tree,
-    expand_frontier,
-    read_verifying,
-    rows_order,
+    TensorTree,
 )
-from dynatree_core.drafting.request import DraftRequest, SampledLevels
 
 
 def children(top: tuple[torch.Tensor, torch.Tensor], cum: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
@@ -84,22 +81,24 @@ def fates(cum: torch.Tensor, log_tau: float, room: torch.Tensor, index: torch.Te
     return torch.bucketize(index, ends, right=True), ends[0]
 
 
-def level_forward(drafter, levels: list[Level], then: tuple):
-    """The next level's ONE draft forward (the root's first, then the rows the last level
+def level_forward(drafter, grown: TensorTree, then: tuple):
+    """The tree's next level's ONE draft forward (the root's first, then the rows the last level
     selected) and its decision `then` = (key, fn, inputs): fn(its logits, *inputs), captured in
     one step with the forward where the run captures its levels (Drafter.expand_level)."""
-    if not levels:
-        return drafter.expand_level(None, None, 0, then=then)
-    prev = levels[-1]
-    if prev.prefix:  # the first candidates: views, no gather
-        width = prev.selected.shape[0]
-        return drafter.expand_level(prev.tokens[:width], prev.parents[:width], len(levels), then=then)
-    return drafter.expand_level(prev.tokens[prev.selected], prev.parents[prev.selected], len(levels), then=then)
+    return drafter.expand_level(*grown.next_rows(), then=then)
 
 
-def _rows(levels: list[Level]) -> int:
-    """The rows of the next level's forward: the root's one, then the last level's selected."""
-    return levels[-1].selected.shape[0] if levels else 1
+def viewed(request: DraftRequest, grown: TensorTree, tree: DraftTree, width: int, *, reason=None, draw=None):
+    """`tree` made the view of the grown tree, read in one copy (TensorTree.read, the verify forward
+    queued from its rows first where the engine asks: `request.early`, which then gets the order
+    its rows hold the nodes in)."""
+    drafter = drafter_of(request)
+    order = grown.view(
+        tree, grown.read(request.early, drafter.steps, width), drafter, reason=reason, draws=draw.rows if draw else ()
+    )
+    if request.early is not None:
+        request.early.order = order
+    return tree
 
 
 def _start(steps, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -193,7 +192,7 @@ def admitted_levels(
     On a CPU (`request.on_device` off) each level's counts are read at once and the next rows are
     the children to expand. On the device, levels run at fixed widths and whether one expanded
     anything is read one level late (LateRead): a tree that ends early costs at most one wasted
-    forward, and the counts bound the verify rows (read_verifying) near the tree's size. A tree
+    forward, and the counts bound the verify rows (TensorTree.read) near the tree's size. A tree
     that cannot end before `cap` (`ends_early=False`) runs every level without reading.
 
     Sampled drafting (`draw`: request.SampledLevels) reads each row's children from its draws in
@@ -202,14 +201,15 @@ def admitted_levels(
     drafter = drafter_of(request)
     on_device = request.on_device and draw is None
     steps = drafter.steps
-    levels: list[Level] = []
+    grown = TensorTree(request.root_token)
+    levels = grown.levels
     late: list[LateRead] = []
     counts = None  # (to expand, drafted) through the level before the last, as read late
     drafted_now = None  # on a CPU: the nodes drafted, read at once
     for level in range(1, cap + 1):
         if level == 1:
             cum, drafted = _start(steps, steps.device)
-        n = _rows(levels)
+        n = grown.width()
         index, rows, index64 = _index(steps, n * k, k, steps.device)
         # the level's forward over its rows and its decision, one captured step where forwards are
         # (forward/capture.py): every value the decision reads besides its tensors is in the key
@@ -217,9 +217,9 @@ def admitted_levels(
         decide = _decision(propose, gate, level, log_tau, budget, draw or drafter.level_top, k, record=on_device)
         then = (key, decide, (cum, drafted, index, rows, index64, *inputs))
         if draw is None:
-            fields = level_forward(drafter, levels, then)
+            fields = level_forward(drafter, grown, then)
         else:  # the draft's log-probabilities, then the draws on the host
-            fields = decide(level_forward(drafter, levels, None), *then[2])
+            fields = decide(level_forward(drafter, grown, None), *then[2])
         tokens, lp, rows, fate, leaf, cum_c, cum, drafted, count, record = fields
         selected = index[: cum.shape[0]]
         if not on_device:  # a read costs nothing: the next rows are the children to expand
@@ -239,15 +239,13 @@ def admitted_levels(
                     break
     # the verify rows: the tree's nodes; on the device at most the budget, and with the counts before
     # the last level at most the nodes drafted then plus k children for each row the last level expanded
-    width = min(budget, sum(lv.tokens.shape[0] for lv in levels))
+    width = min(budget, grown.candidates())
     if drafted_now is not None:
         width = drafted_now
     elif counts is not None:
         per_row = levels[-1].tokens.shape[0] // levels[-2].selected.shape[0]
         width = min(width, counts[1] + max(0, min(budget - counts[1], counts[0] * per_row)))
-    tree, nodes = admitted_tree(tree, read_verifying(request, levels, width), drafter, draw and draw.rows)
-    rows_order(request, nodes)
-    return tree
+    return viewed(request, grown, tree, width, draw=draw)
 
 
 def grow_topk_levels(request: DraftRequest, *, depth: int, branch: int, tau: float, budget: int) -> DraftTree:
@@ -341,49 +339,33 @@ def grow_all_levels(
     if not widths:
         tree.mark_leaf(0, reason)
         return tree
-    levels: list[Level] = []
+    grown = TensorTree(request.root_token)
+    levels = grown.levels
     steps, on_device = drafter.steps, request.on_device and draw is None
     for level, width in enumerate(widths, start=1):
         given = level == 1 and root is not None  # its top children already
         if level == 1:
             cum = _start(steps, steps.device)[0]
         last = level == len(widths)
-        n = _rows(levels)
+        n = grown.width()
         index, rows, _ = _index(steps, n * width, width, steps.device)
         # the forward and the level, one captured step (forward/capture.py); the record read in one copy on the device
         key = ("grow", level, width, beam, last, given, n, on_device)
         top = (lambda lp, k: lp.topk(min(k, lp.shape[-1]), dim=-1)) if given else drafter.level_top
         grow = _grown(width, beam, last, draw or top, on_device, draw is not None)
         if draw is not None:  # the draft's log-probabilities, then the draws on the host
-            *fields, cum, record = grow(root if given else level_forward(drafter, levels, None), cum, index, rows)
+            *fields, cum, record = grow(root if given else level_forward(drafter, grown, None), cum, index, rows)
         elif given:
             *fields, cum, record = steps(key, grow, root, cum, index, rows)
         else:
-            *fields, cum, record = level_forward(drafter, levels, (key, grow, (cum, index, rows)))
+            *fields, cum, record = level_forward(drafter, grown, (key, grow, (cum, index, rows)))
         prefix = not beam and not last and draw is None
         levels.append(Level(*fields, record if on_device else None, prefix=prefix))
-    nodes = sum(lv.tokens.shape[0] for lv in levels)
+    nodes = grown.candidates()
     if keep:  # the rerank's fates replace the levels' (every child ADMITTED): their records are made again
         sizes = [lv.tokens.shape[0] for lv in levels]
         (fates,) = drafter.steps(("rerank", tuple(sizes), keep), _reranked(keep), *(lv.cum for lv in levels))
         for lv, fate in zip(levels, fates.split(sizes), strict=True):
             lv.fate, lv.record = fate, None
-    # the verify rows: every node, or the ones the rerank kept
-    read = read_verifying(request, levels, min(keep, nodes) if keep else nodes)
-    frontier, made, drawn = [0], [], iter(draw.rows if draw is not None else ())
-    for level, lv in enumerate(read, start=1):
-        expand_frontier(tree, frontier, drafter, level)
-        for node in frontier if draw is not None else ():
-            tree.record_draws(node, *next(drawn))
-        rows = zip(lv.tokens, lv.logp, lv.parents, lv.fate, strict=True)
-        new = [tree.add(frontier[r], tok, lp, reason=reason) if f != PADDING else None for tok, lp, r, f in rows]
-        made += new
-        frontier = [new[i] for i in lv.selected]
-        if beam and level < len(widths):  # outside the beam: leaves
-            for node in sorted(set(new) - set(frontier)):
-                tree.mark_leaf(node, Reason.BEAM)
-    for node, fate in zip(made, (f for lv in read for f in lv.fate), strict=True):
-        if fate == RERANKED:
-            tree.prune(node, Reason.RERANK)
-    rows_order(request, made)
-    return tree
+    # the verify rows: every node, or the ones the rerank kept; the nodes outside the beam are leaves
+    return viewed(request, grown, tree, min(keep, nodes) if keep else nodes, reason=reason, draw=draw)

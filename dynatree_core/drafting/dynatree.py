@@ -12,9 +12,9 @@ from dynatree_core.core.transfer import to_device, upload_into
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.drafting.common import drafter_of, leaf_reason, safe_log
 from dynatree_core.drafting.device import admitted_levels, cap_leaf, children
-from dynatree_core.drafting.levels import DEPTH_GATE, EARLY_STOP, OVER_BUDGET
 from dynatree_core.drafting.policy import Param, Policy, register_policy
 from dynatree_core.drafting.request import DraftRequest
+from dynatree_core.drafting.tensor_tree import DEPTH_GATE, EARLY_STOP, OVER_BUDGET
 from dynatree_core.errors import DynaTreeError
 
 
@@ -96,7 +96,7 @@ class DynaTreeAdaptive(Policy):
 
     def _gate(self, cap: int, policy_depth: int):
         """Why a child at `level` will not be expanded (Alg. 1 lines 17-25, then the node budget) as a
-        leaf code (levels.LEAF_REASONS), decided with its admission: the depth cap; below rho_stop
+        leaf code (tensor_tree.LEAF_REASONS), decided with its admission: the depth cap; below rho_stop
         (early stop); at or past D0 below rho_deep (depth gate); the budget spent."""
         c = self.config
 

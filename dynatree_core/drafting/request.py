@@ -34,7 +34,7 @@ class DraftRequest:
     # once per tree; off: each level's count read at once, the next rows exactly the children to expand
     on_device: bool = False
     # the engine's verify forward, queued from the tree's rows on the device before the host reads
-    # the tree (decoding/batch.EarlyVerify; drafting/levels.read_verifying calls it); None: the
+    # the tree (decoding/batch.EarlyVerify; drafting/tensor_tree.TensorTree.read calls it); None: the
     # engine builds the verify batch from the tree on the host
     early: Any = None
 
@@ -63,7 +63,7 @@ class SampledLevels:
     by row in the level's order (what the papers' loops do node by node). A row's q is rounded to
     float16 once (`level_q`) and drawn from as recorded (SampledDraw.dense: what the verifier and an
     export read); `rows` keeps every row's (q, draws), level by level, for the tree view
-    (levels.admitted_tree records them on the rows' nodes)."""
+    (TensorTree.view records them on the rows' nodes)."""
 
     def __init__(self, request: DraftRequest):
         self.request, self.rows = request, []
