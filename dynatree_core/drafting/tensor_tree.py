@@ -114,23 +114,40 @@ class TensorTree:
     def candidates(self) -> int:
         return sum(lv.tokens.shape[0] for lv in self.levels)
 
-    def rows(self, width: int) -> TreeRows:
+    def rows(self, width: int, steps=None) -> TreeRows:
         """The verify forward's `width` rows (at least the admitted candidates' count), in the order
         DraftTree.order("bfs") gives the view: by depth, most probable first, ties in node order.
         Where every level is `ranked` and a `prefix` (admitted_levels': each level's admitted
         candidates lead it, most probable first, and the next rows are its first candidates) that
         order is the admitted candidates as they come, so a candidate's row is the count of admitted
         ones up to it, each field one scatter; else three stable sorts give it, minor key first.
-        Each row's lineage: the parent pointers followed to the root, one gather a level."""
+        Each row's lineage: the parent pointers followed to the root, one gather a level. What
+        depends on the levels' sizes alone is made once per run where `steps` keeps constants
+        (forward/capture.StepGraphs.constant), else here."""
         levels = self.levels
+        sizes = tuple(lv.tokens.shape[0] for lv in levels)
+        device = levels[0].tokens.device
+
+        def constant(key, make):
+            return make() if steps is None else steps.constant(key, make)
+
+        depths = constant(("tree depths", sizes), lambda: _depths(sizes, device))
         tokens = torch.cat([lv.tokens for lv in levels])
         admitted = torch.cat([lv.fate for lv in levels]) == ADMITTED
-        depths = torch.cat([torch.full_like(lv.tokens, d) for d, lv in enumerate(levels, start=1)])
         if all(lv.ranked and lv.prefix for lv in levels):
-            rows = _ranked_rows(tokens, admitted, depths, levels, width)
+            # each candidate's parent candidate counted from 1 (0: the root): a level's parent rows
+            # shifted by where the level before starts (a prefix: the candidate its row names)
+            starts = constant(("tree parent starts", sizes), lambda: _parent_starts(sizes, device))
+            n = max(sum(sizes), width + 2)  # 0, 1, ... and zeros, past the candidates and the rows
+            counted = constant(
+                ("tree index", n), lambda: torch.stack([torch.arange(n), torch.zeros(n).long()]).to(device)
+            )
+            up = torch.cat([lv.parents for lv in levels]) + starts
+            rows, table = _ranked_rows(tokens, admitted, depths, up, counted, width)
         else:
             rows = _sorted_rows(tokens, admitted, depths, levels, width)
-        rows.lines = lineage(torch.cat([rows.parents.new_zeros(1), rows.parents]), len(levels))
+            table = torch.cat([rows.parents.new_zeros(1), rows.parents])
+        rows.lines = lineage(table, len(levels))
         return rows
 
     def read(self, early, steps, width: int) -> tuple[list, list[int]]:
@@ -154,7 +171,7 @@ class TensorTree:
             *built, flat = steps(("rows", shapes, width, ranked, prefix), _verify_rows(ranked, prefix, width), *inputs)
             rows = TreeRows(*built)
         else:
-            rows = self.rows(width)
+            rows = self.rows(width, steps)
             flat = _flat(levels, rows)
         pending = LateRead(flat)
         early.launch(rows, depth=len(levels))
@@ -196,24 +213,34 @@ class TensorTree:
         return [0] + [nodes[c] for c in picks]
 
 
-def _ranked_rows(tokens, admitted, depths, levels: list[Level], width: int) -> TreeRows:
-    """TensorTree.rows of ranked prefix levels: a candidate's row is the count of admitted ones up
-    to it; each candidate's parent's row the row of the candidate of the level before that
-    proposed it (a prefix: the candidate its row names); every field scattered to its row, the
-    others to a spare slot past the last, dropped."""
-    device = tokens.device
+def _depths(sizes: tuple[int, ...], device) -> torch.Tensor:
+    """Each candidate's depth, over the levels in order (the root's children: 1)."""
+    return torch.cat([torch.full((c,), d, dtype=torch.long) for d, c in enumerate(sizes, start=1)]).to(device)
+
+
+def _parent_starts(sizes: tuple[int, ...], device) -> torch.Tensor:
+    """What turns a ranked prefix level's parent rows into its parents' candidates counted from 1
+    over the levels (0: the root): 0 for the root's children, then where the level before starts, plus 1."""
+    starts, first = [torch.zeros(sizes[0], dtype=torch.long)], 0
+    for before, c in zip(sizes[:-1], sizes[1:], strict=True):
+        starts.append(torch.full((c,), first + 1, dtype=torch.long))
+        first += before
+    return torch.cat(starts).to(device)
+
+
+def _ranked_rows(tokens, admitted, depths, up, counted, width: int) -> tuple[TreeRows, torch.Tensor]:
+    """TensorTree.rows of ranked prefix levels and their parent table (the root's row first): a
+    candidate's row is the count of admitted ones up to it; its parent's row, the row of its parent
+    candidate (`up`, counted from 1; 0: the root); every field scattered to its row, the others to a
+    spare slot past the last, dropped. `counted`: 0, 1, ... and zeros, past both the candidates and width + 1."""
     row = torch.cumsum(admitted, 0)  # an admitted candidate's row, counted from 1 (0: the root)
-    up, start = [torch.zeros_like(levels[0].tokens)], 0
-    for prev, lv in zip(levels[:-1], levels[1:], strict=True):
-        up.append(lv.parents + (start + 1))
-        start += prev.tokens.shape[0]
-    up = torch.cat([up[0][:1], row])[torch.cat(up)]
+    up = torch.nn.functional.pad(row, (1, 0))[up]
     dest = torch.where(admitted, row, width + 1)
-    slots = torch.arange(width + 2, device=device)
-    parents = slots.scatter(0, dest, up)[1 : width + 1]  # padding: its own row
-    fields = (tokens, depths, torch.arange(tokens.shape[0], device=device))  # the last: a candidate's index
-    tokens, depths, pick = [tokens.new_zeros(width + 2).scatter(0, dest, f)[1 : width + 1] for f in fields]
-    return TreeRows(tokens, depths, parents, slots[1 : width + 1] <= row[-1], None, pick)
+    slots, zeros = counted[0, : width + 2], counted[1, : width + 2]
+    table = slots.scatter(0, dest, up)[: width + 1]  # parent rows, the root its own; padding: its own row
+    fields = (tokens, depths, counted[0, : tokens.shape[0]])  # the last: a candidate's index
+    tokens, depths, pick = [zeros.scatter(0, dest, f)[1 : width + 1] for f in fields]
+    return TreeRows(tokens, depths, table[1:], slots[1 : width + 1] <= row[-1], None, pick), table
 
 
 def _sorted_rows(tokens, admitted, depths, levels: list[Level], width: int) -> TreeRows:
