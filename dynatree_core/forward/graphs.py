@@ -228,12 +228,12 @@ class PaddedForward:
             self.static_for(most_keys if most_keys is not None else int(visible.sum(1).max()))
         span = self.layers[0].capacity if self.static else span_for(length + width, self.layers[0].capacity)
         buf = self._bucket(width, span, dtype, device, embeds is not None)
-        # fill the static inputs in place (padded rows: token 0, position 0, their own slot only)
+        # fill the static inputs in place; a padded row keeps the ids, positions and input vectors an
+        # earlier forward left (the buffers start as zeros and only ever hold real, finite inputs):
+        # it sees its own slot alone and nothing sees it, so what it holds never reaches a real row
         if isinstance(ids, torch.Tensor):  # already on the device (a level drafted there, the verify rows)
             buf.both[0, :q].copy_(ids)
             buf.both[1, :q].copy_(positions)
-            if q < width:
-                buf.both[:, q:].zero_()
         else:  # one upload, into the buffer
             upload_into(buf.both, torch.tensor([[*ids, *[0] * (width - q)], [*positions, *[0] * (width - q)]]))
         torch.add(buf.rows, length, out=buf.slots)
@@ -252,7 +252,6 @@ class PaddedForward:
             mask[:q, : length + q].masked_fill_(to_device(visible, device), 0.0)
             mask[q:, length + q : length + width].diagonal().fill_(0.0)
         if buf.embeds is not None:
-            buf.embeds.zero_()
             buf.embeds[0, :q] = embeds.to(device=device, dtype=dtype)
         self._run(buf)
         self.advance(length + q)
