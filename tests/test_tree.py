@@ -54,8 +54,10 @@ def test_prune_removes_descendants_and_keeps_reason():
     tree.prune(a, Reason.BUDGET)
     assert tree.status[b] == Status.PRUNED and tree.reason[b] == "budget"
     assert tree.order("bfs") == [0, c]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="verified child"):
         tree.add(a, 5, -0.1)
+    d = tree.add(a, 5, -0.1, status=Status.PRUNED, reason=Reason.RERANK)  # a withdrawn subtree grows pruned
+    assert tree.depths[d] == 2 and tree.order("bfs") == [0, c]
 
 
 def test_position_ids_are_root_position_plus_depth():

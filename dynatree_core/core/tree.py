@@ -207,9 +207,10 @@ class DraftTree:
         reason: str | Reason | None = Reason.DEPTH_LIMIT,
         source: Source = Source.MODEL,
     ) -> int:
-        """Add a child of `parent`. New verified nodes start as leaves until expanded."""
-        if self.status[parent] == Status.PRUNED:
-            raise ValueError(f"cannot add a child under pruned node {parent}")
+        """Add a child of `parent`. New verified nodes start as leaves until expanded; under a
+        pruned node only a pruned one (a withdrawn subtree, as EAGLE-2's rerank leaves it)."""
+        if self.status[parent] == Status.PRUNED and status != Status.PRUNED:
+            raise ValueError(f"cannot add a verified child under pruned node {parent}")
         if status == Status.PRUNED and reason is None:
             raise ValueError("a pruned node needs a reason")
         node = self._append(token, parent, self.depths[parent] + 1, logp, self.cum_logp[parent] + logp, status, reason)

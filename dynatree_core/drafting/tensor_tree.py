@@ -27,7 +27,7 @@ import dataclasses
 import torch
 
 from dynatree_core.core.transfer import LateRead, to_list
-from dynatree_core.core.tree import DraftTree, Reason
+from dynatree_core.core.tree import DraftTree, Reason, Status
 from dynatree_core.forward.rows import lineage
 
 # why an admitted candidate is not expanded (Level.leaf), the reasons a level records as codes
@@ -131,13 +131,14 @@ class TensorTree:
         def constant(key, make):
             return make() if steps is None else steps.constant(key, make)
 
-        depths = constant(("tree depths", sizes), lambda: _depths(sizes, device))
+        depths = constant(("tree depths", sizes), lambda: _per_level(sizes, list(range(1, len(sizes) + 1)), device))
         tokens = torch.cat([lv.tokens for lv in levels])
         admitted = torch.cat([lv.fate for lv in levels]) == ADMITTED
         if all(lv.ranked and lv.prefix for lv in levels):
             # each candidate's parent candidate counted from 1 (0: the root): a level's parent rows
-            # shifted by where the level before starts (a prefix: the candidate its row names)
-            starts = constant(("tree parent starts", sizes), lambda: _parent_starts(sizes, device))
+            # shifted by where the level before starts, plus 1 (a prefix: the candidate its row names)
+            shifts = [0] + [sum(sizes[:i]) + 1 for i in range(len(sizes) - 1)]
+            starts = constant(("tree parent starts", sizes), lambda: _per_level(sizes, shifts, device))
             n = max(sum(sizes), width + 2)  # 0, 1, ... and zeros, past the candidates and the rows
             counted = constant(
                 ("tree index", n), lambda: torch.stack([torch.arange(n), torch.zeros(n).long()]).to(device)
@@ -191,7 +192,7 @@ class TensorTree:
         drawn = iter(draws)
         for level, (tokens, logp, parents, fate, leaf, selected) in enumerate(levels, start=1):
             for row, node in enumerate(frontier):
-                if node is None:
+                if node is None or tree.status[node] == Status.PRUNED:  # padding; a reranked row
                     continue
                 tree.mark_expanded(node)
                 if node:
@@ -199,33 +200,22 @@ class TensorTree:
                 if draws:
                     tree.record_draws(node, *next(drawn))
             default = reason if level == len(levels) else Reason.BEAM
-            made = [
-                None if f == PADDING else tree.add(frontier[r], t, lp, reason=LEAF_REASONS[code] or default)
-                for t, lp, r, f, code in zip(tokens, logp, parents, fate, leaf, strict=True)
-            ]
-            # the next forward's rows: admitted (a reranked node was, before the rerank), with no leaf code
-            frontier = [made[i] if fate[i] in (ADMITTED, RERANKED) and leaf[i] == EXPANDED else None for i in selected]
+            made = []
+            for t, lp, r, f, code in zip(tokens, logp, parents, fate, leaf, strict=True):
+                if f == PADDING:
+                    made.append(None)
+                elif f in PRUNED:  # never a row of a later forward, or (reranked) its children are pruned too
+                    made.append(tree.add(frontier[r], t, lp, status=Status.PRUNED, reason=PRUNED[f]))
+                else:
+                    made.append(tree.add(frontier[r], t, lp, reason=LEAF_REASONS[code] or default))
+            frontier = [made[i] if leaf[i] == EXPANDED else None for i in selected]  # the next forward's rows
             nodes += made
-        fates = (f for tokens, _, _, fate, *_ in levels for f in fate)
-        for node, fate in zip(nodes, fates, strict=True):
-            if fate in PRUNED:
-                tree.prune(node, PRUNED[fate])
         return [0] + [nodes[c] for c in picks]
 
 
-def _depths(sizes: tuple[int, ...], device) -> torch.Tensor:
-    """Each candidate's depth, over the levels in order (the root's children: 1)."""
-    return torch.cat([torch.full((c,), d, dtype=torch.long) for d, c in enumerate(sizes, start=1)]).to(device)
-
-
-def _parent_starts(sizes: tuple[int, ...], device) -> torch.Tensor:
-    """What turns a ranked prefix level's parent rows into its parents' candidates counted from 1
-    over the levels (0: the root): 0 for the root's children, then where the level before starts, plus 1."""
-    starts, first = [torch.zeros(sizes[0], dtype=torch.long)], 0
-    for before, c in zip(sizes[:-1], sizes[1:], strict=True):
-        starts.append(torch.full((c,), first + 1, dtype=torch.long))
-        first += before
-    return torch.cat(starts).to(device)
+def _per_level(sizes: tuple[int, ...], values: list[int], device) -> torch.Tensor:
+    """(sum(sizes),) long: each level's value repeated over its candidates."""
+    return torch.cat([torch.full((c,), v, dtype=torch.long) for v, c in zip(values, sizes, strict=True)]).to(device)
 
 
 def _ranked_rows(tokens, admitted, depths, up, counted, width: int) -> tuple[TreeRows, torch.Tensor]:
