@@ -445,7 +445,7 @@ def test_candidates_are_ordered_as_the_hosts_stable_sort_orders_them():
     import math
     import random
 
-    from dynatree_core.drafting.device import most_probable_first
+    from dynatree_core.drafting.admission import most_probable_first
 
     rng = random.Random(0)
     for _ in range(200):

@@ -34,19 +34,15 @@ checks the trees against those loops, kept there as the reference).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from dynatree_core.core.transfer import LateRead, to_list
 from dynatree_core.core.tree import DraftTree, Reason
+from dynatree_core.drafting.admission import LeafGate, admit, budget_gate, most_probable_first
 from dynatree_core.drafting.common import drafter_of, safe_log, start_tree
 from dynatree_core.drafting.request import DraftRequest, SampledLevels
 from dynatree_core.drafting.tensor_tree import (
     ADMITTED,
-    AT_DEPTH,
-    AT_LENGTH,
-    OVER_BUDGET,
     PADDING,
     RERANKED,
     Level,
@@ -60,25 +56,6 @@ def children(top: tuple[torch.Tensor, torch.Tensor], cum: torch.Tensor, k: int) 
     and float64 cumulative log-probs (NaN where the row is not real: a padded or gated row's)."""
     top_lp, top_tok = top[0][:, :k], top[1][:, :k]
     return top_tok.flatten(), top_lp.flatten(), (cum[:, None] + top_lp).flatten()
-
-
-def most_probable_first(cum: torch.Tensor) -> torch.Tensor:
-    """Candidate order: real candidates first (those that are not real hold NaN), by cumulative
-    log-prob, highest first, ties in candidate order (the host's stable sort). One stable ascending
-    sort of -cum, which places NaN last on every device; `0.0 - cum` makes no negative zero, whose
-    place a device's sort may not keep."""
-    return torch.sort(0.0 - cum, stable=True).indices
-
-
-def fates(cum: torch.Tensor, log_tau: float, room: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Fates of candidates already in most-probable-first order (the papers' admit_level, kept in
-    tests/reference_drafting.py, as tensors), and how many are admitted. The order runs admitted
-    (the first `room` at or above log_tau), BUDGET (past the room), THRESHOLD (below log_tau),
-    PADDING (not real: NaN), so a candidate's fate is the run its index falls in: one bucketize
-    over the three run ends."""
-    passing = (cum >= log_tau).sum()
-    ends = torch.stack([torch.minimum(passing, room), passing, (cum == cum).sum()])
-    return torch.bucketize(index, ends, right=True), ends[0]
 
 
 def level_forward(drafter, grown: TensorTree, then: tuple):
@@ -117,49 +94,21 @@ def _index(steps, n: int, k: int, device: torch.device) -> tuple[torch.Tensor, t
     return index, rows, steps.constant(("index64", n), lambda: index.double())
 
 
-def cap_leaf(cap: int, policy_depth: int) -> int:
-    """The leaf code of the nodes at the depth cap (common.leaf_reason as a code)."""
-    return AT_DEPTH if cap == policy_depth else AT_LENGTH
-
-
-def budget_gate(cap: int, policy_depth: int, budget: int):
-    """The leaf rule of fixed_tree, linear and dyspec_threshold (DynaTree Alg. 1 lines 12, 22): the
-    children at the depth cap are leaves, and so is every child of a level that spent the budget.
-    A gate's code is read where a candidate is admitted (its value elsewhere is never read)."""
-
-    def gate(level: int, cum: torch.Tensor, total: torch.Tensor, *inputs) -> torch.Tensor:
-        if level == cap:
-            return torch.full_like(cum, cap_leaf(cap, policy_depth), dtype=torch.long)
-        return ((total >= budget) * OVER_BUDGET).expand(cum.shape)
-
-    return gate
-
-
-def _decision(propose, gate, level: int, log_tau: float, budget: int, top, k: int, record: bool):
+def _decision(propose, gate: LeafGate, level: int, log_tau: float, top, k: int, record: bool):
     """A level's decision as a pure function of its tensors (a captured step: admitted_levels):
-    the candidates `propose` gives from each row's top `k` (`top`: Drafter.level_top), most
-    probable first, their fates, the leaf code `gate` gives each admitted one, the next level's
-    rows (every candidate the level may admit; the cumulative log-probs of those not to expand
-    NaN), the (to expand, drafted) counts and, with `record`, the level's record to read."""
+    the candidates `propose` gives from each row's top `k` (`top`: Drafter.level_top), then their
+    admission (admission.admit: most probable first, their fates, the leaf code `gate` gives each
+    admitted one, the next level's rows, the (to expand, drafted) counts and, with `record`, the
+    level's record to read)."""
 
     def decide(logits, cum, drafted, index, rows, index64, *inputs):
         tokens, lp, cum_c = propose(level, top(logits, k), cum, *inputs)
         n = tokens.shape[0]
         if rows.shape[0] != n:  # a vocabulary smaller than k: fewer children a row
             rows = torch.div(index[:n], n // cum.shape[0], rounding_mode="floor")
-        index = index[:n]
-        order = most_probable_first(cum_c)
-        tokens, lp, cum_c, rows = tokens[order], lp[order], cum_c[order], rows[order]
-        fate, admitted = fates(cum_c, log_tau, budget - drafted, index)
-        total = drafted + admitted
-        leaf = gate(level, cum_c, total, *inputs)
-        grows = (fate + leaf) == 0  # ADMITTED and EXPANDED: both codes 0
-        count = torch.stack([grows.sum(), total])  # (to expand, drafted)
-        width = min(n, budget)  # the next level's rows: every node this one may admit
-        # the record in one float64 row: a float64 part makes the cat promote, so no conversion follows
-        flat = torch.cat([tokens, lp, rows, fate, leaf, index64[:width]]) if record else cum_c[:0]  # none: a view
-        following = torch.where(grows[:width], cum_c[:width], math.nan)
-        return tokens, lp, rows, fate, leaf, cum_c, following, total, count, flat
+        return admit(
+            tokens, lp, cum_c, rows, drafted, index[:n], index64, log_tau=log_tau, gate=gate, level=level, record=record
+        )
 
     return decide
 
@@ -170,24 +119,23 @@ def admitted_levels(
     cap: int,
     *,
     log_tau: float,
-    budget: int,
     k: int,
     propose,
-    gate,
+    gate: LeafGate,
     key_of: tuple,
     inputs=(),
     ends_early: bool = True,
     draw=None,
 ) -> DraftTree:
     """Up to `cap` levels whose candidates are admitted most probable first under a threshold and
-    a node budget (the papers' admit_level), each admitted one a leaf or not by `gate(level, cum,
-    total, *inputs)` (its leaf code: LEAF_REASONS; its rules, the depth cap, the budget and thresholds on
-    cum, make the admitted ones it lets grow lead the order), read into `tree`. `propose(level, top, cum, *inputs)`
-    gives a level's candidates (tokens, float32 log-probs, float64 cumulative log-probs: NaN where
-    not real) from its rows' top `k` log-probabilities and ids and cumulative log-probs (NaN: a row
-    not to expand), `k` children a row. `key_of` names every Python value they read (a captured
-    step replays the values it was captured with); values that change from one iteration to the
-    next go in as device tensors (`inputs`), not in the key.
+    the node budget `gate.budget` (the papers' admit_level), each admitted one a leaf or not by
+    `gate` (admission.LeafGate: its leaf code, LEAF_REASONS; its rules, the depth cap, the budget and
+    thresholds on cum, make the admitted ones it lets grow lead the order), read into `tree`.
+    `propose(level, top, cum, *inputs)` gives a level's candidates (tokens, float32 log-probs,
+    float64 cumulative log-probs: NaN where not real) from its rows' top `k` log-probabilities and
+    ids and cumulative log-probs (NaN: a row not to expand), `k` children a row. `key_of` names
+    every Python value they read (a captured step replays the values it was captured with); values
+    that change from one iteration to the next go in as device tensors (`inputs`), not in the key.
 
     On a CPU (`request.on_device` off) each level's counts are read at once and the next rows are
     the children to expand. On the device, levels run at fixed widths and whether one expanded
@@ -198,7 +146,7 @@ def admitted_levels(
     Sampled drafting (`draw`: request.SampledLevels) reads each row's children from its draws in
     place of its top k: host work with the run's generator, after the level's forward, each
     level's counts read at once (never a captured step, whose replay would not draw again)."""
-    drafter = drafter_of(request)
+    drafter, budget = drafter_of(request), gate.budget
     on_device = request.on_device and draw is None
     steps = drafter.steps
     grown = TensorTree(request.root_token)
@@ -214,7 +162,7 @@ def admitted_levels(
         # the level's forward over its rows and its decision, one captured step where forwards are
         # (forward/capture.py): every value the decision reads besides its tensors is in the key
         key = ("admit", key_of, level, n, log_tau, budget, on_device)
-        decide = _decision(propose, gate, level, log_tau, budget, draw or drafter.level_top, k, record=on_device)
+        decide = _decision(propose, gate, level, log_tau, draw or drafter.level_top, k, record=on_device)
         then = (key, decide, (cum, drafted, index, rows, index64, *inputs))
         if draw is None:
             fields = level_forward(drafter, grown, then)
@@ -265,7 +213,6 @@ def grow_topk_levels(request: DraftRequest, *, depth: int, branch: int, tau: flo
         tree,
         cap,
         log_tau=safe_log(tau),
-        budget=budget,
         k=branch,
         propose=propose,
         gate=budget_gate(cap, depth, budget),

@@ -4,17 +4,18 @@ and depth from the draft's confidence, one draft forward per level."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 
 import torch
 
 from dynatree_core.core.transfer import to_device, upload_into
 from dynatree_core.core.tree import DraftTree
+from dynatree_core.drafting.admission import LeafGate, budget_gate
 from dynatree_core.drafting.common import drafter_of, leaf_reason, safe_log
-from dynatree_core.drafting.device import admitted_levels, cap_leaf, children
+from dynatree_core.drafting.device import admitted_levels, children
 from dynatree_core.drafting.policy import Param, Policy, register_policy
 from dynatree_core.drafting.request import DraftRequest
-from dynatree_core.drafting.tensor_tree import DEPTH_GATE, EARLY_STOP, OVER_BUDGET
 from dynatree_core.errors import DynaTreeError
 
 
@@ -94,23 +95,15 @@ class DynaTreeAdaptive(Policy):
             return
         self.window.clear()
 
-    def _gate(self, cap: int, policy_depth: int):
-        """Why a child at `level` will not be expanded (Alg. 1 lines 17-25, then the node budget) as a
-        leaf code (tensor_tree.LEAF_REASONS), decided with its admission: the depth cap; below rho_stop
-        (early stop); at or past D0 below rho_deep (depth gate); the budget spent."""
-        c = self.config
-
-        def gate(level: int, cum: torch.Tensor, total: torch.Tensor, *inputs) -> torch.Tensor:
-            if level >= cap:
-                return torch.full_like(cum, cap_leaf(cap, policy_depth), dtype=torch.long)
-            leaf = ((total >= c["budget"]) * OVER_BUDGET).expand(cum.shape)
-            if c["dynamic_depth"]:
-                if level >= self.d0:
-                    leaf = torch.where(cum < safe_log(c["rho_deep"]), DEPTH_GATE, leaf)
-                leaf = torch.where(cum < safe_log(c["rho_stop"]), EARLY_STOP, leaf)
-            return leaf
-
-        return gate
+    def _gate(self, cap: int, policy_depth: int) -> LeafGate:
+        """Why a child will not be expanded (Alg. 1 lines 17-25, then the node budget) as a leaf
+        code, decided with its admission: the depth cap; below rho_stop (early stop); at or past D0
+        below rho_deep (depth gate); the budget spent."""
+        c, gate = self.config, budget_gate(cap, policy_depth, self.config["budget"])
+        if not c["dynamic_depth"]:
+            return gate
+        deep = dict(log_rho_stop=safe_log(c["rho_stop"]), log_rho_deep=safe_log(c["rho_deep"]), deep_from=self.d0)
+        return dataclasses.replace(gate, **deep)
 
     def _log_tau_h(self, drafter) -> torch.Tensor:
         """log tau_h on the device: uploaded each iteration where the branch adapts (it drifts by
@@ -158,7 +151,6 @@ class DynaTreeAdaptive(Policy):
             tree,
             cap,
             log_tau=safe_log(c["tau"]),
-            budget=c["budget"],
             k=max(c["b_min"], c["b_mid"], c["b_max"]),
             propose=self._propose,
             gate=self._gate(cap, policy_depth),

@@ -9,6 +9,7 @@ import math
 import torch
 
 from dynatree_core.core.tree import DraftTree, Reason, Status
+from dynatree_core.drafting.admission import budget_gate
 from dynatree_core.drafting.common import (
     NEG_INF,
     drafter_of,
@@ -19,7 +20,7 @@ from dynatree_core.drafting.common import (
     sibling_value,
     start_tree,
 )
-from dynatree_core.drafting.device import admitted_levels, budget_gate, children
+from dynatree_core.drafting.device import admitted_levels, children
 from dynatree_core.drafting.policy import Param, Policy, register_policy
 from dynatree_core.drafting.request import DraftRequest
 
@@ -152,7 +153,6 @@ class DySpecThreshold(Policy):
             tree,
             cap,
             log_tau=safe_log(c["threshold"]),
-            budget=c["budget"],
             k=c["max_children"],
             propose=self._propose,
             gate=budget_gate(cap, c["depth"], c["budget"]),

@@ -34,7 +34,7 @@ from dynatree_core.forward.rows import lineage
 LEAF_REASONS = (None, Reason.DEPTH_LIMIT, Reason.LENGTH_LIMIT, Reason.BUDGET, Reason.EARLY_STOP, Reason.DEPTH_GATE)
 EXPANDED, AT_DEPTH, AT_LENGTH, OVER_BUDGET, EARLY_STOP, DEPTH_GATE = range(len(LEAF_REASONS))
 
-# a candidate's fate: the runs of a level ordered most probable first (device.fates), in that order;
+# a candidate's fate: the runs of a level ordered most probable first (admission.fates), in that order;
 # then a node EAGLE-2's rerank left out (device.grow_all_levels)
 ADMITTED, BUDGET, THRESHOLD, PADDING, RERANKED = range(5)
 PRUNED = {BUDGET: Reason.BUDGET, THRESHOLD: Reason.THRESHOLD, RERANKED: Reason.RERANK}
