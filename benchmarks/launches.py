@@ -10,11 +10,15 @@ that launch work (views and allocations excluded) and replays, per iteration; on
 device ops are one count. The tokens are the same every way (checked).
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.launches [--prompts 2] [--max-new-tokens 48] [--dtype bfloat16]
+
+`--admit-kernel`: the draft levels' admission as its one Triton kernel (drafting/admission.py),
+as a GPU takes it; on a CPU in Triton's interpreter (TRITON_INTERPRET=1 before the command).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 import torch
@@ -24,6 +28,7 @@ from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.decoding.pairs import encode_prompt, load_pair
+from dynatree_core.drafting import admission
 from dynatree_core.measure.launches import per_iteration
 from dynatree_core.measure.prompt_sets import load_prompts
 
@@ -57,9 +62,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--dtype", default="float32", choices=("float32", "bfloat16"), help="bfloat16: width-invariant target forwards"
     )
-    parser.add_argument("--out", help="default: assets/benchmarks/cpu-launches[-bfloat16].json")
+    parser.add_argument("--admit-kernel", action="store_true", help="the levels' admission as one Triton kernel")
+    parser.add_argument("--out", help="default: assets/benchmarks/cpu-launches[-bfloat16][-admit-kernel].json")
     args = parser.parse_args(argv)
-    args.out = args.out or str(RESULTS / f"cpu-launches{'' if args.dtype == 'float32' else '-' + args.dtype}.json")
+    name = f"cpu-launches{'' if args.dtype == 'float32' else '-' + args.dtype}{'-admit-kernel' * args.admit_kernel}"
+    args.out = args.out or str(RESULTS / f"{name}.json")
+    if args.admit_kernel and not admission.available():
+        parser.error("--admit-kernel needs Triton (on a CPU its interpreter: TRITON_INTERPRET=1 before the command)")
+    with admission.admit_kernel_on(args.device) if args.admit_kernel else contextlib.nullcontext():
+        count_all(args)
+
+
+def count_all(args) -> None:
     pair = load_pair("embedded", device=args.device, dtype=args.dtype)
     prompts = load_prompts("ood")[: args.prompts]
     encoded = [encode_prompt(pair.target.tokenizer, p.text, chat=p.chat, history=p.history) for p in prompts]

@@ -65,7 +65,7 @@ def test_captured_steps_launch_fewer_ops_than_the_same_steps_eagerly(monkeypatch
     monkeypatch.setenv("DYNATREE_STEP_GRAPHS", "0")
     eager = launches.per_iteration(run, CPU)
     assert stepped["replays"] > eager["replays"] and eager["ops"] > 2 * stepped["ops"], (stepped, eager)
-    assert any("device.py" in site for site in eager["sites"]), "the levels' decisions, eagerly"
+    assert any("admission.py" in site for site in eager["sites"]), "the levels' admissions, eagerly"
     # captured: only the run's constants, made once (device._start's lambdas)
     assert all(site.endswith("<lambda>") for site in stepped["sites"] if "device.py" in site), stepped
 

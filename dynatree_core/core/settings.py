@@ -34,7 +34,11 @@ ENVIRONMENT: dict[str, Override] = {
         Override("DYNATREE_STEP_GRAPHS", "1", "0: the work between forwards op by op, not as captured steps"),
         Override("DYNATREE_INVARIANT", "", "0/1: width-invariant target forwards off/on (auto: on below float32)"),
         # how a model is built (once per model, not per run)
-        Override("DYNATREE_KERNELS", "1", "0: torch's ops instead of the Triton kernels in a GPU's lean forward"),
+        Override(
+            "DYNATREE_KERNELS",
+            "1",
+            "0: torch's ops instead of the Triton kernels in a GPU's lean forward and draft levels' admission",
+        ),
         Override("DYNATREE_PACK", "1", "0: plain nn.Linear on a CPU (no oneDNN pre-packing)"),
         Override("DYNATREE_THREADS", "", "torch's CPU threads (default: every core; the app leaves one)"),
         # where things live

@@ -74,7 +74,7 @@ class LeafGate:
 def enabled(device_type: str) -> bool:
     """Whether levels on this device type take the kernel: a KERNEL_DEVICES type, Triton importable,
     DYNATREE_KERNELS not 0, and the first check passed (run once, here)."""
-    if device_type not in KERNEL_DEVICES or not _importable() or not env_on("DYNATREE_KERNELS"):
+    if device_type not in KERNEL_DEVICES or not available() or not env_on("DYNATREE_KERNELS"):
         return False
     if device_type not in _VERDICTS:
         if device_type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -84,7 +84,7 @@ def enabled(device_type: str) -> bool:
 
 
 @functools.cache
-def _importable() -> bool:
+def available() -> bool:
     try:
         from dynatree_core.drafting import triton_level  # noqa: F401
     except ImportError:  # no Triton (or no interpreter without a GPU): the torch form stays
@@ -133,9 +133,12 @@ def budget_gate(cap: int, policy_depth: int, budget: int) -> LeafGate:
     return LeafGate(cap, AT_DEPTH if cap == policy_depth else AT_LENGTH, budget)
 
 
-def admit(tokens, lp, cum, rows, drafted, index, index64, *, log_tau: float, gate: LeafGate, level: int, record: bool):
-    """The level's admission (module docstring), by the kernel where `enabled`, else as tensor ops."""
-    if enabled(cum.device.type):
+def admit(
+    tokens, lp, cum, rows, drafted, index, index64, *, log_tau: float, gate: LeafGate, level: int, record, kernel
+):
+    """The level's admission (module docstring): by the kernel with `kernel` (`enabled`, asked before
+    any captured step: its first answer runs a check that drains the device), else as tensor ops."""
+    if kernel:
         return admit_level(tokens, lp, cum, rows, drafted, log_tau, gate.budget, *gate.codes(level), record)
     return admit_torch(tokens, lp, cum, rows, drafted, index, index64, log_tau, gate, level, record)
 

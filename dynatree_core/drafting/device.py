@@ -39,6 +39,7 @@ import torch
 from dynatree_core.core.transfer import LateRead, to_list
 from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.drafting.admission import LeafGate, admit, budget_gate, most_probable_first
+from dynatree_core.drafting.admission import enabled as admission_kernel
 from dynatree_core.drafting.common import drafter_of, safe_log, start_tree
 from dynatree_core.drafting.request import DraftRequest, SampledLevels
 from dynatree_core.drafting.tensor_tree import (
@@ -94,21 +95,20 @@ def _index(steps, n: int, k: int, device: torch.device) -> tuple[torch.Tensor, t
     return index, rows, steps.constant(("index64", n), lambda: index.double())
 
 
-def _decision(propose, gate: LeafGate, level: int, log_tau: float, top, k: int, record: bool):
+def _decision(propose, gate: LeafGate, level: int, log_tau: float, top, k: int, record: bool, kernel: bool):
     """A level's decision as a pure function of its tensors (a captured step: admitted_levels):
     the candidates `propose` gives from each row's top `k` (`top`: Drafter.level_top), then their
     admission (admission.admit: most probable first, their fates, the leaf code `gate` gives each
     admitted one, the next level's rows, the (to expand, drafted) counts and, with `record`, the
-    level's record to read)."""
+    level's record to read; `kernel`: by admission's kernel)."""
+    how = dict(log_tau=log_tau, gate=gate, level=level, record=record, kernel=kernel)
 
     def decide(logits, cum, drafted, index, rows, index64, *inputs):
         tokens, lp, cum_c = propose(level, top(logits, k), cum, *inputs)
         n = tokens.shape[0]
         if rows.shape[0] != n:  # a vocabulary smaller than k: fewer children a row
             rows = torch.div(index[:n], n // cum.shape[0], rounding_mode="floor")
-        return admit(
-            tokens, lp, cum_c, rows, drafted, index[:n], index64, log_tau=log_tau, gate=gate, level=level, record=record
-        )
+        return admit(tokens, lp, cum_c, rows, drafted, index[:n], index64, **how)
 
     return decide
 
@@ -149,6 +149,7 @@ def admitted_levels(
     drafter, budget = drafter_of(request), gate.budget
     on_device = request.on_device and draw is None
     steps = drafter.steps
+    kernel = admission_kernel(steps.device.type)  # asked here, outside any captured step
     grown = TensorTree(request.root_token)
     levels = grown.levels
     late: list[LateRead] = []
@@ -161,8 +162,8 @@ def admitted_levels(
         index, rows, index64 = _index(steps, n * k, k, steps.device)
         # the level's forward over its rows and its decision, one captured step where forwards are
         # (forward/capture.py): every value the decision reads besides its tensors is in the key
-        key = ("admit", key_of, level, n, log_tau, budget, on_device)
-        decide = _decision(propose, gate, level, log_tau, draw or drafter.level_top, k, record=on_device)
+        key = ("admit", key_of, level, n, log_tau, budget, on_device, kernel)
+        decide = _decision(propose, gate, level, log_tau, draw or drafter.level_top, k, on_device, kernel)
         then = (key, decide, (cum, drafted, index, rows, index64, *inputs))
         if draw is None:
             fields = level_forward(drafter, grown, then)
