@@ -445,11 +445,14 @@ def heart_now(reports: Reports) -> dict:
     heart, path = reports(HEART), reports(ITERATION_PATH)
     launches = latest_session(heart)["launches_per_iteration"]
     fixed_tree = (launches.get("at_session_end") or launches["after"])["fixed_tree"]
+    # a level's admission as its one kernel, as a GPU whose check passes runs it (counted in Triton's interpreter)
+    kernel = launches.get("with_admission_kernel", {}).get("fixed_tree")
     return {
         "files": path["files"],
         "functions": path["functions"],
         "lines": latest_session(heart)["nonblank_lines"]["after"]["with_forward"],
-        "ops": fixed_tree["device_eager"]["ops"],
+        "ops": (kernel or fixed_tree)["device_eager"]["ops"],
+        "torch_ops": fixed_tree["device_eager"]["ops"] if kernel else None,
         "replays": fixed_tree["device_steps"]["replays"],
     }
 
@@ -460,10 +463,13 @@ def heart_table(reports: Reports) -> Table:
     lines = heart["nonblank_lines_core_drafts_drafting_decoding"]["before"]
     paths = [f"{start['files']} / {start['functions']}", f"{now['files']} / {now['functions']}"]
     replays = [f"{launches['device_steps']['replays']}", f"{now['replays']}"]
+    ops = f"{now['ops']}"
+    if now["torch_ops"]:  # a level's admission as its one kernel, then as tensor ops
+        ops += f" (admission as one kernel; {now['torch_ops']} as tensor ops)"
     rows = [
         ["greedy iteration: files / functions", *paths],
         ["non-blank lines: core, drafts, drafting, decoding, forward", f"{lines:,}", f"{now['lines']:,}"],
-        ["fixed_tree ops outside the forwards, op by op", f"{launches['device_eager']['ops']}", f"{now['ops']}"],
+        ["fixed_tree ops outside the forwards, op by op", f"{launches['device_eager']['ops']}", ops],
         ["replays an iteration, steps captured (CPU stand-ins)", *replays],
     ]
     return ["measure", "the round's start", "now"], rows
@@ -911,7 +917,13 @@ TOPICS = (
         "functions one greedy fixed_tree iteration passes through (traced, feature draft), the library's non-blank "
         "lines, and what a fixed_tree iteration launches outside its forwards (first OOD prompt, 48 tokens, "
         "float32), at the round's start and after its latest session, on this CPU.",
-        reports={ITERATION_PATH: SCRIPT + "iteration_path", HEART: SCRIPT + "launches --prompts 1"},
+        reports={
+            ITERATION_PATH: SCRIPT + "iteration_path",
+            HEART: SCRIPT
+            + "launches --prompts 1`; the admission as one kernel: `TRITON_INTERPRET=1 "
+            + SCRIPT
+            + "launches --prompts 1 --admit-kernel",
+        },
         date="2026-11-28 (start) to 2026-11-29",
         table=heart_table,
         goals=(
