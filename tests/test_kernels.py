@@ -79,11 +79,11 @@ def test_a_kernel_that_fails_its_check_leaves_the_torch_forms(monkeypatch):
     assert not kernels.check(torch.device("cpu")), "checked in bfloat16 too"
     monkeypatch.setattr(kernels, "silu_mul", lambda x: 1 / 0)
     assert not kernels.check(torch.device("cpu"))
-    monkeypatch.setattr(kernels, "KERNEL_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(kernels, "_VERDICTS", {})
-    assert not kernels.enabled("cpu") and kernels._VERDICTS == {"cpu": False}
+    monkeypatch.setattr(kernels.FORWARD, "devices", ("cuda", "cpu"))
+    monkeypatch.setattr(kernels.FORWARD, "verdicts", {})
+    assert not kernels.enabled("cpu") and kernels.FORWARD.verdicts == {"cpu": False}
     monkeypatch.setenv("DYNATREE_KERNELS", "0")
-    monkeypatch.setattr(kernels, "_VERDICTS", {"cpu": True})
+    monkeypatch.setattr(kernels.FORWARD, "verdicts", {"cpu": True})
     assert not kernels.enabled("cpu"), "DYNATREE_KERNELS=0 switches them off"
 
 

@@ -23,20 +23,15 @@ Cumulative log-probabilities are float64, as Python's floats are, so every compa
 order, ties) decides as the papers' host loops would.
 """
 
-import contextlib
 import dataclasses
-import functools
 import math
-from collections.abc import Iterator
 
 import torch
 
-from dynatree_core.core.log import log_exception, log_info
-from dynatree_core.core.settings import env_on
 from dynatree_core.drafting.tensor_tree import AT_DEPTH, AT_LENGTH, DEPTH_GATE, EARLY_STOP, OVER_BUDGET
+from dynatree_core.forward.kernels import KernelSwitch
 
-KERNEL_DEVICES = ("cuda",)  # device types whose levels take the kernel
-_VERDICTS: dict[str, bool] = {}  # device type -> whether the kernel passed its check there
+SWITCH = KernelSwitch("a level's admission kernel", "dynatree_core.drafting.triton_level", lambda d: check(d))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,39 +67,13 @@ class LeafGate:
 
 
 def enabled(device_type: str) -> bool:
-    """Whether levels on this device type take the kernel: a KERNEL_DEVICES type, Triton importable,
-    DYNATREE_KERNELS not 0, and the first check passed (run once, here)."""
-    if device_type not in KERNEL_DEVICES or not available() or not env_on("DYNATREE_KERNELS"):
-        return False
-    if device_type not in _VERDICTS:
-        if device_type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("admit_kernel.enabled: checked first under stream capture (draft a level first)")
-        _VERDICTS[device_type] = check(torch.device(device_type))
-    return _VERDICTS[device_type]
+    """Whether levels on this device type take the kernel (SWITCH: forward/kernels.KernelSwitch's
+    rule: CUDA, Triton importable, DYNATREE_KERNELS not 0, the first check passed)."""
+    return device_type in SWITCH.devices and SWITCH.enabled(device_type)
 
 
-@functools.cache
-def available() -> bool:
-    try:
-        from dynatree_core.drafting import triton_level  # noqa: F401
-    except ImportError:  # no Triton (or no interpreter without a GPU): the torch form stays
-        return False
-    return True
-
-
-@contextlib.contextmanager
-def admit_kernel_on(on: str) -> Iterator[None]:
-    """Levels on device type `on` take the kernel (the CPU: in Triton's interpreter), as tests do."""
-    global KERNEL_DEVICES
-    saved = KERNEL_DEVICES, dict(_VERDICTS)
-    KERNEL_DEVICES = (*KERNEL_DEVICES, on)
-    _VERDICTS[on] = True
-    try:
-        yield
-    finally:
-        KERNEL_DEVICES = saved[0]
-        _VERDICTS.clear()
-        _VERDICTS.update(saved[1])
+available = SWITCH.available  # whether its Triton program imports
+admit_kernel_on = SWITCH.on  # levels on a device type take the kernel, as tests do (the CPU: the interpreter)
 
 
 def most_probable_first(cum: torch.Tensor) -> torch.Tensor:
@@ -225,18 +194,9 @@ def _pow2(n: int) -> int:
 def check(device: torch.device) -> bool:
     """The kernel against the torch form on made-up levels full of ties, NaN (not real) and -inf,
     at and off the cap, under a threshold, a budget that binds and dynatree's gates: False, logged,
-    where it raises or differs in any output. On CUDA the device is drained inside the check."""
+    where it raises or differs in any output (KernelSwitch.passes)."""
     gen = torch.Generator().manual_seed(0)
-    try:
-        ok = all(_agrees(device, gen, case) for case in range(12))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    except Exception as exc:  # noqa: BLE001 - any failure means the torch form
-        log_exception(f"admission.check on {device}: the torch form stays", exc)
-        return False
-    if not ok:
-        log_info("admission.check on %s: the kernel disagrees with the torch form; the torch form stays", device)
-    return ok
+    return SWITCH.passes(device, lambda: all(_agrees(device, gen, case) for case in range(12)))
 
 
 def _agrees(device: torch.device, gen: torch.Generator, case: int) -> bool:

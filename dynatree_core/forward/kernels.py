@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+import importlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -42,29 +43,73 @@ from dynatree_core.core.settings import env_on
 
 BLOCK_KEYS = 32  # slots per program of the attention's first pass (a span is a power of two >= 256)
 SILU_BLOCK = 1024  # columns per program of silu * up
-KERNEL_DEVICES = ("cuda",)  # device types whose lean forward takes these kernels
-_VERDICTS: dict[str, bool] = {}  # device type -> whether the kernels passed their check there
 
 
-def enabled(device_type: str) -> bool:
-    """Whether forwards on this device type take the kernels: a KERNEL_DEVICES type, Triton
-    importable, DYNATREE_KERNELS not 0, and the first check passed (run once, here)."""
-    if device_type not in KERNEL_DEVICES or not _importable() or not env_on("DYNATREE_KERNELS"):
-        return False
-    if device_type not in _VERDICTS:
-        if device_type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("kernels.enabled: checked first under stream capture (build the forward first)")
-        _VERDICTS[device_type] = check(torch.device(device_type))
-    return _VERDICTS[device_type]
+class KernelSwitch:
+    """Where one family of Triton kernels runs (this module's, drafting/admission.py's): on a device
+    type of `devices` (CUDA), where its Triton program module imports, DYNATREE_KERNELS is not 0
+    and `check(device)` against its torch form passed, run once per device type, outside any
+    capture. `on(device_type)` adds a device type as tests do (the CPU: Triton's interpreter)."""
+
+    def __init__(self, what: str, program: str, check: Callable[[torch.device], bool]):
+        self.what, self.program, self.check = what, program, check
+        self.devices: tuple[str, ...] = ("cuda",)
+        self.verdicts: dict[str, bool] = {}  # device type -> whether the kernels passed their check there
+
+    def available(self) -> bool:
+        """Whether the Triton program imports (no Triton, or no interpreter without a GPU: no)."""
+        return _imports(self.program)
+
+    def enabled(self, device_type: str) -> bool:
+        if device_type not in self.devices or not self.available() or not env_on("DYNATREE_KERNELS"):
+            return False
+        if device_type not in self.verdicts:
+            if device_type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"{self.what}: checked first under stream capture (run it once before capturing)")
+            self.verdicts[device_type] = self.check(torch.device(device_type))
+        return self.verdicts[device_type]
+
+    def passes(self, device: torch.device, agrees: Callable[[], bool]) -> bool:
+        """A check's verdict: `agrees()`, False (logged) where it raises or disagrees; on CUDA the
+        device is drained inside it, so a kernel's fault surfaces here."""
+        try:
+            ok = agrees()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except Exception as exc:  # noqa: BLE001 - any failure means the torch forms
+            log_exception(f"{self.what} on {device}: the torch forms stay", exc)
+            return False
+        if not ok:
+            log_info("%s on %s: a kernel disagrees with its torch form; the torch forms stay", self.what, device)
+        return ok
+
+    @contextlib.contextmanager
+    def on(self, device_type: str) -> Iterator[None]:
+        saved = self.devices, dict(self.verdicts)
+        self.devices, self.verdicts[device_type] = (*self.devices, device_type), True
+        try:
+            yield
+        finally:
+            self.devices = saved[0]
+            self.verdicts.clear()
+            self.verdicts.update(saved[1])
 
 
 @functools.cache
-def _importable() -> bool:
+def _imports(module: str) -> bool:
     try:
-        from dynatree_core.forward import triton_kernels  # noqa: F401
-    except ImportError:  # no Triton (or no interpreter without a GPU): the torch forms stay
+        importlib.import_module(module)
+    except ImportError:
         return False
     return True
+
+
+FORWARD = KernelSwitch("the lean forward's kernels", "dynatree_core.forward.triton_kernels", lambda d: check(d))
+
+
+def enabled(device_type: str) -> bool:
+    """Whether forwards on this device type take the kernels (FORWARD: KernelSwitch's rule)."""
+    return FORWARD.enabled(device_type)
 
 
 @contextlib.contextmanager
@@ -72,16 +117,14 @@ def kernel_forms(on: str, block_keys: int = BLOCK_KEYS) -> Iterator[None]:
     """Forwards on device type `on` take the kernels (the CPU: in Triton's interpreter), as tests
     do; `block_keys`: slots per attention program (the interpreter runs one program at a time, so
     tests of whole runs take fewer, larger blocks)."""
-    global KERNEL_DEVICES, BLOCK_KEYS
-    saved = KERNEL_DEVICES, BLOCK_KEYS, dict(_VERDICTS)
-    KERNEL_DEVICES, BLOCK_KEYS = (*KERNEL_DEVICES, on), block_keys
-    _VERDICTS[on] = True
+    global BLOCK_KEYS
+    saved = BLOCK_KEYS
+    BLOCK_KEYS = block_keys
     try:
-        yield
+        with FORWARD.on(on):
+            yield
     finally:
-        KERNEL_DEVICES, BLOCK_KEYS = saved[:2]
-        _VERDICTS.clear()
-        _VERDICTS.update(saved[2])
+        BLOCK_KEYS = saved
 
 
 def check(device: torch.device) -> bool:
@@ -90,16 +133,9 @@ def check(device: torch.device) -> bool:
     where one raises (a Triton too old for the code, a driver it cannot compile for) or disagrees.
     On CUDA the device is drained inside the check, so a kernel's fault surfaces here."""
     gen = torch.Generator().manual_seed(0)
-    try:
-        ok = all([_agrees(device, torch.float32, 1e-4, gen), _agrees(device, torch.bfloat16, 2e-2, gen)])
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    except Exception as exc:  # noqa: BLE001 - any failure means the torch forms
-        log_exception(f"kernels.check on {device}: the torch forms stay", exc)
-        return False
-    if not ok:
-        log_info("kernels.check on %s: a kernel disagrees with its torch form; the torch forms stay", device)
-    return ok
+    return FORWARD.passes(
+        device, lambda: all([_agrees(device, torch.float32, 1e-4, gen), _agrees(device, torch.bfloat16, 2e-2, gen)])
+    )
 
 
 def _agrees(device: torch.device, dtype: torch.dtype, tol: float, gen: torch.Generator) -> bool:
