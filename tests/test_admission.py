@@ -69,6 +69,15 @@ def test_the_check_passes_in_the_interpreter_and_the_kernel_is_off_unless_asked(
     assert not admission.enabled("cpu")
 
 
+def test_a_level_with_more_candidates_than_one_program_ranks_takes_the_torch_form(monkeypatch):
+    monkeypatch.setattr(admission, "admit_level", lambda *args: 1 / 0)  # the kernel, were it called
+    m = admission.MOST_CANDIDATES + 1
+    cum, index = torch.zeros(m, dtype=torch.float64), torch.arange(m)
+    args = (index, cum.float(), cum, index, torch.tensor(0), index, index.double())
+    out = admission.admit(*args, log_tau=-1.0, gate=LeafGate(9, AT_DEPTH, 4), level=1, record=True, kernel=True)
+    assert out[3].tolist()[:5] == [0, 0, 0, 0, 1]  # four admitted, then BUDGET
+
+
 def test_the_gate_is_one_rule_as_data_and_as_tensor_ops():
     """LeafGate's tensor form and the codes the kernel reads agree: the cap's code at the cap, the
     budget spent, dynatree's early stop (below rho_stop) over its depth gate (below rho_deep from D0)."""

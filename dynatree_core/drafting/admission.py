@@ -31,6 +31,7 @@ import torch
 from dynatree_core.drafting.tensor_tree import AT_DEPTH, AT_LENGTH, DEPTH_GATE, EARLY_STOP, OVER_BUDGET
 from dynatree_core.forward.kernels import KernelSwitch
 
+MOST_CANDIDATES = 1024  # one program ranks at most this many (a level beyond it, rare, takes the torch form)
 SWITCH = KernelSwitch("a level's admission kernel", "dynatree_core.drafting.triton_level", lambda d: check(d))
 
 
@@ -107,7 +108,7 @@ def admit(
 ):
     """The level's admission (module docstring): by the kernel with `kernel` (`enabled`, asked before
     any captured step: its first answer runs a check that drains the device), else as tensor ops."""
-    if kernel:
+    if kernel and tokens.shape[0] <= MOST_CANDIDATES:
         return admit_level(tokens, lp, cum, rows, drafted, log_tau, gate.budget, *gate.codes(level), record)
     return admit_torch(tokens, lp, cum, rows, drafted, index, index64, log_tau, gate, level, record)
 
