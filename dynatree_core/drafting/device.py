@@ -108,7 +108,7 @@ def _decision(propose, gate: LeafGate, level: int, log_tau: float, top, k: int, 
         n = tokens.shape[0]
         if rows.shape[0] != n:  # a vocabulary smaller than k: fewer children a row
             rows = torch.div(index[:n], n // cum.shape[0], rounding_mode="floor")
-        return admit(tokens, lp, cum_c, rows, drafted, index[:n], index64, **how)
+        return admit(tokens, lp, cum_c, rows, drafted, index, index64, **how)
 
     return decide
 

@@ -55,7 +55,8 @@ def admit_level_kernel(
     leaf = tl.where(cum < log_rho_stop, 4, leaf)  # EARLY_STOP
     leaf = tl.where(cap_code > 0, cap_code, leaf)
     grows = (fate + leaf) == 0
-    tl.store(tok_out + rank, tl.load(tok_ptr + i, mask=inside), mask=inside)
+    tok = tl.load(tok_ptr + i, mask=inside)
+    tl.store(tok_out + rank, tok, mask=inside)
     lp = tl.load(lp_ptr + i, mask=inside)
     tl.store(lp_out + rank, lp, mask=inside)
     row = tl.load(row_ptr + i, mask=inside)
@@ -68,7 +69,7 @@ def admit_level_kernel(
     tl.store(count_out + 1, total.to(tl.int64))
     tl.store(total_out, total.to(tl.int64))
     if RECORD:  # the level's record (tensor_tree.Level.record): tokens, logp, rows, fate, leaf, 0 .. width - 1
-        tl.store(record_out + rank, tl.load(tok_ptr + i, mask=inside).to(tl.float64), mask=inside)
+        tl.store(record_out + rank, tok.to(tl.float64), mask=inside)
         tl.store(record_out + m + rank, lp.to(tl.float64), mask=inside)
         tl.store(record_out + 2 * m + rank, row.to(tl.float64), mask=inside)
         tl.store(record_out + 3 * m + rank, fate.to(tl.float64), mask=inside)
