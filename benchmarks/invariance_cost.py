@@ -25,7 +25,7 @@ from benchmarks import RESULTS, ROOT
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.decoding.pairs import load_pair
 from dynatree_core.forward.kv import KVState
-from dynatree_core.forward.rows import Rows, lineage, tree_seen
+from dynatree_core.forward.rows import Rows, lineage
 from dynatree_core.measure.gpu_check import path_bits_match
 
 
@@ -60,9 +60,9 @@ def main(argv: list[str] | None = None) -> None:
         times: dict[str, list[float]] = {}
         for _ in range(args.repeats + 1):  # the first round warms up and is dropped
             for invariant, kv in states.items():
-                see = tree_seen(kv.length, 1, lineage(tree.parent_rows(order)))
-                tokens, positions = [tree.tokens[n] for n in order], tree.position_ids(order, len(prompt))
-                batch = Rows(tokens, positions, see, len(order))
+                lines = lineage(tree.parent_rows(order)) + kv.length  # the root's row is the chain's one row
+                tokens, positions = [tree.tokens[n] for n in order[1:]], tree.position_ids(order[1:], len(prompt))
+                batch = Rows.batch(kv.length, [tree.tokens[0]], len(prompt), tokens, positions, lines, keep=len(order))
                 for name, step in (
                     ("tree", lambda kv=kv, batch=batch: kv.run(batch)),
                     ("ar", lambda kv=kv: kv.run(Rows.chain([5], len(prompt)))),

@@ -262,3 +262,14 @@ def ancestor_mask(tree, order: list[int]) -> torch.Tensor:
             mask[i, index[node]] = True
             node = tree.parents[node]
     return mask
+
+
+def tree_batch(tree, order: list[int], past: int, chain: list[int], root_pos: int, keep: int | None = None):
+    """The verify batch of `tree` in `order` (root first) after `past` cached entries: the pending
+    `chain` (the root's token last, at `root_pos`) then the tree's nodes; the logits of the last
+    `keep` rows are kept (default: the root's and the nodes')."""
+    from dynatree_core.forward.rows import Rows, lineage
+
+    lines, n = lineage(tree.parent_rows(order)), len(chain)
+    tokens, positions = [tree.tokens[v] for v in order[1:]], tree.position_ids(order[1:], root_pos)
+    return Rows.batch(past, chain, root_pos - n + 1, tokens, positions, lines + (past + n - 1), keep=keep or len(order))

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from conftest import ARCHS, hf_greedy, noisy_copy, tiny_model
+from conftest import ARCHS, hf_greedy, noisy_copy, tiny_model, tree_batch
 
 from dynatree_core.core.packing import pack_linears
 from dynatree_core.core.settings import ForwardSettings
@@ -21,7 +21,7 @@ from dynatree_core.decoding.engine import DecodeConfig, generate
 from dynatree_core.decoding.methods import make_method
 from dynatree_core.forward.fastpath import FUSE_MAX_BYTES, LeanForward, lean_forward_for, supports_lean
 from dynatree_core.forward.kv import SLACK, KVState, SlotLayer
-from dynatree_core.forward.rows import Rows, lineage, tree_seen
+from dynatree_core.forward.rows import Rows
 
 PATHS = {"dynamic": dict(static=False, fast=False), "static": dict(static=True, fast=False), "lean": {}}
 LEAN_ARCHS = ("llama", "qwen2")
@@ -59,9 +59,7 @@ def _branching_tree(root: int) -> DraftTree:
 
 def _tree_forward(kv: KVState, tree: DraftTree, root_pos: int) -> tuple[torch.Tensor, list[int]]:
     order = tree.order("bfs")
-    visible = tree_seen(kv.length, 1, lineage(tree.parent_rows(order)))
-    tokens = [tree.tokens[n] for n in order]
-    return kv.run(Rows(tokens, tree.position_ids(order, root_pos), visible, len(order))).logits, order
+    return kv.run(tree_batch(tree, order, kv.length, [tree.tokens[0]], root_pos)).logits, order
 
 
 @torch.inference_mode()

@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from conftest import noisy_copy, tiny_model
+from conftest import noisy_copy, tiny_model, tree_batch
 from test_fastpath import POLICIES
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -27,7 +27,7 @@ from dynatree_core.forward import invariant
 from dynatree_core.forward.fastpath import lean_forward_for
 from dynatree_core.forward.invariant import RopeTable, RowGroups, invariant_wanted, sequence_attention, width_verdict
 from dynatree_core.forward.kv import KVState
-from dynatree_core.forward.rows import Rows, lineage, tree_seen
+from dynatree_core.forward.rows import Rows
 from dynatree_core.forward.static_rows import StaticRows, static_sequence_attention
 from dynatree_core.measure import gpu_check
 
@@ -106,9 +106,7 @@ def _assert_path_bits_match_ar(model: torch.nn.Module, label: str) -> None:
     kv = KVState(model, PROMPT, invariant=True)
     _prefill(kv)
     order = tree.order("bfs")
-    visible = tree_seen(kv.length, 1, lineage(tree.parent_rows(order)))
-    tokens = [tree.tokens[n] for n in order]
-    logits = kv.run(Rows(tokens, tree.position_ids(order, len(PROMPT)), visible, len(order))).logits
+    logits = kv.run(tree_batch(tree, order, kv.length, [tree.tokens[0]], len(PROMPT))).logits
     for depth, node in enumerate(path):  # without invariance: differs at depth 0 already (llama-wide, both dtypes)
         row = logits[order.index(node)]
         assert torch.equal(row, alone[depth]), (
@@ -141,10 +139,7 @@ def test_dfs_order_and_a_pending_chain_keep_the_bits(dtype):
     kv.run(Rows.chain(PROMPT[:-1], 0))
     kv.pending = []
     order = tree.order("dfs")
-    visible = tree_seen(kv.length, 2, lineage(tree.parent_rows(order)))
-    tokens = [PROMPT[-1]] + [tree.tokens[n] for n in order]
-    positions = [len(PROMPT) - 1] + tree.position_ids(order, len(PROMPT))
-    logits = kv.run(Rows(tokens, positions, visible, len(order))).logits
+    logits = kv.run(tree_batch(tree, order, kv.length, [PROMPT[-1], tree.tokens[0]], len(PROMPT))).logits
     assert torch.equal(logits[order.index(path[-1])], last)
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import tiny_model, tree_batch
 
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.forward.choice import choose_forward
 from dynatree_core.forward.kv import KVState
 from dynatree_core.forward.reference import Forward
-from dynatree_core.forward.rows import Rows, lineage, tree_seen
+from dynatree_core.forward.rows import Rows
 
 
 def _causal_logits(model, tokens):
@@ -29,9 +29,7 @@ def test_chain_shaped_tree_gives_causal_logits(arch):
     kv = KVState(model, prompt)
     prefix = kv.pending[:-1]
     kv.run(Rows.chain(prefix, 0))
-    visible = tree_seen(kv.length, 1, lineage(tree.parent_rows(order)))
-    tokens = [prompt[-1]] + [tree.tokens[n] for n in order[1:]]
-    logits = kv.run(Rows(tokens, tree.position_ids(order, len(prompt) - 1), visible, len(order))).logits
+    logits = kv.run(tree_batch(tree, order, kv.length, [prompt[-1]], len(prompt) - 1)).logits
     expected = _causal_logits(model, prompt + chain)[len(prompt) - 1 :]
     torch.testing.assert_close(logits, expected.float(), rtol=1e-5, atol=1e-5)
 
@@ -51,9 +49,7 @@ def test_compaction_equals_recomputing_the_cache(arch, path):
     tree.add(a, 93, -0.9)  # node 5
     order = tree.order("bfs")
     kv = KVState(model, prompt)
-    visible = tree_seen(0, len(prompt), lineage(tree.parent_rows(order)))
-    positions = list(range(len(prompt))) + tree.position_ids(order[1:], len(prompt) - 1)
-    kv.run(Rows(prompt + [tree.tokens[n] for n in order[1:]], positions, visible))
+    kv.run(tree_batch(tree, order, 0, prompt, len(prompt) - 1, keep=1))
 
     row = {n: i for i, n in enumerate(order)}
     kv.keep(list(range(len(prompt))) + [len(prompt) - 1 + row[n] for n in path])

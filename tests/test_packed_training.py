@@ -25,7 +25,7 @@ from dynatree_core.drafts.feature import FeatureDraft
 from dynatree_core.drafts.fused import FusedDraft
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.forward.kv import KVState
-from dynatree_core.forward.rows import Rows, causal
+from dynatree_core.forward.rows import Rows
 from dynatree_core.measure.launches import counting_waits
 from dynatree_core.training.answers import store as answers
 from dynatree_core.training.feature.depth import depth_mask, unrolled_predictions
@@ -146,7 +146,7 @@ def test_the_fused_training_forward_is_its_drafting_forward():
         trained = unrolled_outputs(draft, _packed([(x, f)], 32, taps=3, row=6), 1)[0][0]
         kv = KVState(draft, [])
         rows = draft.pair_inputs(x[1:], draft.fuse(f[:-1]))
-        out = kv.run(Rows(x[1:].tolist(), list(range(1, 7)), causal(0, 6), 6, embeds=rows, hidden=True))
+        out = kv.run(Rows.batch(0, x[1:].tolist(), 1, keep=6, embeds=rows, hidden=True))
     torch.testing.assert_close(out.states, trained)
     torch.testing.assert_close(out.logits, draft.lm_head(draft.norm(trained)).float())
 

@@ -178,7 +178,7 @@ def head_logits(draft, target, ids: list[int], vocab: int = V) -> torch.Tensor:
     """The loaded head's level-1 logits over the pairs of `ids`, through its drafting forward."""
     from dynatree_core.drafts.heads import make_drafter
     from dynatree_core.forward.kv import KVState
-    from dynatree_core.forward.rows import Rows, causal
+    from dynatree_core.forward.rows import Rows
 
     drafter = make_drafter(draft, [], vocab)
     with torch.no_grad():
@@ -190,7 +190,7 @@ def head_logits(draft, target, ids: list[int], vocab: int = V) -> torch.Tensor:
         n = len(ids) - 1
         kv = drafter.kv
         assert isinstance(kv, KVState)
-        logits = kv.run(Rows(ids[1:], list(range(1, n + 1)), causal(0, n), n, embeds=rows)).logits
+        logits = kv.run(Rows.batch(0, ids[1:], 1, keep=n, embeds=rows)).logits
     return logits if draft.token_map is None else draft.token_map.to_target_logp(logits)
 
 

@@ -23,7 +23,7 @@ from dynatree_core.core.taps import FINAL
 from dynatree_core.core.transfer import to_device, upload_into
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.forward.reference import Forward
-from dynatree_core.forward.rows import Rows, lineage, tree_seen
+from dynatree_core.forward.rows import Rows, lineage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,41 +52,40 @@ class VerifyBatch:
         positions = list(range(past, past + len(chain))) + tree.position_ids(order[1:], root)
         return cls(order, lines, past, chain, root, tokens, positions)
 
-    def visible(self) -> torch.Tensor:
-        """(q, past + q) bool: the rows see the cache's entries, the chain causally, the tree's
-        nodes their ancestors (rows.tree_seen)."""
-        return tree_seen(self.past, len(self.chain), self.lines)
+    def rows(self, keep: int, **fields) -> Rows:
+        """The batch's rows (rows.Rows.batch): the chain causal after the cache, the tree's nodes
+        seeing the cache, the chain and their ancestors (the root's row is the chain's last)."""
+        n = len(self.chain)
+        tree = self.tokens[n:], self.positions[n:], self.lines + (self.past + n - 1)
+        return Rows.batch(self.past, self.chain, self.past, *tree, keep=keep, **fields)
 
 
-def verify_forward(state, tokens, positions, visible: torch.Tensor, keep: int, most_keys: int | None = None) -> Forward:
-    """The target's forward over a batch (host lists, or device tensors with `most_keys`, a bound on
-    the keys a row sees: rows.Rows), the logits of its last `keep` rows; a feature draft gets
-    the hidden states (or taps) it reads from the same forward."""
+def verify_forward(state, rows: Rows) -> Forward:
+    """The target's forward over a batch's rows; a feature draft gets the hidden states (or taps)
+    it reads from the same forward."""
     drafter = state.drafter
     features = drafter is not None and drafter.wants_features
     hidden = (drafter.taps if drafter.taps != (FINAL,) else True) if features else False
-    return state.target_kv.run(Rows(tokens, positions, visible, keep, hidden=hidden, most_keys=most_keys))
+    return state.target_kv.run(dataclasses.replace(rows, hidden=hidden))
 
 
 def host_verify(state, batch: VerifyBatch, seed: int = 0) -> Forward:
     """The ONE target forward over a batch built on the host, as one captured step with its
     inputs where the run captures its steps (forward/filled.py; not for a feature draft's taps other
-    than the final states): a batch that is only the pending chain (`ar`, or an iteration that
-    drafted nothing) from one upload of the chain (`chain`: `ar`'s loop launches an upload and a
-    replay a token), a tree's from one upload of its rows and their block of the mask (`rows`:
-    one graph a width, whatever the tree's size within it). `seed`: the logits of that many chain
+    than the final states): the chain, and a tree's rows padded to the width they run at, in one
+    upload (KVState.uploaded: one graph a width and chain, whatever the tree's size within it;
+    `ar`'s loop launches an upload and a replay a token). `seed`: the logits of that many chain
     rows before the root are kept too, first (a policy that reads the target's rows from the prefill)."""
     drafter, kv, keep = state.drafter, state.target_kv, len(batch.order)
     features = drafter is not None and drafter.wants_features
     if kv.filled and not seed and not (features and drafter.taps != (FINAL,)):
-        if keep == 1:
-            done = kv.chain(("verify", "chain"), batch.chain, batch.past, 1)
-            out = done[0] if done is not None else None
-        else:
-            out = kv.rows(("verify",), batch.tokens, batch.positions, len(batch.chain), batch.lines, keep)
-        if out is not None:
+        n = len(batch.chain)
+        tree = (batch.tokens[n:], batch.positions[n:], batch.lines) if keep > 1 else None
+        done = kv.uploaded(("verify",), batch.chain, batch.past, keep, tree)
+        if done is not None:
+            out = done[0]
             return Forward(out.logits, out.states if features else None)
-    return verify_forward(state, batch.tokens, batch.positions, batch.visible(), keep + seed)
+    return verify_forward(state, batch.rows(keep + seed))
 
 
 def early_wanted(state) -> bool:
@@ -135,11 +134,12 @@ class EarlyVerify:
         if kv.filled:  # where the target's steps are captured: inputs and forward in one step
             self.out = self._captured(rows, past, chain, root, most_keys)
         if self.out is None:
-            ids = torch.cat([to_device(torch.tensor(chain), device), rows.tokens])  # one upload: the chain
-            positions = torch.cat([torch.arange(past, past + len(chain), device=device), root + rows.depths])
-            visible = tree_seen(past, len(chain), rows.lines)
+            n = len(chain)
+            lines = rows.lines + (past + n - 1)  # the root's row is the chain's last
+            chain_ids, tree = to_device(torch.tensor(chain), device), (rows.tokens, root + rows.depths, lines)
+            batch = Rows.batch(past, chain_ids, past, *tree, keep=rows.tokens.shape[0] + 1, most_keys=most_keys)
             self.clock.mark("rows")
-            self.out = verify_forward(self.state, ids, positions, visible, rows.tokens.shape[0] + 1, most_keys)
+            self.out = verify_forward(self.state, batch)
         self.clock.mark("verify", len(chain) + rows.tokens.shape[0])
 
     def _captured(self, rows, past: int, chain: list[int], root: int, most_keys: int) -> Forward | None:
@@ -178,19 +178,15 @@ class EarlyVerify:
 
 def _verify_fill(n: int, w: int):
     """The verify forward's inputs from the uploaded [past, root, *chain] and the tree's rows, at
-    a fixed width and span (KVState.level): the chain (causal) then the rows, which see the past,
-    the chain and their lineage (TreeRows.lines: rows.tree_seen); padding sees itself."""
-    q = n + w
+    a fixed width and span (KVState.level, rows.Rows.batch): the chain (causal) then the rows,
+    which see the past, the chain and their lineage (TreeRows.lines, the root's row, the chain's
+    last, first); padding sees itself."""
 
     def make_fill(width: int, span: int):
         def fill(host, tokens, depths, lines):
-            device = tokens.device
             past, root, chain = host[0], host[1], host[2:]
-            pad = torch.zeros(width - q, dtype=torch.long, device=device)
-            ids = torch.cat([chain, tokens, pad])
-            positions = torch.cat([past + torch.arange(n, device=device), root + depths, pad])
-            slots = past + torch.arange(width, device=device)
-            return (Rows(ids, positions, tree_seen(past, n, lines, span, width), slots=slots),)
+            lines = lines + (past + n - 1)  # the root's row is the chain's last
+            return (Rows.batch(past, chain, past, tokens, root + depths, lines, width=width, span=span),)
 
         return fill
 

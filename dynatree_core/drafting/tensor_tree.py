@@ -84,7 +84,7 @@ class TreeRows:
     parents: torch.Tensor  # (W,) long: the parent's row, rows counted from 1 (0: the root); a padding row's own
     valid: torch.Tensor  # (W,) bool: a node (else padding)
     # (W + 1, d) long, the root's row first: each row, its parent's row, its parent's, ... (forward/rows.lineage;
-    # the root and padding rows repeat themselves): whom each row sees (rows.tree_seen)
+    # the root and padding rows repeat themselves): whom each row sees (rows.Rows.batch)
     lines: torch.Tensor
     pick: torch.Tensor  # (W,) long: the candidate a row is, counted over the levels in order (padding: any)
 

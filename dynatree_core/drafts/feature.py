@@ -40,7 +40,7 @@ from dynatree_core.core.weights import load_weights
 from dynatree_core.drafts.session import Drafter
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.forward.kv import KVState
-from dynatree_core.forward.rows import Rows, causal
+from dynatree_core.forward.rows import Rows
 
 CONFIG_FILE = "feature_draft.json"
 WEIGHTS_FILE = "feature_draft.safetensors"
@@ -277,11 +277,11 @@ class FeatureDrafter(Drafter):
             raise DynaTreeError("the feature draft has no target features yet: it drafts from the second iteration")
         self.slots, self.out = {}, {}
         feats = torch.cat(self.pending_features) if len(self.pending_features) > 1 else self.pending_features[0]
-        n, past = len(self.pending_tokens), kv.length
+        past = kv.length
         done = self._captured_root(self.pending_tokens, past + 1, then, feats) if kv.filled else None
         if done is None:
             embeds = self._pair_rows(torch.tensor(self.pending_tokens), feats, fused=True)
-            rows = Rows(self.pending_tokens, list(range(past + 1, past + 1 + n)), causal(past, n), 1, embeds, True)
+            rows = Rows.batch(past, self.pending_tokens, past + 1, embeds=embeds, hidden=True)
             done = kv.run(rows), None  # pair j sits at position j + 1
         out, after = done
         self.pending_features, self.pending_tokens = [], []
@@ -293,25 +293,26 @@ class FeatureDrafter(Drafter):
 
     def _nodes(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
         kv, start = self.kv, self.kv.length
-        visible = self._level_visibility(tree, nodes)  # the root's pair is the last committed entry
         positions = [self.root_position + tree.depths[n] for n in nodes]
         tokens = [tree.tokens[n] for n in nodes]
         feats = torch.stack([self.out[tree.parents[n]] for n in nodes])
         embeds = self._pair_rows(torch.tensor(tokens), feats, fused=False)
-        out = kv.run(Rows(tokens, positions, visible, len(nodes), embeds, True))
+        # the root's pair is the last committed entry
+        out = kv.run(self._level_rows(tokens, positions, self._lines(tree, nodes), embeds=embeds, hidden=True))
         for i, n in enumerate(nodes):
             self.slots[n] = start + i
             self.out[n] = out.states[i]
         return out.logits
 
-    def _level_logits(self, tokens, parents, depth: int, visible: torch.Tensor) -> torch.Tensor:
+    def _level_logits(self, tokens, parents, depth: int) -> torch.Tensor:
         """A device level (Drafter.expand_level): each row reads its parent row's predicted feature."""
         p = tokens.shape[0]
         if depth == 1:  # the root's children read the root's predicted feature
             self.level_states = self.out[0][None]
         feats = self.level_states[parents]
         positions = torch.full((p,), self.root_position + depth, dtype=torch.long, device=tokens.device)
-        out = self.kv.run(Rows(tokens, positions, visible, p, self._pair_rows(tokens, feats, fused=False), True))
+        embeds = self._pair_rows(tokens, feats, fused=False)
+        out = self.kv.run(self._level_rows(tokens, positions, self.ancestors, embeds=embeds, hidden=True))
         self.level_states = out.states
         return out.logits
 

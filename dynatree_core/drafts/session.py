@@ -17,7 +17,7 @@ from dynatree_core.core.transfer import upload_into
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.forward.kv import KVState
-from dynatree_core.forward.rows import Rows, visibility
+from dynatree_core.forward.rows import Rows
 
 
 class Drafter:
@@ -88,11 +88,12 @@ class Drafter:
         return out.logits, after
 
     def _nodes(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
-        """The forward of nodes drafted on the host (their parents expanded earlier this iteration)."""
+        """The forward of nodes drafted on the host (their parents expanded earlier this iteration),
+        as a device level's: each sees the committed entries, its ancestors' slots and its own."""
         kv, start = self.kv, self.kv.length
         positions = [self.committed - 1 + tree.depths[n] for n in nodes]
         ids = self._draft_ids([tree.tokens[n] for n in nodes])
-        logits = kv.run(Rows(ids, positions, self._level_visibility(tree, nodes), len(nodes))).logits
+        logits = kv.run(self._level_rows(ids, positions, self._lines(tree, nodes))).logits
         self.slots.update({n: start + i for i, n in enumerate(nodes)})
         return logits
 
@@ -136,16 +137,15 @@ class Drafter:
                 return done
         own = torch.arange(start, start + p, device=tokens.device)
         self.ancestors = torch.cat([self.ancestors[parents], own[:, None]], dim=1)  # the root is committed
-        seen = visibility(self.committed, self.ancestors, start + p)
-        return self._level_logits(tokens, parents, depth, seen), None
+        return self._level_logits(tokens, parents, depth), None
 
     def _captured_root(self, tokens: list[int], first: int, then, *extra: torch.Tensor):
         """The root's forward (the pending chain at positions from `first`) as ONE captured step
-        with its inputs (KVState.chain), after the prefill, where the run captures its steps:
+        with its inputs (KVState.uploaded), after the prefill, where the run captures its steps:
         (its Forward, what `then` returned). `extra`: what `_root_embeds` reads. None elsewhere."""
         embeds = self._root_embeds if self.wants_features else None
         key = ("level", type(self).__name__, "root")  # names the ids map and the embeds hook it captures
-        return self.kv.chain(key, tokens, first, 1, ids=self._draft_ids, embeds=embeds, extra=extra, then=then)
+        return self.kv.uploaded(key, tokens, first, 1, ids=self._draft_ids, embeds=embeds, extra=extra, then=then)
 
     def _root_embeds(self, chain: torch.Tensor, width: int, *extra) -> torch.Tensor | None:
         """A captured root's input vectors (width, hidden), or None: the tokens' embeddings."""
@@ -171,15 +171,14 @@ class Drafter:
 
         def make_fill(width: int, span: int):
             def fill(tokens, parents, ancestors, committed, *extra):
-                rows = torch.arange(width, device=tokens.device)
-                slots = committed + offset + rows
-                ancestors = torch.cat([ancestors[parents], slots[:p, None]], dim=1)  # the root is committed
-                every = torch.cat([ancestors, slots[p:, None].expand(width - p, depth)])  # padding: its own slot
-                seen = visibility(committed, every, span, rows < p)
-                positions = (committed + position).expand(width).contiguous()
-                ids = torch.cat([self._draft_ids(tokens), tokens.new_zeros(width - p)])
+                start = committed + offset
+                own = start + torch.arange(p, device=tokens.device)
+                ancestors = torch.cat([ancestors[parents], own[:, None]], dim=1)  # the root is committed
+                positions = (committed + position).expand(p)
                 embeds = self._level_embeds(tokens, parents, width, *extra)
-                return Rows(ids, positions, seen, embeds=embeds, slots=slots), ancestors
+                rows = Rows.batch(start, (), 0, self._draft_ids(tokens), positions, ancestors, below=committed,
+                                  width=width, span=span, embeds=embeds)  # fmt: skip
+                return rows, ancestors
 
             return fill
 
@@ -207,23 +206,28 @@ class Drafter:
     def _level_done(self, out) -> None:
         """What a captured level keeps of its forward besides the logits."""
 
-    def _level_logits(self, tokens, parents, depth: int, visible: torch.Tensor) -> torch.Tensor:
-        p = tokens.shape[0]
-        positions = torch.full((p,), self.committed - 1 + depth, dtype=torch.long, device=tokens.device)
-        return self.kv.run(Rows(self._draft_ids(tokens), positions, visible, p)).logits
+    def _level_logits(self, tokens, parents, depth: int) -> torch.Tensor:
+        """A level's forward run apart (not captured): its rows see the committed entries and their `ancestors`."""
+        positions = torch.full_like(tokens, self.committed + self.position_shift + depth)
+        return self.kv.run(self._level_rows(self._draft_ids(tokens), positions, self.ancestors)).logits
+
+    def _level_rows(self, ids, positions, lines: torch.Tensor, **fields) -> Rows:
+        """Draft rows right after the cache's entries, each seeing the committed entries and the slots
+        its `lines` names (its ancestors' and its own), every row's logits kept."""
+        return Rows.batch(self.kv.length, (), 0, ids, positions, lines, below=self.committed, keep=len(ids), **fields)
 
     def bind(self, node: int, level: int, row: int) -> None:
         """`node` of the tree read back is row `row` of level `level` (1: the root's children)
         drafted by `expand_level`: its cache slot, for `commit`."""
         self.slots[node] = self.level_starts[level - 1] + row
 
-    def _level_visibility(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
-        """(q, length + q) visibility of nodes drafted on the host (any depths), as a device
-        level's: the committed entries (the root's included), each node's ancestors' slots and its own."""
-        q, length = len(nodes), self.kv.length
+    def _lines(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+        """(q, d) the slots of nodes drafted on the host (any depths) name: their ancestors' (the
+        root's, committed, apart) and their own, right after the cache's entries."""
+        length = self.kv.length
         slots = [[self.slots[a] for a in tree.path(node)[1:-1]] + [length + i] for i, node in enumerate(nodes)]
         most = max(len(s) for s in slots)
-        return visibility(self.committed, torch.tensor([s + s[-1:] * (most - len(s)) for s in slots]), length + q)
+        return torch.tensor([s + s[-1:] * (most - len(s)) for s in slots])
 
     def level_top(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The `k` most probable children of each row (at most as many as it can propose): their

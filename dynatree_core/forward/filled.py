@@ -6,14 +6,14 @@ changes every iteration, so built op by op they cost a dozen launches or more a 
 the one replay. Here the length and the tokens go to the device in one upload into a buffer a
 step reads in place, and a pure function makes every input from it there: that function and the
 lean forward are one step (graphs.PaddedForward.filled) that forward/capture.py captures once per
-key and replays. Three callers' shapes of it:
+key and replays. Every fill's rows come from the one builder, rows.Rows.batch. Two entries:
 
-- `level`: the general form, the caller's function (a draft level: drafts/session.py; the verify
-  forward queued from the tree's rows on the device: decoding/batch.py);
-- `chain`: a chain of pending tokens after the cache (the draft's root; the target's forward
-  where a batch has no tree rows: every token of `ar` after the prefill);
-- `rows`: a batch built on the host (the chain, then a tree's nodes, with their ancestors' rows),
-  padded to the width it runs at, so one graph serves every batch of that width.
+- `level`: the general form, the caller's function of device inputs (a draft level:
+  drafts/session.py; the verify forward queued from the tree's rows on the device: decoding/batch.py);
+- `uploaded`: rows the host knows, in one upload: a chain of pending tokens after the cache (the
+  draft's root; the target's forward where a batch has no tree rows: every token of `ar` after
+  the prefill), and a verify batch built on the host (the chain, then a tree's nodes with their
+  lineages), padded to the width it runs at, so one graph serves every tree of that width.
 
 A step may go on after its forward (`then`): a draft level's decision on its logits runs inside
 the same step, so a level is one launch, its forward and its decision (drafting/device.py).
@@ -32,7 +32,7 @@ import torch
 
 from dynatree_core.core.transfer import upload_into
 from dynatree_core.forward.reference import Forward
-from dynatree_core.forward.rows import Rows, batch_lines, visibility
+from dynatree_core.forward.rows import Rows
 
 
 class FilledForwards:
@@ -62,8 +62,8 @@ class FilledForwards:
         `inputs` (its Python values all in `key`, whose first item names the kind: "level" or
         "verify") that returns the rows (rows.Rows) and any extra outputs; `most_keys` bounds the
         keys a row sees (width-invariant rows span them). `whole`: the inputs come padded to the
-        width (`rows`), so the step, keyed by the width, not q, returns every row and the real ones
-        are cut after it. `then` = (key, fn, inputs): fn(the kept logits, *inputs) runs after the
+        width (`uploaded`'s tree), so the step, keyed by the width, not q, returns every row and
+        the real ones are cut after it. `then` = (key, fn, inputs): fn(the kept logits, *inputs) runs after the
         forward inside the step, its outputs after the fill's extra ones. Returns (Forward with the
         last `keep` rows' logits (default: all) and every row's states, the fill's extra outputs),
         or None where this run cannot (`fills`): the caller then uses `run`."""
@@ -89,73 +89,59 @@ class FilledForwards:
         self.padded.advance(self.length + q)
         return self._done(q, Forward(logits, states), True, (self.steps.capture_s - captured) * 1e3), extra
 
-    def rows(self, key: tuple, tokens: list[int], positions: list[int], chain: int, lines: torch.Tensor, keep: int):
-        """A verify batch built on the host (the `chain` pending rows, then a tree's rows whose
-        `lines` (n + 1, d) name their ancestors: rows.tree_seen) as ONE captured step with its
-        inputs (`level`), keyed by the width the rows run at, not by their count or depth: the
-        cache's length, the count, and the ids, positions and each row's bound and lineage
-        (rows.batch_lines, `width` columns: no lineage is longer) padded to that width go up in
-        one upload. Returns the Forward (the last `keep` rows' logits, every row's states), or None
-        where the run cannot (`fills`, and the prefill)."""
-        q = len(tokens)
+    def uploaded(
+        self, key: tuple, chain: list[int], first: int, keep: int, tree: tuple | None = None, *,
+        ids=None, embeds=None, extra=(), then=None,
+    ):  # fmt: skip
+        """A forward whose rows the host knows, as ONE captured step with its inputs (`level`): the
+        cache's length, `first` and the `chain` of pending tokens (at positions from `first`,
+        causal after the cache's entries) go up in one upload, with, for a verify batch built on the
+        host, `tree` = (tokens, positions, lines): the tree's rows after the chain, `lines` (n + 1,
+        d) each row's lineage over the tree's rows, the root's (the chain's last) first
+        (rows.lineage). The tree's rows go up padded to the width the batch runs at, so one graph
+        serves every tree of that width and chain. `ids(chain)` maps the chain to the model's ids,
+        `embeds(chain, width, *extra)` gives its input vectors (a feature draft's root); both are
+        captured with the step, so `key` must name them. Returns (the Forward: the last `keep`
+        rows' logits, every row's states; what `then`, as `level`'s, returned), or None where the
+        run cannot (`fills`), and for the prefill (an empty cache): the caller then uses `run`."""
+        n, nodes = len(chain), len(tree[0]) if tree else 0
+        q = n + nodes
         if self.length == 0 or not self.fills(q):
             return None
-        width = self.padded.width_for(q, self.length, self.model.dtype, self.device, False)
-        pad, rows = [0] * (width - q), batch_lines(chain, lines.tolist(), width)
-        packed = torch.tensor([self.length, q, *tokens, *pad, *positions, *pad, *rows])
-        host = self.steps.buffer(("rows", key, width), lambda: torch.zeros_like(packed, device=self.device))
-        upload_into(host, packed)
-
-        def make_fill(width: int, span: int):
-            def fill(host):
-                length, real = host[0], host[1]
-                ids, positions, before = host[2 : 2 + 3 * width].view(3, width)
-                every = host[2 + 3 * width :].view(width, width)
-                rows = torch.arange(width, device=host.device)
-                seen = visibility(length + before, length + every, span, rows < real)
-                return (Rows(ids, positions, seen, slots=length + rows),)
-
-            return fill
-
-        most_keys = max(positions) + 1  # a row sees its sequence: the keys at positions 0 .. its own
-        key = (*key, "rows")
-        return self.level(key, make_fill, (host,), q, embeds=False, most_keys=most_keys, keep=keep, whole=True)[0]
-
-    def chain(
-        self, key: tuple, tokens: list[int], first: int, keep: int, *, ids=None, embeds=None, extra=(), then=None
-    ):
-        """The forward of a chain of pending tokens (at positions from `first`, causal after the
-        cache's entries) as ONE captured step with its inputs (`level`): the cache's length, `first`
-        and the tokens go up in one upload into a buffer the step reads. `ids(chain)` maps the
-        tokens to the model's ids, `embeds(chain, width, *extra)` gives its input vectors (a
-        feature draft's); both are captured with the step, so `key` must name them. Returns
-        (the Forward: the last `keep` rows' logits, every row's states; what `then`, as `level`'s,
-        returned), or None where the run cannot (`fills`), and for the prefill (an empty cache):
-        the caller then uses `run`."""
-        n = len(tokens)
-        if self.length == 0 or not self.fills(n):
-            return None
-        host = self.steps.buffer(("chain", key, n), lambda: torch.zeros(n + 2, dtype=torch.long, device=self.device))
-        upload_into(host, torch.tensor([self.length, first, *tokens]))
+        values = [self.length, first, q, *chain]
+        if tree:  # padded to the width: the rows after q are padding, each its own lineage
+            tokens, positions, lines = tree
+            width = self.padded.width_for(q, self.length, self.model.dtype, self.device, embeds is not None)
+            m, pad = width - n, [0] * (width - q)  # the root's row, the chain's last, leads the lines
+            every = [[j + n - 1 for j in line] for line in lines.tolist()] + [[r] for r in range(q, width)]
+            values += [*tokens, *pad, *positions, *pad] + [
+                j for line in every for j in line + line[:1] * (width - len(line))
+            ]
+        host = self.steps.buffer(
+            ("uploaded", key, n, len(values)), lambda: torch.zeros(len(values), dtype=torch.long, device=self.device)
+        )
+        upload_into(host, torch.tensor(values))
 
         def make_fill(width: int, span: int):
             def fill(host, *extra):
-                length, first, chain = host[0], host[1], host[2:]
-                rows, pad = torch.arange(width, device=host.device), host.new_zeros(width - n)
-                row_ids = torch.cat([ids(chain) if ids is not None else chain, pad])
-                positions = torch.cat([first + rows[:n], pad])
-                slots = length + rows  # causal among the chain's rows; a padding row sees itself
-                seen = visibility(slots + 1, slots[:, None], span, rows < n)
+                length, first, real, chain = host[0], host[1], host[2], host[3 : 3 + n]
                 vectors = embeds(chain, width, *extra) if embeds is not None else None
-                return (Rows(row_ids, positions, seen, embeds=vectors, slots=slots),)
+                chain_ids = ids(chain) if ids is not None else chain
+                if not tree:
+                    return (Rows.batch(length, chain_ids, first, width=width, span=span, embeds=vectors),)
+                tokens, positions = host[3 + n : 3 + n + 2 * m].view(2, m)
+                lines = length + host[3 + n + 2 * m :].view(m + 1, width)
+                args = (length, chain_ids, first, tokens, positions, lines)
+                return (Rows.batch(*args, width=width, span=span, real=real, embeds=vectors),)
 
             return fill
 
-        most_keys = self.length + n
-        inputs, embedded = (host, *extra), embeds is not None
+        # a row sees at most the cache, the chain and its own lineage: the keys at positions 0 .. its own
+        most_keys = self.length + n if not tree else max(tree[1]) + 1
         out, after = self.level(
-            (*key, n), make_fill, inputs, n, embeds=embedded, most_keys=most_keys, keep=keep, then=then
-        )
+            (*key, n, "tree" if tree else "chain"), make_fill, (host, *extra), q, embeds=embeds is not None,
+            most_keys=most_keys, keep=keep, whole=bool(tree), then=then,
+        )  # fmt: skip
         return out, tuple(after)
 
 

@@ -1,9 +1,11 @@
-"""A forward's rows: what every forward reads, in one form, and the one way their visibility is built.
+"""A forward's rows: what every forward reads, in one form, built by one function.
 
 Every forward the engine runs (the prefill, a chain of pending tokens, a draft level, the verify
 batch; the recipes' batched answers too) is `Rows`: the new tokens' ids and positions, which
 cache slots each row sees, the logits to keep, and optionally input vectors and the states to
-hand back. `KVState.run(rows)` (kv.py) runs it.
+hand back. `KVState.run(rows)` (kv.py) runs it. `Rows.batch` builds every forward's rows, on
+the host or inside a captured step at a fixed width (forward/filled.py) alike: a chain of pending
+tokens, then node rows with their lineages, then padding.
 
 Which slots a row sees is said one way (`visibility`): every slot below a bound, plus a few slots
 named, the row's lineage (its ancestors' slots and its own):
@@ -13,7 +15,7 @@ named, the row's lineage (its ancestors' slots and its own):
                         levels and its own (drafts/session.py)
     the verify batch    the chain's rows as a chain; a tree row every slot below past + chain
                         (the cache, the pending chain, the root last), and its tree ancestors'
-                        slots and its own (`tree_seen`)
+                        slots and its own
     a padding row       nothing below; its own slot
     batched answers     row b of a batch: every slot up to its own length (training/answers)
 
@@ -58,11 +60,70 @@ class Rows:
     slots: torch.Tensor | None = None
 
     @classmethod
-    def chain(cls, tokens: list[int], past: int, keep: int = 1, **fields) -> Rows:
+    def chain(cls, tokens, past: int, keep: int = 1, **fields) -> Rows:
         """A chain of tokens after `past` cached entries (a prefill: past 0), causal, at positions
-        past, past + 1, ..."""
-        n = len(tokens)
-        return cls(tokens, list(range(past, past + n)), causal(past, n), keep, **fields)
+        past, past + 1, ... (`batch` with no node rows)."""
+        return cls.batch(past, tokens, past, keep=keep, **fields)
+
+    @classmethod
+    def batch(
+        cls, past, chain, first, tokens=(), positions=(), lines=None, *, below=None, width=None, span=None, real=None,
+        keep: int = 1, **fields,
+    ) -> Rows:  # fmt: skip
+        """THE builder of a forward's rows (every forward's: the module docstring's table). Its
+        slots are past, past + 1, ...: first `chain` (n,) pending tokens at positions first,
+        first + 1, ..., causal after the `past` cached entries; then node rows, `tokens` (w,) at
+        `positions`, each seeing every slot below `below` (default past + n: the cache and the
+        whole chain, the root last) and the slots `lines` names (its ancestors' and its own):
+        (w + 1, d) after a chain, the chain's last row's (the root's: its own slot) first; (w, d)
+        with no chain (a draft level, whose root is committed).
+
+        Host lists and an int `past` give host lists and a mask over past + q slots, for the forward
+        right after the cache. At a fixed `width` (a captured step's, forward/filled.py: `past`
+        and `below` may be device scalars, the ids device tensors) the mask spans `span` slots, the
+        rows' slots are named, and the rows after `real` (default n + w; a device scalar where the
+        node rows come padded) are padding: each sees its own slot alone, and nothing sees it."""
+        n, w = len(chain), len(tokens)
+        q = n + w
+        device = next((x.device for x in (tokens, chain, lines, past) if isinstance(x, torch.Tensor)), None)
+        fixed = width is not None
+        width, span = (width, span) if fixed else (q, past + q)
+        top, pad = past + n if below is None else below, width - q if real is None else 0
+        # each row's slot, where the rows' slots are named or a chain's rows before the root's are causal
+        rows = torch.arange(width, device=device) if fixed or (n > 1 and w) else None
+        slots = past + rows if rows is not None else None
+        if w == 0:  # a chain: causal
+            before = slots + 1 if fixed else torch.arange(past + 1, past + q + 1, device=device)
+            every = slots[:, None] if pad else None
+        else:  # the chain's one row (the root) sees what the nodes see
+            before = top if n == 0 or (n == 1 and below is None) else torch.where(rows < n, slots + 1, top)
+            d = lines.shape[1]
+            parts = [slots[: n - 1, None].expand(n - 1, d)] if n > 1 else []
+            parts += [lines, slots[q:, None].expand(pad, d)] if pad else [lines]
+            every = torch.cat(parts) if len(parts) > 1 else lines
+        mask = rows < real if real is not None else (rows < q if pad else None)
+        seen = visibility(before, every, span, mask)
+        positions = _joined(_counted(first, n, chain, rows, device), positions, pad, device, fixed)
+        ids, slots = _joined(chain, tokens, pad, device, fixed), slots if fixed else None
+        return cls(ids, positions, seen, keep, slots=slots, **fields)
+
+
+def _counted(first, n: int, chain, rows: torch.Tensor | None, device):
+    """The chain's positions first, first + 1, ...: a host list for a host chain, else on the device."""
+    if n == 0 or isinstance(chain, (list, tuple, range)) and not isinstance(first, torch.Tensor):
+        return list(range(first, first + n)) if n else []
+    return first + rows[:n] if rows is not None else torch.arange(first, first + n, device=device)
+
+
+def _joined(head, tail, pad: int, device, tensor: bool):
+    """head then tail then `pad` zeros: host lists stay a list unless a `tensor` is asked for or
+    either part is one; else one tensor on `device`."""
+    if not tensor and not any(isinstance(x, torch.Tensor) for x in (head, tail)):
+        return [*head, *tail] + [0] * pad
+    parts = [torch.as_tensor(x, dtype=torch.long, device=device) for x in (head, tail) if len(x)]
+    if pad:
+        parts.append(torch.zeros(pad, dtype=torch.long, device=device))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def visibility(before, lineage: torch.Tensor | None, span: int, real: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,16 +133,11 @@ def visibility(before, lineage: torch.Tensor | None, span: int, real: torch.Tens
     device = lineage.device if lineage is not None else getattr(before, "device", None)
     cols = torch.arange(span, device=device)
     below = cols < (before[:, None] if isinstance(before, torch.Tensor) and before.dim() else before)
-    if below.dim() == 1:
-        below = below.expand(lineage.shape[0] if lineage is not None else real.shape[0], span)
     if real is not None:
         below = below & real[:, None]
-    return below if lineage is None else below.scatter(1, lineage, True)
-
-
-def causal(past: int, n: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """(n, past + n): n chain rows after `past` cached entries, each seeing every slot up to its own."""
-    return visibility(torch.arange(past + 1, past + n + 1, device=device), None, past + n)
+    if lineage is None:
+        return below if below.dim() == 2 else below.expand(real.shape[0], span)
+    return below.expand(lineage.shape[0], span).scatter(1, lineage, True)
 
 
 def lineage(parents: torch.Tensor | list[int], hops: int | None = None) -> torch.Tensor:
@@ -106,38 +162,3 @@ def closure(lineage: torch.Tensor) -> torch.Tensor:
     """(n, n) bool: [i, j] row j is row i or one of its ancestors (the records' mask)."""
     n = lineage.shape[0]
     return torch.zeros(n, n, dtype=torch.bool, device=lineage.device).scatter(1, lineage, True)
-
-
-def tree_seen(past, chain: int, lines: torch.Tensor, span: int | None = None, width: int | None = None):
-    """The verify batch's visibility: `chain` pending rows (causal after `past` cached entries, the
-    root last), then a tree's rows whose `lines` ((n + 1, d) `lineage` over the tree's rows, the
-    root's row first) name their ancestors: each sees the cache and the chain, and its ancestors'
-    slots and its own. (chain + n, span or past + chain + n). At a fixed `width` (a captured
-    step's: `past` may then be a device scalar) the rows after chain + n are padding: each sees
-    its own slot alone."""
-    n, device, top = lines.shape[0] - 1, lines.device, past + chain  # the cache and the chain, the root last
-    if n == 0 and span is None and width is None:  # no tree rows (`ar`'s batch): a chain
-        return causal(past, chain, device)
-    span = span if span is not None else top + n
-    real = None
-    if width is not None and width > chain + n:  # padding rows: each its own lineage, nothing below
-        own = torch.arange(n + 1, width - chain + 1, device=device)
-        lines = torch.cat([lines, own[:, None].expand(-1, lines.shape[1])])
-        real = torch.arange(lines.shape[0], device=device) <= n
-    seen = visibility(top, lines + (top - 1), span, real)  # the root's row and the tree's
-    if chain > 1:  # the chain's rows before the root's, causal
-        seen = torch.cat([visibility(past + torch.arange(1, chain, device=device), None, span), seen])
-    return seen
-
-
-def batch_lines(chain: int, lines: list[list[int]], width: int) -> list[int]:
-    """A host-built verify batch's rows as `visibility` reads them, counted from the batch's first
-    row, at a fixed `width` (a captured step's): each row's bound (a chain row sees the chain up to
-    itself, a tree row all of it), then each row's lineage, `width` slots (a chain row itself, a
-    tree row its ancestors' rows and its own, the root's being the chain's last; a padding row
-    after chain + n its own; repeating the row's own). Host lists in, one flat list out (one upload)."""
-    q = chain + len(lines) - 1
-    before = [min(r + 1, chain) for r in range(width)]
-    every = [[r] for r in range(chain - 1)] + [[j + chain - 1 for j in line] for line in lines]
-    every += [[r] for r in range(q, width)]
-    return before + [j for line in every for j in line + line[:1] * (width - len(line))]

@@ -54,7 +54,7 @@ from dynatree_core.drafting.policy import POLICIES
 from dynatree_core.errors import DynaTreeError
 from dynatree_core.forward import capture, graphs
 from dynatree_core.forward.kv import KVState
-from dynatree_core.forward.rows import Rows, lineage, tree_seen
+from dynatree_core.forward.rows import Rows, lineage
 from dynatree_core.measure import divergence, launches
 
 ARCHS = ("llama", "qwen2", "mistral")
@@ -176,9 +176,10 @@ def path_bits_match(target, prompt: list[int], graphs: bool | None = None) -> bo
     kv.run(Rows.chain(head, 0))
     kv.pending = []
     order = tree.order("bfs")
-    see = tree_seen(kv.length, 1, lineage(tree.parent_rows(order)))
-    tokens = [tree.tokens[n] for n in order]
-    logits = kv.run(Rows(tokens, tree.position_ids(order, len(head)), see, len(order))).logits
+    lines = lineage(tree.parent_rows(order)) + kv.length  # the root's row is the chain's one row
+    nodes, positions = [tree.tokens[n] for n in order[1:]], tree.position_ids(order[1:], len(head))
+    batch = Rows.batch(kv.length, [tree.tokens[0]], len(head), nodes, positions, lines, keep=len(order))
+    logits = kv.run(batch).logits
     return all(torch.equal(logits[order.index(n)], alone[d]) for d, n in enumerate(path))
 
 

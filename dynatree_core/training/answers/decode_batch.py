@@ -35,7 +35,7 @@ from dynatree_core.decoding.engine import vocab_size
 from dynatree_core.forward import capture
 from dynatree_core.forward.graphs import capture_safe, graphs_enabled
 from dynatree_core.forward.reference import additive
-from dynatree_core.forward.rows import causal, visibility
+from dynatree_core.forward.rows import visibility
 from dynatree_core.training.answers.decode_ops import (
     TEACHER_K,
     Decoded,
@@ -93,7 +93,8 @@ class BatchDecoder:
             ids[i, : len(p)] = torch.tensor(p, device=self.device)
         slots = torch.arange(width, device=self.device)
         positions = slots[None].expand(len(prompts), -1)
-        mask = additive(causal(0, width, self.device)[None, None], self.model.dtype)  # (1, 1, W, W)
+        causal = visibility(torch.arange(1, width + 1, device=self.device), None, width)  # row i: slots 0 .. i
+        mask = additive(causal[None, None], self.model.dtype)  # (1, 1, W, W)
         caches = self._buffers(len(prompts), width)
         states, tapped = [], []
         for r0 in range(0, len(prompts), self.prefill_rows):
