@@ -103,16 +103,13 @@ class Rows:
             every = torch.cat(parts) if len(parts) > 1 else lines
         mask = rows < real if real is not None else (rows < q if pad else None)
         seen = visibility(before, every, span, mask)
-        positions = _joined(_counted(first, n, chain, rows, device), positions, pad, device, fixed)
+        if n == 0 or isinstance(chain, (list, tuple, range)) and not isinstance(first, torch.Tensor):
+            counted = list(range(first, first + n))  # the chain's positions: a host chain's on the host
+        else:
+            counted = first + rows[:n] if rows is not None else torch.arange(first, first + n, device=device)
+        positions = _joined(counted, positions, pad, device, fixed)
         ids, slots = _joined(chain, tokens, pad, device, fixed), slots if fixed else None
         return cls(ids, positions, seen, keep, slots=slots, **fields)
-
-
-def _counted(first, n: int, chain, rows: torch.Tensor | None, device):
-    """The chain's positions first, first + 1, ...: a host list for a host chain, else on the device."""
-    if n == 0 or isinstance(chain, (list, tuple, range)) and not isinstance(first, torch.Tensor):
-        return list(range(first, first + n)) if n else []
-    return first + rows[:n] if rows is not None else torch.arange(first, first + n, device=device)
 
 
 def _joined(head, tail, pad: int, device, tensor: bool):
