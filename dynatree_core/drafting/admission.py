@@ -28,7 +28,8 @@ import math
 
 import torch
 
-from dynatree_core.drafting.tensor_tree import AT_DEPTH, AT_LENGTH, DEPTH_GATE, EARLY_STOP, OVER_BUDGET
+from dynatree_core.drafting.common import leaf_reason
+from dynatree_core.drafting.tensor_tree import AT_DEPTH, DEPTH_GATE, EARLY_STOP, LEAF_REASONS, OVER_BUDGET
 from dynatree_core.forward.kernels import KernelSwitch
 
 MOST_CANDIDATES = 1024  # one program ranks at most this many (a level beyond it, rare, takes the torch form)
@@ -99,8 +100,8 @@ def fates(cum: torch.Tensor, log_tau: float, room: torch.Tensor, index: torch.Te
 def budget_gate(cap: int, policy_depth: int, budget: int) -> LeafGate:
     """The leaf rule of fixed_tree, linear and dyspec_threshold (DynaTree Alg. 1 lines 12, 22): the
     children at the depth cap are leaves (its depth limit, or the request's length limit below
-    it: common.leaf_reason), and so is every child of a level that spent the budget."""
-    return LeafGate(cap, AT_DEPTH if cap == policy_depth else AT_LENGTH, budget)
+    it: common.leaf_reason's, as its code), and so is every child of a level that spent the budget."""
+    return LeafGate(cap, LEAF_REASONS.index(leaf_reason(cap, policy_depth)), budget)
 
 
 def admit(
