@@ -71,6 +71,7 @@ class Reason(StrEnum):
     BEAM = "beam"  # not among the top-k of its level (EAGLE-2 beam search)
     RERANK = "rerank"  # outside the global top-N after drafting (EAGLE-2 rerank)
     SALF_STOP = "salf_stop"  # drafting stopped: the next batch's probability mass was below th
+    NO_SUCCESSORS = "no_successors"  # a recycled token no forward has read yet (Token Recycling)
 
 
 @dataclasses.dataclass

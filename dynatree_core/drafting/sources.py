@@ -12,7 +12,10 @@
 - `graft`: put one source's tree into another, merging equal paths: a joined tree is one tree,
   verified in one target forward.
 
-Each source builds a `DraftTree` whose nodes carry their `Source`; no model is called here.
+Each source builds a `DraftTree` whose nodes carry their `Source`; no model is called here. The
+Recycler's walks grow their levels as a tensor tree (drafting/tensor_tree.py: a level's decision a
+few tensor ops where the matrix is), read once and viewed as a model's levels are; the automaton's
+walk is a host structure's, and builds its tree on the host.
 """
 
 from __future__ import annotations
@@ -21,8 +24,17 @@ import math
 
 import torch
 
-from dynatree_core.core.transfer import to_list
 from dynatree_core.core.tree import DraftTree, Reason, Source, Status
+from dynatree_core.drafting.tensor_tree import (
+    ADMITTED,
+    AT_DEPTH,
+    EXPANDED,
+    NO_SUCCESSORS,
+    OVER_BUDGET,
+    PADDING,
+    Level,
+    TensorTree,
+)
 
 
 class Recycler:
@@ -70,82 +82,82 @@ class Recycler:
     def walk(self, root: int, widths: list[int], budget: int) -> DraftTree:
         """The breadth-first walk from `root` over the template: a node at depth d - 1 gets the
         first `widths[d - 1]` successors of its token, up to `budget` nodes in breadth-first
-        order; a token with no successors yet is a leaf. The template's slots are tensors: a level
-        is a gather of its parents' rows; the budget is one count over every level at the end (a
-        slot past it has every slot below it past it too), and the tree is read once."""
-        tree = DraftTree.with_root(root)
-        if self.rows is None:
-            tree.mark_leaf(0, "no_successors")
-            return tree
+        order; a token with no successors yet is a leaf. Each template level is a level of a
+        tensor tree (drafting/tensor_tree.py): a gather of its parents' rows; the budget is one
+        count over every level at the end (a slot past it has every slot below it past it too);
+        the tree is read once and viewed as every tree is."""
+        if self.rows is None or not widths:
+            return _leaf(root, Reason.NO_SUCCESSORS) if self.rows is None else DraftTree.with_root(root)
         dev, fans = self.rows.device, [min(w, self.rows.shape[1]) for w in widths]
-        tokens = torch.tensor([root], device=dev)
+        tokens, cum = torch.tensor([root], device=dev), torch.zeros(1, dtype=torch.float64, device=dev)
         ok = torch.ones(1, dtype=torch.bool, device=dev)  # a slot holding a node, the budget aside
-        ids, lps, oks, grows = [tokens.float()], [torch.zeros(1, device=dev)], [ok], []
+        found, oks = [], []
         for fan in fans:
-            grows.append(ok & self.seen[tokens])  # a node whose token has successors
             level = self.rows[tokens, :fan].flatten(0, 1)  # (slots * fan, 2)
-            ok = grows[-1].repeat_interleave(fan)
-            tokens = level[:, 0].long()
-            ids.append(level[:, 0]), lps.append(level[:, 1]), oks.append(ok)
-        grows.append(ok & self.seen[tokens])
+            parents = torch.arange(level.shape[0], device=dev) // fan
+            ok = (ok & self.seen[tokens])[parents]  # a child of a node whose token has successors
+            tokens, cum = level[:, 0].long(), cum[parents] + level[:, 1].double()
+            found.append((tokens, level[:, 1], parents, cum))
+            oks.append(ok)
         ok = torch.cat(oks)
-        kept = ok & (ok.cumsum(0) <= budget + 1)  # the root is slot 0
-        slots = to_list(torch.cat([torch.cat(ids), kept.float(), torch.cat(lps), torch.cat(grows).float()]))
-        n = len(ok)
-        token, kept, lp, seen = slots[:n], slots[n : 2 * n], slots[2 * n : 3 * n], slots[3 * n :]
-        node_of, start, size = {0: 0}, 0, 1  # template slot -> tree node
-        for fan in fans:
-            above, start, size = start, start + size, size * fan
-            for j in range(size):
-                parent = node_of.get(above + j // fan)
-                if kept[start + j] and parent is not None:
-                    tree.mark_expanded(parent)
-                    node_of[start + j] = tree.add(parent, int(token[start + j]), lp[start + j], source=Source.RECYCLED)
-        inner = {tree.parents[n] for n in range(1, len(tree))}
-        for slot, node in node_of.items():
-            if node not in inner and tree.depths[node] < len(widths):
-                tree.mark_leaf(node, Reason.BUDGET if seen[slot] else "no_successors")
-        return tree
+        kept = (ok & (ok.cumsum(0) <= budget)).split([f[0].shape[0] for f in found])  # the root aside
+        return self._viewed(root, found, kept)
 
     def ranked(self, root: int, depth: int, budget: int) -> DraftTree:
         """Best first instead of a template: the `budget` nodes of highest path log-probability (the
         sum of the recycled log-probs from the root) within `depth` levels. A level keeps the
         `budget` best children of the level above (a gather, an add, a top-k), which holds every
         node of the global best `budget`, as a child's path log-prob is at most its parent's
-        (EAGLE-2's rerank, Li et al. 2024, §4.2). The levels are read once; the final choice
-        (ancestors before descendants on ties) is made on the host over depth x budget slots."""
-        tree = DraftTree.with_root(root)
+        (EAGLE-2's rerank, Li et al. 2024, §4.2); the global best are one stable sort over the levels
+        (ancestors before descendants on ties), on the device, and the tree is read once."""
         if self.rows is None or budget <= 0 or depth <= 0:
-            tree.mark_leaf(0, "no_successors" if self.rows is None else Reason.BUDGET)
-            return tree
+            return _leaf(root, Reason.NO_SUCCESSORS if self.rows is None else Reason.BUDGET)
         tokens = torch.tensor([root], device=self.rows.device)
         score = torch.zeros(1, device=self.rows.device)
-        parts, sizes = [self.seen[tokens].float()], []
+        found, scores = [], []
         for _ in range(depth):
             rows = self.rows[tokens]  # (slots, k, 2)
             child = (score[:, None] + rows[..., 1]).masked_fill(~self.seen[tokens][:, None], -math.inf)
-            score, at = child.flatten().topk(min(budget, child.numel()))
-            tokens = rows.flatten(0, 1)[at, 0].long()
-            parts += [tokens.float(), (at // rows.shape[1]).float(), score, self.seen[tokens].float()]
-            sizes.append(len(at))
-        flat, start = to_list(torch.cat(parts)), 1
-        levels = [([root], [0], [0.0], flat[:1])]  # per level: token, parent slot, path log-prob, seen
-        for size in sizes:
-            levels.append(tuple(flat[start + i * size : start + (i + 1) * size] for i in range(4)))
-            start += 4 * size
-        best = sorted((-s, d, j) for d in range(1, len(levels)) for j, s in enumerate(levels[d][2]) if s > -math.inf)
-        node_of = {(0, 0): 0}  # (level, slot) -> tree node
-        for d, j in sorted((d, j) for _, d, j in best[:budget]):
-            token, parent, score, _ = levels[d]
-            above = int(parent[j])
-            tree.mark_expanded(node_of[d - 1, above])
-            logp = score[j] - levels[d - 1][2][above]
-            node_of[d, j] = tree.add(node_of[d - 1, above], int(token[j]), logp, source=Source.RECYCLED)
-        inner = {tree.parents[n] for n in range(1, len(tree))}
-        for (d, j), node in node_of.items():
-            if node not in inner and d < depth:
-                tree.mark_leaf(node, Reason.BUDGET if levels[d][3][j] else "no_successors")
+            above, (best, at) = score, child.flatten().topk(min(budget, child.numel()))
+            parents, tokens, score = at // rows.shape[1], rows.flatten(0, 1)[at, 0].long(), best
+            # a node's own log-prob: its path's less its parent's, in float64 (exact for float32 sums)
+            found.append((tokens, best.double() - above.double()[parents], parents, best.double()))
+            scores.append(best)
+        scores = torch.cat(scores)
+        rank = torch.empty_like(scores, dtype=torch.long)
+        rank[torch.sort(scores, descending=True, stable=True).indices] = torch.arange(
+            scores.shape[0], device=rank.device
+        )
+        kept = ((rank < budget) & (scores > -math.inf)).split([f[0].shape[0] for f in found])
+        return self._viewed(root, found, kept)
+
+    def _viewed(self, root: int, found: list[tuple], kept: tuple) -> DraftTree:
+        """The tree the levels (`found`: each level's tokens, log-probs, parent rows and cumulative
+        log-probs) and their kept candidates make: a kept candidate is a node; one with kept
+        children is expanded; the last level's stop at the depth; the others for the budget, or
+        because no forward has read their token yet. Not kept: padding (never shown)."""
+        levels = []
+        for d, ((tokens, logp, parents, cum), admitted) in enumerate(zip(found, kept, strict=True)):
+            if d + 1 < len(found):  # a candidate with a kept child is expanded (a row of the next level)
+                children = torch.zeros_like(tokens).scatter_add(0, found[d + 1][2], kept[d + 1].long())
+                stop = torch.where(self.seen[tokens], OVER_BUDGET, NO_SUCCESSORS)
+                leaf = torch.where(children > 0, EXPANDED, stop)
+            else:
+                leaf = torch.full_like(tokens, AT_DEPTH)
+            fate = torch.where(admitted, ADMITTED, PADDING)
+            selected = torch.arange(tokens.shape[0], device=tokens.device)
+            levels.append(Level(tokens, logp, parents, fate, leaf, selected, cum, prefix=True))
+        grown, tree = TensorTree(root, levels), DraftTree.with_root(root)
+        grown.view(tree, grown.read(None, None, 0), None, source=Source.RECYCLED)
+        if len(tree) == 1:  # no kept child: the root's token has no successors yet (the budget is >= 1)
+            tree.mark_leaf(0, Reason.NO_SUCCESSORS)
         return tree
+
+
+def _leaf(root: int, reason: Reason) -> DraftTree:
+    tree = DraftTree.with_root(root)
+    tree.mark_leaf(0, reason)
+    return tree
 
 
 class SuffixAutomaton:

@@ -27,12 +27,13 @@ import dataclasses
 import torch
 
 from dynatree_core.core.transfer import LateRead, to_list
-from dynatree_core.core.tree import DraftTree, Reason, Status
+from dynatree_core.core.tree import DraftTree, Reason, Source, Status
 from dynatree_core.forward.rows import lineage
 
 # why an admitted candidate is not expanded (Level.leaf), the reasons a level records as codes
 LEAF_REASONS = (None, Reason.DEPTH_LIMIT, Reason.LENGTH_LIMIT, Reason.BUDGET, Reason.EARLY_STOP, Reason.DEPTH_GATE)
-EXPANDED, AT_DEPTH, AT_LENGTH, OVER_BUDGET, EARLY_STOP, DEPTH_GATE = range(len(LEAF_REASONS))
+LEAF_REASONS += (Reason.NO_SUCCESSORS,)
+EXPANDED, AT_DEPTH, AT_LENGTH, OVER_BUDGET, EARLY_STOP, DEPTH_GATE, NO_SUCCESSORS = range(len(LEAF_REASONS))
 
 # a candidate's fate: the runs of a level ordered most probable first (admission.fates), in that order;
 # then a node EAGLE-2's rerank left out (device.grow_all_levels)
@@ -178,14 +179,18 @@ class TensorTree:
         early.launch(rows, depth=len(levels))
         return _parse(levels, pending.tolist(), rows)
 
-    def view(self, tree: DraftTree, read: tuple, drafter, *, reason: Reason | None = None, draws=()) -> list[int]:
+    def view(
+        self, tree: DraftTree, read: tuple, drafter, *, reason: Reason | None = None, draws=(), source=Source.MODEL
+    ) -> list[int]:
         """Make `tree` (the root's view) the tree `read` holds: each candidate a node with its fate and,
         admitted, its leaf reason as the levels decided them (`reason`: an admitted candidate's
         whose level left it unexpanded without a code: the last level's, Reason.BEAM before it);
         each row of a level's forward, its node, expanded and bound to its draft cache slot
         (`Drafter.bind`), with sampled drafting what was drawn there (`draws`: each row's (q,
-        tokens) in order, level by level: request.SampledLevels). Returns the nodes in the order the
-        verify rows hold them, the root first ([0] alone where no rows were read)."""
+        tokens) in order, level by level: request.SampledLevels). `drafter`: None where no draft
+        forward made the levels (drafting/sources.Recycler's walks); `source`: where the nodes' tokens
+        came from. Returns the nodes in the order the verify rows hold them, the root first ([0]
+        alone where no rows were read)."""
         levels, picks = read
         frontier = [0]  # the node of each row of the level's forward (None: a padding row)
         nodes: list[int | None] = []  # the node each candidate became, over the levels in order
@@ -195,7 +200,7 @@ class TensorTree:
                 if node is None or tree.status[node] == Status.PRUNED:  # padding; a reranked row
                     continue
                 tree.mark_expanded(node)
-                if node:
+                if node and drafter is not None:
                     drafter.bind(node, level - 1, row)
                 if draws:
                     tree.record_draws(node, *next(drawn))
@@ -205,9 +210,9 @@ class TensorTree:
                 if f == PADDING:
                     made.append(None)
                 elif f in PRUNED:  # never a row of a later forward, or (reranked) its children are pruned too
-                    made.append(tree.add(frontier[r], t, lp, status=Status.PRUNED, reason=PRUNED[f]))
+                    made.append(tree.add(frontier[r], t, lp, status=Status.PRUNED, reason=PRUNED[f], source=source))
                 else:
-                    made.append(tree.add(frontier[r], t, lp, reason=LEAF_REASONS[code] or default))
+                    made.append(tree.add(frontier[r], t, lp, reason=LEAF_REASONS[code] or default, source=source))
             frontier = [made[i] if leaf[i] == EXPANDED else None for i in selected]  # the next forward's rows
             nodes += made
         return [0] + [nodes[c] for c in picks]
