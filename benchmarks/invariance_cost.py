@@ -60,9 +60,9 @@ def main(argv: list[str] | None = None) -> None:
         times: dict[str, list[float]] = {}
         for _ in range(args.repeats + 1):  # the first round warms up and is dropped
             for invariant, kv in states.items():
-                lines = lineage(tree.parent_rows(order)) + kv.length  # the root's row is the chain's one row
+                lines = lineage(tree.parent_rows(order))
                 tokens, positions = [tree.tokens[n] for n in order[1:]], tree.position_ids(order[1:], len(prompt))
-                batch = Rows.batch(kv.length, [tree.tokens[0]], len(prompt), tokens, positions, lines, keep=len(order))
+                batch = Rows.tree(kv.length, [tree.tokens[0]], len(prompt), tokens, positions, lines, keep=len(order))
                 for name, step in (
                     ("tree", lambda kv=kv, batch=batch: kv.run(batch)),
                     ("ar", lambda kv=kv: kv.run(Rows.chain([5], len(prompt)))),

@@ -272,4 +272,4 @@ def tree_batch(tree, order: list[int], past: int, chain: list[int], root_pos: in
 
     lines, n = lineage(tree.parent_rows(order)), len(chain)
     tokens, positions = [tree.tokens[v] for v in order[1:]], tree.position_ids(order[1:], root_pos)
-    return Rows.batch(past, chain, root_pos - n + 1, tokens, positions, lines + (past + n - 1), keep=keep or len(order))
+    return Rows.tree(past, chain, root_pos - n + 1, tokens, positions, lines, keep=keep or len(order))

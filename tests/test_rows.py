@@ -40,7 +40,7 @@ def _verify_rows(past, chain: int, lines: torch.Tensor, **fields) -> Rows:
     `lines` (rows.lineage, the root's row first) name their ancestors."""
     n = lines.shape[0] - 1
     tokens, positions = list(range(100, 100 + n)), list(range(50, 50 + n))
-    return Rows.batch(past, list(range(chain)), past, tokens, positions, lines + (past + chain - 1), **fields)
+    return Rows.tree(past, list(range(chain)), past, tokens, positions, lines, **fields)
 
 
 @examples(60)

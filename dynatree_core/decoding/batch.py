@@ -56,8 +56,9 @@ class VerifyBatch:
         """The batch's rows (rows.Rows.batch): the chain causal after the cache, the tree's nodes
         seeing the cache, the chain and their ancestors (the root's row is the chain's last)."""
         n = len(self.chain)
-        tree = self.tokens[n:], self.positions[n:], self.lines + (self.past + n - 1)
-        return Rows.batch(self.past, self.chain, self.past, *tree, keep=keep, **fields)
+        return Rows.tree(
+            self.past, self.chain, self.past, self.tokens[n:], self.positions[n:], self.lines, keep=keep, **fields
+        )
 
 
 def verify_forward(state, rows: Rows) -> Forward:
@@ -134,10 +135,8 @@ class EarlyVerify:
         if kv.filled:  # where the target's steps are captured: inputs and forward in one step
             self.out = self._captured(rows, past, chain, root, most_keys)
         if self.out is None:
-            n = len(chain)
-            lines = rows.lines + (past + n - 1)  # the root's row is the chain's last
-            chain_ids, tree = to_device(torch.tensor(chain), device), (rows.tokens, root + rows.depths, lines)
-            batch = Rows.batch(past, chain_ids, past, *tree, keep=rows.tokens.shape[0] + 1, most_keys=most_keys)
+            chain_ids, tree = to_device(torch.tensor(chain), device), (rows.tokens, root + rows.depths, rows.lines)
+            batch = Rows.tree(past, chain_ids, past, *tree, keep=rows.tokens.shape[0] + 1, most_keys=most_keys)
             self.clock.mark("rows")
             self.out = verify_forward(self.state, batch)
         self.clock.mark("verify", len(chain) + rows.tokens.shape[0])
@@ -160,9 +159,7 @@ class EarlyVerify:
         upload_into(host, torch.tensor([past, root, *chain]))
         self.clock.mark("rows")
         inputs = (host, rows.tokens, rows.depths, rows.lines)
-        out, _ = kv.level(
-            ("verify", n, w), _verify_fill(n, w), inputs, n + w, embeds=False, most_keys=most_keys, keep=w + 1
-        )
+        out, _ = kv.level(("verify", n, w), _verify_fill, inputs, n + w, embeds=False, most_keys=most_keys, keep=w + 1)
         return Forward(out.logits, out.states if drafter.wants_features else None)
 
     def batch(self, tree: DraftTree) -> VerifyBatch:
@@ -176,18 +173,14 @@ class EarlyVerify:
         return VerifyBatch(order, lines, self.past, self.chain, self.root, tokens, positions)
 
 
-def _verify_fill(n: int, w: int):
-    """The verify forward's inputs from the uploaded [past, root, *chain] and the tree's rows, at
-    a fixed width and span (KVState.level, rows.Rows.batch): the chain (causal) then the rows,
+def _verify_fill(width: int, span: int):
+    """The verify forward's inputs at a fixed width and span (KVState.level) from the uploaded
+    [past, root, *chain] and the tree's rows (rows.Rows.tree): the chain (causal) then the rows,
     which see the past, the chain and their lineage (TreeRows.lines, the root's row, the chain's
     last, first); padding sees itself."""
 
-    def make_fill(width: int, span: int):
-        def fill(host, tokens, depths, lines):
-            past, root, chain = host[0], host[1], host[2:]
-            lines = lines + (past + n - 1)  # the root's row is the chain's last
-            return (Rows.batch(past, chain, past, tokens, root + depths, lines, width=width, span=span),)
+    def fill(host, tokens, depths, lines):
+        past, root, chain = host[0], host[1], host[2:]
+        return (Rows.tree(past, chain, past, tokens, root + depths, lines, width=width, span=span),)
 
-        return fill
-
-    return make_fill
+    return fill

@@ -113,7 +113,7 @@ class FilledForwards:
             tokens, positions, lines = tree
             width = self.padded.width_for(q, self.length, self.model.dtype, self.device, embeds is not None)
             m, pad = width - n, [0] * (width - q)  # the root's row, the chain's last, leads the lines
-            every = [[j + n - 1 for j in line] for line in lines.tolist()] + [[r] for r in range(q, width)]
+            every = lines.tolist() + [[r - n + 1] for r in range(q, width)]  # rows counted from the root's
             values += [*tokens, *pad, *positions, *pad] + [
                 j for line in every for j in line + line[:1] * (width - len(line))
             ]
@@ -130,9 +130,9 @@ class FilledForwards:
                 if not tree:
                     return (Rows.batch(length, chain_ids, first, width=width, span=span, embeds=vectors),)
                 tokens, positions = host[3 + n : 3 + n + 2 * m].view(2, m)
-                lines = length + host[3 + n + 2 * m :].view(m + 1, width)
+                lines = host[3 + n + 2 * m :].view(m + 1, width)
                 args = (length, chain_ids, first, tokens, positions, lines)
-                return (Rows.batch(*args, width=width, span=span, real=real, embeds=vectors),)
+                return (Rows.tree(*args, width=width, span=span, real=real, embeds=vectors),)
 
             return fill
 

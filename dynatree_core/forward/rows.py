@@ -66,6 +66,12 @@ class Rows:
         return cls.batch(past, tokens, past, keep=keep, **fields)
 
     @classmethod
+    def tree(cls, past, chain, first, tokens, positions, lines: torch.Tensor, **fields) -> Rows:
+        """A verify batch (`batch`): the `chain`, then a tree's rows whose `lines` (w + 1, d), the
+        root's first (`lineage`), count rows from the root's, the chain's last."""
+        return cls.batch(past, chain, first, tokens, positions, lines + (past + len(chain) - 1), **fields)
+
+    @classmethod
     def batch(
         cls, past, chain, first, tokens=(), positions=(), lines=None, *, below=None, width=None, span=None, real=None,
         keep: int = 1, **fields,

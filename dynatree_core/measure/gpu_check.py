@@ -176,9 +176,9 @@ def path_bits_match(target, prompt: list[int], graphs: bool | None = None) -> bo
     kv.run(Rows.chain(head, 0))
     kv.pending = []
     order = tree.order("bfs")
-    lines = lineage(tree.parent_rows(order)) + kv.length  # the root's row is the chain's one row
+    lines = lineage(tree.parent_rows(order))
     nodes, positions = [tree.tokens[n] for n in order[1:]], tree.position_ids(order[1:], len(head))
-    batch = Rows.batch(kv.length, [tree.tokens[0]], len(head), nodes, positions, lines, keep=len(order))
+    batch = Rows.tree(kv.length, [tree.tokens[0]], len(head), nodes, positions, lines, keep=len(order))
     logits = kv.run(batch).logits
     return all(torch.equal(logits[order.index(n)], alone[d]) for d, n in enumerate(path))
 
