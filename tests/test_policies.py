@@ -316,6 +316,14 @@ def test_ngram_merges_the_continuations_of_earlier_matches():
     assert len(verified(small)) == 2 and "budget" in small.reason
     none = policy.draft(DraftRequest(root_token=6, max_depth=32, drafter=None, context=[1, 2, 6]))
     assert len(none) == 1 and none.reason[0] == "no_match"
+    assert {tree.source(n) for n in range(1, len(tree))} == {"retrieved"}
+    ends = policy.draft(DraftRequest(root_token=2, max_depth=32, drafter=None, context=[1, 2, 3, 1, 2]))
+    assert paths_of(ends) == {(3,), (3, 1), (3, 1, 2)}
+    assert ends.reason[len(ends) - 1] == "depth_limit", "depth 3 reached"
+    longer = make_policy("ngram", {"max_n": 2, "depth": 5}).draft(
+        DraftRequest(root_token=2, max_depth=32, drafter=None, context=[1, 2, 3, 1, 2])
+    )
+    assert longer.reason[len(longer) - 1] == "context_end", "the continuation ran into the context's end"
 
 
 def test_delayed_auto_picks_the_shape_the_cost_model_favours():

@@ -19,7 +19,7 @@ from dynatree_core.decoding.methods import make_method
 from dynatree_core.drafting import DraftRequest, make_policy
 from dynatree_core.drafting import suffix as suffix_module
 from dynatree_core.drafting.corpus import SEPARATOR, CorpusIndex, answers_corpus
-from dynatree_core.drafting.sources import SuffixAutomaton, graft
+from dynatree_core.drafting.sources import SuffixAutomaton, graft, retrieved_tree
 from dynatree_core.runs.validate import _check_tree
 
 
@@ -86,6 +86,54 @@ def test_the_suffix_policy_continues_the_first_match_as_a_chain_or_a_tree():
     assert [tree.tokens[n] for n in range(1, len(tree))] == [7, 9]
     short = draft(min_match=4)
     assert len(short) == 1 and short.reason[0] == "no_match"
+
+
+def _grown_node_by_node(root, start, children, depth: int, budget: int, end: Reason) -> DraftTree:
+    """A retrieved tree built node by node on the host, breadth first (the reference for
+    sources.retrieved_tree, which writes level records and views them)."""
+    tree = DraftTree.with_root(root)
+    frontier, drafted = [(0, start)], 0
+    for _ in range(depth):
+        grown = []
+        for node, at in frontier:
+            kids = children(at)
+            if not kids:
+                tree.mark_leaf(node, end)
+            elif drafted >= budget:
+                tree.mark_leaf(node, Reason.BUDGET)
+            else:
+                tree.mark_expanded(node)
+                for token, logp, to in kids[: budget - drafted]:
+                    grown.append((tree.add(node, token, logp, source=Source.RETRIEVED), to))
+                    drafted += 1
+        frontier = grown
+    return tree
+
+
+def _fields(tree: DraftTree) -> tuple:
+    sources = [tree.source(n) for n in range(len(tree))]
+    return tree.tokens, tree.parents, tree.depths, tree.logp, tree.status, tree.reason, sources
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_retrieved_tree_equals_the_node_by_node_walk(seed):
+    """retrieved_tree (level records viewed as every tree is: sources.listed_tree) makes the tree the
+    node-by-node breadth-first walk makes, node for node: tokens, parents, log-probs, statuses,
+    reasons (an end, the budget, the depth) and sources, over random continuation tries."""
+    rng = random.Random(seed)  # derandomized: the same tries on every machine
+    for _ in range(200):
+        fan, vocab, salt = rng.randrange(0, 4), rng.randrange(2, 9), rng.random()
+
+        def children(path: tuple, fan=fan, vocab=vocab, salt=salt) -> list:
+            r = random.Random(hash((salt, path)))
+            tokens = r.sample(range(vocab), min(vocab, r.randrange(0, fan + 1)))
+            return [(t, -r.random(), (*path, t)) for t in tokens]
+
+        depth, budget = rng.randrange(1, 7), rng.randrange(0, 14)
+        end = rng.choice([Reason.CONTEXT_END, Reason.CORPUS_END])
+        want = _grown_node_by_node(5, (), children, depth, budget, end)
+        got = retrieved_tree(5, (), children, depth, budget, end)
+        assert _fields(got) == _fields(want), (depth, budget)
 
 
 def _tree(root: int, paths: list[list[int]], source: Source = Source.MODEL) -> DraftTree:

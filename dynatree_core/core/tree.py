@@ -72,6 +72,9 @@ class Reason(StrEnum):
     RERANK = "rerank"  # outside the global top-N after drafting (EAGLE-2 rerank)
     SALF_STOP = "salf_stop"  # drafting stopped: the next batch's probability mass was below th
     NO_SUCCESSORS = "no_successors"  # a recycled token no forward has read yet (Token Recycling)
+    NO_MATCH = "no_match"  # a retrieved draft: no earlier occurrence of the context's suffix is long enough
+    CONTEXT_END = "context_end"  # a retrieved continuation reached the end of the context
+    CORPUS_END = "corpus_end"  # a retrieved continuation reached the end of a corpus answer
 
 
 @dataclasses.dataclass

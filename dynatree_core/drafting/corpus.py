@@ -26,7 +26,7 @@ import numpy as np
 from dynatree_core.core.cache_dir import cache_dir
 from dynatree_core.core.log import logger
 from dynatree_core.core.presets import REPO_ROOT
-from dynatree_core.core.tree import DraftTree
+from dynatree_core.core.tree import DraftTree, Reason
 from dynatree_core.drafting.sources import retrieved_tree
 
 ANSWERS = REPO_ROOT / "assets" / "draft-data" / "answers"
@@ -117,7 +117,8 @@ class CorpusIndex:
             nexts = self.followers(a, b, len(pattern), branches, vocab)
             return [(t, math.log(share), ([*pattern, t], *self.occurrences([*pattern, t], a, b))) for t, share in nexts]
 
-        return retrieved_tree(root, (context[len(context) - length :], lo, hi), children, depth, budget, "corpus_end")
+        start = (context[len(context) - length :], lo, hi)
+        return retrieved_tree(root, start, children, depth, budget, Reason.CORPUS_END)
 
 
 def answers_corpus() -> np.ndarray:

@@ -15,11 +15,12 @@ import math
 import time
 
 from dynatree_core.core.transfer import to_list
-from dynatree_core.core.tree import DraftTree, Reason, Status
+from dynatree_core.core.tree import DraftTree, Reason, Source, Status
 from dynatree_core.drafting.common import drafter_of, leaf_reason
 from dynatree_core.drafting.device import grow_all_levels
 from dynatree_core.drafting.policy import Param, Policy, register_policy
 from dynatree_core.drafting.request import DraftRequest, SampledLevels
+from dynatree_core.drafting.sources import listed_tree
 
 
 def grow_delayed(
@@ -190,30 +191,27 @@ class NGramLookup(Policy):
         depth = min(c["depth"], request.max_depth)
         conts = self.continuations(request.context, depth) if depth > 0 else []
         if not conts:
-            tree.mark_leaf(0, "no_match" if depth > 0 else Reason.LENGTH_LIMIT)
+            tree.mark_leaf(0, Reason.NO_MATCH if depth > 0 else Reason.LENGTH_LIMIT)
             return tree
         counts: dict[tuple[int, ...], int] = {}
         for cont in conts:
             for i in range(1, len(cont) + 1):
                 counts[cont[:i]] = counts.get(cont[:i], 0) + 1
-        node_of: dict[tuple[int, ...], int] = {(): 0}
-        for path in sorted(counts, key=lambda p: (len(p), -counts[p])):  # parents first, then by support
-            if len(node_of) > c["budget"]:
-                break
-            parent = node_of[path[:-1]]
-            tree.mark_expanded(parent)
+        extended = {path[:-1] for path in counts}  # the paths with a continuation
+        levels: list[list[tuple]] = []
+        row_of: dict[tuple[int, ...], int] = {(): 0}
+        # the trie's paths parents first, then by support, up to the budget (a parent has at least
+        # its child's support, so it comes first); each a node of its level (sources.listed_tree)
+        for path in sorted(counts, key=lambda p: (len(p), -counts[p]))[: c["budget"]]:
+            if len(path) > len(levels):
+                levels.append([])
             share = counts[path] / (counts[path[:-1]] if path[:-1] else len(conts))
-            node_of[path] = tree.add(parent, path[-1], math.log(share), reason=Reason.DEPTH_LIMIT)
-        for path, node in node_of.items():
-            if not node or any(len(q) == len(path) + 1 and q[:-1] == path for q in node_of):
-                continue  # the root, or an inner node
-            if len(path) >= depth:
-                why = leaf_reason(depth, c["depth"])
-            elif any(len(q) == len(path) + 1 and q[:-1] == path for q in counts):
-                why = Reason.BUDGET
-            else:
-                why = "context_end"  # the continuation reached the end of the context
-            tree.mark_leaf(node, why)
+            row_of[path] = len(levels[-1])
+            levels[-1].append((row_of[path[:-1]], path[-1], math.log(share), path in extended))
+        tree = listed_tree(request.root_token, levels, depth, Reason.CONTEXT_END, Source.RETRIEVED)
+        for node in range(1, len(tree)):
+            if tree.depths[node] == depth:
+                tree.mark_leaf(node, leaf_reason(depth, c["depth"]))
         return tree
 
     def continuations(self, context: list[int], depth: int) -> list[tuple[int, ...]]:

@@ -29,6 +29,7 @@ from dynatree_core.drafting.tensor_tree import (
     ADMITTED,
     AT_DEPTH,
     EXPANDED,
+    LEAF_REASONS,
     NO_SUCCESSORS,
     OVER_BUDGET,
     PADDING,
@@ -225,30 +226,49 @@ class SuffixAutomaton:
             moves = sorted(self.next[at].items(), key=lambda move: self.first[move[1]])[:branches]
             return [(token, -math.log(len(moves)), to) for token, to in moves]
 
-        return retrieved_tree(root, state, children, depth, budget, "context_end")  # the text ends there
+        return retrieved_tree(root, state, children, depth, budget, Reason.CONTEXT_END)  # the text ends there
 
 
-def retrieved_tree(root: int, start, children, depth: int, budget: int, end: str) -> DraftTree:
+def retrieved_tree(root: int, start, children, depth: int, budget: int, end: Reason) -> DraftTree:
     """A retrieved tree grown breadth first from the search state `start` of `root`:
-    `children(state)` lists a node's (token, log-prob, state), best first; a node with none is a
-    leaf for `end`, one past the budget for the budget (what the automaton and the corpus share)."""
-    tree = DraftTree.with_root(root)
-    frontier, drafted = [(0, start)], 0
+    `children(state)` lists a node's (token, log-prob, state), best first; nodes are taken in
+    breadth-first order up to the budget (what the automaton and the corpus share; `listed_tree`
+    makes the tree, a node with no children a leaf for `end`)."""
+    levels, states, room = [], [start], budget
     for _ in range(depth):
-        grown = []
-        for node, at in frontier:
-            kids = children(at)
-            if not kids:
-                tree.mark_leaf(node, end)
-                continue
-            if drafted >= budget:
-                tree.mark_leaf(node, Reason.BUDGET)
-                continue
-            tree.mark_expanded(node)
-            for token, logp, to in kids[: budget - drafted]:
-                grown.append((tree.add(node, token, logp, source=Source.RETRIEVED), to))
-                drafted += 1
-        frontier = grown
+        found = [children(at) for at in states]
+        if levels:  # whether each node of the level above has continuations
+            levels[-1] = [(*node[:3], bool(f)) for node, f in zip(levels[-1], found, strict=True)]
+        kept = [(row, token, logp, to) for row, f in enumerate(found) for token, logp, to in f][: max(room, 0)]
+        if not kept:
+            if not levels and found[0]:  # the root's continuations, all past the budget
+                return _leaf(root, Reason.BUDGET)
+            break
+        room -= len(kept)
+        levels.append([(row, token, logp, False) for row, token, logp, _ in kept])
+        states = [to for *_, to in kept]
+    return listed_tree(root, levels, depth, end, Source.RETRIEVED)
+
+
+def listed_tree(root: int, levels: list[list[tuple]], depth: int, end: Reason, source: Source) -> DraftTree:
+    """The tree a host structure lists level by level (the suffix automaton's, the corpus's, prompt
+    lookup's trie): each level's nodes as (the row of its parent in the level above, 0 under the
+    root; token; log-prob; whether it has continuations). They are written as a tensor tree's level
+    records (drafting/tensor_tree.py, the form `TensorTree.read` returns: every node admitted, each
+    a row of the next level) and viewed as every tree is: a node the next level names is expanded;
+    else it stops at `depth`, for the budget where it has continuations left out, or at `end`.
+    The root with no level below it is a leaf for `end`."""
+    records, end = [], LEAF_REASONS.index(end)
+    for d, nodes in enumerate(levels, start=1):
+        below = {node[0] for node in levels[d]} if d < len(levels) else set()
+        parents, tokens, logp, more = (list(field) for field in zip(*nodes, strict=True))
+        leaf = [EXPANDED if i in below else AT_DEPTH if d >= depth else OVER_BUDGET if m else end
+                for i, m in enumerate(more)]  # fmt: skip
+        records.append((tokens, logp, parents, [ADMITTED] * len(nodes), leaf, list(range(len(nodes)))))
+    if not records:
+        return _leaf(root, LEAF_REASONS[end])
+    tree = DraftTree.with_root(root)
+    TensorTree(root).view(tree, (records, []), None, source=source)
     return tree
 
 

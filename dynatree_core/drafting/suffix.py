@@ -55,7 +55,7 @@ class SuffixLookup(Policy):
         static = answers_index().longest(request.context) if c["corpus"] else (0, 0, 0)
         if depth <= 0 or max(length, static[0]) < c["min_match"]:
             tree = DraftTree.with_root(request.root_token)
-            tree.mark_leaf(0, Reason.LENGTH_LIMIT if depth <= 0 else "no_match")
+            tree.mark_leaf(0, Reason.LENGTH_LIMIT if depth <= 0 else Reason.NO_MATCH)
             return tree
         if static[0] > length:
             shape = (depth, c["branches"], c["budget"], request.vocab)

@@ -32,8 +32,8 @@ from dynatree_core.forward.rows import lineage
 
 # why an admitted candidate is not expanded (Level.leaf), the reasons a level records as codes
 LEAF_REASONS = (None, Reason.DEPTH_LIMIT, Reason.LENGTH_LIMIT, Reason.BUDGET, Reason.EARLY_STOP, Reason.DEPTH_GATE)
-LEAF_REASONS += (Reason.NO_SUCCESSORS,)
-EXPANDED, AT_DEPTH, AT_LENGTH, OVER_BUDGET, EARLY_STOP, DEPTH_GATE, NO_SUCCESSORS = range(len(LEAF_REASONS))
+LEAF_REASONS += (Reason.NO_SUCCESSORS, Reason.CONTEXT_END, Reason.CORPUS_END)
+EXPANDED, AT_DEPTH, AT_LENGTH, OVER_BUDGET, EARLY_STOP, DEPTH_GATE, NO_SUCCESSORS, *_ = range(len(LEAF_REASONS))
 
 # a candidate's fate: the runs of a level ordered most probable first (admission.fates), in that order;
 # then a node EAGLE-2's rerank left out (device.grow_all_levels)
