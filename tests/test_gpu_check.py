@@ -95,15 +95,15 @@ def test_the_measured_widths_are_reported_after_earlier_runs_chose(monkeypatch):
     import weakref
 
     from conftest import tiny_model
-    from test_graphs import _FakeGraph, _force_capture
+    from test_graphs import _force_capture
 
     from dynatree_core.forward import graphs
 
-    _force_capture(monkeypatch, lambda self, buf: _FakeGraph(self, buf))
+    _force_capture(monkeypatch)
     monkeypatch.setattr(graphs, "MEASURE_DEVICES", ("cpu", "cuda"))
     monkeypatch.setattr(graphs, "_CHOSEN", weakref.WeakKeyDictionary())
     cost = {1: 1.0, 2: 3.0, 4: 3.0, 8: 5.0, 16: 4.0, 32: 2.0}
-    monkeypatch.setattr(graphs.PaddedForward, "_replay_ms", lambda self, buf: cost[buf.width])
+    monkeypatch.setattr(graphs.PaddedForward, "_replay_ms", lambda self, width: cost[width])
     model = tiny_model("llama")
     first = gpu_check.measured_widths(model, context=40)
     again = gpu_check.measured_widths(model, context=40)  # the model's widths are chosen by now

@@ -75,15 +75,22 @@ def test_wider_than_every_bucket_falls_back_and_a_full_cache_grows(monkeypatch):
     """A prefill wider than the largest bucket takes the unpadded path; a padded forward that does
     not fit the buffer grows it (dropping the buckets built for the old buffer)."""
     monkeypatch.setattr(graphs, "MAX_BUCKET", 4)
+    monkeypatch.setattr(capture, "STAND_IN_DEVICES", ("cpu",))  # the forwards' steps kept (stand-in graphs)
     model, prompt = tiny_model("llama"), list(range(1, 11))
     ref, mine = KVState(model, prompt, capacity=10), KVState(model, prompt, capacity=10, graphs=True)
     torch.testing.assert_close(_prefill(mine, prompt), _prefill(ref, prompt), **TOL)
-    assert not mine.padded.buckets, "10 rows > the widest bucket: the unpadded path"
+    assert not _forward_steps(mine), "10 rows > the widest bucket: the unpadded path"
     capacity = mine.cache.layers[0].capacity
     for step in range(capacity - len(prompt) + 2):  # past the capacity, one token at a time
         nxt = Rows.chain([1 + step % 50], mine.length)
         torch.testing.assert_close(mine.run(nxt).logits, ref.run(nxt).logits, **TOL)
-    assert mine.grows >= 1 and mine.padded.buckets, "the buffer grew and buckets were rebuilt"
+    assert mine.grows >= 1 and _forward_steps(mine), "the buffer grew and the forwards were captured again"
+    assert {key[-1] for key in _forward_steps(mine)} == {mine.padded._epoch}, "none over the old buffers is kept"
+
+
+def _forward_steps(kv: KVState) -> list[tuple]:
+    """The keys of a state's forwards captured at fixed shapes: ("forward", width, span, embeds, epoch)."""
+    return [key[0] for key in kv.padded.graphs.steps]
 
 
 @pytest.mark.parametrize("arch", LEAN_ARCHS)
@@ -143,10 +150,11 @@ def test_a_buffer_grown_by_an_unpadded_forward_drops_the_buckets_built_over_the_
     buffers; the buckets (and on a GPU their graphs) built over the old buffers must not be used
     again (here: their masks have the old capacity; on a GPU: replays over freed memory)."""
     monkeypatch.setattr(graphs, "MAX_BUCKET", 4)
+    monkeypatch.setattr(capture, "STAND_IN_DEVICES", ("cpu",))
     model, prompt = tiny_model("llama"), [3, 1, 4]
     ref, mine = KVState(model, prompt, capacity=3), KVState(model, prompt, capacity=3, graphs=True)
     torch.testing.assert_close(_prefill(mine, prompt), _prefill(ref, prompt), **TOL)
-    assert mine.padded.buckets, "3 rows: a padded bucket"
+    assert _forward_steps(mine), "3 rows: a padded forward, captured"
     capacity = mine.cache.layers[0].capacity
     wide = [5 + i % 80 for i in range(capacity)]  # wider than the buffer's free slots and than every bucket
     rows = Rows.chain(wide, mine.length)
@@ -154,6 +162,7 @@ def test_a_buffer_grown_by_an_unpadded_forward_drops_the_buckets_built_over_the_
     assert mine.grows == 1, "the unpadded path grew the buffers"
     nxt = Rows.chain([7], mine.length)
     torch.testing.assert_close(mine.run(nxt).logits, ref.run(nxt).logits, **TOL)
+    assert {key[-1] for key in _forward_steps(mine)} == {mine.padded._epoch}, "the old buffers' graphs are released"
 
 
 def _widest(name: str) -> dict:
@@ -189,21 +198,22 @@ def test_the_budget_256_tree_of_the_embedded_shape_is_exact_on_the_padded_path()
     assert result.token_ids == hf_greedy(target, [1, 5, 7, 9, 11], 40)
 
 
-class _FakeGraph:
-    """What a captured graph does for the engine: replay the captured step."""
-
-    def __init__(self, padded, buf):
-        self.replay = lambda: padded._step(buf)
-
-
-def _force_capture(monkeypatch, capture):
+def _force_capture(monkeypatch, capture_by=None):
+    """Forwards captured as on CUDA (stand-in graphs on the CPU), their captures by `capture_by`
+    (self, fn, inputs, chained) where given."""
     monkeypatch.setattr(graphs, "capture_wanted", lambda device, model: True)
-    monkeypatch.setattr(graphs.PaddedForward, "_capture", capture)
+    if capture_by is not None:
+        monkeypatch.setattr(capture.StepGraphs, "_capture", capture_by)
+
+
+REAL_CAPTURE = capture.StepGraphs._capture
 
 
 def test_a_failed_capture_warns_once_and_the_run_goes_on_eagerly(monkeypatch):
-    def fail(self, buf):
-        raise RuntimeError("injected capture failure")
+    def fail(self, fn, inputs, chained):
+        if self.kind == "forward":
+            raise RuntimeError("injected capture failure")
+        return REAL_CAPTURE(self, fn, inputs, chained)
 
     _force_capture(monkeypatch, fail)
     capture._WARNED.clear()
@@ -224,9 +234,9 @@ def test_capture_time_is_reported_apart_and_kept_out_of_forward_timings(monkeypa
     real, skipped = time.perf_counter, [0.0]
     monkeypatch.setattr(time, "perf_counter", lambda: real() + skipped[0])
 
-    def slow_capture(self, buf):
+    def slow_capture(self, fn, inputs, chained):
         skipped[0] += 1000.0
-        return _FakeGraph(self, buf)
+        return REAL_CAPTURE(self, fn, inputs, chained)
 
     _force_capture(monkeypatch, slow_capture)
     target, draft, prompt = tiny_model("llama"), noisy_copy("llama", 0.01), [1, 5, 7, 9, 11]
@@ -312,8 +322,9 @@ def test_a_padded_forward_reads_a_span_of_the_buffer_not_all_of_it():
 
 
 @torch.inference_mode()
-def test_spans_shorter_than_the_buffer_give_the_unpadded_logits_and_greedy_tokens():
+def test_spans_shorter_than_the_buffer_give_the_unpadded_logits_and_greedy_tokens(monkeypatch):
     """A buffer of 900 slots: the forwards read 256 of them (then 512 as the context grows)."""
+    monkeypatch.setattr(capture, "STAND_IN_DEVICES", ("cpu",))  # the forwards' steps kept (stand-in graphs)
     target, draft = tiny_model("llama"), noisy_copy("llama", 0.01)
     prompt = [1 + i % 90 for i in range(240)]
     kv = KVState(target, prompt, capacity=900, graphs=True)
@@ -323,7 +334,7 @@ def test_spans_shorter_than_the_buffer_give_the_unpadded_logits_and_greedy_token
         state.pending = [prompt[-1]]
     tree = _branching_tree(prompt[-1])
     torch.testing.assert_close(_tree_forward(kv, tree, 239)[0], _tree_forward(plain, tree, 239)[0], **TOL)
-    assert {key[1] for key in kv.padded.buckets} == {256}, "the 240-slot context reads a 256-slot span"
+    assert {key[2] for key in _forward_steps(kv)} == {256}, "the 240-slot context reads a 256-slot span"
     config = DecodeConfig(max_new_tokens=60, forward=ForwardSettings(graphs=True))
     result = generate(target, prompt, make_method("fixed_tree", {}), draft=draft, config=config)
     assert result.token_ids == hf_greedy(target, prompt, 60), "spans 256 then 512 keep greedy exact"
@@ -332,15 +343,12 @@ def test_spans_shorter_than_the_buffer_give_the_unpadded_logits_and_greedy_token
 def test_each_bucket_runs_at_the_width_measured_fastest(monkeypatch):
     """With captures (stand-in graphs here) each bucket below 32 rows is timed against the wider
     ones: a width that replays slower is never used, and the output stays exact at any width."""
-    _force_capture(monkeypatch, lambda self, buf: _FakeGraph(self, buf))
+    _force_capture(monkeypatch)
     monkeypatch.setattr(graphs, "MEASURE_DEVICES", ("cpu", "cuda"))
     monkeypatch.setattr(graphs, "_CHOSEN", weakref.WeakKeyDictionary())  # no earlier choice
     cost = {1: 1.0, 2: 3.0, 4: 3.0, 8: 5.0, 16: 4.0, 32: 2.0}  # 32 rows faster than 8 or 16 (the H200's GEMM tiles)
-    monkeypatch.setattr(graphs.PaddedForward, "_replay_ms", lambda self, buf: cost[buf.width])
+    monkeypatch.setattr(graphs.PaddedForward, "_replay_ms", lambda self, width: cost[width])
     target, draft, prompt = tiny_model("llama"), noisy_copy("llama", 0.01), [1, 5, 7, 9, 11]
-    seen = []
-    real = graphs.PaddedForward._step
-    monkeypatch.setattr(graphs.PaddedForward, "_step", lambda self, buf: seen.append(buf.width) or real(self, buf))
     runs = []
     monkeypatch.setattr(graphs.PaddedForward, "__init__", _keeping(graphs.PaddedForward.__init__, runs))
     config = DecodeConfig(max_new_tokens=30, forward=ForwardSettings(graphs=True))

@@ -507,11 +507,11 @@ def test_static_rows_built_without_a_sort_list_every_rows_visible_slots_in_order
 def test_captured_width_invariant_forwards_replay_and_stay_exact(monkeypatch):
     """With captures (stand-in graphs on this CPU) the width-invariant forward is captured per
     bucket; where the fixed-shape attention is not invariant on a device, rows are grouped eagerly."""
-    from test_graphs import _FakeGraph, _force_capture
+    from test_graphs import _force_capture
 
     from dynatree_core.forward import choice
 
-    _force_capture(monkeypatch, lambda self, buf: _FakeGraph(self, buf))
+    _force_capture(monkeypatch)
     target = _model("llama", torch.bfloat16)
     _skip_unless_bitwise(target)
     draft = copy.deepcopy(noisy_copy("llama", 0.01)).to(torch.bfloat16)

@@ -114,9 +114,9 @@ def test_with_the_kernels_a_path_nodes_bits_are_those_ar_computes_alone(dtype, g
 @torch.inference_mode()
 def test_with_the_kernels_bfloat16_trees_are_token_identical_to_ar(gpu_kernels, monkeypatch):
     """Captured as on a GPU (stand-in graphs here: each replay runs the captured call)."""
-    from test_graphs import _FakeGraph, _force_capture
+    from test_graphs import _force_capture
 
-    _force_capture(monkeypatch, lambda self, buf: _FakeGraph(self, buf))
+    _force_capture(monkeypatch)
     target = _model("qwen2", torch.bfloat16)
     draft = copy.deepcopy(noisy_copy("qwen2", 0.01)).to(torch.bfloat16)
     assert lean_forward_for(target).blocks[0].kernels and lean_forward_for(draft).blocks[0].kernels

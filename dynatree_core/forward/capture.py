@@ -1,6 +1,7 @@
-"""Captured device steps: the small tensor work between forwards, replayed as one CUDA graph each.
+"""Captured device steps: what a run replays as one CUDA graph each, forwards and the work between.
 
-A forward is captured whole (graphs.py), but between forwards an iteration still launches its own
+This is the one capturing mechanism: a model's forwards at fixed shapes are steps too
+(graphs.PaddedForward: `kind` "forward"). Between forwards an iteration launches its own
 kernels: a draft level's top-k, sorts and admission, the verify rows' sorts and ancestor closure.
 On a GPU each op is a kernel launch of a few microseconds, host and device; a fixed_tree iteration
 issued about 430 of them outside its forwards (`measure/launches.py`), where `ar` issues a few.
@@ -23,9 +24,10 @@ tensors, as one graph per `key`:
   graph (its buffers, its captured Python values) on a machine without one;
 - each step's graph has a memory pool of its own: its outputs live on while other graphs replay,
   and a graph captured into a shared pool may place them where an earlier graph keeps its
-  temporaries (the forwards share one pool: their outputs are copied out before the next replay);
-- a capture that fails warns once and the run goes on eagerly (graphs.py does the same); capture
-  seconds are counted apart (`capture_s`) and kept out of the phase timings.
+  temporaries; the forwards' steps share one pool per device (`POOLS`: their outputs are copied
+  out before the next replay);
+- a capture that fails warns once and the run goes on eagerly; capture seconds are counted apart
+  (`capture_s`) and kept out of the phase timings. Replays are counted by kind (`REPLAYS`).
 """
 
 from __future__ import annotations
@@ -163,8 +165,12 @@ def capture_wanted(device: torch.device, fixed_shapes: bool, captured: bool, ste
 class StepGraphs:
     """One run's captured steps on one device (module docstring)."""
 
-    def __init__(self, device: torch.device, *, capture: bool):
+    def __init__(self, device: torch.device, *, capture: bool, kind: str = "step", what: str = ""):
         self.device, self.capture = device, capture
+        # "step"; "forward": a model's forwards at fixed shapes (graphs.PaddedForward), whose graphs draw
+        # on the device's shared pool (POOLS: their outputs are copied out before the next replay)
+        self.kind, self.what = kind, what or "capturing a device step failed"
+        self.last: _Step | None = None  # the step called last (graphs.PaddedForward times its replays)
         self.steps: dict[tuple, _Step] = {}
         self.constants: dict[tuple, torch.Tensor] = {}
         self.fixed: set[int] = set()  # the memory of the steps' outputs and the constants (`_memory`)
@@ -195,7 +201,8 @@ class StepGraphs:
             if chain is None:
                 buf.copy_(t)
         step.graph.replay()
-        REPLAYS["step"] += 1
+        self.last = step
+        REPLAYS[self.kind] += 1
         if key[0][:1] in (("level",), ("verify",)):  # a forward with its inputs (KVState.level)
             REPLAYS[key[0][0]] += 1
         return step.outputs
@@ -234,13 +241,14 @@ class StepGraphs:
         if self.device.type != "cuda":  # a stand-in device
             outputs = tuple(t.clone() for t in fn(*static))
             return _Step(static, outputs, _StandInGraph(fn, static, outputs))
-        # a pool of its own (not the forwards' shared one): a step's outputs outlive other replays
+        # a step's pool is its own (not the forwards' shared one): its outputs outlive other replays
         # (a level's are read after the next level's forward), and a capture into a shared pool
         # may place them in memory an earlier graph uses for its temporaries
-        graph, outputs = capture_graph(self.device, lambda: tuple(fn(*static)))
+        pool = (lambda graph: POOLS.acquire(self.device, graph)) if self.kind == "forward" else None
+        graph, outputs = capture_graph(self.device, lambda: tuple(fn(*static)), pool)
         return _Step(static, outputs, graph)
 
     def _give_up(self, exc: Exception) -> None:
-        self.capture, self.fallback = False, capture_failed(exc, "capturing a device step failed")
+        self.capture, self.fallback = False, capture_failed(exc, self.what)
         self.steps.clear()
         self.fixed.clear()

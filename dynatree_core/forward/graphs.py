@@ -22,20 +22,23 @@ at fixed shapes over the static cache (kv.SlotLayer):
 - width-invariant runs (`static`): no mask; each row's slots and padding (static_rows.StaticRows,
   the run's span) are the static inputs instead, so the same rows replay bitwise at any bucket.
 
-Every input (ids, positions, slots, mask, draft input vectors) is a static buffer per bucket,
-filled in place before each call. On CUDA each bucket's step is captured in a
-`torch.cuda.CUDAGraph` on first use and replayed after; elsewhere the same step runs eagerly,
-which is what the CPU tests compare against the unpadded forward. Wider forwards than the
-largest bucket (a long prompt's prefill) take the unpadded lean path. A cache that grows, by
-either path, reallocates its buffers: the buckets and graphs built over the old ones are dropped
-before the next call (checked on every call, not only when this class grows them itself).
-A forward whose inputs the device makes (a draft level's mask, slots and positions from the
-committed length) can skip the buckets: `filled` wraps the input-making and the forward in one
-pure step that forward/capture.py captures whole (KVState.level).
+Capturing is forward/capture.py's one mechanism, `StepGraphs`: every forward at fixed shapes is a
+pure step, `filled` (a fill that makes the rows, then the lean forward), captured once per key
+and replayed. Rows the caller built (`__call__`) go into fixed input buffers per width and span
+(ids and positions, the visibility, the cache's length, draft input vectors), filled in place
+and read where they are by the step ("forward", width, span, vectors, the buffers' epoch), one
+per width bucket and span; a forward whose inputs the device makes (a draft level's rows from
+the committed length, the verify rows: KVState.level) is a step of the run's own whose fill makes
+them. On CUDA the steps are CUDA graphs; on a stand-in device (capture.STAND_IN_DEVICES: tests,
+measure/launches.py) stand-in graphs; elsewhere the same steps run eagerly, which is what the
+CPU tests compare against the unpadded forward. Wider forwards than the largest bucket (a long
+prompt's prefill) take the unpadded lean path. A cache that grows, by either path, reallocates
+its buffers: the graphs captured over the old ones are released before the next call (checked
+on every call, not only when this class grows them itself).
 
 Safety: a capture that fails (out of memory, an op that cannot be captured, a library version)
 warns once, and the model goes on with the same padded forward run eagerly (`fallback` says why);
-graphs of every run on one device share one memory pool (replays never overlap: one stream), and
+the forwards' graphs of every run on one device share one memory pool (replays never overlap: one stream), and
 a pool whose graphs are all gone is never reused for a new capture (torch asserts); capture
 streams are made on the model's device (cuda:N); models whose rotary update has a data-dependent
 branch (`capture_safe`) are never captured; capture seconds are counted apart (`capture_s`), so
@@ -52,7 +55,7 @@ import torch
 
 from dynatree_core.core.settings import env_on
 from dynatree_core.core.transfer import to_device, upload_into
-from dynatree_core.forward.capture import POOLS, capture_failed, capture_graph
+from dynatree_core.forward import capture as step_graphs  # STAND_IN_DEVICES looked up at call time (tests)
 from dynatree_core.forward.reference import Forward, additive
 from dynatree_core.forward.rows import Rows
 from dynatree_core.forward.slots import write_slots
@@ -126,23 +129,6 @@ class _SlotWriter:
         return self.layer.key_buf[:, :, : self.span], self.layer.value_buf[:, :, : self.span]
 
 
-class _Bucket:
-    """The static inputs and outputs of one width, and its captured graph (CUDA)."""
-
-    def __init__(self, width: int, span: int, hidden_size: int, dtype, device, embeds: bool):
-        self.width, self.span = width, span
-        self.both = torch.zeros(2, width, dtype=torch.long, device=device)  # ids, positions: filled by one copy
-        self.ids, self.positions = self.both[0:1], self.both[1:2]
-        self.slots = torch.zeros(width, dtype=torch.long, device=device)
-        self.rows = torch.arange(width, device=device)  # slots = rows + cache length
-        self.mask = torch.zeros(1, 1, width, span, dtype=dtype, device=device)
-        self.static: StaticRows | None = None  # width-invariant forwards: the rows' slots and tail
-        self.embeds = torch.zeros(1, width, hidden_size, dtype=dtype, device=device) if embeds else None
-        self.logits: torch.Tensor | None = None
-        self.states: torch.Tensor | None = None
-        self.graph = None
-
-
 class PaddedForward:
     """Fixed-shape forwards of one model over its KVState's SlotLayers (module docstring).
 
@@ -152,31 +138,41 @@ class PaddedForward:
     def __init__(
         self, lean, layers: list, model: torch.nn.Module, *, capture: bool, max_width: int | None = None, static=None
     ):
-        self.lean, self.layers, self.capture = lean, layers, capture
+        self.lean, self.layers = lean, layers
         # width-invariant forwards (static_rows.StaticRows): StaticRows(span, linear_rows) as a template
         self.static: StaticRows | None = static
         self.sizes = buckets(max_width or MAX_BUCKET)
         self.hidden_size = model.config.get_text_config(decoder=True).hidden_size
         block = lean.blocks[0]
         self.kv_heads, self.head_dim = block.qk_heads - block.heads, block.head_dim
-        self.buckets: dict[tuple[int, int, bool], _Bucket] = {}  # (width, span, embeds)
-        self.captures = 0  # graphs captured so far (a cache that grows forces recaptures)
-        self.capture_s = 0.0  # seconds spent capturing (warm-up included), kept out of forward timings
-        self.fallback: str | None = None  # why capture was given up; the run goes on eagerly
         self.device = model.get_input_embeddings().weight.device
+        # the forwards as captured steps, one per (width, span, input vectors) over fixed input buffers
+        # (forward/capture.py's mechanism, on the device's shared pool); a stand-in device's too
+        self.cuda = capture  # real graphs (the path says "graphs"), not stand-ins
+        what, stand_in = "CUDA graph capture failed", self.device.type in step_graphs.STAND_IN_DEVICES
+        self.graphs = step_graphs.StepGraphs(self.device, capture=capture or stand_in, kind="forward", what=what)
+        self.measured_s = 0.0  # seconds spent timing widths (`_measure`), counted with the captures
         # bucket -> the width it runs at, measured on CUDA once per model and dtype (every run shares it)
         self.chosen: dict[int, int] = _CHOSEN.setdefault(lean, {}).setdefault(str(model.dtype), {})
         self.timings: dict[int, dict[int, float]] = {}  # bucket -> {width: replay ms} measured
-        self._epoch: tuple | None = None  # the buffers the buckets were built over
+        self._epoch: tuple | None = None  # the buffers the graphs were captured over
+
+    @property
+    def capture(self) -> bool:  # replaying graphs (else the same steps run eagerly)
+        return self.graphs.capture
+
+    @property
+    def capture_s(self) -> float:  # seconds spent capturing and timing widths, kept out of forward timings
+        return self.graphs.capture_s + self.measured_s
 
     @property
     def path(self) -> str:
         """How this model's forwards run now (choice.ForwardChoice.path's names, plus a fallback's reason)."""
         base = "lean+invariant+" if self.static is not None else "lean+"
-        if self.capture:
+        if self.capture and self.cuda:
             return base + "graphs"
-        if self.fallback:
-            return f"{base}padded (graph capture failed: {self.fallback})"
+        if self.graphs.fallback:  # why capture was given up; the run goes on eagerly
+            return f"{base}padded (graph capture failed: {self.graphs.fallback})"
         return base + "padded"
 
     def _buffers_epoch(self) -> tuple:
@@ -185,7 +181,7 @@ class PaddedForward:
         return tuple((layer.capacity, layer.grows, id(layer.key_buf)) for layer in self.layers)
 
     def _drop_buckets(self) -> None:  # releases their graphs; the pool forgets one with none left
-        self.buckets.clear()
+        self.graphs.forget(lambda key: True)
 
     def static_for(self, needed: int) -> StaticRows:
         """The width-invariant template, its span grown (every bucket dropped) to hold `needed` keys
@@ -216,47 +212,59 @@ class PaddedForward:
             self._epoch = epoch
 
     def __call__(self, rows: Rows, length: int, *, dtype: torch.dtype, device: torch.device) -> Forward:
-        """The rows (forward/rows.py; `seen` (q, length + q) bool, host or device) at the bucket
-        that holds them. Returns the logits of the last `rows.keep` rows and, where `rows.hidden`
-        asks, the final states of all q rows (a feature draft reads them). `rows.most_keys`: a
-        bound on the keys a row sees, not read from a device `seen`."""
-        ids, positions, visible, embeds, most_keys = rows.ids, rows.positions, rows.seen, rows.embeds, rows.most_keys
-        q = len(ids)
-        width = self.width_for(q, length, dtype, device, embeds is not None)
-        self._ensure_buffers(length, width, dtype, device)
-        if self.static is not None:  # the span holds the most keys a row sees (not the slots in use)
-            self.static_for(most_keys if most_keys is not None else int(visible.sum(1).max()))
-        span = self.layers[0].capacity if self.static else span_for(length + width, self.layers[0].capacity)
-        buf = self._bucket(width, span, dtype, device, embeds is not None)
-        # fill the static inputs in place; a padded row keeps the ids, positions and input vectors an
+        """The rows (forward/rows.py; `seen` (q, length + q) bool, host or device) at the width that
+        holds them, as the captured step of that width and span (`filled` over fixed input buffers:
+        `_inputs`). Returns the logits of the last `rows.keep` rows and, where `rows.hidden` asks,
+        the final states of all q rows (a feature draft reads them). `rows.most_keys`: a bound on
+        the keys a row sees, not read from a device `seen`."""
+        q, visible, most_keys = len(rows.ids), rows.seen, rows.most_keys
+        if self.static is not None and most_keys is None:  # the span holds the most keys a row sees
+            most_keys = int(visible.sum(1).max())
+        width, span, epoch = self.plan(q, length, dtype, device, rows.embeds is not None, most_keys or 0)
+        inputs = self._inputs(width, span, dtype, rows.embeds is not None)
+        both, seen, at = inputs[:3]
+        # fill the inputs in place; a padded row keeps the ids, positions and input vectors an
         # earlier forward left (the buffers start as zeros and only ever hold real, finite inputs):
         # it sees its own slot alone and nothing sees it, so what it holds never reaches a real row
-        if isinstance(ids, torch.Tensor):  # already on the device (a level drafted there, the verify rows)
-            buf.both[0, :q].copy_(ids)
-            buf.both[1, :q].copy_(positions)
+        if isinstance(rows.ids, torch.Tensor):  # already on the device (a level drafted there, the verify rows)
+            both[0, :q].copy_(rows.ids)
+            both[1, :q].copy_(rows.positions)
         else:  # one upload, into the buffer
-            upload_into(buf.both, torch.tensor([[*ids, *[0] * (width - q)], [*positions, *[0] * (width - q)]]))
-        torch.add(buf.rows, length, out=buf.slots)
-        # the mask in place (no tensor allocated per forward): rows see what `visible` says, each
-        # padded row only its own slot, every slot past the valid ones nothing
-        if self.static is not None:  # each row's slots in sequence order (padded rows: their own)
-            full = torch.zeros(width, length + width, dtype=torch.bool, device=visible.device)
-            full[:q, : length + q] = visible
-            full[q:, length + q :] = torch.eye(width - q, dtype=torch.bool, device=visible.device)
-            slots, tail = StaticRows.build(full, self.static.positions_end, check=most_keys is None)
-            upload_into(buf.static.slots, slots)
-            upload_into(buf.static.tail, tail)
-        else:
-            mask = buf.mask[0, 0]
-            mask.fill_(torch.finfo(dtype).min)
-            mask[:q, : length + q].masked_fill_(to_device(visible, device), 0.0)
-            mask[q:, length + q : length + width].diagonal().fill_(0.0)
-        if buf.embeds is not None:
-            buf.embeds[0, :q] = embeds.to(device=device, dtype=dtype)
-        self._run(buf)
+            pad = [0] * (width - q)
+            upload_into(both, torch.tensor([[*rows.ids, *pad], [*rows.positions, *pad]]))
+        at.fill_(length)
+        seen.fill_(False)  # rows see what `visible` says, each padded row only its own slot
+        seen[:q, : length + q] = to_device(visible, device)
+        seen[q:, length + q : length + width].diagonal().fill_(True)
+        if rows.embeds is not None:
+            inputs[3][:q] = rows.embeds.to(device=device, dtype=dtype)
+        step = self.filled(self._given(width), width, span, width, width, dtype)
+        logits, states = self.graphs(("forward", width, span, rows.embeds is not None, epoch), step, *inputs)
         self.advance(length + q)
-        # copies (the next replay overwrites the bucket's outputs); the states only where wanted
-        return Forward(buf.logits[q - rows.keep : q].clone(), buf.states[:q].clone() if rows.hidden else None)
+        # copies (the next replay overwrites the step's outputs); the states only where wanted
+        return Forward(logits[q - rows.keep : q].clone(), states[:q].clone() if rows.hidden else None)
+
+    def _inputs(self, width: int, span: int, dtype, embeds: bool) -> tuple[torch.Tensor, ...]:
+        """The fixed input buffers of a (width, span) forward (capture.StepGraphs.buffer: read in
+        place by its graph): ids and positions (2, width), the visibility (width, span), the cache's
+        length, and with `embeds` the input vectors (width, hidden)."""
+        device, make = self.device, self.graphs.buffer
+        both = make(("ids", width), lambda: torch.zeros(2, width, dtype=torch.long, device=device))
+        seen = make(("seen", width, span), lambda: torch.zeros(width, span, dtype=torch.bool, device=device))
+        at = make(("length",), lambda: torch.zeros((), dtype=torch.long, device=device))
+        if not embeds:
+            return both, seen, at
+        shape = (width, self.hidden_size)
+        return both, seen, at, make(("embeds", width, dtype), lambda: torch.zeros(shape, dtype=dtype, device=device))
+
+    def _given(self, width: int):
+        """`filled`'s fill for rows given in the input buffers (`_inputs`): their slots follow the cache's length."""
+        rows = self.graphs.constant(("rows", width), lambda: torch.arange(width, device=self.device))
+
+        def fill(both, seen, length, *embeds):
+            return (Rows(both[0], both[1], seen, embeds=embeds[0] if embeds else None, slots=length + rows),)
+
+        return fill
 
     def plan(self, q: int, length: int, dtype, device, embeds: bool, most_keys: int = 0) -> tuple[int, int, tuple]:
         """For a forward whose inputs a captured step makes (`filled`; q fits a bucket): the width
@@ -265,10 +273,14 @@ class PaddedForward:
         span, grown should a row see more than `most_keys` keys), the buffers made ready."""
         width = self.width_for(q, length, dtype, device, embeds)
         self._ensure_buffers(length, width, dtype, device)
+        return width, *self._span(length + width, most_keys)
+
+    def _span(self, needed: int, most_keys: int) -> tuple[int, tuple]:
+        """`plan`'s span and epoch for `needed` slots (the buffers ready)."""
         capacity = self.layers[0].capacity
         if self.static is None:
-            return width, span_for(length + width, capacity), self._epoch
-        return width, capacity, (self._epoch, self.static_for(most_keys).positions_end)  # rows name any slot
+            return span_for(needed, capacity), self._epoch
+        return capacity, (self._epoch, self.static_for(most_keys).positions_end)  # rows name any slot
 
     def filled(self, fill, width: int, span: int, q: int, keep: int, dtype):
         """A pure step (forward/capture.py) that runs `fill` and then the lean forward on what it
@@ -302,18 +314,6 @@ class PaddedForward:
         for layer in self.layers:
             layer.set_length(length)
 
-    def _bucket(self, width: int, span: int, dtype, device, embeds: bool) -> _Bucket:
-        """The static buffers of (width, span), made on first use (their graph on first run)."""
-        key = (width, span, embeds)
-        buf = self.buckets.get(key)
-        if buf is None:
-            buf = self.buckets[key] = _Bucket(width, span, self.hidden_size, dtype, device, embeds)
-            if self.static is not None:
-                eye = torch.eye(width, dtype=torch.bool, device=device)
-                slots, tail = StaticRows.build(eye, self.static.positions_end)
-                buf.static = dataclasses.replace(self.static, slots=slots, tail=tail)
-        return buf
-
     def width_for(self, q: int, length: int, dtype, device, embeds: bool) -> int:
         """The padded width q rows run at: their bucket, or on CUDA a wider one measured faster
         (module docstring). Measured once per bucket, model and dtype, at the first forward that
@@ -329,63 +329,37 @@ class PaddedForward:
         """Replay each candidate width (the bucket and the wider ones up to MEASURE_UP_TO) over the
         slots after `length`, which the forward about to run overwrites; keep the fastest. Capture
         and timing count as capture seconds."""
-        t0, captured = time.perf_counter(), self.capture_s
+        t0, captured = time.perf_counter(), self.graphs.capture_s
         candidates = [b for b in self.sizes if bucket <= b <= MEASURE_UP_TO]
         self._ensure_buffers(length, max(candidates), dtype, device)
         timings = {}
         for width in candidates:
-            span = self.layers[0].capacity if self.static else span_for(length + width, self.layers[0].capacity)
-            buf = self._bucket(width, span, dtype, device, embeds)
-            buf.mask.fill_(0.0)  # any finite mask (and the static rows as made): only the time is wanted
-            torch.add(buf.rows, length, out=buf.slots)
-            self._run(buf)  # captures it
+            span, epoch = self._span(length + width, 0)
+            inputs = self._inputs(width, span, dtype, embeds)
+            inputs[1].fill_(True)  # any visibility (and the inputs as they are): only the time is wanted
+            inputs[2].fill_(length)
+            step = self.filled(self._given(width), width, span, width, width, dtype)
+            self.graphs(("forward", width, span, embeds, epoch), step, *inputs)  # captures it
             if not self.capture:  # the capture failed: no measurement, the bucket as it is
-                self.capture_s = captured + time.perf_counter() - t0
-                return bucket
-            timings[width] = self._replay_ms(buf)
-        self.timings[bucket] = timings
-        self.capture_s = captured + time.perf_counter() - t0  # the captures' seconds are inside it
-        return min(timings, key=lambda w: (timings[w], w))
+                break
+            timings[width] = self._replay_ms(width)
+        if self.capture:
+            self.timings[bucket] = timings
+        self.measured_s += time.perf_counter() - t0 - (self.graphs.capture_s - captured)
+        return min(timings, key=lambda w: (timings[w], w)) if self.capture else bucket
 
-    def _replay_ms(self, buf: _Bucket) -> float:
+    def _replay_ms(self, width: int) -> float:
+        """The mean time of a replay of the step called last (`width` rows: what tests stand in)."""
+        graph = self.graphs.last.graph
         if self.device.type != "cuda":  # stand-in graphs (tests): the host clock
             t0 = time.perf_counter()
             for _ in range(MEASURE_REPLAYS):
-                buf.graph.replay()
+                graph.replay()
             return (time.perf_counter() - t0) * 1e3 / MEASURE_REPLAYS
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(MEASURE_REPLAYS):
-            buf.graph.replay()
+            graph.replay()
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / MEASURE_REPLAYS
-
-    def _step(self, buf: _Bucket) -> None:
-        writers = [_SlotWriter(layer, buf.slots, buf.span) for layer in self.layers]
-        rows = buf.static  # width-invariant: attention over each row's own slots (mask unused)
-        out = self.lean(buf.ids, buf.positions, buf.mask, writers, buf.width, embeds=buf.embeds, hidden=True, rows=rows)
-        buf.logits, buf.states = out.logits, out.states
-
-    def _run(self, buf: _Bucket) -> None:
-        if self.capture and buf.graph is None:
-            t0 = time.perf_counter()
-            try:
-                buf.graph = self._capture(buf)  # assigned only once capture succeeded
-                self.captures += 1
-            except Exception as exc:  # any capture failure: warn once, continue eagerly
-                self._give_up(exc)
-            finally:
-                self.capture_s += time.perf_counter() - t0
-        if buf.graph is not None:
-            buf.graph.replay()
-        else:
-            self._step(buf)
-
-    def _capture(self, buf: _Bucket):
-        """One step captured (capture.capture_graph), the graph drawing on the device's shared pool."""
-        return capture_graph(self.device, lambda: self._step(buf), lambda graph: POOLS.acquire(self.device, graph))[0]
-
-    def _give_up(self, exc: Exception) -> None:
-        self.capture, self.fallback = False, capture_failed(exc, "CUDA graph capture failed")
-        self._drop_buckets()

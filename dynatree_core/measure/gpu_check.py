@@ -137,9 +137,8 @@ def pair_checks(name: str, target, draft, token_map=None) -> list[dict]:
                 outs[i] += rec.committed
     row("interleaved", all(o == wants[tuple(p)] for o, p in zip(outs, PROMPTS, strict=True)), "two runs")
     injected = RuntimeError("injected capture failure")  # every capture: the forwards' and the steps'
-    fail = mock.patch.object(graphs, "capture_graph", side_effect=injected)
-    fail_steps = mock.patch.object(capture, "capture_graph", side_effect=injected)
-    with fail, fail_steps, mock.patch.object(graphs, "capture_wanted", return_value=True), _quiet():
+    fail = mock.patch.object(capture.StepGraphs, "_capture", side_effect=injected)
+    with fail, mock.patch.object(graphs, "capture_wanted", return_value=True), _quiet():
         fell = _run(target, draft, PROMPTS[0], "fixed_tree", {}, graphs=True)
     ok = fell.token_ids == wants[tuple(PROMPTS[0])] and "capture failed" in fell.forward_path
     row("fallback", ok, fell.forward_path)

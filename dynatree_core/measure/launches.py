@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dynatree_core.core import transfer
-from dynatree_core.forward import capture, graphs
+from dynatree_core.forward import capture
 
 # ops that allocate, alias or read a scalar: no kernel of their own (a read is counted by transfer.py)
 NO_LAUNCH = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias"})
@@ -114,13 +114,9 @@ def _site() -> str:
 def counting_launches(device: torch.device) -> Iterator[_Counter]:
     """Count the launches of the block (module docstring); on a CPU, captures run as stand-ins."""
     counter = _Counter(device.type)
-    # a forward's graph replay or its eager run at fixed shapes (captures happen inside: not counted);
-    # a stand-in step's replay; a step's capture
-    patched = {
-        (graphs.PaddedForward, "_run"): True,
-        (capture._StandInGraph, "replay"): True,
-        (capture.StepGraphs, "_capture"): False,
-    }
+    # a stand-in graph's replay (a captured step, a forward at fixed shapes: graphs.PaddedForward
+    # captures its forwards as steps, stand-ins here); a capture (set-up: not counted)
+    patched = {(capture._StandInGraph, "replay"): True, (capture.StepGraphs, "_capture"): False}
     saved = {(owner, name): getattr(owner, name) for owner, name in patched}
 
     def wrapped(fn, counted: bool):
@@ -198,12 +194,12 @@ def counting_waits() -> Iterator[_Waits]:
 
 def per_iteration(run: Callable[[], object], device: torch.device, top: int = 8) -> dict:
     """Run `run` (returns a RunResult) with launches counted: per-iteration means and busiest sites."""
-    before = capture.REPLAYS["step"]
+    before = capture.REPLAYS["step"] + capture.REPLAYS["forward"]
     with counting_launches(device) as counter:
         result = run()
     iterations = max(result.iterations, 1)
-    if device.type == "cuda":  # real graphs: a step's replay dispatches nothing, the counter says so
-        counter.counts["replays"] += capture.REPLAYS["step"] - before
+    if device.type == "cuda":  # real graphs: a replay dispatches nothing, the counter says so
+        counter.counts["replays"] += capture.REPLAYS["step"] + capture.REPLAYS["forward"] - before
     out = {k: round(counter.counts[k] / iterations, 1) for k in ("ops", "host_ops", "replays")}
     out["sites"] = {site: round(n / iterations, 1) for site, n in counter.sites.most_common(top)}
     return out
