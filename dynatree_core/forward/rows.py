@@ -18,6 +18,8 @@ named, the row's lineage (its ancestors' slots and its own):
                         slots and its own
     a padding row       nothing below; its own slot
     batched answers     row b of a batch: every slot up to its own length (training/answers)
+    training windows    a depth-k node of a window: the window's slots up to its root, and its
+                        ancestors' in the stacked levels (training/feature/depth.py, packed/data.py)
 
 A row's ancestors come from parent pointers (`lineage`): one gather per level of depth, on the
 host or the device alike; their closure as a boolean matrix (`closure`) is what the records show.
@@ -129,18 +131,24 @@ def _joined(head, tail, pad: int, device, tensor: bool):
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def visibility(before, lineage: torch.Tensor | None, span: int, real: torch.Tensor | None = None) -> torch.Tensor:
-    """(rows, span) bool: row r sees every slot below `before` (an int, a device scalar, or (rows,)
-    per row) and the slots `lineage` (rows, d) names (padded by repeating one of them; None: no
-    slot named). A row that is not `real` ((rows,) bool: padding) sees only its lineage."""
+def visibility(
+    before, lineage: torch.Tensor | None, span: int, real: torch.Tensor | None = None, start=None
+) -> torch.Tensor:
+    """(..., rows, span) bool: row r sees every slot below `before` (an int, a device scalar, or one
+    per row) from `start` on (default 0: a packed training window's first slot) and the slots
+    `lineage` (..., rows, d) names (padded by repeating one of them; None: no slot named). A row
+    that is not `real` ((..., rows) bool: padding) sees only its lineage. Leading dimensions (a
+    training batch's) broadcast."""
     device = lineage.device if lineage is not None else getattr(before, "device", None)
     cols = torch.arange(span, device=device)
-    below = cols < (before[:, None] if isinstance(before, torch.Tensor) and before.dim() else before)
+    below = cols < (before[..., None] if isinstance(before, torch.Tensor) and before.dim() else before)
+    if start is not None:
+        below = below & (cols >= start[..., None])
     if real is not None:
-        below = below & real[:, None]
+        below = below & real[..., None]
     if lineage is None:
-        return below if below.dim() == 2 else below.expand(real.shape[0], span)
-    return below.expand(lineage.shape[0], span).scatter(1, lineage, True)
+        return below if below.dim() >= 2 else below.expand(real.shape[0], span)
+    return below.expand(*lineage.shape[:-1], span).scatter(-1, lineage, True)
 
 
 def lineage(parents: torch.Tensor | list[int], hops: int | None = None) -> torch.Tensor:

@@ -29,19 +29,22 @@ import torch
 
 from dynatree_core.drafts.feature import FeatureDraft
 from dynatree_core.forward.reference import additive
+from dynatree_core.forward.rows import visibility
 
 
 def depth_mask(levels: int, width: int, valid: torch.Tensor) -> torch.Tensor:
     """(B, 1, L*W, L*W) additive mask for `levels` stacked copies of a window's pairs: row (k, j)
-    is a tree node at depth k whose root is pair j-k+1. It sees the committed pairs 1..j-k+1 of
-    level 1 (true features), its ancestors (level m at pair j-k+m, m = 2..k-1) and itself."""
+    is a tree node at depth k whose root is pair j-k+1. It sees what a draft level's row sees
+    (forward/rows.visibility): the committed pairs 1..j-k+1 of level 1 (true features), and its
+    lineage, its ancestors (level m at pair j-k+m, m = 2..k-1) and itself; a row with no root in
+    the window only itself; no key of a pair that is not `valid`."""
+    n = levels * width
     k = torch.arange(levels).repeat_interleave(width)  # level of each row, 0-based
-    j = torch.arange(width).repeat(levels)  # pair index of each row
-    root = j - k  # the pair the row's chain starts from
-    committed = (k[None, :] == 0) & (j[None, :] <= root[:, None])
-    ancestor = (k[None, :] > 0) & (j[None, :] - k[None, :] == root[:, None]) & (k[None, :] <= k[:, None])
-    see = (committed | ancestor) & (root[:, None] >= 0)
-    see |= torch.eye(levels * width, dtype=torch.bool)
+    root = torch.arange(width).repeat(levels) - k  # the pair the row's chain starts from
+    own, hops = torch.arange(n)[:, None], torch.arange(1, levels)  # the levels above the first
+    lines = hops * width + root[:, None] + hops  # the row's node at level m: its ancestor (m < k), itself (m = k)
+    lines = torch.cat([torch.where((hops <= k[:, None]) & (root[:, None] >= 0), lines, own), own], dim=1)
+    see = visibility(root + 1, lines, n, real=root >= 0)
     see = see[None] & valid.repeat(1, levels)[:, None, :]
     return additive(see, torch.float32)[:, None]
 

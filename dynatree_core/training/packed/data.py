@@ -31,6 +31,7 @@ import torch
 
 from dynatree_core.core.vocab import OTHER, TokenMap
 from dynatree_core.forward.reference import additive
+from dynatree_core.forward.rows import visibility
 from dynatree_core.training.answers.store import STAGES, AnswerStore
 from dynatree_core.training.answers.windows import AnswerCorpus
 
@@ -98,11 +99,12 @@ def pack_rows(lengths: list[int], row: int = ROW) -> list[list[int]]:
 
 def level_mask(seg: torch.Tensor, level: int) -> torch.Tensor:
     """(R, 1, T, level * T) additive mask for the rows of tree level `level` (1-based) of packed
-    windows, against the keys of levels 1..level stacked in order (training/unrolled.depth_mask's
-    rule, per window): row j of level k is a depth-k node whose root is pair r = j - k + 1 of the
-    same window; it sees that window's level-1 pairs <= r (committed: true inputs), its ancestors
-    (level m at pair r + m - 1, m = 2..k-1) and itself. A row whose root would lie outside its
-    window sees only itself (it is never counted). Level 1 is the plain causal mask per window.
+    windows, against the keys of levels 1..level stacked in order (feature/depth.depth_mask's
+    rule, per window, through the one visibility rule, forward/rows.visibility): row j of level k
+    is a depth-k node whose root is pair r = j - k + 1 of the same window; it sees that window's
+    level-1 pairs from its start to r (committed: true inputs), its ancestors (level m at pair
+    r + m - 1, m = 2..k-1) and itself. A row whose root would lie outside its window sees only
+    itself (it is never counted). Level 1 is the plain causal mask per window.
     Built on `seg`'s device: on the host it cost a training step ~24 ms (20 rows of 512) and a
     copy of the (R, 1, T, T) mask to the GPU."""
     rows, width = seg.shape
@@ -110,13 +112,13 @@ def level_mask(seg: torch.Tensor, level: int) -> torch.Tensor:
     k = level - 1
     root = j - k  # (T,)
     root_ok = (root >= 0) & (seg.gather(1, root.clamp(min=0)[None].expand(rows, -1)) == seg) & (seg >= 0)  # (R, T)
-    same = seg[:, :, None] == seg[:, None, :]  # (R, T, T): query window == key window
-    blocks = [same & (j[None, None, :] <= root[None, :, None]) & root_ok[:, :, None]]  # level 1 keys
-    for m in range(1, level):  # keys of level m + 1: the ancestor at pair r + m (itself when m == k)
-        blocks.append(((j[None, :] == (root + m)[:, None])[None] & root_ok[:, :, None]).expand(rows, -1, -1))
-    see = torch.cat(blocks, dim=-1)
-    own = torch.arange(k * width, level * width, device=seg.device)  # every row sees itself: no empty softmax
-    see[:, j, own] = True
+    # where each key's window starts: the window's level-1 keys are those from its start to the root
+    starts = torch.cat([torch.ones_like(seg[:, :1], dtype=torch.bool), seg[:, 1:] != seg[:, :-1]], dim=1)
+    start = torch.where(starts, j, 0).cummax(dim=1).values
+    own, hops = (k * width + j)[:, None], torch.arange(1, level, device=seg.device)  # levels 2 .. level
+    lines = torch.cat([(hops * width + root[:, None] + hops).expand(width, -1), own], dim=1)  # ancestors, itself
+    lines = torch.where(root_ok[:, :, None], lines, own)  # a row with no root in its window: itself alone
+    see = visibility(root + 1, lines, level * width, real=root_ok, start=start)
     return additive(see, torch.float32)[:, None]
 
 
