@@ -41,6 +41,6 @@ def check_taps(taps: tuple[int, ...], n_layers: int) -> tuple[int, ...]:
 
 
 def stack_taps(taps: tuple[int, ...], inputs: dict[int, torch.Tensor], final: torch.Tensor) -> torch.Tensor:
-    """(q, len(taps), hidden): the layer inputs `inputs[i]` (q, hidden) in the taps' order, FINAL
-    read as the final post-norm states `final` (q, hidden)."""
-    return torch.stack([final if t < 0 else inputs[t] for t in taps], dim=1)
+    """(..., q, len(taps), hidden): the layer inputs `inputs[i]` (..., q, hidden) in the taps' order,
+    FINAL read as the final post-norm states `final` (..., q, hidden)."""
+    return torch.stack([final if t < 0 else inputs[t] for t in taps], dim=-2)

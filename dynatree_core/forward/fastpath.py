@@ -305,7 +305,9 @@ class _Block:
 class LeanForward:
     """Callable: (ids (1, q), positions (1, q), additive mask (1, 1, q, L + q), cache layers, keep)
     -> Forward (logits (keep, vocab) [and hidden states (q, hidden)]), writing the q new
-    keys/values into the cache layers (SlotLayer.update)."""
+    keys/values into the cache layers (SlotLayer.update). A batch of b sequences (the recipes'
+    batched answers: training/answers/decode_ops.py) is the same call with b in place of 1, each
+    sequence over its own slots of the layers' buffers: logits (b, keep, vocab), states (b, q, hidden)."""
 
     def __init__(self, model: torch.nn.Module, fuse: bool = False):
         base = model.model
@@ -343,9 +345,10 @@ class LeanForward:
         pad = rows.linear_rows if rows is not None else LinearRows()  # how each linear is called (width_verdict)
         taps = hidden if isinstance(hidden, tuple) else ()
         tapped = {}
+        one = ids.shape[0] == 1  # one sequence (every forward of a run): its rows, no batch dimension
         for i, (block, cache) in enumerate(zip(self.blocks, layers, strict=True)):
             if i in taps:
-                tapped[i] = x[0].clone() if in_place else x[0]
+                tapped[i] = x.clone() if in_place else x
             q, k, v = block.project(block.norm1(x), cos, sin, pad.qkv)  # (1, heads, q, head_dim), q and k rotated
             keys, values = cache.update(k, v)  # views of slots 0 .. L + q
             if rows is not None:
@@ -354,10 +357,13 @@ class LeanForward:
                 attn = F.scaled_dot_product_attention(
                     fold_groups(q, block.groups), keys, values, attn_mask=folded, scale=block.scaling
                 ).reshape(q.shape)  # CUDA kernels return it strided (rows, heads) major: a view would fail
-            x = block.residual(x, "o", attn.transpose(1, 2).reshape(1, ids.shape[1], -1), pad.o)
+            x = block.residual(x, "o", attn.transpose(1, 2).reshape(*ids.shape, -1), pad.o)
             x = block.mlp(x, pad.gate_up, pad.down)
+        if one:
+            x, tapped = x[0], {i: t[0] for i, t in tapped.items()}
+        kept = x.shape[-2] - logits_to_keep  # the first row whose logits are kept (0 kept: none)
         if not hidden:
-            return Forward(min_rows(self.head, self.norm(x[0, -logits_to_keep:]), pad.head))
-        states = self.norm(x[0])
-        logits = min_rows(self.head, states[-logits_to_keep:], pad.head)
+            return Forward(min_rows(self.head, self.norm(x[..., kept:, :]), pad.head))
+        states = self.norm(x)
+        logits = min_rows(self.head, states[..., kept:, :], pad.head) if logits_to_keep else None  # states alone
         return Forward(logits, stack_taps(taps, tapped, states) if taps else states)

@@ -27,12 +27,13 @@ class Forward:
 
     Attributes:
         logits: (logits_to_keep, vocab), the last rows' logits (float32 from KVState.run;
-            the model's dtype from the implementations under it).
+            the model's dtype from the implementations under it); None where none were asked
+            for (the lean forward with logits_to_keep 0: the recipes' batched answers).
         states: None unless asked for. `hidden=True`: (q, hidden) final post-norm states of all
             q rows, what the LM head reads; a tuple of taps (core/taps.py): (q, len(taps), hidden).
     """
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     states: torch.Tensor | None = None
 
 

@@ -2,9 +2,8 @@
 preallocated per-row key/value buffers through the target's lean blocks (forward/fastpath.py), the
 rows' sampling, and the compact teacher kept from their logits.
 
-Attention: every row attends over its own slots; slots past a row's length are masked per row. Query
-heads are folded into the query length per key/value head (q viewed as (B, kv_heads, groups * q, d)),
-so SDPA sees equal head counts and needs no grouped-query expansion of the cache.
+Attention: every row attends over its own slots; slots past a row's length are masked per row. The
+forward is the lean forward every run takes (fastpath.LeanForward), over a batch of B sequences.
 
 Contract: knows models, never trees, policies, prompt sources or the batch's bookkeeping.
 """
@@ -15,10 +14,10 @@ import dataclasses
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from dynatree_core.core.taps import FINAL
 from dynatree_core.errors import DynaTreeError
-from dynatree_core.forward.fastpath import LeanForward, fold_groups, fold_mask, lean_forward_for, rope_pair
+from dynatree_core.forward.fastpath import LeanForward, lean_forward_for
 
 TOP_K = 64  # sampled rows draw from the top-k (then top-p) of the tempered distribution
 TEACHER_K = 32  # the teacher's top-k kept per loss position (the rest of its mass is renormalised away)
@@ -56,17 +55,24 @@ def lean_or_fail(model: torch.nn.Module) -> LeanForward:
     return lean
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, block) -> torch.Tensor:
-    """Attention for q (B, heads, T, d) over keys/values (B, kv_heads, L, d) with the additive mask
-    (B, 1, T, L), query heads folded per key/value head (fastpath.fold_groups)."""
-    b, heads, t, d = q.shape
-    q, mask = fold_groups(q, block.groups), fold_mask(mask, block.groups)
-    if t == 1:  # a decoding step: two batched matmuls beat SDPA's kernel on CPU (memory-bound on the cache)
-        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * block.scaling + mask.float()
-        out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
-    else:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=block.scaling)
-    return out.reshape(b, heads, t, d)
+class _RowCache:
+    """One layer's per-row buffers (B, kv_heads, capacity, d) as the lean forward sees a cache layer:
+    `update` writes the rows' keys/values (a prefill's at slots 0 .. T; a step's, one a row, at each
+    row's slot in `slots`) and returns the first `length` slots, which the mask covers."""
+
+    def __init__(self, buffers: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor | None, length: int):
+        self.buffers, self.slots, self.length = buffers, slots, length
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kbuf, vbuf = self.buffers
+        if self.slots is None:
+            kbuf[:, :, : k.shape[2]] = k
+            vbuf[:, :, : v.shape[2]] = v
+        else:
+            rows = torch.arange(k.shape[0], device=k.device)
+            kbuf[rows, :, self.slots] = k[:, :, 0]
+            vbuf[rows, :, self.slots] = v[:, :, 0]
+        return kbuf[:, :, : self.length], vbuf[:, :, : self.length]
 
 
 def forward_rows(
@@ -81,26 +87,18 @@ def forward_rows(
     tapped: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Rows ids (B, T) at `positions` (B, T), reading the first L cache slots through `mask`
-    (B, 1, T, L). Keys/values go to slots 0 .. T (slots None: a prefill) or, for one token per
-    row (T = 1), to each row's slot in `slots` (B,). Returns the post-norm states (B, T, H);
-    the inputs of the layers in `taps` (core/taps.py) are appended to `tapped`, in layer order."""
-    x = F.embedding(ids, lean.embed.weight)
-    cos, sin = rope_pair(*lean.rotary(x, positions))
-    b, width, length = ids.shape[0], ids.shape[1], mask.shape[-1]
-    rows = torch.arange(b, device=ids.device)
-    for i, (block, (kbuf, vbuf)) in enumerate(zip(lean.blocks, caches, strict=True)):
-        if i in taps:
-            tapped.append(x)
-        q, k, v = block.project(block.norm1(x), cos, sin)
-        if slots is None:
-            kbuf[:, :, :width] = k
-            vbuf[:, :, :width] = v
-        else:
-            kbuf[rows, :, slots] = k[:, :, 0]
-            vbuf[rows, :, slots] = v[:, :, 0]
-        attn = attend(q, kbuf[:, :, :length], vbuf[:, :, :length], mask, block)
-        x = block.mlp(x + block.o(attn.transpose(1, 2).reshape(b, width, -1)))
-    return lean.norm(x)
+    (B, 1, T, L), by the lean forward every run's forwards take (fastpath.LeanForward, a batch of B
+    sequences): keys/values go to slots 0 .. T (slots None: a prefill) or, for one token per row
+    (T = 1), to each row's slot in `slots` (B,). Returns the post-norm states (B, T, H); the
+    inputs of the layers in `taps` (core/taps.py) are appended to `tapped`, in layer order."""
+    layers = [_RowCache(buffers, slots, mask.shape[-1]) for buffers in caches]
+    out = lean(ids, positions, mask, layers, 0, hidden=(*taps, FINAL) if taps else True).states
+    if ids.shape[0] == 1:  # the lean forward hands one sequence's rows without the batch dimension
+        out = out[None]
+    if not taps:
+        return out
+    tapped.extend(out.unbind(-2)[:-1])
+    return out[..., -1, :]
 
 
 def sample_rows(
