@@ -924,7 +924,7 @@ TOPICS = (
             + SCRIPT
             + "launches --prompts 1 --admit-kernel",
         },
-        date="2026-11-28 (start) to 2026-11-29",
+        date="2026-11-28 (start) to 2026-12-07",
         table=heart_table,
         goals=(
             Goal("files one iteration passes through", 8, heart_value("files"), fmt="{:.0f}", at_most=True),

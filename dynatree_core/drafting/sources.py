@@ -15,7 +15,8 @@
 Each source builds a `DraftTree` whose nodes carry their `Source`; no model is called here. The
 Recycler's walks grow their levels as a tensor tree (drafting/tensor_tree.py: a level's decision a
 few tensor ops where the matrix is), read once and viewed as a model's levels are; the automaton's
-walk is a host structure's, and builds its tree on the host.
+walk (and the corpus's, and prompt lookup's trie) lists its levels on the host, where its structure
+is, as the level records a read returns (`listed_tree`), viewed the same way.
 """
 
 from __future__ import annotations
