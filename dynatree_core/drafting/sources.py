@@ -21,6 +21,7 @@ is, as the level records a read returns (`listed_tree`), viewed the same way.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -34,7 +35,6 @@ from dynatree_core.drafting.tensor_tree import (
     NO_SUCCESSORS,
     OVER_BUDGET,
     PADDING,
-    Level,
     TensorTree,
 )
 
@@ -91,19 +91,18 @@ class Recycler:
         if self.rows is None or not widths:
             return _leaf(root, Reason.NO_SUCCESSORS) if self.rows is None else DraftTree.with_root(root)
         dev, fans = self.rows.device, [min(w, self.rows.shape[1]) for w in widths]
-        tokens, cum = torch.tensor([root], device=dev), torch.zeros(1, dtype=torch.float64, device=dev)
+        tokens = torch.tensor([root], device=dev)
         ok = torch.ones(1, dtype=torch.bool, device=dev)  # a slot holding a node, the budget aside
         found, oks = [], []
         for fan in fans:
             level = self.rows[tokens, :fan].flatten(0, 1)  # (slots * fan, 2)
             parents = torch.arange(level.shape[0], device=dev) // fan
             ok = (ok & self.seen[tokens])[parents]  # a child of a node whose token has successors
-            tokens, cum = level[:, 0].long(), cum[parents] + level[:, 1].double()
-            found.append((tokens, level[:, 1], parents, cum))
+            tokens = level[:, 0].long()
+            found.append((tokens, level[:, 1], parents))
             oks.append(ok)
         ok = torch.cat(oks)
-        kept = (ok & (ok.cumsum(0) <= budget)).split([f[0].shape[0] for f in found])  # the root aside
-        return self._viewed(root, found, kept)
+        return self._viewed(root, found, ok & (ok.cumsum(0) <= budget))  # the root aside
 
     def ranked(self, root: int, depth: int, budget: int) -> DraftTree:
         """Best first instead of a template: the `budget` nodes of highest path log-probability (the
@@ -123,34 +122,40 @@ class Recycler:
             above, (best, at) = score, child.flatten().topk(min(budget, child.numel()))
             parents, tokens, score = at // rows.shape[1], rows.flatten(0, 1)[at, 0].long(), best
             # a node's own log-prob: its path's less its parent's, in float64 (exact for float32 sums)
-            found.append((tokens, best.double() - above.double()[parents], parents, best.double()))
+            found.append((tokens, best.double() - above.double()[parents], parents))
             scores.append(best)
         scores = torch.cat(scores)
         rank = torch.empty_like(scores, dtype=torch.long)
         rank[torch.sort(scores, descending=True, stable=True).indices] = torch.arange(
             scores.shape[0], device=rank.device
         )
-        kept = ((rank < budget) & (scores > -math.inf)).split([f[0].shape[0] for f in found])
-        return self._viewed(root, found, kept)
+        return self._viewed(root, found, (rank < budget) & (scores > -math.inf))
 
-    def _viewed(self, root: int, found: list[tuple], kept: tuple) -> DraftTree:
-        """The tree the levels (`found`: each level's tokens, log-probs, parent rows and cumulative
-        log-probs) and their kept candidates make: a kept candidate is a node; one with kept
-        children is expanded; the last level's stop at the depth; the others for the budget, or
-        because no forward has read their token yet. Not kept: padding (never shown)."""
-        levels = []
-        for d, ((tokens, logp, parents, cum), admitted) in enumerate(zip(found, kept, strict=True)):
-            if d + 1 < len(found):  # a candidate with a kept child is expanded (a row of the next level)
-                children = torch.zeros_like(tokens).scatter_add(0, found[d + 1][2], kept[d + 1].long())
-                stop = torch.where(self.seen[tokens], OVER_BUDGET, NO_SUCCESSORS)
-                leaf = torch.where(children > 0, EXPANDED, stop)
-            else:
-                leaf = torch.full_like(tokens, AT_DEPTH)
-            fate = torch.where(admitted, ADMITTED, PADDING)
-            selected = torch.arange(tokens.shape[0], device=tokens.device)
-            levels.append(Level(tokens, logp, parents, fate, leaf, selected, cum, prefix=True))
-        grown, tree = TensorTree(root, levels), DraftTree.with_root(root)
-        grown.view(tree, grown.read(None, None, 0), None, source=Source.RECYCLED)
+    def _viewed(self, root: int, found: list[tuple], kept: torch.Tensor) -> DraftTree:
+        """The tree the levels (`found`: each level's tokens, log-probs and parent rows) and their
+        `kept` candidates (over every level in order) make, decided over every level at once and
+        read in one copy: a kept candidate is a node; one with kept children is expanded; the last
+        level's stop at the depth; the others for the budget, or because no forward has read their
+        token yet. Not kept: padding (never shown). The records are a tensor tree's (drafting/
+        tensor_tree.py: every candidate a row of the next level), viewed as every tree is."""
+        sizes = [f[0].shape[0] for f in found]
+        tokens, logp, parents = (torch.cat(field) for field in zip(*found, strict=True))
+        starts = [0, *itertools.accumulate(sizes)]  # where each level's candidates start
+        # each candidate's parent row counted over every level (the next level names its candidates by row)
+        below = [f[2] + start for f, start in zip(found[1:], starts, strict=False)]
+        below = torch.cat(below) if below else tokens[:0]
+        children = torch.zeros_like(tokens).scatter_add(0, below, kept[sizes[0] :].long())
+        leaf = torch.where(children > 0, EXPANDED, torch.where(self.seen[tokens], OVER_BUDGET, NO_SUCCESSORS))
+        leaf[starts[-2] :] = AT_DEPTH
+        fate = torch.where(kept, ADMITTED, PADDING)
+        values = torch.stack([tokens.double(), logp.double(), parents.double(), fate.double(), leaf.double()])
+        tok, lp, up, fates, leaves = values.tolist()  # one read
+        records = []
+        for a, b in itertools.pairwise(starts):
+            ints = [[int(v) for v in field[a:b]] for field in (tok, up, fates, leaves)]
+            records.append((ints[0], lp[a:b], ints[1], ints[2], ints[3], list(range(b - a))))
+        tree = DraftTree.with_root(root)
+        TensorTree(root).view(tree, (records, []), None, source=Source.RECYCLED)
         if len(tree) == 1:  # no kept child: the root's token has no successors yet (the budget is >= 1)
             tree.mark_leaf(0, Reason.NO_SUCCESSORS)
         return tree

@@ -37,12 +37,12 @@ its buffers: the graphs captured over the old ones are released before the next 
 on every call, not only when this class grows them itself).
 
 Safety: a capture that fails (out of memory, an op that cannot be captured, a library version)
-warns once, and the model goes on with the same padded forward run eagerly (`fallback` says why);
-the forwards' graphs of every run on one device share one memory pool (replays never overlap: one stream), and
-a pool whose graphs are all gone is never reused for a new capture (torch asserts); capture
-streams are made on the model's device (cuda:N); models whose rotary update has a data-dependent
-branch (`capture_safe`) are never captured; capture seconds are counted apart (`capture_s`), so
-forward timings and cost models see replays only.
+warns once, and the model goes on with the same padded forward run eagerly (`path` says why); the
+forwards' graphs of every run on one device share one memory pool (replays never overlap: one
+stream), and a pool whose graphs are all gone is never reused for a new capture (torch asserts);
+capture streams are made on the model's device (cuda:N); models whose rotary update has a
+data-dependent branch (`capture_safe`) are never captured; capture seconds are counted apart
+(`capture_s`), so forward timings and cost models see replays only.
 """
 
 from __future__ import annotations
