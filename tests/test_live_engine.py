@@ -7,6 +7,7 @@ import gc
 import io
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -326,3 +327,65 @@ def test_a_failed_warm_up_is_logged_and_the_engine_still_serves(tiny_pair_dirs, 
     assert _warm_up(pair, broken, make_method) >= 0.0
     logged = log.read_text()
     assert "warm-up failed" in logged and "a kernel this machine lacks" in logged and "Traceback" in logged
+
+
+class _Ref:
+    """A Ray object ref of the stand-in below: `ready` is what ray.wait sees, get() runs the call."""
+
+    def __init__(self, call, ready: bool):
+        self.call, self.ready = call, ready
+
+
+class _SlowPollRay:
+    """A stand-in for Ray whose actor runs serve at once but whose polls ray.wait never sees ready
+    (an actor still starting): only ray.get fetches what a poll returns."""
+
+    def __init__(self):
+        from dynatree_core.live.actor import EngineActor
+
+        self.actor = EngineActor()
+        node = {"Alive": True, "Resources": {"node:__internal_head__": 1.0}, "NodeID": "node-1"}
+        self.nodes = lambda: [node]
+        self.is_initialized = lambda: True
+        self.get_runtime_context = lambda: types.SimpleNamespace(get_node_id=lambda: "node-1")
+        strategies = types.SimpleNamespace(NodeAffinitySchedulingStrategy=lambda node, soft: node)
+        self.util = types.SimpleNamespace(scheduling_strategies=strategies)
+        self.kill = lambda actor: None
+
+    def remote(self, cls):
+        actor = self.actor
+
+        def serve(spec):  # runs to its end now: a load that fails at once
+            actor.serve(spec)
+            return _Ref(lambda: None, True)
+
+        handle = types.SimpleNamespace(
+            serve=types.SimpleNamespace(remote=serve),
+            poll=types.SimpleNamespace(remote=lambda timeout_s: _Ref(lambda: actor.poll(timeout_s), False)),
+            send=types.SimpleNamespace(remote=lambda number, command: actor.send(number, command)),
+        )
+        launcher = types.SimpleNamespace(remote=lambda: handle)
+        return types.SimpleNamespace(options=lambda **options: launcher)
+
+    @staticmethod
+    def wait(refs, timeout=None):
+        return [r for r in refs if r.ready], [r for r in refs if not r.ready]
+
+    @staticmethod
+    def get(ref, timeout=None):
+        return ref.call()
+
+
+def test_a_failed_load_is_the_message_even_when_the_engine_ends_before_its_first_poll(monkeypatch):
+    """serve writes "failed" and returns while the first poll still waits behind the actor's start:
+    the parent fetches that message before it calls the engine gone, and says why it failed."""
+    import dynatree_core.live.actor as actor_module
+
+    ray = _SlowPollRay()
+    monkeypatch.setattr(actor_module, "connect", lambda: ray)
+    eng = Engine(PairSpec("/nonexistent/model-dir", None))
+    with pytest.raises(DynaTreeError) as info:
+        eng.wait_ready(30)
+    assert "/nonexistent/model-dir" in str(info.value) and "engine quit" not in str(info.value)
+    assert not eng.alive
+    eng.close()

@@ -201,6 +201,7 @@ class ActorTransport:
         self._gone: str | None = None  # why the actor ended, once it has
         self._sent = 0  # commands sent
         self._poll = None  # the poll in flight
+        self._drained = False  # whether the messages left after serve returned were fetched (_last_messages)
 
     def _put(self, command: tuple) -> None:
         """One command to the actor (numbered: it keeps their order); OSError when it is gone."""
@@ -234,6 +235,23 @@ class ActorTransport:
             if not self._inbox:
                 raise queue.Empty
         return self._inbox.pop(0)
+
+    def _last_messages(self, timeout_s: float = 10.0) -> bool:
+        """Once serve has returned: what it wrote that no poll fetched yet (the poll in flight's, then
+        one more poll's) into the inbox, once; whether there was any. A failed load writes "failed" just
+        before serve returns, while the first poll may still wait behind the actor's start: without this,
+        the parent would see the child gone and report "the engine quit" instead of why."""
+        if self._drained or not self._in_session():
+            return False
+        self._drained = True
+        try:
+            if self._poll is not None:
+                poll, self._poll = self._poll, None
+                self._inbox += self._ray.get(poll, timeout=timeout_s)
+            self._inbox += self._ray.get(self._actor.poll.remote(0.0), timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the actor went meanwhile, its last messages with it
+            log_exception(f"engine {self.spec.title()}: its last messages were lost", exc)
+        return bool(self._inbox)
 
     @property
     def alive(self) -> bool:

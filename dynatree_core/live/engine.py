@@ -224,6 +224,8 @@ class Engine(ActorTransport):
                 kind, rid, payload = self._get(POLL_S)
             except queue.Empty:
                 if not self.alive:
+                    if self._last_messages():  # what it said before it ended ("failed": why) comes first
+                        continue
                     self._child_died()
                     return
                 for listener in list(self._listeners.values()):
