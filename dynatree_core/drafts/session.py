@@ -17,7 +17,7 @@ from dynatree_core.core.transfer import upload_into
 from dynatree_core.core.tree import DraftTree
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.forward.kv import KVState
-from dynatree_core.forward.rows import Rows
+from dynatree_core.forward.rows import Rows, counting
 
 
 class Drafter:
@@ -126,8 +126,8 @@ class Drafter:
             logits, after = self._root(then)
             self.level_starts = []
             self._committed_on_device = self._upload_committed(logits.device) if self.steps.capture else None
-            if self._committed_on_device is None:
-                self.ancestors = torch.zeros(1, 0, dtype=torch.long, device=logits.device)
+            if self._committed_on_device is None:  # no elements: nothing to fill
+                self.ancestors = torch.empty(1, 0, dtype=torch.long, device=logits.device)
             return logits, after
         p, start = tokens.shape[0], self.kv.length
         self.level_starts.append(start)
@@ -135,7 +135,7 @@ class Drafter:
             done = self._captured_level(tokens, parents, depth, start, then)
             if done is not None:
                 return done
-        own = torch.arange(start, start + p, device=tokens.device)
+        own = counting(start + p, tokens.device)[start:]
         self.ancestors = torch.cat([self.ancestors[parents], own[:, None]], dim=1)  # the root is committed
         return self._level_logits(tokens, parents, depth), None
 
@@ -172,7 +172,7 @@ class Drafter:
         def make_fill(width: int, span: int):
             def fill(tokens, parents, ancestors, committed, *extra):
                 start = committed + offset
-                own = start + torch.arange(p, device=tokens.device)
+                own = start + counting(p, tokens.device)
                 ancestors = torch.cat([ancestors[parents], own[:, None]], dim=1)  # the root is committed
                 positions = (committed + position).expand(p)
                 embeds = self._level_embeds(tokens, parents, width, *extra)

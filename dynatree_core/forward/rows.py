@@ -33,6 +33,23 @@ import dataclasses
 
 import torch
 
+_COUNTS: dict[torch.device, torch.Tensor] = {}  # 0, 1, 2, ... per device (`counting`)
+_MADE: list[torch.Tensor] = []  # every one made, kept: a captured graph may read an outgrown one
+
+
+def counting(n: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """0 .. n - 1 (long) on `device`, as a view of one arange kept per device (made once a size,
+    a power of two, never written: the builders below launch nothing for it). Under a CUDA graph's
+    capture a size not made yet is made fresh (what a capture allocates belongs to its graph)."""
+    device = torch.device(device if device is not None else "cpu")
+    made = _COUNTS.get(device)
+    if made is None or made.shape[0] < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.arange(n, device=device)
+        made = _COUNTS[device] = torch.arange(max(64, 1 << max(n - 1, 0).bit_length()), device=device)
+        _MADE.append(made)
+    return made[:n]
+
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
@@ -98,10 +115,10 @@ class Rows:
         width, span = (width, span) if fixed else (q, past + q)
         top, pad = past + n if below is None else below, width - q if real is None else 0
         # each row's slot, where the rows' slots are named or a chain's rows before the root's are causal
-        rows = torch.arange(width, device=device) if fixed or (n > 1 and w) else None
+        rows = counting(width, device) if fixed or (n > 1 and w) else None
         slots = past + rows if rows is not None else None
         if w == 0:  # a chain: causal
-            before = slots + 1 if fixed else torch.arange(past + 1, past + q + 1, device=device)
+            before = slots + 1 if fixed else counting(past + q + 1, device)[past + 1 :]
             every = slots[:, None] if pad else None
         else:  # the chain's one row (the root) sees what the nodes see
             before = top if n == 0 or (n == 1 and below is None) else torch.where(rows < n, slots + 1, top)
@@ -114,7 +131,7 @@ class Rows:
         if n == 0 or isinstance(chain, (list, tuple, range)) and not isinstance(first, torch.Tensor):
             counted = list(range(first, first + n))  # the chain's positions: a host chain's on the host
         else:
-            counted = first + rows[:n] if rows is not None else torch.arange(first, first + n, device=device)
+            counted = first + rows[:n] if rows is not None else counting(first + n, device)[first:]
         positions = _joined(counted, positions, pad, device, fixed)
         ids, slots = _joined(chain, tokens, pad, device, fixed), slots if fixed else None
         return cls(ids, positions, seen, keep, slots=slots, **fields)
@@ -140,7 +157,7 @@ def visibility(
     that is not `real` ((..., rows) bool: padding) sees only its lineage. Leading dimensions (a
     training batch's) broadcast."""
     device = lineage.device if lineage is not None else getattr(before, "device", None)
-    cols = torch.arange(span, device=device)
+    cols = counting(span, device)
     below = cols < (before[..., None] if isinstance(before, torch.Tensor) and before.dim() else before)
     if start is not None:
         below = below & (cols >= start[..., None])
@@ -163,7 +180,7 @@ def lineage(parents: torch.Tensor | list[int], hops: int | None = None) -> torch
             lines.append([i, *lines[parents[i]]])
         deepest = max(map(len, lines))
         return torch.tensor([line + [0] * (deepest - len(line)) for line in lines])
-    out = [torch.arange(parents.shape[0], device=parents.device), parents]
+    out = [counting(parents.shape[0], parents.device), parents]
     for _ in range(hops - 1):
         out.append(parents[out[-1]])
     return torch.stack(out[: hops + 1], dim=1)
