@@ -361,6 +361,34 @@ def test_packed_batches_count_the_answer_pairs_and_the_teacher_sums_to_one(tiny_
     assert (batch.teacher_p[~batch.counted] == 0).all()
 
 
+def test_fixed_tap_scales_bring_each_tap_to_a_mean_rms_of_one_and_survive_save_and_load(tiny_store, tmp_path):
+    """fc_norm "scale": set from the data before training (train-packed), a factor a tap that makes its
+    mean root-mean-square over real pairs 1; saved and loaded with the draft, and drafting reads it."""
+    from dynatree_core.drafts.fused import FusedDraft
+    from dynatree_core.training.packed.commands import set_tap_scale
+
+    store, target = tiny_store
+    vocab = target.model.config.vocab_size
+    token_map = TokenMap([-1, *range(vocab)], vocab)
+    data = PackedAnswers(store, token_map, taps=(0, 1), stages=("questions",), heldout=False)
+    draft = FusedDraft.from_target(target.model, token_map, taps=(0, 1), fc_norm="scale")
+    set_tap_scale(draft, data)
+    batch = data.batch(data.train_rows)
+    taps = batch.inputs[batch.seg >= 0].float() * draft.tap_scale[:, None]
+    torch.testing.assert_close(taps.pow(2).mean(-1).sqrt().mean(0), torch.ones(2), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(draft.tap_scale, torch.ones(2)), "the taps' own scales are not 1 already"
+    draft.save(tmp_path / "scaled")
+    back = FusedDraft.load(tmp_path / "scaled", target.model)
+    assert back.fc_norm_kind == "scale" and torch.equal(back.tap_scale, draft.tap_scale)
+    sample = batch.inputs[:1, :4].float()
+    torch.testing.assert_close(back.fuse(sample), draft.fuse(sample))
+    plain = dict(draft.state_dict())
+    plain["tap_scale"] = torch.ones(2)
+    unscaled = FusedDraft.from_target(target.model, token_map, taps=(0, 1), fc_norm="scale")
+    unscaled.load_state_dict(plain)
+    assert not torch.allclose(unscaled.fuse(sample), draft.fuse(sample)), "the scale is read"
+
+
 def test_a_stopped_run_resumes_the_same_schedule_and_its_curve_is_saved(tiny_store, tmp_path):
     store, target = tiny_store
     vocab = target.model.config.vocab_size

@@ -242,6 +242,24 @@ def test_a_fused_draft_exports_to_eagle3_and_loads_back_with_identical_logits(tm
     torch.testing.assert_close(head_logits(back, target, ids), head_logits(draft, target, ids))
 
 
+def test_fixed_tap_scales_are_folded_into_fc_and_the_export_loads_back_with_identical_logits(tmp_path, target):
+    """fc_norm "scale" (a fixed factor a tap): the export has no such weight, fc's columns of tap i
+    carry s_i instead, so both engines compute the draft as trained (powers of two: the fold is exact)."""
+    token_map = TokenMap([-1, *range(0, V, 3)], V)
+    draft = FusedDraft.from_target(target, token_map, seed=3, fc_norm="scale")
+    with torch.no_grad():
+        draft.tap_scale.copy_(torch.tensor([0.5, 4.0, 0.125]))
+    out = export_eagle3(draft, tmp_path / "eagle3", target_name="tiny", dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    assert config["dynatree"]["fc_norm"] == "none"
+    back = load_head(str(out), target)
+    assert back.fc_norm_kind == "none"
+    ids = [5, 17, 3, 44, 9, 60, 2, 31]
+    torch.testing.assert_close(head_logits(back, target, ids), head_logits(draft, target, ids), rtol=0, atol=0)
+    plain = FusedDraft.from_target(target, token_map, seed=3, fc_norm="none")
+    assert not torch.allclose(head_logits(plain, target, ids), head_logits(draft, target, ids)), "the scales count"
+
+
 @pytest.mark.parametrize(
     "change,needle",
     [

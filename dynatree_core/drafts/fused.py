@@ -41,7 +41,7 @@ from dynatree_core.forward.kv import KVState
 from dynatree_core.forward.reference import Forward
 
 CONFIG_FILE = "fused_draft.json"
-FC_NORMS = ("per_tap", "none", "concat")
+FC_NORMS = ("per_tap", "none", "concat", "scale")
 WEIGHTS_FILE = "fused_draft.safetensors"
 KIND = "fused"
 
@@ -116,7 +116,9 @@ class FusedDraft(torch.nn.Module):
         self.taps = tuple(taps)
         self.token_map = token_map
         # how the taps are normed before fc: one RMSNorm each (EAGLE 3.1 `fc_norm`, the default here),
-        # "none" (SafeAILab's EAGLE-3) or "concat", one over all of them (speculators' `norm_before_fc`)
+        # "none" (SafeAILab's EAGLE-3), "concat", one over all of them (speculators' `norm_before_fc`), or
+        # "scale": one fixed factor a tap (`tap_scale`, set from the data before training, never trained),
+        # which the eagle3 export folds into fc's columns, so the engines compute it exactly
         if fc_norm not in FC_NORMS:
             raise DynaTreeError(f"fc_norm must be one of {', '.join(FC_NORMS)}, not {fc_norm!r}")
         self.fc_norm_kind = fc_norm
@@ -125,6 +127,8 @@ class FusedDraft(torch.nn.Module):
             self.fc_norm = torch.nn.ModuleList(LlamaRMSNorm(hidden, eps=eps) for _ in taps)
         elif fc_norm == "concat":
             self.input_norm = LlamaRMSNorm(len(taps) * hidden, eps=eps)
+        elif fc_norm == "scale":
+            self.register_buffer("tap_scale", torch.ones(len(taps)))
         self.fc = torch.nn.Linear(len(taps) * hidden, hidden, bias=False)
         self.midlayer = FusedLayer(config)
         self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
@@ -153,6 +157,8 @@ class FusedDraft(torch.nn.Module):
         taps = taps.to(self.dtype)
         if self.fc_norm_kind == "per_tap":
             return self.fc(torch.cat([norm(taps[..., i, :]) for i, norm in enumerate(self.fc_norm)], dim=-1))
+        if self.fc_norm_kind == "scale":
+            taps = taps * self.tap_scale.to(taps.dtype)[:, None]
         flat = taps.flatten(-2)
         return self.fc(self.input_norm(flat) if self.fc_norm_kind == "concat" else flat)
 

@@ -298,14 +298,16 @@ def export_eagle3(
     file reads back with identical logits) that SGLang (`--speculative-algorithm EAGLE3`) and vLLM
     (`"method": "eagle3"`) load: only the tensors both engines' readers have (`fc`, `midlayer.*`,
     `norm`, `lm_head`, `d2t` as offsets, `t2d` as a mask), both engines' layer-id keys, `rope_theta`
-    at the top level beside `rope_parameters`. A draft those readers cannot compute exactly (per-tap
+    at the top level beside `rope_parameters`; fixed tap scales (fc_norm "scale") folded into `fc`.
+    A draft those readers cannot compute exactly (per-tap
     or joined tap norms, a normed residual, the final state as a tap) is refused, saying why."""
     from safetensors.torch import save_file
 
     if draft.fc_norm_kind in NOT_EXPORTABLE:
         raise DynaTreeError(
             f"no eagle3 export: {NOT_EXPORTABLE[draft.fc_norm_kind]}; "
-            "a draft that exports is the fused kind without tap norms (train-packed --kind fused --fc-norm none)"
+            "a draft that exports is the fused kind without tap norms (train-packed --kind fused --fc-norm none, or "
+            "scale: fixed tap scales, folded into fc)"
         )
     if draft.norm_before_residual:
         raise DynaTreeError("a head whose residual is normed has no eagle3 (SGLang) form: export refused")
@@ -321,6 +323,9 @@ def export_eagle3(
     t2d[slots] = True
     state = {k: v for k, v in draft.state_dict().items() if not k.startswith("rotary.")}
     state["lm_head.weight"] = state["lm_head.weight"][1:]
+    if draft.fc_norm_kind == "scale":  # fc(s_i * tap_i) = (fc's columns of tap i times s_i)(tap_i): folded
+        scale = state.pop("tap_scale").float().repeat_interleave(draft.llama_config.hidden_size)
+        state["fc.weight"] = state["fc.weight"].float() * scale
     state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
     state["d2t"], state["t2d"] = d2t.long().contiguous(), t2d
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -336,7 +341,7 @@ def export_eagle3(
         "norm_before_residual": False,  # vLLM's default for flat configs, said
         "eagle_aux_hidden_state_layer_ids": list(draft.taps),  # vLLM: the input of layer i
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [t - 1 for t in draft.taps], "use_aux_hidden_state": True},
-        "dynatree": {"taps": list(draft.taps), "fc_norm": draft.fc_norm_kind, "target": target_name},
+        "dynatree": {"taps": list(draft.taps), "fc_norm": "none", "target": target_name},  # a scale is folded
     }
     (out / "config.json").write_text(json.dumps(fields, indent=1))
     return out

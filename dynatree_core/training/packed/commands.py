@@ -18,10 +18,11 @@ def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--taps", default="eagle3", help='fused kind: "eagle3" or comma-separated layer inputs')
     p.add_argument(
         "--fc-norm",
-        choices=("per_tap", "none", "concat"),
+        choices=("per_tap", "none", "concat", "scale"),
         default="per_tap",
         help='fused kind: how the taps are normed before fc; "none" is the form SGLang and vLLM serve '
-        "(export-feature --layout eagle3 writes no other)",
+        '(export-feature --layout eagle3 writes no other); "scale": a fixed factor a tap from the data, '
+        "folded into fc at that export",
     )
     p.add_argument("--token-map", type=Path, default=SHIPPED / "smollm2-feature-draft")
     p.add_argument("--init-from", type=Path, default=None, help="a saved draft of the same kind (weights only)")
@@ -65,6 +66,20 @@ def start_draft(kind: str, target, token_map, taps, seed: int, *, init_from: Pat
     return draft
 
 
+def set_tap_scale(draft, data, windows: int = 64) -> None:
+    """fc_norm "scale": each tap's factor makes its mean root-mean-square 1 over `windows` training
+    windows spread over the data (their real pairs), so fc sees the taps at one scale, as a per-tap
+    norm would on average, with nothing the eagle3 export cannot fold into fc."""
+    import torch
+
+    rows = data.train_rows[:: max(1, len(data.train_rows) // windows)][:windows]
+    batch = data.batch(rows)
+    taps = batch.inputs[batch.seg >= 0].float()  # (pairs, taps, H)
+    with torch.no_grad():
+        draft.tap_scale.copy_(1.0 / taps.pow(2).mean(-1).sqrt().mean(0))
+    print_now(f"train-packed: tap scales {[round(float(s), 4) for s in draft.tap_scale]}")
+
+
 def _train_packed(args: argparse.Namespace) -> None:
     from dynatree_core.core.models import load_model
     from dynatree_core.core.vocab import TokenMap
@@ -93,6 +108,8 @@ def _train_packed(args: argparse.Namespace) -> None:
     evals = eval_splits(data, ood, cfg)
     draft = start_draft(args.kind, target, token_map, taps, cfg.seed, init_from=args.init_from, out=args.out,
                         fc_norm=args.fc_norm)  # fmt: skip
+    if getattr(draft, "fc_norm_kind", None) == "scale" and not args.init_from:  # a checkpoint restores its own
+        set_tap_scale(draft, data)
     windows = f"{len(data.train_rows)} training windows ({data.answer_pairs():,} answer pairs)"
     print_now(f"train-packed: {args.kind} kind, {windows}, {len(evals['heldout'][1])} held-out and "
               f"{len(ood.eval_rows)} OOD windows evaluated")  # fmt: skip
