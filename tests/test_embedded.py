@@ -153,22 +153,27 @@ def test_draft_levels_on_the_device_build_the_host_paths_trees_with_the_shipped_
             assert sent[1] == sent[2], f"{name}: the verify forward from the device's rows differs"
 
 
-def test_the_shipped_fused_draft_drafts_exactly_and_the_eagle3_export_refuses_it_saying_why(tmp_path):
+def test_the_shipped_fused_draft_drafts_exactly_and_its_eagle3_export_loads_back_with_its_logits(tmp_path):
     """The embedded target's EAGLE-3-form draft (assets/models/smollm2-fused-draft, its head the
-    target's rows) norms each tap before fc (EAGLE 3.1's fc_norm): SGLang's EAGLE-3 reader would
-    drop those weights and vLLM's would refuse them, so the eagle3 export refuses it with the reason
-    and what to train instead, and writes nothing. It still drafts greedy-exactly here."""
+    target's rows) scales each tap by a fixed factor (fc_norm "scale"), which the eagle3 export folds
+    into fc: the file SGLang and vLLM load (float32) reads back as a draft without tap norms whose
+    logits are the shipped draft's. It drafts greedy-exactly here."""
+    from test_published_heads import head_logits
+
     from dynatree_core.drafts.heads import load_head
-    from dynatree_core.drafts.published import export_eagle3
-    from dynatree_core.errors import DynaTreeError
+    from dynatree_core.drafts.published import export_eagle3, layout_of
 
     loaded = embedded()
     draft = load_head(str(EMBEDDED_FUSED_DRAFT_DIR), loaded.model)
-    assert draft.kind == "fused" and draft.taps == (2, 15, 27) and draft.fc_norm_kind == "per_tap"
-    with pytest.raises(DynaTreeError, match="fc_norm per_tap") as caught:
-        export_eagle3(draft, tmp_path / "eagle3", target_name="embedded", dtype=torch.float32)
-    assert "SGLang" in str(caught.value) and "--fc-norm none" in str(caught.value)
-    assert not (tmp_path / "eagle3").exists()
+    assert draft.kind == "fused" and draft.taps == (2, 15, 27) and draft.fc_norm_kind == "scale"
+    out = export_eagle3(draft, tmp_path / "eagle3", target_name="embedded", dtype=torch.float32)
+    back = load_head(str(out), loaded.model)
+    assert layout_of(out) == "eagle3" and back.fc_norm_kind == "none"
+    vocab = loaded.model.config.vocab_size
+    sample = encode_prompt(loaded.tokenizer, PROMPTS[0], chat=True)[:24]
+    want = head_logits(draft, loaded.model, sample, vocab)
+    torch.testing.assert_close(head_logits(back, loaded.model, sample, vocab), want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(head_logits(back, loaded.model, sample, vocab).argmax(-1), want.argmax(-1))
     ids = encode_prompt(loaded.tokenizer, PROMPTS[1], chat=True)
     config = DecodeConfig(max_new_tokens=24, eos_token_ids=loaded.eos_token_ids)
     ref = generate(loaded.model, ids, make_method("ar"), config=config)

@@ -41,7 +41,13 @@ from dynatree_core.forward.kv import KVState
 from dynatree_core.forward.reference import Forward
 
 CONFIG_FILE = "fused_draft.json"
-FC_NORMS = ("per_tap", "none", "concat", "scale")
+# how the taps meet fc (fc_norm), in a model card's words
+FC_NORMS = {
+    "per_tap": "normed layer inputs",
+    "none": "layer inputs as they are",
+    "concat": "layer inputs, normed together",
+    "scale": "layer inputs, each scaled by a fixed factor",
+}
 WEIGHTS_FILE = "fused_draft.safetensors"
 KIND = "fused"
 

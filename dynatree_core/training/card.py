@@ -2,11 +2,10 @@
 `export-feature` (a `train-feature` run: smollm2-feature-draft-corpus; a `train-packed` run:
 smollm2-feature-draft, smollm2-fused-draft), and both exports (weights, card, curve).
 
-A card is a list of sections, each a small function over the run's `curve.json` (its config,
-curve and data), rendered as Markdown: what the draft is, how it was trained (loss, schedule,
-data, the stages before it, the command), its learning curve, the compute from the ledger
-(ledger.py) and, given the quality JSON, its measured quality. Paths in a feature card and its
-curve are written relative to the repository, home or the cache root (runs/environment.portable).
+A card is a list of sections, each a small function over the run's `curve.json` (its config, curve and data), rendered
+as Markdown: what the draft is, how it was trained (loss, schedule, data, the stages before it, the command), its
+learning curve, the compute from the ledger (ledger.py) and, given the quality JSON, its measured quality. Paths in a
+feature card and its curve are written relative to the repository, home or the cache root (runs/environment.portable).
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from dynatree_core.core.presets import REPO_ROOT
+from dynatree_core.drafts.fused import FC_NORMS
 from dynatree_core.runs.environment import portable
 from dynatree_core.training.ledger import totals
 
@@ -300,8 +300,7 @@ def _feature_lines(run_dir: Path, info: dict, chain, command: str, map_size, des
 
 
 def _packed_lines(run_dir: Path, info: dict, chain, command: str, map_size, dest) -> list[str]:
-    """A `train-packed` run (packed/): its kind, loss, schedule, passes, the stages before it, the
-    learning curve over all of them."""
+    """A `train-packed` run (packed/): its kind, loss, schedule, passes, stages before it, the curve over all."""
     cfg, curve, kind = info["config"], info["curve"], info.get("kind", "feature")
     last, data = (curve[-1] if curve else {}), info.get("data") or {}
     start = (chain[0][1].get("data") or {}).get("init_from")
@@ -311,9 +310,10 @@ def _packed_lines(run_dir: Path, info: dict, chain, command: str, map_size, dest
     seen = sum((part["curve"] or [{}])[-1].get("seen", 0) for _, part in chain)
     passes = seen / max(data.get("training_answer_positions", 0), 1)
     fused = kind == "fused"
+    meta = run_dir / "draft" / "fused_draft.json"  # its fc_norm: how the taps meet fc
+    taps = FC_NORMS[json.loads(meta.read_text()).get("fc_norm", "per_tap") if meta.exists() else "per_tap"]
     head = (
-        "a fused-feature (EAGLE-3) head: fc over the target's normed layer inputs, EAGLE-3's layer, "
-        "its own norm and head"
+        f"a fused-feature (EAGLE-3) head: fc over the target's {taps}, EAGLE-3's layer, its own norm and head"
         if fused
         else "a one-layer feature-level (EAGLE-style) head over the target's final hidden states"
     )

@@ -11,6 +11,7 @@ from dynatree_core.training.cli import SHIPPED, Command, answer_dirs, config_fla
 
 
 def _flags(p: argparse.ArgumentParser) -> None:
+    from dynatree_core.drafts.fused import FC_NORMS
     from dynatree_core.training.packed.step import PackedTrainConfig
 
     p.add_argument("--kind", choices=("feature", "fused"), default="fused", help="fused: EAGLE-3's three taps")
@@ -18,7 +19,7 @@ def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--taps", default="eagle3", help='fused kind: "eagle3" or comma-separated layer inputs')
     p.add_argument(
         "--fc-norm",
-        choices=("per_tap", "none", "concat", "scale"),
+        choices=tuple(FC_NORMS),
         default="per_tap",
         help='fused kind: how the taps are normed before fc; "none" is the form SGLang and vLLM serve '
         '(export-feature --layout eagle3 writes no other); "scale": a fixed factor a tap from the data, '
