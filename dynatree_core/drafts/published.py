@@ -299,15 +299,15 @@ def export_eagle3(
     (`"method": "eagle3"`) load: only the tensors both engines' readers have (`fc`, `midlayer.*`,
     `norm`, `lm_head`, `d2t` as offsets, `t2d` as a mask), both engines' layer-id keys, `rope_theta`
     at the top level beside `rope_parameters`; fixed tap scales (fc_norm "scale") folded into `fc`.
-    A draft those readers cannot compute exactly (per-tap
-    or joined tap norms, a normed residual, the final state as a tap) is refused, saying why."""
+    A draft those readers cannot compute exactly (per-tap or joined tap norms, a normed residual,
+    the final state as a tap) is refused, saying why."""
     from safetensors.torch import save_file
 
     if draft.fc_norm_kind in NOT_EXPORTABLE:
         raise DynaTreeError(
             f"no eagle3 export: {NOT_EXPORTABLE[draft.fc_norm_kind]}; "
-            "a draft that exports is the fused kind without tap norms (train-packed --kind fused --fc-norm none, or "
-            "scale: fixed tap scales, folded into fc)"
+            "a draft that exports is the fused kind without tap norms or with fixed tap scales, folded into fc "
+            "(train-packed --kind fused --fc-norm none, or scale)"
         )
     if draft.norm_before_residual:
         raise DynaTreeError("a head whose residual is normed has no eagle3 (SGLang) form: export refused")

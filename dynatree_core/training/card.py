@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from dynatree_core.core.presets import REPO_ROOT
-from dynatree_core.drafts.fused import FC_NORMS
+from dynatree_core.drafts.fused import CONFIG_FILE, FC_NORMS
 from dynatree_core.runs.environment import portable
 from dynatree_core.training.ledger import totals
 
@@ -310,7 +310,7 @@ def _packed_lines(run_dir: Path, info: dict, chain, command: str, map_size, dest
     seen = sum((part["curve"] or [{}])[-1].get("seen", 0) for _, part in chain)
     passes = seen / max(data.get("training_answer_positions", 0), 1)
     fused = kind == "fused"
-    meta = run_dir / "draft" / "fused_draft.json"  # its fc_norm: how the taps meet fc
+    meta = run_dir / "draft" / CONFIG_FILE  # its fc_norm: how the taps meet fc
     taps = FC_NORMS[json.loads(meta.read_text()).get("fc_norm", "per_tap") if meta.exists() else "per_tap"]
     head = (
         f"a fused-feature (EAGLE-3) head: fc over the target's {taps}, EAGLE-3's layer, its own norm and head"
