@@ -5,6 +5,7 @@ papers write them; the library decides the same trees as a few tensor operations
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import torch
@@ -258,3 +259,67 @@ def recycled_best(successors: dict[int, tuple[list[int], list[float]]], root: in
         paths += grown
         frontier = grown
     return [path for path, _, _ in sorted(paths, key=lambda p: (-p[1], len(p[0])))[:budget]]
+
+
+def salf(request, *, nodes: int, batch: int, th: float) -> DraftTree:
+    """SALF (salf-talf-tree-loss-and-stopping.md, Algorithm 2) with heaps, node by node: G keeps the
+    N most probable nodes (root included), Q the N most probable candidates; each step pops B from Q
+    into G (a candidate whose parent left G is passed over), ignores those that cannot stay
+    (pr <= epsilon), stops when the batch's mass is below th, expands the batch in one forward."""
+    drafter, n_max, cap = request.drafter, nodes, request.max_depth
+    tree = DraftTree.with_root(request.root_token)
+    masses: list[float] = []
+    tree.notes = {"salf_mass": masses}
+    g = {0: 0.0}  # node -> log pr: the output tree
+    queue: list[tuple[float, int, int, int, float]] = []  # (-log pr, seq, parent, token, logp)
+    seq, why, stop = 0, {}, Reason.BUDGET
+    batch_nodes = [0]
+    while True:
+        eps = min(g.values()) if len(g) >= n_max else -math.inf  # lines 10-11
+        batch_nodes = [n for n in batch_nodes if n in g and g[n] > eps]  # line 12
+        mass = sum(math.exp(g[n]) for n in batch_nodes)
+        masses.append(mass)
+        if not batch_nodes:
+            break
+        if mass < th:  # line 13
+            stop = Reason.SALF_STOP
+            for node in batch_nodes:
+                why[node] = Reason.SALF_STOP
+            break
+        expand = [n for n in batch_nodes if tree.depths[n] < cap]
+        for node in batch_nodes:
+            if tree.depths[node] >= cap:
+                why[node] = Reason.LENGTH_LIMIT
+        if expand:
+            lp_rows, tok_rows = level_top(drafter.expand(tree, expand), n_max)  # lines 14-20
+            for row, node in enumerate(expand):
+                tree.mark_expanded(node)
+                for lp, tok in zip(lp_rows[row], tok_rows[row], strict=True):
+                    heapq.heappush(queue, (-(g[node] + lp), seq, node, tok, lp))
+                    seq += 1
+            queue = heapq.nsmallest(n_max, queue)  # capacity N: drop the least probable
+            heapq.heapify(queue)
+        batch_nodes = []
+        while queue and len(batch_nodes) < batch:  # lines 5-9
+            neg, _, parent, tok, lp = heapq.heappop(queue)
+            if tree.status[parent] == Status.PRUNED:  # its parent left G: it cannot enter
+                continue
+            node = tree.add(parent, tok, lp)
+            g[node] = -neg
+            batch_nodes.append(node)
+            while len(g) > n_max:  # G keeps N nodes: drop the least probable, latest first
+                victim = min((n for n in g if n), key=lambda n: (g[n], -n))
+                tree.prune(victim, Reason.BUDGET)
+                del g[victim]
+        if not batch_nodes:
+            break
+    for node in g:
+        if node and tree.status[node] == Status.NOT_EXPANDED:
+            tree.mark_leaf(node, why.get(node, Reason.BUDGET))
+    if tree.status[0] == Status.NOT_EXPANDED:
+        tree.mark_leaf(0, why.get(0, Reason.LENGTH_LIMIT))
+    eps = min(g.values()) if len(g) >= n_max else -math.inf
+    for neg, _, parent, tok, lp in sorted(queue):  # candidates that would have fitted
+        if -neg > eps and tree.status[parent] != Status.PRUNED:
+            tree.add(parent, tok, lp, status=Status.PRUNED, reason=stop)
+    return tree

@@ -222,6 +222,7 @@ class PathDrafter:
         self.slots: dict[int, int] = {}
         self.paths: list[tuple] = []
         self.level_paths: list[tuple] = []
+        self.ran: list[list[tuple]] = []  # each forward's rows' paths
 
     def row(self, path: tuple) -> torch.Tensor:
         digest = hashlib.sha256(repr((self.seed, path)).encode()).digest()
@@ -230,7 +231,8 @@ class PathDrafter:
         return torch.log_softmax(values, -1)
 
     def expand(self, tree, nodes):
-        return torch.stack([self.row(tuple(tree.tokens[n] for n in tree.path(n)[1:])) for n in nodes])
+        self.ran.append([tuple(tree.tokens[a] for a in tree.path(n)[1:]) for n in nodes])
+        return torch.stack([self.row(path) for path in self.ran[-1]])
 
     def to_logp(self, logits):
         return logits  # its rows are log-probabilities already
@@ -240,13 +242,22 @@ class PathDrafter:
 
     def expand_level(self, tokens, parents, depth, *, then=None):
         if tokens is None:
-            self.level_paths = [()]
+            self.level_paths = self.row_paths = [()]
         else:
             self.level_paths = [
                 self.level_paths[p] + (t,) for t, p in zip(tokens.tolist(), parents.tolist(), strict=True)
             ]
+        self.ran.append(self.level_paths)
         logits = torch.stack([self.row(p) for p in self.level_paths])
         return logits if then is None else then[1](logits, *then[2])  # the level's decision after its forward
+
+    def expand_rows(self, tokens, parents, depths):
+        """A best-first search's batch (Drafter.expand_rows): parents name rows over every forward."""
+        paths = [self.row_paths[p] + (t,) for t, p in zip(tokens.tolist(), parents.tolist(), strict=True)]
+        assert [len(path) for path in paths] == depths.tolist()
+        self.row_paths = self.row_paths + paths
+        self.ran.append(paths)
+        return torch.stack([self.row(p) for p in paths])
 
     def bind(self, node, level, row):
         self.slots[node] = (level, row)
@@ -376,6 +387,35 @@ def test_dyspec_thresholds_levels_decide_as_the_papers_loops_do(seed, threshold,
     values = {"threshold": threshold, "budget": budget, "depth": depth, "max_children": children}
     trees = decided("dyspec_threshold", values, max_depth, seed)
     assert signature(trees[0]) == signature(trees[1]) == signature(trees[2])
+
+
+def verified_paths(tree) -> dict:
+    """Each verified node's token path with its status, reason and log-probability; the root's state."""
+    path = lambda n: tuple(tree.tokens[a] for a in tree.path(n)[1:])  # noqa: E731
+    out = {path(n): (tree.status[n], tree.reason[n], tree.logp[n]) for n in range(1, len(tree)) if tree.is_verified(n)}
+    return {**out, (): (tree.status[0], tree.reason[0])}
+
+
+@examples(80)
+@given(
+    seed=st.integers(0, 10**6),
+    nodes=st.integers(2, 30),
+    batch=st.integers(1, 8),
+    th=st.sampled_from([0.0, 0.01, 0.1, 0.3, 0.6, 0.9]),
+    max_depth=st.integers(0, 6),
+)
+def test_salfs_tensor_search_decides_as_the_papers_heaps_do(seed, nodes, batch, th, max_depth):
+    """The same G, the same batches (their masses, forwards and rows) as Algorithm 2 with heaps. The
+    pruned candidates shown may differ where a node leaves G within a batch: the heaps pass over its
+    child and pop the next, which cannot enter G either; the tensor search pops the child."""
+    values = {"nodes": nodes, "batch": batch, "th": th}
+    drafters = [PathDrafter(seed), PathDrafter(seed)]
+    request = lambda d: DraftRequest(root_token=7, max_depth=max_depth, drafter=d)  # noqa: E731
+    tree = make_policy("salf", values).draft(request(drafters[0]))
+    ref = reference.salf(request(drafters[1]), **values)
+    assert verified_paths(tree) == verified_paths(ref)
+    assert tree.notes == ref.notes  # the masses, step by step (Theorem 1)
+    assert drafters[0].ran == drafters[1].ran  # the forwards' rows, batch by batch
 
 
 @examples(40)

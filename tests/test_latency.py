@@ -107,14 +107,14 @@ def test_each_timed_level_has_its_nodes_and_starts_from_the_same_draft_cache(mon
     target, heads = _heads()
     draft = tiny_model("qwen2") if kind == "token" else heads[kind]
     calls = []
-    original = Drafter.expand
+    original = Drafter.expand_level
 
-    def spy(self, tree, nodes):
-        calls.append((len(nodes), self.kv.length))
-        return original(self, tree, nodes)
+    def spy(self, tokens, parents, depth, **kw):
+        calls.append((1 if tokens is None else len(tokens), self.kv.length, self.ancestors.shape[0]))
+        return original(self, tokens, parents, depth, **kw)
 
-    monkeypatch.setattr(Drafter, "expand", spy)
+    monkeypatch.setattr(Drafter, "expand_level", spy)
     level_ms(draft, 96, context=7, new_tokens=4, repeats=3)
     root, *levels = calls
-    assert root == (1, 0), "the root's forward reads the context first"
-    assert levels == [(4, 7)] * 4, levels  # warm-up and 3 timed, each after the context alone
+    assert root[:2] == (1, 0), "the root's forward reads the context first"
+    assert levels == [(4, 7, 1)] * 4, levels  # warm-up and 3 timed, each after the context and the root's row alone

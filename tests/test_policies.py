@@ -57,7 +57,7 @@ class ScriptedDrafter:
 
     def expand_level(self, tokens, parents, depth, *, then=None):
         if tokens is None:
-            self.level_paths = [()]
+            self.level_paths = self.row_paths = [()]
         else:
             pairs = zip(tokens.tolist(), parents.tolist(), strict=True)
             self.level_paths = [self.level_paths[p] + (t,) for t, p in pairs]
@@ -65,6 +65,15 @@ class ScriptedDrafter:
         self.expanded.append(list(self.level_paths))
         logits = torch.tensor([self.dist(path) for path in self.level_paths], dtype=torch.float64).log()
         return logits if then is None else then[1](logits, *then[2])  # the level's decision after its forward
+
+    def expand_rows(self, tokens, parents, depths):
+        """A best-first search's batch (Drafter.expand_rows): parents name rows over every forward."""
+        paths = [self.row_paths[p] + (t,) for t, p in zip(tokens.tolist(), parents.tolist(), strict=True)]
+        assert [len(path) for path in paths] == depths.tolist()
+        self.row_paths = self.row_paths + paths
+        self.batches.append(len(paths))
+        self.expanded.append(paths)
+        return torch.tensor([self.dist(path) for path in paths], dtype=torch.float64).log()
 
     def to_logp(self, logits):
         return logits  # its rows are log-probabilities already

@@ -61,6 +61,7 @@ class DySpec(Policy):
         heap: list[tuple[float, int, int]] = []  # (-value, parent, rank): draws that may be taken next
         ahead: dict[tuple[int, int], int] = {}  # (parent, rank) -> node run through the draft early
         pending = [0]  # taken, expandable, not yet run through the draft
+        row_of, level = {0: 0}, 0  # node -> its row, counted over the iteration's forwards; forwards after the root's
         taken = 0
         order: list[float] = []
         tree.notes = {"taken": order}  # node ids in the order the heap gave them
@@ -79,7 +80,8 @@ class DySpec(Policy):
                         probs, toks = children[parent]
                         ahead[(parent, rank)] = tree.add(parent, toks[rank], math.log(probs[rank]))
                         run.append(ahead[(parent, rank)])
-                logp = drafter.expand(tree, run)  # ONE forward: needed nodes + draws run ahead
+                level += run != [0]
+                logp = _forward(drafter, tree, run, row_of, level)  # ONE forward: needed nodes + draws run ahead
                 rows = level_rows(request, logp, c["max_children"])  # one copy for the forward's rows
                 for row, node in enumerate(run):
                     tree.mark_expanded(node)
@@ -122,6 +124,21 @@ class DySpec(Policy):
             for child in range(1, len(tree)):  # node ids grow in rank order under each parent
                 tree.sampled[tree.parents[child]].tokens.append(tree.tokens[child])
         return tree
+
+
+def _forward(drafter, tree: DraftTree, run: list[int], row_of: dict[int, int], level: int) -> torch.Tensor:
+    """The draft's log-probabilities after each node of `run` in ONE forward: the root's alone, or
+    nodes of any depths whose parents ran earlier (Drafter.expand_rows), each bound to its row as
+    the `level`-th forward after the root's."""
+    if run == [0]:
+        return drafter.expand_level(None, None, 0)
+    device = drafter.steps.device
+    fields = [[tree.tokens[n] for n in run], [row_of[tree.parents[n]] for n in run], [tree.depths[n] for n in run]]
+    logp = drafter.expand_rows(*(torch.tensor(f, device=device) for f in fields))
+    for row, node in enumerate(run):
+        row_of[node] = len(row_of)
+        drafter.bind(node, level, row)
+    return logp
 
 
 @register_policy

@@ -32,13 +32,14 @@ from dynatree_core.forward.rows import lineage
 
 # why an admitted candidate is not expanded (Level.leaf), the reasons a level records as codes
 LEAF_REASONS = (None, Reason.DEPTH_LIMIT, Reason.LENGTH_LIMIT, Reason.BUDGET, Reason.EARLY_STOP, Reason.DEPTH_GATE)
-LEAF_REASONS += (Reason.NO_SUCCESSORS, Reason.CONTEXT_END, Reason.CORPUS_END)
+LEAF_REASONS += (Reason.NO_SUCCESSORS, Reason.CONTEXT_END, Reason.CORPUS_END, Reason.SALF_STOP)
 EXPANDED, AT_DEPTH, AT_LENGTH, OVER_BUDGET, EARLY_STOP, DEPTH_GATE, NO_SUCCESSORS, *_ = range(len(LEAF_REASONS))
+SALF_STOPPED = LEAF_REASONS.index(Reason.SALF_STOP)
 
 # a candidate's fate: the runs of a level ordered most probable first (admission.fates), in that order;
-# then a node EAGLE-2's rerank left out (device.grow_all_levels)
-ADMITTED, BUDGET, THRESHOLD, PADDING, RERANKED = range(5)
-PRUNED = {BUDGET: Reason.BUDGET, THRESHOLD: Reason.THRESHOLD, RERANKED: Reason.RERANK}
+# then a node EAGLE-2's rerank left out (device.grow_all_levels), a candidate SALF's stop left out (salf.py)
+ADMITTED, BUDGET, THRESHOLD, PADDING, RERANKED, STOPPED = range(6)
+PRUNED = {BUDGET: Reason.BUDGET, THRESHOLD: Reason.THRESHOLD, RERANKED: Reason.RERANK, STOPPED: Reason.SALF_STOP}
 
 
 @dataclasses.dataclass
@@ -49,7 +50,7 @@ class Level:
     tokens: torch.Tensor  # (C,) long
     logp: torch.Tensor  # (C,) float32: the draft's log-probability of the token
     parents: torch.Tensor  # (C,) long: the row of this forward that proposed it
-    fate: torch.Tensor  # (C,) long: ADMITTED, BUDGET, THRESHOLD, PADDING (a padded row's child) or RERANKED
+    fate: torch.Tensor  # (C,) long: ADMITTED, BUDGET, THRESHOLD, PADDING (not a node), RERANKED or STOPPED
     leaf: torch.Tensor  # (C,) long: why an admitted candidate is not expanded (LEAF_REASONS; 0: it is)
     selected: torch.Tensor  # (W,) long: candidates that are the next forward's rows, in row order
     cum: torch.Tensor  # (C,) float64: cumulative log-probs (they order the verify rows)
@@ -60,6 +61,9 @@ class Level:
     # the candidates are most probable first and the admitted ones lead (device.admitted_levels' levels):
     # the verify rows' order needs no sort by probability or depth
     ranked: bool = False
+    # `selected` counts the candidates of every level so far, not this one's alone: a best-first
+    # search's next rows may be any earlier candidates (salf.py)
+    reach: bool = False
 
     def flat(self) -> torch.Tensor:
         if self.record is not None:
@@ -194,6 +198,8 @@ class TensorTree:
         levels, picks = read
         frontier = [0]  # the node of each row of the level's forward (None: a padding row)
         nodes: list[int | None] = []  # the node each candidate became, over the levels in order
+        codes: list[int] = []  # their leaf codes
+        reach = [lv.reach for lv in self.levels] or [False] * len(levels)  # records alone: levels of their own
         drawn = iter(draws)
         for level, (tokens, logp, parents, fate, leaf, selected) in enumerate(levels, start=1):
             for row, node in enumerate(frontier):
@@ -213,8 +219,10 @@ class TensorTree:
                     made.append(tree.add(frontier[r], t, lp, status=Status.PRUNED, reason=PRUNED[f], source=source))
                 else:
                     made.append(tree.add(frontier[r], t, lp, reason=LEAF_REASONS[code] or default, source=source))
-            frontier = [made[i] if leaf[i] == EXPANDED else None for i in selected]  # the next forward's rows
             nodes += made
+            codes += leaf
+            pool, pool_codes = (nodes, codes) if reach[level - 1] else (made, leaf)
+            frontier = [pool[i] if pool_codes[i] == EXPANDED else None for i in selected]  # the next forward's rows
         return [0] + [nodes[c] for c in picks]
 
 

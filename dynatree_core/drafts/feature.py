@@ -18,7 +18,7 @@ norm is the identity (features are already normalised) and whose embedding table
 (inputs come from `fc`), so the static cache, the lean forward and the HF reference path of
 forward/kv.py all run it unchanged; plus `fc` and a reference to the target's (frozen) input embedding.
 
-`FeatureDrafter` is its `Drafter`: the same `expand` / `commit` contract as the token drafter,
+`FeatureDrafter` is its `Drafter`: the same `expand_level` / `commit` contract as the token drafter,
 so every policy runs unchanged. What differs is what it is fed: the engine hands it the target's
 hidden states for the root and the accepted nodes from the verification forward it already ran
 (`add_features`), and it cannot draft before the target's first forward (`ready`).
@@ -229,7 +229,7 @@ def is_feature_draft_dir(spec: str | None) -> bool:
 class FeatureDrafter(Drafter):
     """The feature draft's per-run session: its own KV cache (entries are (feature, token) pairs,
     one per position from 1 on), the pairs the target has confirmed but the draft has not read
-    yet, and each tree node's predicted feature for its children's inputs.
+    yet, and each tree row's predicted feature for its children's inputs.
 
     Cache layout: entry j holds the pair (f_j, x_{j+1}) at position j + 1, so after the root's
     forward the root's pair (f of the token before it, root) is the last committed entry. Tree
@@ -248,8 +248,9 @@ class FeatureDrafter(Drafter):
         self.draft = draft
         self.pending_features: list[torch.Tensor] = []  # (n_i, H) blocks, in order
         self.pending_tokens: list[int] = []
-        self.out: dict[int, torch.Tensor] = {}  # node -> predicted feature (H,)
+        self.root_state: torch.Tensor | None = None  # the root's predicted feature (H,): its children read it
         self.level_states: torch.Tensor | None = None  # expand_level: the last level's predicted features
+        self.row_states: torch.Tensor | None = None  # expand_rows: every row's predicted feature, the root's first
         self.root_position = 0
 
     @property
@@ -275,7 +276,7 @@ class FeatureDrafter(Drafter):
         kv = self.kv
         if not self.pending_tokens:
             raise DynaTreeError("the feature draft has no target features yet: it drafts from the second iteration")
-        self.slots, self.out = {}, {}
+        self.slots = {}
         feats = torch.cat(self.pending_features) if len(self.pending_features) > 1 else self.pending_features[0]
         past = kv.length
         done = self._captured_root(self.pending_tokens, past + 1, then, feats) if kv.filled else None
@@ -288,27 +289,24 @@ class FeatureDrafter(Drafter):
         self.committed = kv.length
         self.root_position = kv.length
         self.slots[0] = kv.length - 1
-        self.out[0] = out.states[-1]
+        self.root_state = out.states[-1]
         return out.logits, after
 
-    def _nodes(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
-        kv, start = self.kv, self.kv.length
-        positions = [self.root_position + tree.depths[n] for n in nodes]
-        tokens = [tree.tokens[n] for n in nodes]
-        feats = torch.stack([self.out[tree.parents[n]] for n in nodes])
-        embeds = self._pair_rows(torch.tensor(tokens), feats, fused=False)
-        # the root's pair is the last committed entry
-        out = kv.run(self._level_rows(tokens, positions, self._lines(tree, nodes), embeds=embeds, hidden=True))
-        for i, n in enumerate(nodes):
-            self.slots[n] = start + i
-            self.out[n] = out.states[i]
+    def _rows_logits(self, tokens, parents, positions, lines: torch.Tensor) -> torch.Tensor:
+        """expand_rows' forward: each row reads its parent row's predicted feature (`row_states`:
+        every row's of the iteration, the root's first)."""
+        if len(self.level_starts) == 1:
+            self.row_states = self.root_state[None]
+        embeds = self._pair_rows(tokens, self.row_states[parents], fused=False)
+        out = self.kv.run(self._level_rows(tokens, positions, lines, embeds=embeds, hidden=True))
+        self.row_states = torch.cat([self.row_states, out.states])
         return out.logits
 
     def _level_logits(self, tokens, parents, depth: int) -> torch.Tensor:
         """A device level (Drafter.expand_level): each row reads its parent row's predicted feature."""
         p = tokens.shape[0]
         if depth == 1:  # the root's children read the root's predicted feature
-            self.level_states = self.out[0][None]
+            self.level_states = self.root_state[None]
         feats = self.level_states[parents]
         positions = torch.full((p,), self.root_position + depth, dtype=torch.long, device=tokens.device)
         embeds = self._pair_rows(tokens, feats, fused=False)
@@ -320,7 +318,7 @@ class FeatureDrafter(Drafter):
 
     def _level_inputs(self, depth: int) -> tuple[torch.Tensor, ...]:
         """A captured level reads its parents' predicted features (the root's, then the last level's)."""
-        return (self.out[0][None] if depth == 1 else self.level_states,)
+        return (self.root_state[None] if depth == 1 else self.level_states,)
 
     def _level_embeds(self, tokens, parents, width: int, features) -> torch.Tensor:
         return self._padded(self._pair_rows(tokens, features[parents], fused=False), width)
@@ -346,4 +344,4 @@ class FeatureDrafter(Drafter):
         `add_features` (the target's true features for the root and the accepted nodes)."""
         if 0 in self.slots:
             self.kv.keep(list(range(self.committed)))
-        self.slots, self.out = {}, {}
+        self.slots = {}

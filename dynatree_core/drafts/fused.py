@@ -18,7 +18,7 @@ Weights are named as SafeAILab's and SpecForge's EAGLE-3 heads name them (`fc`, 
 `norm`, `lm_head`; docs/published-heads.md), so export and import are renames at most.
 The head covers the token map's slots (core/vocab.py); slot 0 (OTHER) is never proposed.
 
-`FusedDrafter` is its `Drafter`: the same `expand` / `commit` contract as every drafter; its KV
+`FusedDrafter` is its `Drafter`: the same `expand_level` / `commit` contract as every drafter; its KV
 cache is the project's static cache (forward/kv.py) driven by this module's own forward (`own_forward`).
 """
 

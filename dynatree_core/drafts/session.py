@@ -1,12 +1,12 @@
 """The draft model's session for one run: its own KV cache, expanded one tree level per forward.
 
 A policy never touches caches or masks: it asks the session for the draft distributions of a
-whole tree level at once (`expand(tree, nodes)`, one draft forward), and the engine tells it
-which nodes were accepted (`commit`, KV compaction). A policy that keeps its levels on the
-device (drafting/device.py) asks with device tensors instead (`expand_level`: no host read; the
-masks are built there from each row's parent row) and names the nodes' slots once it has read
-its tree (`bind`). Token drafts use this class as it is;
-feature and fused heads (feature.py, fused.py) subclass it.
+whole tree level at once, with device tensors (`expand_level`: one draft forward, no host read;
+the masks are built there from each row's parent row; `expand_rows` for a best-first search's
+batch, whose rows' parents may sit in any earlier forward), names the nodes' slots once it has
+read its tree (`bind`), and the engine tells it which nodes were accepted (`commit`, KV
+compaction). Token drafts use this class as it is; feature and fused heads (feature.py,
+fused.py) subclass it.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class Drafter:
         # the first slot of every level after the root's
         self.ancestors = torch.zeros(1, 0, dtype=torch.long)
         self.level_starts: list[int] = []
+        self.row_lines = self.ancestors  # expand_rows: every row's ancestors' slots and itself, the root's first
         self._committed_on_device: torch.Tensor | None = None  # _upload_committed
 
     @property
@@ -59,19 +60,6 @@ class Drafter:
     def steps(self):
         """The tensor work between its forwards, captured where they are (forward/capture.StepGraphs)."""
         return self.kv.steps
-
-    def expand(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
-        """Draft log-probabilities for the children of `nodes`, in one forward.
-
-        `nodes` is either [0] (the root: runs the pending committed tokens, root last) or a
-        list of verified nodes whose parents were expanded earlier in this iteration.
-        Returns: (len(nodes), vocab) float32 log-probabilities.
-        """
-        return self.to_logp(self.expand_logits(tree, nodes))
-
-    def expand_logits(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
-        """`expand`'s forward: the draft's logits, before `to_logp`."""
-        return self._root(None)[0] if nodes == [0] else self._nodes(tree, nodes)
 
     def _root(self, then: tuple | None) -> tuple[torch.Tensor, tuple | None]:
         """The root's forward (the pending committed tokens, root last): its logits, and what
@@ -86,16 +74,6 @@ class Drafter:
         self.committed = kv.length
         self.slots[0] = kv.length - 1
         return out.logits, after
-
-    def _nodes(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
-        """The forward of nodes drafted on the host (their parents expanded earlier this iteration),
-        as a device level's: each sees the committed entries, its ancestors' slots and its own."""
-        kv, start = self.kv, self.kv.length
-        positions = [self.committed - 1 + tree.depths[n] for n in nodes]
-        ids = self._draft_ids([tree.tokens[n] for n in nodes])
-        logits = kv.run(self._level_rows(ids, positions, self._lines(tree, nodes))).logits
-        self.slots.update({n: start + i for i, n in enumerate(nodes)})
-        return logits
 
     def expand_level(
         self,
@@ -119,6 +97,24 @@ class Drafter:
             key, fn, inputs = then
             after = self.steps(key, fn, logits, *inputs)
         return after
+
+    def expand_rows(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        """One forward over tree rows of any depths, after the root's (`expand_level(None, None, 0)`):
+        a best-first search's batch (drafting/salf.py, dyspec.py). `tokens` (P,) at `depths` (P,),
+        `parents` (P,) their parents' rows counted over the iteration's forwards: the root's row 0,
+        then each `expand_rows` forward's rows in order. Each row sees the committed entries, its
+        ancestors' slots and its own; the f-th such forward's rows bind as level f (`bind`).
+        Returns (P, vocab) log-probabilities."""
+        start = self.kv.length
+        if not self.level_starts:  # the first batch after the root: the rows' table holds the root's row
+            self.row_lines = torch.full((1, 1), self.committed - 1, dtype=torch.long, device=tokens.device)
+        self.level_starts.append(start)
+        table = self.row_lines
+        own = counting(start + tokens.shape[0], tokens.device)[start:]
+        lines = torch.cat([table[parents], own[:, None]], dim=1)  # a row's ancestors' slots and its own
+        self.row_lines = torch.cat([torch.cat([table, table[:, -1:]], dim=1), lines])  # a slot repeated: one seen
+        positions = self.committed + self.position_shift + depths
+        return self.to_logp(self._rows_logits(tokens, parents, positions, lines))
 
     def _level(self, tokens, parents, depth: int, then) -> tuple[torch.Tensor, tuple | None]:
         """expand_level's forward: its logits, and `then`'s outputs where they ran in its step."""
@@ -221,13 +217,9 @@ class Drafter:
         drafted by `expand_level`: its cache slot, for `commit`."""
         self.slots[node] = self.level_starts[level - 1] + row
 
-    def _lines(self, tree: DraftTree, nodes: list[int]) -> torch.Tensor:
-        """(q, d) the slots of nodes drafted on the host (any depths) name: their ancestors' (the
-        root's, committed, apart) and their own, right after the cache's entries."""
-        length = self.kv.length
-        slots = [[self.slots[a] for a in tree.path(node)[1:-1]] + [length + i] for i, node in enumerate(nodes)]
-        most = max(len(s) for s in slots)
-        return torch.tensor([s + s[-1:] * (most - len(s)) for s in slots])
+    def _rows_logits(self, tokens, parents, positions, lines: torch.Tensor) -> torch.Tensor:
+        """expand_rows' forward: its rows see the committed entries and the slots their `lines` name."""
+        return self.kv.run(self._level_rows(self._draft_ids(tokens), positions, lines)).logits
 
     def level_top(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The `k` most probable children of each row (at most as many as it can propose): their

@@ -7,7 +7,7 @@ engine's own paths, the cache cut back after each forward:
 
 - the target: `KVState.run` over a chain of n new tokens (a tree mask costs the same);
 - the draft, whatever its kind (a standalone LM, a feature or fused head): its drafter's level
-  step (`Drafter.expand`, drafts/session.py) over n children of the root, i.e. one draft level of
+  step (`Drafter.expand_level`, drafts/session.py) over n children of the root, i.e. one draft level of
   n nodes, input rows and log-probabilities included. A head reads the target's hidden states:
   the context is fed as zero features of the shape its taps take, which costs what real ones do.
 """
@@ -23,7 +23,6 @@ import torch
 
 from dynatree_core.core.settings import ForwardSettings
 from dynatree_core.core.taps import FINAL
-from dynatree_core.core.tree import DraftTree
 from dynatree_core.core.vocab import TokenMap
 from dynatree_core.decoding.engine import vocab_size
 from dynatree_core.drafts.heads import make_drafter
@@ -108,14 +107,15 @@ def level_ms(
         hidden = draft.config.hidden_size
         shape = (context, hidden) if drafter.taps == (FINAL,) else (context, len(drafter.taps), hidden)
         drafter.add_features(torch.zeros(shape, dtype=draft.dtype, device=drafter.kv.device), ids[:context])
-    tree = DraftTree.with_root(ids[context - 1])
-    drafter.expand(tree, [0])  # the root's forward: the context goes into the draft's cache
-    nodes = [tree.add(0, tok, 0.0) for tok in ids[context:]]
+    drafter.expand_level(None, None, 0)  # the root's forward: the context goes into the draft's cache
+    tokens = torch.tensor(ids[context:], device=drafter.kv.device)
+    parents, root = torch.zeros_like(tokens), drafter.ancestors  # every node a child of the root's row
 
     def restore() -> None:
         drafter.kv.keep(list(range(drafter.committed)))
+        drafter.ancestors, drafter.level_starts = root, []
 
-    return _median_ms(lambda: drafter.expand(tree, nodes), restore, drafter.kv.device, repeats)
+    return _median_ms(lambda: drafter.expand_level(tokens, parents, 1), restore, drafter.kv.device, repeats)
 
 
 def profile(
