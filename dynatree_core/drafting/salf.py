@@ -53,39 +53,38 @@ class Salf(Policy):
     def draft(self, request: DraftRequest) -> DraftTree:
         drafter, c = drafter_of(request), self.config
         tree = DraftTree.with_root(request.root_token)
-        search = _Search(c["nodes"], c["batch"], c["th"], request.max_depth)
+        search = _Search(c["nodes"], c["batch"], c["th"], request.max_depth, drafter.steps.device)
         tree.notes = {"salf_mass": search.masses}
         if search.cap <= 0:
             tree.mark_leaf(0, Reason.LENGTH_LIMIT)
             return tree
-        logp = drafter.expand_level(None, None, 0)  # the root's forward
-        grown = TensorTree(request.root_token)
-        while True:
-            rows = search.add(logp)
-            grown.levels.append(rows)
-            expand = search.step()
-            if expand is None:
-                break
-            logp = drafter.expand_rows(*search.rows(expand))  # ONE forward for the batch (lines 14-20)
+        grown, rows = TensorTree(request.root_token), (None, None, 0)  # the root's forward first
+        while rows is not None:
+            logp = drafter.expand_level(*rows) if rows[0] is None else drafter.expand_rows(*rows)  # ONE forward
+            grown.levels.append(search.add(logp))
+            rows = search.step()  # lines 5-20: the next batch's rows, None once the tree is final
         search.decide(grown.levels)
         grown.view(tree, grown.read(None, drafter.steps, 0), drafter)
         return tree
 
 
 class _Search:
-    """Algorithm 2's state over every candidate drafted so far (the pool, in the order the forwards
-    proposed them: a candidate's index is its push order, Q's tie-break): each one's token, float32
-    draft log-probability, float64 path log-probability, parent row and depth, and masks: in Q,
-    popped, the row it became. G's nodes are kept in the order they were popped (its tie-break: of
-    equal probabilities the latest leaves first). The root is row 0, always in G."""
+    """Algorithm 2's state over every candidate drafted so far, in the order the forwards proposed
+    them (a candidate's index is its push order: Q's tie-break): `pool`'s columns are each one's
+    token, float32 draft log-probability, path log-probability, parent row and depth (float64 holds
+    them exactly); masks say which are in Q, which were popped, the row each became (-1: none). G's
+    nodes are kept in popped order (of equal probabilities the latest leaves first); the root is
+    row 0, always in G."""
 
-    def __init__(self, nodes: int, batch: int, th: float, max_depth: int):
+    TOKEN, LOGP, CUM, PARENT, DEPTH = range(5)
+
+    def __init__(self, nodes: int, batch: int, th: float, max_depth: int, device: torch.device):
         self.n, self.b, self.th, self.cap = nodes, batch, th, max_depth
         self.masses = [1.0]  # the root's step: D = {root}, whose mass is 1
-        self.fields: list[torch.Tensor] = []  # tokens, logp, cum, parent row, depth: one entry a candidate
-        self.in_q = self.popped = self.row_of = self.g = None  # g: G's nodes but the root, in popped order
-        self.rows_cum: torch.Tensor | None = None  # each drafted row's cum and depth, the root's first
-        self.rows_depth: torch.Tensor | None = None
+        self.pool = torch.zeros(0, 5, dtype=torch.float64, device=device)
+        self.in_q = self.popped = torch.zeros(0, dtype=torch.bool, device=device)
+        self.row_of = self.g = torch.zeros(0, dtype=torch.long, device=device)
+        self.rows = torch.zeros(1, 2, dtype=torch.float64, device=device)  # each row's cum and depth, the root's first
         self.batches: list[torch.Tensor] = []  # the candidates each forward after the root's ran, in row order
         self.stop, self.leaves = Reason.BUDGET, {}  # why the search ended; candidate -> leaf code of D left unexpanded
 
@@ -94,39 +93,36 @@ class _Search:
         joined to the pool and to Q (line 20), Q cut to its capacity N; the forward's `Level`."""
         lp, tokens = logp.topk(min(self.n, logp.shape[-1]), dim=-1)
         lp = lp.float()  # what a level records (Level.logp), and what pr is made of
-        (p, k), device = lp.shape, lp.device
-        if self.rows_cum is None:  # the root's forward
-            self.rows_cum = torch.zeros(1, dtype=torch.float64, device=device)
-            self.rows_depth = torch.zeros(1, dtype=torch.long, device=device)
-            self.g = self.rows_depth[:0]
-        first = self.rows_cum.shape[0] - p  # the forward's first row
-        cum = (self.rows_cum[first:, None] + lp.double()).flatten()  # a child's pr: its parent's times its p
-        own = torch.arange(p, device=device).repeat_interleave(k)
-        fields = [tokens.flatten(), lp.flatten().float(), cum, own + first, self.rows_depth[first:][own] + 1]
-        self.fields = [torch.cat(pair) for pair in zip(self.fields, fields, strict=True)] if self.fields else fields
-        fresh = torch.ones(p * k, dtype=torch.bool, device=device)
-        self.in_q = fresh if self.in_q is None else torch.cat([self.in_q, fresh])
-        self.popped = ~fresh if self.popped is None else torch.cat([self.popped, ~fresh])
-        unrun = torch.full_like(own, -1)
-        self.row_of = unrun if self.row_of is None else torch.cat([self.row_of, unrun])
+        (p, k), first = lp.shape, self.rows.shape[0] - lp.shape[0]  # the forward's first row
+        own = torch.arange(p, device=lp.device).repeat_interleave(k)
+        parent = self.rows[first:][own]
+        cum = parent[:, 0] + lp.flatten().double()  # a child's pr: its parent's times its p
+        new = torch.stack(
+            [tokens.flatten().double(), lp.flatten().double(), cum, (own + first).double(), parent[:, 1] + 1], 1
+        )
+        self.pool = torch.cat([self.pool, new])
+        self.in_q = torch.cat([self.in_q, torch.ones_like(own, dtype=torch.bool)])
+        self.popped = torch.cat([self.popped, torch.zeros_like(own, dtype=torch.bool)])
+        self.row_of = torch.cat([self.row_of, torch.full_like(own, -1)])
         self.in_q[self._ranked(self.in_q)[self.n :]] = False  # capacity N: the least probable leave Q for good
-        return Level(fields[0], fields[1], own, fate=None, leaf=None, selected=None, cum=cum, reach=True)
+        return Level(tokens.flatten(), lp.flatten(), own, fate=None, leaf=None, selected=None, cum=cum, reach=True)
 
     def _ranked(self, mask: torch.Tensor) -> torch.Tensor:
         """The candidates in `mask`, most probable first, ties in push order (a stable sort)."""
         index = mask.nonzero()[:, 0]
-        return index[torch.sort(self.fields[2][index], descending=True, stable=True).indices]
+        return index[torch.sort(self.pool[index, self.CUM], descending=True, stable=True).indices]
 
-    def step(self) -> torch.Tensor | None:
+    def step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Pop up to B candidates from Q into G (lines 5-9: a candidate whose parent left G cannot
         enter it and is passed over), cut G to N nodes (the least probable leave it, latest first),
         keep of the batch the nodes that stay in G (lines 10-12), record its mass and stop below th
-        (line 13). Returns the batch's candidates to expand (those at the depth cap are leaves), None
-        once the tree is final; a batch wholly at the cap pops again with no forward."""
-        cum = self.fields[2]
+        (line 13). Returns the next forward's rows (Drafter.expand_rows: the batch's tokens, parent
+        rows, depths; those at the depth cap are leaves), None once the tree is final; a batch wholly
+        at the cap pops again with no forward."""
+        cum = self.pool[:, self.CUM]
         while True:
             queue = self._ranked(self.in_q)
-            alive = self._alive()[self.fields[3][queue]]
+            alive = self._alive()[self.pool[queue, self.PARENT].long()]
             taken = alive & (alive.cumsum(0) <= self.b)
             batch = queue[taken]
             self.in_q[queue[: _through_last(taken)]] = False  # popped, or passed over on the way
@@ -137,25 +133,31 @@ class _Search:
             kept = torch.sort(cum[g], descending=True, stable=True).indices[: self.n - 1]
             self.g = g[kept.sort().values]  # G keeps N nodes, the root included, in popped order
             d = batch[torch.isin(batch, self.g) & (cum[batch] > self._eps())]
-            values = to_list(torch.cat([cum[d], d.double(), self.fields[4][d].double()]))  # one read a step
+            values = to_list(torch.cat([cum[d], d.double(), self.pool[d, self.DEPTH]]))  # one read a step
             m = d.shape[0]
             mass = sum(math.exp(v) for v in values[:m])
             self.masses.append(mass)
-            nodes, depths = [int(v) for v in values[m : 2 * m]], values[2 * m :]
-            if not nodes:
-                return None
-            if mass < self.th:
-                self.stop = Reason.SALF_STOP
+            nodes, deeper = [int(v) for v in values[m : 2 * m]], [v < self.cap for v in values[2 * m :]]
+            if mass < self.th or not nodes:
+                self.stop = Reason.SALF_STOP if nodes else self.stop
                 self.leaves.update(dict.fromkeys(nodes, SALF_STOPPED))
                 return None
-            deeper = [depth < self.cap for depth in depths]
             self.leaves.update({n: AT_LENGTH for n, ok in zip(nodes, deeper, strict=True) if not ok})
             if any(deeper):
-                return d[torch.tensor(deeper, device=d.device)]
+                return self._rows(d[torch.tensor(deeper, device=d.device)])
+
+    def _rows(self, expand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The batch's candidates as rows numbered after every row so far, and the forward's inputs."""
+        first = self.rows.shape[0]
+        self.row_of[expand] = torch.arange(first, first + expand.shape[0], device=expand.device)
+        self.rows = torch.cat([self.rows, self.pool[expand][:, [self.CUM, self.DEPTH]]])
+        self.batches.append(expand)
+        tokens, parents, depths = self.pool[expand][:, [self.TOKEN, self.PARENT, self.DEPTH]].long().unbind(1)
+        return tokens, parents, depths
 
     def _alive(self) -> torch.Tensor:
         """Per drafted row, whether its node is in G (the root's always is)."""
-        alive = torch.zeros_like(self.rows_cum, dtype=torch.bool)
+        alive = torch.zeros(self.rows.shape[0], dtype=torch.bool, device=self.g.device)
         alive[0] = True
         rows = self.row_of[self.g]
         alive[rows[rows >= 0]] = True
@@ -163,35 +165,21 @@ class _Search:
 
     def _eps(self) -> float | torch.Tensor:
         """Lines 10-11: the least probability in G once it holds N nodes, else -inf."""
-        return self.fields[2][self.g].min() if self.g.shape[0] + 1 >= self.n else -math.inf
-
-    def rows(self, expand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The next forward's rows (Drafter.expand_rows): the batch's tokens, parent rows and depths;
-        they are numbered after every row so far."""
-        first = self.rows_cum.shape[0]
-        self.row_of[expand] = torch.arange(first, first + expand.shape[0], device=expand.device)
-        self.rows_cum = torch.cat([self.rows_cum, self.fields[2][expand]])
-        self.rows_depth = torch.cat([self.rows_depth, self.fields[4][expand]])
-        self.batches.append(expand)
-        return self.fields[0][expand], self.fields[3][expand], self.fields[4][expand]
+        return self.pool[self.g, self.CUM].min() if self.g.shape[0] + 1 >= self.n else -math.inf
 
     def decide(self, levels: list[Level]) -> None:
         """Every candidate's fate, written on its level: G's nodes admitted (leaves unless a forward
         ran them: SALF's stop, the depth cap, else the budget); popped and out of G: pruned (budget);
         left in Q, probable enough to fit and under a node of G: pruned with the search's stop
         reason; the rest are no nodes. Each level's next rows: the candidates the next forward ran."""
-        cum = self.fields[2]
-        in_g = torch.zeros_like(self.in_q)
-        in_g[self.g] = True
         ran = self.row_of >= 0
-        fits = self.in_q & (cum > self._eps()) & self._alive()[self.fields[3]]
+        fits = self.in_q & (self.pool[:, self.CUM] > self._eps()) & self._alive()[self.pool[:, self.PARENT].long()]
         fate = torch.full_like(self.row_of, PADDING)
         fate[fits] = STOPPED if self.stop == Reason.SALF_STOP else BUDGET
         fate[self.popped] = BUDGET
-        fate[in_g] = ADMITTED
+        fate[self.g] = ADMITTED
         leaf = torch.where(ran, EXPANDED, OVER_BUDGET)
-        for node, code in self.leaves.items():
-            leaf[node] = code
+        leaf[list(self.leaves)] = torch.tensor(list(self.leaves.values()), dtype=torch.long, device=leaf.device)
         sizes = [lv.tokens.shape[0] for lv in levels]
         nexts = [*self.batches, self.row_of[:0]]  # the last forward's candidates ran nowhere
         for lv, f, code, selected in zip(levels, fate.split(sizes), leaf.split(sizes), nexts, strict=True):
