@@ -323,3 +323,91 @@ def salf(request, *, nodes: int, batch: int, th: float) -> DraftTree:
         if -neg > eps and tree.status[parent] != Status.PRUNED:
             tree.add(parent, tok, lp, status=Status.PRUNED, reason=stop)
     return tree
+
+
+def dyspec(request, *, budget: int, depth: int, max_children: int, batch: int) -> DraftTree:
+    """DySpec's greedy expansion (dyspec-dynamic-token-tree.md §4.2, App. A.1) with a heap, one draw
+    taken at a time: the expandable draw of highest value (the telescoped sibling value: the path's
+    probability, here as its log) is taken next; taking u's rank-i child makes u's rank-(i+1) child and
+    the new node's first child expandable. A forward runs the taken nodes waiting for it and the best
+    waiting draws ahead of their turn (up to `batch`); draws run ahead but never taken are pruned.
+    Ties go to the draw pushed first (its forward, row and rank: `seq`)."""
+    drafter, m = request.drafter, max_children
+    tree, cap = start_tree(request, depth)
+    if cap <= 0:
+        return tree
+    value = {0: 0.0}  # node -> log of its estimated value
+    children: dict[int, tuple[list[float], list[int], int]] = {}  # run node -> (log-probs, tokens, first seq)
+    heap: list[tuple[float, int, int, int]] = []  # (-value, seq, parent, rank)
+    ahead: dict[tuple[int, int], int] = {}
+    pending, taken, order, slots = [0], 0, [], 0
+    tree.notes = {"taken": order}
+
+    def push(parent: int, rank: int) -> None:
+        lps, _, first = children[parent]
+        if rank < len(lps):
+            heapq.heappush(heap, (-(value[parent] + lps[rank]), first + rank, parent, rank))
+
+    while taken < budget:
+        bound = max((value[n] for n in pending), default=-math.inf)
+        if pending and (not heap or -heap[0][0] < bound):
+            run = list(pending)
+            for _neg, _seq, parent, rank in heapq.nsmallest(batch, heap):
+                if len(run) >= batch:
+                    break
+                if (parent, rank) not in ahead and tree.depths[parent] + 1 < cap:
+                    lps, toks, _ = children[parent]
+                    ahead[(parent, rank)] = tree.add(parent, toks[rank], lps[rank])
+                    run.append(ahead[(parent, rank)])
+            logp = drafter.expand(tree, run)
+            if request.draw == "top":
+                lp_rows, tok_rows = level_top(logp, m)
+                width = len(lp_rows[0])
+            else:
+                width = m
+            q_rows = level_q(request, logp)
+            for row, node in enumerate(run):
+                tree.mark_expanded(node)
+                if request.draw == "top":
+                    lps, toks = lp_rows[row], tok_rows[row]
+                else:
+                    q = tree.record_draws(node, q_rows[row]).dense()
+                    toks = torch.multinomial(q, min(m, int((q > 0).sum())), replacement=False, generator=request.gen)
+                    toks = toks.tolist()
+                    lps = [math.log(float(q[t])) for t in toks]
+                children[node] = (lps, toks, slots + row * width)
+            slots += len(run) * width
+            for node in pending:
+                push(node, 0)
+            pending = []
+            continue
+        if not heap:
+            break
+        neg, _seq, parent, rank = heapq.heappop(heap)
+        lps, toks, _ = children[parent]
+        node = ahead.pop((parent, rank), None)
+        if node is None:
+            node = tree.add(parent, toks[rank], lps[rank])
+        value[node], taken = -neg, taken + 1
+        order.append(float(node))
+        push(parent, rank + 1)
+        if tree.depths[node] >= cap:
+            tree.mark_leaf(node, leaf_reason(cap, depth))
+        elif node in children:  # already run ahead: its first child is known
+            push(node, 0)
+        else:
+            pending.append(node)
+    for node in pending:
+        tree.mark_leaf(node, Reason.BUDGET)
+    for node in ahead.values():
+        tree.prune(node, Reason.BUDGET)
+    left = [(s, p, r) for _n, s, p, r in sorted(heap) if (p, r) not in ahead]
+    if request.draw == "top":
+        left = left[:m]
+    for _s, parent, rank in left:  # the best draws left out
+        lps, toks, _ = children[parent]
+        tree.add(parent, toks[rank], lps[rank], status=Status.PRUNED, reason=Reason.BUDGET)
+    if request.draw != "top":  # each node's draws: its children in rank order, taken and the next one
+        for child in range(1, len(tree)):
+            tree.sampled[tree.parents[child]].tokens.append(tree.tokens[child])
+    return tree

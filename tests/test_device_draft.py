@@ -418,6 +418,51 @@ def test_salfs_tensor_search_decides_as_the_papers_heaps_do(seed, nodes, batch, 
     assert drafters[0].ran == drafters[1].ran  # the forwards' rows, batch by batch
 
 
+def canonical(tree) -> tuple:
+    """A tree as its nodes' token paths (node ids apart): each one's status, reason and
+    log-probability; DySpec's taken nodes in order; each verified node's draws."""
+    path = lambda n: tuple(tree.tokens[a] for a in tree.path(n)[1:])  # noqa: E731
+    nodes = {path(n): (tree.status[n], tree.reason[n], tree.logp[n]) for n in range(len(tree))}
+    taken = [path(int(n)) for n in (tree.notes or {}).get("taken", [])]
+    draws = {path(n): (d.tokens, d.weights.tolist()) for n, d in tree.sampled.items() if n == 0 or tree.is_verified(n)}
+    return nodes, taken, draws
+
+
+@examples(80)
+@given(
+    seed=st.integers(0, 10**6),
+    budget=st.integers(1, 30),
+    depth=st.integers(1, 6),
+    children=st.integers(1, 6),
+    batch=st.integers(1, 8),
+    max_depth=st.integers(0, 7),
+    draw=st.sampled_from(["top", "without_replacement"]),
+    temperature=st.sampled_from([0.5, 1.0, 1.7]),
+)
+def test_dyspecs_tensor_search_decides_as_the_papers_heap_does(
+    seed, budget, depth, children, batch, max_depth, draw, temperature
+):
+    """DySpec's greedy expansion on the pool (dyspec._Greedy) and with a heap, node by node
+    (reference_drafting.dyspec): the same tree node for node (reasons, the draws left out, the run
+    ahead), the same takes in order, the same forwards' rows and, sampled, the same draws."""
+    from dynatree_core.core.sampling_config import SamplingConfig
+
+    values = {"budget": budget, "depth": depth, "max_children": children, "batch": batch}
+
+    def request():
+        if draw == "top":
+            return DraftRequest(root_token=7, max_depth=max_depth, drafter=PathDrafter(seed))
+        sampling, gen = SamplingConfig(temperature=temperature, top_k=8), torch.Generator().manual_seed(seed)
+        return DraftRequest(
+            root_token=7, max_depth=max_depth, drafter=PathDrafter(seed), draw=draw, sampling=sampling, gen=gen
+        )
+
+    requests = [request(), request()]
+    tree, ref = make_policy("dyspec", values).draft(requests[0]), reference.dyspec(requests[1], **values)
+    assert canonical(tree) == canonical(ref)
+    assert requests[0].drafter.ran == requests[1].drafter.ran
+
+
 @examples(40)
 @given(seed=st.integers(0, 10**6), k=st.integers(1, 5), l1=st.integers(0, 4), l2=st.integers(0, 4))
 def test_delayed_trees_decide_as_the_papers_loops_do(seed, k, l1, l2):

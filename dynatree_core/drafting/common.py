@@ -1,15 +1,12 @@
-"""Helpers every tree policy shares: the drafter of a request, level admission under a threshold
-and a node budget (with the pruning reasons), a new tree with its depth cap, leaf reasons, the
-ranked children of a node and DySpec's sibling value. One module, imported by every policy."""
+"""Helpers every tree policy shares: the drafter of a request, a new tree with its depth cap, leaf
+reasons and DySpec's sibling value. One module, imported by every policy."""
 
 from __future__ import annotations
 
 import math
 
-import torch
-
 from dynatree_core.core.tree import DraftTree, Reason
-from dynatree_core.drafting.request import DraftRequest, level_q, level_top
+from dynatree_core.drafting.request import DraftRequest
 from dynatree_core.drafts.session import Drafter
 from dynatree_core.errors import DynaTreeError
 
@@ -52,24 +49,3 @@ def sibling_value(parent_value: float, probs: list[float], rank: int) -> float:
         mass_left -= probs[j]
     r_i = probs[rank] / mass_left if mass_left > 0 else 0.0
     return parent_value * rejected * r_i
-
-
-def level_rows(request: DraftRequest, logp, m: int) -> list:
-    """Per row of a draft forward, what `ranked_children` reads, copied to the host in one go:
-    (probabilities, tokens) of the top m, or for sampled drafting (the adjusted distribution, m)."""
-    if request.draw == "top":
-        lp_rows, tok_rows = level_top(logp, m)
-        return [([math.exp(lp) for lp in lps], toks) for lps, toks in zip(lp_rows, tok_rows, strict=True)]
-    return [(q, m) for q in level_q(request, logp)]
-
-
-def ranked_children(request: DraftRequest, tree: DraftTree, node: int, row) -> tuple[list[float], list[int]]:
-    """(probabilities, tokens) of a node's candidate children in rank order, from its `level_rows`
-    row: the draft's top m, or, for sampled drafting, m draws without replacement from the
-    adjusted draft distribution (DySpec's sampled tree; the draw order is the rank)."""
-    if request.draw == "top":
-        return row
-    q, m = row
-    q = tree.record_draws(node, q).dense()  # the draws are listed once the tree is built (dyspec.py)
-    toks = torch.multinomial(q, min(m, int((q > 0).sum())), replacement=False, generator=request.gen).tolist()
-    return [float(q[t]) for t in toks], toks

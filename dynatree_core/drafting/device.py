@@ -1,7 +1,7 @@
 """A tree's draft levels decided as tensors, on whatever device the models are on.
 
 Every greedy ("top") level-by-level tree policy drafts here, and sampled fixed_tree, linear and delayed
-(salf grows the same tree by its own best-first search: salf.py; dyspec's heap decides on the host). A level is one
+(salf and dyspec grow the same tree by best-first searches: salf.py, dyspec.py, search.py). A level is one
 draft forward over its rows; its decision (the children each row proposes, their order, which are
 admitted under a threshold and a node budget, and why an admitted child will not be expanded) is
 a few tensor operations on the level's log-probabilities, recorded as a `Level` of the iteration's
