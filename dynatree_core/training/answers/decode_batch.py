@@ -3,9 +3,9 @@
 A feature draft (drafts/feature.py) learns from the target's own answers and the target's
 final hidden states along them. Generating the answers with HF `generate` and then labelling
 them in a second teacher-forced pass computes every hidden state twice; here the target decodes
-a batch of prompts through its lean blocks (forward/fastpath.py) over preallocated KV buffers, and the
-post-norm hidden state of every row it reads is the feature, kept as it goes (the forward,
-the sampling and the compact teacher: decode_ops.py):
+a batch of prompts, each with its own preallocated cache, through the lean forward every run takes
+(forward/batched.SequenceCaches.run(rows)), and the post-norm hidden state of every row it reads is
+the feature, kept as it goes (the sampling and the compact teacher: decode_ops.py):
 
     prefill: rows (B, P), right-padded  -> features of the prompt positions, first next-token logits
     step t:  one token per row (B, 1)   -> the feature of that token, its next-token logits
@@ -31,20 +31,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dynatree_core.core.taps import FINAL
 from dynatree_core.decoding.engine import vocab_size
 from dynatree_core.forward import capture
+from dynatree_core.forward.batched import SequenceCaches, lean_or_fail
 from dynatree_core.forward.graphs import capture_safe, graphs_enabled
-from dynatree_core.forward.reference import additive
-from dynatree_core.forward.rows import visibility
-from dynatree_core.training.answers.decode_ops import (
-    TEACHER_K,
-    Decoded,
-    compact_teacher,
-    forward_rows,
-    host_f16,
-    lean_or_fail,
-    sample_rows,
-)
+from dynatree_core.forward.rows import Rows, visibility
+from dynatree_core.training.answers.decode_ops import TEACHER_K, Decoded, compact_teacher, host_f16, sample_rows
 
 SPAN = 128  # a captured step attends over the cache's first multiple of SPAN slots that holds the longest row
 PREFILL_ROWS_CUDA = 64  # prompts prefilled per forward on CUDA (8 elsewhere)
@@ -60,11 +53,7 @@ class BatchDecoder:
         self.graphs = graphs  # capture the decoding step (None: on CUDA unless DYNATREE_GRAPHS=0)
         self.captured = ""  # how the last `generate` ran its step: "eager", "N graphs", or why capture failed
         self.lean = lean_or_fail(model)
-        config = model.config.get_text_config(decoder=True)
-        self.hidden = config.hidden_size
-        block = self.lean.blocks[0]
-        self.kv_heads = block.qk_heads - block.heads
-        self.head_dim = block.head_dim
+        self.hidden = model.config.get_text_config(decoder=True).hidden_size
         # prefill this many rows per forward (bounds activation memory); on CUDA a forward is launch-bound
         # at 8 rows, and a refill of a 1,024-row batch admits 128 prompts
         self.prefill_rows = prefill_rows or (PREFILL_ROWS_CUDA if self.device.type == "cuda" else 8)
@@ -73,17 +62,12 @@ class BatchDecoder:
     def device(self) -> torch.device:
         return self.model.get_input_embeddings().weight.device
 
-    def _buffers(self, rows: int, capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (rows, self.kv_heads, capacity, self.head_dim)
-        dtype = self.model.dtype
-        return [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in self.lean.blocks
-        ]
+    def _caches(self, rows: int, capacity: int) -> SequenceCaches:
+        return SequenceCaches.empty(self.model, self.lean, rows, capacity)
 
     def _prefill(
         self, prompts: list[list[int]], taps: tuple[int, ...] = ()
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, SequenceCaches, torch.Tensor | None]:
         """Right-padded prompts through the target: states (r, W, H), their caches (r, ., W, .)
         and, with `taps`, the tapped layer inputs (r, W, len(taps), H) (else None). A row reads
         its own prompt causally; the padding after it is never read by real rows."""
@@ -94,18 +78,17 @@ class BatchDecoder:
         slots = torch.arange(width, device=self.device)
         positions = slots[None].expand(len(prompts), -1)
         causal = visibility(torch.arange(1, width + 1, device=self.device), None, width)  # row i: slots 0 .. i
-        mask = additive(causal[None, None], self.model.dtype)  # (1, 1, W, W)
-        caches = self._buffers(len(prompts), width)
-        states, tapped = [], []
+        caches = self._caches(len(prompts), width)
+        states = []
         for r0 in range(0, len(prompts), self.prefill_rows):
             r1 = min(r0 + self.prefill_rows, len(prompts))
-            part = [(k[r0:r1], v[r0:r1]) for k, v in caches]
-            rows: list[torch.Tensor] = []
-            block = mask.expand(r1 - r0, -1, -1, -1)
-            states.append(forward_rows(self.lean, ids[r0:r1], positions[r0:r1], block, part, taps=taps, tapped=rows))
-            if taps:
-                tapped.append(torch.stack(rows, dim=2))
-        return torch.cat(states), caches, (torch.cat(tapped) if taps else None)
+            seen = causal.expand(r1 - r0, -1, -1)
+            rows = Rows(ids[r0:r1], positions[r0:r1], seen, keep=0, hidden=(*taps, FINAL) if taps else True)
+            states.append(caches.part(r0, r1).run(rows).states)
+        states = torch.cat(states)
+        if not taps:
+            return states, caches, None
+        return states[..., -1, :], caches, states[..., :-1, :]  # the final states; the tapped layers' inputs
 
     @torch.inference_mode()
     def teacher_forced(
@@ -166,9 +149,8 @@ class BatchDecoder:
     def _extend(self, token, lens, caches, length: int) -> torch.Tensor:
         """One decoding step of every row: each row reads its token at slot `lens` (b,) over the
         first `length` slots (the host knows the longest live row); returns the post-norm states (b, H)."""
-        visible = visibility(lens + 1, None, length)[:, None, None]  # (b, 1, 1, length): up to its own slot
-        mask = additive(visible, self.model.dtype)
-        return forward_rows(self.lean, token[:, None], lens[:, None], mask, caches, lens)[:, 0]
+        seen = visibility(lens + 1, None, length)[:, None]  # (b, 1, length): up to its own slot
+        return caches.run(Rows(token[:, None], lens[:, None], seen, keep=0, hidden=True, slots=lens)).states[:, 0]
 
 
 class _Decoding:
@@ -183,7 +165,7 @@ class _Decoding:
         self.size, dev, cap = size, dec.device, max(max(max_new), 1)  # a row makes one token at least
         self.queue = list(range(len(prompts)))[::-1]  # pop() takes them in order
         self.capacity = max(len(p) for p in prompts) + cap
-        self.caches = dec._buffers(size, self.capacity)
+        self.caches = dec._caches(size, self.capacity)
         # the step captured while the batch is whole (its buffers never move before the tail's first
         # compaction); on CUDA with a capture-safe target, or on a stand-in device (the CPU tests)
         wanted = graphs_enabled(dev, dec.graphs) and (dev.type == "cuda" or dev.type in capture.STAND_IN_DEVICES)
@@ -230,10 +212,7 @@ class _Decoding:
         at = free[: len(take)]
         rows = torch.tensor(at, device=dev)
         states, small, _ = dec._prefill([self.prompts[j] for j in take])
-        width = states.shape[1]
-        for (k, v), (sk, sv) in zip(self.caches, small, strict=True):
-            k[rows, :, :width] = sk
-            v[rows, :, :width] = sv
+        self.caches.put(rows, small)
         ends = np.array([len(self.prompts[j]) for j in take])
         d["logits"][rows] = dec.lean.head(states[torch.arange(len(take)), torch.tensor(ends - 1, device=dev)]).float()
         self._keep(rows, torch.zeros(len(take), dtype=torch.long, device=dev), d["logits"][rows])
@@ -319,7 +298,7 @@ class _Decoding:
         self.harvest()
         self.whole = False
         idx = torch.from_numpy(keep).to(self.dec.device)
-        self.caches = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.caches]
+        self.caches = self.caches.select(idx)
         self.d = {key: value.index_select(0, idx) for key, value in self.d.items()}
         for key in ("job", "lens", "made", "limit", "toks"):
             setattr(self, key, getattr(self, key)[keep])

@@ -1,9 +1,5 @@
-"""The pieces of batched decoding (decode_batch.py): the forward of a batch of rows over
-preallocated per-row key/value buffers through the target's lean blocks (forward/fastpath.py), the
+"""The pieces of batched decoding (decode_batch.py) besides its forward (forward/batched.py): the
 rows' sampling, and the compact teacher kept from their logits.
-
-Attention: every row attends over its own slots; slots past a row's length are masked per row. The
-forward is the lean forward every run takes (fastpath.LeanForward), over a batch of B sequences.
 
 Contract: knows models, never trees, policies, prompt sources or the batch's bookkeeping.
 """
@@ -14,10 +10,6 @@ import dataclasses
 
 import numpy as np
 import torch
-
-from dynatree_core.core.taps import FINAL
-from dynatree_core.errors import DynaTreeError
-from dynatree_core.forward.fastpath import LeanForward, lean_forward_for
 
 TOP_K = 64  # sampled rows draw from the top-k (then top-p) of the tempered distribution
 TEACHER_K = 32  # the teacher's top-k kept per loss position (the rest of its mass is renormalised away)
@@ -43,62 +35,6 @@ class Decoded:
     prompt_len: int
     features: np.ndarray
     teacher: dict[str, np.ndarray] | None = None
-
-
-def lean_or_fail(model: torch.nn.Module) -> LeanForward:
-    lean = lean_forward_for(model, fast=True)
-    if lean is None:
-        raise DynaTreeError(
-            f"batched draft data needs a Llama-family target (llama, qwen2, mistral); this one is "
-            f"{model.config.model_type!r}"
-        )
-    return lean
-
-
-class _RowCache:
-    """One layer's per-row buffers (B, kv_heads, capacity, d) as the lean forward sees a cache layer:
-    `update` writes the rows' keys/values (a prefill's at slots 0 .. T; a step's, one a row, at each
-    row's slot in `slots`) and returns the first `length` slots, which the mask covers."""
-
-    def __init__(self, buffers: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor | None, length: int):
-        self.buffers, self.slots, self.length = buffers, slots, length
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        kbuf, vbuf = self.buffers
-        if self.slots is None:
-            kbuf[:, :, : k.shape[2]] = k
-            vbuf[:, :, : v.shape[2]] = v
-        else:
-            rows = torch.arange(k.shape[0], device=k.device)
-            kbuf[rows, :, self.slots] = k[:, :, 0]
-            vbuf[rows, :, self.slots] = v[:, :, 0]
-        return kbuf[:, :, : self.length], vbuf[:, :, : self.length]
-
-
-def forward_rows(
-    lean: LeanForward,
-    ids: torch.Tensor,
-    positions: torch.Tensor,
-    mask: torch.Tensor,
-    caches: list[tuple[torch.Tensor, torch.Tensor]],
-    slots: torch.Tensor | None = None,
-    *,
-    taps: tuple[int, ...] = (),
-    tapped: list[torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Rows ids (B, T) at `positions` (B, T), reading the first L cache slots through `mask`
-    (B, 1, T, L), by the lean forward every run's forwards take (fastpath.LeanForward, a batch of B
-    sequences): keys/values go to slots 0 .. T (slots None: a prefill) or, for one token per row
-    (T = 1), to each row's slot in `slots` (B,). Returns the post-norm states (B, T, H); the
-    inputs of the layers in `taps` (core/taps.py) are appended to `tapped`, in layer order."""
-    layers = [_RowCache(buffers, slots, mask.shape[-1]) for buffers in caches]
-    out = lean(ids, positions, mask, layers, 0, hidden=(*taps, FINAL) if taps else True).states
-    if ids.shape[0] == 1:  # the lean forward hands one sequence's rows without the batch dimension
-        out = out[None]
-    if not taps:
-        return out
-    tapped.extend(out.unbind(-2)[:-1])
-    return out[..., -1, :]
 
 
 def sample_rows(
