@@ -118,6 +118,15 @@ def test_a_draft_level_sees_the_committed_entries_its_ancestors_and_itself():
 
 
 def test_batched_answers_see_up_to_their_own_length():
+    """The recipes' rows from the one builder: a prefill of B chains shares one causal visibility
+    and positions from 0; a step's row of each sequence sits at its own length and sees its
+    sequence's slots up to its own."""
+    ids = torch.tensor([[4, 5, 6, 7], [8, 9, 10, 11]])
+    prefill = Rows.chain(ids, 0, keep=0)
+    assert torch.equal(prefill.ids, ids) and prefill.positions.tolist() == [0, 1, 2, 3]
+    assert torch.equal(prefill.seen, torch.ones(4, 4, dtype=torch.bool).tril())
     lens = torch.tensor([0, 3, 5])
-    want = torch.arange(6)[None] <= lens[:, None]
-    assert torch.equal(visibility(lens + 1, None, 6), want)
+    step = Rows.batch(lens[:, None], torch.tensor([[1], [2], [3]]), lens[:, None], width=1, span=6, keep=0)
+    assert torch.equal(step.seen, (torch.arange(6)[None] <= lens[:, None])[:, None])
+    assert step.positions.tolist() == step.slots.tolist() == [[0], [3], [5]]
+    assert torch.equal(visibility(lens + 1, None, 6), torch.arange(6)[None] <= lens[:, None])

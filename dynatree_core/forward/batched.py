@@ -5,11 +5,15 @@ every forward is, `run(rows) -> Forward` (kv.KVState.run's contract over a batch
 row b the cache of sequence b, and the lean forward every run takes (fastpath.LeanForward, a
 Llama-family model). Its rows (`rows.Rows` with a batch dimension):
 
-    ids, positions   (B, T)
-    seen             (B, T, L) bool: each row sees the first L slots of its own sequence's cache
-                     (`rows.visibility`), its own included
-    slots            None: the rows' keys go to slots 0 .. T (a prefill); else (B,): one row a
-                     sequence (T = 1), at that sequence's slot
+    ids              (B, T)
+    positions, seen  (B, T) and (B, T, L) bool: each row sees the first L slots of its own
+                     sequence's cache, its own included; or (T,) and (T, L), the same for every
+                     sequence (a prefill)
+    slots            None: the rows' keys go to slots 0 .. T (a prefill); else (B, 1): one row a
+                     sequence, at that sequence's slot
+
+`rows.Rows.batch` builds them (a batch of chains: `Rows.chain(ids, 0)` for a prefill, a step's at
+its fixed width from each sequence's length).
     hidden           True: the post-norm states (B, T, H); a tuple of taps (core/taps.py): (B, T,
                      len(taps), H). The recipes read states; the LM head is theirs (logits None).
 
@@ -54,13 +58,15 @@ class SequenceCaches:
     def run(self, rows: Rows) -> Forward:
         """ONE forward over `rows` (module docstring), its keys and values written to the sequences'
         caches. Returns the rows' states."""
-        seen = rows.seen
-        if seen.shape[0] > 1 and seen.stride(0) == 0:  # one visibility for every sequence (a prefill's): one mask
-            mask = additive(seen[:1, None], self.dtype).expand(seen.shape[0], -1, -1, -1)
+        ids, positions, seen = rows.ids, rows.positions, rows.seen
+        if seen.dim() == 2:  # one visibility for every sequence (a prefill's): one mask
+            mask = additive(seen[None, None], self.dtype).expand(ids.shape[0], -1, -1, -1)
+            positions = positions.expand(ids.shape)
         else:
             mask = additive(seen[:, None], self.dtype)  # (B, 1, T, L)
-        layers = [_SequenceLayer(buffers, rows.slots, mask.shape[-1]) for buffers in self.buffers]
-        states = self.lean(rows.ids, rows.positions, mask, layers, 0, hidden=rows.hidden).states
+        slots = rows.slots[:, 0] if rows.slots is not None else None
+        layers = [_SequenceLayer(buffers, slots, mask.shape[-1]) for buffers in self.buffers]
+        states = self.lean(ids, positions, mask, layers, 0, hidden=rows.hidden).states
         return Forward(None, states[None] if rows.ids.shape[0] == 1 else states)  # the lean forward drops B = 1
 
     def part(self, first: int, end: int) -> SequenceCaches:

@@ -17,7 +17,8 @@ named, the row's lineage (its ancestors' slots and its own):
                         (the cache, the pending chain, the root last), and its tree ancestors'
                         slots and its own
     a padding row       nothing below; its own slot
-    batched answers     row b of a batch: every slot up to its own length (training/answers)
+    batched answers     row b of a batch: every slot up to its own length (training/answers): a
+                        chain a sequence, past and first one a sequence
     training windows    a depth-k node of a window: the window's slots up to its root, and its
                         ancestors' in the stacked levels (training/feature/depth.py, packed/data.py)
 
@@ -107,8 +108,12 @@ class Rows:
         right after the cache. At a fixed `width` (a captured step's, forward/filled.py: `past`
         and `below` may be device scalars, the ids device tensors) the mask spans `span` slots, the
         rows' slots are named, and the rows after `real` (default n + w; a device scalar where the
-        node rows come padded) are padding: each sees its own slot alone, and nothing sees it."""
-        n, w = len(chain), len(tokens)
+        node rows come padded) are padding: each sees its own slot alone, and nothing sees it.
+
+        A batch of sequences' chains (the recipes' batched answers, forward/batched.py): `chain`
+        (B, n), `past` and `first` 0 (a prefill: one visibility and positions for every sequence)
+        or (B, 1), each sequence's own (a step at a fixed width)."""
+        n, w = (chain.shape[-1] if isinstance(chain, torch.Tensor) else len(chain)), len(tokens)
         q = n + w
         device = next((x.device for x in (tokens, chain, lines, past) if isinstance(x, torch.Tensor)), None)
         fixed = width is not None

@@ -36,7 +36,7 @@ from dynatree_core.decoding.engine import vocab_size
 from dynatree_core.forward import capture
 from dynatree_core.forward.batched import SequenceCaches, lean_or_fail
 from dynatree_core.forward.graphs import capture_safe, graphs_enabled
-from dynatree_core.forward.rows import Rows, visibility
+from dynatree_core.forward.rows import Rows
 from dynatree_core.training.answers.decode_ops import TEACHER_K, Decoded, compact_teacher, host_f16, sample_rows
 
 SPAN = 128  # a captured step attends over the cache's first multiple of SPAN slots that holds the longest row
@@ -75,15 +75,11 @@ class BatchDecoder:
         ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p, device=self.device)
-        slots = torch.arange(width, device=self.device)
-        positions = slots[None].expand(len(prompts), -1)
-        causal = visibility(torch.arange(1, width + 1, device=self.device), None, width)  # row i: slots 0 .. i
         caches = self._caches(len(prompts), width)
         states = []
         for r0 in range(0, len(prompts), self.prefill_rows):
             r1 = min(r0 + self.prefill_rows, len(prompts))
-            seen = causal.expand(r1 - r0, -1, -1)
-            rows = Rows(ids[r0:r1], positions[r0:r1], seen, keep=0, hidden=(*taps, FINAL) if taps else True)
+            rows = Rows.chain(ids[r0:r1], 0, keep=0, hidden=(*taps, FINAL) if taps else True)  # causal, from slot 0
             states.append(caches.part(r0, r1).run(rows).states)
         states = torch.cat(states)
         if not taps:
@@ -149,8 +145,9 @@ class BatchDecoder:
     def _extend(self, token, lens, caches, length: int) -> torch.Tensor:
         """One decoding step of every row: each row reads its token at slot `lens` (b,) over the
         first `length` slots (the host knows the longest live row); returns the post-norm states (b, H)."""
-        seen = visibility(lens + 1, None, length)[:, None]  # (b, 1, length): up to its own slot
-        return caches.run(Rows(token[:, None], lens[:, None], seen, keep=0, hidden=True, slots=lens)).states[:, 0]
+        at = lens[:, None]  # each row's slot and position: it sees its sequence's slots up to its own
+        rows = Rows.batch(at, token[:, None], at, width=1, span=length, keep=0, hidden=True)
+        return caches.run(rows).states[:, 0]
 
 
 class _Decoding:
